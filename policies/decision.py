@@ -1,0 +1,63 @@
+"""What a checkpoint policy decides at one step: which layers to persist, and why."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+
+class Reason(str, enum.Enum):
+    """Why a layer is persisted at a step."""
+
+    BASE = "base"  # the full base checkpoint at the end of warm-up
+    DRIFT = "drift"  # accumulated drift reached the threshold
+    STALENESS = "staleness"  # unsaved for Smax steps
+    INTERVAL = "interval"  # a fixed-interval full checkpoint
+
+
+@dataclass(frozen=True)
+class PersistDecision:
+    """The layers to persist at ``step``, with the reason for each (model order)."""
+
+    step: int
+    layers: tuple[tuple[str, Reason], ...] = ()
+
+    @classmethod
+    def of(cls, step: int, reasons: Mapping[str, Reason] | Iterable[tuple[str, Reason]]) -> PersistDecision:
+        items = reasons.items() if isinstance(reasons, Mapping) else reasons
+        return cls(step=step, layers=tuple(items))
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.layers)
+
+    @property
+    def reasons(self) -> dict[str, Reason]:
+        return dict(self.layers)
+
+    @property
+    def is_base(self) -> bool:
+        return any(reason is Reason.BASE for _, reason in self.layers)
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "layers": {name: reason.value for name, reason in self.layers}}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, object]) -> PersistDecision:
+        layers = data["layers"]
+        assert isinstance(layers, Mapping)
+        return cls.of(int(data["step"]), {name: Reason(value) for name, value in layers.items()})
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """What a policy sees after optimizer step ``step``: the learning rate that step used and
+    each layer's drift (mean absolute update, summed over all ranks' shards)."""
+
+    step: int
+    lr: float
+    drift: Mapping[str, float] = field(default_factory=dict)
