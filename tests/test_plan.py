@@ -1,0 +1,62 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
+
+NUMEL = {"embed": 100, "block.0": 50, "block.1": 50}
+
+
+def v(layer, step, base=False, vid=None):
+    return VersionRef(step=step, layer=layer, version_id=vid or f"{layer}@{step}", base=base)
+
+
+BASE = [v(name, 10, base=True) for name in NUMEL]
+
+
+def test_picks_newest_at_or_before_t_fail_and_falls_back_to_base():
+    versions = BASE + [v("block.0", 20), v("block.0", 30), v("block.0", 45), v("embed", 25)]
+    plan = plan_recovery(NUMEL, versions, t_fail=40)
+    assert [c.version.version_id for c in plan.choices] == ["embed@25", "block.0@30", "block.1@10"]
+    assert plan.version_of("block.1").base
+    assert [c.staleness for c in plan.choices] == [15, 10, 30]
+    assert plan.max_staleness == 30
+    assert plan.weighted_staleness == pytest.approx((100 * 15 + 50 * 10 + 50 * 30) / 200)
+
+
+def test_skipped_versions_fall_back_to_the_previous_one():
+    versions = BASE + [v("block.0", 20), v("block.0", 30)]
+    plan = plan_recovery(NUMEL, versions, t_fail=40, skip={"block.0@30"})
+    assert plan.version_of("block.0").step == 20
+    plan = plan_recovery(NUMEL, versions, t_fail=40, skip={"block.0@30", "block.0@20"})
+    assert plan.version_of("block.0").base
+
+
+def test_refuses_when_a_layer_has_nothing_usable():
+    versions = [v("embed", 10, base=True), v("block.0", 10, base=True)]
+    with pytest.raises(NoUsableVersionError, match=r"block\.1 \(tried: no version"):
+        plan_recovery(NUMEL, versions, t_fail=40)
+    with pytest.raises(NoUsableVersionError, match=r"embed \(tried: embed@10\)"):
+        plan_recovery(NUMEL, BASE, t_fail=40, skip={"embed@10"})
+    with pytest.raises(NoUsableVersionError):
+        plan_recovery(NUMEL, BASE, t_fail=5)  # before the base
+
+
+def test_newest_recoverable_step():
+    assert newest_recoverable_step(NUMEL, BASE + [v("block.0", 30)]) == 30
+    assert newest_recoverable_step(NUMEL, [v("embed", 10)]) is None
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    steps=st.dictionaries(st.sampled_from(list(NUMEL)), st.lists(st.integers(11, 200), max_size=8)),
+    t_fail=st.integers(10, 220),
+)
+def test_plan_choice_is_the_newest_eligible(steps, t_fail):
+    versions = BASE + [v(layer, s) for layer, ss in steps.items() for s in set(ss)]
+    plan = plan_recovery(NUMEL, versions, t_fail=t_fail)
+    for choice in plan.choices:
+        eligible = [x.step for x in versions if x.layer == choice.layer and x.step <= t_fail]
+        assert choice.version.step == max(eligible)
+        assert choice.staleness == t_fail - choice.version.step >= 0
+    assert plan.max_staleness <= t_fail - 10
