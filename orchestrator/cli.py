@@ -10,6 +10,7 @@ import sys
 
 #: Modules that contribute subcommands, in the order they are listed in ``--help``.
 COMMAND_MODULES: tuple[str, ...] = (
+    "orchestrator.demo_cmd",
     "orchestrator.simulate_cmd",
 )
 
