@@ -1,0 +1,28 @@
+"""Errors of the layer store. Each names the path (or version) and the cause."""
+
+from __future__ import annotations
+
+
+class StoreWriteError(OSError):
+    """A write to the store failed (read-only, full, unreachable…). Nothing committed is lost:
+    a failed write leaves at most an uncommitted temporary or orphan file that GC collects."""
+
+
+class ShardFormatError(ValueError):
+    """A shard file is not a well-formed LayerCheck safetensors file (or does not match the
+    version record that names it)."""
+
+
+class CorruptShardError(RuntimeError):
+    """A shard of a committed version is missing, truncated or fails its checksum: the version
+    is unusable and recovery must skip it."""
+
+    def __init__(self, *, version_id: str, path: str, reason: str) -> None:
+        super().__init__(f"version {version_id}: shard {path} is unusable: {reason}")
+        self.version_id = version_id
+        self.path = path
+        self.reason = reason
+
+
+class ManifestError(ValueError):
+    """A commit record is malformed, or a commit request is inconsistent."""
