@@ -32,6 +32,8 @@ T = TypeVar("T")
 #: Filesystems whose writes are single atomic PUTs and whose rename is not atomic.
 OBJECT_STORES: frozenset[str] = frozenset({"s3", "gcs", "abfs"})
 
+_SCHEMES = {"s3": "s3", "gcs": "gs", "abfs": "abfs", "hdfs": "hdfs"}
+
 #: Suffix of a file being written; never referenced by the manifest.
 TMP_SUFFIX = ".tmp"
 
@@ -100,9 +102,9 @@ class StoreFS:
 
     def uri(self, rel: str = "") -> str:
         """The full location, for messages."""
-        kind = self.fs.type_name
+        scheme = _SCHEMES.get(self.fs.type_name)
         full = self.path(rel)
-        return full if kind == "local" else f"{kind}://{full.lstrip('/')}"
+        return f"{scheme}://{full.lstrip('/')}" if scheme else full
 
     def _fire(self, event: str, rel: str) -> None:
         if self.hook is not None:
