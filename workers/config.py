@@ -1,0 +1,108 @@
+"""Typed, validated configuration of one worker's training engine.
+
+Three small frozen dataclasses, one per concern: which model (``ModelConfig``), how the
+optimizer and its learning-rate schedule behave (``OptimConfig``) and how DeepSpeed runs it
+(``EngineConfig``). Every bad value raises at construction with a message naming the field,
+so a typo in a run file fails on the driver, not half-way through a distributed start.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Schedule = Literal["cosine", "linear", "constant"]
+Precision = Literal["fp32", "bf16"]
+
+SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
+ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+
+
+def _require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Which causal LM to train: a Hugging Face config (random init) or a local checkpoint."""
+
+    hf_config: Mapping[str, Any] | None = None
+    """A ``transformers`` config as a dict with ``model_type`` (e.g. ``{"model_type": "llama", ...}``)."""
+    path: str | None = None
+    """A local directory that ``AutoModelForCausalLM.from_pretrained`` can read (no downloads)."""
+    seed: int = 0
+    """Seeds the random initialisation, so every rank builds the same starting weights."""
+
+    def __post_init__(self) -> None:
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError("ModelConfig needs exactly one of hf_config or path")
+        if self.hf_config is not None:
+            _require("model_type" in self.hf_config, "ModelConfig.hf_config", "a dict with 'model_type'", self.hf_config)
+        _require(self.seed >= 0, "ModelConfig.seed", "a non-negative integer", self.seed)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule (linear warm-up, then decay to ``min_lr_ratio``)."""
+
+    lr: float = 1e-5
+    """Peak learning rate, reached at the end of warm-up."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Applied to matrices only; biases, norms and other vectors get 0 (see the layer map)."""
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    """The step at which decay ends; later steps keep the final learning rate."""
+    min_lr_ratio: float = 0.0
+    """The final learning rate as a fraction of ``lr``."""
+    schedule: Schedule = "cosine"
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.lr) and self.lr > 0, "OptimConfig.lr", "a positive finite number", self.lr)
+        _require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "OptimConfig.betas", "two numbers in [0, 1)", self.betas,
+        )
+        _require(self.eps > 0, "OptimConfig.eps", "positive", self.eps)
+        _require(self.weight_decay >= 0, "OptimConfig.weight_decay", "non-negative", self.weight_decay)
+        _require(self.warmup_steps >= 0, "OptimConfig.warmup_steps", "non-negative", self.warmup_steps)
+        _require(
+            self.total_steps >= self.warmup_steps,
+            "OptimConfig.total_steps", f"at least warmup_steps ({self.warmup_steps})", self.total_steps,
+        )
+        _require(0.0 <= self.min_lr_ratio <= 1.0, "OptimConfig.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _require(self.schedule in SCHEDULES, "OptimConfig.schedule", f"one of {SCHEDULES}", self.schedule)
+        if self.schedule == "constant" and self.min_lr_ratio not in (0.0, 1.0):
+            logger.warning("OptimConfig.min_lr_ratio=%s has no effect with schedule='constant'", self.min_lr_ratio)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How DeepSpeed runs the model: ZeRO stage, precision, batch shape and clipping."""
+
+    zero_stage: int = 0
+    precision: Precision = "fp32"
+    """Model compute dtype; optimizer master weights and moments are fp32 in both cases."""
+    micro_batch: int = 1
+    """Sequences per rank per forward/backward."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    grad_clip: float = 0.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    extra_ds_config: Mapping[str, Any] = field(default_factory=dict)
+    """Merged last into the generated DeepSpeed config, for settings this class does not model."""
+
+    def __post_init__(self) -> None:
+        _require(self.zero_stage in ZERO_STAGES, "EngineConfig.zero_stage", f"one of {ZERO_STAGES}", self.zero_stage)
+        _require(self.precision in PRECISIONS, "EngineConfig.precision", f"one of {PRECISIONS}", self.precision)
+        _require(self.micro_batch >= 1, "EngineConfig.micro_batch", "at least 1", self.micro_batch)
+        _require(self.grad_accum >= 1, "EngineConfig.grad_accum", "at least 1", self.grad_accum)
+        _require(self.grad_clip >= 0, "EngineConfig.grad_clip", "non-negative (0 = off)", self.grad_clip)

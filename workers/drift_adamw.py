@@ -1,0 +1,132 @@
+"""AdamW that measures, as it steps, how far it moved each parameter group.
+
+The drift probe needs ``sum |theta_t - theta_{t-1}|`` per layer after every step. Taking a copy
+of the parameters and diffing costs a full pass over them (and the memory of a copy); this
+optimizer instead materialises the update it is about to apply, takes its L1 norm over the
+elements this rank owns (one ``_foreach_norm``), and adds it to a per-group accumulator kept
+on the device. No host synchronisation happens here; :class:`workers.drift.DriftProbe` reads
+all groups at once, one sync per training step.
+
+DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeRO-0 bf16) or
+the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily trimmed
+``param_groups`` list (ZeRO 1/2) or once per sub-group (ZeRO-3). Accumulators are therefore
+keyed by each group's unique ``name``, never by list position.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: (start, length) runs of a tensor's flattened elements that count towards drift.
+Windows = tuple[tuple[int, int], ...]
+
+
+class DriftAdamW(torch.optim.AdamW):
+    """Decoupled-weight-decay Adam (Loshchilov & Hutter) with a per-group L1 of every update.
+
+    Same hyper-parameters, state keys (``step``, ``exp_avg``, ``exp_avg_sq``) and state-dict
+    format as :class:`torch.optim.AdamW` without ``amsgrad``/``maximize``; each group must
+    carry a unique ``name`` (one is made up when missing).
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        self._drift_l1: dict[str, torch.Tensor] = {}
+        self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        param_group.setdefault("name", f"group.{len(self.param_groups)}")
+        if any(g["name"] == param_group["name"] for g in self.param_groups):
+            raise ValueError(f"duplicate param group name {param_group['name']!r}")
+        super().add_param_group(param_group)
+
+    def set_drift_windows(self, tensor: torch.Tensor, windows: Sequence[tuple[int, int]]) -> None:
+        """Count only these element runs of ``tensor`` towards drift (default: all of it).
+
+        Used to skip ZeRO padding and, under ZeRO-0 where every rank updates whole parameters,
+        to make each rank report only its own slice so that sums over ranks are not doubled.
+        """
+        numel = tensor.numel()
+        for start, length in windows:
+            if start < 0 or length < 0 or start + length > numel:
+                raise ValueError(f"drift window ({start}, {length}) outside a tensor of {numel} elements")
+        self._windows[id(tensor)] = (tensor, tuple((int(s), int(n)) for s, n in windows if n > 0))
+
+    def init_state(self, p: torch.Tensor) -> dict[str, Any]:
+        """The state of ``p``, created (step 0, zero moments) if it has none yet."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def take_drift(self) -> dict[str, torch.Tensor]:
+        """The L1 of all updates applied since the last call, per group name (device scalars)."""
+        drift, self._drift_l1 = self._drift_l1, {}
+        return drift
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                self._step_group(group, params)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        grads = [p.grad for p in params]
+        states = [self.init_state(p) for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        counts = [float(s.item()) for s in steps]  # CPU scalars, as torch's AdamW keeps them
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, [math.sqrt(1 - beta2**c) for c in counts])
+        torch._foreach_add_(denom, eps)
+        update = torch._foreach_div(exp_avgs, denom)
+        del denom
+        torch._foreach_mul_(update, [-lr / (1 - beta1**c) for c in counts])
+        if weight_decay != 0 and lr != 0:
+            torch._foreach_add_(update, params, alpha=-lr * weight_decay)
+        self._accumulate_l1(group["name"], params, update)
+        torch._foreach_add_(params, update)
+
+    def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: list[torch.Tensor]) -> None:
+        views: list[torch.Tensor] = []
+        for p, u in zip(params, update):
+            entry = self._windows.get(id(p))
+            if entry is None or entry[0] is not p:
+                views.append(u.view(-1))
+            else:
+                flat = u.view(-1)
+                views.extend(flat.narrow(0, s, n) for s, n in entry[1])
+        if not views:
+            return
+        l1 = torch.stack(torch._foreach_norm(views, 1)).sum()
+        previous = self._drift_l1.get(name)
+        self._drift_l1[name] = l1 if previous is None else previous + l1

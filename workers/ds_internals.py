@@ -1,0 +1,131 @@
+"""Every use of DeepSpeed's private API, each in one small function.
+
+LayerCheck needs to see where each parameter's fp32 master elements and Adam moments live
+inside DeepSpeed's optimizer wrappers, and to make restored master weights reach the forward.
+DeepSpeed has no public API for either at ZeRO 1/2 or for the low-precision copy at ZeRO 3.
+Each function here touches one private attribute or method, checks it exists, and raises
+:class:`DeepSpeedInternalsError` naming it when it does not — so a DeepSpeed upgrade breaks here,
+loudly, and ``tests/test_worker_ds_internals.py`` says which piece moved.
+Verified against DeepSpeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """A private DeepSpeed attribute LayerCheck relies on is missing or changed shape."""
+
+
+def _attr(obj: Any, name: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise DeepSpeedInternalsError(
+            f"{type(obj).__name__} has no attribute {name!r}; DeepSpeed internals changed "
+            "(LayerCheck was verified with DeepSpeed 0.19.8): update workers/ds_internals.py"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Where one parameter's elements held by this rank sit in an fp32 flat partition.
+
+    ``flat_index`` picks the flat partition (the param group at ZeRO 1/2, the sub-group at ZeRO 3),
+    ``flat_start`` is the first element there, ``param_offset`` the first element in the
+    flattened parameter, ``length`` how many elements.
+    """
+
+    flat_index: int
+    flat_start: int
+    param_offset: int
+    length: int
+
+
+def client_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The optimizer object we passed to ``deepspeed.initialize`` (DeepSpeed wraps it)."""
+    return _attr(engine, "basic_optimizer")
+
+
+def zero0_master_pairs(engine: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """ZeRO-0: (model parameter, its fp32 master) pairs. In fp32 they are the same tensor;
+    in bf16 DeepSpeed's ``FP16_UnfusedOptimizer`` keeps full fp32 copies per group."""
+    optimizer = engine.optimizer
+    if optimizer is client_optimizer(engine):
+        return [(p, p) for group in optimizer.param_groups for p in group["params"]]
+    lp_groups = _attr(optimizer, "fp16_groups")
+    hp_groups = _attr(optimizer, "fp32_groups")
+    return [(lp, hp) for lps, hps in zip(lp_groups, hp_groups) for lp, hp in zip(lps, hps)]
+
+
+def zero0_refresh_lp(pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """ZeRO-0 bf16: copy restored fp32 masters into the model's low-precision parameters
+    (what DeepSpeed itself does after each step). A no-op where they are the same tensor."""
+    with torch.no_grad():
+        for lp, hp in pairs:
+            if lp is not hp:
+                lp.data.copy_(hp.data)
+
+
+def zero12_fragment(param: torch.nn.Parameter) -> Fragment | None:
+    """ZeRO 1/2: this rank's fragment of ``param`` (``None`` when another rank holds all of it)."""
+    mapping = _attr(param, "_hp_mapping")
+    if mapping is None:
+        return None
+    hp, lp = _attr(mapping, "hp_fragment_address"), _attr(mapping, "lp_fragment_address")
+    return Fragment(
+        flat_index=int(_attr(mapping, "param_group_index")),
+        flat_start=int(hp.start),
+        param_offset=int(lp.start),
+        length=int(hp.numel),
+    )
+
+
+def zero12_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """ZeRO 1/2: this rank's fp32 flat partition of each param group (what the client optimizer steps)."""
+    return list(_attr(zero_optimizer, "single_partition_of_fp32_groups"))
+
+
+def zero12_refresh_lp(zero_optimizer: Any) -> None:
+    """ZeRO 1/2: copy fp32 partitions into the low-precision params and all-gather them (collective)."""
+    _attr(zero_optimizer, "update_lp_params")()
+
+
+def zero3_fragment(zero_optimizer: Any, param: torch.nn.Parameter) -> Fragment:
+    """ZeRO 3: where this rank's partition of ``param`` sits in its fp32 sub-group; ``length``
+    excludes the padding DeepSpeed adds to make every parameter divisible by the world size."""
+    positions = _attr(zero_optimizer, "grad_position")
+    sub_group, flat_start, partition_numel = positions[_attr(zero_optimizer, "get_param_id")(param)]
+    group = _attr(param, "ds_process_group")
+    rank = torch.distributed.get_rank(group=group)
+    offset = int(partition_numel) * rank
+    length = max(0, min(int(partition_numel), int(_attr(param, "ds_numel")) - offset))
+    return Fragment(flat_index=int(sub_group), flat_start=int(flat_start), param_offset=offset, length=length)
+
+
+def zero3_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+    """ZeRO 3: this rank's fp32 flat partition of each sub-group."""
+    return list(_attr(zero_optimizer, "fp32_partitioned_groups_flat"))
+
+
+def zero3_sub_group_to_group(zero_optimizer: Any) -> dict[int, int]:
+    """ZeRO 3: which client param group each fp32 sub-group belongs to."""
+    return dict(_attr(zero_optimizer, "sub_group_to_group_id"))
+
+
+def zero3_refresh_lp(zero_optimizer: Any) -> None:
+    """ZeRO 3: push fp32 partitions into the low-precision partitions the forward gathers
+    (collective). The prologue re-partitions parameters so the small *persistent* ones, kept
+    gathered between steps, are refreshed too by the epilogue's all-gather."""
+    _attr(zero_optimizer, "checkpoint_event_prologue")()
+    reassign = _attr(zero_optimizer, "_reassign_or_swap_out_partitioned_parameters")
+    for sub_group in range(len(zero3_flat_partitions(zero_optimizer))):
+        reassign(sub_group)
+    _attr(zero_optimizer, "checkpoint_event_epilogue")()

@@ -1,0 +1,143 @@
+"""Build a DeepSpeed engine for a Hugging Face causal LM with layer-aligned param groups.
+
+Each layer of the layer map becomes one or two optimizer param groups, ``<layer>/decay``
+(matrices, ``weight_decay`` as configured) and ``<layer>/no_decay`` (vectors, 0), so every
+group belongs to exactly one layer. That alignment is what lets the drift probe read a layer's
+drift off the optimizer, and lets one layer's state be snapshotted or restored on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policies.layer_map import LayerMap, layer_map_of
+from workers import env
+from workers.config import EngineConfig, ModelConfig, OptimConfig
+from workers.drift import DriftProbe
+from workers.drift_adamw import DriftAdamW
+from workers.layout import StateLayout, build_layout
+from workers.schedule import make_scheduler, seek_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TrainEngine:
+    """A built engine and what LayerCheck keeps beside it."""
+
+    engine: Any
+    """The ``deepspeed.DeepSpeedEngine``: call it for the forward, ``backward``, ``step``."""
+    layer_map: LayerMap
+    optimizer: DriftAdamW
+    layout: StateLayout
+    probe: DriftProbe
+    model_cfg: ModelConfig
+    optim_cfg: OptimConfig
+    engine_cfg: EngineConfig
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken so far (DeepSpeed's ``global_steps``)."""
+        return int(self.engine.global_steps)
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The model in fp32 on the host; DeepSpeed casts and moves it."""
+    import transformers
+
+    torch.manual_seed(cfg.seed)
+    if cfg.path is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, local_files_only=True)
+    hf = dict(cfg.hf_config or {})
+    model_type = hf.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **hf)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def param_groups(model: torch.nn.Module, layer_map: LayerMap, cfg: OptimConfig) -> list[dict[str, Any]]:
+    """One group per (layer, decay kind) present, in model order, named ``<layer>/decay|no_decay``."""
+    params = dict(model.named_parameters())
+    groups: list[dict[str, Any]] = []
+    for layer in layer_map.layers:
+        for kind, infos, decay in (("decay", layer.decay_params, cfg.weight_decay),
+                                   ("no_decay", layer.no_decay_params, 0.0)):
+            if infos:
+                groups.append({
+                    "params": [params[p.name] for p in infos],
+                    "name": f"{layer.name}/{kind}",
+                    "layer": layer.name,
+                    "lr": cfg.lr,
+                    "betas": tuple(cfg.betas),
+                    "eps": cfg.eps,
+                    "weight_decay": decay,
+                })
+    return groups
+
+
+def deepspeed_config(cfg: EngineConfig) -> dict[str, Any]:
+    """The DeepSpeed config dict for ``cfg``; ``cfg.extra_ds_config`` is merged last."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.grad_clip,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "bf16": {"enabled": cfg.precision == "bf16"},
+        # DriftAdamW subclasses AdamW; DeepSpeed checks the exact type, so allow it explicitly.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    return _merge(config, cfg.extra_ds_config)
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig) -> TrainEngine:
+    """Initialise distributed state if needed and build the engine, layout and drift probe."""
+    env.init_distributed()
+    import deepspeed  # late: env.init_distributed sets the accelerator first
+
+    model = build_model(model_cfg)
+    layer_map = layer_map_of(model)
+    optimizer = DriftAdamW(param_groups(model, layer_map, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
+                           eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lambda opt: make_scheduler(opt, optim_cfg),
+        config=deepspeed_config(engine_cfg),
+    )
+    layout = build_layout(engine, layer_map)
+    logger.info("engine built: ZeRO-%d %s, %d layers, %d param groups", engine_cfg.zero_stage,
+                engine_cfg.precision, len(layer_map.layers), len(optimizer.param_groups))
+    return TrainEngine(engine=engine, layer_map=layer_map, optimizer=optimizer, layout=layout,
+                       probe=DriftProbe(layout), model_cfg=model_cfg, optim_cfg=optim_cfg, engine_cfg=engine_cfg)
+
+
+def seek_step(te: TrainEngine, step: int) -> None:
+    """Make the engine continue as if ``step`` optimizer steps had been taken: DeepSpeed's
+    counters and the learning-rate schedule. Weights and moments are not touched."""
+    engine = te.engine
+    engine.global_steps = step
+    engine.global_samples = step * engine.train_batch_size()
+    engine.micro_steps = step * engine.gradient_accumulation_steps()
+    seek_scheduler(engine.lr_scheduler, step)
+    logger.info("engine moved to step %d (lr %.3g)", step, engine.lr_scheduler.get_last_lr()[0])
+
+
+def shutdown(te: TrainEngine) -> None:
+    """Release the engine and leave the process group (avoids a ZeRO-3 abort at exit)."""
+    te.engine.destroy()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,54 @@
+"""The learning-rate schedule as a pure function of the step, and the scheduler that applies it.
+
+``lr_at(step)`` is the learning rate the optimizer uses for its ``step + 1``-th update, i.e.
+after ``step`` updates have been applied. The policy scales its thresholds by it and recovery
+re-enters it at any step, so it has no hidden state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import torch
+
+from workers.config import OptimConfig
+
+logger = logging.getLogger(__name__)
+
+
+def lr_factor(step: int, cfg: OptimConfig) -> float:
+    """``lr_at(step) / cfg.lr``: linear warm-up to 1, then decay to ``cfg.min_lr_ratio``."""
+    if step < 0:
+        raise ValueError(f"step must be non-negative, got {step}")
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def lr_at(step: int, cfg: OptimConfig) -> float:
+    """The learning rate of the update made after ``step`` updates."""
+    return cfg.lr * lr_factor(step, cfg)
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` following :func:`lr_factor` (every group starts at ``cfg.lr``)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+
+
+def seek_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Put ``scheduler`` where it is after ``step`` updates, setting every group's lr."""
+    scheduler.last_epoch = step
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports

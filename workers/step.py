@@ -1,0 +1,40 @@
+"""One optimizer step of causal-LM training over its micro-batches, and an evaluation loss."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from workers.drift import LayerDrift
+from workers.engine import TrainEngine
+
+logger = logging.getLogger(__name__)
+
+
+def _device_of(te: TrainEngine) -> torch.device:
+    return torch.device(te.engine.device)
+
+
+def train_step(te: TrainEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[float, LayerDrift]:
+    """Forward/backward each micro-batch of token ids (labels = inputs), step the optimizer,
+    and return the mean loss and this rank's drift for the step."""
+    if len(micro_batches) != te.engine.gradient_accumulation_steps():
+        raise ValueError(f"expected {te.engine.gradient_accumulation_steps()} micro-batches, got {len(micro_batches)}")
+    device = _device_of(te)
+    total = torch.zeros((), device=device)
+    for ids in micro_batches:
+        ids = ids.to(device)
+        loss = te.engine(input_ids=ids, labels=ids).loss
+        te.engine.backward(loss)
+        te.engine.step()
+        total += loss.detach().float()
+    return float(total) / len(micro_batches), te.probe.collect(te.step)
+
+
+@torch.no_grad()
+def eval_loss(te: TrainEngine, ids: torch.Tensor) -> float:
+    """The loss on ``ids`` with the weights the forward reads now (no update)."""
+    ids = ids.to(_device_of(te))
+    return float(te.engine(input_ids=ids, labels=ids).loss)
