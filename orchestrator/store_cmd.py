@@ -43,9 +43,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_gc)
 
 
+def model_order(layer: str) -> tuple[int, int, str]:
+    """embed, block.0 … block.N (numerically), norm, lm_head, then anything else by name."""
+    if layer.startswith("block.") and layer[6:].isdigit():
+        return (1, int(layer[6:]), "")
+    return ({"embed": 0, "norm": 2, "lm_head": 3}.get(layer, 4), 0, layer)
+
+
 def summarize(manifest: Manifest) -> dict[str, Any]:
     """Per layer: newest version, its staleness, bytes, number of versions; and totals."""
-    layers = manifest.layers()
+    layers = sorted(manifest.layers(), key=model_order)
     newest_step = newest_recoverable_step(layers, manifest.refs())
     rows = []
     for layer in layers:
@@ -87,7 +94,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     rows = [[r["layer"], r["newest_step"], "yes" if r["base"] else "", "-" if r["staleness"] is None else r["staleness"],
              human_bytes(r["newest_bytes"]), r["versions"], human_bytes(r["bytes"])] for r in summary["layers"]]
     totals = summary["totals"]
-    rows.append(["total", "", "", totals["max_staleness"], "", totals["versions"], human_bytes(totals["bytes"])])
+    rows.append(["total/max", "", "", totals["max_staleness"], "", totals["versions"], human_bytes(totals["bytes"])])
     print(format_table(["layer", "newest", "base", "staleness", "newest size", "versions", "all versions"], rows))
     for problem in summary["problems"]:
         print(f"warning: {problem}")

@@ -67,10 +67,14 @@ def cut_shards(
     return shards
 
 
+def seed_of(layer: str, step: int) -> int:
+    return zlib.crc32(f"{layer}@{step}".encode())
+
+
 def write_layer(store: LayerStore, layer: str, step: int, *, world_size: int = 2, seed: int | None = None,
                 base: bool = False, params: Mapping[str, tuple[int, ...]] = PARAMS):
     """Write and commit one version; returns (record, state)."""
-    state = layer_state(params, seed=zlib.crc32(f"{layer}@{step}".encode()) if seed is None else seed)
+    state = layer_state(params, seed=seed_of(layer, step) if seed is None else seed)
     total = sum(math.prod(s) for s in params.values())
     record = store.write_version(cut_shards(layer, step, params, state, even_cuts(total, world_size)), base=base)
     return record, state
