@@ -229,3 +229,47 @@ class VersionReader:
 
     def read_slice(self, piece: ParamSlice, key: str) -> torch.Tensor:
         return self.read(piece.name, key, piece.offset, piece.length)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionMeta:
+    """The per-layer part of a version (what ``workers.layer_state.LayerMeta`` holds)."""
+
+    optimizer_step: int
+    groups: tuple[dict[str, Any], ...]
+
+
+class CompositeReader:
+    """The composite of a :class:`ResolvedPlan` as one range reader over all its layers:
+    ``reader(param, key, offset, length)`` — the ``RangeReader`` that
+    ``workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``."""
+
+    def __init__(self, store: LayerStore, records: Mapping[str, VersionRecord]) -> None:
+        self._readers = {layer: VersionReader(store, record) for layer, record in records.items()}
+        self._layer_of: dict[str, str] | None = None
+
+    def __enter__(self) -> CompositeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+    def reader(self, layer: str) -> VersionReader:
+        return self._readers[layer]
+
+    def metas(self, layers: Collection[str] | None = None) -> dict[str, VersionMeta]:
+        names = self._readers if layers is None else layers
+        return {name: VersionMeta(optimizer_step=self._readers[name].optimizer_step,
+                                  groups=self._readers[name].groups) for name in names}
+
+    def __call__(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        if self._layer_of is None:
+            self._layer_of = {p: layer for layer, r in self._readers.items() for p in r.param_shapes}
+        layer = self._layer_of.get(param)
+        if layer is None:
+            raise KeyError(f"no layer of the composite holds parameter {param!r}")
+        return self._readers[layer].read(param, key, offset, length)

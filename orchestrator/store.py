@@ -81,7 +81,7 @@ class LayerStore:
         digest = self.fs.write_atomic(
             rel,
             lambda stream: tensorfile.write_shard(
-                stream, shard, base=base, after_header=lambda: self.fs._fire("partial", rel)
+                stream, shard, base=base, after_header=lambda: self.fs.fire("partial", rel)
             ),
         )
         logger.debug("wrote %s (%d bytes) in %.3fs", self.fs.uri(rel), digest.nbytes, time.monotonic() - started)

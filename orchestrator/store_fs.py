@@ -106,7 +106,7 @@ class StoreFS:
         full = self.path(rel)
         return f"{scheme}://{full.lstrip('/')}" if scheme else full
 
-    def _fire(self, event: str, rel: str) -> None:
+    def fire(self, event: str, rel: str) -> None:
         if self.hook is not None:
             self.hook(event, rel)
 
@@ -122,23 +122,27 @@ class StoreFS:
         try:
             self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             with self.fs.open_output_stream(staging) as stream:
-                self._fire("opened", rel)
+                self.fire("opened", rel)
                 result = write(stream)
-            self._fire("closed", rel)
+            self.fire("closed", rel)
             if self.fsync:
                 _fsync_file(staging)
             if self.atomic_rename:
                 self.fs.move(staging, target)
-                if self.fsync:
-                    _fsync_file(os.path.dirname(target))
-            self._fire("renamed", rel)
-            return result
         except OSError as error:
             self._discard(staging)
             raise write_error(self.uri(rel), error) from error
         except BaseException:
             self._discard(staging)
             raise
+        # Past the rename the file is in place: a failure now must not report it unwritten.
+        if self.fsync and self.atomic_rename:
+            try:
+                _fsync_file(os.path.dirname(target))
+            except OSError as error:
+                logger.warning("wrote %s but could not fsync its directory: %s", self.uri(rel), error)
+        self.fire("renamed", rel)
+        return result
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         self.write_atomic(rel, lambda stream: stream.write(data))

@@ -183,3 +183,20 @@ def test_no_recovery_point_without_every_layer(tmp_path):
     write_layer(store, "embed", 100, base=True)
     with pytest.raises(NoUsableVersionError, match="block.0"):
         resolve_plan(store, LAYERS)
+
+
+def test_composite_reader_serves_every_layer(history):
+    from orchestrator.recovery_source import CompositeReader
+
+    store, written = history
+    params = {layer: {f"{layer}.{n}": s for n, s in PARAMS.items()} for layer in LAYERS}
+    states = {layer: layer_state(params[layer], seed=i) for i, layer in enumerate(LAYERS)}
+    records = {layer: store.write_version(cut_shards(layer, 300, params[layer], states[layer], [0, 20, 48]))
+               for layer in LAYERS}
+    with CompositeReader(store, records) as read:
+        assert {layer: m.optimizer_step for layer, m in read.metas().items()} == dict.fromkeys(LAYERS, 300)
+        assert read.metas(["norm"])["norm"].groups[0]["name"] == "norm.decay"
+        for layer in LAYERS:
+            assert read(f"{layer}.w", "exp_avg", 3, 20).equal(states[layer]["exp_avg"][f"{layer}.w"][3:23])
+        with pytest.raises(KeyError, match="'nope'"):
+            read("nope", "fp32", 0, 1)
