@@ -10,6 +10,8 @@ import json
 import logging
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from orchestrator.manifest import Manifest
 from orchestrator.retention import GcConfig, collect_garbage
 from orchestrator.store import LayerStore
@@ -83,8 +85,25 @@ def summarize(manifest: Manifest) -> dict[str, Any]:
     }
 
 
+def _open(run: str) -> LayerStore | None:
+    """The store at ``run``, or None (with a message) when there is none: a mistyped path must
+    not read as an empty, healthy run."""
+    try:
+        store = LayerStore.open(run, fsync=False)
+        found = store.fs.info("").type == pafs.FileType.Directory or bool(store.fs.list_files("manifest"))
+    except (OSError, ValueError) as error:
+        print(f"error: cannot open store {run}: {error}")
+        return None
+    if not found:
+        print(f"error: no store at {store.uri}")
+        return None
+    return store
+
+
 def run_inspect(args: argparse.Namespace) -> int:
-    store = LayerStore.open(args.run, fsync=False)
+    store = _open(args.run)
+    if store is None:
+        return 2
     summary = summarize(store.manifest())
     if args.json:
         print(json.dumps({"run": store.uri, **summary}, indent=1))
@@ -102,7 +121,9 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    store = LayerStore.open(args.run, fsync=False)
+    store = _open(args.run)
+    if store is None:
+        return 2
     manifest = store.manifest()
     problems = list(manifest.problems)
     files = 0
@@ -126,7 +147,9 @@ def run_gc(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"error: {error}")
         return 2
-    store = LayerStore.open(args.run, fsync=False)
+    store = _open(args.run)
+    if store is None:
+        return 2
     report = collect_garbage(store, config)
     verb = "would delete" if report.dry_run else "deleted"
     for version_id in report.deleted_versions:

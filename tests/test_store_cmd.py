@@ -71,3 +71,9 @@ def test_gc_dry_run_then_for_real(run, capsys):
 def test_gc_rejects_a_bad_window(run, capsys):
     assert main(["gc", run.uri, "--window", "-3"]) == 2
     assert "window must be" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "gc"])
+def test_a_missing_run_is_an_error_not_an_empty_store(tmp_path, capsys, command):
+    assert main([command, str(tmp_path / "no-such-run")]) == 2
+    assert "no store at" in capsys.readouterr().out

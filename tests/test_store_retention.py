@@ -1,7 +1,6 @@
 """Retention by reachability (pure) and garbage collection of a real store."""
 
 import time
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
