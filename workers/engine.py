@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from policies.layer_map import LayerMap, layer_map_of
-from workers import env
+from workers import ds_internals, env
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.drift import DriftProbe
 from workers.drift_adamw import DriftAdamW
@@ -118,11 +118,32 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Eng
         lr_scheduler=lambda opt: make_scheduler(opt, optim_cfg),
         config=deepspeed_config(engine_cfg),
     )
+    _undo_zero0_init_step(engine, optimizer)
     layout = build_layout(engine, layer_map)
     logger.info("engine built: ZeRO-%d %s, %d layers, %d param groups", engine_cfg.zero_stage,
                 engine_cfg.precision, len(layer_map.layers), len(optimizer.param_groups))
     return TrainEngine(engine=engine, layer_map=layer_map, optimizer=optimizer, layout=layout,
                        probe=DriftProbe(layout), model_cfg=model_cfg, optim_cfg=optim_cfg, engine_cfg=engine_cfg)
+
+
+def _undo_zero0_init_step(engine: Any, optimizer: DriftAdamW) -> None:
+    """Undo the zero-gradient ``step()`` DeepSpeed's bf16 ZeRO-0 optimizer runs at init.
+
+    ``FP16_UnfusedOptimizer.initialize_optimizer_states`` steps the client optimizer once to
+    create its state: Adam's count becomes 1 and weight decay shrinks the fp32 masters, which
+    then no longer match the model. Copy the masters back from the model, drop that state and
+    discard the drift it produced, so every stage starts from step 0 with the same weights.
+    """
+    pairs = [(lp, hp) for lp, hp in ds_internals.zero0_master_pairs(engine) if lp is not hp] \
+        if engine.zero_optimization_stage() == 0 else []
+    with torch.no_grad():
+        for lp, hp in pairs:
+            hp.copy_(lp.float())
+            optimizer.state.pop(hp, None)
+    optimizer.take_drift()
+    if pairs:
+        logger.info("undid DeepSpeed's init-time optimizer step on %d fp32 masters (ZeRO-0 %s)",
+                    len(pairs), engine.optimizer.__class__.__name__)
 
 
 def seek_step(te: TrainEngine, step: int) -> None:

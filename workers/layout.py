@@ -61,6 +61,7 @@ class StateLayout:
     rank: int
     world_size: int
     layers: Mapping[str, LayerLayout]
+    layer_map: LayerMap
     engine: Any
     optimizer: DriftAdamW
 
@@ -108,7 +109,8 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
         for master in masters:
             optimizer.init_state(master)  # restore into a fresh engine needs moments to write into
     logger.info("state layout: ZeRO-%d, rank %d of %d, %d layers", stage, rank, world_size, len(layers))
-    return StateLayout(stage=stage, rank=rank, world_size=world_size, layers=layers, engine=engine, optimizer=optimizer)
+    return StateLayout(stage=stage, rank=rank, world_size=world_size, layers=layers, layer_map=layer_map,
+                       engine=engine, optimizer=optimizer)
 
 
 _Pieces = dict[str, tuple[tuple[Piece, ...], tuple[Piece, ...], tuple[torch.Tensor, ...]]]

@@ -1,0 +1,54 @@
+"""Reusable host buffers for layer snapshots.
+
+A snapshot copies a layer's shard from the device into host memory and hands it to the
+persistence pool; the pool gives the buffers back once written. Reusing them keeps steady-state
+snapshots allocation-free, and page-locked (pinned) where CUDA is present so the device-to-host
+copy runs at full speed. Without CUDA pinning buys nothing and is skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+
+from workers.shard import LayerShard
+
+logger = logging.getLogger(__name__)
+
+
+class HostBufferPool:
+    """Flat float32 host buffers, recycled by size. Thread-safe: release may come from a writer thread."""
+
+    def __init__(self, pin: bool | None = None) -> None:
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+
+    def acquire(self, numel: int) -> torch.Tensor:
+        """A buffer of ``numel`` float32 elements (contents undefined)."""
+        with self._lock:
+            free = self._free.get(numel)
+            buffer = free.pop() if free else None
+            if buffer is None:
+                buffer = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+                self.allocated_bytes += buffer.numel() * buffer.element_size()
+            self._lent[id(buffer)] = buffer
+            return buffer
+
+    def release(self, shard: LayerShard) -> None:
+        """Return ``shard``'s buffers for reuse; the shard must not be read afterwards."""
+        with self._lock:
+            for tensor in shard.tensors.values():
+                buffer = self._lent.pop(id(tensor), None)
+                if buffer is not None:  # tensors this pool did not lend are left alone
+                    self._free.setdefault(buffer.numel(), []).append(buffer)
+
+    @property
+    def lent(self) -> int:
+        """How many buffers are out (a growing number means shards are never released)."""
+        with self._lock:
+            return len(self._lent)

@@ -1,0 +1,106 @@
+"""The training loop of one rank, with LayerCheck's per-step protocol and no Ray in sight.
+
+After each optimizer step ``t`` the rank reports its drift (without waiting), then collects the
+decision for step ``t - 1`` — by now every rank has reported that step, so it is ready — and
+snapshots the layers it names: the versions are the layers' state after step ``t`` (a lag of
+one step, which the staleness bound accounts for). The last step's decision is carried out
+when the loop ends. Everything that talks to other processes goes through a
+:class:`Coordinator`, so the loop runs under Ray, under plain torch.distributed, or in a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from policies.decision import PersistDecision
+from workers.data import SequenceDataset
+from workers.drift import LayerDrift
+from workers.engine import TrainEngine
+from workers.host_buffers import HostBufferPool
+from workers.layer_state import snapshot_layers
+from workers.schedule import lr_at
+from workers.shard import LayerShard
+from workers.step import train_step
+
+logger = logging.getLogger(__name__)
+
+
+class Coordinator(Protocol):
+    def report(self, drift: LayerDrift, lr: float) -> Any:
+        """Send this rank's drift for ``drift.step``; return a handle to its decision."""
+
+    def decision(self, handle: Any) -> PersistDecision | None:
+        """The decision behind ``handle`` (waits for the other ranks' reports if needed)."""
+
+    def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
+        """Hand the snapshots over; the shards' buffers may be reused once this returns."""
+
+    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float) -> None:
+        """Rank 0's per-step report to the run's central view."""
+
+
+@dataclass
+class LoopResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    persisted: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Per step at which snapshots were taken, the layers."""
+    stall_s: float = 0.0
+
+
+def run_loop(
+    te: TrainEngine,
+    dataset: SequenceDataset,
+    coordinator: Coordinator,
+    *,
+    start_step: int,
+    end_step: int,
+    rank: int,
+    world_size: int,
+    after_step: Callable[[int], None] = lambda step: None,
+) -> LoopResult:
+    """Train steps ``start_step..end_step`` (inclusive, counted from 1)."""
+    result = LoopResult()
+    buffers = HostBufferPool()
+    pending: Any = None
+    engine_cfg = te.engine_cfg
+    for step in range(start_step, end_step + 1):
+        started = time.monotonic()
+        batches = [dataset.micro_batch(step=step, micro=m, rank=rank, world_size=world_size,
+                                       micro_batch=engine_cfg.micro_batch, grad_accum=engine_cfg.grad_accum)
+                   for m in range(engine_cfg.grad_accum)]
+        loss, drift = train_step(te, batches)
+        compute_s = time.monotonic() - started
+        lr = lr_at(step - 1, te.optim_cfg)
+        handle = coordinator.report(drift, lr)
+        stall_s = _carry_out(te, coordinator, pending, step, buffers, result) if pending is not None else 0.0
+        pending = handle
+        result.losses[step] = loss
+        result.stall_s += stall_s
+        if rank == 0:
+            coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s)
+        after_step(step)
+    if pending is not None:
+        result.stall_s += _carry_out(te, coordinator, pending, end_step, buffers, result)
+    return result
+
+
+def _carry_out(te: TrainEngine, coordinator: Coordinator, handle: Any, step: int, buffers: HostBufferPool,
+               result: LoopResult) -> float:
+    """Snapshot and hand over what the decision behind ``handle`` names; the time it took."""
+    decision = coordinator.decision(handle)
+    if not decision:
+        return 0.0
+    started = time.monotonic()
+    shards = snapshot_layers(te.layout, decision.names, buffers, step=step)
+    try:
+        coordinator.persist(shards, base=decision.is_base)
+    finally:
+        for shard in shards:
+            buffers.release(shard)
+    result.persisted[step] = decision.names
+    logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
+    return time.monotonic() - started
