@@ -11,6 +11,7 @@ import sys
 #: Modules that contribute subcommands, in the order they are listed in ``--help``.
 COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.demo_cmd",
+    "orchestrator.train_cmd",
     "orchestrator.simulate_cmd",
     "orchestrator.store_cmd",
 )

@@ -94,6 +94,14 @@ def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: 
     return from_mapping(POLICY_CONFIGS[name], params or {}, field=field)
 
 
+def policy_name(config: PolicyConfig) -> str:
+    """The name a policy config is registered under (``layercheck``, ``interval``, ``never``)."""
+    for name, cls in POLICY_CONFIGS.items():
+        if isinstance(config, cls):
+            return name
+    raise TypeError(f"not a policy config: {config!r}")
+
+
 def from_mapping(cls: type[T], data: Mapping[str, Any], *, field: str = "") -> T:
     """Build the dataclass ``cls`` from ``data``: nested dataclasses recursively, unknown keys
     refused, simple types checked; errors name the dotted field."""
@@ -111,6 +119,8 @@ def from_mapping(cls: type[T], data: Mapping[str, Any], *, field: str = "") -> T
         raise ConfigError(f"{field or cls.__name__}: {exc}") from None
     except ConfigError as exc:
         raise ConfigError(f"{field}.{exc}" if field else str(exc)) from None
+    except ValueError as exc:  # a component's own validation
+        raise ConfigError(f"{field}: {exc}" if field else str(exc)) from None
 
 
 def to_mapping(config: Any) -> dict[str, Any]:

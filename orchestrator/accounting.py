@@ -1,0 +1,87 @@
+"""Where a run's wall-clock time went, and its ETTR (effective training time ratio):
+productive step time ÷ wall-clock time, with checkpoint stalls, failure detection and restart,
+and recovery broken out. Pure bookkeeping over timestamps the supervisor is given."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Recovery:
+    t_fail: int
+    """The last step every rank completed before the failure."""
+    resumed_at: int
+    """The step training continued from (t_fail + 1 with a composite, 1 without)."""
+    detect_restart_s: float
+    """From the last progress of the lost group to the new group asking to resume."""
+    plan_s: float = 0.0
+    """Draining the writers, reading the manifest and planning the composite."""
+    load_s: float = 0.0
+    """The slowest rank's load of its slices into the new engine."""
+    weighted_staleness: float = 0.0
+    max_staleness: int = 0
+    steps_redone: int = 0
+    """Steps trained again because no composite was usable (0 when LayerCheck recovers)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.detect_restart_s + self.plan_s + self.load_s
+
+
+@dataclass
+class RunAccount:
+    """Timings of one run, as the supervisor learns them."""
+
+    started: float
+    step_seconds: dict[int, float] = field(default_factory=dict)
+    """Per step kept in the final trajectory: the slowest-rank compute time (rank 0 reports)."""
+    stall_seconds: float = 0.0
+    """Training-loop time spent handing snapshots over (device→host copy, backpressure)."""
+    stalls: int = 0
+    lost_step_seconds: float = 0.0
+    """Compute of steps after the last completed one of a lost group (never counted)."""
+    recoveries: list[Recovery] = field(default_factory=list)
+    failures: int = 0
+    last_progress: float | None = None
+    last_step: int = 0
+
+    def step_done(self, step: int, compute_s: float, stall_s: float, now: float) -> None:
+        self.step_seconds[step] = compute_s
+        if stall_s > 0:
+            self.stall_seconds += stall_s
+            self.stalls += 1
+        self.last_progress = now
+        self.last_step = max(self.last_step, step)
+
+    def failed(self, *, t_fail: int, resumed_at: int, now: float) -> Recovery:
+        """A worker group was lost after completing ``t_fail``; steps after it do not count."""
+        self.failures += 1
+        for step in [s for s in self.step_seconds if s > t_fail or s >= resumed_at]:
+            self.lost_step_seconds += self.step_seconds.pop(step)
+        since = self.last_progress if self.last_progress is not None else self.started
+        recovery = Recovery(t_fail=t_fail, resumed_at=resumed_at, detect_restart_s=max(0.0, now - since),
+                            steps_redone=max(0, t_fail + 1 - resumed_at))
+        self.recoveries.append(recovery)
+        self.last_step = resumed_at - 1
+        return recovery
+
+    @property
+    def productive_s(self) -> float:
+        return sum(self.step_seconds.values())
+
+    def ettr(self, now: float) -> float:
+        wall = now - self.started
+        return min(1.0, self.productive_s / wall) if wall > 0 else 0.0
+
+    def summary(self, now: float) -> dict[str, object]:
+        return {
+            "wall_s": now - self.started,
+            "productive_s": self.productive_s,
+            "stall_s": self.stall_seconds,
+            "stalls": self.stalls,
+            "lost_step_s": self.lost_step_seconds,
+            "failures": self.failures,
+            "recoveries": [asdict(r) | {"total_s": r.total_s} for r in self.recoveries],
+            "ettr": self.ettr(now),
+        }

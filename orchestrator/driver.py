@@ -1,0 +1,144 @@
+"""The driver of a training run: connect to (or start) Ray, start the run's actors, run the
+``TorchTrainer`` with Ray Train's failure handling, show progress, and summarise."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from orchestrator.names import NAMESPACE, RunNames
+from orchestrator.run_config import RunConfig
+from orchestrator.store import LayerStore
+from policies.layer_map import LayerMap, layer_map_of
+from workers.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    config: RunConfig
+    status: dict[str, Any]
+    """The supervisor's final view (see :meth:`Supervisor.status`)."""
+    trace: dict[str, Any]
+    """The run's drift trace, in the simulator's JSON form."""
+    layer_numel: dict[str, int]
+    error: str | None = None
+
+
+def layer_map_for(model: ModelConfig) -> LayerMap:
+    """The model's layer map without allocating its weights (built on the meta device)."""
+    import transformers
+
+    if model.path is not None:
+        config = transformers.AutoConfig.from_pretrained(model.path, local_files_only=True)
+    else:
+        hf = dict(model.hf_config or {})
+        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        return layer_map_of(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def connect(config: RunConfig) -> None:
+    """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
+    if ray.is_initialized():
+        return
+    env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    if not config.cluster.use_gpu:
+        env_vars["DS_ACCELERATOR"] = "cpu"
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        logger.info("joined the Ray cluster at %s", address)
+        return
+    cpus = max(os.cpu_count() or 1, int(config.cluster.num_workers * config.cluster.cpus_per_worker) + 1)
+    ray.init(num_cpus=cpus, namespace=NAMESPACE,
+             runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    logger.info("started a local Ray with %d CPUs", cpus)
+
+
+def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[dict[str, Any]], None] | None = None,
+          poll_s: float = 1.0) -> RunResult:
+    """Run the training job ``config`` describes to the end; never raises for a failed run
+    (see ``RunResult.error``), only for a bad setup."""
+    from ray.train import FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from orchestrator.policy_actor import PolicyActor
+    from orchestrator.supervisor import Supervisor
+    from orchestrator.train_fn import train_fn
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
+    _prepare_store(config.storage_uri, overwrite)
+    layer_map = layer_map_for(config.model)
+    connect(config)
+    run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+    names = RunNames(run_id)
+    policy = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
+        config.policy, list(layer_map.names), config.cluster.num_workers)
+    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
+        run_id=run_id, store_uri=config.storage_uri, fsync=config.persistence.fsync,
+        writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy)
+    ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
+    scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config={"run": config.to_json(), "run_id": run_id},
+        scaling_config=ScalingConfig(num_workers=config.cluster.num_workers, use_gpu=config.cluster.use_gpu,
+                                     resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
+        run_config=TrainRunConfig(name=run_id, storage_path=scratch,
+                                  failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
+    )
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(supervisor, on_progress, stop, poll_s), daemon=True)
+    watcher.start()
+    error = None
+    try:
+        trainer.fit()
+    except Exception as exc:  # the run failed for good (max_failures exhausted, a bug in a worker)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.error("training failed: %s", error)
+    finally:
+        stop.set()
+        watcher.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+    ray.get(supervisor.drain.remote())
+    ray.get(supervisor.finish.remote(error is None))
+    result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
+                       trace=ray.get(policy.trace.remote()), layer_numel=layer_map.numel, error=error)
+    for actor in (supervisor, policy):
+        ray.kill(actor)
+    return result
+
+
+def _prepare_store(uri: str, overwrite: bool) -> None:
+    store = LayerStore.open(uri)
+    if store.versions():
+        if not overwrite:
+            raise FileExistsError(f"{uri} already holds a run's checkpoints; pick another storage or name, "
+                                  "or pass --overwrite to delete them")
+        logger.warning("deleting the earlier run's checkpoints in %s (--overwrite)", uri)
+        store.fs.fs.delete_dir_contents(store.fs.path(""), missing_dir_ok=True)
+
+
+def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,
+           poll_s: float) -> None:
+    while not stop.wait(poll_s):
+        if on_progress is None:
+            continue
+        try:
+            on_progress(ray.get(supervisor.status.remote(), timeout=10))
+        except Exception as error:  # progress display must never end the run
+            logger.debug("progress poll failed: %s", error)
