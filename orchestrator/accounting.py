@@ -45,9 +45,13 @@ class RunAccount:
     failures: int = 0
     last_progress: float | None = None
     last_step: int = 0
+    history: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Per step of the final trajectory: (loss, learning rate)."""
 
-    def step_done(self, step: int, compute_s: float, stall_s: float, now: float) -> None:
+    def step_done(self, step: int, compute_s: float, stall_s: float, now: float, *, loss: float = float("nan"),
+                  lr: float = 0.0) -> None:
         self.step_seconds[step] = compute_s
+        self.history[step] = (loss, lr)
         if stall_s > 0:
             self.stall_seconds += stall_s
             self.stalls += 1
@@ -59,6 +63,7 @@ class RunAccount:
         self.failures += 1
         for step in [s for s in self.step_seconds if s > t_fail or s >= resumed_at]:
             self.lost_step_seconds += self.step_seconds.pop(step)
+            self.history.pop(step, None)
         since = self.last_progress if self.last_progress is not None else self.started
         recovery = Recovery(t_fail=t_fail, resumed_at=resumed_at, detect_restart_s=max(0.0, now - since),
                             steps_redone=max(0, t_fail + 1 - resumed_at))
@@ -84,4 +89,5 @@ class RunAccount:
             "failures": self.failures,
             "recoveries": [asdict(r) | {"total_s": r.total_s} for r in self.recoveries],
             "ettr": self.ettr(now),
+            "history": {step: list(values) for step, values in sorted(self.history.items())},
         }

@@ -202,7 +202,7 @@ class Supervisor:
     def progress(self, step: int, loss: float, lr: float, compute_s: float, stall_s: float) -> None:
         """Rank 0, after each step."""
         with self._lock:
-            self.account.step_done(step, compute_s, stall_s, time.monotonic())
+            self.account.step_done(step, compute_s, stall_s, time.monotonic(), loss=loss, lr=lr)
             self.progress_ = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
 
     def finish(self, ok: bool) -> None:
