@@ -139,3 +139,125 @@ def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: s
     out["needed_covers_layer"] = {name: sum(s.length for s in needed_slices(te.layout, name)) for name in layers}
     shutdown(te)
     return out
+
+
+def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
+    """Each ds_internals wrapper against DeepSpeed's public helpers or the model itself."""
+    import deepspeed
+
+    from workers import ds_internals
+    from workers.drift_adamw import DriftAdamW
+
+    te = make_engine(stage, precision)
+    train_step(te, batches(te, 0, rank))
+    engine, out = te.engine, {}
+    out["client_is_drift_adamw"] = isinstance(ds_internals.client_optimizer(engine), DriftAdamW)
+    params = dict(engine.module.named_parameters())
+    names = [p.name for layer in te.layer_map.layers for p in layer.params]
+    target = names[1]  # a block matrix
+    if stage == 0:
+        pairs = ds_internals.zero0_master_pairs(engine)
+        out["pairs_cover_params"] = sorted(id(lp) for lp, _ in pairs) == sorted(id(p) for p in params.values())
+        out["masters_match_model"] = all(torch.equal(hp.to(lp.dtype), lp) for lp, hp in pairs)
+        out["masters_are_fp32"] = all(hp.dtype == torch.float32 for _, hp in pairs)
+        hp = {id(lp): hp for lp, hp in pairs}[id(params[target])]
+        with torch.no_grad():
+            hp.add_(1.0)
+        ds_internals.zero0_refresh_lp(pairs)
+        out["refresh_reaches_model"] = torch.equal(params[target].detach(), hp.detach().to(params[target].dtype))
+    else:
+        coverage, values_ok = {}, True
+        flats = (ds_internals.zero12_flat_partitions if stage in (1, 2) else ds_internals.zero3_flat_partitions)(engine.optimizer)
+        for name in names:
+            p = params[name]
+            frag = (ds_internals.zero12_fragment(p) if stage in (1, 2) else ds_internals.zero3_fragment(engine.optimizer, p))
+            full = deepspeed.utils.safe_get_full_fp32_param(p).detach().view(-1)
+            if frag is None or frag.length == 0:
+                coverage[name] = 0
+                continue
+            mine = flats[frag.flat_index].narrow(0, frag.flat_start, frag.length)
+            values_ok &= torch.equal(mine, full[frag.param_offset:frag.param_offset + frag.length])
+            coverage[name] = frag.length
+        out["coverage"] = coverage
+        out["numel"] = {n: int(params[n].ds_numel if stage == 3 else params[n].numel()) for n in names}
+        out["fragment_values_match_public_helper"] = bool(values_ok)
+        if stage == 3:
+            groups = ds_internals.zero3_sub_group_to_group(engine.optimizer)
+            out["sub_groups_cover_groups"] = sorted(set(groups.values())) == list(range(len(te.optimizer.param_groups)))
+        frag = ds_internals.zero12_fragment(params[target]) if stage in (1, 2) else ds_internals.zero3_fragment(engine.optimizer, params[target])
+        with torch.no_grad():
+            if frag is not None and frag.length:
+                flats[frag.flat_index].narrow(0, frag.flat_start, frag.length).add_(1.0)
+            expected = deepspeed.utils.safe_get_full_fp32_param(params[target]).detach().clone()
+        (ds_internals.zero12_refresh_lp if stage in (1, 2) else ds_internals.zero3_refresh_lp)(engine.optimizer)
+        with deepspeed.zero.GatheredParameters([params[target]]):
+            seen = params[target].detach().float().clone()
+        out["refresh_reaches_model"] = torch.allclose(seen, expected.to(params[target].dtype).float())
+    shutdown(te)
+    return out
+
+
+def save_snapshot_job(rank: int, world_size: int, stage: int, out_dir: str) -> dict[str, Any]:
+    """Train two steps, write every layer's shard (safetensors + JSON), report the probe loss."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    te = make_engine(stage, "fp32")
+    for t in range(2):
+        train_step(te, batches(te, t, rank))
+    for shard in snapshot_layers(te.layout, list(te.layer_map.names), HostBufferPool()):
+        stem = Path(out_dir, f"{shard.layer}.rank{rank}")
+        save_file({k: v.contiguous() for k, v in shard.tensors.items()}, f"{stem}.safetensors")
+        meta = {"layer": shard.layer, "step": shard.step, "rank": rank, "world_size": world_size,
+                "optimizer_step": shard.optimizer_step, "groups": list(shard.groups),
+                "slices": [[s.name, list(s.shape), s.offset, s.length] for s in shard.slices]}
+        Path(f"{stem}.json").write_text(json.dumps(meta))
+    loss = eval_loss(te, probe_batch())
+    shutdown(te)
+    return {"loss": loss}
+
+
+def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> dict[str, Any]:
+    """Restore a fresh engine from shards written at another world size / stage, through a
+    range reader over the files; report the probe loss and whether state equals the files'."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from workers.layer_state import ShardReader, metas_of, restore_layers
+    from workers.shard import ParamSlice
+
+    te = make_engine(stage, "fp32")
+    shards = []
+    for meta_path in sorted(Path(in_dir).glob("*.json")):
+        meta = json.loads(meta_path.read_text())
+        tensors = load_file(str(meta_path.with_suffix(".safetensors")))
+        slices = tuple(ParamSlice(n, tuple(shape), o, length) for n, shape, o, length in meta["slices"])
+        shards.append(LayerShard(layer=meta["layer"], step=meta["step"], rank=meta["rank"], world_size=meta["world_size"],
+                                 slices=slices, tensors=tensors, optimizer_step=meta["optimizer_step"],
+                                 groups=tuple(meta["groups"])))
+    reader = ShardReader(shards)
+    requested: list[tuple[str, str, int, int]] = []
+
+    def read(name: str, key: str, offset: int, length: int) -> torch.Tensor:
+        requested.append((name, key, offset, length))
+        return reader(name, key, offset, length)
+
+    restore_layers(te.layout, metas_of(shards), read)
+    seek_step(te, shards[0].step)
+    needed = {(s.name, s.offset, s.length) for layer in te.layer_map.names for s in needed_slices(te.layout, layer)}
+    state_ok = True
+    for shard in snapshot_layers(te.layout, list(te.layer_map.names), HostBufferPool()):
+        for i, s in enumerate(shard.slices):
+            for key in STATE_KEYS:
+                state_ok &= torch.equal(shard.view(key, i), reader(s.name, key, s.offset, s.length))
+        state_ok &= shard.optimizer_step == shards[0].optimizer_step
+    out = {"loss": eval_loss(te, probe_batch()), "state_equals_files": bool(state_ok),
+           "read_only_needed": {(n, o, length) for n, _, o, length in requested} == needed,
+           "step": te.step}
+    train_step(te, batches(te, 2, rank))  # and training carries on from the restored state
+    shutdown(te)
+    return out
