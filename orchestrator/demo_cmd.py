@@ -1,27 +1,27 @@
-"""``layercheck demo``: the embedded default that a newcomer runs first.
+"""``layercheck demo``: the embedded default a newcomer runs first.
 
-Today it replays a synthetic fine-tuning drift trace through the LayerCheck policy and sweeps
-``K0`` against full checkpoints at matched freshness (what ``layercheck simulate --sweep``
-prints). The training demo on a local Ray cluster replaces it once the orchestrator lands; the
-command stays the same.
+Trains the tiny Llama-shaped model of ``examples/demo.toml`` on the bundled corpus with 2 CPU
+workers (DeepSpeed ZeRO-3, gloo) on a local Ray — or the cluster in ``RAY_ADDRESS`` — with
+LayerCheck checkpointing into ``runs/demo``; one worker is killed part-way, the run recovers at
+``t_fail + 1`` and ends with a summary. ``--set`` overrides any field, as for ``train``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from orchestrator import simulate_cmd
+from orchestrator import train_cmd
+
+DEMO_CONFIG = train_cmd.EXAMPLES / "demo.toml"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="run the embedded demo", description=__doc__)
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.set_defaults(func=run)
+    p = subparsers.add_parser("demo", help="run the embedded demo (tiny model, 2 CPU workers, one failure)",
+                              description=__doc__)
+    train_cmd.add_run_options(p)
+    p.set_defaults(func=run, config=DEMO_CONFIG)
 
 
 def run(args: argparse.Namespace) -> int:
-    sim_args = simulate_cmd.register_defaults()
-    sim_args.sweep = "2.5e-4,5e-4,1e-3,2e-3,4e-3"
-    sim_args.json = args.json
-    sim_args.verbose = args.verbose
-    return simulate_cmd.run(sim_args)
+    args.overwrite = True  # runs/demo belongs to the demo
+    return train_cmd.run(args)

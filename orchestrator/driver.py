@@ -81,6 +81,7 @@ def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[
     from orchestrator.train_fn import train_fn
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
+    config = config.with_absolute_storage()
     _prepare_store(config.storage_uri, overwrite)
     layer_map = layer_map_for(config.model)
     connect(config)

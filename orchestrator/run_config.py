@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -133,6 +134,14 @@ class RunConfig:
     @property
     def storage_uri(self) -> str:
         return self.storage.replace("{name}", self.name)
+
+    def with_absolute_storage(self) -> RunConfig:
+        """The same config with a relative storage path made absolute against this process's
+        working directory: Ray Train workers and actors run in directories of their own."""
+        uri = self.storage_uri
+        if "://" in uri or os.path.isabs(uri):
+            return self
+        return dataclasses.replace(self, storage=os.path.abspath(uri))
 
     @property
     def policy_name(self) -> str:

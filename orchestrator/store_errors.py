@@ -23,6 +23,13 @@ class CorruptShardError(RuntimeError):
         self.path = path
         self.reason = reason
 
+    def __reduce__(self):  # keyword-only __init__: tell pickle (Ray ships errors between processes)
+        return _rebuild_corrupt_shard_error, (self.version_id, self.path, self.reason)
+
+
+def _rebuild_corrupt_shard_error(version_id: str, path: str, reason: str) -> CorruptShardError:
+    return CorruptShardError(version_id=version_id, path=path, reason=reason)
+
 
 class ManifestError(ValueError):
     """A commit record is malformed, or a commit request is inconsistent."""

@@ -1,6 +1,7 @@
 """The orchestrator's decision and bookkeeping pieces, driven one call at a time (no Ray)."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +152,21 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_run_config(tmp_path / "missing.toml")
     assert math.isfinite(config.optim.lr)
+
+
+def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_run_config(Path(__file__).resolve().parent.parent / "examples/demo.toml")
+    assert config.storage_uri == "runs/demo"
+    assert config.with_absolute_storage().storage_uri == str(tmp_path / "runs/demo")
+    remote = parse_run_config({**config.to_json(), "storage": "s3://bucket/run"})
+    assert remote.with_absolute_storage().storage_uri == "s3://bucket/run"
+
+
+def test_corrupt_shard_error_survives_pickling():
+    import pickle
+
+    from orchestrator.store_errors import CorruptShardError
+
+    error = pickle.loads(pickle.dumps(CorruptShardError(version_id="v", path="p", reason="missing")))
+    assert (error.version_id, error.path, error.reason) == ("v", "p", "missing") and "missing" in str(error)
