@@ -72,7 +72,9 @@ def test_schedule_shapes():
 def test_schedule_stays_within_bounds(warmup, extra, step, floor, schedule):
     cfg = OptimConfig(lr=1.0, warmup_steps=warmup, total_steps=warmup + extra, min_lr_ratio=floor, schedule=schedule)
     factor = lr_factor(step, cfg)
-    assert 0.0 < factor <= 1.0 + 1e-12
+    assert 0.0 <= factor <= 1.0 + 1e-12
+    if step < cfg.total_steps or floor > 0 or schedule == "constant":
+        assert factor > 0.0  # zero only once a decay to a zero floor has ended
     if step >= warmup and schedule != "constant":
         assert factor >= floor - 1e-12
 
