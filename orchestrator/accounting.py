@@ -48,9 +48,13 @@ class RunAccount:
     history: dict[int, tuple[float, float]] = field(default_factory=dict)
     """Per step of the final trajectory: (loss, learning rate)."""
 
+    coordination_seconds: list[float] = field(default_factory=list)
+    """Per step reported, rank 0's time in the policy protocol (drift report + decision)."""
+
     def step_done(self, step: int, compute_s: float, stall_s: float, now: float, *, loss: float = float("nan"),
-                  lr: float = 0.0) -> None:
+                  lr: float = 0.0, coordination_s: float = 0.0) -> None:
         self.step_seconds[step] = compute_s
+        self.coordination_seconds.append(coordination_s)
         self.history[step] = (loss, lr)
         if stall_s > 0:
             self.stall_seconds += stall_s
@@ -58,9 +62,10 @@ class RunAccount:
         self.last_progress = now
         self.last_step = max(self.last_step, step)
 
-    def failed(self, *, t_fail: int, resumed_at: int, now: float) -> Recovery:
-        """A worker group was lost after completing ``t_fail``; steps after it do not count."""
-        self.failures += 1
+    def failed(self, *, t_fail: int, resumed_at: int, now: float, lost_group: bool = True) -> Recovery:
+        """A worker group was lost after completing ``t_fail`` (or, with ``lost_group=False``, a
+        stopped run resumes from its store); steps after it do not count."""
+        self.failures += int(lost_group)
         for step in [s for s in self.step_seconds if s > t_fail or s >= resumed_at]:
             self.lost_step_seconds += self.step_seconds.pop(step)
             self.history.pop(step, None)
@@ -89,5 +94,19 @@ class RunAccount:
             "failures": self.failures,
             "recoveries": [asdict(r) | {"total_s": r.total_s} for r in self.recoveries],
             "ettr": self.ettr(now),
+            "coordination_s_per_step": _percentiles(self.coordination_seconds),
+            "step_s_per_step": _percentiles(list(self.step_seconds.values())),
             "history": {step: list(values) for step, values in sorted(self.history.items())},
         }
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "p50": 0.0, "p90": 0.0, "max": 0.0}
+    ordered = sorted(values)
+    return {
+        "mean": sum(ordered) / len(ordered),
+        "p50": ordered[len(ordered) // 2],
+        "p90": ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))],
+        "max": ordered[-1],
+    }

@@ -23,5 +23,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.overwrite = True  # runs/demo belongs to the demo
+    args.overwrite = not args.resume  # runs/demo belongs to the demo
     return train_cmd.run(args)

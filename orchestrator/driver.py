@@ -36,6 +36,8 @@ class RunResult:
     """The run's drift trace, in the simulator's JSON form."""
     layer_numel: dict[str, int]
     error: str | None = None
+    metrics_url: str | None = None
+    """Where the run's Prometheus metrics were served (while the run was live); ``None``: disabled."""
 
 
 def layer_map_for(model: ModelConfig) -> LayerMap:
@@ -69,10 +71,11 @@ def connect(config: RunConfig) -> None:
     logger.info("started a local Ray with %d CPUs", cpus)
 
 
-def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[dict[str, Any]], None] | None = None,
-          poll_s: float = 1.0) -> RunResult:
+def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
+          on_progress: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 1.0) -> RunResult:
     """Run the training job ``config`` describes to the end; never raises for a failed run
-    (see ``RunResult.error``), only for a bad setup."""
+    (see ``RunResult.error``), only for a bad setup. ``resume`` continues the run already in
+    the storage from its newest recoverable step, at whatever world size ``config`` asks for."""
     from ray.train import FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -82,7 +85,11 @@ def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     config = config.with_absolute_storage()
-    _prepare_store(config.storage_uri, overwrite)
+    if resume:
+        if not LayerStore.open(config.storage_uri).versions():
+            raise FileNotFoundError(f"--resume: {config.storage_uri} holds no committed versions to resume from")
+    else:
+        _prepare_store(config.storage_uri, overwrite)
     layer_map = layer_map_for(config.model)
     connect(config)
     run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
@@ -91,8 +98,10 @@ def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[
         config.policy, list(layer_map.names), config.cluster.num_workers)
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
         run_id=run_id, store_uri=config.storage_uri, fsync=config.persistence.fsync,
-        writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy)
+        writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy,
+        resume=resume)
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
+    metrics_url = _start_metrics(supervisor, config)
     scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
     trainer = TorchTrainer(
         train_fn,
@@ -118,10 +127,25 @@ def train(config: RunConfig, *, overwrite: bool = False, on_progress: Callable[[
     ray.get(supervisor.drain.remote())
     ray.get(supervisor.finish.remote(error is None))
     result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
-                       trace=ray.get(policy.trace.remote()), layer_numel=layer_map.numel, error=error)
+                       trace=ray.get(policy.trace.remote()), layer_numel=layer_map.numel, error=error,
+                       metrics_url=metrics_url)
     for actor in (supervisor, policy):
         ray.kill(actor)
     return result
+
+
+def _start_metrics(supervisor: Any, config: RunConfig) -> str | None:
+    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none); a
+    port that cannot be bound is logged, not fatal: the run trains without metrics."""
+    if config.metrics.port == 0:
+        return None
+    try:
+        url = ray.get(supervisor.start_metrics.remote(config.metrics.host, config.metrics.port))
+    except Exception as error:
+        logger.error("metrics disabled: cannot serve on %s:%d: %s", config.metrics.host, config.metrics.port, error)
+        return None
+    logger.info("metrics at %s", url)
+    return url
 
 
 def _prepare_store(uri: str, overwrite: bool) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from policies.checkpoint_policy import build_policy
+from policies.checkpoint_policy import IntervalPolicy, LayerCheckPolicy, build_policy
 from policies.configs import PolicyConfig
 from orchestrator.policy_service import PolicyService
 
@@ -63,6 +63,18 @@ class PolicyActor:
 
     def policy_state(self) -> dict[str, Any]:
         return self.service.policy.state_dict()
+
+    def metrics_view(self) -> dict[str, Any]:
+        """What the metrics show of the policy (read-only): per layer the accumulated drift and
+        the threshold at the latest step's learning rate, and the staleness budget."""
+        policy = self.service.policy
+        lr = self.service.trace[-1].lr if self.service.trace else 0.0
+        if isinstance(policy, LayerCheckPolicy):
+            return {"lr": lr, "smax": policy.config.smax, "accumulated": dict(policy.accumulated),
+                    "threshold": {name: policy.threshold(name, lr) for name in policy.layers}}
+        if isinstance(policy, IntervalPolicy):
+            return {"lr": lr, "smax": policy.config.interval}
+        return {"lr": lr}
 
     def trace(self) -> dict[str, Any]:
         """The run's drift trace so far, in the simulator's JSON form (without layer sizes)."""

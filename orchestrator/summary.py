@@ -44,8 +44,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "wall_s": account["wall_s"],
         "productive_s": account["productive_s"],
         "stall_s": account["stall_s"],
+        "coordination_s_per_step": account["coordination_s_per_step"],
+        "step_s_per_step": account["step_s_per_step"],
         "write_failures": status["write_failures"],
         "storage": result.config.storage_uri,
+        "metrics_url": result.metrics_url,
     }
     if isinstance(result.config.policy, LayerCheckConfig) and result.trace["steps"]:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
@@ -87,9 +90,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
         ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
                  f"checkpoint stalls {summary['stall_s']:.2f}s)"],
+        ["policy protocol per step", _protocol_cost(summary)],
         ["write failures", summary["write_failures"]],
         ["storage", summary["storage"]],
     ]
+    if summary.get("metrics_url"):
+        rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
     return format_table(["", ""], rows)
 
 
@@ -104,3 +110,10 @@ def _num(value: Any) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _protocol_cost(summary: dict[str, Any]) -> str:
+    coord, step = summary["coordination_s_per_step"], summary["step_s_per_step"]
+    share = coord["mean"] / step["mean"] if step["mean"] else 0.0
+    return (f"{coord['mean'] * 1e3:.2f} ms mean, {coord['p90'] * 1e3:.2f} ms p90 "
+            f"({share:.1%} of the {step['mean'] * 1e3:.0f} ms mean step)")

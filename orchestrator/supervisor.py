@@ -26,10 +26,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.accounting import RunAccount
 from orchestrator.commit_tracker import CommitTracker
 from orchestrator.manifest import ShardReceipt, VersionRecord
+from orchestrator.metrics import RunMetrics
 from orchestrator.persistence_pool import PersistenceWriter, WriterStats
 from orchestrator.recovery_source import resolve_plan
 from orchestrator.store import LayerStore
-from policies.plan import NoUsableVersionError
+from policies.plan import NoUsableVersionError, newest_recoverable_step
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Progress:
 @ray.remote(num_cpus=0, max_concurrency=32)
 class Supervisor:
     def __init__(self, *, run_id: str, store_uri: str, fsync: bool, writers_per_node: int,
-                 layer_numel: Mapping[str, int], policy_actor: Any) -> None:
+                 layer_numel: Mapping[str, int], policy_actor: Any, resume: bool = False) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         self.run_id = run_id
         self.store = LayerStore.open(store_uri, fsync=fsync)
@@ -84,6 +85,8 @@ class Supervisor:
         self.writers_per_node = writers_per_node
         self.layer_numel = dict(layer_numel)
         self.policy_actor = policy_actor
+        self.resume = resume
+        """Continue the run whose versions are already in the store (``layercheck train --resume``)."""
         self.state = State.STARTING
         self.account = RunAccount(started=time.monotonic())
         self.tracker = CommitTracker()
@@ -98,6 +101,8 @@ class Supervisor:
         self._members: dict[int, str] = {}
         self._resume: ResumeInfo | None = None
         self._writers: dict[str, list[Any]] = {}
+        self._metrics: RunMetrics | None = None
+        self._metrics_url: str | None = None
 
     # ---- worker group -------------------------------------------------------------------
     def writers_for(self, node_id: str) -> list[Any]:
@@ -123,18 +128,27 @@ class Supervisor:
             if self._attempt == 0 or rank in self._members:
                 self._attempt += 1
                 self._members = {}
-                self._resume = self._start_attempt(world_size) if self._attempt > 1 else ResumeInfo(1, 1)
+                if self._attempt > 1 or self.resume:
+                    self._resume = self._start_attempt(world_size, lost_group=self._attempt > 1)
+                else:
+                    self._resume = ResumeInfo(1, 1)
                 self.state = State.RUNNING
             self._members[rank] = worker_id
             assert self._resume is not None
             return self._resume
 
-    def _start_attempt(self, world_size: int) -> ResumeInfo:
+    def _start_attempt(self, world_size: int, *, lost_group: bool) -> ResumeInfo:
+        """Recover: after a lost worker group at its last completed step, or (``--resume``) at
+        the store's newest recoverable step."""
         now = time.monotonic()
         self.state = State.RECOVERING
-        t_fail = ray.get(self.policy_actor.last_complete_step.remote())
-        logger.warning("worker group lost after step %d; recovering with %d workers", t_fail, world_size)
-        self.drain()  # writers commit through shard_written, so _lock must not be held here
+        if lost_group:
+            t_fail = ray.get(self.policy_actor.last_complete_step.remote())
+            logger.warning("worker group lost after step %d; recovering with %d workers", t_fail, world_size)
+            self.drain()  # writers commit through shard_written, so _lock must not be held here
+        else:
+            t_fail = newest_recoverable_step(list(self.layer_numel), self.store.manifest().refs()) or 0
+            logger.warning("resuming the run in %s at step %d with %d workers", self.store_uri, t_fail + 1, world_size)
         with self._lock:
             self.tracker.forget_incomplete()
         try:
@@ -146,7 +160,7 @@ class Supervisor:
         persisted = {layer: r.step for layer, r in resolved.records.items()} if resolved else {}
         ray.get(self.policy_actor.restart.remote(world_size, resume_after, persisted))
         with self._lock:
-            recovery = self.account.failed(t_fail=t_fail, resumed_at=resume_after + 1, now=now)
+            recovery = self.account.failed(t_fail=t_fail, resumed_at=resume_after + 1, now=now, lost_group=lost_group)
         recovery.plan_s = time.monotonic() - now
         if resolved is not None:
             recovery.weighted_staleness = resolved.plan.weighted_staleness
@@ -199,20 +213,65 @@ class Supervisor:
         ray.get([w.drain.remote() for w in writers])
 
     # ---- progress -----------------------------------------------------------------------
-    def progress(self, step: int, loss: float, lr: float, compute_s: float, stall_s: float) -> None:
+    def progress(self, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                 coordination_s: float = 0.0) -> None:
         """Rank 0, after each step."""
         with self._lock:
-            self.account.step_done(step, compute_s, stall_s, time.monotonic(), loss=loss, lr=lr)
+            self.account.step_done(step, compute_s, stall_s, time.monotonic(), loss=loss, lr=lr,
+                                   coordination_s=coordination_s)
             self.progress_ = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
+            if self._metrics is not None:
+                self._metrics.step_done(step, compute_s, {n: s.last_step for n, s in self.layers.items()})
 
     def finish(self, ok: bool) -> None:
         with self._lock:
             self.state = State.FINISHED if ok else State.FAILED
+        self._refresh_metrics()
 
     def writer_stats(self) -> list[WriterStats]:
         with self._lock:
             writers = [w for ws in self._writers.values() for w in ws]
         return ray.get([w.get_stats.remote() for w in writers])
+
+    # ---- metrics ------------------------------------------------------------------------
+    def start_metrics(self, host: str, port: int, refresh_s: float = 1.0) -> str:
+        """Serve the run's Prometheus metrics on ``host:port`` and refresh them every
+        ``refresh_s``; returns the endpoint's URL. Lives here because the supervisor outlives
+        worker-group restarts, so the counters do too."""
+        if self._metrics is not None:
+            return self._metrics_url or ""
+        metrics = RunMetrics(self.run_id, self.layer_numel)
+        metrics.serve(host, port)
+        self._metrics = metrics
+        shown = ray.util.get_node_ip_address() if host in ("0.0.0.0", "::", "") else host
+        self._metrics_url = f"http://{shown}:{port}/metrics"
+        threading.Thread(target=self._metrics_loop, args=(refresh_s,), name="metrics-refresh", daemon=True).start()
+        logger.info("metrics at %s", self._metrics_url)
+        return self._metrics_url
+
+    def _metrics_loop(self, refresh_s: float) -> None:
+        while True:
+            self._refresh_metrics()
+            time.sleep(refresh_s)
+
+    def _refresh_metrics(self) -> None:
+        """Pull the policy's view and the writers' stats into the metrics; never raises."""
+        if self._metrics is None:
+            return
+        try:
+            try:
+                policy = ray.get(self.policy_actor.metrics_view.remote(), timeout=5)
+            except Exception as error:  # the policy actor is busy or gone: export the rest
+                logger.debug("policy view unavailable for metrics: %s", error)
+                policy = {}
+            writers = ray.get([w.get_stats.remote() for w in self._all_writers()], timeout=5)
+            self._metrics.refresh(self.status(), writers, policy, time.monotonic())
+        except Exception as error:  # metrics must never take the run down
+            logger.warning("metrics refresh failed: %s", error)
+
+    def _all_writers(self) -> list[Any]:
+        with self._lock:
+            return [w for ws in self._writers.values() for w in ws]
 
     def status(self) -> dict[str, Any]:
         """Everything the driver's progress line, the summary and the metrics show."""
@@ -225,6 +284,7 @@ class Supervisor:
             total = sum(self.layer_numel[n] for n in known)
             return {
                 "run_id": self.run_id,
+                "metrics_url": self._metrics_url,
                 "state": self.state.value,
                 "attempt": self._attempt,
                 "step": step,

@@ -28,6 +28,8 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set steps=50 --set policy.k0=2e-3 (VALUE is JSON, else a string)")
     p.add_argument("--overwrite", action="store_true", help="delete checkpoints an earlier run left in the storage")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in the storage from its newest recoverable step (any number of workers)")
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
@@ -39,24 +41,26 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
-    return train_and_report(config, overwrite=args.overwrite, as_json=args.json)
+    return train_and_report(config, overwrite=args.overwrite, resume=args.resume, as_json=args.json)
 
 
-def train_and_report(config: Any, *, overwrite: bool, as_json: bool) -> int:
+def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False) -> int:
     from orchestrator.driver import train
     from orchestrator.summary import format_progress, format_summary, summarize
 
     last = {"step": -1, "state": None}
 
     def show(status: dict[str, Any]) -> None:
+        if last["state"] is None and status.get("metrics_url"):
+            print(f"metrics at {status['metrics_url']}", flush=True)
         boundary = status["step"] // config.log_every != last["step"] // config.log_every
         if boundary or status["state"] != last["state"]:
             print(format_progress(status), flush=True)
             last.update(step=status["step"], state=status["state"])
 
     try:
-        result = train(config, overwrite=overwrite, on_progress=None if as_json else show)
-    except FileExistsError as error:
+        result = train(config, overwrite=overwrite, resume=resume, on_progress=None if as_json else show)
+    except (FileExistsError, FileNotFoundError) as error:
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
     summary = summarize(result)

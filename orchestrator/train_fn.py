@@ -76,8 +76,9 @@ class RayCoordinator:
                 break
         self.blocked_s += time.monotonic() - started
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float) -> None:
-        self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s)
+    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                 coordination_s: float) -> None:
+        self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s, coordination_s)
 
 
 def train_fn(loop_config: dict[str, Any]) -> None:

@@ -39,7 +39,8 @@ class Coordinator(Protocol):
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         """Hand the snapshots over; the shards' buffers may be reused once this returns."""
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float) -> None:
+    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                 coordination_s: float) -> None:
         """Rank 0's per-step report to the run's central view."""
 
 
@@ -49,6 +50,8 @@ class LoopResult:
     persisted: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Per step at which snapshots were taken, the layers."""
     stall_s: float = 0.0
+    coordination_s: float = 0.0
+    """Time in the coordinator's report and decision calls: LayerCheck's per-step protocol cost."""
 
 
 def run_loop(
@@ -75,13 +78,17 @@ def run_loop(
         loss, drift = train_step(te, batches)
         compute_s = time.monotonic() - started
         lr = lr_at(step - 1, te.optim_cfg)
+        coordination_before = result.coordination_s
+        reported = time.monotonic()
         handle = coordinator.report(drift, lr)
+        result.coordination_s += time.monotonic() - reported
         stall_s = _carry_out(te, coordinator, pending, step, buffers, result) if pending is not None else 0.0
         pending = handle
         result.losses[step] = loss
         result.stall_s += stall_s
         if rank == 0:
-            coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s)
+            coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
+                                 coordination_s=result.coordination_s - coordination_before)
         after_step(step)
     if pending is not None:
         result.stall_s += _carry_out(te, coordinator, pending, end_step, buffers, result)
@@ -91,7 +98,9 @@ def run_loop(
 def _carry_out(te: TrainEngine, coordinator: Coordinator, handle: Any, step: int, buffers: HostBufferPool,
                result: LoopResult) -> float:
     """Snapshot and hand over what the decision behind ``handle`` names; the time it took."""
+    asked = time.monotonic()
     decision = coordinator.decision(handle)
+    result.coordination_s += time.monotonic() - asked
     if not decision:
         return 0.0
     started = time.monotonic()
