@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,9 @@ from policies.layer_map import LayerMap, layer_map_of
 from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+#: The run's config, as JSON, in the root of its store.
+RUN_CONFIG_FILE = "run.json"
 
 
 @dataclass
@@ -90,6 +94,8 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
             raise FileNotFoundError(f"--resume: {config.storage_uri} holds no committed versions to resume from")
     else:
         _prepare_store(config.storage_uri, overwrite)
+    # the run's config beside its checkpoints: export, inspect and --resume read the model from it
+    LayerStore.open(config.storage_uri).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
     layer_map = layer_map_for(config.model)
     connect(config)
     run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
