@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from policies.configs import ConfigError, require
+
 logger = logging.getLogger(__name__)
 
 Schedule = Literal["cosine", "linear", "constant"]
@@ -22,11 +24,6 @@ Precision = Literal["fp32", "bf16"]
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
-
-
-def _require(ok: bool, field_name: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{field_name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,10 +39,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if (self.hf_config is None) == (self.path is None):
-            raise ValueError("ModelConfig needs exactly one of hf_config or path")
+            raise ConfigError("hf_config / path: give exactly one of the two")
         if self.hf_config is not None:
-            _require("model_type" in self.hf_config, "ModelConfig.hf_config", "a dict with 'model_type'", self.hf_config)
-        _require(self.seed >= 0, "ModelConfig.seed", "a non-negative integer", self.seed)
+            require("model_type" in self.hf_config, "hf_config", "a dict with 'model_type'", self.hf_config)
+        require(self.seed >= 0, "seed", "a non-negative integer", self.seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,20 +63,20 @@ class OptimConfig:
     schedule: Schedule = "cosine"
 
     def __post_init__(self) -> None:
-        _require(math.isfinite(self.lr) and self.lr > 0, "OptimConfig.lr", "a positive finite number", self.lr)
-        _require(
+        require(math.isfinite(self.lr) and self.lr > 0, "lr", "a positive finite number", self.lr)
+        require(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
-            "OptimConfig.betas", "two numbers in [0, 1)", self.betas,
+            "betas", "two numbers in [0, 1)", self.betas,
         )
-        _require(self.eps > 0, "OptimConfig.eps", "positive", self.eps)
-        _require(self.weight_decay >= 0, "OptimConfig.weight_decay", "non-negative", self.weight_decay)
-        _require(self.warmup_steps >= 0, "OptimConfig.warmup_steps", "non-negative", self.warmup_steps)
-        _require(
+        require(self.eps > 0, "eps", "positive", self.eps)
+        require(self.weight_decay >= 0, "weight_decay", "non-negative", self.weight_decay)
+        require(self.warmup_steps >= 0, "warmup_steps", "non-negative", self.warmup_steps)
+        require(
             self.total_steps >= self.warmup_steps,
-            "OptimConfig.total_steps", f"at least warmup_steps ({self.warmup_steps})", self.total_steps,
+            "total_steps", f"at least warmup_steps ({self.warmup_steps})", self.total_steps,
         )
-        _require(0.0 <= self.min_lr_ratio <= 1.0, "OptimConfig.min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
-        _require(self.schedule in SCHEDULES, "OptimConfig.schedule", f"one of {SCHEDULES}", self.schedule)
+        require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        require(self.schedule in SCHEDULES, "schedule", f"one of {SCHEDULES}", self.schedule)
         if self.schedule == "constant" and self.min_lr_ratio not in (0.0, 1.0):
             logger.warning("OptimConfig.min_lr_ratio=%s has no effect with schedule='constant'", self.min_lr_ratio)
 
@@ -101,8 +98,8 @@ class EngineConfig:
     """Merged last into the generated DeepSpeed config, for settings this class does not model."""
 
     def __post_init__(self) -> None:
-        _require(self.zero_stage in ZERO_STAGES, "EngineConfig.zero_stage", f"one of {ZERO_STAGES}", self.zero_stage)
-        _require(self.precision in PRECISIONS, "EngineConfig.precision", f"one of {PRECISIONS}", self.precision)
-        _require(self.micro_batch >= 1, "EngineConfig.micro_batch", "at least 1", self.micro_batch)
-        _require(self.grad_accum >= 1, "EngineConfig.grad_accum", "at least 1", self.grad_accum)
-        _require(self.grad_clip >= 0, "EngineConfig.grad_clip", "non-negative (0 = off)", self.grad_clip)
+        require(self.zero_stage in ZERO_STAGES, "zero_stage", f"one of {ZERO_STAGES}", self.zero_stage)
+        require(self.precision in PRECISIONS, "precision", f"one of {PRECISIONS}", self.precision)
+        require(self.micro_batch >= 1, "micro_batch", "at least 1", self.micro_batch)
+        require(self.grad_accum >= 1, "grad_accum", "at least 1", self.grad_accum)
+        require(self.grad_clip >= 0, "grad_clip", "non-negative (0 = off)", self.grad_clip)
