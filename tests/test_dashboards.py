@@ -1,0 +1,116 @@
+"""The dashboard, scrape config and alert rules in dashboards/ against the code: every metric a
+panel or a rule references is one orchestrator.metrics exports, and every PromQL expression
+parses (promtool, from Debian's ``prometheus`` package, which CI installs)."""
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.metrics import series_names
+
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+DASHBOARD = DASHBOARDS / "layercheck-dashboard.json"
+ALERTS = DASHBOARDS / "alerts.yml"
+METRIC = re.compile(r"\blayercheck_[a-z0-9_]+")
+#: What Grafana substitutes into a query before sending it, for checking it outside Grafana.
+GRAFANA_VARIABLES = {"$run_id": "demo-0", "$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool not found: install Debian's 'prometheus' package (apt-get install prometheus; "
+                    ".ci/run does it)")
+    return path
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(board: dict) -> list[dict]:
+    out = []
+    for panel in board["panels"]:
+        out += [panel, *panel.get("panels", [])]
+    return out
+
+
+def dashboard_exprs(board: dict) -> list[str]:
+    exprs = [t["expr"] for p in panels(board) for t in p.get("targets", [])]
+    exprs += [a["expr"] for a in board["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def alert_exprs() -> list[str]:
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    return [rule["expr"] for group in groups for rule in group["rules"]]
+
+
+def substitute(expr: str) -> str:
+    for name, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def test_every_referenced_metric_is_exported():
+    board = dashboard()
+    variables = [v["definition"] for v in board["templating"]["list"] if v["type"] == "query"]
+    for expr in dashboard_exprs(board) + alert_exprs() + variables:
+        unknown = set(METRIC.findall(expr)) - series_names()
+        assert not unknown, f"{expr!r} references metrics the code does not export: {sorted(unknown)}"
+
+
+def test_the_dashboard_is_importable_and_selects_one_run():
+    board = dashboard()
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"  # import asks for nothing, the variable picks
+    assert "run_id" in variables and "layercheck_" in variables["run_id"]["definition"]
+    ids = [p["id"] for p in panels(board)]
+    assert len(ids) == len(set(ids))
+    graphs = [p for p in panels(board) if p["type"] != "row"]
+    for panel in graphs:
+        assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        for target in panel["targets"]:
+            assert 'run_id="$run_id"' in target["expr"], (panel["title"], target["expr"])
+    kinds = {p["type"] for p in graphs}
+    assert "heatmap" in kinds
+    referenced = {m for p in graphs for t in p["targets"] for m in METRIC.findall(t["expr"])}
+    for needed in ("layercheck_layer_staleness_steps", "layercheck_staleness_max_steps",
+                   "layercheck_staleness_weighted_steps", "layercheck_smax_steps",
+                   "layercheck_committed_bytes_total", "layercheck_full_checkpoint_equivalent_bytes",
+                   "layercheck_persistence_queue_versions", "layercheck_stall_seconds_total",
+                   "layercheck_ettr_ratio", "layercheck_failures_total", "layercheck_recovery_seconds_sum"):
+        assert needed in referenced, needed
+
+
+def test_every_dashboard_expression_parses(tmp_path):
+    """promtool parses a rule file's expressions: the dashboard's queries go in as recording rules."""
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"layercheck_dashboard:query{i}", "expr": substitute(expr)}
+        for i, expr in enumerate(dashboard_exprs(dashboard()))]}]}
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_alert_rules_and_scrape_config_pass_promtool():
+    for args in (["check", "rules", str(ALERTS)], ["test", "rules", str(DASHBOARDS / "alerts_test.yml")],
+                 ["check", "config", str(DASHBOARDS / "prometheus.yml")]):
+        done = subprocess.run([promtool(), *args], capture_output=True, text=True, cwd=DASHBOARDS)
+        assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"
+
+
+def test_the_scrape_config_targets_the_demo_exporter_on_loopback():
+    from orchestrator.run_config import load_run_config
+
+    demo = load_run_config(DASHBOARDS.parent / "examples" / "demo.toml").metrics
+    config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+    targets = [t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
+    assert f"{demo.host}:{demo.port}" in targets and demo.host == "127.0.0.1"
+    assert config["rule_files"] == ["alerts.yml"]
