@@ -12,6 +12,7 @@ import sys
 COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.demo_cmd",
     "orchestrator.train_cmd",
+    "orchestrator.config_cmd",
     "orchestrator.simulate_cmd",
     "orchestrator.store_cmd",
 )

@@ -48,6 +48,7 @@ class ClusterConfig:
     use_gpu: bool = False
     """One GPU per worker (NCCL); otherwise CPU with gloo."""
     cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker."""
     max_failures: int = 3
     """Worker-group restarts Ray Train may make before the run fails."""
     address: str = ""
@@ -64,6 +65,7 @@ class PersistenceConfig:
     """The asynchronous writers that move layer snapshots to storage."""
 
     writers_per_node: int = 1
+    """Writer actors per node; a rank uses writer ``rank % writers_per_node`` of its node."""
     max_inflight_bytes: int = 512 * 2**20
     """Per worker: snapshot bytes handed over but not yet written. Past it, a newer version of
     a layer supersedes an older unwritten one; if that is not enough the worker waits (a stall,
@@ -83,6 +85,7 @@ class FaultConfig:
     kill_at_step: int = 0
     """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
     kill_rank: int = 0
+    """The rank that is killed."""
 
     def __post_init__(self) -> None:
         require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
@@ -113,14 +116,23 @@ class RunConfig:
     log_every: int = 10
     """Print progress every this many steps."""
     model: ModelConfig
+    """The model: ``[model.hf_config]`` (a transformers config, random init) or ``model.path``."""
     data: DataConfig = field(default_factory=DataConfig)
+    """The training text and its order."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)
+    """How DeepSpeed runs the model."""
     policy: PolicyConfig = field(default_factory=lambda: policy_config("layercheck"))
+    """The checkpoint policy: ``name`` = ``layercheck`` (default), ``interval`` or ``never``, and its parameters."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Workers and failure handling."""
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
+    """The asynchronous writers."""
     fault: FaultConfig = field(default_factory=FaultConfig)
+    """Failure injection."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The Prometheus endpoint."""
 
     def __post_init__(self) -> None:
         require(bool(_RUN_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)

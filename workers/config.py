@@ -52,15 +52,19 @@ class OptimConfig:
     lr: float = 1e-5
     """Peak learning rate, reached at the end of warm-up."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's decay rates of the first and second moments."""
     eps: float = 1e-8
+    """Adam's denominator term."""
     weight_decay: float = 0.0
     """Applied to matrices only; biases, norms and other vectors get 0 (see the layer map)."""
     warmup_steps: int = 0
+    """Steps of linear warm-up from ``lr / warmup_steps`` to ``lr``."""
     total_steps: int = 1000
     """The step at which decay ends; later steps keep the final learning rate."""
     min_lr_ratio: float = 0.0
     """The final learning rate as a fraction of ``lr``."""
     schedule: Schedule = "cosine"
+    """Decay after warm-up: ``cosine``, ``linear`` or ``constant``."""
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.lr) and self.lr > 0, "lr", "a positive finite number", self.lr)
@@ -86,6 +90,7 @@ class EngineConfig:
     """How DeepSpeed runs the model: ZeRO stage, precision, batch shape and clipping."""
 
     zero_stage: int = 0
+    """DeepSpeed ZeRO stage, 0-3 (3 shards weights, gradients and optimizer state)."""
     precision: Precision = "fp32"
     """Model compute dtype; optimizer master weights and moments are fp32 in both cases."""
     micro_batch: int = 1
