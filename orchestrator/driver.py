@@ -112,7 +112,7 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
     trainer = TorchTrainer(
         train_fn,
         train_loop_config={"run": config.to_json(), "run_id": run_id},
-        scaling_config=ScalingConfig(num_workers=config.cluster.num_workers, use_gpu=config.cluster.use_gpu,
+        scaling_config=ScalingConfig(num_workers=_group_size(config), use_gpu=config.cluster.use_gpu,
                                      resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
         run_config=TrainRunConfig(name=run_id, storage_path=scratch,
                                   failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
@@ -152,6 +152,13 @@ def _start_metrics(supervisor: Any, config: RunConfig) -> str | None:
         return None
     logger.info("metrics at %s", url)
     return url
+
+
+def _group_size(config: RunConfig) -> int | tuple[int, int]:
+    cluster = config.cluster
+    if 0 < cluster.min_workers < cluster.num_workers:
+        return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
+    return cluster.num_workers
 
 
 def _prepare_store(uri: str, overwrite: bool) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ import ray
 
 from orchestrator.store import LayerStore
 from orchestrator.wire import WireShard, from_wire
+from orchestrator.write_queue import SupersedingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class PersistenceWriter:
         self.store = LayerStore.open(store_uri, fsync=fsync)
         self.supervisor = supervisor
         self.stats = WriterStats()
-        self._queue: OrderedDict[tuple[str, int], tuple[WireShard, asyncio.Future]] = OrderedDict()
+        self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
@@ -62,18 +62,14 @@ class PersistenceWriter:
     async def submit(self, wire: WireShard) -> str:
         """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``."""
         self._start()
-        key = (wire.layer, wire.rank)
-        older = self._queue.pop(key, None)
+        future = asyncio.get_running_loop().create_future()
+        older = self._queue.put((wire.layer, wire.rank), (wire, future))
         if older is not None:
             self.stats.superseded += 1
-            self.stats.queued_bytes -= older[0].nbytes
             older[1].set_result(SUPERSEDED)
             logger.info("%s step %d (rank %d) superseded by step %d before it was written",
                         wire.layer, older[0].step, wire.rank, wire.step)
-        future = asyncio.get_running_loop().create_future()
-        self._queue[key] = (wire, future)
-        self.stats.queued_bytes += wire.nbytes
-        self.stats.queued = len(self._queue)
+        self._count_queue()
         self._idle.clear()
         self._wake.set()
         return await future
@@ -83,12 +79,14 @@ class PersistenceWriter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            while self._queue:
-                _, (wire, future) = self._queue.popitem(last=False)
-                self.stats.queued = len(self._queue)
-                self.stats.queued_bytes -= wire.nbytes
+            while (entry := self._queue.pop()) is not None:
+                self._count_queue()
+                wire, future = entry
                 future.set_result(await self._write(loop, wire))
             self._idle.set()
+
+    def _count_queue(self) -> None:
+        self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
 
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()

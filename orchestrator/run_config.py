@@ -45,6 +45,9 @@ class ClusterConfig:
 
     num_workers: int = 2
     """Training processes (one DeepSpeed rank each)."""
+    min_workers: int = 0
+    """0: a fixed group of ``num_workers``. Else Ray Train's elastic group: training starts (and,
+    after a node is lost, resumes) with as few as ``min_workers``; the composite is re-sliced."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); otherwise CPU with gloo."""
     cpus_per_worker: float = 1.0
@@ -56,6 +59,8 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)
+        require(0 <= self.min_workers <= self.num_workers, "min_workers", f"in 0..num_workers ({self.num_workers})",
+                self.min_workers)
         require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
         require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
 

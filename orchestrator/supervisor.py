@@ -130,7 +130,8 @@ class Supervisor:
                 self._members = {}
                 if self._attempt > 1 or self.resume:
                     self._resume = self._start_attempt(world_size, lost_group=self._attempt > 1)
-                else:
+                else:  # a fresh start, perhaps with fewer workers than asked for (elastic)
+                    ray.get(self.policy_actor.restart.remote(world_size, 0, {}))
                     self._resume = ResumeInfo(1, 1)
                 self.state = State.RUNNING
             self._members[rank] = worker_id

@@ -170,3 +170,16 @@ def test_corrupt_shard_error_survives_pickling():
 
     error = pickle.loads(pickle.dumps(CorruptShardError(version_id="v", path="p", reason="missing")))
     assert (error.version_id, error.path, error.reason) == ("v", "p", "missing") and "missing" in str(error)
+
+
+def test_superseding_queue_keeps_one_pending_shard_per_layer_and_rank():
+    from orchestrator.write_queue import SupersedingQueue
+
+    queue = SupersedingQueue(lambda item: item[1])
+    assert queue.put(("embed", 0), ("embed@5", 100)) is None
+    assert queue.put(("norm", 0), ("norm@5", 1)) is None
+    assert queue.put(("embed", 1), ("embed@5 rank1", 100)) is None
+    assert queue.put(("embed", 0), ("embed@9", 100)) == ("embed@5", 100)  # superseded, never written
+    assert len(queue) == 3 and queue.nbytes == 201
+    assert [queue.pop()[0] for _ in range(3)] == ["norm@5", "embed@5 rank1", "embed@9"]
+    assert queue.pop() is None and queue.nbytes == 0
