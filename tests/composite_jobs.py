@@ -1,0 +1,211 @@
+"""Per-rank jobs for the composite and export tests (spawned by tests/dist_harness.py).
+
+A tiny Llama with tied embeddings trains at ZeRO-3 and writes versions of its layers to a real
+:class:`LayerStore` at a mix of steps (a base, then some layers newer than others). Beside each
+version, rank 0 writes the layer's full fp32 weights and Adam moments gathered with DeepSpeed's
+public ``safe_get_full_*`` helpers: the expected values, independent of the store's code.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.run_config import ClusterConfig, RunConfig
+from orchestrator.store import LayerStore
+from workers.config import EngineConfig, ModelConfig, OptimConfig
+from workers.engine import TrainEngine, build_engine, build_model, seek_step, shutdown
+from workers.host_buffers import HostBufferPool
+from workers.layer_state import optimizer_step_of, snapshot_layers
+from workers.step import eval_loss, train_step
+
+TIED_LLAMA: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 64, "tie_word_embeddings": True,
+}
+SEQ = 16
+ALL = ("embed", "block.0", "block.1", "norm")
+#: step → (layers persisted after it, base?). Composite at 6: embed@6, block.0@4, block.1@5, norm@5.
+SCHEDULE: dict[int, tuple[tuple[str, ...], bool]] = {
+    2: (ALL, True),
+    4: (("embed", "block.0"), False),
+    5: (("block.1", "norm"), False),
+    6: (("embed",), False),
+}
+STEPS = 6
+
+
+def run_config(zero_stage: int = 3, num_workers: int = 2) -> RunConfig:
+    return RunConfig(
+        name="composite-test", steps=20,
+        model=ModelConfig(hf_config=TIED_LLAMA, seed=7),
+        optim=OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1),
+        engine=EngineConfig(zero_stage=zero_stage, precision="fp32", micro_batch=2, grad_clip=1.0),
+        cluster=ClusterConfig(num_workers=num_workers),
+    )
+
+
+def write_run_json(store_uri: str, config: RunConfig) -> None:
+    from orchestrator.driver import RUN_CONFIG_FILE
+
+    LayerStore.open(store_uri, fsync=False).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json()).encode())
+
+
+def make_engine(config: RunConfig) -> TrainEngine:
+    return build_engine(config.model, config.optim, config.engine)
+
+
+def batches(step: int, rank: int, micro_batch: int = 2) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 * step + rank)
+    return [torch.randint(0, TIED_LLAMA["vocab_size"], (micro_batch, SEQ), generator=g)]
+
+
+def probe_batch() -> torch.Tensor:
+    g = torch.Generator().manual_seed(424242)
+    return torch.randint(0, TIED_LLAMA["vocab_size"], (2, SEQ), generator=g)
+
+
+def expected_file(expect_dir: str | Path, layer: str, step: int) -> Path:
+    return Path(expect_dir, f"{layer}@{step}.safetensors")
+
+
+def full_state(te: TrainEngine, layers: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``{"<key>/<param>": flat tensor}`` for every parameter of ``layers`` (collective at ZeRO-3)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    params = dict(te.engine.module.named_parameters())
+    out = {}
+    for layer in layers:
+        for info in te.layer_map[layer].params:
+            p = params[info.name]
+            out[f"fp32/{info.name}"] = safe_get_full_fp32_param(p)
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"{key}/{info.name}"] = safe_get_full_optimizer_state(p, key)
+    return {k: v.detach().float().reshape(-1).clone() for k, v in out.items()}
+
+
+def _persist(te: TrainEngine, store: LayerStore, layers: Sequence[str], base: bool, pool: HostBufferPool,
+             expect_dir: str, rank: int) -> None:
+    shards = snapshot_layers(te.layout, list(layers), pool)
+    receipts = [store.write_shard(s, base=base) for s in shards]
+    for shard in shards:
+        pool.release(shard)
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, receipts)
+    expected = {layer: full_state(te, [layer]) for layer in layers}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        for i, layer in enumerate(layers):
+            store.commit([r[i] for r in everyone])
+            save_file(expected[layer], str(expected_file(expect_dir, layer, te.step)))
+    torch.distributed.barrier()
+
+
+def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: str) -> dict[str, Any]:
+    """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the losses."""
+    te = make_engine(run_config())
+    store = LayerStore.open(store_uri, fsync=False)
+    pool = HostBufferPool()
+    losses = []
+    for t in range(1, STEPS + 1):
+        losses.append(train_step(te, batches(t, rank))[0])
+        if t in SCHEDULE:
+            layers, base = SCHEDULE[t]
+            _persist(te, store, layers, base, pool, expect_dir, rank)
+    shutdown(te)
+    return {"losses": losses, "layers": list(te.layer_map.names)}
+
+
+def composite_versions(t: int) -> dict[str, int]:
+    """The step of each layer's version in the composite at ``t`` (from ``SCHEDULE``)."""
+    return {layer: max(s for s, (layers, _) in SCHEDULE.items() if s <= t and layer in layers) for layer in ALL}
+
+
+def expected_state(expect_dir: str, t: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for layer, step in composite_versions(t).items():
+        out.update(load_file(str(expected_file(expect_dir, layer, step))))
+    return out
+
+
+def reference_model(config: RunConfig, expected: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain host model whose weights are ``expected``'s fp32 values."""
+    model = build_model(config.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(expected[f"fp32/{name}"].view(p.shape))
+    return model.eval()
+
+
+def compare_state(te: TrainEngine, expected: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the ``key/param`` tensors of the engine that differ from ``expected`` (collective)."""
+    got = full_state(te, list(te.layer_map.names))
+    return sorted(k for k in expected if not torch.equal(got[k], expected[k])) + sorted(set(got) - set(expected))
+
+
+def adam_steps(te: TrainEngine) -> dict[str, int]:
+    return {layer: optimizer_step_of(te.layout, layer) for layer in te.layer_map.names}
+
+
+def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expect_dir: str) -> dict[str, Any]:
+    """A fresh ZeRO-3 engine at this world size loads the composite at ``t`` from the store:
+    its state against the expected values, the probe loss, and two more training steps."""
+    from orchestrator.composite import load_composite
+    from orchestrator.recovery_source import resolve_plan
+
+    te = make_engine(run_config())
+    store = LayerStore.open(store_uri, fsync=False)
+    resolved = resolve_plan(store, te.layer_map.numel, t)
+    load_composite(te, store, resolved.records)
+    seek_step(te, t)
+    out: dict[str, Any] = {
+        "versions": {layer: r.step for layer, r in resolved.records.items()},
+        "mismatches": compare_state(te, expected_state(expect_dir, t)),
+        "adam_steps": adam_steps(te),
+        "loss": eval_loss(te, probe_batch()),
+        "lr": te.engine.lr_scheduler.get_last_lr()[0],
+    }
+    out["train_losses"] = [train_step(te, batches(t + 1 + i, rank))[0] for i in range(2)]
+    out["step"] = te.step
+    out["mismatches_after_training"] = len(compare_state(te, expected_state(expect_dir, t)))
+    shutdown(te)
+    return out
+
+
+def check_export_job(rank: int, world_size: int, ds_dir: str, store_uri: str, t: int,
+                     expect_dir: str) -> dict[str, Any]:
+    """Resume from the exported DeepSpeed checkpoint with ``load_checkpoint`` and train; then put
+    the composite in place in the same engine (``load_composite`` + ``seek_step``) and train the
+    same steps again. Both runs, and the state ``load_checkpoint`` gave."""
+    from orchestrator.composite import load_composite
+    from orchestrator.recovery_source import resolve_plan
+
+    te = make_engine(run_config())
+    load_path, client_state = te.engine.load_checkpoint(ds_dir)
+    out: dict[str, Any] = {"load_path": load_path, "client_state": client_state.get("layercheck_export"),
+                           "mismatches": compare_state(te, expected_state(expect_dir, t)),
+                           "adam_steps": adam_steps(te)}
+    out["checkpoint"] = _continue(te, t, rank)
+    store = LayerStore.open(store_uri, fsync=False)
+    load_composite(te, store, resolve_plan(store, te.layer_map.numel, t).records)
+    seek_step(te, t)
+    out["in_place"] = _continue(te, t, rank)
+    shutdown(te)
+    return out
+
+
+def _continue(te: TrainEngine, t: int, rank: int) -> dict[str, Any]:
+    return {"step": te.step, "lr": te.engine.lr_scheduler.get_last_lr()[0],
+            "group_lrs": [g["lr"] for g in te.optimizer.param_groups],
+            "loss": eval_loss(te, probe_batch()),
+            "train_losses": [train_step(te, batches(t + 1 + i, rank))[0] for i in range(3)]}
+
+

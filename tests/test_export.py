@@ -1,0 +1,135 @@
+"""``layercheck export --format hf`` and the export's errors, on a store written in-process (no
+DeepSpeed): every layer of a tiny tied-embedding Llama as a base at step 10 and some layers again
+at 20; and ``inspect``/``verify``/``gc`` on a store with ``run.json`` at its root."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from orchestrator.cli import main
+from orchestrator.driver import RUN_CONFIG_FILE
+from orchestrator.export import ExportError, composite_model, export, plan_export, run_config_of
+from orchestrator.retention import GcConfig, collect_garbage
+from orchestrator.store import LayerStore
+from policies.layer_map import layer_map_of
+from tests import composite_jobs as jobs
+from tests.store_helpers import cut_shards, even_cuts
+from workers.engine import build_model
+from workers.shard import STATE_KEYS
+
+NEWER = ("embed", "block.1")  # persisted again at step 20
+
+
+def _write_layer(store: LayerStore, layer, step: int, *, base: bool, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    params = {p.name: p.shape for p in layer.params}
+    state = {key: {name: torch.randn(math.prod(shape), generator=gen) for name, shape in params.items()}
+             for key in STATE_KEYS}
+    store.write_version(cut_shards(layer.name, step, params, state, even_cuts(layer.numel, 2)), base=base)
+    return state["fp32"]
+
+
+@pytest.fixture
+def run(tmp_path):
+    """(store uri, fp32 weights of the composite at 20, at 15)."""
+    uri = str(tmp_path / "run")
+    store = LayerStore.open(uri, fsync=False)
+    jobs.write_run_json(uri, jobs.run_config())
+    layer_map = layer_map_of(build_model(jobs.run_config().model))
+    at15, at20 = {}, {}
+    for i, layer in enumerate(layer_map.layers):
+        weights = _write_layer(store, layer, 10, base=True, seed=i)
+        at15.update(weights)
+        at20.update(_write_layer(store, layer, 20, base=False, seed=100 + i) if layer.name in NEWER else weights)
+    return uri, at20, at15
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=jobs.probe_batch()).logits
+
+
+def test_hf_export_loads_with_from_pretrained_and_gives_the_composites_logits(run, tmp_path):
+    uri, at20, _ = run
+    out = tmp_path / "hf"
+    assert main(["export", uri, "--format", "hf", "--out", str(out)]) == 0
+    assert (out / "config.json").is_file() and list(out.glob("*.safetensors"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert loaded.config.tie_word_embeddings
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), at20[name]), name
+    reference = jobs.reference_model(jobs.run_config(), {f"fp32/{k}": v for k, v in at20.items()})
+    assert torch.equal(_logits(loaded), _logits(reference))
+
+
+def test_step_picks_the_composite_at_that_step(run):
+    uri, at20, at15 = run
+    store = LayerStore.open(uri)
+    config = run_config_of(store)
+    numel = layer_map_of(build_model(config.model)).numel
+    model = composite_model(config, store, plan_export(store, numel, 15).records)
+    assert all(torch.equal(p.detach().reshape(-1), at15[n]) for n, p in model.named_parameters())
+    assert not torch.equal(dict(model.named_parameters())["model.embed_tokens.weight"].reshape(-1),
+                           at20["model.embed_tokens.weight"])
+
+
+def test_no_usable_version_at_the_step_names_the_run_and_step(run, tmp_path, capsys):
+    uri, _, _ = run
+    assert main(["export", uri, "--step", "5", "--format", "hf", "--out", str(tmp_path / "x")]) == 2
+    message = capsys.readouterr().out
+    assert uri in message and "step 5" in message and "embed" in message
+
+
+def test_a_run_without_run_json_asks_for_config(run, tmp_path, capsys):
+    uri, at20, _ = run
+    config_file = tmp_path / "run-config.json"
+    config_file.write_text((Path(uri) / RUN_CONFIG_FILE).read_text())
+    (Path(uri) / RUN_CONFIG_FILE).unlink()
+    assert main(["export", uri, "--format", "hf", "--out", str(tmp_path / "a")]) == 2
+    message = capsys.readouterr().out
+    assert uri in message and RUN_CONFIG_FILE in message and "--config" in message
+    out = export(uri, fmt="hf", out=tmp_path / "b", config_path=config_file)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert torch.equal(loaded.model.embed_tokens.weight.reshape(-1), at20["model.embed_tokens.weight"])
+
+
+def test_missing_run_and_occupied_out_dir_are_errors(run, tmp_path):
+    with pytest.raises(ExportError, match="no committed layer versions"):
+        export(str(tmp_path / "nothing"), fmt="hf", out=tmp_path / "o")
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not an empty directory"):
+        export(run[0], fmt="hf", out=occupied)
+    assert (occupied / "keep.txt").read_text() == "mine"
+
+
+def test_world_size_is_for_deepspeed_only(run, tmp_path, capsys):
+    assert main(["export", run[0], "--format", "hf", "--world-size", "2", "--out", str(tmp_path / "o")]) == 2
+    assert "--world-size" in capsys.readouterr().out
+
+
+def test_store_tools_leave_run_json_alone(run, capsys):
+    uri, _, _ = run
+    store = LayerStore.open(uri)
+    before = (Path(uri) / RUN_CONFIG_FILE).read_bytes()
+    orphan = Path(uri) / "layers" / "embed" / "orphan.safetensors"
+    orphan.write_bytes(b"never committed")
+    report = collect_garbage(store, GcConfig(grace_s=0.0))
+    assert orphan.name in " ".join(report.orphans) and not orphan.exists()
+    assert report.errors == () and RUN_CONFIG_FILE not in " ".join(report.orphans)
+    assert (Path(uri) / RUN_CONFIG_FILE).read_bytes() == before
+    assert main(["gc", uri, "--grace", "0"]) == 0
+    assert main(["verify", uri]) == 0
+    assert main(["inspect", uri, "--json"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(out[out.index("{"):])
+    assert summary["newest_recoverable_step"] == 20
+    assert (Path(uri) / RUN_CONFIG_FILE).read_bytes() == before
