@@ -83,6 +83,21 @@ def lines(ax: plt.Axes, data: list[tuple[Series, str, dict]]) -> None:
             ax.plot(t, v, label=label, **style)
 
 
+def idle_spans(steps: Series, min_s: float = 3.0) -> list[tuple[float, float]]:
+    """Spans of at least ``min_s`` in which no step completed: workers starting or restarting."""
+    spans = []
+    for t, v in steps.values():
+        begin = None
+        for i in range(1, len(t)):
+            if v[i] > v[i - 1]:
+                if begin is not None and t[i - 1] - begin >= min_s:
+                    spans.append((begin, t[i - 1]))
+                begin = None
+            elif begin is None:
+                begin = t[i - 1]
+    return spans
+
+
 def mark_failures(axes: list[plt.Axes], failures: Series) -> None:
     for t, v in failures.values():
         for when in t[1:][np.diff(v) > 0]:
@@ -110,21 +125,25 @@ def render(prometheus: str, run_id: str, out: str, lookback_s: float = 3600.0) -
          "full checkpoints at the same mean staleness", {"color": "tab:purple", "linestyle": "--"}),
     ])
     bottom_left.set(title="bytes written against fixed-interval full checkpoints", ylabel="MiB")
-    lines(bottom_right, [(q("layercheck_ettr_ratio{RUN}"), "ETTR", {"color": "tab:orange"}),
+    lines(bottom_right, [(q("layercheck_ettr_ratio{RUN}"), "ETTR", {"color": "tab:orange", "linewidth": 2}),
                          (q("layercheck_ettr_recent_ratio{RUN}"), "ETTR, last 60 s",
-                          {"color": "tab:orange", "alpha": 0.5})])
+                          {"color": "tab:brown", "linestyle": "--"})])
     bottom_right.set(title="effective training time ratio and progress", ylabel="ETTR", ylim=(0, 1.05))
     steps = bottom_right.twinx()
-    lines(steps, [(q("layercheck_training_step{RUN}"), "training step", {"color": "tab:gray"})])
+    step_series = q("layercheck_training_step{RUN}")
+    lines(steps, [(step_series, "training step", {"color": "tab:gray"})])
     steps.set_ylabel("step")
-    handles = [h for ax in (bottom_right, steps) for h in ax.get_legend_handles_labels()[0]]
-    bottom_right.legend(handles, [h.get_label() for h in handles], loc="lower right", fontsize=8)
-    for ax in (top_right, bottom_left):
-        ax.legend(fontsize=8, loc="upper left")
     for ax in axes.flat:
         ax.set_xlabel("seconds since the first scrape")
         ax.set_xlim(0, end - start)
+    for i, (begin, end_s) in enumerate(idle_spans(step_series)):
+        for ax in (top_right, bottom_left, bottom_right):  # the heatmap shows frozen staleness there
+            ax.axvspan(begin, end_s, color="0.85", zorder=0, label="no step trained (start, restart)" if i == 0 else None)
     mark_failures([top_left, top_right, bottom_left, bottom_right], q("layercheck_failures_total{RUN}"))
+    handles = [h for ax in (bottom_right, steps) for h in ax.get_legend_handles_labels()[0]]
+    bottom_right.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    for ax in (top_right, bottom_left):
+        ax.legend(fontsize=8, loc="upper left")
     fig.suptitle(f"LayerCheck run {run_id}, as scraped by Prometheus")
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -135,6 +135,8 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
     result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
                        trace=ray.get(policy.trace.remote()), layer_numel=layer_map.numel, error=error,
                        metrics_url=metrics_url)
+    if metrics_url is not None:
+        ray.get(supervisor.flush_metrics.remote())  # the final values reach Prometheus before the exporter ends
     for actor in (supervisor, policy):
         ray.kill(actor)
     return result

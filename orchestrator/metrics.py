@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -137,10 +138,12 @@ class _WithoutCreated:
     """The collectors of ``inner`` less prometheus_client's ``*_created`` timestamps (series no
     dashboard uses, which would double the counters' and histograms' series)."""
 
-    def __init__(self, inner: CollectorRegistry) -> None:
+    def __init__(self, inner: CollectorRegistry, on_collect: Any) -> None:
         self.inner = inner
+        self.on_collect = on_collect
 
     def collect(self) -> Any:
+        self.on_collect()
         for family in self.inner.collect():
             family.samples = [s for s in family.samples if not s.name.endswith("_created")]
             yield family
@@ -165,7 +168,10 @@ class RunMetrics:
         inner = CollectorRegistry(auto_describe=True)
         self.m = {spec.name: _build(spec, inner) for spec in SPECS}
         self.registry = CollectorRegistry()
-        self.registry.register(_WithoutCreated(inner))
+        self.registry.register(_WithoutCreated(inner, self._scraped))
+        self._scrape_seen = threading.Condition()
+        self._scrapes = 0
+        self._scrape_times: deque[float] = deque(maxlen=2)
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, ...], float] = {}  # per counter series: the total already counted
         self._latencies_seen = 0
@@ -190,6 +196,23 @@ class RunMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+    def _scraped(self) -> None:
+        with self._scrape_seen:
+            self._scrapes += 1
+            self._scrape_times.append(time.monotonic())
+            self._scrape_seen.notify_all()
+
+    def await_scrape(self, cap_s: float = 30.0) -> bool:
+        """Wait until the values as they are now have been scraped once, so a run's final values
+        reach Prometheus before the exporter ends. Only when something is scraping (two scrapes
+        seen), and for at most twice its interval (``cap_s`` at most). True if it was scraped."""
+        with self._scrape_seen:
+            if len(self._scrape_times) < 2:
+                return False
+            interval = self._scrape_times[1] - self._scrape_times[0]
+            seen = self._scrapes
+            return self._scrape_seen.wait_for(lambda: self._scrapes > seen, timeout=min(cap_s, 2 * interval + 1))
 
     def exposition(self) -> str:
         """The text Prometheus scrapes."""

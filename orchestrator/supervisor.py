@@ -265,10 +265,19 @@ class Supervisor:
             except Exception as error:  # the policy actor is busy or gone: export the rest
                 logger.debug("policy view unavailable for metrics: %s", error)
                 policy = {}
+            status = self.status()  # before the writers' stats: bytes written then cover bytes committed
             writers = ray.get([w.get_stats.remote() for w in self._all_writers()], timeout=5)
-            self._metrics.refresh(self.status(), writers, policy, time.monotonic())
+            self._metrics.refresh(status, writers, policy, time.monotonic())
         except Exception as error:  # metrics must never take the run down
             logger.warning("metrics refresh failed: %s", error)
+
+    def flush_metrics(self) -> bool:
+        """At the end of the run: refresh, and wait (briefly) until Prometheus has scraped the
+        final values; True if it did. The exporter ends with this actor."""
+        if self._metrics is None:
+            return False
+        self._refresh_metrics()
+        return self._metrics.await_scrape()
 
     def _all_writers(self) -> list[Any]:
         with self._lock:
