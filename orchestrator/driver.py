@@ -22,12 +22,15 @@ from orchestrator.names import NAMESPACE, RunNames
 from orchestrator.run_config import RunConfig
 from orchestrator.store import LayerStore
 from policies.layer_map import LayerMap, layer_map_of
+from policies.trace import DriftTrace
 from workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 #: The run's config, as JSON, in the root of its store.
 RUN_CONFIG_FILE = "run.json"
+#: The run's drift trace (``layercheck simulate --trace`` replays it), in the root of its store.
+DRIFT_TRACE_FILE = "drift_trace.json"
 
 
 @dataclass
@@ -36,8 +39,8 @@ class RunResult:
     config: RunConfig
     status: dict[str, Any]
     """The supervisor's final view (see :meth:`Supervisor.status`)."""
-    trace: dict[str, Any]
-    """The run's drift trace, in the simulator's JSON form."""
+    trace: DriftTrace
+    """The run's drift trace: per step, the learning rate and every layer's drift."""
     layer_numel: dict[str, int]
     error: str | None = None
     metrics_url: str | None = None
@@ -132,9 +135,11 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
         shutil.rmtree(scratch, ignore_errors=True)
     ray.get(supervisor.drain.remote())
     ray.get(supervisor.finish.remote(error is None))
+    trace = DriftTrace.from_json({**ray.get(policy.trace.remote()), "layers": [
+        {"name": name, "numel": numel} for name, numel in layer_map.numel.items()]})
+    LayerStore.open(config.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
     result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
-                       trace=ray.get(policy.trace.remote()), layer_numel=layer_map.numel, error=error,
-                       metrics_url=metrics_url)
+                       trace=trace, layer_numel=layer_map.numel, error=error, metrics_url=metrics_url)
     if metrics_url is not None:
         ray.get(supervisor.flush_metrics.remote())  # the final values reach Prometheus before the exporter ends
     for actor in (supervisor, policy):

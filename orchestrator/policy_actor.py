@@ -77,5 +77,5 @@ class PolicyActor:
         return {"lr": lr}
 
     def trace(self) -> dict[str, Any]:
-        """The run's drift trace so far, in the simulator's JSON form (without layer sizes)."""
+        """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""
         return {"steps": [{"step": o.step, "lr": o.lr, "drift": dict(o.drift)} for o in self.service.trace]}

@@ -10,17 +10,7 @@ from typing import Any
 from orchestrator.driver import RunResult
 from orchestrator.table import format_table, human_bytes
 from policies.configs import LayerCheckConfig
-from policies.decision import StepObservation
 from policies.simulate import BYTES_PER_PARAM, compare
-from policies.trace import DriftTrace
-
-
-def run_trace(result: RunResult) -> DriftTrace:
-    layers = tuple(result.layer_numel)
-    return DriftTrace(
-        layers=layers, numel=result.layer_numel,
-        steps=tuple(StepObservation(step=s["step"], lr=s["lr"], drift=s["drift"]) for s in result.trace["steps"]),
-    )
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
@@ -50,9 +40,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "storage": result.config.storage_uri,
         "metrics_url": result.metrics_url,
     }
-    if isinstance(result.config.policy, LayerCheckConfig) and result.trace["steps"]:
+    if isinstance(result.config.policy, LayerCheckConfig) and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
-        comparison = compare(run_trace(result), result.config.policy, label="layercheck",
+        comparison = compare(result.trace, result.config.policy, label="layercheck",
                              eval_from=result.config.policy.warmup_steps)
         summary["full_at_same_staleness"] = {
             "interval": int(comparison.matched_staleness.policy.split("/")[1]),

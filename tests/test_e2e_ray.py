@@ -7,11 +7,12 @@ import math
 import pytest
 import ray
 
-from orchestrator.driver import connect, train
+from orchestrator.driver import DRIFT_TRACE_FILE, connect, train
 from orchestrator.run_config import load_run_config
 from orchestrator.store import LayerStore
 from orchestrator.summary import format_summary, summarize
 from policies.configs import IntervalConfig
+from policies.trace import DriftTrace
 from workers.schedule import lr_at
 
 pytestmark = pytest.mark.slow
@@ -74,7 +75,9 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp
     assert summary["steps"] == 12 and summary["failures"] == 1 and 0 < summary["ettr"] <= 1
     assert math.isfinite(summary["final_loss"])
     assert "recovery after step 8" in format_summary(summary)
-    assert len(result.trace["steps"]) == 12  # the drift trace, for layercheck simulate
+    assert [o.step for o in result.trace.steps] == list(range(1, 13))  # the drift trace, minus nothing
+    recorded = DriftTrace.parse((tmp_path / "mixed" / DRIFT_TRACE_FILE).read_text())  # for layercheck simulate
+    assert recorded == result.trace
 
 
 def test_a_stopped_run_resumes_from_its_store_at_another_world_size(demo, tmp_path):
