@@ -1,0 +1,139 @@
+"""Metric formulas of the benchmark: staleness and unsaved drift along a run, loss deviation
+after a recovery, measured ETTR, and the intervals that match LayerCheck's freshness.
+
+Pure: values in, values out. The definitions follow ``policies/simulate.py`` so that a
+measured run and a replayed trace are comparable: from ``eval_from`` on, per step, the
+parameter-weighted staleness ``sum(numel * (t - t_last)) / sum(numel)`` and the weighted drift
+accumulated since each layer's last save; a layer never saved counts from step 0.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies.decision import StepObservation
+from policies.simulate import match_interval
+from policies.trace import DriftTrace
+
+
+@dataclass
+class FreshnessTracker:
+    """Per-step staleness and unsaved drift of what is persisted, as a run goes."""
+
+    numel: Mapping[str, int]
+    eval_from: int = 0
+    last: dict[str, int] = field(default_factory=dict)
+    unsaved: dict[str, float] = field(default_factory=dict)
+    weighted: list[float] = field(default_factory=list)
+    unsaved_series: list[float] = field(default_factory=list)
+    max_staleness: int = 0
+
+    def __post_init__(self) -> None:
+        self.last = {name: 0 for name in self.numel}
+        self.unsaved = {name: 0.0 for name in self.numel}
+
+    @property
+    def total(self) -> int:
+        return sum(self.numel.values())
+
+    def observe(self, step: int, drift: Mapping[str, float], persisted: Iterable[str]) -> None:
+        """After ``step``: each layer drifted by ``drift``; ``persisted`` were saved at ``step``."""
+        for name in self.numel:
+            self.unsaved[name] += float(drift.get(name, 0.0))
+        for name in persisted:
+            self.last[name] = step
+            self.unsaved[name] = 0.0
+        if step < self.eval_from:
+            return
+        staleness = {n: step - t for n, t in self.last.items()}
+        self.weighted.append(sum(self.numel[n] * s for n, s in staleness.items()) / self.total)
+        self.unsaved_series.append(sum(self.numel[n] * u for n, u in self.unsaved.items()) / self.total)
+        self.max_staleness = max(self.max_staleness, max(staleness.values()))
+
+    def weighted_staleness_now(self, step: int) -> float:
+        return sum(self.numel[n] * (step - t) for n, t in self.last.items()) / self.total
+
+    def max_staleness_now(self, step: int) -> int:
+        return max(step - t for t in self.last.values())
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "mean_weighted_staleness": _mean(self.weighted),
+            "max_staleness": float(self.max_staleness),
+            "mean_unsaved_drift": _mean(self.unsaved_series),
+            "max_unsaved_drift": max(self.unsaved_series, default=0.0),
+        }
+
+
+def loss_deviation(losses: Mapping[int, float], reference: Mapping[int, float],
+                   windows: Sequence[tuple[int, int]]) -> dict[str, float]:
+    """``|loss - reference|`` over the steps of ``windows`` (inclusive ranges): mean, max, and the
+    max relative to the reference loss."""
+    diffs, rel = [], []
+    for start, end in windows:
+        for step in range(start, end + 1):
+            if step in losses and step in reference:
+                d = abs(losses[step] - reference[step])
+                diffs.append(d)
+                rel.append(d / abs(reference[step]) if reference[step] else 0.0)
+    return {"mean": _mean(diffs), "max": max(diffs, default=0.0), "max_relative": max(rel, default=0.0),
+            "steps": len(diffs)}
+
+
+def post_failure_windows(failures: Sequence[int], steps: int, length: int | None = None) -> list[tuple[int, int]]:
+    """The steps after each failure up to the next one (or the end), at most ``length`` long."""
+    out = []
+    for i, f in enumerate(failures):
+        end = failures[i + 1] if i + 1 < len(failures) else steps
+        if length is not None:
+            end = min(end, f + length)
+        if end > f:
+            out.append((f + 1, end))
+    return out
+
+
+def measured_ettr(*, productive_s: float, train_s: float, recovery_s: float, restart_s: float, failures: int) -> float:
+    """Productive time (the failure-free ``none`` run's training time) over the wall-clock time
+    this strategy needed for the same steps: its training, its recoveries, and a restart per failure."""
+    wall = train_s + recovery_s + restart_s * failures
+    return productive_s / wall if wall > 0 else 0.0
+
+
+def trace_of(numel: Mapping[str, int], drifts: Mapping[int, Mapping[str, float]], lrs: Mapping[int, float]) -> DriftTrace:
+    """The run's drift trace (``policies.trace`` format) from per-step global drift and LR."""
+    steps = tuple(StepObservation(step=s, lr=lrs[s], drift=dict(drifts[s])) for s in sorted(drifts))
+    return DriftTrace(layers=tuple(numel), numel=dict(numel), steps=steps)
+
+
+@dataclass(frozen=True)
+class MatchedIntervals:
+    staleness: int
+    drift: int
+    target_staleness: float
+    target_drift: float
+    interval_staleness: float
+    """The full-checkpoint staleness the chosen interval gives on the trace (what it was matched to)."""
+    interval_drift: float
+
+
+def matched_intervals(trace: DriftTrace, *, target_staleness: float, target_drift: float,
+                      eval_from: int) -> MatchedIntervals:
+    """Fixed intervals whose full checkpoints give, on ``trace``, the mean weighted staleness and
+    the mean unsaved drift LayerCheck was measured at (``policies.simulate.match_interval``)."""
+    by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
+    by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
+    return MatchedIntervals(
+        staleness=_interval_of(by_stal.policy), drift=_interval_of(by_drift.policy),
+        target_staleness=target_staleness, target_drift=target_drift,
+        interval_staleness=by_stal.mean_weighted_staleness, interval_drift=by_drift.mean_unsaved_drift,
+    )
+
+
+def _interval_of(label: str) -> int:
+    return int(label.rsplit("/", 1)[1])  # simulate_interval labels its results "full/<interval>"
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0

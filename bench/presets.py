@@ -1,0 +1,109 @@
+"""Workloads the benchmark trains: the CPU default and GPU presets of real model shapes.
+
+A workload is plain data (JSON round-trip) so it travels to the spawned ranks unchanged.
+The CPU default is the demo's tiny Llama (``examples/demo.toml``: model, data, optimiser and
+engine as the demo has them), run longer with two fixed failures. The GPU presets are
+Qwen2.5-0.5B / 1.5B shapes built from config (random init), bf16, ZeRO-3 on NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from bench.strategies import StrategyOptions
+
+DEMO_LLAMA: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+QWEN25_05B: dict[str, Any] = {
+    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "tie_word_embeddings": True,
+}
+
+QWEN25_15B: dict[str, Any] = {
+    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+    "max_position_embeddings": 4096, "tie_word_embeddings": True,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    name: str
+    model: Mapping[str, Any]
+    """A ``transformers`` config dict with ``model_type`` (random init, seed 0)."""
+    steps: int
+    failures: tuple[int, ...]
+    """Steps after which a rank fails (same for every strategy)."""
+    seq_len: int = 64
+    micro_batch: int = 4
+    lr: float = 1e-3
+    lr_warmup: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    zero_stage: int = 3
+    precision: str = "fp32"
+    world_size: int = 2
+    device: str = "cpu"
+    """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)."""
+    tokenizer_vocab: int = 256
+    """Byte-level corpus tokens (< 256) are valid ids in any larger vocabulary."""
+    strategy: StrategyOptions = field(default_factory=StrategyOptions)
+
+    def __post_init__(self) -> None:
+        if self.steps < 2:
+            raise ValueError(f"Workload.steps: must be >= 2, got {self.steps}")
+        if any(not 1 <= f < self.steps for f in self.failures) or list(self.failures) != sorted(set(self.failures)):
+            raise ValueError(f"Workload.failures: increasing steps in [1, {self.steps}), got {self.failures}")
+        if not 0 <= self.lr_warmup <= self.steps:
+            raise ValueError(f"Workload.lr_warmup: must be in [0, steps={self.steps}], got {self.lr_warmup}")
+        if self.strategy.layercheck_warmup >= (self.failures[0] if self.failures else self.steps):
+            raise ValueError("Workload.strategy.layercheck_warmup: must come before the first failure")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["failures"] = list(self.failures)
+        out["model"] = dict(self.model)
+        out["strategy"] = {**asdict(self.strategy), "layercheck": dict(self.strategy.layercheck)}
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Workload:
+        fields = dict(data)
+        fields["failures"] = tuple(fields["failures"])
+        fields["strategy"] = StrategyOptions(**fields["strategy"])
+        return cls(**fields)
+
+
+PRESETS: dict[str, Workload] = {
+    # ~0.1M params, ~0.05-0.2 s a step on 2 CPU cores: the whole run takes a few minutes.
+    "tiny": Workload(name="tiny", model=DEMO_LLAMA, steps=240, failures=(132, 204),
+                     strategy=StrategyOptions(interval=50, layercheck_warmup=40)),
+    # GPU presets: 2 ranks on the GPUs of one machine (or 1 with world_size=1 via --world-size).
+    "qwen2.5-0.5b": Workload(name="qwen2.5-0.5b", model=QWEN25_05B, steps=120, failures=(66, 102),
+                             seq_len=1024, micro_batch=4, lr=1e-5, lr_warmup=10, precision="bf16",
+                             device="cuda", strategy=StrategyOptions(interval=25, layercheck_warmup=20)),
+    "qwen2.5-1.5b": Workload(name="qwen2.5-1.5b", model=QWEN25_15B, steps=80, failures=(44, 68),
+                             seq_len=1024, micro_batch=2, lr=1e-5, lr_warmup=8, precision="bf16",
+                             device="cuda", strategy=StrategyOptions(interval=20, layercheck_warmup=16)),
+}
+
+
+def preset(name: str, **overrides: Any) -> Workload:
+    """The named preset with ``overrides`` (``None`` values ignored)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+    base = PRESETS[name]
+    strategy_keys = {"interval", "layercheck_warmup", "delta_density"}
+    strat = {k: v for k, v in overrides.items() if k in strategy_keys and v is not None}
+    rest = {k: v for k, v in overrides.items() if k not in strategy_keys and v is not None}
+    if strat:
+        rest["strategy"] = replace(base.strategy, **strat)
+    return replace(base, **rest)

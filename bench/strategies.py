@@ -1,0 +1,165 @@
+"""The checkpointing strategies the benchmark compares, as values.
+
+A strategy says *what* is persisted and *how a failure is recovered*; the harness
+(:mod:`bench.harness`) carries it out. Every strategy trains the same workload with the same
+failure schedule, so their rows differ only in checkpointing.
+
+=============== ============================================ =====================================
+name            persists                                     recovery
+=============== ============================================ =====================================
+none            nothing                                      restart from step 0 (rollback)
+full            DeepSpeed ``save_checkpoint`` every N, sync  ``load_checkpoint``, re-run lost steps
+full-async      the same bytes, written by a thread          the same
+full-resume     every layer every N (LayerStore, async)      composite, resume at ``t_fail + 1``
+layercheck      LayerCheck policy (LayerStore, async)        composite, resume at ``t_fail + 1``
+diff            every layer every N + per-step top-k delta   last full + replay of the deltas
+=============== ============================================ =====================================
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from policies.configs import LayerCheckConfig, to_mapping
+
+
+class Kind(str, enum.Enum):
+    """How state is persisted."""
+
+    NONE = "none"
+    DEEPSPEED_SYNC = "deepspeed-sync"  # engine.save_checkpoint on the training thread
+    DEEPSPEED_ASYNC = "deepspeed-async"  # same files; host copy on the thread, writes in the background
+    LAYER_INTERVAL = "layer-interval"  # every layer every N steps through the LayerStore
+    LAYER_POLICY = "layer-policy"  # the LayerCheck policy through the LayerStore
+    DIFFERENTIAL = "differential"  # LayerStore full every N + compressed per-step deltas
+
+
+class Recovery(str, enum.Enum):
+    """How a failure is recovered."""
+
+    RESTART = "restart"  # from the initial weights: every step is lost
+    ROLLBACK = "rollback"  # load the last full checkpoint, re-run the steps since
+    RESUME = "resume"  # load the composite, continue at t_fail + 1
+    REPLAY_DELTAS = "replay-deltas"  # load the last full, apply the deltas up to t_fail
+
+
+RECOVERY_OF: Mapping[Kind, Recovery] = {
+    Kind.NONE: Recovery.RESTART,
+    Kind.DEEPSPEED_SYNC: Recovery.ROLLBACK,
+    Kind.DEEPSPEED_ASYNC: Recovery.ROLLBACK,
+    Kind.LAYER_INTERVAL: Recovery.RESUME,
+    Kind.LAYER_POLICY: Recovery.RESUME,
+    Kind.DIFFERENTIAL: Recovery.REPLAY_DELTAS,
+}
+
+#: Strategies whose recovery state is an interval of full checkpoints, run again at matched freshness.
+MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Strategy:
+    name: str
+    """The row label (unique within a run)."""
+    kind: Kind
+    interval: int = 0
+    """Steps between full checkpoints (the full-checkpoint kinds and ``differential``)."""
+    policy: LayerCheckConfig | None = None
+    """The LayerCheck policy (``layer-policy`` only)."""
+    delta_density: float = 0.01
+    """``differential``: fraction of each state tensor's elements sent per step (top-k with error feedback)."""
+    matched: str = ""
+    """For a matched-freshness variant: ``staleness`` or ``drift`` (what it was matched on)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("Strategy.name: must be non-empty")
+        needs_interval = self.kind in (Kind.DEEPSPEED_SYNC, Kind.DEEPSPEED_ASYNC, Kind.LAYER_INTERVAL,
+                                       Kind.DIFFERENTIAL)
+        if needs_interval and self.interval < 1:
+            raise ValueError(f"Strategy {self.name}: interval must be >= 1 for kind {self.kind.value}, got {self.interval}")
+        if (self.kind is Kind.LAYER_POLICY) != (self.policy is not None):
+            raise ValueError(f"Strategy {self.name}: a LayerCheckConfig is needed for, and only for, kind layer-policy")
+        if not 0 < self.delta_density <= 1:
+            raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
+        if self.matched not in ("", "staleness", "drift"):
+            raise ValueError(f"Strategy {self.name}: matched must be '', 'staleness' or 'drift', got {self.matched!r}")
+
+    @property
+    def recovery(self) -> Recovery:
+        return RECOVERY_OF[self.kind]
+
+    @property
+    def uses_layer_store(self) -> bool:
+        return self.kind in (Kind.LAYER_INTERVAL, Kind.LAYER_POLICY, Kind.DIFFERENTIAL)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind.value, "recovery": self.recovery.value,
+                "interval": self.interval, "delta_density": self.delta_density, "matched": self.matched,
+                "policy": to_mapping(self.policy) if self.policy else None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Strategy:
+        policy = LayerCheckConfig(**data["policy"]) if data.get("policy") else None
+        return cls(name=data["name"], kind=Kind(data["kind"]), interval=int(data["interval"]), policy=policy,
+                   delta_density=float(data["delta_density"]), matched=data.get("matched", ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """The knobs that shape the default set."""
+
+    interval: int = 50
+    """N: steps between full checkpoints for the fixed-interval baselines."""
+    layercheck_warmup: int = 40
+    """LayerCheck's warm-up W (base checkpoint at W); the paper's 200 is longer than the CPU run."""
+    layercheck: Mapping[str, Any] = field(default_factory=dict)
+    """Overrides of ``LayerCheckConfig`` beyond the defaults (empty: the project's defaults)."""
+    delta_density: float = 0.01
+
+
+def layercheck_configs(options: StrategyOptions) -> dict[str, LayerCheckConfig]:
+    base = {**to_mapping(LayerCheckConfig()), "warmup_steps": options.layercheck_warmup, **options.layercheck}
+    return {
+        "layercheck": LayerCheckConfig(**base),
+        "layercheck-const": LayerCheckConfig(**{**base, "threshold_schedule": "constant"}),
+    }
+
+
+def default_strategies(options: StrategyOptions) -> list[Strategy]:
+    """The strategies of a benchmark run, ``none`` first (it is the reference)."""
+    n = options.interval
+    out = [
+        Strategy(name="none", kind=Kind.NONE),
+        Strategy(name="full", kind=Kind.DEEPSPEED_SYNC, interval=n),
+        Strategy(name="full-async", kind=Kind.DEEPSPEED_ASYNC, interval=n),
+        Strategy(name="full-resume", kind=Kind.LAYER_INTERVAL, interval=n),
+    ]
+    out += [Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()]
+    out.append(Strategy(name="diff", kind=Kind.DIFFERENTIAL, interval=n, delta_density=options.delta_density))
+    return out
+
+
+def matched_variants(strategies: list[Strategy], *, staleness_interval: int, drift_interval: int) -> list[Strategy]:
+    """The matchable baselines again, at the interval matching LayerCheck's weighted staleness
+    and at the one matching its mean unsaved drift (``name@stal``, ``name@drift``)."""
+    out = []
+    for s in strategies:
+        if s.kind in MATCHABLE and not s.matched:
+            out.append(replace(s, name=f"{s.name}@stal", interval=staleness_interval, matched="staleness"))
+            out.append(replace(s, name=f"{s.name}@drift", interval=drift_interval, matched="drift"))
+    return out
+
+
+def select(strategies: list[Strategy], names: list[str] | None) -> list[Strategy]:
+    """The strategies named (in the given order, ``none`` always first), or all of them."""
+    if not names:
+        return strategies
+    by_name = {s.name: s for s in strategies}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown strategies {unknown}; known: {sorted(by_name)}")
+    chosen = ["none"] + [n for n in names if n != "none"]
+    return [by_name[n] for n in chosen]

@@ -1,0 +1,73 @@
+"""The benchmark's strategy definitions and workload presets (pure values)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.presets import PRESETS, Workload, preset
+from bench.strategies import (Kind, Recovery, Strategy, StrategyOptions, default_strategies, matched_variants,
+                              select)
+from policies.configs import LayerCheckConfig
+
+
+def test_default_set_has_every_strategy_the_issue_names_none_first():
+    names = [s.name for s in default_strategies(StrategyOptions())]
+    assert names[0] == "none"
+    assert set(names) == {"none", "full", "full-async", "full-resume", "layercheck", "layercheck-const", "diff"}
+
+
+def test_layercheck_variants_keep_the_defaults_but_the_warmup():
+    by_name = {s.name: s for s in default_strategies(StrategyOptions(layercheck_warmup=17))}
+    lc, const = by_name["layercheck"].policy, by_name["layercheck-const"].policy
+    defaults = LayerCheckConfig()
+    assert (lc.k0, lc.k0_embed, lc.smax, lc.threshold_schedule) == (defaults.k0, defaults.k0_embed, defaults.smax, "lr")
+    assert lc.warmup_steps == const.warmup_steps == 17
+    assert const.threshold_schedule == "constant"
+
+
+@pytest.mark.parametrize("kind, recovery", [
+    (Kind.NONE, Recovery.RESTART), (Kind.DEEPSPEED_SYNC, Recovery.ROLLBACK), (Kind.DEEPSPEED_ASYNC, Recovery.ROLLBACK),
+    (Kind.LAYER_INTERVAL, Recovery.RESUME), (Kind.DIFFERENTIAL, Recovery.REPLAY_DELTAS),
+])
+def test_recovery_follows_the_kind(kind, recovery):
+    assert Strategy(name="x", kind=kind, interval=5).recovery is recovery
+
+
+def test_invalid_strategies_name_the_problem():
+    with pytest.raises(ValueError, match="interval"):
+        Strategy(name="f", kind=Kind.DEEPSPEED_SYNC)
+    with pytest.raises(ValueError, match="LayerCheckConfig"):
+        Strategy(name="l", kind=Kind.LAYER_POLICY)
+    with pytest.raises(ValueError, match="delta_density"):
+        Strategy(name="d", kind=Kind.DIFFERENTIAL, interval=3, delta_density=0)
+
+
+def test_json_round_trip():
+    for s in default_strategies(StrategyOptions()):
+        assert Strategy.from_json(s.to_json()) == s
+
+
+def test_matched_variants_cover_full_full_resume_and_diff_at_both_intervals():
+    variants = matched_variants(default_strategies(StrategyOptions()), staleness_interval=7, drift_interval=3)
+    assert {(v.name, v.interval, v.matched) for v in variants} == {
+        ("full@stal", 7, "staleness"), ("full@drift", 3, "drift"),
+        ("full-resume@stal", 7, "staleness"), ("full-resume@drift", 3, "drift"),
+        ("diff@stal", 7, "staleness"), ("diff@drift", 3, "drift"),
+    }
+
+
+def test_select_keeps_none_first_and_rejects_unknown_names():
+    chosen = select(default_strategies(StrategyOptions()), ["layercheck", "full"])
+    assert [s.name for s in chosen] == ["none", "layercheck", "full"]
+    with pytest.raises(ValueError, match="unknown"):
+        select(default_strategies(StrategyOptions()), ["nope"])
+
+
+def test_presets_round_trip_and_validate():
+    for w in PRESETS.values():
+        assert Workload.from_json(w.to_json()) == w
+    assert preset("tiny", steps=30, failures=(10, 20), interval=4, layercheck_warmup=5).strategy.interval == 4
+    with pytest.raises(ValueError, match="failures"):
+        preset("tiny", failures=(500,))
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
