@@ -15,6 +15,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "orchestrator.config_cmd",
     "orchestrator.simulate_cmd",
     "orchestrator.store_cmd",
+    "orchestrator.bench_cmd",
     "orchestrator.export_cmd",
 )
 

@@ -1,0 +1,116 @@
+"""What ``layercheck bench`` and ``layercheck ettr`` do (registered by ``orchestrator/bench_cmd.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench import ettr as ettr_model
+from bench import report as reports
+from bench.presets import PRESETS, preset
+from bench.strategies import default_strategies, select
+
+logger = logging.getLogger(__name__)
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
+                   help="workload: tiny (CPU, a few minutes) or a Qwen2.5 shape for a GPU machine")
+    p.add_argument("--steps", type=int, help="override the preset's steps")
+    p.add_argument("--failures", help="comma-separated steps after which a rank fails (override)")
+    p.add_argument("--interval", type=int, help="N: steps between full checkpoints (override)")
+    p.add_argument("--layercheck-warmup", type=int, help="LayerCheck warm-up W (override)")
+    p.add_argument("--delta-density", type=float, help="diff: fraction of elements sent per step (override)")
+    p.add_argument("--world-size", type=int, help="ranks (override; GPU presets use one GPU per rank)")
+    p.add_argument("--strategies", help="comma-separated subset (none is always run: it is the reference)")
+    p.add_argument("--no-matched", action="store_true", help="skip the matched-freshness runs")
+    p.add_argument("--repeats", type=int, default=1, help="run every strategy this many times (times: median)")
+    p.add_argument("--work-dir", type=Path, help="keep checkpoints here (default: a temporary directory)")
+    p.add_argument("--out", type=Path, help="write bench.json, summary.md, ettr.json and plots here")
+    p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+
+
+def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bench_json", type=Path, help="a `layercheck bench --json` report (or bench.json)")
+    p.add_argument("--per-gpu-mtbf-hours", type=float, default=ettr_model.PER_GPU_MTBF_HOURS)
+    p.add_argument("--mtbf-hours", default=",".join(f"{h:g}" for h in ettr_model.MTBF_HOURS))
+    p.add_argument("--gpus", default=",".join(str(n) for n in ettr_model.GPU_COUNTS))
+    p.add_argument("--storage-gbps", type=float, help="storage bandwidth in GB/s (default: as measured)")
+    p.add_argument("--restart-s", type=float, help="restart time per failure (default: the measured engine build)")
+    p.add_argument("--runs", type=int, default=200, help="Monte-Carlo runs per point")
+    p.add_argument("--strategies", help="comma-separated subset of the report's strategies")
+    p.add_argument("--out", type=Path, help="write ettr.json and ettr.png here")
+    p.add_argument("--json", action="store_true")
+
+
+def workload_from_args(args: argparse.Namespace) -> Any:
+    failures = tuple(int(x) for x in args.failures.split(",")) if args.failures else None
+    return preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
+                  layercheck_warmup=args.layercheck_warmup, delta_density=args.delta_density,
+                  world_size=args.world_size)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench.harness import run_benchmark
+    from bench.machine import describe
+
+    try:
+        workload = workload_from_args(args)
+        names = [n.strip() for n in args.strategies.split(",")] if args.strategies else None
+        strategies = select(default_strategies(workload.strategy), names)
+    except ValueError as error:
+        raise SystemExit(f"layercheck bench: {error}") from None
+    machine = describe()
+    raw = run_benchmark(workload, strategies, root=args.work_dir, matched=not args.no_matched, repeats=args.repeats)
+    report = reports.build_report(raw, workload.to_json(), machine)
+    if args.out:
+        write_outputs(report, args.out)
+    print(json.dumps(report, indent=1) if args.json else reports.text(report))
+    return 0
+
+
+def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) -> None:
+    """bench.json, ettr.json, the plots and summary.md into ``out``."""
+    from bench import plots
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=1))
+    grid = ettr_model.grid(ettr_model.costs_from_bench(report), runs=ettr_runs)
+    (out / "ettr.json").write_text(json.dumps(grid, indent=1))
+    names = [plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
+             plots.loss_deviation(report, out / "loss_deviation.png").name,
+             plots.ettr_curves(grid, out / "ettr.png").name]
+    (out / "summary.md").write_text(reports.summary_markdown(report, plots=names, ettr=grid))
+    logger.info("wrote %s", ", ".join(str(out / n) for n in ("bench.json", "ettr.json", "summary.md", *names)))
+
+
+def run_ettr(args: argparse.Namespace) -> int:
+    try:
+        report = json.loads(args.bench_json.read_text())
+        costs = ettr_model.costs_from_bench(report, restart_s=args.restart_s)
+        if args.strategies:
+            wanted = {n.strip() for n in args.strategies.split(",")}
+            costs = [c for c in costs if c.name in wanted]
+        mtbf = [float(x) for x in args.mtbf_hours.split(",")]
+        gpus = [int(x) for x in args.gpus.split(",")]
+    except (OSError, ValueError, KeyError) as error:
+        raise SystemExit(f"layercheck ettr: {error!r}") from None
+    grid = ettr_model.grid(costs, mtbf_hours=mtbf, gpu_counts=gpus, per_gpu_mtbf_hours=args.per_gpu_mtbf_hours,
+                           runs=args.runs,
+                           storage_bytes_per_s=args.storage_gbps * 1e9 if args.storage_gbps else None)
+    if args.out:
+        from bench import plots
+
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ettr.json").write_text(json.dumps(grid, indent=1))
+        plots.ettr_curves(grid, args.out / "ettr.png")
+    if args.json:
+        json.dump(grid, sys.stdout, indent=1)
+        print()
+    else:
+        print(reports.ettr_table(grid))
+    return 0

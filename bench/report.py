@@ -1,0 +1,266 @@
+"""From the ranks' raw measurements to the benchmark report: one row per strategy, the
+matched-freshness pairs, and the text forms (table, markdown summary).
+
+Pure: dicts in, dicts and strings out. Every figure in a summary or the README comes from here.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bench.metrics import loss_deviation, measured_ettr, post_failure_windows
+from orchestrator.table import format_table, human_bytes
+
+
+def _mean(values: Sequence[float]) -> float:
+    return statistics.fmean(values) if values else 0.0
+
+
+def _losses(raw: Mapping[str, Any]) -> dict[int, float]:
+    return {int(k): float(v) for k, v in raw["losses"].items()}
+
+
+def strategy_row(raw: Mapping[str, Any], none: Mapping[str, Any], *, steps: int, failures: Sequence[int],
+                 restart_s: float) -> dict[str, Any]:
+    """The reported figures of one strategy (``none``'s failures are modelled: restart at step 0)."""
+    s = raw["strategy"]
+    reference = _losses(none)
+    none_step = none["train_s"] / steps
+    recoveries = list(raw["recoveries"])
+    if s["kind"] == "none":  # not run with failures: every step before the failure is re-run
+        recoveries = [{"t_fail": f, "steps_lost": f, "plan_s": 0.0, "load_s": 0.0, "replay_s": f * none_step,
+                       "recovery_s": f * none_step, "weighted_staleness": float(f), "max_staleness": f,
+                       "modelled": True} for f in failures]
+    deviation = loss_deviation(_losses(raw), reference, post_failure_windows(failures, steps))
+    recovery_total = sum(r["recovery_s"] for r in recoveries)
+    plan_load = _mean([r["plan_s"] + r["load_s"] for r in recoveries])
+    # a rollback's re-run steps are in its replay time; ETTR models them from steps lost instead
+    delta_replay = _mean([r["replay_s"] for r in recoveries]) if s["recovery"] == "replay-deltas" else 0.0
+    events = raw["events"]
+    return {
+        "name": s["name"], "kind": s["kind"], "recovery": s["recovery"], "interval": s["interval"],
+        "matched": s["matched"],
+        "train_s": raw["train_s"], "step_s": raw["train_s"] / steps,
+        # for the ETTR model: none's step plus this strategy's own critical-path costs, which
+        # are measured directly (whole-run differences on a shared machine are mostly noise)
+        "model_step_s": none_step + (raw["stall_s"] + (raw["probe_s"] if s["kind"] == "layer-policy" else 0.0)) / steps,
+        "overhead": raw["train_s"] / none["train_s"] - 1.0,
+        "stall_s": raw["stall_s"], "stall_per_event_s": raw["stall_s"] / events if events else 0.0,
+        "probe_s": raw["probe_s"],
+        "bytes_written": raw["bytes_written"], "events": events,
+        "bytes_per_event": raw["bytes_written"] / events if events else 0.0,
+        "bytes_per_step": raw["bytes_written"] / steps,
+        "mean_weighted_staleness": raw["freshness"]["mean_weighted_staleness"],
+        "max_staleness": raw["freshness"]["max_staleness"],
+        "mean_unsaved_drift": raw["freshness"]["mean_unsaved_drift"],
+        "staleness_at_failure": _mean([r["weighted_staleness"] for r in recoveries]),
+        "max_staleness_at_failure": max((r["max_staleness"] for r in recoveries), default=0),
+        "plan_s": _mean([r["plan_s"] for r in recoveries]),
+        "load_s": _mean([r["load_s"] for r in recoveries]),
+        "replay_s": _mean([r["replay_s"] for r in recoveries]),
+        "recovery_s": plan_load + delta_replay,
+        "recovery_total_s": _mean([r["recovery_s"] for r in recoveries]),
+        "steps_lost": _mean([r["steps_lost"] for r in recoveries]),
+        "loss_dev_mean": deviation["mean"], "loss_dev_max": deviation["max"],
+        "loss_dev_max_relative": deviation["max_relative"],
+        "ettr": measured_ettr(productive_s=none["train_s"], train_s=raw["train_s"], recovery_s=recovery_total,
+                              restart_s=restart_s, failures=len(failures)),
+        "ettr_no_restart": measured_ettr(productive_s=none["train_s"], train_s=raw["train_s"],
+                                         recovery_s=recovery_total, restart_s=0.0, failures=len(failures)),
+        "recoveries": recoveries,
+    }
+
+
+def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole report (what ``--json`` prints and ``bench.json`` holds)."""
+    results = {k: v for k, v in raw["results"].items() if not k.startswith("_")}
+    steps, failures = workload["steps"], workload["failures"]
+    none = results["none"]
+    rows = {name: strategy_row(r, none, steps=steps, failures=failures, restart_s=raw["restart_s"])
+            for name, r in results.items()}
+    report = {
+        "workload": dict(workload), "machine": dict(machine), "params": raw["params"], "layers": raw["layers"],
+        "restart_s": raw["restart_s"], "matched": raw["results"].get("_matched"),
+        "strategies": rows, "pairs": matched_pairs(rows),
+        "loss_curves": {name: r["losses"] for name, r in results.items()},
+    }
+    report["headline"] = headline(report)
+    return report
+
+
+def matched_pairs(rows: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """LayerCheck against each baseline run at its matched interval: bytes and loss deviation."""
+    lc = rows.get("layercheck")
+    if lc is None:
+        return []
+    out = []
+    for row in rows.values():
+        if not row["matched"]:
+            continue
+        out.append({
+            "baseline": row["name"], "matched_on": row["matched"], "interval": row["interval"],
+            "baseline_bytes": row["bytes_written"], "layercheck_bytes": lc["bytes_written"],
+            "bytes_ratio": _ratio(lc["bytes_written"], row["bytes_written"]),
+            "baseline_loss_dev_mean": row["loss_dev_mean"], "layercheck_loss_dev_mean": lc["loss_dev_mean"],
+            "baseline_loss_dev_max": row["loss_dev_max"], "layercheck_loss_dev_max": lc["loss_dev_max"],
+            "baseline_staleness": row["mean_weighted_staleness"], "layercheck_staleness": lc["mean_weighted_staleness"],
+            "baseline_unsaved_drift": row["mean_unsaved_drift"], "layercheck_unsaved_drift": lc["mean_unsaved_drift"],
+        })
+    return out
+
+
+def headline(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The few ratios the README quotes (``None`` where a strategy was not run)."""
+    rows = report["strategies"]
+
+    def get(name: str, key: str) -> Any:
+        return rows[name][key] if name in rows else None
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        x, y = get(a, key), get(b, key)
+        return _ratio(x, y) if x is not None and y is not None else None
+
+    return {
+        "bytes_layercheck_vs_full_at_matched_staleness": ratio("layercheck", "full@stal", "bytes_written"),
+        "bytes_layercheck_vs_full_at_matched_drift": ratio("layercheck", "full@drift", "bytes_written"),
+        "bytes_layercheck_const_vs_full_at_matched_staleness": ratio("layercheck-const", "full@stal", "bytes_written"),
+        "bytes_layercheck_vs_diff_at_matched_staleness": ratio("layercheck", "diff@stal", "bytes_written"),
+        "overhead": {name: row["overhead"] for name, row in rows.items()},
+        "recovery_s": {name: row["recovery_total_s"] for name, row in rows.items()},
+        "recovery_layercheck_vs_full": ratio("layercheck", "full", "recovery_total_s"),
+        "recovery_layercheck_vs_full_at_matched_staleness": ratio("layercheck", "full@stal", "recovery_total_s"),
+        "ettr": {name: row["ettr"] for name, row in rows.items()},
+        "loss_dev_max": {name: row["loss_dev_max"] for name, row in rows.items()},
+    }
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")
+
+
+# ---- text --------------------------------------------------------------------------------
+
+MAIN_COLUMNS = ["strategy", "N", "train s", "overhead", "stall s", "probe s", "written", "events", "per event",
+                "mean w-stal", "max stal", "stal@fail", "plan s", "load s", "replay s", "lost", "dev mean",
+                "dev max", "ETTR", "ETTR-R"]
+
+
+def main_table(report: Mapping[str, Any]) -> str:
+    rows = []
+    for r in report["strategies"].values():
+        rows.append([r["name"], r["interval"] or "-", r["train_s"], f"{r['overhead']:+.1%}", r["stall_s"], r["probe_s"],
+                     human_bytes(r["bytes_written"]), r["events"], human_bytes(r["bytes_per_event"]),
+                     r["mean_weighted_staleness"], r["max_staleness"], r["staleness_at_failure"], r["plan_s"],
+                     r["load_s"], r["replay_s"], r["steps_lost"], r["loss_dev_mean"], r["loss_dev_max"],
+                     f"{r['ettr']:.3f}", f"{r['ettr_no_restart']:.3f}"])
+    return format_table(MAIN_COLUMNS, rows)
+
+
+def pairs_table(report: Mapping[str, Any]) -> str:
+    rows = [[p["baseline"], p["matched_on"], p["interval"], human_bytes(p["baseline_bytes"]),
+             human_bytes(p["layercheck_bytes"]), f"{p['bytes_ratio']:.2f}x", p["baseline_loss_dev_mean"],
+             p["layercheck_loss_dev_mean"], p["baseline_loss_dev_max"], p["layercheck_loss_dev_max"]]
+            for p in report["pairs"]]
+    return format_table(["baseline", "matched on", "N", "baseline bytes", "layercheck bytes", "LC/baseline",
+                         "dev mean (base)", "dev mean (LC)", "dev max (base)", "dev max (LC)"], rows)
+
+
+def text(report: Mapping[str, Any]) -> str:
+    w = report["workload"]
+    m = report.get("matched") or {}
+    lines = [
+        f"workload {w['name']}: {report['params'] / 1e6:.2f}M params, {w['steps']} steps, ZeRO-{w['zero_stage']} "
+        f"{w['precision']}, {w['world_size']} ranks on {w['device']}, failures after steps {w['failures']}",
+        main_table(report),
+        "",
+    ]
+    if m:
+        lines.append(f"matched freshness: LayerCheck mean weighted staleness {m['target_staleness']:.3g} -> N={m['staleness']}"
+                     f"; mean unsaved drift {m['target_drift']:.3g} -> N={m['drift']}")
+        lines.append(pairs_table(report))
+    return "\n".join(lines)
+
+
+def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), ettr: Mapping[str, Any] | None = None) -> str:
+    w, mach = report["workload"], report["machine"]
+    m = report.get("matched") or {}
+    h = report["headline"]
+    out = [
+        f"# LayerCheck benchmark: `{w['name']}`",
+        "",
+        "Generated by `layercheck bench` (see `bench/`); every figure below comes from `bench.json` beside this file.",
+        "",
+        "## Machine",
+        "",
+        *[f"- {k}: {v}" for k, v in mach.items()],
+        "",
+        "## Workload",
+        "",
+        f"- model: `{w['model'].get('model_type')}` {report['params']:,} parameters ({len(report['layers'])} layers), "
+        f"random init, seq {w['seq_len']}, micro-batch {w['micro_batch']} per rank",
+        f"- {w['steps']} steps, AdamW lr {w['lr']:g} cosine (warm-up {w['lr_warmup']}), ZeRO-{w['zero_stage']} "
+        f"{w['precision']}, {w['world_size']} ranks on {w['device']}",
+        f"- failures after steps {', '.join(map(str, w['failures']))} (all strategies); full interval N = "
+        f"{w['strategy']['interval']}; LayerCheck warm-up W = {w['strategy']['layercheck_warmup']}, other constants "
+        "at their defaults",
+        f"- restart (engine build) per failure, in ETTR: {report['restart_s']:.2f} s",
+        "",
+        "## All strategies",
+        "",
+        "```",
+        main_table(report),
+        "```",
+        "",
+        "Columns: training time with checkpointing (failure-free part) and its overhead versus `none`; time the loop "
+        "stalled on checkpointing; drift-probe time (host read + all-reduce; every strategy runs it, so it is not in "
+        "the overhead); bytes written (all ranks) and per checkpoint event; mean parameter-weighted and max staleness "
+        "from step W on; mean weighted staleness at the failures (rollback: steps since the last checkpoint); "
+        "recovery plan/load/replay seconds per failure (rollback: replay = re-running the lost steps; `none` is "
+        "modelled: it re-runs every step); steps re-run per failure; |loss - failure-free loss| after the failures "
+        "(mean, max); measured ETTR = failure-free `none` time / (training + recoveries + restarts); ETTR-R: the "
+        "same without the restarts (the engine rebuild, equal for all strategies, dominates a run this short).",
+        "",
+    ]
+    if m:
+        out += [
+            "## Matched freshness",
+            "",
+            f"LayerCheck's measured mean weighted staleness {m['target_staleness']:.3g} steps is matched by full "
+            f"checkpoints every **{m['staleness']}** steps; its mean unsaved drift {m['target_drift']:.3g} by every "
+            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `policies.simulate.match_interval`).",
+            "",
+            "```",
+            pairs_table(report),
+            "```",
+            "",
+        ]
+    out += ["## Headline ratios", ""]
+    for key in ("bytes_layercheck_vs_full_at_matched_staleness", "bytes_layercheck_vs_full_at_matched_drift",
+                "bytes_layercheck_const_vs_full_at_matched_staleness", "bytes_layercheck_vs_diff_at_matched_staleness",
+                "recovery_layercheck_vs_full", "recovery_layercheck_vs_full_at_matched_staleness"):
+        if h.get(key) is not None:
+            out.append(f"- {key.replace('_', ' ')}: **{h[key]:.2f}x**")
+    out.append("")
+    if ettr:
+        out += ["## ETTR at cluster scale", "",
+                "`layercheck ettr` on this report (`ettr.json`): Monte-Carlo mean over exponential failures "
+                "(rollback: Young/Daly closed forms are in the JSON too). Per-step cost = the `none` step plus the "
+                "strategy's measured checkpoint stall (and the drift probe for LayerCheck); per failure: the "
+                "restart above plus the measured plan + load (+ delta replay); rollback loses the steps since "
+                "its last checkpoint. Storage bandwidth as measured here (`--storage-gbps` rescales it).", "",
+                "```", ettr_table(ettr), "```", ""]
+    for plot in plots:
+        out += [f"![{plot}]({plot})", ""]
+    return "\n".join(out)
+
+
+def ettr_table(ettr: Mapping[str, Any]) -> str:
+    names = list(ettr["by_mtbf"])
+    mtbfs = [p["mtbf_hours"] for p in next(iter(ettr["by_mtbf"].values()))]
+    rows = [[f"{h:g} h", *(f"{ettr['by_mtbf'][n][i]['sim']['mean']:.4f}" for n in names)] for i, h in enumerate(mtbfs)]
+    gpus = [p["gpus"] for p in next(iter(ettr["by_gpus"].values()))]
+    rows2 = [[f"{g} GPUs", *(f"{ettr['by_gpus'][n][i]['sim']['mean']:.4f}" for n in names)] for i, g in enumerate(gpus)]
+    return (format_table(["cluster MTBF", *names], rows) + "\n\n" +
+            f"per-GPU MTBF {ettr['per_gpu_mtbf_hours']:g} h\n" + format_table(["GPUs", *names], rows2))

@@ -1,0 +1,91 @@
+"""From raw per-strategy measurements to the report, its tables, ETTR costs and README section."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import ettr, render_readme, report
+from bench.presets import preset
+
+STEPS, FAILURES = 10, (6,)
+
+
+def _raw(name: str, kind: str, recovery: str, *, interval: int = 0, matched: str = "", train_s: float = 10.0,
+         stall_s: float = 0.0, bytes_written: float = 0.0, events: int = 0, shift: float = 0.0,
+         recoveries: list | None = None) -> dict:
+    return {
+        "strategy": {"name": name, "kind": kind, "recovery": recovery, "interval": interval, "matched": matched,
+                     "delta_density": 0.01, "policy": None},
+        "train_s": train_s, "stall_s": stall_s, "probe_s": 0.1, "bytes_written": bytes_written, "events": events,
+        "freshness": {"mean_weighted_staleness": 2.0, "max_staleness": 4.0, "mean_unsaved_drift": 0.1,
+                      "max_unsaved_drift": 0.2},
+        "recoveries": recoveries or [],
+        "losses": {str(s): 3.0 - 0.1 * s + (shift if s > FAILURES[0] else 0.0) for s in range(1, STEPS + 1)},
+    }
+
+
+def _recovery(**kw) -> dict:
+    return {"t_fail": 6, "resume_after": 6, "steps_lost": 0, "plan_s": 0.1, "load_s": 0.2, "replay_s": 0.0,
+            "drain_s": 0.0, "recovery_s": 0.3, "weighted_staleness": 1.5, "max_staleness": 3, **kw}
+
+
+@pytest.fixture()
+def built() -> dict:
+    raw = {"restart_s": 2.0, "params": 1000, "layers": {"embed": 500, "block.0": 500}, "results": {
+        "none": _raw("none", "none", "restart"),
+        "full": _raw("full", "deepspeed-sync", "rollback", interval=5, train_s=11.0, stall_s=1.0, bytes_written=24000,
+                     events=2, recoveries=[_recovery(resume_after=5, steps_lost=1, replay_s=1.0, recovery_s=1.3)]),
+        "layercheck": _raw("layercheck", "layer-policy", "resume", train_s=10.2, stall_s=0.05, bytes_written=18000,
+                           events=6, shift=0.01, recoveries=[_recovery()]),
+        "full@stal": _raw("full@stal", "deepspeed-sync", "rollback", interval=3, matched="staleness", train_s=11.5,
+                          stall_s=1.5, bytes_written=36000, events=3,
+                          recoveries=[_recovery(resume_after=6, steps_lost=0, recovery_s=0.3)]),
+        "_matched": {"staleness": 3, "drift": 2, "target_staleness": 2.0, "target_drift": 0.1,
+                     "interval_staleness": 1.0, "interval_drift": 0.1},
+    }}
+    workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
+    return report.build_report(raw, workload, {"nproc": 2})
+
+
+def test_rows(built):
+    rows = built["strategies"]
+    assert rows["full"]["overhead"] == pytest.approx(0.1)
+    assert rows["full"]["bytes_per_event"] == 12000
+    assert rows["full"]["steps_lost"] == 1
+    # a rollback's re-run steps are simulated by the ETTR model, not counted as recovery time
+    assert rows["full"]["recovery_s"] == pytest.approx(0.3)
+    assert rows["full"]["recovery_total_s"] == pytest.approx(1.3)
+    assert rows["layercheck"]["loss_dev_max"] == pytest.approx(0.01)
+    assert rows["full"]["loss_dev_max"] == 0
+    # none is modelled: a failure at 6 re-runs 6 steps of 1 s
+    assert rows["none"]["steps_lost"] == 6 and rows["none"]["replay_s"] == pytest.approx(6.0)
+    assert rows["layercheck"]["ettr"] == pytest.approx(10.0 / (10.2 + 0.3 + 2.0))
+    assert rows["layercheck"]["model_step_s"] == pytest.approx(1.0 + (0.05 + 0.1) / STEPS)
+
+
+def test_pairs_and_headline(built):
+    (pair,) = built["pairs"]
+    assert pair["baseline"] == "full@stal" and pair["bytes_ratio"] == pytest.approx(0.5)
+    assert built["headline"]["bytes_layercheck_vs_full_at_matched_staleness"] == pytest.approx(0.5)
+    assert built["headline"]["bytes_layercheck_vs_full_at_matched_drift"] is None
+
+
+def test_text_forms(built):
+    assert "layercheck" in report.text(built)
+    md = report.summary_markdown(built, plots=["x.png"])
+    assert "![x.png](x.png)" in md and "0.50x" in md
+
+
+def test_ettr_costs_from_the_report(built):
+    costs = {c.name: c for c in ettr.costs_from_bench(built)}
+    assert costs["full"].recovery == "rollback" and costs["full"].interval == 5 and costs["full"].sync_write
+    assert costs["layercheck"].restart_s == 2.0
+    g = ettr.grid(list(costs.values()), mtbf_hours=(1.0,), gpu_counts=(8,), runs=3)
+    assert set(g["by_mtbf"]) == {"none", "full", "layercheck", "full@stal"}
+
+
+def test_readme_section_quotes_the_report(built):
+    g = ettr.grid(ettr.costs_from_bench(built), mtbf_hours=(0.5, 24.0), gpu_counts=(8, 16384), runs=3)
+    text = render_readme.section(built, g, "bench/results/x")
+    assert text.startswith("## Performance")
+    assert "0.50x" in text and "bench/results/x/bench.json" in text

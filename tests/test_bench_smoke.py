@@ -1,0 +1,36 @@
+"""Smoke test of the benchmark harness: real DeepSpeed ranks, a few steps, one failure."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import report as reports
+from bench.cli import write_outputs
+from bench.harness import run_benchmark
+from bench.presets import preset
+from bench.strategies import default_strategies, select
+
+
+@pytest.mark.slow
+def test_harness_runs_recovers_and_reports(tmp_path):
+    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
+    strategies = select(default_strategies(workload.strategy), ["layercheck", "full"])
+    raw = run_benchmark(workload, strategies, root=tmp_path / "work", matched=False)
+    results = raw["results"]
+    assert list(results) == ["none", "layercheck", "full"]
+    for name, result in results.items():
+        losses = result["losses"]
+        assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values()), name
+        # before the failure every strategy trains exactly like the reference
+        assert [losses[str(s)] for s in range(1, 7)] == [results["none"]["losses"][str(s)] for s in range(1, 7)]
+    (lc_recovery,) = results["layercheck"]["recoveries"]
+    assert lc_recovery["resume_after"] == 6 and lc_recovery["steps_lost"] == 0
+    (full_recovery,) = results["full"]["recoveries"]
+    assert full_recovery["resume_after"] == 4 and full_recovery["steps_lost"] == 2
+    assert full_recovery["replay_max_loss_diff"] == 0.0  # re-running the lost steps is exact
+    assert results["layercheck"]["bytes_written"] > 0 and results["full"]["bytes_written"] > 0
+    report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
+    write_outputs(report, tmp_path / "out", ettr_runs=5)
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "summary.md", "ettr.json", "ettr.png"}
