@@ -183,6 +183,8 @@ class Runner:
         weighted, worst = tracker.weighted_staleness_now(step), tracker.max_staleness_now(step)
         _wipe(self.te)
         recovered = persistence.recover(step)
+        if recovered.versions is not None:
+            tracker.recovered(recovered.versions)
         if recovered.resume_after == 0 and strategy.recovery is Recovery.ROLLBACK:
             _reset(self.te, self.initial)
         replay_s, replay_diff = 0.0, 0.0

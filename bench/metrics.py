@@ -52,6 +52,12 @@ class FreshnessTracker:
         self.unsaved_series.append(sum(self.numel[n] * u for n, u in self.unsaved.items()) / self.total)
         self.max_staleness = max(self.max_staleness, max(staleness.values()))
 
+    def recovered(self, versions: Mapping[str, int]) -> None:
+        """The state was just reloaded from ``versions`` (layer -> step): nothing unsaved remains."""
+        for name, step in versions.items():
+            self.last[name] = step
+            self.unsaved[name] = 0.0
+
     def weighted_staleness_now(self, step: int) -> float:
         return sum(self.numel[n] * (step - t) for n, t in self.last.items()) / self.total
 

@@ -25,7 +25,7 @@ from bench.writers import BackgroundWriter, LayerStoreWriter, async_checkpoint_e
 from orchestrator.composite import load_composite
 from orchestrator.recovery_source import resolve_plan
 from orchestrator.store import LayerStore
-from policies.checkpoint_policy import build_policy
+from policies.checkpoint_policy import LayerCheckPolicy, build_policy
 from policies.configs import IntervalConfig
 from policies.decision import StepObservation
 from workers.engine import TrainEngine, seek_step
@@ -47,6 +47,8 @@ class Recovered:
     """Waiting for writes in flight at the failure to land (a surviving writer finishes them)."""
     weighted_staleness: float = 0.0
     max_staleness: int = 0
+    versions: Mapping[str, int] | None = None
+    """Resume kinds: the step of the version each layer was reloaded from."""
 
 
 def _barrier() -> None:
@@ -173,8 +175,21 @@ class LayerStorePersistence:
         drain_s = self._drain()
         plan_s, load_s, resolved = self.load(t_fail)
         seek_step(self.te, t_fail)
+        versions = {layer: r.step for layer, r in resolved.records.items()}
+        self._restart_policy(versions)
         return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, drain_s=drain_s,
-                         weighted_staleness=resolved.plan.weighted_staleness, max_staleness=resolved.plan.max_staleness)
+                         weighted_staleness=resolved.plan.weighted_staleness, max_staleness=resolved.plan.max_staleness,
+                         versions=versions)
+
+    def _restart_policy(self, persisted: Mapping[str, int]) -> None:
+        """As ``orchestrator.policy_service.PolicyService.restart`` does: LayerCheck counts each
+        layer's staleness and drift again from the version the composite loaded."""
+        if not isinstance(self.policy, LayerCheckPolicy):
+            return
+        state = self.policy.state_dict()
+        state["accumulated"] = {name: 0.0 for name in state["accumulated"]}
+        state["last_persisted"] = {name: persisted.get(name) for name in state["last_persisted"]}
+        self.policy.load_state_dict(state)
 
     def finish(self) -> dict[str, float]:
         self._drain()
@@ -238,7 +253,8 @@ class Differential(LayerStorePersistence):
         self.encoder.reset(shards)
         replay_s = time.monotonic() - started
         seek_step(self.te, t_fail)
-        return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, replay_s=replay_s, drain_s=drain_s)
+        return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, replay_s=replay_s, drain_s=drain_s,
+                         versions={name: t_fail for name in names})
 
     def finish(self) -> dict[str, float]:
         out = super().finish()
