@@ -107,6 +107,24 @@ def _persist(te: TrainEngine, store: LayerStore, layers: Sequence[str], base: bo
     torch.distributed.barrier()
 
 
+_TRAINED: dict[str, tuple[str, str]] = {}
+
+
+def trained_store(tmp_path_factory: Any) -> tuple[str, str]:
+    """(store uri, expected-values dir) of one 2-rank ZeRO-3 run of ``train_and_store_job`` with
+    its ``run.json``; made once per test session (the tests only read it)."""
+    if "run" not in _TRAINED:
+        from tests.dist_harness import run_ranks
+
+        root = tmp_path_factory.mktemp("composite")
+        store, expect = root / "store", root / "expected"
+        expect.mkdir()
+        run_ranks(train_and_store_job, 2, str(store), str(expect))
+        write_run_json(str(store), run_config())
+        _TRAINED["run"] = (str(store), str(expect))
+    return _TRAINED["run"]
+
+
 def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: str) -> dict[str, Any]:
     """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the losses."""
     te = make_engine(run_config())

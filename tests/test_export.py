@@ -116,6 +116,12 @@ def test_world_size_is_for_deepspeed_only(run, tmp_path, capsys):
     assert "--world-size" in capsys.readouterr().out
 
 
+def test_deepspeed_export_refuses_an_existing_tag(run, tmp_path, capsys):
+    (tmp_path / "ds" / "step20").mkdir(parents=True)
+    assert main(["export", run[0], "--format", "deepspeed", "--out", str(tmp_path / "ds")]) == 2
+    assert "step20" in capsys.readouterr().out
+
+
 def test_store_tools_leave_run_json_alone(run, capsys):
     uri, _, _ = run
     store = LayerStore.open(uri)
