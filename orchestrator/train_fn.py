@@ -43,9 +43,11 @@ class RayCoordinator:
         self.max_inflight_bytes = max_inflight_bytes
         self._inflight: dict[str, tuple[ray.ObjectRef, int]] = {}  # newest submission per layer
         self.blocked_s = 0.0
+        self.last_report: ray.ObjectRef | None = None
 
     def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
-        return self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
+        self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
+        return self.last_report
 
     def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
         data = ray.get(handle)
@@ -76,6 +78,14 @@ class RayCoordinator:
                 break
         self.blocked_s += time.monotonic() - started
 
+    def flush(self, timeout_s: float) -> None:
+        """Wait until the last drift report is answered and every snapshot handed over is written."""
+        refs = [ref for ref, _ in self._inflight.values()]
+        if self.last_report is not None:
+            refs.append(self.last_report)
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
         self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s, coordination_s)
@@ -104,7 +114,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         seek_step(te, resume.start_step - 1)
     coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
                                  supervisor=supervisor, max_inflight_bytes=run.persistence.max_inflight_bytes)
-    kill = _fault(run, rank, resume.attempt)
+    kill = _fault(run, rank, resume.attempt, coordinator)
     try:
         if resume.start_step <= run.steps:
             run_loop(te, SequenceDataset.from_config(run.data), coordinator, start_step=resume.start_step,
@@ -124,12 +134,17 @@ def _recover(te, run: RunConfig, records, supervisor: Any, rank: int) -> None:
     supervisor.loaded.remote(rank, load_s)
 
 
-def _fault(run: RunConfig, rank: int, attempt: int):
-    """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt only."""
+def _fault(run: RunConfig, rank: int, attempt: int, coordinator: RayCoordinator):
+    """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt
+    only — once the step's drift report and the snapshots handed over have left the process, so
+    the failure falls exactly after that step. (A real crash can also take with it messages
+    still in the send queue: then ``t_fail`` is the step before, or the layers whose shards were
+    lost come from their previous versions.)"""
     target = run.fault.kill_at_step if rank == run.fault.kill_rank and attempt == 1 else 0
 
     def after_step(step: int) -> None:
         if step == target:
+            coordinator.flush(timeout_s=60)
             logger.warning("fault injection: rank %d kills itself after step %d", rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -69,7 +69,10 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp
     assert 0 <= recovery["max_staleness"] <= 4 + 1
     assert status["max_staleness"] <= 4 + 1
     versions = LayerStore.open(str(tmp_path / "mixed")).versions()
-    assert {v.layer for v in versions if v.base} == set(result.layer_numel)
+    # every layer has a version from before the failure (the base, or a newer one that superseded
+    # it in a writer's queue when the writer fell behind)
+    assert {v.layer for v in versions if v.step <= recovery["t_fail"]} == set(result.layer_numel)
+    assert any(v.base for v in versions)
     assert status["bytes_committed"] == sum(v.nbytes for v in versions) > 0
     summary = summarize(result)
     assert summary["steps"] == 12 and summary["failures"] == 1 and 0 < summary["ettr"] <= 1
