@@ -20,7 +20,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from orchestrator.manifest import VersionRecord
 from orchestrator.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
 from orchestrator.run_config import RunConfig, load_run_config, parse_run_config
 from orchestrator.store import LayerStore
+from policies.layer_map import LayerMap
 from policies.plan import NoUsableVersionError
 
 logger = logging.getLogger(__name__)
@@ -71,12 +74,11 @@ def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None 
             f"run {store.uri} has no {RUN_CONFIG_FILE} (runs written before the driver kept its config): "
             f"pass the run's config file with --config FILE"
         ) from None
-    return parse_run_config(json.loads(text))
-
-
-def layer_numel_of(run: RunConfig) -> dict[str, int]:
-    """Elements per layer of the run's model, without allocating its weights."""
-    return layer_map_for(run.model).numel
+    try:
+        return parse_run_config(json.loads(text))
+    except (ValueError, TypeError) as error:  # bad JSON, or a ConfigError naming the field
+        raise ExportError(f"run {store.uri}: {RUN_CONFIG_FILE} is not a valid run config ({error}); "
+                          f"pass the run's config file with --config FILE") from error
 
 
 def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
@@ -91,6 +93,21 @@ def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | N
     logger.info("composite of %s at step %d: %d layers, max staleness %d, %d version(s) skipped as unusable",
                 store.uri, plan.t_fail, len(plan.choices), plan.max_staleness, len(resolved.skipped))
     return resolved
+
+
+def check_composite_fits(store: LayerStore, records: Mapping[str, VersionRecord], layer_map: LayerMap) -> None:
+    """:class:`ExportError` unless each layer's version holds exactly the model's parameters of
+    that layer, with the model's shapes (a run file for another model would otherwise load the
+    first elements of each tensor without complaint)."""
+    with CompositeReader(store, records) as read:
+        for layer in layer_map.layers:
+            stored = read.reader(layer.name).param_shapes
+            wanted = {p.name: tuple(p.shape) for p in layer.params}
+            if stored != wanted:
+                diff = sorted(f"{name}: stored {stored.get(name)}, model {wanted.get(name)}"
+                              for name in set(stored) | set(wanted) if stored.get(name) != wanted.get(name))
+                raise ExportError(f"run {store.uri}: version {records[layer.name].version_id} of layer {layer.name} "
+                                  f"does not fit the run config's model ({'; '.join(diff)}); wrong --config?")
 
 
 def _check_empty_dir(out: Path, what: str) -> None:
@@ -136,7 +153,10 @@ def export_deepspeed(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, 
     tag_dir = out / deepspeed_tag(step)
     if tag_dir.exists():
         raise ExportError(f"{tag_dir} already exists; export into another directory or delete it")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExportError(f"cannot create the export directory {out}: {error}") from error
     job = _DeepSpeedJob(run_json=run.to_json(), store_uri=store.uri, records=dict(resolved.records), step=step,
                         out=str(out))
     _spawn(job, world_size, timeout_s)
@@ -144,12 +164,15 @@ def export_deepspeed(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, 
     return tag_dir
 
 
+@dataclass(frozen=True, kw_only=True)
 class _DeepSpeedJob:
     """What every export rank needs; plain values, so it pickles into the spawned processes."""
 
-    def __init__(self, *, run_json: dict[str, Any], store_uri: str, records: dict[str, VersionRecord], step: int,
-                 out: str) -> None:
-        self.run_json, self.store_uri, self.records, self.step, self.out = run_json, store_uri, records, step, out
+    run_json: dict[str, Any]
+    store_uri: str
+    records: dict[str, VersionRecord]
+    step: int
+    out: str
 
     def provenance(self) -> dict[str, Any]:
         return {"run": self.run_json.get("name"), "store": self.store_uri, "step": self.step,
@@ -157,21 +180,24 @@ class _DeepSpeedJob:
 
 
 def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
+    """Run :func:`_rank_main` on ``world_size`` local processes; :class:`ExportError` with the
+    failing rank's traceback if one fails, or if they have not finished after ``timeout_s``."""
     import torch.multiprocessing as mp
 
     from workers.env import free_port
 
+    what = f"DeepSpeed export of run {job.store_uri} at step {job.step}"
     context = mp.start_processes(_rank_main, args=(job, world_size, free_port()), nprocs=world_size,
                                  join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
     try:
-        while not context.join(timeout=timeout_s):
-            pass
-    except mp.ProcessRaisedException as error:
-        raise ExportError(f"DeepSpeed export of run {job.store_uri} at step {job.step} failed: {error}") from None
-    except mp.ProcessExitedException as error:
-        raise ExportError(f"DeepSpeed export of run {job.store_uri} at step {job.step} failed: {error}") from None
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise ExportError(f"{what}: the {world_size} ranks did not finish within {timeout_s:.0f}s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+        raise ExportError(f"{what} failed: {error}") from None
     finally:
-        for process in context.processes:
+        for process in context.processes:  # a failed rank leaves its peers waiting in a collective
             if process.is_alive():
                 process.kill()
 
@@ -203,7 +229,9 @@ def export(run_uri: str, *, fmt: str, out: str | os.PathLike[str], step: int | N
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
     store = open_run(run_uri)
     run = run_config_of(store, config_path)
-    resolved = plan_export(store, layer_numel_of(run), step)
+    layer_map = layer_map_for(run.model)
+    resolved = plan_export(store, layer_map.numel, step)
+    check_composite_fits(store, resolved.records, layer_map)
     out = Path(out)
     if fmt == "hf":
         return export_hf(run, store, resolved, out)

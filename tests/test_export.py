@@ -4,6 +4,7 @@ at 20; and ``inspect``/``verify``/``gc`` on a store with ``run.json`` at its roo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 import transformers
 
 from orchestrator.cli import main
-from orchestrator.driver import RUN_CONFIG_FILE
+from orchestrator.driver import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
 from orchestrator.export import ExportError, composite_model, export, plan_export, run_config_of
 from orchestrator.retention import GcConfig, collect_garbage
 from orchestrator.store import LayerStore
@@ -95,9 +96,23 @@ def test_a_run_without_run_json_asks_for_config(run, tmp_path, capsys):
     assert main(["export", uri, "--format", "hf", "--out", str(tmp_path / "a")]) == 2
     message = capsys.readouterr().out
     assert uri in message and RUN_CONFIG_FILE in message and "--config" in message
+    (Path(uri) / RUN_CONFIG_FILE).write_text('{"model": {"hf_config": {"model_type": "llama"}}, "steps": 0}')
+    with pytest.raises(ExportError, match=f"{RUN_CONFIG_FILE} is not a valid run config .*steps"):
+        export(uri, fmt="hf", out=tmp_path / "a")
     out = export(uri, fmt="hf", out=tmp_path / "b", config_path=config_file)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
     assert torch.equal(loaded.model.embed_tokens.weight.reshape(-1), at20["model.embed_tokens.weight"])
+
+
+def test_a_config_for_another_model_is_refused(run, tmp_path):
+    other = jobs.run_config()
+    other = dataclasses.replace(other, model=dataclasses.replace(other.model, hf_config={**jobs.TIED_LLAMA, "hidden_size": 32}))
+    config_file = tmp_path / "other.json"
+    config_file.write_text(json.dumps(other.to_json()))
+    with pytest.raises(ExportError, match=r"does not fit the run config's model .*model.embed_tokens.weight: "
+                                          r"stored \(256, 64\), model \(256, 32\)"):
+        export(run[0], fmt="deepspeed", out=tmp_path / "o", config_path=config_file)
+    assert not (tmp_path / "o").exists()
 
 
 def test_missing_run_and_occupied_out_dir_are_errors(run, tmp_path):
@@ -123,19 +138,20 @@ def test_deepspeed_export_refuses_an_existing_tag(run, tmp_path, capsys):
 
 
 def test_store_tools_leave_run_json_alone(run, capsys):
+    """The driver's files in the store root (run.json, the drift trace) are neither orphans nor versions."""
     uri, _, _ = run
     store = LayerStore.open(uri)
-    before = (Path(uri) / RUN_CONFIG_FILE).read_bytes()
+    (Path(uri) / DRIFT_TRACE_FILE).write_text('{"layers": [], "steps": []}')
+    root_files = {name: (Path(uri) / name).read_bytes() for name in (RUN_CONFIG_FILE, DRIFT_TRACE_FILE)}
     orphan = Path(uri) / "layers" / "embed" / "orphan.safetensors"
     orphan.write_bytes(b"never committed")
     report = collect_garbage(store, GcConfig(grace_s=0.0))
     assert orphan.name in " ".join(report.orphans) and not orphan.exists()
-    assert report.errors == () and RUN_CONFIG_FILE not in " ".join(report.orphans)
-    assert (Path(uri) / RUN_CONFIG_FILE).read_bytes() == before
+    assert report.errors == () and not any(name in " ".join(report.orphans) for name in root_files)
     assert main(["gc", uri, "--grace", "0"]) == 0
     assert main(["verify", uri]) == 0
     assert main(["inspect", uri, "--json"]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out[out.index("{"):])
     assert summary["newest_recoverable_step"] == 20
-    assert (Path(uri) / RUN_CONFIG_FILE).read_bytes() == before
+    assert {name: (Path(uri) / name).read_bytes() for name in root_files} == root_files
