@@ -114,6 +114,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(Gauge, "layercheck_step_seconds", "Compute time of the latest step (rank 0)."),
     Spec(Histogram, "layercheck_step_duration_seconds", "Compute time of each step (rank 0).",
          buckets=_LATENCY_BUCKETS),
+    Spec(Gauge, "layercheck_policy_protocol_seconds",
+         "Rank 0's mean time per step in the policy protocol (drift report + decision), on the critical path."),
     Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),
     Spec(Gauge, "layercheck_training_loss", "Loss of the latest step."),
     Spec(Gauge, "layercheck_learning_rate", "Learning rate of the latest step."),
@@ -338,6 +340,7 @@ class RunMetrics:
     def _refresh_progress(self, status: Mapping[str, Any]) -> None:
         self._set("layercheck_training_step", status["step"])
         self._set("layercheck_step_seconds", status["step_s"])
+        self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
         if not math.isnan(status["loss"]):
             self._set("layercheck_training_loss", status["loss"])
         self._set("layercheck_learning_rate", status["lr"])

@@ -29,7 +29,8 @@ def status(step=10, *, last=(8, 9, 10), failures=0, recoveries=(), productive=5.
         "layers": layers, "bytes_committed": committed, "versions_committed": 6, "abandoned_versions": 0,
         "write_failures": 0, "write_latencies": list(latencies),
         "account": {"wall_s": 10.0, "productive_s": productive, "stall_s": stall_s, "stalls": stalls,
-                    "lost_step_s": lost_s, "failures": failures, "recoveries": list(recoveries), "ettr": 0.5},
+                    "lost_step_s": lost_s, "failures": failures, "recoveries": list(recoveries), "ettr": 0.5,
+                    "coordination_s_per_step": {"mean": 0.003, "p50": 0.002, "p90": 0.005, "max": 0.01}},
     }
 
 
@@ -92,6 +93,7 @@ def test_values_reflect_the_central_view():
     assert value(metrics, "layercheck_write_latency_seconds_count") == 2
     assert value(metrics, "layercheck_supervisor_state", state="running") == 1
     assert sum(value(metrics, "layercheck_supervisor_state", state=s) for s in STATES) == 1
+    assert value(metrics, "layercheck_policy_protocol_seconds") == 0.003
 
 
 def test_counters_stay_monotonic_across_a_worker_group_restart():
