@@ -107,37 +107,40 @@ def _persist(te: TrainEngine, store: LayerStore, layers: Sequence[str], base: bo
     torch.distributed.barrier()
 
 
-_TRAINED: dict[str, tuple[str, str]] = {}
+_TRAINED: dict[str, tuple[str, str, dict[int, float]]] = {}
 
 
-def trained_store(tmp_path_factory: Any) -> tuple[str, str]:
-    """(store uri, expected-values dir) of one 2-rank ZeRO-3 run of ``train_and_store_job`` with
-    its ``run.json``; made once per test session (the tests only read it)."""
+def trained_store(tmp_path_factory: Any) -> tuple[str, str, dict[int, float]]:
+    """(store uri, expected-values dir, the saver's probe loss at each persisting step) of one
+    2-rank ZeRO-3 run of ``train_and_store_job`` with its ``run.json``; made once per test
+    session (the tests only read it)."""
     if "run" not in _TRAINED:
         from tests.dist_harness import run_ranks
 
         root = tmp_path_factory.mktemp("composite")
         store, expect = root / "store", root / "expected"
         expect.mkdir()
-        run_ranks(train_and_store_job, 2, str(store), str(expect))
+        saver = run_ranks(train_and_store_job, 2, str(store), str(expect))[0]
         write_run_json(str(store), run_config())
-        _TRAINED["run"] = (str(store), str(expect))
+        _TRAINED["run"] = (str(store), str(expect), {int(t): loss for t, loss in saver["probe_loss"].items()})
     return _TRAINED["run"]
 
 
 def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: str) -> dict[str, Any]:
-    """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the losses."""
+    """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the training losses and the
+    probe loss at each persisting step."""
     te = make_engine(run_config())
     store = LayerStore.open(store_uri, fsync=False)
     pool = HostBufferPool()
-    losses = []
+    losses, probe_loss = [], {}
     for t in range(1, STEPS + 1):
         losses.append(train_step(te, batches(t, rank))[0])
         if t in SCHEDULE:
             layers, base = SCHEDULE[t]
             _persist(te, store, layers, base, pool, expect_dir, rank)
+            probe_loss[t] = eval_loss(te, probe_batch())
     shutdown(te)
-    return {"losses": losses, "layers": list(te.layer_map.names)}
+    return {"losses": losses, "probe_loss": probe_loss}
 
 
 def composite_versions(t: int) -> dict[str, int]:

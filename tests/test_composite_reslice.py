@@ -29,7 +29,10 @@ def _reference_loss(expect_dir: str, t: int) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size, t", [(1, 6), (3, 5)], ids=["w2-to-w1-at6", "w2-to-w3-at5"])
 def test_composite_loads_at_another_world_size(trained_store, world_size, t):
-    store, expect = trained_store
+    store, expect, saver_loss = trained_store
+    # the reference below (a plain model holding the saved weights) gives the saver's own loss
+    # where the composite is a state the saver had: the base, every layer at step 2
+    assert math.isclose(_reference_loss(expect, 2), saver_loss[2], rel_tol=1e-5)
     results = run_ranks(jobs.load_composite_job, world_size, store, t, expect)
     versions = jobs.composite_versions(t)
     assert len(set(versions.values())) > 1, "the composite must mix steps"

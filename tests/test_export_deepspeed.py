@@ -23,7 +23,7 @@ def trained_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_deepspeed_export_resumes_like_the_in_place_restore(trained_run, tmp_path, monkeypatch):
-    store, expect = trained_run
+    store, expect, _ = trained_run
     out = tmp_path / "ds"
     assert main(["export", store, "--step", str(T), "--format", "deepspeed", "--out", str(out)]) == 0
     assert (out / "latest").read_text().strip() == f"step{T}"
