@@ -55,18 +55,24 @@ class DeltaEncoder:
 
     def reset(self, shards: Iterable[LayerShard]) -> None:
         """The shadow becomes ``shards`` (a full checkpoint was just taken of exactly them)."""
-        for shard in shards:
-            for key in STATE_KEYS:
-                self.shadow[(shard.layer, key)] = shard.tensors[key].clone()
+        self.reset_tensors({(shard.layer, key): shard.tensors[key] for shard in shards for key in STATE_KEYS})
+
+    def reset_tensors(self, tensors: Mapping[tuple[str, str], torch.Tensor]) -> None:
+        """The shadow becomes a copy of ``tensors`` ((layer, state key) -> flat tensor, any device)."""
+        for name, tensor in tensors.items():
+            self.shadow[name] = tensor.detach().clone()
 
     def encode(self, shards: Iterable[LayerShard]) -> dict[str, torch.Tensor]:
         """This step's delta of every shard, as named tensors (``<layer>.<key>.idx|val``)."""
+        return self.encode_tensors({(shard.layer, key): shard.tensors[key] for shard in shards for key in STATE_KEYS})
+
+    def encode_tensors(self, tensors: Mapping[tuple[str, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This step's delta of ``tensors`` (on their device, against the shadow), in host memory."""
         out: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            for key in STATE_KEYS:
-                index, values = encode(shard.tensors[key], self.shadow[(shard.layer, key)], self.density)
-                out[f"{shard.layer}.{key}.idx"] = index
-                out[f"{shard.layer}.{key}.val"] = values
+        for (layer, key), tensor in tensors.items():
+            index, values = encode(tensor, self.shadow[(layer, key)], self.density)
+            out[f"{layer}.{key}.idx"] = index.cpu()
+            out[f"{layer}.{key}.val"] = values.cpu()
         return out
 
 

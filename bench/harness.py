@@ -91,7 +91,7 @@ def _reset(te: Any, initial: list[Any]) -> None:
 class Runner:
     """One rank's benchmark: the engine, the data, and one method per strategy run."""
 
-    def __init__(self, workload: Workload, root: Path) -> None:
+    def __init__(self, workload: Workload, root: Path, *, keep: bool = False) -> None:
         import deepspeed  # noqa: F401 — imported before timing the engine build
         import transformers  # noqa: F401
 
@@ -102,6 +102,7 @@ class Runner:
 
         self.workload = workload
         self.root = root
+        self.keep = keep
         from workers.env import init_distributed
 
         model_cfg, optim_cfg, engine_cfg = _configs(workload)
@@ -139,6 +140,7 @@ class Runner:
         drifts: dict[int, dict[str, float]] = {}
         lrs: dict[int, float] = {}
         train_s = stall_s = probe_s = 0.0
+        compute: list[float] = []
         probe_before = self.probe.seconds
         recoveries = []
         torch.distributed.barrier()
@@ -152,6 +154,7 @@ class Runner:
             persisted = persistence.after_step(step, lr, drift)
             done = time.monotonic()
             train_s += done - started
+            compute.append(reduced - started)
             probe_s += decided - reduced
             stall_s += done - decided
             tracker.observe(step, drift, persisted)
@@ -161,9 +164,13 @@ class Runner:
         probe_s += self.probe.seconds - probe_before
         done_info = persistence.finish()
         total_bytes = _sum_all(float(done_info["bytes"]))
+        torch.distributed.barrier()
+        if self.rank == 0 and not self.keep:  # a large model's checkpoints would fill the disk
+            shutil.rmtree(directory, ignore_errors=True)
         out = {
             "strategy": strategy.to_json(),
             "train_s": train_s,
+            "compute_median_s": statistics.median(compute),
             "stall_s": stall_s,
             "probe_s": probe_s,
             "bytes_written": total_bytes,
@@ -246,7 +253,7 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         logging.getLogger(name).setLevel(logging.WARNING)
     workload = Workload.from_json(payload["workload"])
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]
-    runner = Runner(workload, Path(payload["root"]))
+    runner = Runner(workload, Path(payload["root"]), keep=bool(payload.get("keep")))
     results: dict[str, Any] = {}
     order = list(strategies)
     ran_matched = not payload.get("matched", True)
@@ -290,7 +297,10 @@ def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: W
     m = matched_intervals(trace, target_staleness=layercheck["freshness"]["mean_weighted_staleness"],
                           target_drift=layercheck["freshness"]["mean_unsaved_drift"],
                           eval_from=workload.strategy.layercheck_warmup)
-    return {"staleness": m.staleness, "drift": m.drift, "target_staleness": m.target_staleness,
+    floor = workload.strategy.min_matched_interval
+    return {"staleness": max(m.staleness, floor), "drift": max(m.drift, floor),
+            "clipped_to_min_interval": floor if min(m.staleness, m.drift) < floor else None,
+            "target_staleness": m.target_staleness,
             "target_drift": m.target_drift, "interval_staleness": m.interval_staleness,
             "interval_drift": m.interval_drift}
 
@@ -301,7 +311,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, payload: Mapping
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if payload["workload"]["device"] == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -329,7 +339,7 @@ def run_benchmark(workload: Workload, strategies: list[Strategy], *, root: Path 
     keep = root is not None
     root = root or Path(tempfile.mkdtemp(prefix="layercheck-bench-"))
     payload = {"workload": workload.to_json(), "strategies": [s.to_json() for s in strategies],
-               "root": str(root.resolve()), "matched": matched, "repeats": repeats}
+               "root": str(root.resolve()), "matched": matched, "repeats": repeats, "keep": keep}
     try:
         with tempfile.TemporaryDirectory(prefix="layercheck-bench-out-") as out_dir:
             context = mp.start_processes(_entry, args=(workload.world_size, free_port(), out_dir, payload),

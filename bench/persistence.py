@@ -11,6 +11,7 @@ decides the same without asking anyone).
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,8 @@ from policies.decision import StepObservation
 from workers.engine import TrainEngine, seek_step
 from workers.host_buffers import HostBufferPool
 from workers.layer_state import restore_from_shards, snapshot_layers
+from workers.layout import state_view
+from workers.shard import STATE_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class DeepSpeedFull:
             te.engine.checkpoint_engine = async_checkpoint_engine(self.writer)
         self.tags: list[int] = []
         self.events = 0
+        self.bytes_written = 0
 
     def after_step(self, step: int, lr: float, drift: Mapping[str, float]) -> Sequence[str]:
         if step % self.interval:
@@ -96,7 +100,32 @@ class DeepSpeedFull:
         self.te.engine.save_checkpoint(str(self.root), tag=f"step{step}", save_latest=False)
         self.tags.append(step)
         self.events += 1
+        if self.writer is None:
+            self._account_and_prune()
+        else:  # after this tag's files in the writer's queue
+            self.writer.submit(self._account_and_prune)
         return tuple(self.te.layer_map.names)
+
+    def _account_and_prune(self) -> None:
+        """Count the newest tag's bytes and keep only the newest two tags on disk, as users'
+        retention does (a large model's checkpoints add up). Synchronous: rank 0 counts every
+        rank's files (``save_checkpoint`` ends with a barrier); asynchronous: each rank counts
+        its own writes (see ``finish``) and deletes only its own files."""
+        rank = torch.distributed.get_rank()
+        if self.writer is None and rank == 0:
+            self.bytes_written += tree_bytes(self.root / f"step{self.tags[-1]}")
+        for old in self.tags[:-2]:
+            directory = self.root / f"step{old}"
+            if not directory.is_dir():
+                continue
+            for file in directory.iterdir():
+                if f"rank_{rank}_" in file.name or (rank == 0 and "zero_pp_rank" not in file.name):
+                    file.unlink(missing_ok=True)
+            if rank == 0:
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass  # another rank's files are still there; they go with its next prune
 
     def _drain(self) -> float:
         started = time.monotonic()
@@ -120,11 +149,12 @@ class DeepSpeedFull:
 
     def finish(self) -> dict[str, float]:
         self._drain()
-        if self.writer is not None:
-            self.writer.close()
-            self.te.engine.checkpoint_engine = self._saved_engine
-        # every rank's files of every tag, counted once (rank 0 reports)
-        return {"bytes": tree_bytes(self.root) if torch.distributed.get_rank() == 0 else 0, "events": self.events}
+        if self.writer is None:
+            return {"bytes": self.bytes_written, "events": self.events}  # rank 0 counted every rank's files
+        self.writer.close()
+        written = self.te.engine.checkpoint_engine.bytes_written  # this rank's files
+        self.te.engine.checkpoint_engine = self._saved_engine
+        return {"bytes": written, "events": self.events}
 
 
 class LayerStorePersistence:
@@ -199,7 +229,11 @@ class LayerStorePersistence:
 
 class Differential(LayerStorePersistence):
     """Every layer every ``interval`` steps through the LayerStore, plus a top-k delta of every
-    layer's state each step in between; recovery loads the last full and replays the deltas."""
+    layer's state each step in between; recovery loads the last full and replays the deltas.
+
+    The delta is encoded on the training thread where the optimizer state lives (on the GPU
+    there, as gradient compression would be), so its cost is stall; only the small indices and
+    values go to host memory and the writer thread."""
 
     def __init__(self, te: TrainEngine, strategy: Strategy, root: Path) -> None:
         super().__init__(te, strategy, root)
@@ -208,34 +242,35 @@ class Differential(LayerStorePersistence):
         self.delta_root = root / "deltas"
         self.delta_root.mkdir(parents=True, exist_ok=True)
         self.rank = torch.distributed.get_rank()
+        self.names = tuple(te.layer_map.names)
         self.last_full: int | None = None
         self.delta_bytes = 0
 
+    def _device_state(self) -> dict[tuple[str, str], torch.Tensor]:
+        """This rank's owned state of every layer as flat tensors, in ``snapshot_layers`` order."""
+        out = {}
+        for name in self.names:
+            owned = self.te.layout[name].owned
+            for key in STATE_KEYS:
+                views = [state_view(self.te.layout.optimizer, piece, key) for piece in owned]
+                out[(name, key)] = torch.cat(views) if views else torch.empty(0)
+        return out
+
     def after_step(self, step: int, lr: float, drift: Mapping[str, float]) -> Sequence[str]:
-        names = tuple(self.te.layer_map.names)
         if step % self.interval == 0:
-            shards = snapshot_layers(self.te.layout, names, self.pool, step=step)
-            self.writer.submit(lambda: self._write_full(shards))
+            self.persist(step, self.names, base=False)
+            self.encoder.reset_tensors(self._device_state())
             self.last_full = step
-            self.events += 1
-            return names
+            return self.names
         if self.last_full is None:
             return ()
-        shards = snapshot_layers(self.te.layout, names, self.pool, step=step)
-        self.writer.submit(lambda: self._write_delta(step, shards))
+        encoded = self.encoder.encode_tensors(self._device_state())
+        self.writer.submit(lambda: self._write_delta(step, encoded))
         self.events += 1
-        return names
+        return self.names
 
-    def _write_full(self, shards: Sequence[Any]) -> None:
-        self.encoder.reset(shards)  # on the writer thread: after the deltas queued before it
-        self.store_writer.write(shards, base=False)
-
-    def _write_delta(self, step: int, shards: Sequence[Any]) -> None:
-        try:
-            self.delta_bytes += deltas.write_delta(self.delta_root, step, self.rank, self.encoder.encode(shards))
-        finally:
-            for shard in shards:
-                self.pool.release(shard)
+    def _write_delta(self, step: int, encoded: Mapping[str, torch.Tensor]) -> None:
+        self.delta_bytes += deltas.write_delta(self.delta_root, step, self.rank, encoded)
 
     def recover(self, t_fail: int) -> Recovered:
         drain_s = self._drain()
@@ -244,17 +279,16 @@ class Differential(LayerStorePersistence):
         plan_s, load_s, resolved = self.load(t_fail)
         full_step = max(r.step for r in resolved.records.values())
         started = time.monotonic()
-        names = tuple(self.te.layer_map.names)
-        shards = snapshot_layers(self.te.layout, names, HostBufferPool(), step=t_fail)
+        shards = snapshot_layers(self.te.layout, self.names, HostBufferPool(), step=t_fail)
         deltas.replay(shards, self.delta_root, range(full_step + 1, t_fail + 1), self.rank)
         for shard in shards:
             shard.optimizer_step = t_fail  # every layer's Adam took a step at every step
         restore_from_shards(self.te.layout, shards)
-        self.encoder.reset(shards)
+        self.encoder.reset_tensors(self._device_state())
         replay_s = time.monotonic() - started
         seek_step(self.te, t_fail)
         return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, replay_s=replay_s, drain_s=drain_s,
-                         versions={name: t_fail for name in names})
+                         versions={name: t_fail for name in self.names})
 
     def finish(self) -> dict[str, float]:
         out = super().finish()

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+FLOOR = 1e-6
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -48,13 +50,14 @@ def loss_deviation(report: Mapping[str, Any], path: Path) -> Path:
         if name == "none" or "@" in name:
             continue
         steps = sorted(int(k) for k in losses if int(k) > first)
-        ax.plot(steps, [abs(losses[str(s)] - reference[s]) for s in steps], label=name, lw=1)
+        ax.plot(steps, [max(abs(losses[str(s)] - reference[s]), FLOOR) for s in steps], label=name, lw=1)
     for f in report["workload"]["failures"]:
         ax.axvline(f, color="grey", ls=":", lw=0.8)
-    ax.set_yscale("symlog", linthresh=1e-4)
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=FLOOR / 2)
     ax.set_xlabel("step")
     ax.set_ylabel("|loss - failure-free loss|")
-    ax.set_title("loss deviation after recovery (dotted: failures)")
+    ax.set_title(f"loss deviation after recovery (dotted: failures; 0 drawn at {FLOOR:g})")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -68,20 +71,20 @@ def ettr_curves(ettr: Mapping[str, Any], path: Path) -> Path:
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name, points in ettr["by_mtbf"].items():
-        if "@" in name:
+        if "@" in name or name == "none":
             continue
         x = [p["mtbf_hours"] for p in points]
         left.plot(x, [p["sim"]["mean"] for p in points], marker="o", ms=3, label=name)
         left.fill_between(x, [p["sim"]["p05"] for p in points], [p["sim"]["p95"] for p in points], alpha=0.12)
     for name, points in ettr["by_gpus"].items():
-        if "@" in name:
+        if "@" in name or name == "none":
             continue
         x = [p["gpus"] for p in points]
         right.plot(x, [p["sim"]["mean"] for p in points], marker="o", ms=3, label=name)
     left.set_xscale("log")
     left.set_xlabel("cluster MTBF (hours)")
     left.set_ylabel("ETTR")
-    left.set_title("ETTR vs MTBF")
+    left.set_title("ETTR vs MTBF (none, no checkpoints: see ettr.json)")
     right.set_xscale("log", base=2)
     right.set_xlabel(f"GPUs (per-GPU MTBF {ettr['per_gpu_mtbf_hours']:g} h)")
     right.set_title("ETTR vs cluster size")

@@ -86,13 +86,18 @@ PRESETS: dict[str, Workload] = {
     # ~0.1M params, ~0.05-0.2 s a step on 2 CPU cores: the whole run takes a few minutes.
     "tiny": Workload(name="tiny", model=DEMO_LLAMA, steps=200, failures=(110, 170),
                      strategy=StrategyOptions(interval=50, layercheck_warmup=40)),
-    # GPU presets: 2 ranks on the GPUs of one machine (or 1 with world_size=1 via --world-size).
-    "qwen2.5-0.5b": Workload(name="qwen2.5-0.5b", model=QWEN25_05B, steps=120, failures=(66, 102),
-                             seq_len=1024, micro_batch=4, lr=1e-5, lr_warmup=10, precision="bf16",
-                             device="cuda", strategy=StrategyOptions(interval=25, layercheck_warmup=20)),
-    "qwen2.5-1.5b": Workload(name="qwen2.5-1.5b", model=QWEN25_15B, steps=80, failures=(44, 68),
-                             seq_len=1024, micro_batch=2, lr=1e-5, lr_warmup=8, precision="bf16",
-                             device="cuda", strategy=StrategyOptions(interval=20, layercheck_warmup=16)),
+    # GPU presets: one rank per GPU; one by default (the project's GPU machine has one H200;
+    # --world-size 2 or more on a machine with that many GPUs). Shorter runs: a full checkpoint
+    # of the 0.5B shape is ~6 GB, and the whole command must finish in 8 minutes.
+    "qwen2.5-0.5b": Workload(name="qwen2.5-0.5b", model=QWEN25_05B, steps=60, failures=(33, 51),
+                             seq_len=1024, micro_batch=4, lr=1e-5, lr_warmup=6, precision="bf16",
+                             device="cuda", world_size=1,
+                             strategy=StrategyOptions(interval=15, layercheck_warmup=12, min_matched_interval=5)),
+    # 1.5B: a full checkpoint is ~18.5 GB of fp32 state; intervals keep one run's files under ~60 GB.
+    "qwen2.5-1.5b": Workload(name="qwen2.5-1.5b", model=QWEN25_15B, steps=40, failures=(22, 34),
+                             seq_len=1024, micro_batch=2, lr=1e-5, lr_warmup=4, precision="bf16",
+                             device="cuda", world_size=1,
+                             strategy=StrategyOptions(interval=20, layercheck_warmup=8, min_matched_interval=20)),
 }
 
 

@@ -55,16 +55,20 @@ def section(report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str
             f"with the same mean weighted staleness (every {m['staleness']} steps) and "
             f"**{_x(h['bytes_layercheck_vs_full_at_matched_drift'])}** at the same mean unsaved drift (every "
             f"{m['drift']} steps); with the constant threshold schedule "
-            f"{_x(h['bytes_layercheck_const_vs_full_at_matched_staleness'])} at matched staleness. Below 1 means "
+            f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('layercheck-const'))} / "
+            f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('layercheck-const'))} at its own matched "
+            "staleness / drift (estimated from the measured size of one full checkpoint). Below 1 means "
             "LayerCheck writes less for the same freshness.",
         ]
     if lc and full:
         lines += [
-            f"- **Training overhead** versus no checkpoints ({bench_link}): LayerCheck {_pct(lc['overhead'])} "
-            f"(stalled {lc['stall_s']:.2f} s, probe {lc['probe_s']:.2f} s), `full` {_pct(full['overhead'])} "
-            f"(stalled {full['stall_s']:.2f} s)"
+            f"- **Training overhead** on the critical path versus training time ({bench_link}): LayerCheck "
+            f"{_pct(lc['overhead'])} (stall {lc['stall_s']:.2f} s + drift probe {lc['probe_s']:.2f} s), `full` "
+            f"{_pct(full['overhead'])} (stall {full['stall_s']:.2f} s)"
             + (f", `full-async` {_pct(rows['full-async']['overhead'])}" if "full-async" in rows else "")
-            + "; whole-run differences of a few percent are within this shared machine's noise, the stall is not.",
+            + (f", `diff` {_pct(rows['diff']['overhead'])}" if "diff" in rows else "")
+            + ". Whole-run wall times on this shared machine varied by tens of percent between strategies, "
+            "in both directions, so they are reported but not quoted.",
             f"- **Recovery per failure** ({bench_link}): LayerCheck {lc['recovery_total_s']:.2f} s (plan "
             f"{lc['plan_s']:.3f} + load {lc['load_s']:.3f}, nothing re-run) versus `full` {full['recovery_total_s']:.2f} s "
             f"(load {full['load_s']:.3f} + re-running {full['steps_lost']:.1f} steps in {full['replay_s']:.2f} s): "

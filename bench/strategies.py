@@ -118,6 +118,9 @@ class StrategyOptions:
     layercheck: Mapping[str, Any] = field(default_factory=dict)
     """Overrides of ``LayerCheckConfig`` beyond the defaults (empty: the project's defaults)."""
     delta_density: float = 0.01
+    min_matched_interval: int = 1
+    """Floor of the matched intervals (a time and disk guard for large models; the report says
+    when it was applied)."""
 
 
 def layercheck_configs(options: StrategyOptions) -> dict[str, LayerCheckConfig]:

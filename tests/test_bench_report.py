@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import ettr, render_readme, report
+from bench.metrics import trace_of
 from bench.presets import preset
 
 STEPS, FAILURES = 10, (6,)
@@ -32,7 +33,9 @@ def _recovery(**kw) -> dict:
 @pytest.fixture()
 def built() -> dict:
     raw = {"restart_s": 2.0, "params": 1000, "layers": {"embed": 500, "block.0": 500}, "results": {
-        "none": _raw("none", "none", "restart"),
+        "none": {**_raw("none", "none", "restart"), "trace": trace_of(
+            {"embed": 500, "block.0": 500}, {t: {"embed": 0.1, "block.0": 0.1} for t in range(1, STEPS + 1)},
+            {t: 1e-3 for t in range(1, STEPS + 1)}).to_json()},
         "full": _raw("full", "deepspeed-sync", "rollback", interval=5, train_s=11.0, stall_s=1.0, bytes_written=24000,
                      events=2, recoveries=[_recovery(resume_after=5, steps_lost=1, replay_s=1.0, recovery_s=1.3)]),
         "layercheck": _raw("layercheck", "layer-policy", "resume", train_s=10.2, stall_s=0.05, bytes_written=18000,
@@ -59,7 +62,10 @@ def test_rows(built):
     assert rows["full"]["loss_dev_max"] == 0
     # none is modelled: a failure at 6 re-runs 6 steps of 1 s
     assert rows["none"]["steps_lost"] == 6 and rows["none"]["replay_s"] == pytest.approx(6.0)
-    assert rows["layercheck"]["ettr"] == pytest.approx(10.0 / (10.2 + 0.3 + 2.0))
+    # ETTR with none's training time plus the critical-path cost (stall + probe for LayerCheck)
+    assert rows["layercheck"]["ettr"] == pytest.approx(10.0 / (10.0 + 0.15 + 0.3 + 2.0))
+    assert rows["layercheck"]["overhead"] == pytest.approx(0.015)
+    assert rows["layercheck"]["wall_overhead"] == pytest.approx(0.02)
     assert rows["layercheck"]["model_step_s"] == pytest.approx(1.0 + (0.05 + 0.1) / STEPS)
 
 
@@ -68,6 +74,15 @@ def test_pairs_and_headline(built):
     assert pair["baseline"] == "full@stal" and pair["bytes_ratio"] == pytest.approx(0.5)
     assert built["headline"]["bytes_layercheck_vs_full_at_matched_staleness"] == pytest.approx(0.5)
     assert built["headline"]["bytes_layercheck_vs_full_at_matched_drift"] is None
+
+
+def test_layercheck_variants_get_an_estimate_at_their_own_matched_freshness(built):
+    estimate = built["strategies"]["layercheck"]["matched_estimate"]
+    assert estimate["per_checkpoint_bytes_from"] == "full"
+    n = estimate["interval_staleness"]
+    assert estimate["full_bytes_staleness"] == 12000 * (STEPS // n)
+    assert built["headline"]["bytes_estimate_vs_full_at_own_matched_staleness"]["layercheck"] == pytest.approx(
+        18000 / (12000 * (STEPS // n)))
 
 
 def test_text_forms(built):
