@@ -194,12 +194,21 @@ def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
         while not context.join(timeout=max(0.1, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 raise ExportError(f"{what}: the {world_size} ranks did not finish within {timeout_s:.0f}s")
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:
+    except mp.ProcessRaisedException as error:
+        logger.error("%s: rank %d failed:\n%s", what, error.error_index, error.msg)
+        raise ExportError(f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}") from None
+    except mp.ProcessExitedException as error:
         raise ExportError(f"{what} failed: {error}") from None
     finally:
         for process in context.processes:  # a failed rank leaves its peers waiting in a collective
             if process.is_alive():
                 process.kill()
+
+
+def _last_line(traceback_text: str) -> str:
+    """The exception line that ends a formatted traceback."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else traceback_text
 
 
 def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> None:

@@ -15,7 +15,7 @@ import transformers
 
 from orchestrator.cli import main
 from orchestrator.driver import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
-from orchestrator.export import ExportError, composite_model, export, plan_export, run_config_of
+from orchestrator.export import ExportError, composite_model, export, export_deepspeed, plan_export, run_config_of
 from orchestrator.retention import GcConfig, collect_garbage
 from orchestrator.store import LayerStore
 from policies.layer_map import layer_map_of
@@ -155,3 +155,21 @@ def test_store_tools_leave_run_json_alone(run, capsys):
     summary = json.loads(out[out.index("{"):])
     assert summary["newest_recoverable_step"] == 20
     assert {name: (Path(uri) / name).read_bytes() for name in root_files} == root_files
+
+
+@pytest.mark.slow
+def test_a_failing_export_rank_is_an_error_naming_the_version_and_stops_its_peer(run, tmp_path):
+    """A shard that disappears after planning: the rank that reads it fails, its peer (waiting in
+    a collective) is stopped, and the error names the version."""
+    uri, _, _ = run
+    store = LayerStore.open(uri)
+    config = run_config_of(store)
+    resolved = plan_export(store, layer_map_of(build_model(config.model)).numel, None)
+    record = resolved.records["block.0"]
+    (Path(uri) / record.shards[0].path).unlink()
+    with pytest.raises(ExportError) as raised:
+        export_deepspeed(config, store, resolved, tmp_path / "ds", 2, timeout_s=300)
+    message = str(raised.value)
+    assert "failed on rank" in message and record.version_id in message and "missing" in message
+    assert "Traceback" not in message  # logged, not in the one-line error
+    assert not (tmp_path / "ds" / "latest").exists()
