@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.composite import CompositeMismatchError, check_fits
 from orchestrator.driver import RUN_CONFIG_FILE, layer_map_for
 from orchestrator.manifest import VersionRecord
 from orchestrator.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
@@ -96,18 +97,13 @@ def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | N
 
 
 def check_composite_fits(store: LayerStore, records: Mapping[str, VersionRecord], layer_map: LayerMap) -> None:
-    """:class:`ExportError` unless each layer's version holds exactly the model's parameters of
-    that layer, with the model's shapes (a run file for another model would otherwise load the
-    first elements of each tensor without complaint)."""
+    """:class:`ExportError` unless the composite fits the run config's model (see
+    :func:`orchestrator.composite.check_fits`)."""
     with CompositeReader(store, records) as read:
-        for layer in layer_map.layers:
-            stored = read.reader(layer.name).param_shapes
-            wanted = {p.name: tuple(p.shape) for p in layer.params}
-            if stored != wanted:
-                diff = sorted(f"{name}: stored {stored.get(name)}, model {wanted.get(name)}"
-                              for name in set(stored) | set(wanted) if stored.get(name) != wanted.get(name))
-                raise ExportError(f"run {store.uri}: version {records[layer.name].version_id} of layer {layer.name} "
-                                  f"does not fit the run config's model ({'; '.join(diff)}); wrong --config?")
+        try:
+            check_fits(read, records, layer_map)
+        except CompositeMismatchError as error:
+            raise ExportError(f"run {store.uri}: {error}; wrong --config?") from None
 
 
 def _check_empty_dir(out: Path, what: str) -> None:
