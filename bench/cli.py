@@ -32,6 +32,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", type=Path, help="keep checkpoints here (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="write bench.json, summary.md, ettr.json and plots here")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
+    p.add_argument("--rebuild", type=Path, metavar="BENCH_JSON",
+                   help="run nothing: rebuild the report, summary and plots from the measurements in a bench.json")
 
 
 def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +60,13 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.harness import run_benchmark
     from bench.machine import describe
 
+    if args.rebuild:
+        previous = json.loads(args.rebuild.read_text())
+        report = reports.build_report(previous["raw"], previous["workload"], previous["machine"])
+        if args.out:
+            write_outputs(report, args.out)
+        print(json.dumps(report, indent=1) if args.json else reports.text(report))
+        return 0
     try:
         workload = workload_from_args(args)
         names = [n.strip() for n in args.strategies.split(",")] if args.strategies else None

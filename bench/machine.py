@@ -21,6 +21,14 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _virtualized() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return any(line.startswith("flags") and " hypervisor" in line for line in f)
+    except OSError:
+        return False
+
+
 def _memory() -> str:
     try:
         out = subprocess.run(["free", "-h"], capture_output=True, text=True, timeout=5, check=True).stdout
@@ -44,7 +52,7 @@ def describe() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": os.cpu_count(),
-        "cpu": _cpu_model(),
+        "cpu": _cpu_model() + (" (virtual machine)" if _virtualized() else ""),
         "memory": _memory(),
         "gpu": gpu,
         "load_average_at_start": ", ".join(f"{x:.1f}" for x in load),

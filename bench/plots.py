@@ -29,6 +29,11 @@ def bytes_vs_staleness(report: Mapping[str, Any], path: Path) -> Path:
         ax.scatter(row["mean_weighted_staleness"], row["bytes_written"] / 2**20, marker=marker, s=80 if marker == "*" else 40)
         ax.annotate(row["name"], (row["mean_weighted_staleness"], row["bytes_written"] / 2**20), fontsize=7,
                     xytext=(3, 3), textcoords="offset points")
+    frontier = _full_frontier(report)
+    if frontier:
+        ax.plot(*zip(*frontier), color="grey", lw=0.8, ls="--", zorder=0,
+                label="full checkpoints every N (on the measured trace)")
+        ax.legend(fontsize=7)
     ax.set_xlabel("mean parameter-weighted staleness (steps)")
     ax.set_ylabel("bytes written (MiB, all ranks)")
     ax.set_title(f"{report['workload']['name']}: bytes vs freshness")
@@ -37,6 +42,26 @@ def bytes_vs_staleness(report: Mapping[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _full_frontier(report: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """(staleness, MiB) of every-layer checkpoints every N steps: staleness replayed on the
+    reference run's drift trace, bytes = measured size of one such checkpoint x checkpoints."""
+    from policies.simulate import simulate_interval
+    from policies.trace import DriftTrace
+
+    rows = report["strategies"]
+    source = rows.get("full-resume") or rows.get("full")
+    trace_json = report.get("raw", {}).get("results", {}).get("none", {}).get("trace")
+    if source is None or trace_json is None:
+        return []
+    trace = DriftTrace.from_json(trace_json)
+    eval_from = report["workload"]["strategy"]["layercheck_warmup"]
+    points = []
+    for n in range(2, report["workload"]["steps"] // 2):
+        r = simulate_interval(trace, n, eval_from=eval_from)
+        points.append((r.mean_weighted_staleness, source["bytes_per_event"] * r.events / 2**20))
+    return points
 
 
 def loss_deviation(report: Mapping[str, Any], path: Path) -> Path:
