@@ -89,6 +89,7 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
     none = results["none"]
     rows = {name: strategy_row(r, none, steps=steps, failures=failures, restart_s=raw["restart_s"])
             for name, r in results.items()}
+    add_window_bytes(rows, since=workload["strategy"]["layercheck_warmup"], steps=steps)
     add_matched_estimates(rows, results, steps=steps, eval_from=workload["strategy"]["layercheck_warmup"])
     report = {
         "workload": dict(workload), "machine": dict(machine), "params": raw["params"], "layers": raw["layers"],
@@ -101,12 +102,46 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
     return report
 
 
+def _multiples(n: int, since: int, until: int) -> int:
+    """How many multiples of ``n`` lie in ``[since, until]`` (checkpoint steps of an interval)."""
+    return until // n - (since - 1) // n if n >= 1 else 0
+
+
+def bytes_from(row: Mapping[str, Any], *, since: int, steps: int, per_full_event: float | None) -> float | None:
+    """The bytes a strategy wrote at steps ``>= since`` (LayerCheck's warm-up W: before it,
+    LayerCheck writes nothing and protects nothing, so the fair comparison starts there).
+    Interval kinds write equal-sized checkpoints at multiples of N; ``diff`` adds per-step deltas
+    (their size is what remains of its bytes after its fulls of ``per_full_event`` each)."""
+    kind, n = row["kind"], row["interval"]
+    if kind == "none":
+        return 0.0
+    if kind == "layer-policy":
+        return row["bytes_written"]  # nothing before the base at W
+    if kind in ("deepspeed-sync", "deepspeed-async", "layer-interval"):
+        return row["bytes_per_event"] * _multiples(n, since, steps)
+    if kind == "differential" and per_full_event:
+        fulls = steps // n
+        deltas = row["events"] - fulls
+        per_delta = (row["bytes_written"] - fulls * per_full_event) / deltas if deltas else 0.0
+        delta_steps_from = sum(1 for t in range(max(n + 1, since), steps + 1) if t % n)
+        return per_full_event * _multiples(n, since, steps) + per_delta * delta_steps_from
+    return None
+
+
+def add_window_bytes(rows: dict[str, dict[str, Any]], *, since: int, steps: int) -> None:
+    source = rows.get("full-resume") or rows.get("diff")
+    per_full = source["bytes_per_event"] if source and source["kind"] == "layer-interval" else None
+    for row in rows.values():
+        row["bytes_from_warmup"] = bytes_from(row, since=since, steps=steps, per_full_event=per_full)
+
+
 def add_matched_estimates(rows: dict[str, dict[str, Any]], results: Mapping[str, Any], *, steps: int,
                           eval_from: int) -> None:
     """For every LayerCheck variant, the intervals matching *its own* staleness and unsaved drift on
     the reference drift trace, and the bytes every-layer-together checkpoints would write there:
     the measured bytes of one such checkpoint (``full-resume``, same format; else ``full``) times
-    the number of checkpoints. An estimate, for the variants that are not run at matched freshness."""
+    the number of checkpoints from step W on (as :func:`bytes_from` counts). An estimate, for the
+    variants that are not run at matched freshness."""
     from policies.trace import DriftTrace
 
     source = rows.get("full-resume") or rows.get("full")
@@ -118,8 +153,8 @@ def add_matched_estimates(rows: dict[str, dict[str, Any]], results: Mapping[str,
             continue
         m = matched_intervals(trace, target_staleness=row["mean_weighted_staleness"],
                               target_drift=row["mean_unsaved_drift"], eval_from=eval_from)
-        by_stal = source["bytes_per_event"] * (steps // m.staleness)
-        by_drift = source["bytes_per_event"] * (steps // m.drift)
+        by_stal = source["bytes_per_event"] * _multiples(m.staleness, eval_from, steps)
+        by_drift = source["bytes_per_event"] * _multiples(m.drift, eval_from, steps)
         row["matched_estimate"] = {
             "per_checkpoint_bytes_from": source["name"],
             "interval_staleness": m.staleness, "interval_drift": m.drift,
@@ -142,6 +177,9 @@ def matched_pairs(rows: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]
             "baseline": row["name"], "matched_on": row["matched"], "interval": row["interval"],
             "baseline_bytes": row["bytes_written"], "layercheck_bytes": lc["bytes_written"],
             "bytes_ratio": _ratio(lc["bytes_written"], row["bytes_written"]),
+            "baseline_bytes_from_warmup": row["bytes_from_warmup"],
+            "bytes_ratio_from_warmup": _ratio(lc["bytes_from_warmup"], row["bytes_from_warmup"])
+            if row["bytes_from_warmup"] is not None else None,
             "baseline_loss_dev_mean": row["loss_dev_mean"], "layercheck_loss_dev_mean": lc["loss_dev_mean"],
             "baseline_loss_dev_max": row["loss_dev_max"], "layercheck_loss_dev_max": lc["loss_dev_max"],
             "baseline_staleness": row["mean_weighted_staleness"], "layercheck_staleness": lc["mean_weighted_staleness"],
@@ -158,7 +196,7 @@ def headline(report: Mapping[str, Any]) -> dict[str, Any]:
         return rows[name][key] if name in rows else None
 
     def ratio(a: str, b: str, key: str) -> float | None:
-        x, y = get(a, key), get(b, key)
+        x, y = get(a, key), get(b, key)  # None where not run (or not defined)
         return _ratio(x, y) if x is not None and y is not None else None
 
     return {
@@ -169,6 +207,9 @@ def headline(report: Mapping[str, Any]) -> dict[str, Any]:
         "bytes_estimate_vs_full_at_own_matched_drift": {
             name: row["matched_estimate"]["bytes_ratio_drift"] for name, row in rows.items() if "matched_estimate" in row},
         "bytes_layercheck_vs_diff_at_matched_staleness": ratio("layercheck", "diff@stal", "bytes_written"),
+        "bytes_from_warmup_layercheck_vs_full_at_matched_staleness": ratio("layercheck", "full@stal", "bytes_from_warmup"),
+        "bytes_from_warmup_layercheck_vs_full_at_matched_drift": ratio("layercheck", "full@drift", "bytes_from_warmup"),
+        "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness": ratio("layercheck", "diff@stal", "bytes_from_warmup"),
         "overhead": {name: row["overhead"] for name, row in rows.items()},
         "recovery_s": {name: row["recovery_total_s"] for name, row in rows.items()},
         "recovery_layercheck_vs_full": ratio("layercheck", "full", "recovery_total_s"),
@@ -204,10 +245,13 @@ def main_table(report: Mapping[str, Any]) -> str:
 
 def pairs_table(report: Mapping[str, Any]) -> str:
     rows = [[p["baseline"], p["matched_on"], p["interval"], human_bytes(p["baseline_bytes"]),
-             human_bytes(p["layercheck_bytes"]), f"{p['bytes_ratio']:.2f}x", p["baseline_loss_dev_mean"],
+             human_bytes(p["layercheck_bytes"]), f"{p['bytes_ratio']:.2f}x",
+             "-" if p["bytes_ratio_from_warmup"] is None else f"{p['bytes_ratio_from_warmup']:.2f}x",
+             p["baseline_loss_dev_mean"],
              p["layercheck_loss_dev_mean"], p["baseline_loss_dev_max"], p["layercheck_loss_dev_max"]]
             for p in report["pairs"]]
     return format_table(["baseline", "matched on", "N", "baseline bytes", "layercheck bytes", "LC/baseline",
+                         "from W",
                          "dev mean (base)", "dev mean (LC)", "dev max (base)", "dev max (LC)"], rows)
 
 
@@ -310,10 +354,17 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
             pairs_table(report),
             "```",
             "",
+            "`LC/baseline`: bytes over the whole run. `from W`: bytes written from LayerCheck's warm-up step W on, "
+            "the window in which both protect anything (before W LayerCheck writes nothing, and a failure there "
+            "restarts from step 0, while the baselines already checkpoint); this is the like-for-like figure.",
+            "",
         ]
     out += reading(report)
     out += ["## Headline ratios", ""]
-    for key in ("bytes_layercheck_vs_full_at_matched_staleness", "bytes_layercheck_vs_full_at_matched_drift",
+    for key in ("bytes_from_warmup_layercheck_vs_full_at_matched_staleness",
+                "bytes_from_warmup_layercheck_vs_full_at_matched_drift",
+                "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness",
+                "bytes_layercheck_vs_full_at_matched_staleness", "bytes_layercheck_vs_full_at_matched_drift",
                 "bytes_layercheck_vs_diff_at_matched_staleness",
                 "recovery_layercheck_vs_full", "recovery_layercheck_vs_full_at_matched_staleness"):
         if h.get(key) is not None:
@@ -321,7 +372,7 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
     estimates = [(n, r["matched_estimate"]) for n, r in report["strategies"].items() if "matched_estimate" in r]
     if estimates:
         out += ["", "Each LayerCheck variant against every-layer-together checkpoints at the interval matching *its "
-                "own* freshness (estimated: measured bytes of one such checkpoint x checkpoints in the run):", ""]
+                "own* freshness (estimated: measured bytes of one such checkpoint x its checkpoints from step W on):", ""]
         for name, e in estimates:
             out.append(f"- `{name}`: {e['bytes_ratio_staleness']:.2f}x at matched staleness (N={e['interval_staleness']}),"
                        f" {e['bytes_ratio_drift']:.2f}x at matched unsaved drift (N={e['interval_drift']})")
@@ -364,10 +415,15 @@ def reading(report: Mapping[str, Any]) -> list[str]:
     if lc and h.get("bytes_layercheck_vs_full_at_matched_staleness") is not None:
         more = h["bytes_layercheck_vs_full_at_matched_staleness"] > 1
         drift_ratio = h.get("bytes_layercheck_vs_full_at_matched_drift")
+        fair = h.get("bytes_from_warmup_layercheck_vs_full_at_matched_staleness")
+        fair_drift = h.get("bytes_from_warmup_layercheck_vs_full_at_matched_drift")
         out.append(
             f"- Bytes: LayerCheck (defaults) wrote {h['bytes_layercheck_vs_full_at_matched_staleness']:.2f}x the "
             "bytes of full checkpoints at matched staleness"
             + (f" and {drift_ratio:.2f}x at matched unsaved drift" if drift_ratio is not None else "")
+            + " over the whole run"
+            + (f"; counted from step W, where both protect, {fair:.2f}x and {fair_drift:.2f}x" if fair and fair_drift
+               else "")
             + f": {'more' if more else 'less'} for the same freshness on this workload.")
     if spread:
         out.append(

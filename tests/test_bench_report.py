@@ -104,3 +104,19 @@ def test_readme_section_quotes_the_report(built):
     text = render_readme.section(built, g, "bench/results/x")
     assert text.startswith("## Performance")
     assert "0.50x" in text and "bench/results/x/bench.json" in text
+
+
+def test_readme_section_quotes_the_ray_demo_when_present(built):
+    g = ettr.grid(ettr.costs_from_bench(built), mtbf_hours=(1.0,), gpu_counts=(8,), runs=3)
+    demo = {"coordination_s_per_step": {"mean": 0.001, "p90": 0.002}, "step_s_per_step": {"mean": 0.1}}
+    assert "1.00 ms" in render_readme.section(built, g, "r", demo)
+
+
+def test_bytes_from_warmup_counts_only_checkpoints_from_w():
+    full = {"kind": "deepspeed-sync", "interval": 10, "bytes_per_event": 100.0, "bytes_written": 1000.0, "events": 10}
+    assert report.bytes_from(full, since=25, steps=100, per_full_event=None) == 800.0  # 30, 40, ..., 100
+    lc = {"kind": "layer-policy", "interval": 0, "bytes_per_event": 5.0, "bytes_written": 70.0, "events": 14}
+    assert report.bytes_from(lc, since=25, steps=100, per_full_event=None) == 70.0
+    # diff: fulls at 10, 20 (100 B each), deltas at 11..19 (9 x 2 B)
+    diff = {"kind": "differential", "interval": 10, "bytes_per_event": 0.0, "bytes_written": 218.0, "events": 11}
+    assert report.bytes_from(diff, since=15, steps=20, per_full_event=100.0) == pytest.approx(100 + 5 * 2)
