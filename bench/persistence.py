@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from bench import delta as deltas
+from bench.drift_optimal import DriftOptimalConfig, DriftOptimalPolicy
 from bench.strategies import Kind, Strategy
 from bench.writers import BackgroundWriter, LayerStoreWriter, async_checkpoint_engine, tree_bytes
 from orchestrator.composite import load_composite
@@ -164,8 +165,11 @@ class LayerStorePersistence:
     def __init__(self, te: TrainEngine, strategy: Strategy, root: Path) -> None:
         self.te = te
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        config = strategy.policy if strategy.kind is Kind.LAYER_POLICY else IntervalConfig(interval=strategy.interval)
-        self.policy = build_policy(config, te.layer_map.names)
+        if isinstance(strategy.policy, DriftOptimalConfig):
+            self.policy: Any = DriftOptimalPolicy(strategy.policy, te.layer_map.numel)
+        else:
+            config = strategy.policy if strategy.kind is Kind.LAYER_POLICY else IntervalConfig(interval=strategy.interval)
+            self.policy = build_policy(config, te.layer_map.names)
         self.store = LayerStore.open(str(root / "store"), fsync=True)
         self.pool = HostBufferPool()
         self.writer = BackgroundWriter(f"store-writer-{rank}")
@@ -214,7 +218,7 @@ class LayerStorePersistence:
     def _restart_policy(self, persisted: Mapping[str, int]) -> None:
         """As ``orchestrator.policy_service.PolicyService.restart`` does: LayerCheck counts each
         layer's staleness and drift again from the version the composite loaded."""
-        if not isinstance(self.policy, LayerCheckPolicy):
+        if not isinstance(self.policy, (LayerCheckPolicy, DriftOptimalPolicy)):
             return
         state = self.policy.state_dict()
         state["accumulated"] = {name: 0.0 for name in state["accumulated"]}

@@ -12,6 +12,7 @@ full            DeepSpeed ``save_checkpoint`` every N, sync  ``load_checkpoint``
 full-async      the same bytes, written by a thread          the same
 full-resume     every layer every N (LayerStore, async)      composite, resume at ``t_fail + 1``
 layercheck      LayerCheck policy (LayerStore, async)        composite, resume at ``t_fail + 1``
+drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume at ``t_fail + 1``
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
 """
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bench.drift_optimal import DriftOptimalConfig
 from policies.configs import LayerCheckConfig, to_mapping
 
 
@@ -66,8 +68,8 @@ class Strategy:
     kind: Kind
     interval: int = 0
     """Steps between full checkpoints (the full-checkpoint kinds and ``differential``)."""
-    policy: LayerCheckConfig | None = None
-    """The LayerCheck policy (``layer-policy`` only)."""
+    policy: LayerCheckConfig | DriftOptimalConfig | None = None
+    """The layer-wise policy (``layer-policy`` only): LayerCheck's, or the drift-optimal one."""
     delta_density: float = 0.01
     """``differential``: fraction of each state tensor's elements sent per step (top-k with error feedback)."""
     matched: str = ""
@@ -81,7 +83,8 @@ class Strategy:
         if needs_interval and self.interval < 1:
             raise ValueError(f"Strategy {self.name}: interval must be >= 1 for kind {self.kind.value}, got {self.interval}")
         if (self.kind is Kind.LAYER_POLICY) != (self.policy is not None):
-            raise ValueError(f"Strategy {self.name}: a LayerCheckConfig is needed for, and only for, kind layer-policy")
+            raise ValueError(f"Strategy {self.name}: a LayerCheckConfig or DriftOptimalConfig is needed for, "
+                             "and only for, kind layer-policy")
         if not 0 < self.delta_density <= 1:
             raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
         if self.matched not in ("", "staleness", "drift"):
@@ -98,13 +101,28 @@ class Strategy:
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind.value, "recovery": self.recovery.value,
                 "interval": self.interval, "delta_density": self.delta_density, "matched": self.matched,
-                "policy": to_mapping(self.policy) if self.policy else None}
+                "policy": _policy_json(self.policy)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Strategy:
-        policy = LayerCheckConfig(**data["policy"]) if data.get("policy") else None
+        policy = _policy_from_json(data.get("policy"))
         return cls(name=data["name"], kind=Kind(data["kind"]), interval=int(data["interval"]), policy=policy,
                    delta_density=float(data["delta_density"]), matched=data.get("matched", ""))
+
+
+def _policy_json(policy: LayerCheckConfig | DriftOptimalConfig | None) -> dict[str, Any] | None:
+    if policy is None:
+        return None
+    if isinstance(policy, DriftOptimalConfig):
+        return policy.to_json()
+    return {"type": "layercheck", **to_mapping(policy)}
+
+
+def _policy_from_json(data: Mapping[str, Any] | None) -> LayerCheckConfig | DriftOptimalConfig | None:
+    if not data:
+        return None
+    fields = {k: v for k, v in data.items() if k != "type"}
+    return DriftOptimalConfig(**fields) if data.get("type") == "drift-optimal" else LayerCheckConfig(**fields)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,6 +159,8 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
         Strategy(name="full-resume", kind=Kind.LAYER_INTERVAL, interval=n),
     ]
     out += [Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()]
+    out.append(Strategy(name="drift-optimal", kind=Kind.LAYER_POLICY,
+                        policy=DriftOptimalConfig(period=n, warmup_steps=options.layercheck_warmup)))
     out.append(Strategy(name="diff", kind=Kind.DIFFERENTIAL, interval=n, delta_density=options.delta_density))
     return out
 

@@ -13,7 +13,8 @@ from policies.configs import LayerCheckConfig
 def test_default_set_has_every_strategy_the_issue_names_none_first():
     names = [s.name for s in default_strategies(StrategyOptions())]
     assert names[0] == "none"
-    assert set(names) == {"none", "full", "full-async", "full-resume", "layercheck", "layercheck-const", "diff"}
+    assert set(names) == {"none", "full", "full-async", "full-resume", "layercheck", "layercheck-const",
+                          "drift-optimal", "diff"}
 
 
 def test_layercheck_variants_keep_the_defaults_but_the_warmup():
