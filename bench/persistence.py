@@ -88,7 +88,7 @@ class DeepSpeedFull:
         self.root = root
         self.writer: BackgroundWriter | None = None
         if strategy.kind is Kind.DEEPSPEED_ASYNC:
-            self.writer = BackgroundWriter("ds-async-writer", max_pending=64)
+            self.writer = BackgroundWriter("ds-async-writer", max_pending=4)
             self._saved_engine = te.engine.checkpoint_engine
             te.engine.checkpoint_engine = async_checkpoint_engine(self.writer)
         self.tags: list[int] = []
@@ -172,7 +172,7 @@ class LayerStorePersistence:
             self.policy = build_policy(config, te.layer_map.names)
         self.store = LayerStore.open(str(root / "store"), fsync=True)
         self.pool = HostBufferPool()
-        self.writer = BackgroundWriter(f"store-writer-{rank}")
+        self.writer = BackgroundWriter(f"store-writer-{rank}", max_pending=4)
         self.store_writer = LayerStoreWriter(self.store, root / "receipts", rank=rank, world_size=world, pool=self.pool)
         self.events = 0
 

@@ -70,8 +70,12 @@ def section(report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str
             f"{_x(h['bytes_layercheck_vs_full_at_matched_drift'])} over the whole run); with the constant threshold schedule "
             f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('layercheck-const'))} / "
             f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('layercheck-const'))} at its own matched "
-            "staleness / drift (estimated from the measured size of one full checkpoint). Below 1 means "
-            "LayerCheck writes less for the same freshness.",
+            "staleness / drift (estimated from the measured size of one full checkpoint)"
+            + (f"; the `drift-optimal` policy (period ~ 1/sqrt(drift)) "
+               f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('drift-optimal'))} / "
+               f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('drift-optimal'))}"
+               if "drift-optimal" in h["bytes_estimate_vs_full_at_own_matched_drift"] else "")
+            + ". Below 1 means writing less than full checkpoints for the same freshness.",
         ]
     if lc and full:
         lines += [

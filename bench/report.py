@@ -436,6 +436,19 @@ def reading(report: Mapping[str, Any]) -> list[str]:
             f"{spread['block_max_over_min']:.2f}x (all layers {spread['all_max_over_min']:.2f}x, with the embedding, "
             "norm and head as the outliers). The workload is the demo's, not tuned either way; "
             "`layercheck simulate --spread` shows where selection starts to pay.")
+    opt = rows.get("drift-optimal", {}).get("matched_estimate")
+    if opt:
+        out.append(
+            f"- A policy built for the drift measure (`drift-optimal`: per-layer period ~ 1/sqrt(drift), "
+            f"`bench/drift_optimal.py`) wrote {opt['bytes_ratio_drift']:.2f}x the bytes of full checkpoints at "
+            f"its own matched unsaved drift (N={opt['interval_drift']}) and {opt['bytes_ratio_staleness']:.2f}x at "
+            f"its matched staleness (N={opt['interval_staleness']}), counted from step W (estimated from the "
+            "measured size of one full checkpoint). Fewer bytes at the same unsaved drift did not mean a closer "
+            f"loss after recovery: its mean |Δloss| was {rows['drift-optimal']['loss_dev_mean']:.3g} (weighted "
+            f"staleness at the failures {rows['drift-optimal']['staleness_at_failure']:.1f} steps)"
+            + (f" against `full-resume`'s {rows['full-resume']['loss_dev_mean']:.3g} "
+               f"({rows['full-resume']['staleness_at_failure']:.1f} steps)" if "full-resume" in rows else "")
+            + ": on this run (two failures) the loss after recovery followed staleness more than unsaved drift.")
     if lc and full:
         if "full-resume" in rows:
             out.append(
