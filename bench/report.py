@@ -329,7 +329,7 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         "```",
         "",
         "Columns: training time with checkpointing (failure-free part); `wall`: that time versus `none`'s (on a "
-        "shared machine whole-run times of identical runs differ by tens of percent: read it as noise unless large); "
+        "shared machine, whole-run times of identical runs differ: read it as noise unless large); "
         "`compute`: median forward/backward/step time versus `none`'s (a background writer competing for the CPU "
         "shows here); `overhead`: the checkpointing cost measured on the critical path, stall (+ drift probe for "
         "LayerCheck, which needs it) over `none`'s training time; time the loop stalled on checkpointing; "
