@@ -21,13 +21,12 @@ from typing import Any
 import torch
 
 from bench import delta as deltas
-from bench.drift_optimal import DriftOptimalConfig, DriftOptimalPolicy
 from bench.strategies import Kind, Strategy
 from bench.writers import BackgroundWriter, LayerStoreWriter, async_checkpoint_engine, tree_bytes
 from orchestrator.composite import load_composite
 from orchestrator.recovery_source import resolve_plan
 from orchestrator.store import LayerStore
-from policies.checkpoint_policy import LayerCheckPolicy, build_policy
+from policies.checkpoint_policy import build_policy
 from policies.configs import IntervalConfig
 from policies.decision import StepObservation
 from workers.engine import TrainEngine, seek_step
@@ -165,11 +164,8 @@ class LayerStorePersistence:
     def __init__(self, te: TrainEngine, strategy: Strategy, root: Path) -> None:
         self.te = te
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        if isinstance(strategy.policy, DriftOptimalConfig):
-            self.policy: Any = DriftOptimalPolicy(strategy.policy, te.layer_map.numel)
-        else:
-            config = strategy.policy if strategy.kind is Kind.LAYER_POLICY else IntervalConfig(interval=strategy.interval)
-            self.policy = build_policy(config, te.layer_map.names)
+        config = strategy.policy if strategy.kind is Kind.LAYER_POLICY else IntervalConfig(interval=strategy.interval)
+        self.policy = build_policy(config, te.layer_map.numel)
         self.store = LayerStore.open(str(root / "store"), fsync=True)
         self.pool = HostBufferPool()
         self.writer = BackgroundWriter(f"store-writer-{rank}", max_pending=4)
@@ -210,7 +206,144 @@ class LayerStorePersistence:
         plan_s, load_s, resolved = self.load(t_fail)
         seek_step(self.te, t_fail)
         versions = {layer: r.step for layer, r in resolved.records.items()}
-        self._restart_policy(versions)
+        self.policy.rebase(versions)  # as the policy service does after a recovery
+        return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, drain_s=drain_s,
+                         weighted_staleness=resolved.plan.weighted_staleness, max_staleness=resolved.plan.max_staleness,
+                         versions=versions)
+
+    def finish(self) -> dict[str, float]:
+        return {"bytes": 0, "events": 0}
+
+
+class DeepSpeedFull:
+    """``engine.save_checkpoint`` every ``interval`` steps; rollback with ``load_checkpoint``."""
+
+    def __init__(self, te: TrainEngine, strategy: Strategy, root: Path) -> None:
+        self.te = te
+        self.interval = strategy.interval
+        self.root = root
+        self.writer: BackgroundWriter | None = None
+        if strategy.kind is Kind.DEEPSPEED_ASYNC:
+            self.writer = BackgroundWriter("ds-async-writer", max_pending=4)
+            self._saved_engine = te.engine.checkpoint_engine
+            te.engine.checkpoint_engine = async_checkpoint_engine(self.writer)
+        self.tags: list[int] = []
+        self.events = 0
+        self.bytes_written = 0
+
+    def after_step(self, step: int, lr: float, drift: Mapping[str, float]) -> Sequence[str]:
+        if step % self.interval:
+            return ()
+        self.te.engine.save_checkpoint(str(self.root), tag=f"step{step}", save_latest=False)
+        self.tags.append(step)
+        self.events += 1
+        if self.writer is None:
+            self._account_and_prune()
+        else:  # after this tag's files in the writer's queue
+            self.writer.submit(self._account_and_prune)
+        return tuple(self.te.layer_map.names)
+
+    def _account_and_prune(self) -> None:
+        """Count the newest tag's bytes and keep only the newest two tags on disk, as users'
+        retention does (a large model's checkpoints add up). Synchronous: rank 0 counts every
+        rank's files (``save_checkpoint`` ends with a barrier); asynchronous: each rank counts
+        its own writes (see ``finish``) and deletes only its own files."""
+        rank = torch.distributed.get_rank()
+        if self.writer is None and rank == 0:
+            self.bytes_written += tree_bytes(self.root / f"step{self.tags[-1]}")
+        for old in self.tags[:-2]:
+            directory = self.root / f"step{old}"
+            if not directory.is_dir():
+                continue
+            for file in directory.iterdir():
+                if f"rank_{rank}_" in file.name or (rank == 0 and "zero_pp_rank" not in file.name):
+                    file.unlink(missing_ok=True)
+            if rank == 0:
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass  # another rank's files are still there; they go with its next prune
+
+    def _drain(self) -> float:
+        started = time.monotonic()
+        if self.writer is not None:
+            self.writer.drain()
+        _barrier()
+        return time.monotonic() - started
+
+    def recover(self, t_fail: int) -> Recovered:
+        drain_s = self._drain()
+        started = time.monotonic()
+        usable = [s for s in self.tags if s <= t_fail and (self.root / f"step{s}").is_dir()]
+        plan_s = time.monotonic() - started
+        if not usable:
+            return Recovered(resume_after=0, plan_s=plan_s, drain_s=drain_s)
+        started = time.monotonic()
+        self.te.engine.load_checkpoint(str(self.root), tag=f"step{usable[-1]}")
+        load_s = time.monotonic() - started
+        return Recovered(resume_after=usable[-1], plan_s=plan_s, load_s=load_s, drain_s=drain_s,
+                         weighted_staleness=float(t_fail - usable[-1]), max_staleness=t_fail - usable[-1])
+
+    def finish(self) -> dict[str, float]:
+        self._drain()
+        if self.writer is None:
+            return {"bytes": self.bytes_written, "events": self.events}  # rank 0 counted every rank's files
+        self.writer.close()
+        written = self.te.engine.checkpoint_engine.bytes_written  # this rank's files
+        self.te.engine.checkpoint_engine = self._saved_engine
+        return {"bytes": written, "events": self.events}
+
+
+class LayerStorePersistence:
+    """A policy's decisions carried out through the LayerStore (async writer thread); recovery
+    plans the composite at ``t_fail`` and resumes at ``t_fail + 1``."""
+
+    def __init__(self, te: TrainEngine, strategy: Strategy, root: Path) -> None:
+        self.te = te
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        config = strategy.policy if strategy.kind is Kind.LAYER_POLICY else IntervalConfig(interval=strategy.interval)
+        self.policy = build_policy(config, te.layer_map.numel)
+        self.store = LayerStore.open(str(root / "store"), fsync=True)
+        self.pool = HostBufferPool()
+        self.writer = BackgroundWriter(f"store-writer-{rank}", max_pending=4)
+        self.store_writer = LayerStoreWriter(self.store, root / "receipts", rank=rank, world_size=world, pool=self.pool)
+        self.events = 0
+
+    def after_step(self, step: int, lr: float, drift: Mapping[str, float]) -> Sequence[str]:
+        decision = self.policy.observe(StepObservation(step=step, lr=lr, drift=drift))
+        if not decision:
+            return ()
+        self.persist(step, decision.names, base=decision.is_base)
+        return decision.names
+
+    def persist(self, step: int, names: Sequence[str], *, base: bool) -> None:
+        shards = snapshot_layers(self.te.layout, names, self.pool, step=step)
+        self.writer.submit(lambda: self.store_writer.write(shards, base=base))
+        self.events += 1
+
+    def _drain(self) -> float:
+        started = time.monotonic()
+        self.writer.drain()
+        _barrier()
+        return time.monotonic() - started
+
+    def load(self, t_fail: int) -> tuple[float, float, Any]:
+        """Plan (rank 0, as the supervisor does) and load the composite at ``t_fail`` (collective)."""
+        started = time.monotonic()
+        resolved = None
+        if torch.distributed.get_rank() == 0:
+            resolved = resolve_plan(self.store, self.te.layer_map.numel, t_fail, deep=False)
+        resolved = _broadcast(resolved)
+        plan_s = time.monotonic() - started
+        load_s = load_composite(self.te, self.store, resolved.records)
+        return plan_s, load_s, resolved
+
+    def recover(self, t_fail: int) -> Recovered:
+        drain_s = self._drain()
+        plan_s, load_s, resolved = self.load(t_fail)
+        seek_step(self.te, t_fail)
+        versions = {layer: r.step for layer, r in resolved.records.items()}
+        self.policy.rebase(versions)  # as the policy service does after a recovery
         return Recovered(resume_after=t_fail, plan_s=plan_s, load_s=load_s, drain_s=drain_s,
                          weighted_staleness=resolved.plan.weighted_staleness, max_staleness=resolved.plan.max_staleness,
                          versions=versions)

@@ -24,8 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.drift_optimal import DriftOptimalConfig
-from policies.configs import LayerCheckConfig, to_mapping
+from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name, to_mapping
 
 
 class Kind(str, enum.Enum):
@@ -111,18 +110,13 @@ class Strategy:
 
 
 def _policy_json(policy: LayerCheckConfig | DriftOptimalConfig | None) -> dict[str, Any] | None:
-    if policy is None:
-        return None
-    if isinstance(policy, DriftOptimalConfig):
-        return policy.to_json()
-    return {"type": "layercheck", **to_mapping(policy)}
+    return None if policy is None else {"type": policy_name(policy), **to_mapping(policy)}
 
 
 def _policy_from_json(data: Mapping[str, Any] | None) -> LayerCheckConfig | DriftOptimalConfig | None:
     if not data:
         return None
-    fields = {k: v for k, v in data.items() if k != "type"}
-    return DriftOptimalConfig(**fields) if data.get("type") == "drift-optimal" else LayerCheckConfig(**fields)
+    return policy_config(data.get("type", "layercheck"), {k: v for k, v in data.items() if k != "type"})
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ import textwrap
 import typing
 
 from orchestrator.run_config import ClusterConfig, FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
-from policies.configs import IntervalConfig, LayerCheckConfig
+from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.data import DataConfig
 
@@ -19,6 +19,7 @@ from workers.data import DataConfig
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("", RunConfig), ("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig),
     ("engine", EngineConfig), ("policy (name = \"layercheck\")", LayerCheckConfig),
+    ("policy (name = \"drift-optimal\")", DriftOptimalConfig),
     ("policy (name = \"interval\")", IntervalConfig), ("cluster", ClusterConfig),
     ("persistence", PersistenceConfig), ("fault", FaultConfig), ("metrics", MetricsConfig),
 )

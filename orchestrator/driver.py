@@ -104,7 +104,7 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
     run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
     policy = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
-        config.policy, list(layer_map.names), config.cluster.num_workers)
+        config.policy, layer_map.numel, config.cluster.num_workers)
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
         run_id=run_id, store_uri=config.storage_uri, fsync=config.persistence.fsync,
         writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 
-from policies.checkpoint_policy import IntervalPolicy, LayerCheckPolicy, build_policy
+from policies.checkpoint_policy import DriftThresholdPolicy, IntervalPolicy, build_policy
 from policies.configs import PolicyConfig
 from orchestrator.policy_service import PolicyService
 
@@ -29,9 +29,9 @@ DECISION_LAG = 1
 
 @ray.remote(num_cpus=0)
 class PolicyActor:
-    def __init__(self, config: PolicyConfig, layers: Sequence[str], world_size: int) -> None:
+    def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int) -> None:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-        self.service = PolicyService(build_policy(config, layers), layers, world_size)
+        self.service = PolicyService(build_policy(config, numel), list(numel), world_size)
         self._ready: dict[int, asyncio.Event] = {}
 
     async def report(self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
@@ -69,8 +69,8 @@ class PolicyActor:
         the threshold at the latest step's learning rate, and the staleness budget."""
         policy = self.service.policy
         lr = self.service.trace[-1].lr if self.service.trace else 0.0
-        if isinstance(policy, LayerCheckPolicy):
-            return {"lr": lr, "smax": policy.config.smax, "accumulated": dict(policy.accumulated),
+        if isinstance(policy, DriftThresholdPolicy):
+            return {"lr": lr, "smax": policy.smax, "accumulated": dict(policy.accumulated),
                     "threshold": {name: policy.threshold(name, lr) for name in policy.layers}}
         if isinstance(policy, IntervalPolicy):
             return {"lr": lr, "smax": policy.config.interval}

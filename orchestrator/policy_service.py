@@ -11,7 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from policies.checkpoint_policy import CheckpointPolicy, LayerCheckPolicy
+from policies.checkpoint_policy import CheckpointPolicy
 from policies.decision import PersistDecision, StepObservation
 
 logger = logging.getLogger(__name__)
@@ -84,11 +84,5 @@ class PolicyService:
         self.last_complete_step = resume_after
         self.trace = [o for o in self.trace if o.step <= resume_after]
         self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
-        if isinstance(self.policy, LayerCheckPolicy):
-            state = self.policy.state_dict()
-            state["accumulated"] = {name: 0.0 for name in self.layers}
-            state["last_persisted"] = {name: persisted_steps.get(name) for name in self.layers}
-            if state["base_step"] is not None and any(v is None for v in state["last_persisted"].values()):
-                state["base_step"] = None  # no committed base: write it again
-            self.policy.load_state_dict(state)
+        self.policy.rebase(persisted_steps)
         logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

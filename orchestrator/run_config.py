@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from policies.configs import (
+    POLICY_CONFIGS,
     ConfigError,
     PolicyConfig,
     from_mapping,
@@ -129,7 +130,8 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     """How DeepSpeed runs the model."""
     policy: PolicyConfig = field(default_factory=lambda: policy_config("layercheck"))
-    """The checkpoint policy: ``name`` = ``layercheck`` (default), ``interval`` or ``never``, and its parameters."""
+    """The checkpoint policy: ``name`` = ``layercheck`` (default), ``drift-optimal``, ``interval`` or
+    ``never``, and its parameters."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Workers and failure handling."""
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
@@ -175,7 +177,7 @@ def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     data = dict(data)
     policy = data.pop("policy", {"name": "layercheck"})
     if not isinstance(policy, Mapping) or "name" not in policy:
-        raise ConfigError("policy: must be a table with a 'name' (layercheck, interval or never)")
+        raise ConfigError(f"policy: must be a table with a 'name' ({', '.join(POLICY_CONFIGS)})")
     if "model" not in data:
         raise ConfigError("model: missing; give model.hf_config (a transformers config) or model.path")
     params = {k: v for k, v in policy.items() if k != "name"}

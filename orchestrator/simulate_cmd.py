@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from policies.configs import ConfigError, LayerCheckConfig, policy_config
+from policies.configs import ConfigError, DriftOptimalConfig, LayerCheckConfig, policy_config
 from policies.simulate import Comparison, compare, simulate_config, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 from orchestrator.table import format_table, human_bytes
@@ -31,13 +31,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     src.add_argument("--write-trace", type=Path, help="also write the trace used (JSON, or CSV for *.csv)")
     pol = p.add_argument_group("policy")
-    pol.add_argument("--policy", default="layercheck", help="layercheck | interval | never")
+    pol.add_argument("--policy", default="layercheck", help="layercheck | drift-optimal | interval | never")
     pol.add_argument("--k0", type=float, default=1e-3)
     pol.add_argument("--k0-embed", type=float, default=1e-2)
     pol.add_argument("--smax", type=int, default=1000)
     pol.add_argument("--warmup", type=int, default=200, help="warm-up steps W (base checkpoint at W)")
     pol.add_argument("--schedule", default="lr", help="threshold schedule: lr | constant")
     pol.add_argument("--interval", type=int, default=100, help="interval policy: steps between full checkpoints")
+    pol.add_argument("--period", type=int, default=50,
+                     help="drift-optimal: save period of a layer drifting at the mean rate")
     pol.add_argument("--sweep", help="comma-separated K0 values: print the whole trade-off curve")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -70,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         comparisons = sweep_k0(trace, config, values, eval_from=eval_from)
     elif isinstance(config, LayerCheckConfig):
         comparisons = [compare(trace, config, label=f"layercheck k0={config.k0:g}", eval_from=eval_from)]
+    elif isinstance(config, DriftOptimalConfig):
+        comparisons = [compare(trace, config, label=f"drift-optimal period={config.period}", eval_from=eval_from)]
     else:
         result = simulate_config(trace, config, label=args.policy, eval_from=eval_from)
         comparisons = []
@@ -107,6 +111,8 @@ def _policy_config(args: argparse.Namespace):
         })
     if args.policy == "interval":
         return policy_config("interval", {"interval": args.interval})
+    if args.policy == "drift-optimal":
+        return policy_config("drift-optimal", {"period": args.period, "smax": args.smax, "warmup_steps": args.warmup})
     return policy_config(args.policy, {})
 
 

@@ -65,6 +65,28 @@ class LayerCheckConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DriftOptimalConfig:
+    """Per-layer save periods proportional to 1/sqrt(drift rate): for a given write rate, the
+    schedule that minimises the parameter-weighted drift a failure loses (see
+    :class:`policies.checkpoint_policy.DriftOptimalPolicy`)."""
+
+    period: int = 50
+    """Save period of a layer drifting at the parameter-weighted mean rate."""
+    warmup_steps: int = 200
+    """No selective persistence before this step; the full base checkpoint is written at it."""
+    smax: int = 1000
+    """Staleness budget, as for LayerCheck."""
+    ema: float = 0.9
+    """Smoothing of each layer's per-step drift rate (exponential moving average)."""
+
+    def __post_init__(self) -> None:
+        require(self.period >= 1, "period", ">= 1", self.period)
+        require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
+        require(self.smax >= 1, "smax", ">= 1", self.smax)
+        require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
+
+
+@dataclass(frozen=True, kw_only=True)
 class IntervalConfig:
     """Fixed-interval full checkpoints, what DeepSpeed and Ray users do today."""
 
@@ -82,10 +104,11 @@ class NeverConfig:
 
 POLICY_CONFIGS: dict[str, type] = {
     "layercheck": LayerCheckConfig,
+    "drift-optimal": DriftOptimalConfig,
     "interval": IntervalConfig,
     "never": NeverConfig,
 }
-PolicyConfig = Union[LayerCheckConfig, IntervalConfig, NeverConfig]
+PolicyConfig = Union[LayerCheckConfig, DriftOptimalConfig, IntervalConfig, NeverConfig]
 
 
 def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: str = "policy") -> PolicyConfig:

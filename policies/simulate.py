@@ -98,7 +98,7 @@ def simulate(
 
 def simulate_config(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0,
                     keep_series: bool = False) -> SimulationResult:
-    return simulate(trace, build_policy(config, trace.layers), label=label, eval_from=eval_from,
+    return simulate(trace, build_policy(config, {name: trace.numel[name] for name in trace.layers}), label=label, eval_from=eval_from,
                     keep_series=keep_series)
 
 

@@ -164,15 +164,17 @@ def test_state_for_other_layers_is_refused():
 
 
 def test_interval_and_never_baselines_share_the_interface():
-    interval = build_policy(IntervalConfig(interval=3), LAYERS)
+    numel = dict.fromkeys(LAYERS, 1)
+    interval = build_policy(IntervalConfig(interval=3), numel)
     decisions = [interval.observe(obs(s)) for s in range(1, 8)]
     assert [d.step for d in decisions if d] == [3, 6]
     assert decisions[2].names == LAYERS and set(decisions[2].reasons.values()) == {Reason.INTERVAL}
-    never = build_policy(NeverConfig(), LAYERS)
+    never = build_policy(NeverConfig(), numel)
     assert not any(never.observe(obs(s, drift=1e9)) for s in range(1, 50))
     assert isinstance(interval, IntervalPolicy) and isinstance(never, NeverPolicy)
     for p in (interval, never):
         p.load_state_dict(p.state_dict())
+        p.rebase({})
 
 
 def test_decision_json_round_trip():

@@ -110,3 +110,11 @@ def test_cli_bad_config_exits_with_the_field(capsys):
 def test_cli_baseline_policy(capsys):
     assert main(["simulate", "--policy", "interval", "--interval", "50", "--steps", "300", "--blocks", "2"]) == 0
     assert "interval" in capsys.readouterr().out
+
+
+def test_cli_drift_optimal_policy_is_compared_like_layercheck(capsys):
+    assert main(["simulate", "--policy", "drift-optimal", "--period", "40", "--steps", "400", "--blocks", "3",
+                 "--warmup", "40", "--spread", "1.0", "--json"]) == 0
+    (comparison,) = json.loads(capsys.readouterr().out)["comparisons"]
+    assert comparison["result"]["policy"] == "drift-optimal period=40"
+    assert comparison["result"]["max_staleness"] <= 1000 and comparison["bytes_vs_full_matched_drift"] > 0

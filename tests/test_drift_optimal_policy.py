@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.drift_optimal import DriftOptimalConfig, DriftOptimalPolicy
+from policies.checkpoint_policy import DriftOptimalPolicy, build_policy
+from policies.configs import ConfigError, DriftOptimalConfig, policy_config, policy_name
 from policies.decision import Reason, StepObservation
 
 
@@ -42,10 +43,19 @@ def test_staleness_backstop_and_state_round_trip():
     assert twin.observe(obs) == policy.observe(obs)
 
 
-def test_config_validation():
-    with pytest.raises(ValueError, match="period"):
-        DriftOptimalConfig(period=0)
-    with pytest.raises(ValueError, match="ema"):
-        DriftOptimalConfig(ema=1.0)
-    assert DriftOptimalConfig().to_json()["type"] == "drift-optimal"
-    assert Reason.DRIFT.value == "drift"
+def test_config_validation_and_registration():
+    with pytest.raises(ConfigError, match="policy.period"):
+        policy_config("drift-optimal", {"period": 0})
+    with pytest.raises(ConfigError, match="policy.ema"):
+        policy_config("drift-optimal", {"ema": 1.0})
+    config = policy_config("drift-optimal", {"period": 20})
+    assert config == DriftOptimalConfig(period=20) and policy_name(config) == "drift-optimal"
+    assert isinstance(build_policy(config, {"a": 1}), DriftOptimalPolicy)
+
+
+def test_rebase_counts_from_the_loaded_versions():
+    policy = DriftOptimalPolicy(DriftOptimalConfig(period=10, warmup_steps=0, smax=3, ema=0.0), {"a": 1, "b": 1})
+    _run(policy, {"a": 0.0, "b": 0.0}, 2)
+    policy.rebase({"a": 1})  # b's versions were lost: the base is written again
+    assert policy.base_step is None and policy.accumulated == {"a": 0.0, "b": 0.0}
+    assert policy.observe(StepObservation(step=3, lr=1.0, drift={"a": 0.0, "b": 0.0})).is_base
