@@ -20,6 +20,15 @@ def tiny_config(family: str, **overrides) -> transformers.PretrainedConfig:
                                           "n_positions": 64, "bos_token_id": 0, "eos_token_id": 0, **overrides})
     if family == "gpt_neox":
         return transformers.GPTNeoXConfig(**{**TINY, **overrides})
+    if family == "opt":
+        return transformers.OPTConfig(**{"vocab_size": 256, "hidden_size": 32, "ffn_dim": 64, "num_hidden_layers": 2,
+                                         "num_attention_heads": 4, "word_embed_proj_dim": 32,
+                                         "max_position_embeddings": 64, **overrides})
+    if family == "falcon":
+        return transformers.FalconConfig(**{"vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+                                            "num_attention_heads": 4, **overrides})
+    if family == "phi":
+        return transformers.PhiConfig(**{**TINY, "num_key_value_heads": 4, **overrides})
     raise ValueError(family)
 
 

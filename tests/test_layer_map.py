@@ -4,7 +4,7 @@ import torch
 from policies.layer_map import LayerMap, UnplacedParameterError, build_layer_map, layer_map_of
 from tests.models import tiny_model
 
-FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "gpt_neox"]
+FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "opt", "falcon", "phi"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
