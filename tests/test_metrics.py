@@ -2,7 +2,6 @@
 label, counters never go down across a worker-group restart, and the exporter serves over HTTP."""
 
 import re
-import socket
 import threading
 import urllib.request
 
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.metrics import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, RunMetrics, series_names
 from orchestrator.persistence_pool import WriterStats
+from workers.env import free_port
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}
 POLICY = {"lr": 1e-3, "smax": 4, "accumulated": {"embed": 0.01, "block.0": 0.002, "block.1": 0.0},
@@ -135,9 +135,7 @@ def test_a_redone_step_replaces_its_staleness_sample():
 
 
 def test_two_runs_in_one_process_do_not_collide_and_serve_over_http():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     first, second = RunMetrics("r1", NUMEL), RunMetrics("r2", NUMEL)
     first.serve("127.0.0.1", port)
     try:

@@ -4,7 +4,6 @@ values, every dashboard query evaluates, and the alert rules load."""
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from orchestrator.metrics import BYTES_PER_PARAM
 from orchestrator.policy_actor import DECISION_LAG
 from orchestrator.run_config import load_run_config
 from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
+from workers.env import free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 SMAX = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
