@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -35,6 +34,7 @@ from bench.metrics import FreshnessTracker, matched_intervals, trace_of
 from bench.persistence import make_persistence
 from bench.presets import Workload
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
+from workers.spawn import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +322,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, payload: Mapping
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # Skip interpreter teardown: ZeRO-3/gloo destructors sometimes abort a finished process
-    # ("terminate called without an active exception"); the result is already on disk.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # the result is on disk; a teardown abort must not fail the rank
 
 
 def run_benchmark(workload: Workload, strategies: list[Strategy], *, root: Path | None = None,

@@ -211,6 +211,7 @@ def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> Non
     """One export rank: build the engine, load the composite, seek to ``T``, save."""
     from orchestrator.composite import load_composite
     from workers.engine import build_engine, seek_step, shutdown
+    from workers.spawn import exit_without_teardown
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -224,6 +225,7 @@ def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> Non
                                   client_state={"layercheck_export": job.provenance()})
     finally:
         shutdown(te)
+    exit_without_teardown()  # the checkpoint is written; a teardown abort must not fail the export
 
 
 # ---- the whole command --------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from workers.env import free_port
+from workers.spawn import exit_without_teardown
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple[Any, ...]) -> None:
@@ -31,6 +32,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    exit_without_teardown()  # the result is on disk; a teardown abort must not fail the rank
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
