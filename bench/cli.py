@@ -1,4 +1,4 @@
-"""What ``layercheck bench`` and ``layercheck ettr`` do (registered by ``orchestrator/bench_cmd.py``)."""
+"""What ``layercheck bench`` and ``layercheck ettr`` do (registered by ``orchestrator/cli/bench.py``)."""
 
 from __future__ import annotations
 

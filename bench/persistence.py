@@ -23,9 +23,9 @@ import torch
 from bench import delta as deltas
 from bench.strategies import Kind, Strategy
 from bench.writers import BackgroundWriter, LayerStoreWriter, async_checkpoint_engine, tree_bytes
-from orchestrator.composite import load_composite
-from orchestrator.recovery_source import resolve_plan
-from orchestrator.store import LayerStore
+from orchestrator.core.composite import load_composite
+from orchestrator.store.recovery_source import resolve_plan
+from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
 from policies.configs import IntervalConfig
 from policies.decision import StepObservation

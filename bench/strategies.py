@@ -24,7 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name, to_mapping
+from policies.config_loader import to_mapping
+from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name
 
 
 class Kind(str, enum.Enum):

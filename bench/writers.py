@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.manifest import ShardReceipt
-from orchestrator.store import LayerStore
+from orchestrator.store.manifest import ShardReceipt
+from orchestrator.store.layer_store import LayerStore
 from workers.host_buffers import HostBufferPool
 from workers.shard import LayerShard
 

@@ -16,8 +16,8 @@ GCS=$(port); DASH=$(port)
   --disable-usage-stats >/dev/null
 trap '"$RAY" stop --force >/dev/null 2>&1 || true' EXIT
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
-  "$PY" -m orchestrator.cli train examples/demo.toml --overwrite \
+  "$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite \
   --set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set fault.kill_at_step=8 \
   --set metrics.port=0 --set "storage=$STORAGE"
-"$PY" -m orchestrator.cli inspect "$STORAGE" >/dev/null
+"$PY" -m orchestrator.cli.main inspect "$STORAGE" >/dev/null
 echo "ray job submit: OK (checkpoints in $STORAGE)"

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.run_config import ClusterConfig, RunConfig
-from orchestrator.store import LayerStore
+from orchestrator.core.run_config import ClusterConfig, RunConfig
+from orchestrator.store.layer_store import LayerStore
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.engine import TrainEngine, build_engine, build_model, seek_step, shutdown
 from workers.host_buffers import HostBufferPool
@@ -51,7 +51,7 @@ def run_config(zero_stage: int = 3, num_workers: int = 2) -> RunConfig:
 
 
 def write_run_json(store_uri: str, config: RunConfig) -> None:
-    from orchestrator.driver import RUN_CONFIG_FILE
+    from orchestrator.store.layer_store import RUN_CONFIG_FILE
 
     LayerStore.open(store_uri, fsync=False).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json()).encode())
 
@@ -179,8 +179,8 @@ def adam_steps(te: TrainEngine) -> dict[str, int]:
 def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expect_dir: str) -> dict[str, Any]:
     """A fresh ZeRO-3 engine at this world size loads the composite at ``t`` from the store:
     its state against the expected values, the probe loss, and two more training steps."""
-    from orchestrator.composite import load_composite
-    from orchestrator.recovery_source import resolve_plan
+    from orchestrator.core.composite import load_composite
+    from orchestrator.store.recovery_source import resolve_plan
 
     te = make_engine(run_config())
     store = LayerStore.open(store_uri, fsync=False)
@@ -206,8 +206,8 @@ def check_export_job(rank: int, world_size: int, ds_dir: str, store_uri: str, t:
     """Resume from the exported DeepSpeed checkpoint with ``load_checkpoint`` and train; then put
     the composite in place in the same engine (``load_composite`` + ``seek_step``) and train the
     same steps again. Both runs, and the state ``load_checkpoint`` gave."""
-    from orchestrator.composite import load_composite
-    from orchestrator.recovery_source import resolve_plan
+    from orchestrator.core.composite import load_composite
+    from orchestrator.store.recovery_source import resolve_plan
 
     te = make_engine(run_config())
     load_path, client_state = te.engine.load_checkpoint(ds_dir)

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from orchestrator.store import LayerStore
-from orchestrator.store_fs import StoreFS
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.fs import StoreFS
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}

@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.config_cmd import SECTIONS, field_docs
+from orchestrator.cli.main import main
+from orchestrator.cli.config import SECTIONS, field_docs
 
 
 @pytest.mark.parametrize("table,cls", SECTIONS, ids=[cls.__name__ for _, cls in SECTIONS])

@@ -1,5 +1,5 @@
 """The dashboard, scrape config and alert rules in dashboards/ against the code: every metric a
-panel or a rule references is one orchestrator.metrics exports, and every PromQL expression
+panel or a rule references is one orchestrator.runtime.metrics exports, and every PromQL expression
 parses (promtool, from Debian's ``prometheus`` package, which CI installs)."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.metrics import series_names
+from orchestrator.runtime.metrics import series_names
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD = DASHBOARDS / "layercheck-dashboard.json"
@@ -107,7 +107,7 @@ def test_alert_rules_and_scrape_config_pass_promtool():
 
 
 def test_the_scrape_config_targets_the_demo_exporter_on_loopback():
-    from orchestrator.run_config import load_run_config
+    from orchestrator.core.run_config import load_run_config
 
     demo = load_run_config(DASHBOARDS.parent / "examples" / "demo.toml").metrics
     config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from policies.checkpoint_policy import DriftOptimalPolicy, build_policy
-from policies.configs import ConfigError, DriftOptimalConfig, policy_config, policy_name
+from policies.config_loader import ConfigError
+from policies.configs import DriftOptimalConfig, policy_config, policy_name
 from policies.decision import Reason, StepObservation
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 import transformers
 
-from orchestrator.cli import main
-from orchestrator.driver import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
-from orchestrator.export import ExportError, composite_model, export, export_deepspeed, plan_export, run_config_of
-from orchestrator.retention import GcConfig, collect_garbage
-from orchestrator.store import LayerStore
+from orchestrator.cli.main import main
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
+from orchestrator.local.export import ExportError, composite_model, export, export_deepspeed, plan_export, run_config_of
+from orchestrator.store.retention import GcConfig, collect_garbage
+from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import layer_map_of
 from tests import composite_jobs as jobs
 from tests.store_helpers import cut_shards, even_cuts

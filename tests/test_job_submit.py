@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store import LayerStore
+from orchestrator.store.layer_store import LayerStore
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, RunMetrics, series_names
-from orchestrator.persistence_pool import WriterStats
+from orchestrator.runtime.metrics import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, RunMetrics, series_names
+from orchestrator.runtime.persistence_pool import WriterStats
 from workers.env import free_port
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}

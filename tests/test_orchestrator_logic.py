@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.accounting import RunAccount
-from orchestrator.commit_tracker import CommitTracker
-from orchestrator.manifest import ShardReceipt
-from orchestrator.policy_service import PolicyService
-from orchestrator.run_config import load_run_config, parse_run_config
-from orchestrator.wire import from_wire, to_wire
+from orchestrator.core.accounting import RunAccount
+from orchestrator.core.commit_tracker import CommitTracker
+from orchestrator.store.manifest import ShardReceipt
+from orchestrator.core.policy_service import PolicyService
+from orchestrator.core.run_config import load_run_config, parse_run_config
+from orchestrator.runtime.wire import from_wire, to_wire
 from policies.checkpoint_policy import LayerCheckPolicy
-from policies.configs import ConfigError, LayerCheckConfig
+from policies.config_loader import ConfigError
+from policies.configs import LayerCheckConfig
 from policies.decision import Reason
 from workers.shard import LayerShard, ParamSlice
 
@@ -166,14 +167,14 @@ def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch
 def test_corrupt_shard_error_survives_pickling():
     import pickle
 
-    from orchestrator.store_errors import CorruptShardError
+    from orchestrator.store.errors import CorruptShardError
 
     error = pickle.loads(pickle.dumps(CorruptShardError(version_id="v", path="p", reason="missing")))
     assert (error.version_id, error.path, error.reason) == ("v", "p", "missing") and "missing" in str(error)
 
 
 def test_superseding_queue_keeps_one_pending_shard_per_layer_and_rank():
-    from orchestrator.write_queue import SupersedingQueue
+    from orchestrator.core.write_queue import SupersedingQueue
 
     queue = SupersedingQueue(lambda item: item[1])
     assert queue.put(("embed", 0), ("embed@5", 100)) is None

@@ -15,10 +15,10 @@ import pytest
 import ray
 import yaml
 
-from orchestrator.driver import connect, train
-from orchestrator.metrics import BYTES_PER_PARAM
-from orchestrator.policy_actor import DECISION_LAG
-from orchestrator.run_config import load_run_config
+from orchestrator.runtime.driver import connect, train
+from orchestrator.runtime.metrics import BYTES_PER_PARAM
+from workers.loop import DECISION_LAG
+from orchestrator.core.run_config import load_run_config
 from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
 from workers.env import free_port
 
@@ -104,7 +104,7 @@ def test_the_run_summary_names_its_endpoint(scraped):
     assert result.error is None, result.error
     port = result.config.metrics.port
     assert result.metrics_url == f"http://127.0.0.1:{port}/metrics"
-    from orchestrator.summary import format_summary, summarize
+    from orchestrator.cli.summary import format_summary, summarize
 
     assert result.metrics_url in format_summary(summarize(result))
 

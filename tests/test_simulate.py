@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from policies.configs import IntervalConfig, LayerCheckConfig, NeverConfig
 from policies.decision import StepObservation
 from policies.simulate import BYTES_PER_PARAM, compare, match_interval, simulate_config, simulate_interval, sweep_k0

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from orchestrator.manifest import ShardReceipt, manifest_table
-from orchestrator.recovery_source import VersionReader
-from orchestrator.store import LayerStore
-from orchestrator.store_errors import ManifestError, StoreWriteError
-from orchestrator.store_fs import StoreFS
+from orchestrator.store.manifest import ShardReceipt, manifest_table
+from orchestrator.store.recovery_source import VersionReader
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.errors import ManifestError, StoreWriteError
+from orchestrator.store.fs import StoreFS
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 REPO = Path(__file__).resolve().parent.parent

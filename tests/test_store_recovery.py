@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.recovery_source import VersionReader, resolve_plan
-from orchestrator.store import LayerStore
-from orchestrator.store_errors import CorruptShardError
+from orchestrator.store.recovery_source import VersionReader, resolve_plan
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.errors import CorruptShardError
 from policies.plan import NoUsableVersionError
 from tests.store_helpers import PARAMS, cut_shards, layer_state, write_layer
 from workers.shard import STATE_KEYS, LayerShard
@@ -186,7 +186,7 @@ def test_no_recovery_point_without_every_layer(tmp_path):
 
 
 def test_composite_reader_serves_every_layer(history):
-    from orchestrator.recovery_source import CompositeReader
+    from orchestrator.store.recovery_source import CompositeReader
 
     store, written = history
     params = {layer: {f"{layer}.{n}": s for n, s in PARAMS.items()} for layer in LAYERS}

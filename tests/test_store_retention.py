@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.recovery_source import resolve_plan
-from orchestrator.retention import GcConfig, collect_garbage
-from orchestrator.store import LayerStore
+from orchestrator.store.recovery_source import resolve_plan
+from orchestrator.store.retention import GcConfig, collect_garbage
+from orchestrator.store.layer_store import LayerStore
 from policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
 from policies.retention import RetentionConfig, plan_retention
 from tests.store_helpers import faulty_store, write_layer, PARAMS, cut_shards, even_cuts, layer_state

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from orchestrator import tensorfile
-from orchestrator.store_errors import ShardFormatError
+from orchestrator.store import tensorfile
+from orchestrator.store.errors import ShardFormatError
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 from workers.shard import STATE_KEYS
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.configs import ConfigError, require
+from policies.config_loader import ConfigError, require
 
 logger = logging.getLogger(__name__)
 

@@ -59,6 +59,19 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def layer_map_for(model: ModelConfig) -> LayerMap:
+    """The model's layer map without allocating its weights (built on the meta device)."""
+    import transformers
+
+    if model.path is not None:
+        config = transformers.AutoConfig.from_pretrained(model.path, local_files_only=True)
+    else:
+        hf = dict(model.hf_config or {})
+        config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    with torch.device("meta"):
+        return layer_map_of(transformers.AutoModelForCausalLM.from_config(config))
+
+
 def param_groups(model: torch.nn.Module, layer_map: LayerMap, cfg: OptimConfig) -> list[dict[str, Any]]:
     """One group per (layer, decay kind) present, in model order, named ``<layer>/decay|no_decay``."""
     params = dict(model.named_parameters())

@@ -28,6 +28,11 @@ from workers.step import train_step
 
 logger = logging.getLogger(__name__)
 
+#: A decision for step t is carried out after step t + DECISION_LAG (this loop collects it then,
+#: so the policy never sits on the critical path): the persisted version of a layer is its state
+#: after that step, so staleness can exceed the policy's by this much.
+DECISION_LAG = 1
+
 
 class Coordinator(Protocol):
     def report(self, drift: LayerDrift, lr: float) -> Any:

@@ -1,0 +1,78 @@
+"""``layercheck train CONFIG``: run a fine-tuning job with LayerCheck checkpointing on Ray Train,
+on the cluster in ``RAY_ADDRESS`` (or the job's, under ``ray job submit``), else on a local Ray."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from policies.config_loader import ConfigError
+
+logger = logging.getLogger(__name__)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("train", help="run a training job with LayerCheck checkpointing", description=__doc__)
+    p.add_argument("config", type=Path, help="run config (.toml, .yaml or .json); see examples/")
+    add_run_options(p)
+    p.set_defaults(func=run)
+
+
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. --set steps=50 --set policy.k0=2e-3 (VALUE is JSON, else a string)")
+    p.add_argument("--overwrite", action="store_true", help="delete checkpoints an earlier run left in the storage")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in the storage from its newest recoverable step (any number of workers)")
+    p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from orchestrator.core.run_config import load_run_config
+
+    try:
+        config = load_run_config(args.config, dict(_override(item) for item in args.set))
+    except ConfigError as error:
+        print(f"layercheck train: {error}", file=sys.stderr)
+        return 2
+    return train_and_report(config, overwrite=args.overwrite, resume=args.resume, as_json=args.json)
+
+
+def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False) -> int:
+    from orchestrator.runtime.driver import train
+    from orchestrator.cli.summary import format_progress, format_summary, summarize
+
+    last = {"step": -1, "state": None}
+
+    def show(status: dict[str, Any]) -> None:
+        if last["state"] is None and status.get("metrics_url"):
+            print(f"metrics at {status['metrics_url']}", flush=True)
+        boundary = status["step"] // config.log_every != last["step"] // config.log_every
+        if boundary or status["state"] != last["state"]:
+            print(format_progress(status), flush=True)
+            last.update(step=status["step"], state=status["state"])
+
+    try:
+        result = train(config, overwrite=overwrite, resume=resume, on_progress=None if as_json else show)
+    except (FileExistsError, FileNotFoundError) as error:
+        print(f"layercheck train: {error}", file=sys.stderr)
+        return 2
+    summary = summarize(result)
+    print(json.dumps(summary, indent=2, default=str) if as_json else "\n" + format_summary(summary))
+    return 0 if result.error is None else 1
+
+
+def _override(item: str) -> tuple[str, Any]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"layercheck train: --set wants KEY=VALUE, got {item!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value

@@ -1,0 +1,88 @@
+"""The central policy view, without Ray: gathers every rank's drift report for a step, runs the
+checkpoint policy once all ranks are in, and keeps the one decision every rank then follows.
+
+The Ray actor (:mod:`orchestrator.runtime.policy_actor`) is a thin asynchronous shell around this, so
+the aggregation and bookkeeping are unit-tested with plain values.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from policies.checkpoint_policy import CheckpointPolicy
+from policies.decision import PersistDecision, StepObservation
+
+logger = logging.getLogger(__name__)
+
+#: Decisions kept for ranks that are behind; older ones are dropped.
+DECISION_HISTORY = 64
+
+
+@dataclass
+class _Pending:
+    lr: float
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
+
+
+class PolicyService:
+    def __init__(self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int) -> None:
+        self.policy = policy
+        self.layers = tuple(layers)
+        self.world_size = world_size
+        self.last_complete_step = 0
+        self.trace: list[StepObservation] = []
+        self._pending: dict[int, _Pending] = {}
+        self._decisions: dict[int, PersistDecision] = {}
+
+    def report(self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
+               counts: Mapping[str, int]) -> PersistDecision | None:
+        """Add one rank's per-layer ``sum |Δθ|`` and element counts for ``step``. Returns the
+        step's decision once the last rank is in, else ``None``."""
+        if step in self._decisions or step <= self.last_complete_step:
+            return self._decisions.get(step)  # a late duplicate (a retried call)
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
+        pending = self._pending.setdefault(step, _Pending(lr=lr))
+        if rank in pending.ranks:
+            return None
+        pending.ranks.add(rank)
+        for name, value in abs_sums.items():
+            pending.sums[name] = pending.sums.get(name, 0.0) + float(value)
+            pending.counts[name] = pending.counts.get(name, 0) + int(counts.get(name, 0))
+        if len(pending.ranks) < self.world_size:
+            return None
+        return self._complete(step, self._pending.pop(step))
+
+    def _complete(self, step: int, pending: _Pending) -> PersistDecision:
+        if step != self.last_complete_step + 1:
+            logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
+        drift = {name: pending.sums.get(name, 0.0) / pending.counts[name]
+                 for name in self.layers if pending.counts.get(name)}
+        observation = StepObservation(step=step, lr=pending.lr, drift=drift)
+        self.trace.append(observation)
+        decision = self.policy.observe(observation)
+        self.last_complete_step = step
+        self._decisions[step] = decision
+        for old in [s for s in self._decisions if s <= step - DECISION_HISTORY]:
+            del self._decisions[old]
+        return decision
+
+    def decision(self, step: int) -> PersistDecision | None:
+        return self._decisions.get(step)
+
+    def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
+        """A new worker group resumes at ``resume_after + 1`` (``last_complete_step`` when a
+        composite was loaded, 0 when training restarts from scratch): drop partial reports of
+        the lost attempt and, for LayerCheck, count each layer's staleness and drift from the
+        version the composite loaded (decisions not yet committed at the failure are lost)."""
+        self.world_size = world_size
+        self._pending.clear()
+        self.last_complete_step = resume_after
+        self.trace = [o for o in self.trace if o.step <= resume_after]
+        self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
+        self.policy.rebase(persisted_steps)
+        logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

@@ -1,0 +1,207 @@
+"""The configuration of one LayerCheck training run, read from TOML or YAML.
+
+One table per component; every field is documented on its dataclass and validated when the
+file is loaded, so a typo or a bad value fails on the driver with the field's dotted name
+(``policy.k0: must be > 0``) before any worker starts. ``examples/`` has annotated files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from policies.config_loader import ConfigError, from_mapping, require, to_mapping
+from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from workers.config import EngineConfig, ModelConfig, OptimConfig
+from workers.data import DataConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterConfig:
+    """Where the workers run."""
+
+    num_workers: int = 2
+    """Training processes (one DeepSpeed rank each)."""
+    min_workers: int = 0
+    """0: a fixed group of ``num_workers``. Else Ray Train's elastic group: training starts (and,
+    after a node is lost, resumes) with as few as ``min_workers``; the composite is re-sliced."""
+    use_gpu: bool = False
+    """One GPU per worker (NCCL); otherwise CPU with gloo."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker."""
+    max_failures: int = 3
+    """Worker-group restarts Ray Train may make before the run fails."""
+    address: str = ""
+    """Ray cluster to join; empty: ``RAY_ADDRESS`` or the job's cluster, else a new local one."""
+
+    def __post_init__(self) -> None:
+        require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)
+        require(0 <= self.min_workers <= self.num_workers, "min_workers", f"in 0..num_workers ({self.num_workers})",
+                self.min_workers)
+        require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
+        require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PersistenceConfig:
+    """The asynchronous writers that move layer snapshots to storage."""
+
+    writers_per_node: int = 1
+    """Writer actors per node; a rank uses writer ``rank % writers_per_node`` of its node."""
+    max_inflight_bytes: int = 512 * 2**20
+    """Per worker: snapshot bytes handed over but not yet written. Past it, a newer version of
+    a layer supersedes an older unwritten one; if that is not enough the worker waits (a stall,
+    counted in the metrics and logged)."""
+    fsync: bool = True
+    """fsync each file before it is committed (local and NFS stores)."""
+
+    def __post_init__(self) -> None:
+        require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)
+        require(self.max_inflight_bytes >= 1, "max_inflight_bytes", ">= 1", self.max_inflight_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultConfig:
+    """Failure injection, for demos and tests: SIGKILL one worker once."""
+
+    kill_at_step: int = 0
+    """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
+    kill_rank: int = 0
+    """The rank that is killed."""
+
+    def __post_init__(self) -> None:
+        require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
+        require(self.kill_rank >= 0, "kill_rank", ">= 0", self.kill_rank)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig:
+    """The Prometheus endpoint of the run."""
+
+    port: int = 9464
+    """0 disables the exporter."""
+    host: str = "127.0.0.1"
+    """Bind address; ``0.0.0.0`` only when the endpoint must be reachable from other hosts."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.port <= 65535, "port", "in 0..65535", self.port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "layercheck"
+    """The run's name: the Ray Train run and the actors are named after it."""
+    steps: int = 100
+    """Optimizer steps to train."""
+    storage: str = "runs/{name}"
+    """Store URI (a path, ``file://``, ``s3://``, ``gs://``); ``{name}`` is replaced by the run name."""
+    log_every: int = 10
+    """Print progress every this many steps."""
+    model: ModelConfig
+    """The model: ``[model.hf_config]`` (a transformers config, random init) or ``model.path``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The training text and its order."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """How DeepSpeed runs the model."""
+    policy: PolicyConfig = field(default_factory=lambda: policy_config("layercheck"))
+    """The checkpoint policy: ``name`` = ``layercheck`` (default), ``drift-optimal``, ``interval`` or
+    ``never``, and its parameters."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Workers and failure handling."""
+    persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
+    """The asynchronous writers."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Failure injection."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The Prometheus endpoint."""
+
+    def __post_init__(self) -> None:
+        require(bool(_RUN_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)
+        require(self.steps >= 1, "steps", ">= 1", self.steps)
+        require(self.log_every >= 1, "log_every", ">= 1", self.log_every)
+        require(
+            self.fault.kill_rank < self.cluster.num_workers, "fault.kill_rank",
+            f"< cluster.num_workers ({self.cluster.num_workers})", self.fault.kill_rank,
+        )
+
+    @property
+    def storage_uri(self) -> str:
+        return self.storage.replace("{name}", self.name)
+
+    def with_absolute_storage(self) -> RunConfig:
+        """The same config with a relative storage path made absolute against this process's
+        working directory: Ray Train workers and actors run in directories of their own."""
+        uri = self.storage_uri
+        if "://" in uri or os.path.isabs(uri):
+            return self
+        return dataclasses.replace(self, storage=os.path.abspath(uri))
+
+    @property
+    def policy_name(self) -> str:
+        return policy_name(self.policy)
+
+    def to_json(self) -> dict[str, Any]:
+        data = to_mapping(self)
+        data["policy"] = {"name": self.policy_name, **data["policy"]}
+        return data
+
+
+def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
+    """A validated :class:`RunConfig` from parsed TOML/YAML/JSON."""
+    data = dict(data)
+    policy = data.pop("policy", {"name": "layercheck"})
+    if not isinstance(policy, Mapping) or "name" not in policy:
+        raise ConfigError(f"policy: must be a table with a 'name' ({', '.join(POLICY_CONFIGS)})")
+    if "model" not in data:
+        raise ConfigError("model: missing; give model.hf_config (a transformers config) or model.path")
+    params = {k: v for k, v in policy.items() if k != "name"}
+    return dataclasses.replace(from_mapping(RunConfig, data), policy=policy_config(str(policy["name"]), params))
+
+
+def load_run_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Read a ``.toml``, ``.yaml``/``.yml`` or ``.json`` run file, apply dotted ``overrides``
+    (``{"steps": 50, "policy.k0": 2e-3}``) and validate."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read run config {path}: {exc.strerror or exc}") from None
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"{path}: unknown config format (use .toml, .yaml or .json)")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value)
+    return parse_run_config(data)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        data = data.setdefault(key, {})
+    data[leaf] = value

@@ -1,0 +1,246 @@
+"""Export the composite of a run at one step as a checkpoint other tools load.
+
+* **DeepSpeed** (:func:`export_deepspeed`): ``world_size`` local ranks (torch.multiprocessing,
+  gloo on CPU; no Ray) each build the run's engine, load the composite straight from the store
+  (:func:`orchestrator.core.composite.load_composite`), move to step ``T`` and call DeepSpeed's own
+  ``save_checkpoint``. The result is an ordinary DeepSpeed checkpoint directory: the same
+  engine config resumes from it with ``engine.load_checkpoint(DIR)``, and DeepSpeed's
+  ``zero_to_fp32`` reads it. It is DeepSpeed's format, pickle included: load it only where you
+  would load any DeepSpeed checkpoint.
+* **Hugging Face** (:func:`export_hf`): the model built from the run's model config on the host,
+  every parameter filled with its composite fp32 weights, written with ``save_pretrained``
+  (config + safetensors). No DeepSpeed, no process group.
+
+The run's config comes from ``run.json`` in the store root (written by ``layercheck train``),
+or from a run file named explicitly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from orchestrator.core.composite import CompositeMismatchError, check_fits
+from orchestrator.store.layer_store import RUN_CONFIG_FILE
+from workers.engine import layer_map_for
+from orchestrator.store.manifest import VersionRecord
+from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
+from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
+from orchestrator.store.layer_store import LayerStore
+from policies.layer_map import LayerMap
+from policies.plan import NoUsableVersionError
+
+logger = logging.getLogger(__name__)
+
+FORMATS: tuple[str, ...] = ("deepspeed", "hf")
+
+
+class ExportError(RuntimeError):
+    """An export cannot be made; the message names the run and what is missing."""
+
+
+def deepspeed_tag(step: int) -> str:
+    """The checkpoint tag an export at ``step`` is saved under."""
+    return f"step{step}"
+
+
+# ---- what to export -------------------------------------------------------------------------
+def open_run(uri: str) -> LayerStore:
+    """The store of run ``uri``; :class:`ExportError` if it holds no committed version."""
+    store = LayerStore.open(uri, fsync=False)
+    try:
+        manifest = store.manifest()
+    except OSError as error:
+        raise ExportError(f"cannot read run {uri}: {error}") from error
+    if not manifest.records:
+        raise ExportError(f"run {store.uri} holds no committed layer versions: nothing to export")
+    return store
+
+
+def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None = None) -> RunConfig:
+    """The run's config: ``config_path`` if given, else ``run.json`` in the store root."""
+    if config_path is not None:
+        return load_run_config(config_path)
+    try:
+        text = store.fs.read_bytes(RUN_CONFIG_FILE)
+    except FileNotFoundError:
+        raise ExportError(
+            f"run {store.uri} has no {RUN_CONFIG_FILE} (runs written before the driver kept its config): "
+            f"pass the run's config file with --config FILE"
+        ) from None
+    try:
+        return parse_run_config(json.loads(text))
+    except (ValueError, TypeError) as error:  # bad JSON, or a ConfigError naming the field
+        raise ExportError(f"run {store.uri}: {RUN_CONFIG_FILE} is not a valid run config ({error}); "
+                          f"pass the run's config file with --config FILE") from error
+
+
+def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
+    """The composite at ``step`` (default: the newest recoverable step), every version checked
+    byte by byte; :class:`ExportError` naming the run, the step and the layers without one."""
+    try:
+        resolved = resolve_plan(store, layer_numel, step, deep=True)
+    except NoUsableVersionError as error:
+        at = "the newest recoverable step" if step is None else f"step {step}"
+        raise ExportError(f"run {store.uri}: no usable version of every layer at {at}: {error}") from error
+    plan = resolved.plan
+    logger.info("composite of %s at step %d: %d layers, max staleness %d, %d version(s) skipped as unusable",
+                store.uri, plan.t_fail, len(plan.choices), plan.max_staleness, len(resolved.skipped))
+    return resolved
+
+
+def check_composite_fits(store: LayerStore, records: Mapping[str, VersionRecord], layer_map: LayerMap) -> None:
+    """:class:`ExportError` unless the composite fits the run config's model (see
+    :func:`orchestrator.core.composite.check_fits`)."""
+    with CompositeReader(store, records) as read:
+        try:
+            check_fits(read, records, layer_map)
+        except CompositeMismatchError as error:
+            raise ExportError(f"run {store.uri}: {error}; wrong --config?") from None
+
+
+def _check_empty_dir(out: Path, what: str) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} already exists and is not an empty directory; {what} needs a fresh one")
+
+
+# ---- Hugging Face -----------------------------------------------------------------------------
+def composite_model(run: RunConfig, store: LayerStore, records: Mapping[str, VersionRecord]) -> torch.nn.Module:
+    """The run's model on the host in fp32, every parameter set to its composite fp32 weights.
+    A tied output head shares the embedding's tensor, so it is set with it."""
+    from workers.engine import build_model
+
+    model = build_model(run.model)
+    params = dict(model.named_parameters())  # a tied tensor appears once, under its first name
+    with CompositeReader(store, records) as read, torch.no_grad():
+        for name, param in params.items():
+            try:
+                values = read(name, "fp32", 0, param.numel())
+            except (KeyError, ValueError) as error:
+                raise ExportError(f"run {store.uri}: the composite has no full fp32 weights of {name!r}: {error}") from error
+            param.copy_(values.view(param.shape))
+    return model
+
+
+def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path) -> Path:
+    """Write the composite as a Hugging Face model folder (config + safetensors) at ``out``."""
+    _check_empty_dir(out, "a Hugging Face export")
+    model = composite_model(run, store, resolved.records)
+    model.save_pretrained(str(out))
+    logger.info("wrote the composite at step %d as a Hugging Face model to %s", resolved.plan.t_fail, out)
+    return out
+
+
+# ---- DeepSpeed --------------------------------------------------------------------------------
+def export_deepspeed(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path, world_size: int,
+                     *, timeout_s: float = 3600.0) -> Path:
+    """Write the composite as a DeepSpeed checkpoint (tag ``step{T}``) for ``world_size`` ranks at
+    ``out``; the run's ZeRO stage and precision. Returns the tag's directory."""
+    if world_size < 1:
+        raise ExportError(f"--world-size must be >= 1, got {world_size}")
+    step = resolved.plan.t_fail
+    tag_dir = out / deepspeed_tag(step)
+    if tag_dir.exists():
+        raise ExportError(f"{tag_dir} already exists; export into another directory or delete it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExportError(f"cannot create the export directory {out}: {error}") from error
+    job = _DeepSpeedJob(run_json=run.to_json(), store_uri=store.uri, records=dict(resolved.records), step=step,
+                        out=str(out))
+    _spawn(job, world_size, timeout_s)
+    logger.info("wrote the composite at step %d as a %d-rank DeepSpeed checkpoint to %s", step, world_size, tag_dir)
+    return tag_dir
+
+
+@dataclass(frozen=True, kw_only=True)
+class _DeepSpeedJob:
+    """What every export rank needs; plain values, so it pickles into the spawned processes."""
+
+    run_json: dict[str, Any]
+    store_uri: str
+    records: dict[str, VersionRecord]
+    step: int
+    out: str
+
+    def provenance(self) -> dict[str, Any]:
+        return {"run": self.run_json.get("name"), "store": self.store_uri, "step": self.step,
+                "versions": {layer: r.version_id for layer, r in self.records.items()}}
+
+
+def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
+    """Run :func:`_rank_main` on ``world_size`` local processes; :class:`ExportError` with the
+    failing rank's traceback if one fails, or if they have not finished after ``timeout_s``."""
+    import torch.multiprocessing as mp
+
+    from workers.env import free_port
+
+    what = f"DeepSpeed export of run {job.store_uri} at step {job.step}"
+    context = mp.start_processes(_rank_main, args=(job, world_size, free_port()), nprocs=world_size,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                raise ExportError(f"{what}: the {world_size} ranks did not finish within {timeout_s:.0f}s")
+    except mp.ProcessRaisedException as error:
+        logger.error("%s: rank %d failed:\n%s", what, error.error_index, error.msg)
+        raise ExportError(f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}") from None
+    except mp.ProcessExitedException as error:
+        raise ExportError(f"{what} failed: {error}") from None
+    finally:
+        for process in context.processes:  # a failed rank leaves its peers waiting in a collective
+            if process.is_alive():
+                process.kill()
+
+
+def _last_line(traceback_text: str) -> str:
+    """The exception line that ends a formatted traceback."""
+    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else traceback_text
+
+
+def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> None:
+    """One export rank: build the engine, load the composite, seek to ``T``, save."""
+    from orchestrator.core.composite import load_composite
+    from workers.engine import build_engine, seek_step, shutdown
+    from workers.spawn import exit_without_teardown
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    run = parse_run_config(job.run_json)
+    te = build_engine(run.model, run.optim, run.engine)
+    try:
+        load_composite(te, LayerStore.open(job.store_uri, fsync=False), job.records)
+        seek_step(te, job.step)
+        te.engine.save_checkpoint(job.out, tag=deepspeed_tag(job.step),
+                                  client_state={"layercheck_export": job.provenance()})
+    finally:
+        shutdown(te)
+    exit_without_teardown()  # the checkpoint is written; a teardown abort must not fail the export
+
+
+# ---- the whole command --------------------------------------------------------------------------
+def export(run_uri: str, *, fmt: str, out: str | os.PathLike[str], step: int | None = None,
+           world_size: int | None = None, config_path: str | os.PathLike[str] | None = None) -> Path:
+    """Export run ``run_uri``'s composite at ``step`` in format ``fmt`` to ``out``; the path written."""
+    if fmt not in FORMATS:
+        raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
+    store = open_run(run_uri)
+    run = run_config_of(store, config_path)
+    layer_map = layer_map_for(run.model)
+    resolved = plan_export(store, layer_map.numel, step)
+    check_composite_fits(store, resolved.records, layer_map)
+    out = Path(out)
+    if fmt == "hf":
+        return export_hf(run, store, resolved, out)
+    return export_deepspeed(run, store, resolved, out, run.cluster.num_workers if world_size is None else world_size)

@@ -1,0 +1,170 @@
+"""The driver of a training run: connect to (or start) Ray, start the run's actors, run the
+``TorchTrainer`` with Ray Train's failure handling, show progress, and summarise."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.core.run_config import RunConfig
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
+from policies.trace import DriftTrace
+from workers.engine import layer_map_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    config: RunConfig
+    status: dict[str, Any]
+    """The supervisor's final view (see :meth:`Supervisor.status`)."""
+    trace: DriftTrace
+    """The run's drift trace: per step, the learning rate and every layer's drift."""
+    layer_numel: dict[str, int]
+    error: str | None = None
+    metrics_url: str | None = None
+    """Where the run's Prometheus metrics were served (while the run was live); ``None``: disabled."""
+
+
+
+def connect(config: RunConfig) -> None:
+    """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
+    if ray.is_initialized():
+        return
+    env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    if not config.cluster.use_gpu:
+        env_vars["DS_ACCELERATOR"] = "cpu"
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        logger.info("joined the Ray cluster at %s", address)
+        return
+    cpus = max(os.cpu_count() or 1, int(config.cluster.num_workers * config.cluster.cpus_per_worker) + 1)
+    ray.init(num_cpus=cpus, namespace=NAMESPACE,
+             runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    logger.info("started a local Ray with %d CPUs", cpus)
+
+
+def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
+          on_progress: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 1.0) -> RunResult:
+    """Run the training job ``config`` describes to the end; never raises for a failed run
+    (see ``RunResult.error``), only for a bad setup. ``resume`` continues the run already in
+    the storage from its newest recoverable step, at whatever world size ``config`` asks for."""
+    from ray.train import FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from orchestrator.runtime.policy_actor import PolicyActor
+    from orchestrator.runtime.supervisor import Supervisor
+    from orchestrator.runtime.train_fn import train_fn
+
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
+    config = config.with_absolute_storage()
+    if resume:
+        if not LayerStore.open(config.storage_uri).versions():
+            raise FileNotFoundError(f"--resume: {config.storage_uri} holds no committed versions to resume from")
+    else:
+        _prepare_store(config.storage_uri, overwrite)
+    # the run's config beside its checkpoints: export, inspect and --resume read the model from it
+    LayerStore.open(config.storage_uri).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+    layer_map = layer_map_for(config.model)
+    connect(config)
+    run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+    names = RunNames(run_id)
+    policy = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
+        config.policy, layer_map.numel, config.cluster.num_workers)
+    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
+        run_id=run_id, store_uri=config.storage_uri, fsync=config.persistence.fsync,
+        writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy,
+        resume=resume)
+    ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
+    metrics_url = _start_metrics(supervisor, config)
+    scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config={"run": config.to_json(), "run_id": run_id},
+        scaling_config=ScalingConfig(num_workers=_group_size(config), use_gpu=config.cluster.use_gpu,
+                                     resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
+        run_config=TrainRunConfig(name=run_id, storage_path=scratch,
+                                  failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
+    )
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(supervisor, on_progress, stop, poll_s), daemon=True)
+    watcher.start()
+    error = None
+    try:
+        trainer.fit()
+    except Exception as exc:  # the run failed for good (max_failures exhausted, a bug in a worker)
+        error = f"{type(exc).__name__}: {exc}"
+        logger.error("training failed: %s", error)
+    finally:
+        stop.set()
+        watcher.join()
+        shutil.rmtree(scratch, ignore_errors=True)
+    ray.get(supervisor.drain.remote())
+    ray.get(supervisor.finish.remote(error is None))
+    trace = DriftTrace.from_json({**ray.get(policy.trace.remote()), "layers": [
+        {"name": name, "numel": numel} for name, numel in layer_map.numel.items()]})
+    LayerStore.open(config.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
+    result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
+                       trace=trace, layer_numel=layer_map.numel, error=error, metrics_url=metrics_url)
+    if metrics_url is not None:
+        ray.get(supervisor.flush_metrics.remote())  # the final values reach Prometheus before the exporter ends
+    for actor in (supervisor, policy):
+        ray.kill(actor)
+    return result
+
+
+def _start_metrics(supervisor: Any, config: RunConfig) -> str | None:
+    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none); a
+    port that cannot be bound is logged, not fatal: the run trains without metrics."""
+    if config.metrics.port == 0:
+        return None
+    try:
+        url = ray.get(supervisor.start_metrics.remote(config.metrics.host, config.metrics.port))
+    except Exception as error:
+        logger.error("metrics disabled: cannot serve on %s:%d: %s", config.metrics.host, config.metrics.port, error)
+        return None
+    logger.info("metrics at %s", url)
+    return url
+
+
+def _group_size(config: RunConfig) -> int | tuple[int, int]:
+    cluster = config.cluster
+    if 0 < cluster.min_workers < cluster.num_workers:
+        return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
+    return cluster.num_workers
+
+
+def _prepare_store(uri: str, overwrite: bool) -> None:
+    store = LayerStore.open(uri)
+    if store.versions():
+        if not overwrite:
+            raise FileExistsError(f"{uri} already holds a run's checkpoints; pick another storage or name, "
+                                  "or pass --overwrite to delete them")
+        logger.warning("deleting the earlier run's checkpoints in %s (--overwrite)", uri)
+        store.fs.fs.delete_dir_contents(store.fs.path(""), missing_dir_ok=True)
+
+
+def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,
+           poll_s: float) -> None:
+    while not stop.wait(poll_s):
+        if on_progress is None:
+            continue
+        try:
+            on_progress(ray.get(supervisor.status.remote(), timeout=10))
+        except Exception as error:  # progress display must never end the run
+            logger.debug("progress poll failed: %s", error)

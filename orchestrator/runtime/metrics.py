@@ -1,0 +1,349 @@
+"""The run's Prometheus metrics: one table of every metric the code exports, and
+:class:`RunMetrics`, which projects the supervisor's central view onto them.
+
+The supervisor owns a :class:`RunMetrics` and outlives worker-group restarts, so counters stay
+monotonic across them: each counter follows a monotonic total the supervisor (or a writer actor)
+keeps, and is only ever advanced by the difference. Every series carries a ``run_id`` label.
+Nothing is registered globally: each :class:`RunMetrics` has its own ``CollectorRegistry``, so
+several runs (or tests) in one process never collide, and nothing is served until
+:meth:`RunMetrics.serve` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+logger = logging.getLogger(__name__)
+
+#: Bytes persisted per parameter by a full checkpoint: fp32 weight + Adam exp_avg + exp_avg_sq.
+BYTES_PER_PARAM = 12
+#: The window of the "recent" gauges (ETTR, bytes per second).
+RECENT_WINDOW_S = 60.0
+#: The supervisor's states, exported as one 0/1 series each (see :class:`orchestrator.runtime.supervisor.State`).
+STATES = ("starting", "running", "recovering", "finished", "failed")
+RECOVERY_PHASES = ("detect", "plan", "load", "total")
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One exported metric. ``name`` is the name Prometheus sees (counters end in ``_total``)."""
+
+    kind: type
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+_LAYER = ("layer",)
+SPECS: tuple[Spec, ...] = (
+    # ---- per layer ---------------------------------------------------------------------
+    Spec(Gauge, "layercheck_layer_staleness_steps",
+         "Steps since the layer's newest committed version was taken (unset before the base).", _LAYER),
+    Spec(Gauge, "layercheck_layer_accumulated_drift",
+         "The policy's accumulated drift D of the layer since it was last persisted.", _LAYER),
+    Spec(Gauge, "layercheck_layer_drift_threshold",
+         "The policy's current threshold K0 * s(lr) for the layer, at the latest step's learning rate.", _LAYER),
+    Spec(Counter, "layercheck_layer_committed_versions_total", "Versions of the layer committed to the store.",
+         _LAYER),
+    Spec(Counter, "layercheck_layer_committed_bytes_total", "Bytes of the layer's committed versions.", _LAYER),
+    Spec(Gauge, "layercheck_layer_parameters", "Trainable parameters of the layer.", _LAYER),
+    # ---- staleness ---------------------------------------------------------------------
+    Spec(Gauge, "layercheck_staleness_max_steps", "The largest staleness of any layer."),
+    Spec(Gauge, "layercheck_staleness_weighted_steps",
+         "Parameter-weighted mean staleness over the layers (unset until every layer has a version)."),
+    Spec(Gauge, "layercheck_staleness_weighted_mean_steps",
+         "The parameter-weighted staleness averaged over the steps since every layer had a version."),
+    Spec(Gauge, "layercheck_smax_steps",
+         "The staleness budget Smax of the LayerCheck policy (the interval of the interval baseline)."),
+    # ---- bytes -------------------------------------------------------------------------
+    Spec(Counter, "layercheck_written_bytes_total", "Bytes of layer shards the writers wrote to the store."),
+    Spec(Gauge, "layercheck_written_bytes_per_second",
+         f"Bytes of layer shards written per second over the last {RECENT_WINDOW_S:.0f} s "
+         "(the counter's rate() gives the same from Prometheus)."),
+    Spec(Counter, "layercheck_committed_bytes_total", "Bytes of all committed layer versions (base included)."),
+    Spec(Gauge, "layercheck_full_checkpoint_bytes",
+         f"Bytes of one full checkpoint: {BYTES_PER_PARAM} bytes per parameter (fp32 weight and two Adam moments)."),
+    Spec(Gauge, "layercheck_full_checkpoint_equivalent_bytes",
+         "Bytes fixed-interval full checkpoints would have written by the current step at the same freshness: "
+         "layercheck_full_checkpoint_bytes * floor(step / I), I = layercheck_full_checkpoint_interval_steps."),
+    Spec(Gauge, "layercheck_full_checkpoint_interval_steps",
+         "The full-checkpoint interval with the run's freshness: I = max(1, round(2 * S + 1)), S = "
+         "layercheck_staleness_weighted_mean_steps (a full checkpoint every I steps has mean staleness (I - 1) / 2)."),
+    # ---- persistence -------------------------------------------------------------------
+    Spec(Gauge, "layercheck_persistence_queue_versions", "Layer shards handed to the writers and not yet written."),
+    Spec(Gauge, "layercheck_persistence_queue_bytes", "Bytes of layer shards handed to the writers, not yet written."),
+    Spec(Histogram, "layercheck_write_latency_seconds", "Time a writer took to write one layer shard.",
+         buckets=_LATENCY_BUCKETS),
+    Spec(Counter, "layercheck_superseded_versions_total",
+         "Queued shards replaced by a newer snapshot of the same layer before they were written."),
+    Spec(Counter, "layercheck_abandoned_versions_total",
+         "Versions dropped incomplete (a newer one completed first, or the worker group was lost)."),
+    Spec(Counter, "layercheck_write_failures_total", "Shard writes or version commits that failed."),
+    Spec(Counter, "layercheck_stalls_total", "Steps in which the training loop waited to hand snapshots over."),
+    Spec(Counter, "layercheck_stall_seconds_total", "Seconds the training loop waited to hand snapshots over."),
+    # ---- failures and recovery ---------------------------------------------------------
+    Spec(Counter, "layercheck_failures_total", "Worker groups lost (fail-stop failures)."),
+    Spec(Counter, "layercheck_recoveries_total", "Recoveries completed: a new worker group trained past its resume step."),
+    Spec(Histogram, "layercheck_recovery_seconds",
+         "Recovery time by phase: detect (last progress to the new group's join, restart included), plan "
+         "(drain writers, plan the composite), load (slowest rank's load), total.",
+         ("phase",), _RECOVERY_BUCKETS),
+    Spec(Counter, "layercheck_steps_lost_total",
+         "Steps trained again after a recovery (0 when it resumes at t_fail + 1)."),
+    Spec(Counter, "layercheck_lost_compute_seconds_total",
+         "Compute of steps a lost worker group finished that did not count (after t_fail)."),
+    Spec(Gauge, "layercheck_recovery_composite_staleness_steps",
+         "Staleness of the composite the last recovery loaded (aggregation: max or weighted).", ("aggregation",)),
+    # ---- time --------------------------------------------------------------------------
+    Spec(Gauge, "layercheck_ettr_ratio", "Effective training time ratio: productive step time / wall-clock time."),
+    Spec(Gauge, "layercheck_ettr_recent_ratio",
+         f"ETTR over the last {RECENT_WINDOW_S:.0f} s: productive step time gained / wall-clock time."),
+    Spec(Gauge, "layercheck_step_seconds", "Compute time of the latest step (rank 0)."),
+    Spec(Histogram, "layercheck_step_duration_seconds", "Compute time of each step (rank 0).",
+         buckets=_LATENCY_BUCKETS),
+    Spec(Gauge, "layercheck_policy_protocol_seconds",
+         "Rank 0's mean time per step in the policy protocol (drift report + decision), on the critical path."),
+    Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),
+    Spec(Gauge, "layercheck_training_loss", "Loss of the latest step."),
+    Spec(Gauge, "layercheck_learning_rate", "Learning rate of the latest step."),
+    Spec(Gauge, "layercheck_worker_group_attempt", "The worker group's attempt (1, then +1 per restart)."),
+    Spec(Gauge, "layercheck_supervisor_state", "1 for the supervisor's current state, 0 for the others.", ("state",)),
+)
+
+#: Every metric name the code exports, as Prometheus sees it.
+METRIC_NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
+
+
+def series_names() -> frozenset[str]:
+    """Every series name a query may use: the metric names plus the histograms' sample names."""
+    names = set(METRIC_NAMES)
+    for spec in SPECS:
+        if spec.kind is Histogram:
+            names |= {f"{spec.name}_bucket", f"{spec.name}_sum", f"{spec.name}_count"}
+    return frozenset(names)
+
+
+class _WithoutCreated:
+    """The collectors of ``inner`` less prometheus_client's ``*_created`` timestamps (series no
+    dashboard uses, which would double the counters' and histograms' series)."""
+
+    def __init__(self, inner: CollectorRegistry, on_collect: Any) -> None:
+        self.inner = inner
+        self.on_collect = on_collect
+
+    def collect(self) -> Any:
+        self.on_collect()
+        for family in self.inner.collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
+
+
+def _build(spec: Spec, registry: CollectorRegistry) -> Any:
+    labels = ("run_id", *spec.labels)
+    if spec.kind is Histogram:
+        return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
+    name = spec.name.removesuffix("_total") if spec.kind is Counter else spec.name
+    return spec.kind(name, spec.help, labels, registry=registry)
+
+
+class RunMetrics:
+    """The metrics of one run. :meth:`refresh` takes the supervisor's status, the writers'
+    stats and the policy's view; :meth:`step_done` is called once per step."""
+
+    def __init__(self, run_id: str, layer_numel: Mapping[str, int], *, window_s: float = RECENT_WINDOW_S) -> None:
+        self.run_id = run_id
+        self.layer_numel = dict(layer_numel)
+        self.window_s = window_s
+        inner = CollectorRegistry(auto_describe=True)
+        self.m = {spec.name: _build(spec, inner) for spec in SPECS}
+        self.registry = CollectorRegistry()
+        self.registry.register(_WithoutCreated(inner, self._scraped))
+        self._scrape_seen = threading.Condition()
+        self._scrapes = 0
+        self._scrape_times: deque[float] = deque(maxlen=2)
+        self._lock = threading.Lock()
+        self._seen: dict[tuple[str, ...], float] = {}  # per counter series: the total already counted
+        self._latencies_seen = 0
+        self._recoveries_seen = 0
+        self._weighted: dict[int, float] = {}  # per step since the base: weighted staleness
+        self._weighted_sum = 0.0
+        self._samples: deque[tuple[float, float, float]] = deque()  # (now, productive_s, written bytes)
+        self._server: Any = None
+        full = sum(self.layer_numel.values()) * BYTES_PER_PARAM
+        self._set("layercheck_full_checkpoint_bytes", full)
+        for layer, numel in self.layer_numel.items():
+            self._set("layercheck_layer_parameters", numel, layer)
+
+    # ---- serving ------------------------------------------------------------------------
+    def serve(self, host: str, port: int) -> None:
+        """Serve ``/metrics`` on ``host:port`` from a daemon thread (raises if the port is taken)."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        logger.info("metrics of %s served at http://%s:%d/metrics", self.run_id, host, port)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def _scraped(self) -> None:
+        with self._scrape_seen:
+            self._scrapes += 1
+            self._scrape_times.append(time.monotonic())
+            self._scrape_seen.notify_all()
+
+    def await_scrape(self, cap_s: float = 30.0) -> bool:
+        """Wait until the values as they are now have been scraped once, so a run's final values
+        reach Prometheus before the exporter ends. Only when something is scraping (two scrapes
+        seen), and for at most twice its interval (``cap_s`` at most). True if it was scraped."""
+        with self._scrape_seen:
+            if len(self._scrape_times) < 2:
+                return False
+            interval = self._scrape_times[1] - self._scrape_times[0]
+            seen = self._scrapes
+            return self._scrape_seen.wait_for(lambda: self._scrapes > seen, timeout=min(cap_s, 2 * interval + 1))
+
+    def exposition(self) -> str:
+        """The text Prometheus scrapes."""
+        return generate_latest(self.registry).decode()
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _child(self, name: str, *labels: str) -> Any:
+        return self.m[name].labels(self.run_id, *labels)
+
+    def _set(self, name: str, value: float | None, *labels: str) -> None:
+        if value is not None:
+            self._child(name, *labels).set(value)
+
+    def _advance(self, name: str, total: float, *labels: str) -> None:
+        """Advance a counter to ``total``; a total that went down (a writer lost) is not undone."""
+        key = (name, *labels)
+        seen = self._seen.get(key, 0.0)
+        if total > seen:
+            self._child(name, *labels).inc(total - seen)
+            self._seen[key] = total
+        elif key not in self._seen:
+            self._child(name, *labels)  # expose the series at 0
+            self._seen[key] = seen
+
+    # ---- per step -----------------------------------------------------------------------
+    def step_done(self, step: int, compute_s: float, last_steps: Mapping[str, int | None]) -> None:
+        """Rank 0 finished ``step``; ``last_steps``: each layer's newest committed step."""
+        with self._lock:
+            self._child("layercheck_step_duration_seconds").observe(compute_s)
+            if not last_steps or any(last_steps.get(n) is None for n in self.layer_numel):
+                return
+            total = sum(self.layer_numel.values())
+            weighted = sum(numel * (step - last_steps[n]) for n, numel in self.layer_numel.items()) / total
+            self._weighted_sum += weighted - self._weighted.get(step, 0.0)  # a redone step replaces its sample
+            self._weighted[step] = weighted
+
+    # ---- refresh ------------------------------------------------------------------------
+    def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any],
+                now: float) -> None:
+        """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
+        :class:`~orchestrator.runtime.persistence_pool.WriterStats` of every writer; ``policy``:
+        :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
+        with self._lock:
+            self._refresh_layers(status, policy)
+            self._refresh_staleness(status, policy)
+            self._refresh_bytes(status, writers, now)
+            self._refresh_persistence(status, writers)
+            self._refresh_recovery(status)
+            self._refresh_progress(status)
+
+    def _refresh_layers(self, status: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
+        for layer, stats in status["layers"].items():
+            self._set("layercheck_layer_staleness_steps", status["staleness"].get(layer), layer)
+            self._advance("layercheck_layer_committed_versions_total", stats["versions"], layer)
+            self._advance("layercheck_layer_committed_bytes_total", stats["bytes"], layer)
+        for layer, value in policy.get("accumulated", {}).items():
+            self._set("layercheck_layer_accumulated_drift", value, layer)
+        for layer, value in policy.get("threshold", {}).items():
+            self._set("layercheck_layer_drift_threshold", value, layer)
+
+    def _refresh_staleness(self, status: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
+        self._set("layercheck_staleness_max_steps", status["max_staleness"])
+        self._set("layercheck_staleness_weighted_steps", status["weighted_staleness"])
+        self._set("layercheck_smax_steps", policy.get("smax"))
+        if self._weighted:
+            mean = self._weighted_sum / len(self._weighted)
+            interval = max(1, round(2 * mean + 1))
+            full = sum(self.layer_numel.values()) * BYTES_PER_PARAM
+            self._set("layercheck_staleness_weighted_mean_steps", mean)
+            self._set("layercheck_full_checkpoint_interval_steps", interval)
+            self._set("layercheck_full_checkpoint_equivalent_bytes", full * (status["step"] // interval))
+
+    def _refresh_bytes(self, status: Mapping[str, Any], writers: Sequence[Any], now: float) -> None:
+        written = sum(w.written_bytes for w in writers)
+        self._advance("layercheck_written_bytes_total", written)
+        self._advance("layercheck_committed_bytes_total", status["bytes_committed"])
+        account = status["account"]
+        self._samples.append((now, account["productive_s"], self._seen[("layercheck_written_bytes_total",)]))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+        then, productive_then, written_then = self._samples[0]
+        self._set("layercheck_ettr_ratio", account["ettr"])
+        if now > then:
+            # productive time drops when a failure discards the lost group's steps: count no gain then
+            self._set("layercheck_ettr_recent_ratio", min(1.0, max(0.0, account["productive_s"] - productive_then)
+                                                          / (now - then)))
+            self._set("layercheck_written_bytes_per_second", (self._samples[-1][2] - written_then) / (now - then))
+
+    def _refresh_persistence(self, status: Mapping[str, Any], writers: Sequence[Any]) -> None:
+        self._set("layercheck_persistence_queue_versions", sum(w.queued for w in writers))
+        self._set("layercheck_persistence_queue_bytes", sum(w.queued_bytes for w in writers))
+        self._advance("layercheck_superseded_versions_total", sum(w.superseded for w in writers))
+        self._advance("layercheck_abandoned_versions_total", status["abandoned_versions"])
+        self._advance("layercheck_write_failures_total", status["write_failures"])
+        latencies = status["write_latencies"]
+        for seconds in latencies[self._latencies_seen:]:
+            self._child("layercheck_write_latency_seconds").observe(seconds)
+        self._latencies_seen = max(self._latencies_seen, len(latencies))
+        account = status["account"]
+        self._advance("layercheck_stalls_total", account["stalls"])
+        self._advance("layercheck_stall_seconds_total", account["stall_s"])
+
+    def _refresh_recovery(self, status: Mapping[str, Any]) -> None:
+        account = status["account"]
+        recoveries = account["recoveries"]
+        self._advance("layercheck_failures_total", account["failures"])
+        self._advance("layercheck_lost_compute_seconds_total", account["lost_step_s"])
+        self._advance("layercheck_steps_lost_total", sum(r["steps_redone"] for r in recoveries))
+        ended = status["state"] in ("finished", "failed")
+        # a recovery is observed once its group trained its resume step (every rank has loaded by then)
+        while self._recoveries_seen < len(recoveries):
+            recovery = recoveries[self._recoveries_seen]
+            later = self._recoveries_seen + 1 < len(recoveries)
+            if not (ended or later or (status["state"] == "running" and status["step"] >= recovery["resumed_at"])):
+                break
+            for phase, key in zip(RECOVERY_PHASES, ("detect_restart_s", "plan_s", "load_s", "total_s")):
+                self._child("layercheck_recovery_seconds", phase).observe(recovery[key])
+            self._set("layercheck_recovery_composite_staleness_steps", recovery["max_staleness"], "max")
+            self._set("layercheck_recovery_composite_staleness_steps", recovery["weighted_staleness"], "weighted")
+            self._recoveries_seen += 1
+        self._advance("layercheck_recoveries_total", self._recoveries_seen)
+
+    def _refresh_progress(self, status: Mapping[str, Any]) -> None:
+        self._set("layercheck_training_step", status["step"])
+        self._set("layercheck_step_seconds", status["step_s"])
+        self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
+        if not math.isnan(status["loss"]):
+            self._set("layercheck_training_loss", status["loss"])
+        self._set("layercheck_learning_rate", status["lr"])
+        self._set("layercheck_worker_group_attempt", status["attempt"])
+        for state in STATES:
+            self._set("layercheck_supervisor_state", 1.0 if status["state"] == state else 0.0, state)

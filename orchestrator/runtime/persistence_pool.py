@@ -1,0 +1,112 @@
+"""The persistence pool: asynchronous writer actors that move layer snapshots to the store.
+
+Workers hand a snapshot over with :meth:`PersistenceWriter.submit` and go on training; the
+call resolves when the shard is written (or superseded). Each writer keeps at most one queued
+shard per (layer, rank): a newer snapshot of a layer replaces an older one not yet written, so
+memory stays bounded when storage falls behind. After writing, the writer hands the receipt to
+the supervisor, which commits a version once every rank's shard of it is in.
+
+Writers are pinned to nodes (the supervisor starts them on demand, ``writers_per_node`` per
+node), so a snapshot crosses the node's shared-memory object store, not the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.runtime.wire import WireShard, from_wire
+from orchestrator.core.write_queue import SupersedingQueue
+
+logger = logging.getLogger(__name__)
+
+WRITTEN = "written"
+SUPERSEDED = "superseded"
+
+
+@dataclass
+class WriterStats:
+    written_versions: int = 0
+    written_bytes: int = 0
+    superseded: int = 0
+    failures: int = 0
+    queued: int = 0
+    queued_bytes: int = 0
+
+
+@ray.remote(num_cpus=0)
+class PersistenceWriter:
+    def __init__(self, store_uri: str, fsync: bool, supervisor: Any) -> None:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        self.store = LayerStore.open(store_uri, fsync=fsync)
+        self.supervisor = supervisor
+        self.stats = WriterStats()
+        self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
+        self._wake: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+
+    def _start(self) -> None:
+        if self._worker is None:
+            self._wake, self._idle = asyncio.Event(), asyncio.Event()
+            self._idle.set()
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def submit(self, wire: WireShard) -> str:
+        """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``."""
+        self._start()
+        future = asyncio.get_running_loop().create_future()
+        older = self._queue.put((wire.layer, wire.rank), (wire, future))
+        if older is not None:
+            self.stats.superseded += 1
+            older[1].set_result(SUPERSEDED)
+            logger.info("%s step %d (rank %d) superseded by step %d before it was written",
+                        wire.layer, older[0].step, wire.rank, wire.step)
+        self._count_queue()
+        self._idle.clear()
+        self._wake.set()
+        return await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while (entry := self._queue.pop()) is not None:
+                self._count_queue()
+                wire, future = entry
+                future.set_result(await self._write(loop, wire))
+            self._idle.set()
+
+    def _count_queue(self) -> None:
+        self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
+
+    async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
+        started = time.monotonic()
+        try:
+            receipt = await loop.run_in_executor(None, lambda: self.store.write_shard(from_wire(wire), base=wire.base))
+        except Exception as error:  # a full or read-only store must not kill the writer
+            self.stats.failures += 1
+            logger.error("writing %s step %d rank %d failed: %s", wire.layer, wire.step, wire.rank, error)
+            await self.supervisor.write_failed.remote(wire.layer, wire.step, wire.rank, str(error))
+            return f"failed: {error}"
+        elapsed = time.monotonic() - started
+        self.stats.written_versions += 1
+        self.stats.written_bytes += receipt.nbytes
+        await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
+        return WRITTEN
+
+    async def drain(self) -> None:
+        """Returns once everything queued so far is written and handed to the supervisor."""
+        if self._idle is not None:
+            await self._idle.wait()
+
+    def get_stats(self) -> WriterStats:
+        return dataclasses.replace(self.stats)

@@ -1,0 +1,77 @@
+"""The run's policy actor: one per run, named, asynchronous.
+
+Every rank calls :meth:`PolicyActor.report` after each optimizer step without waiting for the
+answer; the call resolves once all ranks have reported that step, with the one decision they
+all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
+:data:`workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
+does not wait on the actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+
+from policies.checkpoint_policy import DriftThresholdPolicy, IntervalPolicy, build_policy
+from policies.configs import PolicyConfig
+from orchestrator.core.policy_service import PolicyService
+
+logger = logging.getLogger(__name__)
+
+
+@ray.remote(num_cpus=0)
+class PolicyActor:
+    def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int) -> None:
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        self.service = PolicyService(build_policy(config, numel), list(numel), world_size)
+        self._ready: dict[int, asyncio.Event] = {}
+
+    async def report(self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
+                     counts: Mapping[str, int]) -> dict[str, Any] | None:
+        """This rank's drift for ``step``; returns the step's decision (as JSON) once all ranks
+        are in, or ``None`` if the worker group was restarted before they were."""
+        decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts)
+        event = self._ready.setdefault(step, asyncio.Event())
+        if decision is not None:
+            event.set()
+        await event.wait()
+        self._forget_before(self.service.last_complete_step - 64)
+        decided = self.service.decision(step)
+        return decided.to_json() if decided is not None else None
+
+    def _forget_before(self, step: int) -> None:
+        for old in [s for s in self._ready if s < step]:
+            del self._ready[old]
+
+    def last_complete_step(self) -> int:
+        return self.service.last_complete_step
+
+    def restart(self, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
+        """A new worker group: release waiters of the lost attempt and rebase the policy."""
+        for event in self._ready.values():
+            event.set()
+        self._ready.clear()
+        self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
+
+    def policy_state(self) -> dict[str, Any]:
+        return self.service.policy.state_dict()
+
+    def metrics_view(self) -> dict[str, Any]:
+        """What the metrics show of the policy (read-only): per layer the accumulated drift and
+        the threshold at the latest step's learning rate, and the staleness budget."""
+        policy = self.service.policy
+        lr = self.service.trace[-1].lr if self.service.trace else 0.0
+        if isinstance(policy, DriftThresholdPolicy):
+            return {"lr": lr, "smax": policy.smax, "accumulated": dict(policy.accumulated),
+                    "threshold": {name: policy.threshold(name, lr) for name in policy.layers}}
+        if isinstance(policy, IntervalPolicy):
+            return {"lr": lr, "smax": policy.config.interval}
+        return {"lr": lr}
+
+    def trace(self) -> dict[str, Any]:
+        """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""
+        return {"steps": [{"step": o.step, "lr": o.lr, "drift": dict(o.drift)} for o in self.service.trace]}

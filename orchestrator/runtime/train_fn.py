@@ -1,0 +1,151 @@
+"""What each Ray Train worker runs: build the engine, join the run (recovering if the group is
+a restart), and train with LayerCheck's protocol through a Ray-backed coordinator."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import warnings
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+import ray.train
+
+from orchestrator.core.composite import load_composite
+from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.core.run_config import RunConfig, parse_run_config
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.errors import CorruptShardError
+from orchestrator.runtime.wire import to_wire
+from policies.decision import PersistDecision
+from workers.data import SequenceDataset
+from workers.drift import LayerDrift
+from workers.engine import build_engine, seek_step, shutdown
+from workers.loop import run_loop
+from workers.shard import LayerShard
+
+logger = logging.getLogger(__name__)
+
+
+class RayCoordinator:
+    """The :class:`workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
+    writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
+    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so."""
+
+    def __init__(self, *, rank: int, policy: Any, writer: Any, supervisor: Any, max_inflight_bytes: int) -> None:
+        self.rank = rank
+        self.policy = policy
+        self.writer = writer
+        self.supervisor = supervisor
+        self.max_inflight_bytes = max_inflight_bytes
+        self._inflight: dict[str, tuple[ray.ObjectRef, int]] = {}  # newest submission per layer
+        self.blocked_s = 0.0
+        self.last_report: ray.ObjectRef | None = None
+
+    def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
+        self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
+        return self.last_report
+
+    def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
+        data = ray.get(handle)
+        return PersistDecision.from_json(data) if data is not None else None
+
+    def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
+        for shard in shards:
+            wire = to_wire(shard, base=base)
+            # .remote() serialises the arrays into the object store before it returns
+            self._inflight[shard.layer] = (self.writer.submit.remote(wire), wire.nbytes)
+        self._bound_inflight()
+
+    def _bound_inflight(self) -> None:
+        pending = {layer: entry for layer, entry in self._inflight.items()
+                   if not ray.wait([entry[0]], timeout=0)[0]}
+        self._inflight = pending
+        inflight = sum(nbytes for _, nbytes in pending.values())
+        if inflight <= self.max_inflight_bytes:
+            return
+        started = time.monotonic()
+        logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
+                       self.rank, inflight, self.max_inflight_bytes)
+        for layer, (ref, nbytes) in list(pending.items()):
+            ray.wait([ref])
+            del self._inflight[layer]
+            inflight -= nbytes
+            if inflight <= self.max_inflight_bytes:
+                break
+        self.blocked_s += time.monotonic() - started
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until the last drift report is answered and every snapshot handed over is written."""
+        refs = [ref for ref, _ in self._inflight.values()]
+        if self.last_report is not None:
+            refs.append(self.last_report)
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                 coordination_s: float) -> None:
+        self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s, coordination_s)
+
+
+def train_fn(loop_config: dict[str, Any]) -> None:
+    """The ``train_loop_per_worker`` of the run's ``TorchTrainer``."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ZeRO collective renames
+    for name in ("workers", "orchestrator"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    run = parse_run_config(loop_config["run"])
+    names = RunNames(loop_config["run_id"])
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
+    policy = ray.get_actor(names.policy, namespace=NAMESPACE)
+    runtime = ray.get_runtime_context()
+    resume_ref = supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}")
+    writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
+
+    te = build_engine(run.model, run.optim, run.engine)
+    resume = ray.get(resume_ref)
+    if resume.records is not None:
+        _recover(te, run, resume.records, supervisor, rank)
+        seek_step(te, resume.start_step - 1)
+    coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
+                                 supervisor=supervisor, max_inflight_bytes=run.persistence.max_inflight_bytes)
+    kill = _fault(run, rank, resume.attempt, coordinator)
+    try:
+        if resume.start_step <= run.steps:
+            run_loop(te, SequenceDataset.from_config(run.data), coordinator, start_step=resume.start_step,
+                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill)
+        ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
+    finally:
+        shutdown(te)
+
+
+def _recover(te, run: RunConfig, records, supervisor: Any, rank: int) -> None:
+    store = LayerStore.open(run.storage_uri, fsync=run.persistence.fsync)
+    try:
+        load_s = load_composite(te, store, records)
+    except CorruptShardError as error:
+        ray.get(supervisor.version_unusable.remote(error.version_id, str(error)))
+        raise
+    supervisor.loaded.remote(rank, load_s)
+
+
+def _fault(run: RunConfig, rank: int, attempt: int, coordinator: RayCoordinator):
+    """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt
+    only — once the step's drift report and the snapshots handed over have left the process, so
+    the failure falls exactly after that step. (A real crash can also take with it messages
+    still in the send queue: then ``t_fail`` is the step before, or the layers whose shards were
+    lost come from their previous versions.)"""
+    target = run.fault.kill_at_step if rank == run.fault.kill_rank and attempt == 1 else 0
+
+    def after_step(step: int) -> None:
+        if step == target:
+            coordinator.flush(timeout_s=60)
+            logger.warning("fault injection: rank %d kills itself after step %d", rank, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return after_step

@@ -1,0 +1,193 @@
+"""The store's view of a filesystem: a root inside any ``pyarrow.fs`` filesystem, atomic writes
+and error messages that name the path and the cause.
+
+One URI scheme covers local disk, NFS and object stores (``file://``, plain paths, ``s3://``,
+``gs://``, ``abfs://``, ``hdfs://``) through :meth:`pyarrow.fs.FileSystem.from_uri`.
+
+Atomicity (the idea of Orbax's ``path/atomicity.py``): on filesystems with an atomic rename a
+file is written under a temporary name (``*.tmp``) and renamed into place; object stores have no
+atomic rename (it is copy + delete), but a single PUT is atomic — the object appears whole or
+not at all — so there the file is written straight to its final name. Either way a reader never
+sees a half-written file under a final name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from orchestrator.store.errors import StoreWriteError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Filesystems whose writes are single atomic PUTs and whose rename is not atomic.
+OBJECT_STORES: frozenset[str] = frozenset({"s3", "gcs", "abfs"})
+
+_SCHEMES = {"s3": "s3", "gcs": "gs", "abfs": "abfs", "hdfs": "hdfs"}
+
+#: Suffix of a file being written; never referenced by the manifest.
+TMP_SUFFIX = ".tmp"
+
+#: ``hook(event, path)``: called at fixed points of a write so that tests can crash the writer
+#: exactly there. Events: ``"opened"``, ``"partial"`` (by the writer callback), ``"closed"``,
+#: ``"renamed"``.
+FaultHook = Callable[[str, str], None]
+
+
+def new_token() -> str:
+    """A short random token that keeps names written by concurrent writers apart."""
+    return secrets.token_hex(4)
+
+
+def write_error(location: str, error: BaseException) -> StoreWriteError:
+    """A :class:`StoreWriteError` for ``location`` that keeps the errno of ``error``."""
+    message = f"cannot write {location}: {_cause(error)}"
+    errno = getattr(error, "errno", None)
+    return StoreWriteError(errno, message) if errno else StoreWriteError(message)
+
+
+def _cause(error: BaseException) -> str:
+    errno = getattr(error, "errno", None)
+    if errno:
+        return f"{os.strerror(errno)} ({error})"
+    return str(error) or type(error).__name__
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreFS:
+    """A directory (``root``) inside a pyarrow filesystem; every path argument is relative to it."""
+
+    fs: pafs.FileSystem
+    """The filesystem (local, S3, GCS, HDFS, or a wrapped one in tests)."""
+    root: str
+    """The run's directory inside ``fs``, without a trailing slash."""
+    atomic_rename: bool = True
+    """Write to a temporary name and rename (local, NFS, HDFS); False: write in place (object stores)."""
+    fsync: bool = False
+    """fsync files and their directory after writing (local filesystems only)."""
+    hook: FaultHook | None = None
+    """Fault-injection hook for tests; None in production."""
+
+    def __post_init__(self) -> None:
+        if not self.root:
+            raise ValueError("root must name a directory, got an empty string")
+
+    @classmethod
+    def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> StoreFS:
+        """Open ``uri`` (``s3://bucket/run``, ``gs://…``, ``file:///…`` or a plain path)."""
+        if "://" not in uri:
+            uri = os.path.abspath(uri)
+        fs, root = pafs.FileSystem.from_uri(uri)
+        kind = fs.type_name
+        return cls(
+            fs=fs,
+            root=root.rstrip("/") or "/",
+            atomic_rename=kind not in OBJECT_STORES,
+            fsync=fsync and kind == "local",
+            hook=hook,
+        )
+
+    # ---- naming ---------------------------------------------------------------------------
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def uri(self, rel: str = "") -> str:
+        """The full location, for messages."""
+        scheme = _SCHEMES.get(self.fs.type_name)
+        full = self.path(rel)
+        return f"{scheme}://{full.lstrip('/')}" if scheme else full
+
+    def fire(self, event: str, rel: str) -> None:
+        if self.hook is not None:
+            self.hook(event, rel)
+
+    # ---- writing --------------------------------------------------------------------------
+    def write_atomic(self, rel: str, write: Callable[[pa.NativeFile], T]) -> T:
+        """Write ``rel`` with ``write(stream)``; the file appears under its name only complete.
+
+        Raises :class:`StoreWriteError` naming the path and the cause (read-only, no space…);
+        a temporary left behind by a failure is removed when possible, else GC collects it.
+        """
+        target = self.path(rel)
+        staging = f"{target}.{new_token()}{TMP_SUFFIX}" if self.atomic_rename else target
+        try:
+            self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            with self.fs.open_output_stream(staging) as stream:
+                self.fire("opened", rel)
+                result = write(stream)
+            self.fire("closed", rel)
+            if self.fsync:
+                _fsync_file(staging)
+            if self.atomic_rename:
+                self.fs.move(staging, target)
+        except OSError as error:
+            self._discard(staging)
+            raise write_error(self.uri(rel), error) from error
+        except BaseException:
+            self._discard(staging)
+            raise
+        # Past the rename the file is in place: a failure now must not report it unwritten.
+        if self.fsync and self.atomic_rename:
+            try:
+                _fsync_file(os.path.dirname(target))
+            except OSError as error:
+                logger.warning("wrote %s but could not fsync its directory: %s", self.uri(rel), error)
+        self.fire("renamed", rel)
+        return result
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.write_atomic(rel, lambda stream: stream.write(data))
+
+    def _discard(self, full_path: str) -> None:
+        try:
+            self.fs.delete_file(full_path)
+        except OSError:
+            pass  # it may never have been created; GC collects it otherwise
+
+    # ---- reading and listing --------------------------------------------------------------
+    def read_bytes(self, rel: str) -> bytes:
+        with self.fs.open_input_stream(self.path(rel)) as stream:
+            return stream.read()
+
+    def open_input(self, rel: str) -> pa.NativeFile:
+        return self.fs.open_input_file(self.path(rel))
+
+    def info(self, rel: str) -> pafs.FileInfo:
+        return self.fs.get_file_info(self.path(rel))
+
+    def list_files(self, rel_dir: str, *, recursive: bool = False) -> list[tuple[str, pafs.FileInfo]]:
+        """``(relative path, info)`` of every file under ``rel_dir``; empty if it does not exist."""
+        selector = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=recursive)
+        prefix = self.root.rstrip("/") + "/"
+        out = []
+        for info in self.fs.get_file_info(selector):
+            if info.type == pafs.FileType.File:
+                out.append((info.path[len(prefix):] if info.path.startswith(prefix) else info.path, info))
+        return sorted(out, key=lambda item: item[0])
+
+    def delete(self, rel: str) -> bool:
+        """Delete ``rel``; False if it was already gone."""
+        try:
+            self.fs.delete_file(self.path(rel))
+            return True
+        except FileNotFoundError:
+            return False
+
+
+def _fsync_file(path: str) -> None:
+    """Make a local file (or directory entry) durable; a crash after a rename must not leave
+    an empty file under the final name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,223 @@
+"""The layer store: versions of layer state as per-rank safetensors files plus a manifest.
+
+Writing a version takes two kinds of call, so that each rank's shard can be written by a
+different process and one coordinator commits:
+
+* every writer: ``receipt = store.write_shard(shard, base=...)`` — writes one rank's file
+  (atomically, checksummed) and returns a small :class:`ShardReceipt`;
+* the coordinator, once it holds the receipts of all ranks:
+  ``record = store.commit(receipts)`` — checks they form one whole version and writes its
+  commit record last. Until then the files are invisible to readers; if the commit never
+  comes they are orphans, collected by GC after a grace period.
+
+See ``STORE_LAYOUT.md`` beside this file for the layout of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import pyarrow as pa
+
+from orchestrator.store import tensorfile
+from orchestrator.store.manifest import (
+    LAYERS_DIR,
+    Manifest,
+    ShardEntry,
+    ShardReceipt,
+    VersionRecord,
+    check_layer_name,
+    encode_record,
+    read_manifest,
+    record_path,
+)
+from orchestrator.store.errors import ManifestError, ShardFormatError
+from orchestrator.store.fs import FaultHook, StoreFS, new_token
+from workers.shard import LayerShard
+
+logger = logging.getLogger(__name__)
+
+#: The run's config, as JSON, in the root of its store.
+RUN_CONFIG_FILE = "run.json"
+#: The run's drift trace (``layercheck simulate --trace`` replays it), in the root of its store.
+DRIFT_TRACE_FILE = "drift_trace.json"
+
+
+def shard_path(shard: LayerShard, *, base: bool, token: str) -> str:
+    kind = "-base" if base else ""
+    return (
+        f"{LAYERS_DIR}/{shard.layer}/{shard.step:010d}{kind}-rank{shard.rank:05d}of{shard.world_size:05d}"
+        f"-{token}.safetensors"
+    )
+
+
+def _version_id(layer: str, step: int, *, base: bool) -> str:
+    return f"{layer}@{step:010d}{'-base' if base else ''}-{new_token()}"
+
+
+class LayerStore:
+    """A run's layer versions in one directory of any pyarrow filesystem."""
+
+    def __init__(self, fs: StoreFS) -> None:
+        self.fs = fs
+
+    @classmethod
+    def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> LayerStore:
+        """Open the run at ``uri`` (a path, ``file://``, ``s3://``, ``gs://``…); creates nothing."""
+        return cls(StoreFS.open(uri, fsync=fsync, hook=hook))
+
+    @property
+    def uri(self) -> str:
+        return self.fs.uri()
+
+    def __repr__(self) -> str:
+        return f"LayerStore({self.uri!r})"
+
+    # ---- writing --------------------------------------------------------------------------
+    def write_shard(self, shard: LayerShard, *, base: bool = False) -> ShardReceipt:
+        """Write one rank's shard of a version; visible to readers only after :meth:`commit`."""
+        check_layer_name(shard.layer)
+        if not 0 <= shard.rank < shard.world_size:
+            raise ValueError(f"shard rank {shard.rank} is outside world size {shard.world_size}")
+        rel = shard_path(shard, base=base, token=new_token())
+        started = time.monotonic()
+        digest = self.fs.write_atomic(
+            rel,
+            lambda stream: tensorfile.write_shard(
+                stream, shard, base=base, after_header=lambda: self.fs.fire("partial", rel)
+            ),
+        )
+        logger.debug("wrote %s (%d bytes) in %.3fs", self.fs.uri(rel), digest.nbytes, time.monotonic() - started)
+        return ShardReceipt(
+            layer=shard.layer, step=shard.step, rank=shard.rank, world_size=shard.world_size, base=base,
+            path=rel, nbytes=digest.nbytes, checksum=digest.checksum,
+        )
+
+    def commit(self, receipts: Sequence[ShardReceipt], *, check_files: bool = True) -> VersionRecord:
+        """Commit the version the ``receipts`` (one per rank) describe, by writing its record last.
+
+        Raises :class:`ManifestError` if the receipts are not exactly one of each rank of one
+        (layer, step, world size, base) or, with ``check_files``, if a file is missing or has
+        another size than its receipt; :class:`StoreWriteError` if the record cannot be written.
+        Either way nothing is committed.
+        """
+        first = _check_receipts(receipts)
+        if check_files:
+            self._check_receipt_files(receipts)
+        record = VersionRecord(
+            version_id=_version_id(first.layer, first.step, base=first.base),
+            layer=first.layer,
+            step=first.step,
+            world_size=first.world_size,
+            base=first.base,
+            committed_at=time.time(),
+            shards=tuple(
+                ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum)
+                for r in sorted(receipts, key=lambda r: r.rank)
+            ),
+        )
+        self.fs.write_bytes(record_path(record.version_id), encode_record(record))
+        logger.info(
+            "committed %s: layer %s step %d%s, %d ranks, %d bytes",
+            record.version_id, record.layer, record.step, " (base)" if record.base else "",
+            record.world_size, record.nbytes,
+        )
+        return record
+
+    def write_version(self, shards: Sequence[LayerShard], *, base: bool = False) -> VersionRecord:
+        """Write every rank's shard of one version from this process, then commit it."""
+        return self.commit([self.write_shard(shard, base=base) for shard in shards])
+
+    def _check_receipt_files(self, receipts: Sequence[ShardReceipt]) -> None:
+        for receipt in receipts:
+            info = self.fs.info(receipt.path)
+            if info.size != receipt.nbytes:
+                found = "missing" if info.size is None else f"{info.size} bytes"
+                raise ManifestError(
+                    f"cannot commit layer {receipt.layer} step {receipt.step}: rank {receipt.rank}'s file "
+                    f"{self.fs.uri(receipt.path)} is {found}, its receipt says {receipt.nbytes} bytes"
+                )
+
+    # ---- reading --------------------------------------------------------------------------
+    def manifest(self) -> Manifest:
+        return read_manifest(self.fs)
+
+    def versions(self) -> tuple[VersionRecord, ...]:
+        return self.manifest().records
+
+    def open_file(self, rel: str) -> pa.NativeFile:
+        return self.fs.open_input(rel)
+
+    def check_version(self, record: VersionRecord, *, deep: bool = True) -> list[str]:
+        """Problems that make ``record`` unusable (empty if none). Always: every file exists,
+        has its recorded size, its header matches the record and its checksum; with ``deep``
+        every tensor's checksum too (reads every byte)."""
+        problems = []
+        for entry in record.shards:
+            problem = self.check_shard(record, entry, deep=deep)
+            if problem:
+                problems.append(problem)
+        return problems
+
+    def check_shard(self, record: VersionRecord, entry: ShardEntry, *, deep: bool) -> str:
+        where = self.fs.uri(entry.path)
+        try:
+            with self.open_file(entry.path) as file:
+                if file.size() != entry.nbytes:
+                    return f"{where}: {file.size()} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
+                header = tensorfile.read_header(file, path=where)
+                _check_header_matches(record, entry, header, where)
+                if deep:
+                    for item in header.entries.values():
+                        tensorfile.read_entry(file, item, path=where, count=0)
+        except FileNotFoundError:
+            return f"{where}: missing"
+        except (OSError, ShardFormatError) as error:
+            return str(error)
+        return ""
+
+    # ---- deleting -------------------------------------------------------------------------
+    def delete_version(self, record: VersionRecord) -> int:
+        """Uncommit ``record`` (its commit record goes first, so no reader can pick it up half
+        deleted), then delete its files. Returns the bytes freed."""
+        self.fs.delete(record_path(record.version_id))
+        freed = 0
+        for entry in record.shards:
+            if self.fs.delete(entry.path):
+                freed += entry.nbytes
+        logger.info("deleted version %s (%d bytes)", record.version_id, freed)
+        return freed
+
+
+def _check_receipts(receipts: Sequence[ShardReceipt]) -> ShardReceipt:
+    if not receipts:
+        raise ManifestError("cannot commit a version without shard receipts")
+    first = receipts[0]
+    for r in receipts:
+        if (r.layer, r.step, r.world_size, r.base) != (first.layer, first.step, first.world_size, first.base):
+            raise ManifestError(
+                f"receipts mix versions: {first.layer}@{first.step} (world {first.world_size}, base={first.base}) "
+                f"and {r.layer}@{r.step} (world {r.world_size}, base={r.base})"
+            )
+    ranks = sorted(r.rank for r in receipts)
+    if ranks != list(range(first.world_size)):
+        missing = sorted(set(range(first.world_size)) - set(ranks))
+        extra = sorted({r for r in ranks if ranks.count(r) > 1 or not 0 <= r < first.world_size})
+        raise ManifestError(
+            f"cannot commit layer {first.layer} step {first.step}: world size {first.world_size} needs one "
+            f"receipt per rank; missing ranks {missing}, duplicate or out-of-range ranks {extra}"
+        )
+    return first
+
+
+def _check_header_matches(record: VersionRecord, entry: ShardEntry, header: tensorfile.ShardHeader, where: str) -> None:
+    if header.file_nbytes != entry.nbytes:
+        raise ShardFormatError(f"{where}: {header.file_nbytes} bytes, the manifest says {entry.nbytes}")
+    if header.checksum != entry.checksum:
+        raise ShardFormatError(f"{where}: header checksum {header.checksum}, the manifest says {entry.checksum}")
+    found = (header.layer, header.step, header.rank, header.world_size)
+    wanted = (record.layer, record.step, entry.rank, record.world_size)
+    if found != wanted:
+        raise ShardFormatError(f"{where}: holds (layer, step, rank, world) {found}, the manifest says {wanted}")

@@ -1,0 +1,214 @@
+"""The manifest: the persistence history of a run, one small JSON commit record per version.
+
+A version (one layer at one step) is committed by writing its record ``manifest/{version_id}.json``
+last, after every rank's shard file is written and checksummed. Records are never rewritten, so
+committing is append-only: two writers committing different layers cannot lose each other's
+entries, and a crash leaves either no record or a whole one. Reading the manifest is one
+listing plus one small read per record; :func:`manifest_table` gives the history as an Arrow table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import pyarrow as pa
+
+from orchestrator.store.errors import ManifestError
+from orchestrator.store.fs import TMP_SUFFIX, StoreFS
+from policies.plan import VersionRef
+
+logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = "layercheck.version/1"
+MANIFEST_DIR = "manifest"
+LAYERS_DIR = "layers"
+_LAYER_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+def check_layer_name(layer: str) -> str:
+    """Layer names become path components: letters, digits, ``_ . -`` only."""
+    if not _LAYER_NAME.match(layer) or layer in (".", ".."):
+        raise ValueError(f"layer name {layer!r} is not storable: use letters, digits, '_', '.', '-'")
+    return layer
+
+
+def record_path(version_id: str) -> str:
+    return f"{MANIFEST_DIR}/{version_id}.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardReceipt:
+    """What writing one rank's shard returns, and what the committer needs from each rank:
+    where the file is (relative to the run root), its size and its checksum. Plain values
+    (picklable, JSON-able via :meth:`to_json`), so it travels between actors."""
+
+    layer: str
+    step: int
+    rank: int
+    world_size: int
+    base: bool
+    path: str
+    nbytes: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ShardReceipt:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardEntry:
+    """One rank's file of a committed version."""
+
+    rank: int
+    path: str
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionRecord:
+    """One committed version: a layer's state at one step, as ``world_size`` rank files."""
+
+    version_id: str
+    layer: str
+    step: int
+    world_size: int
+    base: bool
+    committed_at: float
+    """Unix time of the commit."""
+    shards: tuple[ShardEntry, ...]
+
+    def __post_init__(self) -> None:
+        ranks = [s.rank for s in self.shards]
+        if ranks != list(range(self.world_size)):
+            raise ManifestError(
+                f"version {self.version_id}: shards must be ranks 0..{self.world_size - 1} in order, got {ranks}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def ref(self) -> VersionRef:
+        return VersionRef(step=self.step, layer=self.layer, version_id=self.version_id, base=self.base)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": RECORD_FORMAT, **asdict(self), "shards": [asdict(s) for s in self.shards]}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], *, source: str) -> VersionRecord:
+        if data.get("format") != RECORD_FORMAT:
+            raise ManifestError(f"{source}: format is {data.get('format')!r}, expected {RECORD_FORMAT!r}")
+        try:
+            return cls(
+                version_id=str(data["version_id"]),
+                layer=str(data["layer"]),
+                step=int(data["step"]),
+                world_size=int(data["world_size"]),
+                base=bool(data["base"]),
+                committed_at=float(data["committed_at"]),
+                shards=tuple(
+                    ShardEntry(rank=int(s["rank"]), path=str(s["path"]), nbytes=int(s["nbytes"]),
+                               checksum=str(s["checksum"]))
+                    for s in data["shards"]
+                ),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """Every committed version (by step, then layer), and the records that could not be read."""
+
+    records: tuple[VersionRecord, ...]
+    problems: tuple[str, ...] = ()
+
+    def by_id(self) -> dict[str, VersionRecord]:
+        return {r.version_id: r for r in self.records}
+
+    def refs(self) -> list[VersionRef]:
+        return [r.ref for r in self.records]
+
+    def layers(self) -> list[str]:
+        """Layer names in first-committed order (the base lists every layer)."""
+        return list(dict.fromkeys(r.layer for r in self.records))
+
+
+def encode_record(record: VersionRecord) -> bytes:
+    return json.dumps(record.to_json(), indent=1).encode()
+
+
+def _read_record(store: StoreFS, rel: str) -> VersionRecord | str:
+    try:
+        record = VersionRecord.from_json(json.loads(store.read_bytes(rel)), source=store.uri(rel))
+    except FileNotFoundError:
+        return ""  # deleted by GC between listing and reading: not committed any more
+    except (OSError, ValueError) as error:
+        return f"{store.uri(rel)}: unreadable commit record ({error})"
+    if record_path(record.version_id) != rel:
+        return f"{store.uri(rel)}: record names version {record.version_id!r}, not its file name"
+    return record
+
+
+def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
+    """List and read every commit record. A malformed record (torn by a crash on a filesystem
+    without fsync, say) is reported in ``problems`` and left out, never trusted."""
+    names = [rel for rel, _ in store.list_files(MANIFEST_DIR)
+             if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
+    if len(names) > 1 and threads > 1:
+        with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
+            results = list(pool.map(lambda rel: _read_record(store, rel), names))
+    else:
+        results = [_read_record(store, rel) for rel in names]
+    records = [r for r in results if isinstance(r, VersionRecord)]
+    problems = [r for r in results if isinstance(r, str) and r]
+    for problem in problems:
+        logger.warning("manifest: %s; ignoring it", problem)
+    records.sort(key=lambda r: (r.step, r.layer, r.version_id))
+    return Manifest(records=tuple(records), problems=tuple(problems))
+
+
+_SCHEMA = pa.schema([
+    ("version_id", pa.string()),
+    ("layer", pa.string()),
+    ("step", pa.int64()),
+    ("base", pa.bool_()),
+    ("world_size", pa.int32()),
+    ("nbytes", pa.int64()),
+    ("committed_at", pa.timestamp("ms", tz="UTC")),
+    ("files", pa.list_(pa.string())),
+    ("file_nbytes", pa.list_(pa.int64())),
+    ("checksums", pa.list_(pa.string())),
+])
+
+
+def manifest_table(records: Iterable[VersionRecord] | Manifest) -> pa.Table:
+    """The history as an Arrow table, one row per committed version."""
+    rows: Sequence[VersionRecord] = records.records if isinstance(records, Manifest) else list(records)
+    return pa.table(
+        {
+            "version_id": [r.version_id for r in rows],
+            "layer": [r.layer for r in rows],
+            "step": [r.step for r in rows],
+            "base": [r.base for r in rows],
+            "world_size": [r.world_size for r in rows],
+            "nbytes": [r.nbytes for r in rows],
+            "committed_at": [int(r.committed_at * 1000) for r in rows],
+            "files": [[s.path for s in r.shards] for r in rows],
+            "file_nbytes": [[s.nbytes for s in r.shards] for r in rows],
+            "checksums": [[s.checksum for s in r.shards] for r in rows],
+        },
+        schema=_SCHEMA,
+    )

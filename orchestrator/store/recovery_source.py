@@ -1,0 +1,275 @@
+"""Recovery from the store: a plan whose every version is usable, and exact-range reads.
+
+* :func:`resolve_plan` (once, in the supervisor): plan → validate the chosen versions →
+  re-plan skipping any unusable one (missing, truncated or corrupt shard), until every layer's
+  choice is usable; the previous committed version of a layer (or the base) takes over.
+* :class:`VersionReader` (on each rank): ``read(param, key, offset, length)`` returns exactly
+  that range of one parameter's flattened state, assembled from whichever stored rank files
+  overlap it, whatever world size they were written at. It fetches only the tensor entries it
+  needs, and checks each entry's checksum the first time it uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from orchestrator.store import tensorfile
+from orchestrator.store.manifest import Manifest, VersionRecord
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.errors import CorruptShardError, ShardFormatError
+from policies.plan import NoUsableVersionError, RecoveryPlan, newest_recoverable_step, plan_recovery
+from workers.shard import STATE_KEYS, ParamSlice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedPlan:
+    """A recovery plan whose every chosen version was checked usable, with its records.
+    Plain values: it can be sent to every rank."""
+
+    plan: RecoveryPlan
+    records: Mapping[str, VersionRecord]
+    """layer → the committed version to load."""
+    skipped: Mapping[str, str]
+    """version id → why it was found unusable."""
+
+
+def resolve_plan(
+    store: LayerStore,
+    layer_numel: Mapping[str, int],
+    t_fail: int | None = None,
+    *,
+    deep: bool = True,
+    skip: Mapping[str, str] | Collection[str] = (),
+    manifest: Manifest | None = None,
+) -> ResolvedPlan:
+    """Plan recovery at ``t_fail`` (default: the newest recoverable step) from versions that are
+    usable. ``deep`` reads every byte of each chosen version to verify its checksums; without
+    it only sizes and headers are checked and :class:`VersionReader` catches a bad tensor later
+    (raising :class:`CorruptShardError`; call again with that version in ``skip``).
+
+    Raises :class:`NoUsableVersionError` naming each layer left without a usable version, what
+    was tried, and why each skipped version was unusable.
+    """
+    manifest = store.manifest() if manifest is None else manifest
+    by_id = manifest.by_id()
+    refs = manifest.refs()
+    if t_fail is None:
+        t_fail = newest_recoverable_step(list(layer_numel), refs)
+        if t_fail is None:
+            have = {r.layer for r in refs}
+            raise NoUsableVersionError(
+                f"{store.uri}: no recovery point: no committed version of {sorted(set(layer_numel) - have)}"
+            )
+    skipped: dict[str, str] = dict(skip) if isinstance(skip, Mapping) else dict.fromkeys(skip, "skipped by caller")
+    usable: set[str] = set()
+    while True:
+        try:
+            plan = plan_recovery(layer_numel, refs, t_fail, skip=skipped)
+        except NoUsableVersionError as error:
+            why = "; ".join(f"{vid}: {reason}" for vid, reason in skipped.items())
+            raise NoUsableVersionError(f"{store.uri}: {error}" + (f". Unusable: {why}" if why else "")) from error
+        fresh_problems = False
+        for choice in plan.choices:
+            version_id = choice.version.version_id
+            if version_id in usable:
+                continue
+            problems = store.check_version(by_id[version_id], deep=deep)
+            if problems:
+                skipped[version_id] = "; ".join(problems)
+                fresh_problems = True
+                logger.warning("recovery: version %s of layer %s is unusable (%s); re-planning without it",
+                               version_id, choice.layer, skipped[version_id])
+            else:
+                usable.add(version_id)
+        if not fresh_problems:
+            logger.info("recovery plan at step %d: max staleness %d, weighted %.1f, %d version(s) skipped",
+                        plan.t_fail, plan.max_staleness, plan.weighted_staleness, len(skipped))
+            return ResolvedPlan(
+                plan=plan,
+                records={c.layer: by_id[c.version.version_id] for c in plan.choices},
+                skipped=skipped,
+            )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    offset: int
+    length: int
+    file_index: int
+
+
+class VersionReader:
+    """Reads exact ranges of one committed version. Open files and headers are cached; close
+    it (or use ``with``) when done. Not thread-safe."""
+
+    def __init__(self, store: LayerStore, record: VersionRecord) -> None:
+        self.store = store
+        self.record = record
+        self._files: list[pa.NativeFile | None] = [None] * len(record.shards)
+        self._headers: list[tensorfile.ShardHeader] | None = None
+        self._index: dict[str, list[_Piece]] = {}
+        self._verified: set[tuple[int, str]] = set()
+
+    def __enter__(self) -> VersionReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for i, file in enumerate(self._files):
+            if file is not None:
+                file.close()
+                self._files[i] = None
+
+    def _corrupt(self, index: int, reason: str) -> CorruptShardError:
+        path = self.store.fs.uri(self.record.shards[index].path)
+        return CorruptShardError(version_id=self.record.version_id, path=path, reason=reason)
+
+    def _file(self, index: int) -> pa.NativeFile:
+        if self._files[index] is None:
+            try:
+                self._files[index] = self.store.open_file(self.record.shards[index].path)
+            except FileNotFoundError as error:
+                raise self._corrupt(index, "missing") from error
+            except OSError as error:
+                raise self._corrupt(index, str(error)) from error
+        return self._files[index]
+
+    def headers(self) -> list[tensorfile.ShardHeader]:
+        """Every rank file's header (read once), checked against the record."""
+        if self._headers is None:
+            headers = []
+            for index, entry in enumerate(self.record.shards):
+                file = self._file(index)
+                try:
+                    header = tensorfile.read_header(file, path=self.store.fs.uri(entry.path))
+                except (ShardFormatError, OSError) as error:
+                    raise self._corrupt(index, str(error)) from error
+                if header.checksum != entry.checksum or header.file_nbytes != entry.nbytes:
+                    raise self._corrupt(index, f"header checksum {header.checksum} / {header.file_nbytes} bytes, "
+                                               f"the manifest says {entry.checksum} / {entry.nbytes} bytes")
+                headers.append(header)
+            steps = {h.optimizer_step for h in headers}
+            if len(steps) != 1:
+                raise self._corrupt(0, f"ranks disagree on the optimizer step: {sorted(steps)}")
+            for index, header in enumerate(headers):
+                for piece in header.slices:
+                    self._index.setdefault(piece.name, []).append(_Piece(piece.offset, piece.length, index))
+            for pieces in self._index.values():
+                pieces.sort(key=lambda p: (p.offset, -p.length))
+            self._headers = headers
+        return self._headers
+
+    @property
+    def optimizer_step(self) -> int:
+        return self.headers()[0].optimizer_step
+
+    @property
+    def groups(self) -> tuple[dict[str, Any], ...]:
+        """The layer's optimizer param-group hyper-parameters, as saved by rank 0."""
+        return self.headers()[0].groups
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {s.name: s.shape for h in self.headers() for s in h.slices}
+
+    def _read_piece(self, piece: _Piece, key: str, param: str, start: int, count: int) -> np.ndarray:
+        header = self.headers()[piece.file_index]
+        entry = header.entries[tensorfile.entry_name(key, param)]
+        verify = (piece.file_index, entry.name) not in self._verified
+        try:
+            data = tensorfile.read_entry(self._file(piece.file_index), entry, path=self.store.fs.uri(
+                self.record.shards[piece.file_index].path), start=start, count=count, verify=verify)
+        except (ShardFormatError, OSError) as error:
+            raise self._corrupt(piece.file_index, str(error)) from error
+        self._verified.add((piece.file_index, entry.name))
+        return data
+
+    def read(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        """Elements ``[offset, offset + length)`` of flattened parameter ``param``'s state
+        ``key`` (``fp32``, ``exp_avg`` or ``exp_avg_sq``), as a new 1-D float32 tensor."""
+        if key not in STATE_KEYS:
+            raise ValueError(f"state key must be one of {STATE_KEYS}, got {key!r}")
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got offset={offset}, length={length}")
+        self.headers()
+        pieces = self._index.get(param)
+        if pieces is None:
+            raise KeyError(f"version {self.record.version_id} has no parameter {param!r}; it has {sorted(self._index)}")
+        out = np.empty(length, dtype=np.float32)
+        end, position = offset + length, offset
+        for piece in pieces:
+            if position >= end:
+                break
+            piece_end = piece.offset + piece.length
+            if piece_end <= position:
+                continue
+            if piece.offset > position:
+                break  # a gap: reported below
+            stop = min(piece_end, end)
+            out[position - offset : stop - offset] = self._read_piece(
+                piece, key, param, position - piece.offset, stop - position)
+            position = stop
+        if position < end:
+            raise ValueError(
+                f"version {self.record.version_id}: no stored rank holds elements [{position}, {end}) of "
+                f"{param!r} (asked for [{offset}, {end}))"
+            )
+        return torch.from_numpy(out)
+
+    def read_slice(self, piece: ParamSlice, key: str) -> torch.Tensor:
+        return self.read(piece.name, key, piece.offset, piece.length)
+
+
+@dataclass(frozen=True, kw_only=True)
+class VersionMeta:
+    """The per-layer part of a version (what ``workers.layer_state.LayerMeta`` holds)."""
+
+    optimizer_step: int
+    groups: tuple[dict[str, Any], ...]
+
+
+class CompositeReader:
+    """The composite of a :class:`ResolvedPlan` as one range reader over all its layers:
+    ``reader(param, key, offset, length)`` — the ``RangeReader`` that
+    ``workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``."""
+
+    def __init__(self, store: LayerStore, records: Mapping[str, VersionRecord]) -> None:
+        self._readers = {layer: VersionReader(store, record) for layer, record in records.items()}
+        self._layer_of: dict[str, str] | None = None
+
+    def __enter__(self) -> CompositeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+
+    def reader(self, layer: str) -> VersionReader:
+        return self._readers[layer]
+
+    def metas(self, layers: Collection[str] | None = None) -> dict[str, VersionMeta]:
+        names = self._readers if layers is None else layers
+        return {name: VersionMeta(optimizer_step=self._readers[name].optimizer_step,
+                                  groups=self._readers[name].groups) for name in names}
+
+    def __call__(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        if self._layer_of is None:
+            self._layer_of = {p: layer for layer, r in self._readers.items() for p in r.param_shapes}
+        layer = self._layer_of.get(param)
+        if layer is None:
+            raise KeyError(f"no layer of the composite holds parameter {param!r}")
+        return self._readers[layer].read(param, key, offset, length)

@@ -1,0 +1,113 @@
+"""Garbage collection of a layer store: carries out :func:`policies.retention.plan_retention`
+and collects orphans.
+
+Safe against a concurrent commit:
+
+* an unreachable version loses its commit record first, then its files — a reader that lists
+  the manifest afterwards never sees it half deleted;
+* a file no commit record names (an orphan: its writer crashed, or its commit never came) and
+  a leftover ``*.tmp`` are deleted only once older than ``grace_s``: a version being written
+  right now is younger than that. The shard files are listed *before* the manifest is read,
+  so a version committed in between is still seen as committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.fs import TMP_SUFFIX
+from policies.retention import RetentionConfig, plan_retention
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcConfig:
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    grace_s: float = 3600.0
+    """Uncommitted files younger than this are left alone (a write may be in progress)."""
+    dry_run: bool = False
+    """Report what would be freed, delete nothing."""
+
+    def __post_init__(self) -> None:
+        if not self.grace_s >= 0:
+            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcReport:
+    dry_run: bool
+    newest_step: int | None
+    deleted_versions: tuple[str, ...]
+    orphans: tuple[str, ...]
+    kept: int
+    freed_bytes: int
+    errors: tuple[str, ...] = ()
+
+
+def _orphans(store: LayerStore, listed: list, referenced: set[str], grace_s: float, now: float) -> list[tuple[str, int]]:
+    out = []
+    for rel, info in listed:
+        if rel in referenced:
+            continue
+        if info.mtime is None:
+            logger.warning("gc: %s has no modification time; leaving it", store.fs.uri(rel))
+            continue
+        age = now - info.mtime.timestamp()
+        if age >= grace_s:
+            out.append((rel, info.size or 0))
+        else:
+            logger.debug("gc: %s is uncommitted but only %.0fs old; leaving it", rel, age)
+    return out
+
+
+def collect_garbage(
+    store: LayerStore, config: GcConfig, *, layers: Collection[str] | None = None, now: float | None = None
+) -> GcReport:
+    """Delete the versions no recovery point in the window needs, and old orphans."""
+    now = time.time() if now is None else now
+    listed = store.fs.list_files(LAYERS_DIR, recursive=True)
+    listed += [(rel, info) for rel, info in store.fs.list_files(MANIFEST_DIR) if rel.endswith(TMP_SUFFIX)]
+    manifest = store.manifest()
+    decision = plan_retention(manifest.refs(), config=config.retention, layers=layers)
+    doomed = [r for r in manifest.records if r.version_id in decision.delete]
+    referenced = {s.path for r in manifest.records for s in r.shards}
+    orphans = _orphans(store, listed, referenced, config.grace_s, now)
+    freed, errors = 0, []
+    for record in doomed:
+        logger.info("gc: %s version %s (layer %s step %d): no recovery point in the window needs it",
+                    "would delete" if config.dry_run else "deleting", record.version_id, record.layer, record.step)
+        if config.dry_run:
+            freed += record.nbytes
+            continue
+        try:
+            freed += store.delete_version(record)
+        except OSError as error:  # keep going: a failed deletion is retried by the next GC
+            errors.append(f"{record.version_id}: {error}")
+            logger.warning("gc: could not delete version %s: %s", record.version_id, error)
+    for rel, size in orphans:
+        logger.info("gc: %s orphan %s (%d bytes, never committed)",
+                    "would delete" if config.dry_run else "deleting", store.fs.uri(rel), size)
+        if config.dry_run:
+            freed += size
+            continue
+        try:
+            if store.fs.delete(rel):
+                freed += size
+        except OSError as error:
+            errors.append(f"{rel}: {error}")
+            logger.warning("gc: could not delete orphan %s: %s", store.fs.uri(rel), error)
+    return GcReport(
+        dry_run=config.dry_run,
+        newest_step=decision.newest_step,
+        deleted_versions=tuple(r.version_id for r in doomed),
+        orphans=tuple(rel for rel, _ in orphans),
+        kept=len(decision.keep),
+        freed_bytes=freed,
+        errors=tuple(errors),
+    )
