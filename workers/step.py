@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from workers.batch import MicroBatch, model_inputs
 from workers.drift import LayerDrift
 from workers.engine import TrainEngine
 
@@ -17,16 +18,16 @@ def _device_of(te: TrainEngine) -> torch.device:
     return torch.device(te.engine.device)
 
 
-def train_step(te: TrainEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[float, LayerDrift]:
-    """Forward/backward each micro-batch of token ids (labels = inputs), step the optimizer,
-    and return the mean loss and this rank's drift for the step."""
+def train_step(te: TrainEngine, micro_batches: Sequence[MicroBatch]) -> tuple[float, LayerDrift]:
+    """Forward/backward each micro-batch (token ids, labels = inputs; or a :class:`Batch` with
+    its own labels and attention mask), step the optimizer, and return the mean loss and this
+    rank's drift for the step."""
     if len(micro_batches) != te.engine.gradient_accumulation_steps():
         raise ValueError(f"expected {te.engine.gradient_accumulation_steps()} micro-batches, got {len(micro_batches)}")
     device = _device_of(te)
     total = torch.zeros((), device=device)
-    for ids in micro_batches:
-        ids = ids.to(device)
-        loss = te.engine(input_ids=ids, labels=ids).loss
+    for micro_batch in micro_batches:
+        loss = te.engine(**model_inputs(micro_batch, device)).loss
         te.engine.backward(loss)
         te.engine.step()
         total += loss.detach().float()
@@ -34,7 +35,6 @@ def train_step(te: TrainEngine, micro_batches: Sequence[torch.Tensor]) -> tuple[
 
 
 @torch.no_grad()
-def eval_loss(te: TrainEngine, ids: torch.Tensor) -> float:
-    """The loss on ``ids`` with the weights the forward reads now (no update)."""
-    ids = ids.to(_device_of(te))
-    return float(te.engine(input_ids=ids, labels=ids).loss)
+def eval_loss(te: TrainEngine, micro_batch: MicroBatch) -> float:
+    """The loss on ``micro_batch`` with the weights the forward reads now (no update)."""
+    return float(te.engine(**model_inputs(micro_batch, _device_of(te))).loss)

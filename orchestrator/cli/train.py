@@ -60,7 +60,7 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
 
     try:
         result = train(config, overwrite=overwrite, resume=resume, on_progress=None if as_json else show)
-    except (FileExistsError, FileNotFoundError) as error:
+    except (FileExistsError, FileNotFoundError, ConfigError) as error:  # ConfigError: the data, checked on the driver
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
     summary = summarize(result)

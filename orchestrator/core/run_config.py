@@ -22,7 +22,7 @@ import yaml
 from policies.config_loader import ConfigError, from_mapping, require, to_mapping
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.data import DataConfig
+from workers.data import DataConfig, DataSummary, load_data
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,12 +147,14 @@ class RunConfig:
         return self.storage.replace("{name}", self.name)
 
     def with_absolute_storage(self) -> RunConfig:
-        """The same config with a relative storage path made absolute against this process's
-        working directory: Ray Train workers and actors run in directories of their own."""
-        uri = self.storage_uri
+        """The same config with a relative storage path (and relative data and tokenizer paths)
+        made absolute against this process's working directory: Ray Train workers and actors run
+        in directories of their own."""
+        config = dataclasses.replace(self, data=self.data.with_absolute_paths())
+        uri = config.storage_uri
         if "://" in uri or os.path.isabs(uri):
-            return self
-        return dataclasses.replace(self, storage=os.path.abspath(uri))
+            return config
+        return dataclasses.replace(config, storage=os.path.abspath(uri))
 
     @property
     def policy_name(self) -> str:
@@ -162,6 +164,30 @@ class RunConfig:
         data = to_mapping(self)
         data["policy"] = {"name": self.policy_name, **data["policy"]}
         return data
+
+
+def check_data(config: RunConfig) -> DataSummary:
+    """Read and check the run's data on the driver, before any worker starts: a malformed JSONL
+    line, a missing chat template, an empty data set, a ``seq_len`` no example fits in, or a
+    tokenizer larger than the model's vocabulary raises :class:`ConfigError`."""
+    _, summary = load_data(config.data)
+    vocab = _model_vocab_size(config)
+    require(vocab is None or summary.vocab_size <= vocab, "model.hf_config.vocab_size" if config.model.hf_config
+            else "model.path", f">= the tokenizer's vocabulary ({summary.vocab_size}, data.tokenizer = "
+            f"{config.data.tokenizer!r})", vocab)
+    return summary
+
+
+def _model_vocab_size(config: RunConfig) -> int | None:
+    if config.model.hf_config is not None:
+        vocab = config.model.hf_config.get("vocab_size")
+        return int(vocab) if isinstance(vocab, int) else None
+    from transformers import AutoConfig  # a local checkpoint's config.json
+
+    try:
+        return int(AutoConfig.from_pretrained(config.model.path, local_files_only=True).vocab_size)
+    except (OSError, ValueError, AttributeError):
+        return None  # the engine build reports an unreadable checkpoint with its own message
 
 
 def parse_run_config(data: Mapping[str, Any]) -> RunConfig:

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 
 from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.core.run_config import RunConfig
+from orchestrator.core.run_config import RunConfig, check_data
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
 from policies.trace import DriftTrace
 from workers.engine import layer_map_for
@@ -73,6 +73,7 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     config = config.with_absolute_storage()
+    logger.info("%s", check_data(config).describe())  # bad data fails here, before the store or any worker
     if resume:
         if not LayerStore.open(config.storage_uri).versions():
             raise FileNotFoundError(f"--resume: {config.storage_uri} holds no committed versions to resume from")

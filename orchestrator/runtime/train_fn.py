@@ -21,7 +21,7 @@ from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.errors import CorruptShardError
 from orchestrator.runtime.wire import to_wire
 from policies.decision import PersistDecision
-from workers.data import SequenceDataset
+from workers.data import load_dataset
 from workers.drift import LayerDrift
 from workers.engine import build_engine, seek_step, shutdown
 from workers.loop import run_loop
@@ -117,7 +117,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     kill = _fault(run, rank, resume.attempt, coordinator)
     try:
         if resume.start_step <= run.steps:
-            run_loop(te, SequenceDataset.from_config(run.data), coordinator, start_step=resume.start_step,
+            run_loop(te, load_dataset(run.data), coordinator, start_step=resume.start_step,
                      end_step=run.steps, rank=rank, world_size=world_size, after_step=kill)
         ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
     finally:
