@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from policies.config_loader import ConfigError, from_mapping
 from workers.data import BYTE_VOCAB, DataConfig, SequenceDataset, tokenize
 
 
@@ -42,8 +43,8 @@ def test_each_epoch_is_a_new_permutation_of_all_sequences():
 def test_missing_file_and_tiny_corpus_are_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.path"):
         tokenize(DataConfig(path=str(tmp_path / "nope.txt")))
-    with pytest.raises(ValueError, match="data.seq_len"):
-        DataConfig(seq_len=1)
+    with pytest.raises(ConfigError, match="data.seq_len: must be >= 2"):
+        from_mapping(DataConfig, {"seq_len": 1}, field="data")
     (tmp_path / "t.txt").write_text("abc")
     with pytest.raises(ValueError, match="fewer than one sequence"):
         SequenceDataset.from_config(DataConfig(path=str(tmp_path / "t.txt"), seq_len=8))
