@@ -1,0 +1,60 @@
+"""Per-rank job for the SFT loop test (spawned by tests/dist_harness.py; must be importable):
+the built-in loop on SFT data with a real DeepSpeed engine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workers.batch import Batch
+from workers.config import EngineConfig, ModelConfig, OptimConfig
+from workers.data import DataConfig, load_dataset
+from workers.engine import build_engine, shutdown
+from workers.loop import run_loop
+from workers.step import eval_loss
+
+SFT_LLAMA: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 64, "tie_word_embeddings": False,
+}
+
+
+class NoCheckpoints:
+    """A coordinator that never persists: this job is about the data, not the protocol."""
+
+    def report(self, drift, lr):
+        return None
+
+    def decision(self, handle):
+        return None
+
+    def persist(self, shards, *, base):
+        raise AssertionError("nothing is decided, so nothing is persisted")
+
+    def progress(self, **_):
+        pass
+
+
+def sft_loop_job(rank: int, world_size: int, path: str, tokenizer: str, packing: bool, steps: int) -> dict[str, Any]:
+    te = build_engine(ModelConfig(hf_config=SFT_LLAMA, seed=3),
+                      OptimConfig(lr=3e-3, warmup_steps=1, total_steps=steps, schedule="constant"),
+                      EngineConfig(zero_stage=3, precision="fp32", micro_batch=2, grad_accum=2, grad_clip=1.0))
+    dataset = load_dataset(DataConfig(format="sft", path=path, tokenizer=tokenizer, seq_len=64, packing=packing))
+    probe = dataset.micro_batch(step=1, micro=0, rank=0, world_size=1, micro_batch=2, grad_accum=1)
+    out: dict[str, Any] = {}
+    ids = probe.input_ids
+    # a Batch with labels = inputs and full attention is the text path's loss, exactly
+    out["tensor_vs_batch"] = (eval_loss(te, ids), eval_loss(te, Batch(ids, ids.clone(), torch.ones_like(ids))))
+    # padding changes nothing: one example padded to seq_len vs the same example alone
+    n = int(probe.attention_mask[0].sum())
+    padded = Batch(probe.input_ids[:1], probe.labels[:1], probe.attention_mask[:1])
+    alone = Batch(probe.input_ids[:1, :n], probe.labels[:1, :n], probe.attention_mask[:1, :n])
+    out["padded_vs_alone"] = (eval_loss(te, padded), eval_loss(te, alone))
+    out["probe_before"] = eval_loss(te, probe)
+    result = run_loop(te, dataset, NoCheckpoints(), start_step=1, end_step=steps, rank=rank, world_size=world_size)
+    out["losses"] = [result.losses[s] for s in sorted(result.losses)]
+    out["probe_after"] = eval_loss(te, probe)
+    shutdown(te)
+    return out
