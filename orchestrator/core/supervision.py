@@ -1,6 +1,7 @@
 """Membership and recovery of a run's worker groups, as an explicit state machine without Ray.
 
-API (for a runtime shell: the Ray ``Supervisor`` actor, or an in-process torch.distributed runtime)::
+API (for a runtime shell; :class:`~orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
+thread-safe, that any runtime can host)::
 
     sup = Supervision(layers=..., config=SupervisionConfig(), resume=False)
     actions = sup.handle(event)      # one event in, the actions to carry out out; never blocks
