@@ -30,7 +30,7 @@ def joined(rank, worker, *, world_size=2, last=0, now=0.0):
 
 def running(sup=None):
     """A supervision whose attempt-1 group of two ranks (a0, a1) is training."""
-    sup = sup or Supervision(layers=LAYERS, config=CONFIG)
+    sup = sup or Supervision(config=CONFIG)
     sup.handle(joined(0, "a0"))
     sup.handle(joined(1, "a1"))
     return sup
@@ -53,7 +53,7 @@ def commit_all(store, step, *, base=False):
 
 # ---- membership ------------------------------------------------------------------------------
 def test_a_fresh_start_rebases_the_policy_and_answers_step_one():
-    sup = Supervision(layers=LAYERS, config=CONFIG)
+    sup = Supervision(config=CONFIG)
     assert isinstance(sup.state, Starting) and sup.attempt == 0 and not sup.state.terminal
     actions = sup.handle(joined(0, "a0"))
     assert actions == [RebasePolicy(world_size=2, resume_after=0, persisted_steps={}),
@@ -155,7 +155,7 @@ def test_a_second_loss_before_recovery_ends_overtakes_it():
 def test_a_resumed_run_starts_at_the_stores_newest_recoverable_step(store):
     commit_all(store, 5, base=True)
     write_layer(store, "embed", 9)
-    sup = Supervision(layers=LAYERS, config=CONFIG, resume=True)
+    sup = Supervision(config=CONFIG, resume=True)
     actions = sup.handle(joined(0, "a0", world_size=1))
     assert actions == [PlanComposite(attempt=1, t_fail=None, skip={})]
     assert isinstance(sup.state, Recovering) and not sup.state.lost_group

@@ -70,7 +70,7 @@ class LayerStats:
     last_step: int | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CommitPath:
     layers: Collection[str]
     config: SupervisionConfig = field(default_factory=SupervisionConfig)

@@ -86,7 +86,7 @@ class RunSupervisor:
         self.sleep = sleep
         self._lock = threading.Lock()  # the cores and the answers; held only while they decide
         self._answered = threading.Condition(self._lock)
-        self.supervision = Supervision(layers=list(layer_numel), config=config, resume=resume)
+        self.supervision = Supervision(config=config, resume=resume)
         self.commits = CommitPath(layers=list(layer_numel), config=config)
         self.view = RunView(run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()))
         self._published: dict[int, ResumeInfo] = {}

@@ -20,7 +20,7 @@ class Progress:
     step_s: float = 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RunView:
     run_id: str
     layer_numel: Mapping[str, int]

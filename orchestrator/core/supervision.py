@@ -3,7 +3,7 @@
 API (for a runtime shell; :class:`~orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
 thread-safe, that any runtime can host)::
 
-    sup = Supervision(layers=..., config=SupervisionConfig(), resume=False)
+    sup = Supervision(config=SupervisionConfig(), resume=False)
     actions = sup.handle(event)      # one event in, the actions to carry out out; never blocks
     sup.state                        # Starting | Recovering | Running | Finished | Failed
     sup.state.name, sup.attempt      # "running", ...; the newest worker group's attempt
@@ -38,7 +38,7 @@ threads serialises calls to it (and carries out actions outside that lock).
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -106,9 +106,10 @@ STATE_NAMES = tuple(s.name for s in (Starting, Running, Recovering, Finished, Fa
 
 
 # ---- the machine -----------------------------------------------------------------------------
-@dataclass
+@dataclass(kw_only=True)
 class Supervision:
-    layers: Collection[str]
+    """The membership and recovery machine: :meth:`handle` one event at a time."""
+
     config: SupervisionConfig = field(default_factory=SupervisionConfig)
     resume: bool = False
     state: State = field(init=False)
