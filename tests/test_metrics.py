@@ -27,7 +27,7 @@ def status(step=10, *, last=(8, 9, 10), failures=0, recoveries=(), productive=5.
         "step_s": 0.1, "staleness": staleness, "max_staleness": max(staleness.values()),
         "weighted_staleness": sum(NUMEL[n] * v for n, v in staleness.items()) / sum(NUMEL.values()),
         "layers": layers, "bytes_committed": committed, "versions_committed": 6, "abandoned_versions": 0,
-        "write_failures": 0, "write_latencies": list(latencies),
+        "lost_versions": 0, "commit_retries": 0, "write_failures": 0, "write_latencies": list(latencies),
         "account": {"wall_s": 10.0, "productive_s": productive, "stall_s": stall_s, "stalls": stalls,
                     "lost_step_s": lost_s, "failures": failures, "recoveries": list(recoveries), "ettr": 0.5,
                     "coordination_s_per_step": {"mean": 0.003, "p50": 0.002, "p90": 0.005, "max": 0.01}},

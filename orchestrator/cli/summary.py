@@ -37,6 +37,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "coordination_s_per_step": account["coordination_s_per_step"],
         "step_s_per_step": account["step_s_per_step"],
         "write_failures": status["write_failures"],
+        "commit_retries": status.get("commit_retries", 0),
+        "lost_versions": status.get("lost_versions", 0),
         "storage": result.config.storage_uri,
         "metrics_url": result.metrics_url,
     }
@@ -81,7 +83,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
                  f"checkpoint stalls {summary['stall_s']:.2f}s)"],
         ["policy protocol per step", _protocol_cost(summary)],
-        ["write failures", summary["write_failures"]],
+        ["write failures / commit retries / lost versions",
+         f"{summary['write_failures']} / {summary['commit_retries']} / {summary['lost_versions']}"],
         ["storage", summary["storage"]],
     ]
     if summary.get("metrics_url"):

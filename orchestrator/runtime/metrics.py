@@ -22,14 +22,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from orchestrator.core.supervision import STATE_NAMES
+
 logger = logging.getLogger(__name__)
 
 #: Bytes persisted per parameter by a full checkpoint: fp32 weight + Adam exp_avg + exp_avg_sq.
 BYTES_PER_PARAM = 12
 #: The window of the "recent" gauges (ETTR, bytes per second).
 RECENT_WINDOW_S = 60.0
-#: The supervisor's states, exported as one 0/1 series each (see :class:`orchestrator.runtime.supervisor.State`).
-STATES = ("starting", "running", "recovering", "finished", "failed")
+#: The supervisor's states, exported as one 0/1 series each (see :mod:`orchestrator.core.supervision`).
+STATES = STATE_NAMES
 RECOVERY_PHASES = ("detect", "plan", "load", "total")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -91,7 +93,10 @@ SPECS: tuple[Spec, ...] = (
          "Queued shards replaced by a newer snapshot of the same layer before they were written."),
     Spec(Counter, "layercheck_abandoned_versions_total",
          "Versions dropped incomplete (a newer one completed first, or the worker group was lost)."),
-    Spec(Counter, "layercheck_write_failures_total", "Shard writes or version commits that failed."),
+    Spec(Counter, "layercheck_write_failures_total", "Shard writes that failed."),
+    Spec(Counter, "layercheck_commit_retries_total", "Version commits tried again after a failure."),
+    Spec(Counter, "layercheck_lost_versions_total",
+         "Versions never committed for want of storage (commit retries exhausted) or of a writer (drain timed out)."),
     Spec(Counter, "layercheck_stalls_total", "Steps in which the training loop waited to hand snapshots over."),
     Spec(Counter, "layercheck_stall_seconds_total", "Seconds the training loop waited to hand snapshots over."),
     # ---- failures and recovery ---------------------------------------------------------
@@ -309,6 +314,8 @@ class RunMetrics:
         self._advance("layercheck_superseded_versions_total", sum(w.superseded for w in writers))
         self._advance("layercheck_abandoned_versions_total", status["abandoned_versions"])
         self._advance("layercheck_write_failures_total", status["write_failures"])
+        self._advance("layercheck_commit_retries_total", status["commit_retries"])
+        self._advance("layercheck_lost_versions_total", status["lost_versions"])
         latencies = status["write_latencies"]
         for seconds in latencies[self._latencies_seen:]:
             self._child("layercheck_write_latency_seconds").observe(seconds)

@@ -1,0 +1,141 @@
+"""The commit path without Ray: shard receipts in, commits (and retries) out, every version
+accounted for — committed, superseded, or lost with its reason; never silently dropped.
+
+API (for a runtime shell)::
+
+    commits = CommitPath(layers=..., config=SupervisionConfig())
+    for action in commits.handle(ShardWritten(receipt=r)):      # a list of CommitVersion
+        # after action.delay_s: record = store.commit(action.receipts)
+        commits.handle(CommitSucceeded(record=record))          # -> []
+        # or, if it raised: more = commits.handle(CommitFailed(action=action, error=str(e)))
+    commits.handle(AbandonIncomplete(reason=..., lost=...))     # from Supervision, after a drain
+
+A whole version's commit is tried ``config.commit_tries`` times, the retries after
+``commit_backoff_s``, doubling; then the version is counted lost and logged with the last error.
+A retry is not made when a newer version of the layer committed meanwhile (the older one would
+never be planned). Thread-safety is the shell's: serialise calls to :meth:`CommitPath.handle`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from orchestrator.core.commit_tracker import CommitTracker
+from orchestrator.core.supervision_events import AbandonIncomplete, SupervisionConfig
+from orchestrator.store.manifest import ShardReceipt, VersionRecord
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardWritten:
+    receipt: ShardReceipt
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitVersion:
+    """Commit the version these receipts (one per rank) make, after waiting ``delay_s``; feed
+    :class:`CommitSucceeded` or :class:`CommitFailed`. ``tries`` counts this one."""
+
+    receipts: tuple[ShardReceipt, ...]
+    tries: int = 1
+    delay_s: float = 0.0
+
+    @property
+    def label(self) -> str:
+        first = self.receipts[0]
+        return f"{first.layer} step {first.step}{' (base)' if first.base else ''}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitSucceeded:
+    record: VersionRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommitFailed:
+    action: CommitVersion
+    error: str
+
+
+CommitEvent = ShardWritten | CommitSucceeded | CommitFailed | AbandonIncomplete
+
+
+@dataclass
+class LayerStats:
+    versions: int = 0
+    bytes: int = 0
+    last_step: int | None = None
+
+
+@dataclass(kw_only=True)
+class CommitPath:
+    layers: Collection[str]
+    config: SupervisionConfig = field(default_factory=SupervisionConfig)
+    tracker: CommitTracker = field(default_factory=CommitTracker)
+    stats: dict[str, LayerStats] = field(init=False)
+    commit_retries: int = 0
+    """Commits tried again after a failure."""
+    lost_versions: int = 0
+    """Whole or partly written versions that will never be committed for want of storage or writers."""
+    lost: list[str] = field(default_factory=list)
+    """Why each lost version (or batch of versions) was lost, in order."""
+
+    def __post_init__(self) -> None:
+        self.stats = {name: LayerStats() for name in self.layers}
+
+    def handle(self, event: CommitEvent) -> list[CommitVersion]:
+        if isinstance(event, ShardWritten):
+            whole = self.tracker.add(event.receipt)
+            return [CommitVersion(receipts=tuple(whole))] if whole is not None else []
+        if isinstance(event, CommitSucceeded):
+            self._committed(event.record)
+            return []
+        if isinstance(event, CommitFailed):
+            return self._failed(event)
+        if isinstance(event, AbandonIncomplete):
+            self._abandon(event)
+            return []
+        raise TypeError(f"not a commit event: {event!r}")
+
+    def _committed(self, record: VersionRecord) -> None:
+        self.tracker.committed(record.layer, record.step)
+        stats = self.stats.setdefault(record.layer, LayerStats())
+        stats.versions += 1
+        stats.bytes += record.nbytes
+        stats.last_step = max(record.step, stats.last_step or 0)
+
+    def _failed(self, event: CommitFailed) -> list[CommitVersion]:
+        action, first = event.action, event.action.receipts[0]
+        newest = self.stats.get(first.layer, LayerStats()).last_step
+        if newest is not None and newest >= first.step:
+            self.tracker.abandoned += 1
+            logger.warning("commit of %s failed (%s); not retried: step %d of the layer is committed",
+                           action.label, event.error, newest)
+            return []
+        if action.tries < self.config.commit_tries:
+            delay = self.config.backoff_s(action.tries)
+            self.commit_retries += 1
+            logger.warning("commit of %s failed (try %d of %d: %s); retrying in %.2fs (config commit_tries)",
+                           action.label, action.tries, self.config.commit_tries, event.error, delay)
+            return [CommitVersion(receipts=action.receipts, tries=action.tries + 1, delay_s=delay)]
+        reason = f"commit of {action.label} failed {action.tries} time(s), last: {event.error}"
+        self._lose(1, reason)
+        return []
+
+    def _abandon(self, event: AbandonIncomplete) -> None:
+        count = self.tracker.forget_incomplete()
+        if count and event.lost:
+            self._lose(count, f"{count} incomplete version(s): {event.reason}")
+        elif count:
+            logger.info("abandoned %d incomplete version(s): %s", count, event.reason)
+
+    def _lose(self, count: int, reason: str) -> None:
+        self.lost_versions += count
+        self.lost.append(reason)
+        logger.error("lost %d version(s): %s", count, reason)
+
+    def last_steps(self) -> dict[str, int | None]:
+        return {name: s.last_step for name, s in self.stats.items()}

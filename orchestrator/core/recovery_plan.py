@@ -1,0 +1,31 @@
+"""Carrying out a :class:`~orchestrator.core.supervision_events.PlanComposite` against a store:
+the one piece of recovery that reads storage, shared by every runtime shell."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from orchestrator.core.supervision_events import CompositePlanned, NoComposite, PlanComposite
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.recovery_source import resolve_plan
+from policies.plan import NoUsableVersionError, newest_recoverable_step
+
+logger = logging.getLogger(__name__)
+
+
+def plan_composite(store: LayerStore, layer_numel: Mapping[str, int], action: PlanComposite, *,
+                   clock: Callable[[], float] = time.monotonic) -> CompositePlanned | NoComposite:
+    """The composite at ``action.t_fail`` (``None``: the store's newest recoverable step), or why
+    there is none, stamped with ``clock()`` when planning ended."""
+    t_fail = action.t_fail
+    if t_fail is None:
+        t_fail = newest_recoverable_step(list(layer_numel), store.manifest().refs()) or 0
+    try:
+        resolved = resolve_plan(store, layer_numel, t_fail, deep=False, skip=action.skip)
+    except NoUsableVersionError as error:
+        return NoComposite(attempt=action.attempt, t_fail=t_fail, reason=str(error), now=clock())
+    return CompositePlanned(attempt=action.attempt, t_fail=t_fail, records=dict(resolved.records),
+                            max_staleness=resolved.plan.max_staleness,
+                            weighted_staleness=resolved.plan.weighted_staleness, now=clock())

@@ -1,0 +1,228 @@
+"""The run's supervision, carried out: feeds the Ray-free cores (:class:`Supervision`,
+:class:`CommitPath`, :class:`RunView`) their events and executes the actions they return,
+against a store, a policy and a set of writers behind two small protocols. Any runtime hosts it:
+the Ray ``Supervisor`` actor wraps one (with Ray-backed ports); an in-process torch.distributed
+runtime can call it directly (``LocalPolicy`` over its :class:`PolicyService`).
+
+API::
+
+    run = RunSupervisor(run_id=..., store=LayerStore.open(uri), layer_numel=...,
+                        policy=LocalPolicy(service), writers=my_writers, resume=False)
+    resume = run.join(rank, world_size, worker_id)   # -> ResumeInfo, once the group's recovery is done
+    run.shard_written(receipt, write_s)               # commits (retrying) when a version is whole
+    run.write_failed(); run.version_unusable(vid, why); run.loaded(load_s)
+    run.progress(step=..., loss=..., lr=..., compute_s=..., stall_s=..., coordination_s=...)
+    run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
+
+Thread-safe by construction: one lock guards the cores and is held only while they decide —
+never while an action runs — so writers may commit through :meth:`shard_written` while a
+recovery drains them, and joins of one group wait on a condition, not on each other's work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from orchestrator.core.accounting import RunAccount
+from orchestrator.core.commit_path import CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten
+from orchestrator.core.policy_service import PolicyService
+from orchestrator.core.recovery_plan import plan_composite
+from orchestrator.core.run_view import RunView
+from orchestrator.core.supervision import Supervision
+from orchestrator.core.supervision_events import (
+    AbandonIncomplete, DismissJoins, DrainWriters, Event, PlanComposite, PublishResume, RankJoined, RebasePolicy,
+    RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded, SupervisionConfig, VersionUnusable, WritersDrained,
+)
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import ShardReceipt
+
+logger = logging.getLogger(__name__)
+
+
+class PolicyPort(Protocol):
+    def last_complete_step(self) -> int: ...
+    def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
+
+
+class WritersPort(Protocol):
+    def drain(self, deadline_s: float | None) -> tuple[str, ...]:
+        """Wait up to ``deadline_s`` until every writer has handed over (through
+        :meth:`RunSupervisor.shard_written`) what it holds; the names of those that did not answer."""
+    def replace(self, names: tuple[str, ...]) -> None: ...
+
+
+class LocalPolicy:
+    """A :class:`PolicyService` in this process, as a :class:`PolicyPort`."""
+
+    def __init__(self, service: PolicyService) -> None:
+        self.service = service
+
+    def last_complete_step(self) -> int:
+        return self.service.last_complete_step
+
+    def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
+        self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
+
+
+class JoinDismissed(RuntimeError):
+    """A rank's group was replaced by a newer one, or its recovery failed, before it was answered."""
+
+
+class RunSupervisor:
+    def __init__(self, *, run_id: str, store: LayerStore, layer_numel: Mapping[str, int], policy: PolicyPort,
+                 writers: WritersPort, config: SupervisionConfig | None = None, resume: bool = False,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        config = config or SupervisionConfig()
+        self.store = store
+        self.layer_numel = dict(layer_numel)
+        self.policy = policy
+        self.writers = writers
+        self.clock = clock
+        self.sleep = sleep
+        self._lock = threading.Lock()  # the cores and the answers; held only while they decide
+        self._answered = threading.Condition(self._lock)
+        self.supervision = Supervision(config=config, resume=resume)
+        self.commits = CommitPath(layers=list(layer_numel), config=config)
+        self.view = RunView(run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()))
+        self._published: dict[int, ResumeInfo] = {}
+        self._dismissed: dict[int, str] = {}
+        self.not_draining = threading.Event()
+        """Clear while a recovery drains the writers (a shell hands out writers only when set)."""
+        self.not_draining.set()
+
+    # ---- events from the runtime --------------------------------------------------------
+    def join(self, rank: int, world_size: int, worker_id: str) -> ResumeInfo:
+        """A rank of a (new) worker group starts; returns, once its group's recovery (if any) is
+        done, the :class:`ResumeInfo` every rank of the group gets. Raises :class:`JoinDismissed`."""
+        event = RankJoined(rank=rank, world_size=world_size, worker_id=worker_id,
+                           last_complete_step=self.policy.last_complete_step(), now=self.clock())
+        with self._lock:
+            actions = self.supervision.handle(event)
+            attempt = self.supervision.attempt
+        try:
+            self._carry_out(actions)
+        except Exception as error:  # recovery itself broke: fail the group (it is restarted), never hang it
+            logger.exception("recovery of attempt %d failed", attempt)
+            self._execute_dismiss(DismissJoins(attempt=attempt, reason=f"recovery failed: {error!r}"))
+            raise
+        with self._answered:
+            self._answered.wait_for(lambda: attempt in self._published or attempt in self._dismissed)
+            if attempt in self._published:
+                return self._published[attempt]
+            raise JoinDismissed(f"attempt {attempt}: {self._dismissed[attempt]}")
+
+    def shard_written(self, receipt: ShardReceipt, write_s: float) -> None:
+        """A writer wrote one rank's shard; the version's commit (and its retries) run in this call."""
+        with self._lock:
+            self.view.write_latencies.append(write_s)
+            actions = self.commits.handle(ShardWritten(receipt=receipt))
+        self._carry_out(actions)
+
+    def write_failed(self) -> None:
+        with self._lock:
+            self.view.write_failures += 1
+
+    def version_unusable(self, version_id: str, reason: str) -> None:
+        self._feed(VersionUnusable(version_id=version_id, reason=reason))
+
+    def loaded(self, load_s: float) -> None:
+        with self._lock:
+            self.view.loaded(load_s)
+
+    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                 coordination_s: float = 0.0) -> dict[str, int | None]:
+        """Rank 0 finished ``step``; returns each layer's newest committed step (for metrics)."""
+        with self._lock:
+            self.view.step_done(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
+                                coordination_s=coordination_s, now=self.clock())
+            return self.commits.last_steps()
+
+    def finish(self, ok: bool, reason: str = "") -> None:
+        self._carry_out(self._feed(RunEnded(ok=ok, reason=reason or ("" if ok else "the trainer raised"))))
+
+    # ---- views --------------------------------------------------------------------------
+    @property
+    def state_name(self) -> str:
+        return self.supervision.state.name
+
+    def status(self, metrics_url: str | None = None) -> dict[str, Any]:
+        """Everything the driver's progress line, the summary and the metrics show."""
+        with self._lock:
+            return self.view.status(state=self.supervision.state.name, attempt=self.supervision.attempt,
+                                    commits=self.commits, metrics_url=metrics_url, now=self.clock())
+
+    # ---- carrying out actions -----------------------------------------------------------
+    def _feed(self, event: Event) -> list[Any]:
+        with self._lock:
+            return self.supervision.handle(event)
+
+    def _carry_out(self, actions: list[Any]) -> None:
+        """Run ``actions`` in order, outside the lock; a result fed back queues the core's next actions."""
+        queue = deque(actions)
+        while queue:
+            action = queue.popleft()
+            queue.extend(getattr(self, _EXECUTORS[type(action)])(action))
+
+    def _execute_drain(self, action: DrainWriters) -> list[Any]:
+        self.not_draining.clear()
+        try:
+            unanswered = self.writers.drain(action.deadline_s)
+        finally:
+            self.not_draining.set()
+        return self._feed(WritersDrained(attempt=action.attempt, unanswered=tuple(unanswered)))
+
+    def _execute_replace_writers(self, action: ReplaceWriters) -> list[Any]:
+        self.writers.replace(action.writers)
+        return []
+
+    def _execute_abandon(self, action: AbandonIncomplete) -> list[Any]:
+        with self._lock:
+            return list(self.commits.handle(action))
+
+    def _execute_plan(self, action: PlanComposite) -> list[Any]:
+        return self._feed(plan_composite(self.store, self.layer_numel, action, clock=self.clock))
+
+    def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
+        self.policy.restart(world_size=action.world_size, resume_after=action.resume_after,
+                            persisted_steps=dict(action.persisted_steps))
+        return []
+
+    def _execute_record(self, action: RecordRecovery) -> list[Any]:
+        with self._lock:
+            self.view.record_recovery(action)
+        return []
+
+    def _execute_publish(self, action: PublishResume) -> list[Any]:
+        with self._answered:
+            self._published[action.resume.attempt] = action.resume
+            self._answered.notify_all()
+        return []
+
+    def _execute_dismiss(self, action: DismissJoins) -> list[Any]:
+        with self._answered:
+            self._dismissed[action.attempt] = action.reason
+            self._answered.notify_all()
+        return []
+
+    def _execute_commit(self, action: CommitVersion) -> list[Any]:
+        if action.delay_s > 0:
+            self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
+        try:
+            event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts)))
+        except Exception as error:  # storage trouble: retried, then counted lost; training goes on
+            event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
+        with self._lock:
+            return list(self.commits.handle(event))
+
+
+_EXECUTORS: dict[type, str] = {
+    DrainWriters: "_execute_drain", ReplaceWriters: "_execute_replace_writers",
+    AbandonIncomplete: "_execute_abandon", PlanComposite: "_execute_plan", RebasePolicy: "_execute_rebase",
+    RecordRecovery: "_execute_record", PublishResume: "_execute_publish", DismissJoins: "_execute_dismiss",
+    CommitVersion: "_execute_commit",
+}

@@ -1,0 +1,82 @@
+"""The run's central view without Ray: progress, time accounting and write statistics, and the
+status dictionary the driver's progress line, the summary and the metrics show."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.core.accounting import RunAccount
+from orchestrator.core.commit_path import CommitPath
+from orchestrator.core.supervision_events import RecordRecovery
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    loss: float = float("nan")
+    lr: float = 0.0
+    step_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class RunView:
+    run_id: str
+    layer_numel: Mapping[str, int]
+    account: RunAccount
+    progress: Progress = field(default_factory=Progress)
+    write_latencies: list[float] = field(default_factory=list)
+    write_failures: int = 0
+
+    def step_done(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
+                  coordination_s: float, now: float) -> None:
+        """Rank 0 finished ``step``."""
+        self.account.step_done(step, compute_s, stall_s, now, loss=loss, lr=lr, coordination_s=coordination_s)
+        self.progress = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
+
+    def record_recovery(self, action: RecordRecovery) -> None:
+        recovery = self.account.failed(t_fail=action.t_fail, resumed_at=action.resumed_at, now=action.detected_at,
+                                       lost_group=action.lost_group)
+        self.account.failures += max(0, action.groups_lost - 1)  # groups lost again during the recovery
+        recovery.plan_s = action.plan_s
+        recovery.max_staleness = action.max_staleness
+        recovery.weighted_staleness = action.weighted_staleness
+
+    def loaded(self, load_s: float) -> None:
+        """A rank loaded the composite; recovery load time is the slowest rank's."""
+        if self.account.recoveries:
+            last = self.account.recoveries[-1]
+            last.load_s = max(last.load_s, load_s)
+
+    def status(self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None,
+               now: float) -> dict[str, Any]:
+        step = self.progress.step
+        layers = commits.stats
+        staleness = {name: (step - s.last_step if s.last_step is not None else None) for name, s in layers.items()}
+        known = {n: v for n, v in staleness.items() if v is not None}
+        total = sum(self.layer_numel[n] for n in known)
+        return {
+            "run_id": self.run_id,
+            "metrics_url": metrics_url,
+            "state": state,
+            "attempt": attempt,
+            "step": step,
+            "loss": self.progress.loss,
+            "lr": self.progress.lr,
+            "step_s": self.progress.step_s,
+            "staleness": staleness,
+            "max_staleness": max(known.values()) if known else None,
+            "weighted_staleness": (sum(self.layer_numel[n] * v for n, v in known.items()) / total)
+            if known and len(known) == len(staleness) else None,
+            "layers": {name: {"versions": s.versions, "bytes": s.bytes, "last_step": s.last_step}
+                       for name, s in layers.items()},
+            "bytes_committed": sum(s.bytes for s in layers.values()),
+            "versions_committed": sum(s.versions for s in layers.values()),
+            "abandoned_versions": commits.tracker.abandoned,
+            "lost_versions": commits.lost_versions,
+            "commit_retries": commits.commit_retries,
+            "write_failures": self.write_failures,
+            "write_latencies": list(self.write_latencies),
+            "account": self.account.summary(now),
+        }

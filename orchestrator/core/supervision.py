@@ -1,0 +1,261 @@
+"""Membership and recovery of a run's worker groups, as an explicit state machine without Ray.
+
+API (for a runtime shell; :class:`~orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
+thread-safe, that any runtime can host)::
+
+    sup = Supervision(config=SupervisionConfig(), resume=False)
+    actions = sup.handle(event)      # one event in, the actions to carry out out; never blocks
+    sup.state                        # Starting | Recovering | Running | Finished | Failed
+    sup.state.name, sup.attempt      # "running", ...; the newest worker group's attempt
+
+The shell feeds events (:mod:`orchestrator.core.supervision_events`) and carries out the actions
+it gets back, in order, feeding the result of each one that has one back in:
+
+====================  =========================================================================
+action                the shell
+====================  =========================================================================
+DrainWriters          waits up to ``deadline_s`` for the writers; feeds ``WritersDrained``
+ReplaceWriters        stops handing out (and kills) the writers named; new ones start on demand
+AbandonIncomplete     ``CommitPath.handle(action)``: drops the lost group's partial versions
+PlanComposite         ``plan_composite(store, ...)`` (:mod:`.recovery_plan`); feeds its result
+RebasePolicy          ``PolicyService.restart(...)``
+RecordRecovery        ``RunView.record_recovery(action)``
+PublishResume         answers every rank of the attempt (waiting or later) with the ResumeInfo
+DismissJoins          fails the joins still waiting on an attempt a newer group replaced
+====================  =========================================================================
+
+The machine: the first join starts attempt 1, fresh (``Running`` at step 1) or, resuming a
+stopped run, through ``Recovering``. A join whose rank is already a member under another worker
+id is the first of a new group: the old one was lost after ``t_fail`` (the policy's last complete
+step, carried by the join), and recovery drains the writers, plans the composite at ``t_fail`` and
+rebases the policy before the ranks are answered with ``t_fail + 1`` — or step 1 from the initial
+weights when no composite exists (a failure in warm-up). A new group during a recovery overtakes
+it: the recovery restarts under the new attempt and the stale results of the old one are dropped.
+A join retried by the same worker changes nothing. ``handle`` is not thread-safe: a shell with
+threads serialises calls to it (and carries out actions outside that lock).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from orchestrator.core.supervision_events import (
+    AbandonIncomplete, Action, CompositePlanned, DismissJoins, DrainWriters, Event, NoComposite, PlanComposite,
+    PublishResume, RankJoined, RebasePolicy, RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded,
+    SupervisionConfig, VersionUnusable, WritersDrained,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ---- states ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Starting:
+    name: ClassVar[str] = "starting"
+    terminal: ClassVar[bool] = False
+    resume: bool = False
+    """The run continues the versions already in the store (``layercheck train --resume``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovering:
+    name: ClassVar[str] = "recovering"
+    terminal: ClassVar[bool] = False
+    attempt: int
+    world_size: int
+    members: Mapping[int, str]
+    lost_group: bool
+    """A worker group was lost (else: a stopped run resumes from its store)."""
+    t_fail: int | None
+    """The lost group's last complete step; ``None``: the store's newest recoverable step."""
+    detected_at: float
+    phase: str
+    """``draining`` the writers, then ``planning`` the composite."""
+    groups_lost: int = 1
+    """Groups lost since training last ran: more than 1 when a group was lost during recovery."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Running:
+    name: ClassVar[str] = "running"
+    terminal: ClassVar[bool] = False
+    attempt: int
+    world_size: int
+    members: Mapping[int, str]
+    resume: ResumeInfo
+
+
+@dataclass(frozen=True)
+class Finished:
+    name: ClassVar[str] = "finished"
+    terminal: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class Failed:
+    name: ClassVar[str] = "failed"
+    terminal: ClassVar[bool] = True
+    reason: str = ""
+
+
+State = Starting | Recovering | Running | Finished | Failed
+STATE_NAMES = tuple(s.name for s in (Starting, Running, Recovering, Finished, Failed))
+
+
+# ---- the machine -----------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Supervision:
+    """The membership and recovery machine: :meth:`handle` one event at a time."""
+
+    config: SupervisionConfig = field(default_factory=SupervisionConfig)
+    resume: bool = False
+    state: State = field(init=False)
+    unusable: dict[str, str] = field(default_factory=dict)
+    """version id → why a rank found it unusable; every later plan skips these."""
+    _last_attempt: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        self.state = Starting(self.resume)
+
+    @property
+    def attempt(self) -> int:
+        """The newest worker group's attempt (0 before the first join)."""
+        return self._last_attempt
+
+    def handle(self, event: Event) -> list[Action]:
+        """Take one event; move to the next state; return the actions to carry out, in order."""
+        if isinstance(event, VersionUnusable):
+            logger.error("version %s is unusable (%s): later plans skip it", event.version_id, event.reason)
+            self.unusable[event.version_id] = event.reason
+            return []
+        if self.state.terminal:
+            logger.info("ignoring %s: the run is %s", type(event).__name__, self.state.name)
+            return []
+        if isinstance(event, RunEnded):
+            return self._end(event)
+        if isinstance(event, RankJoined):
+            return self._joined(event)
+        if isinstance(event, WritersDrained):
+            return self._drained(event)
+        if isinstance(event, (CompositePlanned, NoComposite)):
+            return self._planned(event)
+        raise TypeError(f"not a supervision event: {event!r}")
+
+    def _move(self, state: State, why: str) -> None:
+        logger.info("supervision: %s -> %s (attempt %d): %s", self.state.name, state.name,
+                    getattr(state, "attempt", self._last_attempt), why)
+        self.state = state
+        self._last_attempt = getattr(state, "attempt", self._last_attempt)
+
+    # ---- events ---------------------------------------------------------------------------
+    def _end(self, event: RunEnded) -> list[Action]:
+        actions: list[Action] = []
+        if isinstance(self.state, Recovering):
+            actions.append(DismissJoins(attempt=self.state.attempt, reason="the run ended"))
+        if event.ok:
+            self._move(Finished(), "the trainer returned")
+        else:
+            self._move(Failed(event.reason), f"the trainer failed: {event.reason or 'no reason given'}")
+        return actions
+
+    def _joined(self, event: RankJoined) -> list[Action]:
+        state = self.state
+        if isinstance(state, Starting):
+            return self._first_group(event, resume=state.resume)
+        assert isinstance(state, (Running, Recovering))
+        known = state.members.get(event.rank)
+        if known == event.worker_id:
+            logger.info("rank %d (%s) joined again: a retried call, same answer", event.rank, event.worker_id)
+            return []
+        if known is not None:
+            return self._group_lost(state, event)
+        self.state = replace(state, members={**state.members, event.rank: event.worker_id})
+        logger.info("rank %d of %d joined attempt %d", event.rank, state.world_size, state.attempt)
+        return []
+
+    def _first_group(self, event: RankJoined, *, resume: bool) -> list[Action]:
+        members = {event.rank: event.worker_id}
+        if not resume:
+            info = ResumeInfo(1, 1)
+            self._move(Running(attempt=1, world_size=event.world_size, members=members, resume=info),
+                       f"a fresh start with {event.world_size} workers from the initial weights")
+            return [RebasePolicy(world_size=event.world_size, resume_after=0, persisted_steps={}),
+                    PublishResume(resume=info)]
+        self._move(Recovering(attempt=1, world_size=event.world_size, members=members, lost_group=False,
+                              t_fail=None, detected_at=event.now, phase="planning"),
+                   f"--resume: continue the stored run at its newest recoverable step with {event.world_size} workers")
+        return [PlanComposite(attempt=1, t_fail=None, skip=dict(self.unusable))]
+
+    def _group_lost(self, state: Running | Recovering, event: RankJoined) -> list[Action]:
+        attempt = state.attempt + 1
+        actions: list[Action] = []
+        if isinstance(state, Running):
+            t_fail, lost_group, groups = event.last_complete_step, True, 1
+            why = (f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
+                   f"{state.attempt} was lost after step {t_fail}; recovering with {event.world_size} workers")
+        else:  # lost again before recovery ended: nothing trained since, so the same t_fail
+            t_fail, lost_group, groups = state.t_fail, state.lost_group, state.groups_lost + 1
+            actions.append(DismissJoins(attempt=state.attempt, reason=f"attempt {attempt} replaced it"))
+            why = (f"rank {event.rank} joined as a new worker while attempt {state.attempt} was still "
+                   f"{state.phase}: that group was lost too; recovery starts over")
+        logger.warning("supervision: %s", why)
+        phase = "draining" if lost_group else "planning"
+        self._move(Recovering(attempt=attempt, world_size=event.world_size, members={event.rank: event.worker_id},
+                              lost_group=lost_group, t_fail=t_fail, detected_at=event.now, phase=phase,
+                              groups_lost=groups), why)
+        if lost_group:
+            actions.append(DrainWriters(attempt=attempt, deadline_s=self.config.drain_deadline_s))
+        else:
+            actions.append(PlanComposite(attempt=attempt, t_fail=t_fail, skip=dict(self.unusable)))
+        return actions
+
+    def _current(self, attempt: int, phase: str, what: str) -> Recovering | None:
+        state = self.state
+        if isinstance(state, Recovering) and state.attempt == attempt and state.phase == phase:
+            return state
+        logger.info("dropping %s of attempt %d: the supervisor is %s (attempt %d)", what, attempt,
+                    state.name, self._last_attempt)
+        return None
+
+    def _drained(self, event: WritersDrained) -> list[Action]:
+        state = self._current(event.attempt, "draining", "a drain result")
+        if state is None:
+            return []
+        actions: list[Action] = []
+        if event.unanswered:
+            reason = (f"writer(s) {', '.join(event.unanswered)} did not answer the drain within "
+                      f"{self.config.drain_deadline_s:g}s (config drain_deadline_s)")
+            logger.error("supervision: %s: their versions are lost; recovering from what is committed", reason)
+            actions += [ReplaceWriters(writers=tuple(event.unanswered)), AbandonIncomplete(reason=reason, lost=True)]
+        else:
+            actions.append(AbandonIncomplete(reason=f"the group of attempt {state.attempt - 1} was lost"))
+        self._move(replace(state, phase="planning"), f"writers drained; planning the composite at step {state.t_fail}")
+        actions.append(PlanComposite(attempt=state.attempt, t_fail=state.t_fail, skip=dict(self.unusable)))
+        return actions
+
+    def _planned(self, event: CompositePlanned | NoComposite) -> list[Action]:
+        state = self._current(event.attempt, "planning", "a composite plan")
+        if state is None:
+            return []
+        if isinstance(event, CompositePlanned):
+            resume_after, records = event.t_fail, dict(event.records)
+            persisted = {layer: record.step for layer, record in records.items()}
+            why = (f"resuming at step {resume_after + 1} from a composite at step {event.t_fail}: max staleness "
+                   f"{event.max_staleness}, weighted {event.weighted_staleness:.1f}")
+        else:
+            resume_after, records, persisted = 0, None, {}
+            why = (f"no composite at step {event.t_fail} ({event.reason}): training restarts from the "
+                   "initial weights at step 1")
+            logger.warning("supervision: %s", why)
+        info = ResumeInfo(state.attempt, resume_after + 1, records)
+        record = RecordRecovery(
+            t_fail=event.t_fail, resumed_at=resume_after + 1, lost_group=state.lost_group,
+            detected_at=state.detected_at, plan_s=max(0.0, event.now - state.detected_at),
+            groups_lost=state.groups_lost if state.lost_group else 0,
+            max_staleness=getattr(event, "max_staleness", 0), weighted_staleness=getattr(event, "weighted_staleness", 0.0))
+        self._move(Running(attempt=state.attempt, world_size=state.world_size, members=state.members, resume=info), why)
+        return [RebasePolicy(world_size=state.world_size, resume_after=resume_after, persisted_steps=persisted),
+                record, PublishResume(resume=info)]

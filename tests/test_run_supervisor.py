@@ -1,0 +1,151 @@
+"""RunSupervisor, the shell any runtime hosts, in one process (no Ray): a real store and policy
+service; writers are fakes that script what a writer did (committed while drained, hung)."""
+
+import threading
+
+import pytest
+
+from orchestrator.core.policy_service import PolicyService
+from orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
+from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
+from orchestrator.store.layer_store import LayerStore
+from policies.checkpoint_policy import LayerCheckPolicy
+from policies.configs import LayerCheckConfig
+from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state
+
+LAYERS = ("embed", "block.0", "norm")
+NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
+
+
+class Writers:
+    """Holds receipts a writer has not handed over yet; on a drain, a live writer hands them over
+    from its own thread (as a Ray writer does, calling back while the recovery waits), a hung one never."""
+
+    def __init__(self, hung=()):
+        self.run = None
+        self.held = []
+        self.hung = tuple(hung)
+        self.replaced = []
+
+    def drain(self, deadline_s):
+        if self.hung:
+            return self.hung
+        held, self.held = self.held, []
+        thread = threading.Thread(target=lambda: [self.run.shard_written(r, 0.01) for r in held])
+        thread.start()
+        thread.join(timeout=60)  # a deadlock guard, not a timing check
+        assert not thread.is_alive(), "a writer's commit deadlocked against the drain"
+        return ()
+
+    def replace(self, names):
+        self.replaced += names
+
+
+def policy_service():
+    config = LayerCheckConfig(k0=1.0, k0_embed=1.0, smax=100, warmup_steps=1, threshold_schedule="constant")
+    return PolicyService(LayerCheckPolicy(config, LAYERS), LAYERS, 2)
+
+
+def make(store, writers, **kwargs):
+    service = policy_service()
+    run = RunSupervisor(run_id="r", store=store, layer_numel=NUMEL, policy=LocalPolicy(service), writers=writers,
+                        config=SupervisionConfig(drain_deadline_s=5.0, commit_backoff_s=0.5), **kwargs)
+    writers.run = run
+    return run, service
+
+
+def train(service, steps):
+    for step in steps:
+        for rank in (0, 1):
+            service.report(step=step, rank=rank, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS},
+                           counts={n: 10 for n in LAYERS})
+
+
+def receipts(store, layer, step):
+    state = layer_state(PARAMS, seed=step)
+    return [store.write_shard(s) for s in cut_shards(layer, step, PARAMS, state, even_cuts(42, 2))]
+
+
+def persist_all(run, store, step, writers=None):
+    """Every layer's two shards written; rank 1's still in the writer when ``writers`` is given."""
+    for layer in LAYERS:
+        first, second = receipts(store, layer, step)
+        run.shard_written(first, 0.01)
+        if writers is None:
+            run.shard_written(second, 0.01)
+        else:
+            writers.held.append(second)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return LayerStore.open(str(tmp_path / "store"))
+
+
+def test_a_lost_group_resumes_after_t_fail_with_what_the_writers_committed_while_drained(store):
+    writers = Writers()
+    run, service = make(store, writers)
+    assert run.join(0, 2, "a0") == run.join(1, 2, "a1") == ResumeInfo(1, 1)
+    train(service, range(1, 6))
+    persist_all(run, store, 3)
+    persist_all(run, store, 5, writers)  # the group dies with rank 1's step-5 shards in its writer
+    resume = run.join(1, 2, "b1")
+    assert resume.attempt == 2 and resume.start_step == 6
+    assert {r.step for r in resume.records.values()} == {5}
+    assert run.join(0, 2, "b0") == resume
+    assert service.last_complete_step == 5
+    status = run.status()
+    assert status["state"] == "running" and status["attempt"] == 2 and status["versions_committed"] == 6
+    (recovery,) = status["account"]["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"]) == (5, 6) and status["account"]["failures"] == 1
+    run.finish(True)
+    assert run.status()["state"] == "finished"
+
+
+def test_a_hung_writer_does_not_hang_recovery_and_its_versions_count_lost(store):
+    writers = Writers(hung=("writer-0@node",))
+    run, service = make(store, writers)
+    run.join(0, 2, "a0")
+    train(service, range(1, 6))
+    persist_all(run, store, 3)
+    persist_all(run, store, 5, writers)
+    resume = run.join(0, 2, "b0")
+    assert resume.start_step == 6 and {r.step for r in resume.records.values()} == {3}
+    assert writers.replaced == ["writer-0@node"]
+    status = run.status()
+    assert status["lost_versions"] == 3 and status["abandoned_versions"] == 3
+
+
+def test_a_failed_commit_is_retried_after_its_backoff(tmp_path):
+    store, fs = faulty_store(str(tmp_path / "s"))
+    waits = []
+
+    def sleep(seconds):  # the storage comes back while the commit backs off
+        waits.append(seconds)
+        fs.read_only = False
+
+    run, _ = make(store, Writers(), sleep=sleep)
+    first, second = receipts(store, "norm", 4)
+    run.shard_written(first, 0.01)
+    fs.read_only = True
+    run.shard_written(second, 0.01)
+    status = run.status()
+    assert waits == [0.5] and status["commit_retries"] == 1 and status["lost_versions"] == 0
+    assert status["layers"]["norm"]["last_step"] == 4 and [v.step for v in store.versions()] == [4]
+
+
+def test_a_recovery_that_breaks_fails_the_join_instead_of_hanging_it(store):
+    writers = Writers()
+    run, service = make(store, writers)
+    run.join(0, 2, "a0")
+
+    def broken(deadline_s):
+        raise ConnectionError("writer node unreachable")
+
+    writers.drain = broken
+    with pytest.raises(ConnectionError):
+        run.join(0, 2, "b0")
+    with pytest.raises(JoinDismissed, match="recovery failed"):
+        run.join(1, 2, "b1")  # its group-mate is told at once, not left waiting
+    writers.drain = lambda deadline_s: ()
+    assert run.join(0, 2, "c0").attempt == 3  # the restarted group recovers

@@ -1,0 +1,269 @@
+"""The supervision and commit cores, stepped one event at a time (no Ray, no DeepSpeed): every
+transition of membership and recovery, and every fate of a version on the commit path. Plans are
+made by the real planner against a real store; fakes only script what went wrong."""
+
+import logging
+
+import pytest
+
+from orchestrator.core.accounting import RunAccount
+from orchestrator.core.commit_path import CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten
+from orchestrator.core.recovery_plan import plan_composite
+from orchestrator.core.run_view import RunView
+from orchestrator.core.supervision import Failed, Finished, Recovering, Running, Starting, Supervision
+from orchestrator.core.supervision_events import (
+    AbandonIncomplete, CompositePlanned, DismissJoins, DrainWriters, NoComposite, PlanComposite, PublishResume,
+    RankJoined, RebasePolicy, RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded, SupervisionConfig,
+    VersionUnusable, WritersDrained,
+)
+from orchestrator.store.layer_store import LayerStore
+from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
+
+LAYERS = ("embed", "block.0", "norm")
+NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
+CONFIG = SupervisionConfig(drain_deadline_s=5.0, commit_tries=3, commit_backoff_s=0.5)
+
+
+def joined(rank, worker, *, world_size=2, last=0, now=0.0):
+    return RankJoined(rank=rank, world_size=world_size, worker_id=worker, last_complete_step=last, now=now)
+
+
+def running(sup=None):
+    """A supervision whose attempt-1 group of two ranks (a0, a1) is training."""
+    sup = sup or Supervision(config=CONFIG)
+    sup.handle(joined(0, "a0"))
+    sup.handle(joined(1, "a1"))
+    return sup
+
+
+def of(kind, actions):
+    (action,) = [a for a in actions if isinstance(a, kind)]
+    return action
+
+
+@pytest.fixture
+def store(tmp_path):
+    return LayerStore.open(str(tmp_path / "store"))
+
+
+def commit_all(store, step, *, base=False):
+    for layer in LAYERS:
+        write_layer(store, layer, step, base=base)
+
+
+# ---- membership ------------------------------------------------------------------------------
+def test_a_fresh_start_rebases_the_policy_and_answers_step_one():
+    sup = Supervision(config=CONFIG)
+    assert isinstance(sup.state, Starting) and sup.attempt == 0 and not sup.state.terminal
+    actions = sup.handle(joined(0, "a0"))
+    assert actions == [RebasePolicy(world_size=2, resume_after=0, persisted_steps={}),
+                       PublishResume(resume=ResumeInfo(1, 1))]
+    assert sup.handle(joined(1, "a1")) == []  # the answer is published: the second rank just reads it
+    assert sup.state == Running(attempt=1, world_size=2, members={0: "a0", 1: "a1"}, resume=ResumeInfo(1, 1))
+    assert sup.state.name == "running" and sup.attempt == 1
+
+
+def test_a_join_retried_by_the_same_worker_changes_nothing():
+    sup = running()
+    before = sup.state
+    assert sup.handle(joined(0, "a0", last=9)) == []
+    assert sup.state == before
+    sup.handle(joined(0, "b0", last=4))  # a new group, recovering
+    recovering = sup.state
+    assert sup.handle(joined(0, "b0", last=4)) == [] and sup.state == recovering
+
+
+def test_a_lost_group_recovers_at_t_fail_plus_one(store, caplog):
+    commit_all(store, 3, base=True)
+    commit_all(store, 6)
+    sup = running()
+    caplog.set_level(logging.INFO, logger="orchestrator.core.supervision")
+    actions = sup.handle(joined(1, "b1", last=6, now=10.0))
+    assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
+    assert isinstance(sup.state, Recovering) and sup.state.t_fail == 6 and sup.state.phase == "draining"
+    assert "lost after step 6" in caplog.text
+    assert sup.handle(joined(0, "b0", last=6)) == []  # waits for the recovery
+    actions = sup.handle(WritersDrained(attempt=2))
+    assert isinstance(actions[0], AbandonIncomplete) and not actions[0].lost
+    plan = of(PlanComposite, actions)
+    assert plan.t_fail == 6 and sup.state.phase == "planning"
+    planned = plan_composite(store, NUMEL, plan, clock=lambda: 10.5)
+    assert isinstance(planned, CompositePlanned) and planned.max_staleness == 0
+    actions = sup.handle(planned)
+    resume = of(PublishResume, actions).resume
+    assert resume.attempt == 2 and resume.start_step == 7
+    assert {layer: r.step for layer, r in resume.records.items()} == {layer: 6 for layer in LAYERS}
+    assert of(RebasePolicy, actions) == RebasePolicy(world_size=2, resume_after=6,
+                                                     persisted_steps={layer: 6 for layer in LAYERS})
+    record = of(RecordRecovery, actions)
+    assert (record.t_fail, record.resumed_at, record.lost_group, record.groups_lost) == (6, 7, True, 1)
+    assert record.plan_s == pytest.approx(0.5)
+    assert sup.state == Running(attempt=2, world_size=2, members={0: "b0", 1: "b1"}, resume=resume)
+
+
+def test_a_failure_in_warm_up_restarts_from_the_initial_weights(store, caplog):
+    sup = running()
+    sup.handle(joined(0, "b0", last=2))
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
+    planned = plan_composite(store, NUMEL, plan)  # nothing committed yet: no base
+    assert isinstance(planned, NoComposite) and planned.t_fail == 2
+    caplog.set_level(logging.WARNING, logger="orchestrator.core.supervision")
+    actions = sup.handle(planned)
+    assert "restarts from the initial weights" in caplog.text
+    assert of(PublishResume, actions).resume == ResumeInfo(2, 1, None)
+    assert of(RebasePolicy, actions) == RebasePolicy(world_size=2, resume_after=0, persisted_steps={})
+    assert of(RecordRecovery, actions).resumed_at == 1
+
+
+def test_a_failure_during_recovery_skips_the_version_that_broke_it(store):
+    commit_all(store, 4, base=True)
+    bad, _ = write_layer(store, "norm", 8)
+    for layer in ("embed", "block.0"):
+        write_layer(store, layer, 8)
+    sup = running()
+    sup.handle(joined(0, "b0", last=8))
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
+    sup.handle(plan_composite(store, NUMEL, plan))
+    # the new group reads a corrupt shard of norm@8, reports it and dies before training a step
+    assert sup.handle(VersionUnusable(version_id=bad.version_id, reason="checksum")) == []
+    actions = sup.handle(joined(0, "c0", last=8))
+    assert actions == [DrainWriters(attempt=3, deadline_s=5.0)] and sup.state.t_fail == 8
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=3)))
+    assert plan.skip == {bad.version_id: "checksum"}
+    resume = of(PublishResume, sup.handle(plan_composite(store, NUMEL, plan))).resume
+    assert resume.start_step == 9 and resume.records["norm"].step == 4 and resume.records["embed"].step == 8
+
+
+def test_a_second_loss_before_recovery_ends_overtakes_it():
+    sup = running()
+    sup.handle(joined(0, "b0", last=6, now=1.0))
+    actions = sup.handle(joined(0, "c0", last=6, now=3.0))  # b's group died while draining
+    assert actions == [DismissJoins(attempt=2, reason="attempt 3 replaced it"), DrainWriters(attempt=3, deadline_s=5.0)]
+    assert sup.state.attempt == 3 and sup.state.t_fail == 6 and sup.state.members == {0: "c0"}
+    assert sup.handle(WritersDrained(attempt=2)) == []  # the overtaken drain's late answer
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=3)))
+    stale = CompositePlanned(attempt=2, t_fail=6, records={}, max_staleness=0, weighted_staleness=0.0, now=4.0)
+    assert sup.handle(stale) == [] and sup.state.phase == "planning"
+    actions = sup.handle(NoComposite(attempt=plan.attempt, t_fail=6, reason="none", now=4.0))
+    record = of(RecordRecovery, actions)
+    assert record.groups_lost == 2 and record.detected_at == 3.0
+    view = RunView(run_id="r", layer_numel=NUMEL, account=RunAccount(started=0.0))
+    view.record_recovery(record)
+    assert view.account.failures == 2 and len(view.account.recoveries) == 1
+
+
+def test_a_resumed_run_starts_at_the_stores_newest_recoverable_step(store):
+    commit_all(store, 5, base=True)
+    write_layer(store, "embed", 9)
+    sup = Supervision(config=CONFIG, resume=True)
+    actions = sup.handle(joined(0, "a0", world_size=1))
+    assert actions == [PlanComposite(attempt=1, t_fail=None, skip={})]
+    assert isinstance(sup.state, Recovering) and not sup.state.lost_group
+    planned = plan_composite(store, NUMEL, actions[0])
+    assert planned.t_fail == 9
+    actions = sup.handle(planned)
+    resume = of(PublishResume, actions).resume
+    assert resume.start_step == 10 and resume.records["block.0"].step == 5
+    record = of(RecordRecovery, actions)
+    assert not record.lost_group and record.groups_lost == 0
+    assert of(RebasePolicy, actions).world_size == 1
+
+
+def test_a_writer_that_never_answers_the_drain_is_written_off():
+    sup = running()
+    sup.handle(joined(0, "b0", last=6))
+    actions = sup.handle(WritersDrained(attempt=2, unanswered=("writer-1@node",)))
+    assert actions[0] == ReplaceWriters(writers=("writer-1@node",))
+    assert actions[1].lost and "did not answer the drain within 5s" in actions[1].reason
+    assert of(PlanComposite, actions).t_fail == 6  # recovery goes on from what is committed
+    commits = CommitPath(layers=LAYERS, config=CONFIG)
+    commits.handle(ShardWritten(receipt=receipt("embed", 6, 0)))  # rank 1's shard sat in the hung writer
+    commits.handle(actions[1])
+    assert commits.lost_versions == 1 and "did not answer the drain" in commits.lost[0]
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_the_run_ends_finished_or_failed_and_ignores_later_events(ok):
+    sup = running()
+    sup.handle(joined(0, "b0", last=3))
+    actions = sup.handle(RunEnded(ok=ok, reason="" if ok else "max_failures"))
+    assert actions == [DismissJoins(attempt=2, reason="the run ended")]  # nobody waits for ever
+    assert sup.state == (Finished() if ok else Failed("max_failures")) and sup.state.terminal
+    assert sup.state.name == ("finished" if ok else "failed")
+    assert sup.handle(joined(0, "c0", last=3)) == [] and sup.handle(WritersDrained(attempt=2)) == []
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="commit_tries"):
+        SupervisionConfig(commit_tries=0)
+    with pytest.raises(ValueError, match="drain_deadline_s"):
+        SupervisionConfig(drain_deadline_s=0)
+    assert [CONFIG.backoff_s(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
+
+
+# ---- the commit path -------------------------------------------------------------------------
+def receipt(layer, step, rank, world_size=2):
+    from orchestrator.store.manifest import ShardReceipt
+    return ShardReceipt(layer=layer, step=step, rank=rank, world_size=world_size, base=False,
+                        path=f"layers/{layer}/{step}-{rank}", nbytes=10, checksum="0")
+
+
+def written_shards(store, layer, step):
+    state = layer_state(PARAMS, seed=step)
+    return [store.write_shard(s) for s in cut_shards(layer, step, PARAMS, state, even_cuts(42, 2))]
+
+
+def commit(store, action):
+    try:
+        return CommitSucceeded(record=store.commit(list(action.receipts)))
+    except Exception as error:
+        return CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
+
+
+def test_a_commit_that_fails_is_retried_with_backoff_and_then_succeeds(tmp_path):
+    store, fs = faulty_store(str(tmp_path / "s"))
+    commits = CommitPath(layers=LAYERS, config=CONFIG)
+    first, second = written_shards(store, "embed", 4)
+    assert commits.handle(ShardWritten(receipt=first)) == []
+    (action,) = commits.handle(ShardWritten(receipt=second))
+    assert action == CommitVersion(receipts=(first, second))
+    fs.read_only = True  # the store refuses the record
+    (retry,) = commits.handle(commit(store, action))
+    assert (retry.tries, retry.delay_s) == (2, 0.5) and commits.commit_retries == 1
+    fs.read_only = False
+    assert commits.handle(commit(store, retry)) == []
+    assert commits.stats["embed"].versions == 1 and commits.stats["embed"].last_step == 4
+    assert commits.lost_versions == 0 and [v.step for v in store.versions()] == [4]
+
+
+def test_a_commit_that_fails_for_good_is_counted_lost_with_its_reason(caplog):
+    commits = CommitPath(layers=LAYERS, config=CONFIG)
+    commits.handle(ShardWritten(receipt=receipt("norm", 7, 0)))
+    (action,) = commits.handle(ShardWritten(receipt=receipt("norm", 7, 1)))
+    caplog.set_level(logging.ERROR, logger="orchestrator.core.commit_path")
+    delays = []
+    while action is not None:
+        retries = commits.handle(CommitFailed(action=action, error="StoreWriteError: disk full"))
+        action = retries[0] if retries else None
+        delays += [action.delay_s] if action else []
+    assert delays == [0.5, 1.0] and commits.commit_retries == 2
+    assert commits.lost_versions == 1 and "norm step 7 failed 3 time(s), last: StoreWriteError" in commits.lost[0]
+    assert "lost 1 version(s)" in caplog.text
+    assert commits.stats["norm"].versions == 0
+
+
+def test_a_failed_commit_is_not_retried_once_a_newer_version_of_the_layer_committed(store):
+    commits = CommitPath(layers=LAYERS, config=CONFIG)
+    commits.handle(ShardWritten(receipt=receipt("embed", 5, 0)))
+    (old,) = commits.handle(ShardWritten(receipt=receipt("embed", 5, 1)))
+    newer, _ = write_layer(store, "embed", 6)
+    commits.handle(CommitSucceeded(record=newer))
+    assert commits.handle(CommitFailed(action=old, error="timeout")) == []
+    assert commits.lost_versions == 0 and commits.tracker.abandoned == 1
+
+
+def test_a_lost_groups_partial_versions_are_abandoned_not_lost():
+    commits = CommitPath(layers=LAYERS, config=CONFIG)
+    commits.handle(ShardWritten(receipt=receipt("embed", 5, 0)))
+    commits.handle(AbandonIncomplete(reason="the group was lost"))
+    assert commits.tracker.abandoned == 1 and commits.lost_versions == 0 and commits.tracker.incomplete == 0
