@@ -11,6 +11,9 @@ from orchestrator.local.spawn import spawn_ranks
 from tests.local_jobs import STEPS, loop_scenarios
 
 
+pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("local-loop")

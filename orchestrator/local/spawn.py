@@ -75,7 +75,7 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
                                            f"{timeout_s:.0f}s; killed", ranks=running)
         except mp.ProcessRaisedException as error:
             logger.error("%s: rank %d failed:\n%s", what, error.error_index, error.msg)
-            raise RanksFailedError(f"{what}: rank {error.error_index} failed: {_last_line(error.msg)}",
+            raise RanksFailedError(f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}",
                                    ranks=[error.error_index], detail=error.msg) from None
         except mp.ProcessExitedException as error:
             raise RanksFailedError(f"{what}: {error}", ranks=[error.error_index]) from None
