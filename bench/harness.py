@@ -131,7 +131,9 @@ class Runner:
         coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
                                        layers=te.layer_map.names, store=store,
                                        max_inflight_bytes=PersistenceConfig().max_inflight_bytes)
-        losses = lambda: {p.step: p.loss for p in coordinator.progress_log}  # noqa: E731 — rank 0's
+        def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
+            return {p.step: p.loss for p in coordinator.progress_log}
+
         baseline = make_baseline(te, strategy, directory, coordinator, batches=self.batches, losses=losses,
                                  reset=lambda: _reset(te, self.initial))
         recoveries: list[dict[str, Any]] = []

@@ -19,7 +19,6 @@ Recovery after a failure lives in :mod:`orchestrator.local.recovery`.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,9 +77,6 @@ class LocalCoordinator:
         self.handed: list[tuple[int, tuple[str, ...]]] = []
         """(step, layers) of every snapshot handed to the writer, in order."""
         self.progress_log: list[StepProgress] = []
-        self.handover_s = 0.0
-        """Time ``persist`` took: copying the snapshots out of the loop's buffers, and any wait
-        for the byte bound (the Ray coordinator's serialisation and bound)."""
 
     # ---- workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
@@ -96,14 +92,12 @@ class LocalCoordinator:
         return self.service.decision(handle)
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
-        started = time.monotonic()
         for shard in shards:
             # the loop reuses the buffers once this returns: the writer gets its own copy
             owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
             self.writer.submit(owned, base=base)
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
-        self.handover_s += time.monotonic() - started
 
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
