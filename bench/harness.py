@@ -1,23 +1,25 @@
-"""The benchmark's process code: spawn the ranks, train every strategy, measure.
+"""The benchmark's process code: spawn the ranks, train every strategy on LayerCheck's own loop.
 
-One spawn of ``world_size`` processes (torch.multiprocessing, gloo on CPU / NCCL on CUDA) trains
-all strategies one after another on one DeepSpeed engine, reset to the same initial state
-before each, so every strategy sees the same model, data, seed, steps and failures, in one
-invocation on one machine state. Each rank runs the project's real pieces: ``build_engine``,
-``train_step``, the drift probe and ``global_drift``, the real policies, ``snapshot_layers`` +
-``LayerStore`` writes and commits from a background thread, ``resolve_plan`` +
-``load_composite`` for recovery, and DeepSpeed's own ``save_checkpoint``/``load_checkpoint``.
+One spawn of ``world_size`` processes (gloo on CPU / NCCL on CUDA,
+:func:`orchestrator.local.spawn.spawn_ranks`) trains all strategies one after another on one
+DeepSpeed engine, reset to the same initial state before each, so every strategy sees the same
+model, data, seed, steps and failures, in one invocation on one machine state.
 
-A failure at step F: writes in flight finish (a real persistence pool outlives the trainer),
-every layer's weights and moments are overwritten with NaN (a missed layer shows up as a NaN
-loss), and the strategy recovers its way; rollback strategies re-run the lost steps (timed).
+Every strategy runs the product's protocol: :func:`workers.loop.run_loop` with the local
+runtime's :class:`LocalCoordinator` (the policy service, the superseding writers under the
+in-flight byte bound, rank 0's commit tracker). LayerCheck's strategies are their policy; the
+baselines run a ``never`` (or ``interval``) policy with their own checkpointing in the loop's
+``after_step`` hook (:mod:`bench.baselines`).
+
+A failure after step F: the in-memory training state is wiped (every layer NaN, step 0; a
+layer a recovery misses shows up as a NaN loss) and the strategy recovers its way — LayerCheck's
+through the product's recovery (:func:`orchestrator.local.recovery.recover`), rollbacks by
+re-running the lost steps (timed) — and the loop continues at F + 1.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import shutil
 import statistics
@@ -30,11 +32,17 @@ from typing import Any
 
 import torch
 
+from bench.baselines import make_baseline
 from bench.metrics import FreshnessTracker, matched_intervals, trace_of
-from bench.persistence import make_persistence
 from bench.presets import Workload
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
-from workers.spawn import exit_without_teardown
+from orchestrator.core.run_config import PersistenceConfig
+from orchestrator.local.coordinator import LocalCoordinator
+from orchestrator.local.recovery import recover
+from orchestrator.local.run import train_with_failures, wipe_training_state
+from orchestrator.local.spawn import spawn_ranks
+from orchestrator.store.layer_store import LayerStore
+from policies.checkpoint_policy import build_policy
 
 logger = logging.getLogger(__name__)
 
@@ -69,16 +77,6 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
     )
 
 
-def _wipe(te: Any) -> None:
-    """The rank's in-memory training state is gone: every layer becomes NaN, step 0."""
-    from workers.engine import seek_step
-    from workers.layer_state import LayerMeta, restore_layers
-
-    metas = {name: LayerMeta(optimizer_step=0) for name in te.layer_map.names}
-    restore_layers(te.layout, metas, lambda name, key, offset, length: torch.full((length,), math.nan))
-    seek_step(te, 0)
-
-
 def _reset(te: Any, initial: list[Any]) -> None:
     from workers.engine import seek_step
     from workers.layer_state import restore_from_shards
@@ -97,14 +95,13 @@ class Runner:
 
         from workers.data import DataConfig, SequenceDataset
         from workers.engine import build_engine
+        from workers.env import init_distributed
         from workers.host_buffers import HostBufferPool
         from workers.layer_state import snapshot_layers
 
         self.workload = workload
         self.root = root
         self.keep = keep
-        from workers.env import init_distributed
-
         model_cfg, optim_cfg, engine_cfg = _configs(workload)
         init_distributed()  # outside the timed build: a one-off JIT of DeepSpeed's shm op on CPU
         started = time.monotonic()
@@ -115,105 +112,137 @@ class Runner:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.dataset = SequenceDataset.from_config(DataConfig(seq_len=workload.seq_len, seed=0))
-        self.initial = snapshot_layers(self.te.layout, self.te.layer_map.names, HostBufferPool(pin=False), step=0)
-        self.initial = [_clone_shard(s) for s in self.initial]
+        initial = snapshot_layers(self.te.layout, self.te.layer_map.names, HostBufferPool(pin=False), step=0)
+        self.initial = [_clone_shard(s) for s in initial]
 
     def batches(self, step: int) -> list[torch.Tensor]:
         return [self.dataset.micro_batch(step=step, micro=0, rank=self.rank, world_size=self.world_size,
                                          micro_batch=self.workload.micro_batch, grad_accum=1)]
 
     def run(self, strategy: Strategy) -> dict[str, Any]:
-        from workers.drift import global_drift
-        from workers.schedule import lr_at
-        from workers.step import train_step
-
-        w = self.workload
-        _reset(self.te, self.initial)
+        w, te = self.workload, self.te
+        _reset(te, self.initial)
         directory = self.root / strategy.name
         if self.rank == 0 and directory.exists():
             shutil.rmtree(directory)
         torch.distributed.barrier()
-        persistence = make_persistence(self.te, strategy, directory)
-        tracker = FreshnessTracker(numel=self.te.layer_map.numel, eval_from=w.strategy.layercheck_warmup)
-        failures = set(w.failures) if strategy.kind is not Kind.NONE else set()
-        losses: dict[int, float] = {}
-        drifts: dict[int, dict[str, float]] = {}
-        lrs: dict[int, float] = {}
-        train_s = stall_s = probe_s = 0.0
-        compute: list[float] = []
-        probe_before = self.probe.seconds
-        recoveries = []
-        torch.distributed.barrier()
-        for step in range(1, w.steps + 1):
+        directory.mkdir(parents=True, exist_ok=True)
+        store = LayerStore.open(str(directory / "store"), fsync=True)
+        coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
+                                       layers=te.layer_map.names, store=store,
+                                       max_inflight_bytes=PersistenceConfig().max_inflight_bytes)
+        def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
+            return {p.step: p.loss for p in coordinator.progress_log}
+
+        baseline = make_baseline(te, strategy, directory, coordinator, batches=self.batches, losses=losses,
+                                 reset=lambda: _reset(te, self.initial))
+        recoveries: list[dict[str, Any]] = []
+        recovering_s = 0.0
+
+        def on_failure(t_fail: int) -> int:
+            nonlocal recovering_s
             started = time.monotonic()
-            loss, local = train_step(self.te, self.batches(step))
-            reduced = time.monotonic()
-            drift = global_drift(local)
-            decided = time.monotonic()
-            lr = lr_at(step - 1, self.te.optim_cfg)
-            persisted = persistence.after_step(step, lr, drift)
-            done = time.monotonic()
-            train_s += done - started
-            compute.append(reduced - started)
-            probe_s += decided - reduced
-            stall_s += done - decided
-            tracker.observe(step, drift, persisted)
-            losses[step], drifts[step], lrs[step] = loss, drift, lr
-            if step in failures:
-                recoveries.append(self._fail_and_recover(strategy, persistence, tracker, step, losses))
-        probe_s += self.probe.seconds - probe_before
-        done_info = persistence.finish()
-        total_bytes = _sum_all(float(done_info["bytes"]))
+            wipe_training_state(te)
+            recovered = baseline.recover(t_fail) if baseline is not None else self._recover(coordinator)
+            recoveries.append({"t_fail": t_fail, **recovered})
+            recovering_s += time.monotonic() - started
+            return recovered["start_step"]
+
+        probe_before = self.probe.seconds
+        torch.distributed.barrier()
+        started = time.monotonic()
+        train_with_failures(te, self.dataset, coordinator, start_step=1, end_step=w.steps, rank=self.rank,
+                            world_size=self.world_size,
+                            fail_after=w.failures if strategy.kind is not Kind.NONE else (),
+                            on_failure=on_failure, after_step=baseline.after_step if baseline else lambda s: None)
+        train_s = time.monotonic() - started - recovering_s
+        baseline_bytes, baseline_events = baseline.finish() if baseline is not None else (0, 0)
+        coordinator.close()
+        written = coordinator.writer.stats.written_bytes
+        total_bytes = _sum_all(float(written + baseline_bytes))
+        recoveries = [_max_timings(r) for r in recoveries]
         torch.distributed.barrier()
         if self.rank == 0 and not self.keep:  # a large model's checkpoints would fill the disk
             shutil.rmtree(directory, ignore_errors=True)
+        if self.rank != 0:
+            return {}
+        progress = coordinator.progress_log
+        persisted = _persisted(coordinator, baseline)
+        trace = {o.step: o for o in coordinator.service.trace}
+        freshness = _freshness(te.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
             "strategy": strategy.to_json(),
             "train_s": train_s,
-            "compute_median_s": statistics.median(compute),
-            "stall_s": stall_s,
-            "probe_s": probe_s,
+            "compute_median_s": statistics.median(p.compute_s for p in progress),
+            "stall_s": sum(p.stall_s for p in progress) + (baseline.stall_s if baseline is not None else 0.0),
+            "probe_s": self.probe.seconds - probe_before + sum(p.coordination_s for p in progress),
             "bytes_written": total_bytes,
-            "events": done_info["events"],
-            "freshness": tracker.summary(),
+            "events": len(coordinator.handed) + baseline_events,
+            "freshness": freshness,
             "recoveries": recoveries,
-            "losses": {str(k): v for k, v in losses.items()},
+            "losses": {str(p.step): p.loss for p in progress},
         }
         if strategy.kind is Kind.NONE:
-            out["trace"] = trace_of(self.te.layer_map.numel, drifts, lrs).to_json()
+            drifts = {s: dict(o.drift) for s, o in trace.items()}
+            out["trace"] = trace_of(te.layer_map.numel, drifts, {s: o.lr for s, o in trace.items()}).to_json()
         return out
 
-    def _fail_and_recover(self, strategy: Strategy, persistence: Any, tracker: FreshnessTracker, step: int,
-                          losses: dict[int, float]) -> dict[str, Any]:
-        from workers.step import train_step
-
-        weighted, worst = tracker.weighted_staleness_now(step), tracker.max_staleness_now(step)
-        _wipe(self.te)
-        recovered = persistence.recover(step)
-        if recovered.versions is not None:
-            tracker.recovered(recovered.versions)
-        if recovered.resume_after == 0 and strategy.recovery is Recovery.ROLLBACK:
+    def _recover(self, coordinator: LocalCoordinator) -> dict[str, Any]:
+        """LayerCheck's recovery, the product's code; from the initial weights if nothing was committed."""
+        recovered = recover(self.te, coordinator, layer_numel=self.te.layer_map.numel)
+        if recovered.records is None:
             _reset(self.te, self.initial)
-        replay_s, replay_diff = 0.0, 0.0
-        if strategy.recovery in (Recovery.ROLLBACK, Recovery.RESTART):
-            started = time.monotonic()
-            for again in range(recovered.resume_after + 1, step + 1):
-                loss, _ = train_step(self.te, self.batches(again))
-                replay_diff = max(replay_diff, abs(loss - losses[again]))
-            replay_s = time.monotonic() - started
-        else:
-            replay_s = recovered.replay_s
-        timings = _max_all([recovered.plan_s, recovered.load_s, replay_s, recovered.drain_s])
-        return {
-            "t_fail": step,
-            "resume_after": recovered.resume_after,
-            "steps_lost": step - recovered.resume_after,
-            "plan_s": timings[0], "load_s": timings[1], "replay_s": timings[2], "drain_s": timings[3],
-            "recovery_s": timings[0] + timings[1] + timings[2],
-            "weighted_staleness": recovered.weighted_staleness if strategy.recovery is Recovery.RESUME else weighted,
-            "max_staleness": recovered.max_staleness if strategy.recovery is Recovery.RESUME else worst,
-            "replay_max_loss_diff": replay_diff,
-        }
+        return {"resume_after": recovered.start_step - 1, "start_step": recovered.start_step,
+                "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
+                "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
+                "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+
+
+def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[str]]:
+    """Per step, the layers whose state taken at that step was saved: LayerCheck's committed
+    versions (rank 0), and the baseline's own checkpoints."""
+    out: dict[int, set[str]] = {}
+    if coordinator.committer is not None:
+        for layer, step in coordinator.committer.log.committed:
+            out.setdefault(step, set()).add(layer)
+    for step, names in (baseline.persisted if baseline is not None else {}).items():
+        out.setdefault(step, set()).update(names)
+    return out
+
+
+def _freshness(numel: Mapping[str, int], trace: Mapping[int, Any], persisted: Mapping[int, set[str]],
+               recoveries: list[dict[str, Any]], strategy: Strategy, w: Workload) -> dict[str, float]:
+    """Replay the run's freshness: per step its drift and what was saved, and each recovery.
+    A rollback's staleness at the failure is the tracker's (its recovery reports none)."""
+    tracker = FreshnessTracker(numel=numel, eval_from=w.strategy.layercheck_warmup)
+    by_fail = {r["t_fail"]: r for r in recoveries}
+    for step in range(1, w.steps + 1):
+        tracker.observe(step, trace[step].drift if step in trace else {}, persisted.get(step, ()))
+        recovery = by_fail.get(step)
+        if recovery is None:
+            continue
+        if strategy.recovery is not Recovery.RESUME:
+            recovery["weighted_staleness"] = tracker.weighted_staleness_now(step)
+            recovery["max_staleness"] = tracker.max_staleness_now(step)
+        if recovery.get("versions"):
+            tracker.recovered(recovery["versions"])
+    for recovery in recoveries:
+        recovery.pop("versions", None)
+    return tracker.summary()
+
+
+def _max_timings(recovery: dict[str, Any]) -> dict[str, Any]:
+    """A recovery's timings as the slowest rank's (collective); its step counts and the rest as they are."""
+    keys = ("plan_s", "load_s", "replay_s", "drain_s")
+    timings = _max_all([float(recovery.get(k, 0.0)) for k in keys])
+    out = {**recovery, **dict(zip(keys, timings))}
+    out.pop("start_step", None)
+    out["steps_lost"] = out["t_fail"] - out["resume_after"]
+    out["recovery_s"] = out["plan_s"] + out["load_s"] + out["replay_s"]
+    out.setdefault("replay_max_loss_diff", 0.0)
+    out.setdefault("weighted_staleness", 0.0)
+    out.setdefault("max_staleness", 0)
+    return out
 
 
 def _clone_shard(shard: Any) -> Any:
@@ -276,6 +305,8 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     for repeat in range(1, int(payload.get("repeats", 1))):
         for strategy in reversed(order) if repeat % 2 else order:
             again = runner.run(strategy)
+            if rank != 0:
+                continue  # only rank 0 reports
             for key in ("train_s", "stall_s", "probe_s"):
                 results[strategy.name].setdefault(f"{key}_repeats", [results[strategy.name][key]]).append(again[key])
     for result in results.values():
@@ -307,50 +338,25 @@ def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: W
 
 # ---- spawning ------------------------------------------------------------------------------
 
-def _entry(rank: int, world_size: int, port: int, out_dir: str, payload: Mapping[str, Any]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
     if payload["workload"]["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        result = rank_main(rank, world_size, payload)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    exit_without_teardown()  # the result is on disk; a teardown abort must not fail the rank
+    return rank_main(rank, world_size, payload)
 
 
 def run_benchmark(workload: Workload, strategies: list[Strategy], *, root: Path | None = None,
                   matched: bool = True, repeats: int = 1, timeout_s: float = 3600.0) -> dict[str, Any]:
     """Spawn the ranks and run every strategy; rank 0's raw measurements."""
-    import torch.multiprocessing as mp
-
-    from workers.env import free_port
-
     keep = root is not None
     root = root or Path(tempfile.mkdtemp(prefix="layercheck-bench-"))
     payload = {"workload": workload.to_json(), "strategies": [s.to_json() for s in strategies],
                "root": str(root.resolve()), "matched": matched, "repeats": repeats, "keep": keep}
     try:
-        with tempfile.TemporaryDirectory(prefix="layercheck-bench-out-") as out_dir:
-            context = mp.start_processes(_entry, args=(workload.world_size, free_port(), out_dir, payload),
-                                         nprocs=workload.world_size, join=False, start_method="spawn")
-            deadline = time.monotonic() + timeout_s
-            try:
-                while not context.join(timeout=5):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"benchmark ranks still running after {timeout_s:.0f}s")
-            except BaseException:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.kill()
-                raise
-            return json.loads(Path(out_dir, "rank0.json").read_text())
+        return spawn_ranks(_rank_entry, workload.world_size, payload, timeout_s=timeout_s,
+                           what=f"benchmark ({workload.name})")[0]
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

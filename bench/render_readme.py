@@ -33,8 +33,8 @@ def ray_line(demo: Mapping[str, Any], results_dir: str) -> str:
     """The Ray actor path's per-step protocol cost, from a ``layercheck demo --json`` summary."""
     coord, step = demo["coordination_s_per_step"], demo["step_s_per_step"]
     return (f"- **Coordination through Ray actors** ([`ray-demo-summary.json`]({results_dir}/ray-demo-summary.json), "
-            f"`layercheck demo`, the real orchestrator; the benchmark above decides on every rank from the all-reduced "
-            f"drift instead): the per-step policy protocol took {coord['mean'] * 1e3:.2f} ms on average (p90 "
+            f"`layercheck demo`, the real orchestrator; the benchmark above runs the same protocol over "
+            f"torch.distributed instead): the per-step policy protocol took {coord['mean'] * 1e3:.2f} ms on average (p90 "
             f"{coord['p90'] * 1e3:.2f} ms) against a {step['mean'] * 1e3:.1f} ms training step "
             f"({coord['mean'] / step['mean']:.1%}).")
 

@@ -1,7 +1,8 @@
 """The checkpointing strategies the benchmark compares, as values.
 
 A strategy says *what* is persisted and *how a failure is recovered*; the harness
-(:mod:`bench.harness`) carries it out. Every strategy trains the same workload with the same
+(:mod:`bench.harness`) carries it out on LayerCheck's own loop and local runtime
+(:mod:`orchestrator.local`), the baselines' own checkpointing in :mod:`bench.baselines`. Every strategy trains the same workload with the same
 failure schedule, so their rows differ only in checkpointing.
 
 =============== ============================================ =====================================
@@ -25,7 +26,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.config_loader import to_mapping
-from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name
+from policies.configs import (DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig,
+                              policy_config, policy_name)
 
 
 class Kind(str, enum.Enum):
@@ -93,6 +95,17 @@ class Strategy:
     @property
     def recovery(self) -> Recovery:
         return RECOVERY_OF[self.kind]
+
+    @property
+    def loop_policy(self) -> PolicyConfig:
+        """The policy LayerCheck's loop runs for this strategy: its own (``layer-policy``), every
+        layer every N (``layer-interval`` and the full part of ``differential``), or never (the
+        DeepSpeed baselines and ``none``, whose checkpointing is their own)."""
+        if self.policy is not None:
+            return self.policy
+        if self.kind in (Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL):
+            return IntervalConfig(interval=self.interval)
+        return NeverConfig()
 
     @property
     def uses_layer_store(self) -> bool:

@@ -16,10 +16,10 @@ from bench.strategies import default_strategies, select
 @pytest.mark.slow
 def test_harness_runs_recovers_and_reports(tmp_path):
     workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
-    strategies = select(default_strategies(workload.strategy), ["layercheck", "full"])
+    strategies = select(default_strategies(workload.strategy), ["layercheck", "full", "diff"])
     raw = run_benchmark(workload, strategies, root=tmp_path / "work", matched=False)
     results = raw["results"]
-    assert list(results) == ["none", "layercheck", "full"]
+    assert list(results) == ["none", "layercheck", "full", "diff"]
     for name, result in results.items():
         losses = result["losses"]
         assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values()), name
@@ -30,6 +30,8 @@ def test_harness_runs_recovers_and_reports(tmp_path):
     (full_recovery,) = results["full"]["recoveries"]
     assert full_recovery["resume_after"] == 4 and full_recovery["steps_lost"] == 2
     assert full_recovery["replay_max_loss_diff"] == 0.0  # re-running the lost steps is exact
+    (diff_recovery,) = results["diff"]["recoveries"]  # the full taken after step 5 (decided at 4) + a delta
+    assert diff_recovery["resume_after"] == 6 and diff_recovery["steps_lost"] == 0
     assert results["layercheck"]["bytes_written"] > 0 and results["full"]["bytes_written"] > 0
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
     write_outputs(report, tmp_path / "out", ettr_runs=5)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ from workers.engine import layer_map_for
 from orchestrator.store.manifest import VersionRecord
 from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
 from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
+from orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import LayerMap
 from policies.plan import NoUsableVersionError
@@ -177,46 +177,20 @@ class _DeepSpeedJob:
 
 
 def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
-    """Run :func:`_rank_main` on ``world_size`` local processes; :class:`ExportError` with the
-    failing rank's traceback if one fails, or if they have not finished after ``timeout_s``."""
-    import torch.multiprocessing as mp
-
-    from workers.env import free_port
-
+    """Run :func:`_rank_main` on ``world_size`` local processes; :class:`ExportError` naming the
+    failing rank if one fails, or the ranks still running after ``timeout_s`` (then killed)."""
     what = f"DeepSpeed export of run {job.store_uri} at step {job.step}"
-    context = mp.start_processes(_rank_main, args=(job, world_size, free_port()), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
     try:
-        while not context.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                raise ExportError(f"{what}: the {world_size} ranks did not finish within {timeout_s:.0f}s")
-    except mp.ProcessRaisedException as error:
-        logger.error("%s: rank %d failed:\n%s", what, error.error_index, error.msg)
-        raise ExportError(f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}") from None
-    except mp.ProcessExitedException as error:
-        raise ExportError(f"{what} failed: {error}") from None
-    finally:
-        for process in context.processes:  # a failed rank leaves its peers waiting in a collective
-            if process.is_alive():
-                process.kill()
+        spawn_ranks(_rank_main, world_size, job, timeout_s=timeout_s, what=what)
+    except RanksFailedError as error:
+        raise ExportError(str(error)) from None
 
 
-def _last_line(traceback_text: str) -> str:
-    """The exception line that ends a formatted traceback."""
-    lines = [line for line in traceback_text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else traceback_text
-
-
-def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> None:
+def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     """One export rank: build the engine, load the composite, seek to ``T``, save."""
     from orchestrator.core.composite import load_composite
     from workers.engine import build_engine, seek_step, shutdown
-    from workers.spawn import exit_without_teardown
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     run = parse_run_config(job.run_json)
     te = build_engine(run.model, run.optim, run.engine)
     try:
@@ -226,7 +200,6 @@ def _rank_main(rank: int, job: _DeepSpeedJob, world_size: int, port: int) -> Non
                                   client_state={"layercheck_export": job.provenance()})
     finally:
         shutdown(te)
-    exit_without_teardown()  # the checkpoint is written; a teardown abort must not fail the export
 
 
 # ---- the whole command --------------------------------------------------------------------------

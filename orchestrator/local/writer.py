@@ -1,0 +1,122 @@
+"""One rank's writer: a thread that moves the rank's layer snapshots to the store, as the Ray
+runtime's persistence pool does, through the same :class:`SupersedingQueue` — a newer snapshot
+of a layer replaces an older one not yet written — and the same in-flight byte bound: past
+``max_inflight_bytes`` (queued plus being written) the training thread waits, and says so.
+Each written shard's receipt goes to rank 0's committer through the :class:`Mailbox`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from orchestrator.core.write_queue import SupersedingQueue
+from orchestrator.local.mailbox import Mailbox
+from orchestrator.store.layer_store import LayerStore
+from workers.shard import LayerShard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WriterStats:
+    written_versions: int = 0
+    written_bytes: int = 0
+    superseded: int = 0
+    failures: int = 0
+    blocked_s: float = 0.0
+    """Time the training thread waited for the byte bound."""
+
+
+@dataclass(frozen=True)
+class _Entry:
+    shard: LayerShard
+    base: bool
+
+
+class LocalWriter:
+    def __init__(self, store: LayerStore, mailbox: Mailbox, *, max_inflight_bytes: int) -> None:
+        self.store = store
+        self.mailbox = mailbox
+        self.max_inflight_bytes = max_inflight_bytes
+        self.stats = WriterStats()
+        self._queue: SupersedingQueue[_Entry] = SupersedingQueue(lambda e: e.shard.nbytes)
+        self._writing_bytes = 0
+        self._closed = False
+        self._changed = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="layercheck-writer", daemon=True)
+        self._thread.start()
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self._queue.nbytes + self._writing_bytes
+
+    def submit(self, shard: LayerShard, *, base: bool) -> None:
+        """Queue ``shard`` (the writer owns it now); waits while the bytes in flight exceed the bound."""
+        with self._changed:
+            older = self._queue.put((shard.layer, shard.rank), _Entry(shard, base))
+            if older is not None:
+                self.stats.superseded += 1
+                logger.info("%s step %d (rank %d) superseded by step %d before it was written",
+                            shard.layer, older.shard.step, shard.rank, shard.step)
+            self._changed.notify_all()
+            if self.inflight_bytes <= self.max_inflight_bytes:
+                return
+            started = time.monotonic()
+            logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
+                           shard.rank, self.inflight_bytes, self.max_inflight_bytes)
+            while self.inflight_bytes > self.max_inflight_bytes and not self._closed:
+                self._changed.wait()
+            self.stats.blocked_s += time.monotonic() - started
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until everything queued is written and its receipt posted; False at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while len(self._queue) or self._writing_bytes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.error("writer not drained after %.0fs: %d shard(s) left", timeout_s, len(self._queue))
+                    return False
+                self._changed.wait(left)
+        return True
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+
+    def snapshot_stats(self) -> WriterStats:
+        with self._changed:
+            return replace(self.stats)
+
+    def _run(self) -> None:
+        mailbox = self.mailbox.client()
+        while True:
+            with self._changed:
+                while not len(self._queue) and not self._closed:
+                    self._changed.wait()
+                if self._closed:
+                    return
+                entry = self._queue.pop()
+                assert entry is not None
+                self._writing_bytes = entry.shard.nbytes
+            self._write(entry, mailbox)
+            with self._changed:
+                self._writing_bytes = 0
+                self._changed.notify_all()
+
+    def _write(self, entry: _Entry, mailbox: Mailbox) -> None:
+        shard = entry.shard
+        try:
+            receipt = self.store.write_shard(shard, base=entry.base)
+        except Exception as error:  # a full or read-only store must not kill the writer
+            self.stats.failures += 1
+            logger.error("writing %s step %d rank %d failed: %s", shard.layer, shard.step, shard.rank, error)
+            return
+        self.stats.written_versions += 1
+        self.stats.written_bytes += receipt.nbytes
+        mailbox.post(receipt.to_json())

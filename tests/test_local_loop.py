@@ -1,0 +1,50 @@
+"""``workers.loop.run_loop`` through the local (no Ray) coordinator, on 2 real gloo ranks:
+decisions carried out one step late on every rank alike, only whole versions committed, the
+layers a decision names are the ones persisted, and a failure + recovery resumes at
+``t_fail + 1`` with the losses of a failure-free run when every layer is persisted every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.local.spawn import spawn_ranks
+from tests.local_jobs import STEPS, loop_scenarios
+
+
+pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("local-loop")
+    return spawn_ranks(loop_scenarios, 2, str(root), timeout_s=600, what="local loop scenarios")
+
+
+def test_the_layers_a_decision_names_are_persisted_one_step_later_on_every_rank(ranks):
+    layers = ranks[0]["layers"]
+    for out in ranks:
+        # decided at steps 2 and 3, carried out after steps 3 and 4 (DECISION_LAG = 1)
+        assert out["scripted"]["handed"] == [[3, [layers[0]]], [4, [layers[1], layers[-1]]]]
+    assert ranks[0]["scripted"]["committed"] == sorted([[layers[0], 3], [layers[1], 4], [layers[-1], 4]])
+
+
+def test_every_rank_decides_alike_and_only_whole_versions_are_committed(ranks):
+    assert ranks[0]["every"]["decided"] == ranks[1]["every"]["decided"]
+    assert ranks[0]["every"]["handed"] == ranks[1]["every"]["handed"]
+    # interval 1: the decision of step t after step t+1, the last one when the loop ends
+    assert [step for step, _ in ranks[0]["every"]["handed"]] == [*range(2, STEPS + 1), STEPS]
+    manifest = ranks[0]["every"]["manifest"]
+    assert manifest and all(shard_ranks == [0, 1] for _, _, shard_ranks in manifest)
+    assert {(layer, step) for layer, step, _ in manifest} == {tuple(c) for c in ranks[0]["every"]["committed"]}
+    assert all(out["every"]["drained"] for out in ranks)
+
+
+def test_failure_and_recovery_resume_at_t_fail_plus_one_with_the_same_losses(ranks):
+    layers = ranks[0]["layers"]
+    for out in ranks:
+        (recovery,) = out["failed"]["recoveries"]
+        assert recovery["t_fail"] == 4 and recovery["start_step"] == 5
+        # the decision of step 3 was carried out after step 4: the composite is step 4's state
+        assert recovery["versions"] == {layer: 4 for layer in layers}
+    assert ranks[0]["failed"]["losses"] == ranks[0]["every"]["losses"]
+    assert sorted(map(int, ranks[0]["failed"]["losses"])) == list(range(1, STEPS + 1))
