@@ -9,6 +9,7 @@ a default).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -24,6 +25,17 @@ class ConfigError(ValueError):
 def require(condition: bool, field: str, allowed: str, value: object) -> None:
     if not condition:
         raise ConfigError(f"{field}: must be {allowed}, got {value!r}")
+
+
+def require_finite(config: Any) -> None:
+    """Every float field of the dataclass ``config`` (and every float in a tuple field) is
+    finite: ``inf`` passes ``> 0`` checks and then silently disables what it configures."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if isinstance(v, float):
+                require(math.isfinite(v), f.name, "a finite number (not inf or nan)", value)
 
 
 def from_mapping(cls: type[T], data: Mapping[str, Any], *, field: str = "") -> T:
@@ -93,6 +105,7 @@ def _convert(hint: Any, value: Any, field: str) -> Any:
         return value
     if hint is float:
         require(isinstance(value, (int, float)) and not isinstance(value, bool), field, "a number", value)
+        require(math.isfinite(value), field, "a finite number (not inf or nan)", value)
         return float(value)
     if hint is str:
         require(isinstance(value, str), field, "a string", value)

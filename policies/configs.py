@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Union
 
-from policies.config_loader import from_mapping, require
+from policies.config_loader import from_mapping, require, require_finite
 
 
 ThresholdSchedule = Literal["lr", "constant"]
@@ -38,6 +38,7 @@ class LayerCheckConfig:
     """Floor of ``lr_t / lr_peak``, so a zero learning rate never makes the threshold zero."""
 
     def __post_init__(self) -> None:
+        require_finite(self)
         require(self.k0 > 0, "k0", "> 0", self.k0)
         require(self.k0_embed > 0, "k0_embed", "> 0", self.k0_embed)
         require(self.smax >= 1, "smax", ">= 1", self.smax)
@@ -68,6 +69,7 @@ class DriftOptimalConfig:
     """Smoothing of each layer's per-step drift rate (exponential moving average)."""
 
     def __post_init__(self) -> None:
+        require_finite(self)
         require(self.period >= 1, "period", ">= 1", self.period)
         require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
         require(self.smax >= 1, "smax", ">= 1", self.smax)

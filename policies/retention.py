@@ -16,7 +16,7 @@ before a base one at the same step); versions that tie exactly are all kept.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from policies.plan import VersionRef, newest_recoverable_step
@@ -79,19 +79,29 @@ def _base_needs(by_layer: dict[str, list[VersionRef]]) -> dict[str, str]:
 
 
 def plan_retention(
-    versions: Iterable[VersionRef], *, config: RetentionConfig, layers: Collection[str] | None = None
+    versions: Iterable[VersionRef], *, config: RetentionConfig, layers: Collection[str] | None = None,
+    unusable: Mapping[str, str] | None = None,
 ) -> RetentionDecision:
     """Decide what to keep. ``layers`` defaults to every layer that has a version; until every
-    one of them has a version there is no recovery point yet, and everything is kept."""
+    one of them has a *usable* version there is no recovery point yet, and everything is kept.
+
+    ``unusable`` (version id → why) are versions found damaged: the plan is made as if they did
+    not exist — so the older version a recovery would fall back to is kept in their place — and
+    they are kept too (evidence for ``layercheck verify``; GC deletes only what it can prove unneeded)."""
     refs = list(versions)
+    unusable = unusable or {}
     names = list(layers) if layers is not None else list(dict.fromkeys(v.layer for v in refs))
+    damaged = {v.version_id: f"damaged ({unusable[v.version_id]}): kept for inspection"
+               for v in refs if v.version_id in unusable}
+    refs = [v for v in refs if v.version_id not in unusable]
     newest = newest_recoverable_step(names, refs)
     if newest is None:
-        return RetentionDecision(newest_step=None, keep={v.version_id: "no recovery point yet" for v in refs})
+        return RetentionDecision(newest_step=None, keep={**{v.version_id: "no recovery point yet" for v in refs},
+                                                         **damaged})
     by_layer: dict[str, list[VersionRef]] = {}
     for v in refs:
         by_layer.setdefault(v.layer, []).append(v)
-    keep: dict[str, str] = {}
+    keep: dict[str, str] = dict(damaged)
     for candidates in by_layer.values():
         keep.update(_window_needs(candidates, newest - config.window, newest))
     for version_id, reason in _base_needs(by_layer).items():

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.config_loader import ConfigError, require
+from policies.config_loader import ConfigError, require, require_finite
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class OptimConfig:
     """Decay after warm-up: ``cosine``, ``linear`` or ``constant``."""
 
     def __post_init__(self) -> None:
+        require_finite(self)
         require(math.isfinite(self.lr) and self.lr > 0, "lr", "a positive finite number", self.lr)
         require(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
@@ -103,6 +104,7 @@ class EngineConfig:
     """Merged last into the generated DeepSpeed config, for settings this class does not model."""
 
     def __post_init__(self) -> None:
+        require_finite(self)
         require(self.zero_stage in ZERO_STAGES, "zero_stage", f"one of {ZERO_STAGES}", self.zero_stage)
         require(self.precision in PRECISIONS, "precision", f"one of {PRECISIONS}", self.precision)
         require(self.micro_batch >= 1, "micro_batch", "at least 1", self.micro_batch)

@@ -7,9 +7,11 @@ Under Ray Train or torchrun these are already set and are left alone. Nothing ru
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import socket
+import time
 
 import torch
 
@@ -45,9 +47,52 @@ def prepare_environment() -> None:
         logger.info("no distributed environment: running as a single rank (port %d)", port)
 
 
+#: A JIT build of DeepSpeed's shm op takes 30-40 s; a lock this old with no build running is a
+#: killed build's leftover, on which every later start would wait forever.
+STALE_LOCK_S = 600.0
+
+
+def extension_locks(root: str | None = None) -> list[str]:
+    """The lock files of DeepSpeed's JIT-built ops in torch's extension cache."""
+    root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
+    return sorted(glob.glob(os.path.join(root, "*", "deepspeed_*", "lock")) + glob.glob(
+        os.path.join(root, "deepspeed_*", "lock")))
+
+
+def _builders(build_dir: str) -> list[int]:
+    """Pids of live processes working in ``build_dir`` (ninja, the compiler); Linux /proc only."""
+    pids = []
+    for entry in glob.glob("/proc/[0-9]*/cwd"):
+        try:
+            if os.path.realpath(entry).startswith(os.path.realpath(build_dir)):
+                pids.append(int(entry.split("/")[2]))
+        except OSError:
+            continue  # gone, or not ours to look at
+    return pids
+
+
+def check_build_locks(root: str | None = None, *, now: float | None = None, stale_s: float = STALE_LOCK_S) -> None:
+    """Name a DeepSpeed JIT build lock that would hang this process: raise for one older than
+    ``stale_s`` with no live process building in its directory (a killed build's leftover); log
+    one that may belong to a build in progress elsewhere."""
+    now = time.time() if now is None else now
+    for lock in extension_locks(root):
+        try:
+            age = now - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            continue  # the build just finished
+        if age >= stale_s and not _builders(os.path.dirname(lock)):
+            raise RuntimeError(
+                f"stale DeepSpeed build lock {lock} ({age / 60:.0f} min old, no build running): a build was "
+                f"killed while it held it, and every start would wait on it forever. Delete it: rm {lock}")
+        logger.warning("DeepSpeed's JIT build lock %s exists (%.0f s old): waiting for that build; if none is "
+                       "running (a killed build leaves it), delete the file", lock, age)
+
+
 def init_distributed() -> None:
     """Join (or create) the default process group DeepSpeed will use."""
     prepare_environment()
+    check_build_locks()
     import deepspeed  # late: must follow prepare_environment
 
     if not torch.distributed.is_initialized():

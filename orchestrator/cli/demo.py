@@ -23,5 +23,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.overwrite = not args.resume  # runs/demo belongs to the demo
+    args.overwrite = not args.resume and args.restart_into is None  # runs/demo belongs to the demo
     return train_cmd.run(args)

@@ -4,17 +4,21 @@ print what picking ``K0`` and ``Smax`` trades, against full checkpoints at match
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
+from orchestrator.store.layer_store import RUN_CONFIG_FILE
 from policies.config_loader import ConfigError
-from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config
+from policies.configs import POLICY_CONFIGS, DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name
 from policies.simulate import Comparison, compare, simulate_config, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 from orchestrator.table import format_table, human_bytes
 
+
+logger = logging.getLogger(__name__)
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -31,16 +35,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--peak-lr", type=float, default=1e-5, help="synthetic: peak learning rate")
     src.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     src.add_argument("--write-trace", type=Path, help="also write the trace used (JSON, or CSV for *.csv)")
-    pol = p.add_argument_group("policy")
-    pol.add_argument("--policy", default="layercheck", help="layercheck | drift-optimal | interval | never")
-    pol.add_argument("--k0", type=float, default=1e-3)
-    pol.add_argument("--k0-embed", type=float, default=1e-2)
-    pol.add_argument("--smax", type=int, default=1000)
-    pol.add_argument("--warmup", type=int, default=200, help="warm-up steps W (base checkpoint at W)")
-    pol.add_argument("--schedule", default="lr", help="threshold schedule: lr | constant")
-    pol.add_argument("--interval", type=int, default=100, help="interval policy: steps between full checkpoints")
-    pol.add_argument("--period", type=int, default=50,
-                     help="drift-optimal: save period of a layer drifting at the mean rate")
+    pol = p.add_argument_group("policy (default: the run's own, from run.json beside --trace; else layercheck)")
+    pol.add_argument("--policy", default=None, help="layercheck | drift-optimal | interval | never")
+    pol.add_argument("--k0", type=float, default=None, help="(default 1e-3)")
+    pol.add_argument("--k0-embed", type=float, default=None, help="(default 1e-2)")
+    pol.add_argument("--smax", type=int, default=None, help="(default 1000)")
+    pol.add_argument("--warmup", type=int, default=None, help="warm-up steps W (base checkpoint at W; default 200)")
+    pol.add_argument("--schedule", default=None, help="threshold schedule: lr | constant (default lr)")
+    pol.add_argument("--interval", type=int, default=None, help="interval policy: steps between full checkpoints "
+                                                                 "(default 100)")
+    pol.add_argument("--period", type=int, default=None,
+                     help="drift-optimal: save period of a layer drifting at the mean rate (default 50)")
     pol.add_argument("--sweep", help="comma-separated K0 values: print the whole trade-off curve")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -65,7 +70,12 @@ def run(args: argparse.Namespace) -> int:
     if args.write_trace:
         text = trace.to_csv() if args.write_trace.suffix == ".csv" else json.dumps(trace.to_json())
         args.write_trace.write_text(text)
-    eval_from = args.warmup
+    eval_from = getattr(config, "warmup_steps", args.warmup or 0)
+    last = max((obs.step for obs in trace.steps), default=0)
+    if eval_from > 0 and last < eval_from:  # nothing is persisted before the warm-up: 0 staleness would lie
+        raise SystemExit(f"layercheck simulate: the trace ends at step {last}, before the policy's warm-up "
+                         f"(base checkpoint at step {eval_from}): the policy persists nothing on it, so there "
+                         f"is nothing to measure; pass a smaller --warmup, or a longer trace")
     if args.sweep:
         if not isinstance(config, LayerCheckConfig):
             raise SystemExit("layercheck simulate: --sweep needs --policy layercheck")
@@ -76,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     elif isinstance(config, DriftOptimalConfig):
         comparisons = [compare(trace, config, label=f"drift-optimal period={config.period}", eval_from=eval_from)]
     else:
-        result = simulate_config(trace, config, label=args.policy, eval_from=eval_from)
+        result = simulate_config(trace, config, label=policy_name(config), eval_from=eval_from)
         comparisons = []
         print(json.dumps(_result_json(result), indent=2) if args.json else _summary([result]))
         return 0
@@ -104,17 +114,37 @@ def load_trace(args: argparse.Namespace) -> DriftTrace:
     )
 
 
+_FLAGS = {"k0": "k0", "k0_embed": "k0_embed", "smax": "smax", "warmup": "warmup_steps",
+          "schedule": "threshold_schedule", "interval": "interval", "period": "period"}
+
+
 def _policy_config(args: argparse.Namespace):
-    if args.policy == "layercheck":
-        return policy_config("layercheck", {
-            "k0": args.k0, "k0_embed": args.k0_embed, "smax": args.smax,
-            "warmup_steps": args.warmup, "threshold_schedule": args.schedule,
-        })
-    if args.policy == "interval":
-        return policy_config("interval", {"interval": args.interval})
-    if args.policy == "drift-optimal":
-        return policy_config("drift-optimal", {"period": args.period, "smax": args.smax, "warmup_steps": args.warmup})
-    return policy_config(args.policy, {})
+    """The policy to replay: the run's own (``run.json`` beside ``--trace``) unless ``--policy``
+    names one; flags given override its fields."""
+    name, params = args.policy, {}
+    run_policy = _run_policy(args.trace) if args.trace is not None and name is None else None
+    if run_policy is not None:
+        name, params = run_policy
+        logger.info("replaying the run's own policy from run.json beside the trace: %s %s", name, params)
+    name = name or "layercheck"
+    fields = {f.name for f in dataclasses.fields(POLICY_CONFIGS[name])} if name in POLICY_CONFIGS else set()
+    for flag, field in _FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None and field in fields:
+            params[field] = value
+    return policy_config(name, params)
+
+
+def _run_policy(trace: Path) -> tuple[str, dict[str, Any]] | None:
+    """``(name, params)`` of the policy in the ``run.json`` next to ``trace``, if there is one."""
+    path = trace.parent / RUN_CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        policy = dict(json.loads(path.read_text())["policy"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f"{path}: cannot read the run's policy ({error}); pass --policy") from None
+    return str(policy.pop("name")), policy
 
 
 def _result_json(r) -> dict[str, Any]:

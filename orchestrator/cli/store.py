@@ -159,6 +159,10 @@ def run_gc(args: argparse.Namespace) -> int:
     print(f"{'would free' if report.dry_run else 'freed'} {human_bytes(report.freed_bytes)}: "
           f"{len(report.deleted_versions)} version(s), {len(report.orphans)} orphan file(s); "
           f"{report.kept} version(s) kept (newest recoverable step {report.newest_step}, window {args.window})")
+    for version_id, why in report.damaged.items():
+        print(f"warning: damaged version {version_id} kept, and the versions a recovery falls back to instead: {why}")
+    if report.damaged:
+        print(f"warning: {len(report.damaged)} damaged version(s); run layercheck verify {args.run}")
     for error in report.errors:
         print(f"error: {error}")
     return 1 if report.errors else 0

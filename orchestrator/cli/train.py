@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from orchestrator.store.errors import StoreBusyError, UnsafeStoreError
 from policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -30,21 +31,37 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="delete checkpoints an earlier run left in the storage")
     p.add_argument("--resume", action="store_true",
                    help="continue the run in the storage from its newest recoverable step (any number of workers)")
+    p.add_argument("--restart-into", metavar="STORAGE", default=None,
+                   help="start over from the initial weights in a new store STORAGE (when --resume is refused "
+                        "because a layer has no usable version; the old store is kept as it is)")
+    p.add_argument("--take-over", action="store_true",
+                   help="take the store even if another run's lease on it is live (only when that run is dead)")
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     from orchestrator.core.run_config import load_run_config
 
+    overrides = dict(_override(item) for item in args.set)
+    resume = args.resume
+    if args.restart_into is not None:
+        if args.overwrite:
+            print("layercheck train: --restart-into writes a new store; it does not go with --overwrite",
+                  file=sys.stderr)
+            return 2
+        overrides["storage"], resume = args.restart_into, False
     try:
-        config = load_run_config(args.config, dict(_override(item) for item in args.set))
+        config = load_run_config(args.config, overrides)
     except ConfigError as error:
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
-    return train_and_report(config, overwrite=args.overwrite, resume=args.resume, as_json=args.json)
+    return train_and_report(config, overwrite=args.overwrite, resume=resume, as_json=args.json,
+                            take_over=args.take_over)
 
 
-def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False) -> int:
+def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False,
+                     take_over: bool = False) -> int:
+    from orchestrator.core.run_start import ResumeError
     from orchestrator.runtime.driver import train
     from orchestrator.cli.summary import format_progress, format_summary, summarize
 
@@ -59,8 +76,10 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
             last.update(step=status["step"], state=status["state"])
 
     try:
-        result = train(config, overwrite=overwrite, resume=resume, on_progress=None if as_json else show)
-    except (FileExistsError, FileNotFoundError, ConfigError) as error:  # ConfigError: the data, checked on the driver
+        result = train(config, overwrite=overwrite, resume=resume, take_over=take_over,
+                       on_progress=None if as_json else show)
+    except (FileExistsError, FileNotFoundError, ConfigError, UnsafeStoreError, StoreBusyError, ResumeError) as error:
+        # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
     summary = summarize(result)

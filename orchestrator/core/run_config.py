@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from policies.config_loader import ConfigError, from_mapping, require, to_mapping
+from policies.layer_map import LayerMap
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.data import DataConfig, DataSummary, load_data
@@ -83,7 +84,7 @@ class FaultConfig:
     kill_at_step: int = 0
     """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
     kill_rank: int = 0
-    """The rank that is killed."""
+    """The rank that is killed (a rank outside the group: none is, with a warning)."""
 
     def __post_init__(self) -> None:
         require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
@@ -137,10 +138,9 @@ class RunConfig:
         require(bool(_RUN_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)
         require(self.steps >= 1, "steps", ">= 1", self.steps)
         require(self.log_every >= 1, "log_every", ">= 1", self.log_every)
-        require(
-            self.fault.kill_rank < self.cluster.num_workers, "fault.kill_rank",
-            f"< cluster.num_workers ({self.cluster.num_workers})", self.fault.kill_rank,
-        )
+        require(bool(self.storage.strip()), "storage", "a path or URI of the run's own directory (empty means "
+                "the working directory)", self.storage)
+
 
     @property
     def storage_uri(self) -> str:
@@ -151,6 +151,9 @@ class RunConfig:
         made absolute against this process's working directory: Ray Train workers and actors run
         in directories of their own."""
         config = dataclasses.replace(self, data=self.data.with_absolute_paths())
+        if config.model.path is not None and not os.path.isabs(config.model.path):
+            config = dataclasses.replace(config, model=dataclasses.replace(
+                config.model, path=os.path.abspath(config.model.path)))
         uri = config.storage_uri
         if "://" in uri or os.path.isabs(uri):
             return config
@@ -176,6 +179,51 @@ def check_data(config: RunConfig) -> DataSummary:
             else "model.path", f">= the tokenizer's vocabulary ({summary.vocab_size}, data.tokenizer = "
             f"{config.data.tokenizer!r})", vocab)
     return summary
+
+
+def check_model(model: ModelConfig) -> LayerMap:
+    """Build the model's layer map on the driver (no weights allocated), turning what would be a
+    traceback in every worker into a :class:`ConfigError` naming the field: a ``model.path`` that
+    is not a local checkpoint folder, an unknown ``model.hf_config.model_type``, a config
+    ``transformers`` refuses, a model LayerCheck cannot map into layers."""
+    field = "model.path" if model.path is not None else "model.hf_config"
+    if model.path is not None:
+        if not os.path.isdir(model.path):
+            raise ConfigError(f"model.path: no directory {model.path!r} (a local checkpoint folder with "
+                              "config.json; LayerCheck downloads nothing)")
+        if not os.path.isfile(os.path.join(model.path, "config.json")):
+            raise ConfigError(f"model.path: {model.path!r} has no config.json; is it a Hugging Face model folder?")
+    else:
+        from transformers import CONFIG_MAPPING
+
+        model_type = (model.hf_config or {}).get("model_type")
+        if model_type not in CONFIG_MAPPING:
+            raise ConfigError(f"model.hf_config.model_type: unknown model type {model_type!r}; transformers "
+                              "knows e.g. llama, qwen2, mistral, gpt2 (see transformers.CONFIG_MAPPING)")
+        field = "model.hf_config"
+    from workers.engine import layer_map_for  # torch and transformers: only when a run starts
+
+    try:
+        return layer_map_for(model)
+    except Exception as error:  # transformers' own message, under the field that caused it
+        raise ConfigError(f"{field}: cannot build the model: {type(error).__name__}: {error}") from None
+
+
+def config_warnings(config: RunConfig) -> list[str]:
+    """Settings that are legal but probably not meant, for the driver to show before it starts."""
+    warnings = []
+    if config.steps > config.optim.total_steps:
+        warnings.append(
+            f"steps = {config.steps} but optim.total_steps = {config.optim.total_steps}: the learning-rate "
+            f"schedule ends at step {config.optim.total_steps} and steps {config.optim.total_steps + 1}-"
+            f"{config.steps} train at its final rate (lr x min_lr_ratio = {config.optim.lr * config.optim.min_lr_ratio:g}); "
+            f"set optim.total_steps = {config.steps} to stretch the schedule")
+    fault = config.fault
+    if fault.kill_at_step and fault.kill_rank >= config.cluster.num_workers:
+        # not an error: `--resume --set cluster.num_workers=1` of a demo run must work as written
+        warnings.append(f"fault.kill_rank = {fault.kill_rank} is not a rank of the {config.cluster.num_workers}-"
+                        f"worker group: no failure is injected at step {fault.kill_at_step}")
+    return warnings
 
 
 def _model_vocab_size(config: RunConfig) -> int | None:
@@ -228,6 +276,11 @@ def load_run_config(path: str | Path, overrides: Mapping[str, Any] | None = None
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
-    for key in parents:
+    if not all((*parents, leaf)):
+        raise ConfigError(f"--set {dotted}: an empty part in the dotted key")
+    for depth, key in enumerate(parents):
         data = data.setdefault(key, {})
+        if not isinstance(data, dict):
+            table = ".".join(parents[: depth + 1])
+            raise ConfigError(f"--set {dotted}: {table} is a value ({data!r}), not a table with fields")
     data[leaf] = value

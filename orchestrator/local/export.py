@@ -36,7 +36,7 @@ from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_c
 from orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import LayerMap
-from policies.plan import NoUsableVersionError
+from policies.plan import NoUsableVersionError, newest_recoverable_step
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,11 @@ def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None 
 def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
     """The composite at ``step`` (default: the newest recoverable step), every version checked
     byte by byte; :class:`ExportError` naming the run, the step and the layers without one."""
+    if step is not None:
+        newest = newest_recoverable_step(list(layer_numel), store.manifest().refs())
+        if newest is not None and step > newest:  # the composite would be older than its label
+            raise ExportError(f"run {store.uri}: --step {step} is past the newest recoverable step {newest}; "
+                              f"export --step {newest} (or leave --step out)")
     try:
         resolved = resolve_plan(store, layer_numel, step, deep=True)
     except NoUsableVersionError as error:
@@ -133,10 +138,27 @@ def composite_model(run: RunConfig, store: LayerStore, records: Mapping[str, Ver
 def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path) -> Path:
     """Write the composite as a Hugging Face model folder (config + safetensors) at ``out``."""
     _check_empty_dir(out, "a Hugging Face export")
+    tokenizer = run_tokenizer(run)  # before anything is written: a missing tokenizer fails the export
     model = composite_model(run, store, resolved.records)
     model.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
     logger.info("wrote the composite at step %d as a Hugging Face model to %s", resolved.plan.t_fail, out)
     return out
+
+
+def run_tokenizer(run: RunConfig) -> Any:
+    """The tokenizer the run trained with (``data.tokenizer``), to ship beside the model so that
+    ``AutoTokenizer.from_pretrained(OUT)`` works; None for byte tokens (there is none)."""
+    from workers.sft_data import load_tokenizer
+
+    if run.data.tokenizer == "bytes":
+        logger.info("the run trained on byte tokens (data.tokenizer = 'bytes'): no tokenizer to export")
+        return None
+    try:
+        return load_tokenizer(run.data.tokenizer)
+    except ValueError as error:  # DataError names data.tokenizer and the cause
+        raise ExportError(f"the run's tokenizer is needed beside the model: {error}") from None
 
 
 # ---- DeepSpeed --------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ from typing import Any
 import ray
 
 from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.core.run_config import RunConfig, check_data
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
+from orchestrator.core.run_config import RunConfig
+from orchestrator.core.run_start import StartOptions, open_run_store
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.trace import DriftTrace
 from workers.engine import layer_map_for
 
@@ -48,7 +49,7 @@ def connect(config: RunConfig) -> None:
     env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     if not config.cluster.use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS")
+    address = config.cluster.address or os.environ.get("RAY_ADDRESS") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         logger.info("joined the Ray cluster at %s", address)
@@ -59,7 +60,18 @@ def connect(config: RunConfig) -> None:
     logger.info("started a local Ray with %d CPUs", cpus)
 
 
-def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
+def _local_cluster() -> str | None:
+    """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
+    ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        return find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 - a moved private API must not stop a run: start a local Ray
+        return None
+
+
+def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, take_over: bool = False,
           on_progress: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 1.0) -> RunResult:
     """Run the training job ``config`` describes to the end; never raises for a failed run
     (see ``RunResult.error``), only for a bad setup. ``resume`` continues the run already in
@@ -73,14 +85,8 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     config = config.with_absolute_storage()
-    logger.info("%s", check_data(config).describe())  # bad data fails here, before the store or any worker
-    if resume:
-        if not LayerStore.open(config.storage_uri).versions():
-            raise FileNotFoundError(f"--resume: {config.storage_uri} holds no committed versions to resume from")
-    else:
-        _prepare_store(config.storage_uri, overwrite)
-    # the run's config beside its checkpoints: export, inspect and --resume read the model from it
-    LayerStore.open(config.storage_uri).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+    # config checks, then the store's lease, then resume/overwrite checks, then run.json: nothing before
+    lease = open_run_store(config, StartOptions(overwrite=overwrite, resume=resume, take_over=take_over))
     layer_map = layer_map_for(config.model)
     connect(config)
     run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
@@ -120,6 +126,7 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False,
     trace = DriftTrace.from_json({**ray.get(policy.trace.remote()), "layers": [
         {"name": name, "numel": numel} for name, numel in layer_map.numel.items()]})
     LayerStore.open(config.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
+    lease.release()
     result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
                        trace=trace, layer_numel=layer_map.numel, error=error, metrics_url=metrics_url)
     if metrics_url is not None:
@@ -148,16 +155,6 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     if 0 < cluster.min_workers < cluster.num_workers:
         return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
     return cluster.num_workers
-
-
-def _prepare_store(uri: str, overwrite: bool) -> None:
-    store = LayerStore.open(uri)
-    if store.versions():
-        if not overwrite:
-            raise FileExistsError(f"{uri} already holds a run's checkpoints; pick another storage or name, "
-                                  "or pass --overwrite to delete them")
-        logger.warning("deleting the earlier run's checkpoints in %s (--overwrite)", uri)
-        store.fs.fs.delete_dir_contents(store.fs.path(""), missing_dir_ok=True)
 
 
 def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,

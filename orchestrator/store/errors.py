@@ -33,3 +33,13 @@ def _rebuild_corrupt_shard_error(version_id: str, path: str, reason: str) -> Cor
 
 class ManifestError(ValueError):
     """A commit record is malformed, or a commit request is inconsistent."""
+
+
+class UnsafeStoreError(ValueError):
+    """A storage location that LayerCheck refuses to use or to clear (the filesystem root, the
+    home or working directory, a directory holding files LayerCheck did not write)."""
+
+
+class StoreBusyError(RuntimeError):
+    """Another process owns the store (its lease is live): two runs must not write one store."""
+

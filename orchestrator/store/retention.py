@@ -1,6 +1,10 @@
 """Garbage collection of a layer store: carries out :func:`policies.retention.plan_retention`
 and collects orphans.
 
+Never deletes the newest verified fallback of a layer: before deleting any version of a layer
+it checksums every version of that layer it keeps; a damaged one is planned around (as if it
+did not exist), so what a recovery would fall back to stays.
+
 Safe against a concurrent commit:
 
 * an unreachable version loses its commit record first, then its files — a reader that lists
@@ -18,10 +22,10 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
+from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.fs import TMP_SUFFIX
-from policies.retention import RetentionConfig, plan_retention
+from policies.retention import RetentionConfig, RetentionDecision, plan_retention
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,8 @@ class GcReport:
     kept: int
     freed_bytes: int
     errors: tuple[str, ...] = ()
+    damaged: dict[str, str] = field(default_factory=dict)
+    """Versions found damaged (version id → why): kept, and their fallbacks kept in their place."""
 
 
 def _orphans(store: LayerStore, listed: list, referenced: set[str], grace_s: float, now: float) -> list[tuple[str, int]]:
@@ -66,6 +72,34 @@ def _orphans(store: LayerStore, listed: list, referenced: set[str], grace_s: flo
     return out
 
 
+def _verified_plan(store: LayerStore, manifest: Manifest, config: GcConfig,
+                   layers: list[str]) -> tuple[RetentionDecision, dict[str, str]]:
+    """Plan retention, then checksum every version kept in a layer that loses versions; if one
+    is damaged, re-plan without it (its fallback is then kept) until every such version is verified.
+    Deleting from a layer thus never removes its newest verified fallback."""
+    unusable: dict[str, str] = {}
+    verified: set[str] = set()
+    by_id = manifest.by_id()
+    while True:
+        decision = plan_retention(manifest.refs(), config=config.retention, layers=layers, unusable=unusable)
+        losing = {by_id[vid].layer for vid in decision.delete}
+        fresh = False
+        for vid in decision.keep:
+            record = by_id[vid]
+            if record.layer not in losing or vid in verified or vid in unusable:
+                continue
+            problems = store.check_version(record, deep=True)
+            if problems:
+                unusable[vid] = "; ".join(problems)
+                fresh = True
+                logger.warning("gc: version %s (layer %s step %d) is damaged (%s): planning as if it did not "
+                               "exist, so its fallback is kept", vid, record.layer, record.step, unusable[vid])
+            else:
+                verified.add(vid)
+        if not fresh:
+            return decision, unusable
+
+
 def collect_garbage(
     store: LayerStore, config: GcConfig, *, layers: Collection[str] | None = None, now: float | None = None
 ) -> GcReport:
@@ -74,7 +108,8 @@ def collect_garbage(
     listed = store.fs.list_files(LAYERS_DIR, recursive=True)
     listed += [(rel, info) for rel, info in store.fs.list_files(MANIFEST_DIR) if rel.endswith(TMP_SUFFIX)]
     manifest = store.manifest()
-    decision = plan_retention(manifest.refs(), config=config.retention, layers=layers)
+    decision, unusable = _verified_plan(store, manifest, config, list(layers) if layers is not None
+                                        else list(manifest.layers()))
     doomed = [r for r in manifest.records if r.version_id in decision.delete]
     referenced = {s.path for r in manifest.records for s in r.shards}
     orphans = _orphans(store, listed, referenced, config.grace_s, now)
@@ -110,4 +145,5 @@ def collect_garbage(
         kept=len(decision.keep),
         freed_bytes=freed,
         errors=tuple(errors),
+        damaged=unusable,
     )

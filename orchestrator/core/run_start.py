@@ -1,0 +1,107 @@
+"""Everything the driver checks and prepares before a run may write or start a worker, in the
+order that keeps a user's data safe (no Ray here):
+
+1. the config: data, model (``model.path``, ``model_type``), settings that are legal but likely
+   wrong (warnings);
+2. the storage location (never ``/``, home, the working directory or a parent of it);
+3. the store's lease: one owner at a time (``orchestrator/store/lease.py``);
+4. ``--resume``: a composite in which every layer has a usable version, at a step below
+   ``steps`` — else an error naming the layer and the options;
+   a fresh run: an empty store, or ``--overwrite``, which deletes only what LayerCheck wrote;
+5. ``run.json``.
+
+Nothing is deleted or written before steps 1–3 pass.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
+from orchestrator.store.fs import StoreFS
+from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from orchestrator.store.lease import LEASE_FILE, StoreLease
+from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
+from orchestrator.store.run_dir import check_run_location, clear_run
+from policies.config_loader import ConfigError
+from policies.plan import NoUsableVersionError
+
+logger = logging.getLogger(__name__)
+
+
+class ResumeError(RuntimeError):
+    """``--resume`` cannot continue the run in the store (a layer has no usable version)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOptions:
+    overwrite: bool = False
+    """Delete what an earlier run wrote in the storage (only that) before starting."""
+    resume: bool = False
+    """Continue the run in the storage from its newest recoverable step."""
+    take_over: bool = False
+    """Take the store's lease even if another process holds it (the operator knows it is dead)."""
+
+    def __post_init__(self) -> None:
+        if self.overwrite and self.resume:
+            raise ConfigError("--overwrite and --resume: pick one (overwrite deletes what resume would continue)")
+
+
+def check_config(config: RunConfig) -> dict[str, int]:
+    """Step 1: the data and the model, on the driver; the model's layer sizes. Raises ConfigError."""
+    logger.info("%s", check_data(config).describe())
+    layer_numel = check_model(config.model).numel
+    for warning in config_warnings(config):
+        logger.warning("%s", warning)
+    return layer_numel
+
+
+def open_run_store(config: RunConfig, options: StartOptions, *, layer_numel: dict[str, int] | None = None) -> StoreLease:
+    """Steps 1–5 (step 1 unless ``layer_numel`` is given); the store's lease, renewed until
+    :meth:`StoreLease.release`. ``config`` must have absolute paths (``with_absolute_storage``)."""
+    if layer_numel is None:
+        layer_numel = check_config(config)
+    fs = StoreFS.open(config.storage_uri)
+    check_run_location(fs)
+    lease = StoreLease.acquire(fs, run=config.name, take_over=options.take_over)
+    try:
+        store = LayerStore(fs)
+        if options.resume:
+            check_resumable(store, layer_numel, config)
+        elif store.versions():
+            if not options.overwrite:
+                raise FileExistsError(f"{fs.uri()} already holds a run's checkpoints; pick another storage or "
+                                      "name, resume it with --resume, or pass --overwrite to delete them")
+            clear_run(fs, keep=frozenset({LEASE_FILE}))
+        # the run's config beside its checkpoints: export, inspect and --resume read the model from it
+        fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+    except BaseException:
+        lease.release()
+        raise
+    lease.keep_alive()
+    return lease
+
+
+def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunConfig) -> ResolvedPlan:
+    """The composite ``--resume`` would load, every layer's version checked (files, sizes,
+    headers); :class:`ResumeError` naming the layers without one and the options, or
+    :class:`ConfigError` when the stored run is already at ``steps``."""
+    if not store.versions():
+        raise FileNotFoundError(f"--resume: {store.uri} holds no committed versions to resume from")
+    try:
+        resolved = resolve_plan(store, layer_numel, deep=False)
+    except NoUsableVersionError as error:
+        raise ResumeError(
+            f"--resume refused: {error}.\nThe run cannot continue from this store. Options: restore the "
+            "missing or damaged files (layercheck verify shows which) and resume again; or start over from "
+            "the initial weights in a new store, keeping this one for inspection: layercheck train CONFIG "
+            "--restart-into NEW_STORAGE") from None
+    step = resolved.plan.t_fail
+    if step >= config.steps:
+        raise ConfigError(f"steps: the run in {store.uri} is already at step {step}, so --resume with steps = "
+                          f"{config.steps} would train nothing; raise steps above {step} "
+                          f"(e.g. --set steps={step + config.steps})")
+    logger.info("--resume: every layer has a usable version; continuing at step %d of %d", step + 1, config.steps)
+    return resolved

@@ -1,0 +1,205 @@
+"""One owner per store: a lease file, so that two ``layercheck train`` of one run never write
+into the same store.
+
+``owner.json`` in the run's root names the owner (a random id, host, pid, run name) and when
+its lease expires. The driver takes the lease before it writes anything, renews it while the
+run lives (:meth:`StoreLease.keep_alive`) and deletes it at the end. A second run finds a live
+lease and is refused with the owner named. A lease is *stale*, and may be taken over, when it
+has expired (its driver stopped renewing: crashed, killed, or its host is gone) or when its
+process is gone from this very host. ``take_over=True`` takes any lease (the operator knows the
+owner is dead).
+
+Works on any pyarrow filesystem. Publishing a new lease is exclusive on local disk (a hard link
+of a complete temporary file, which fails if the lease exists); on object stores, which have no
+exclusive create, the lease is written and read back after a short settle time, and the loser
+of a simultaneous start sees the other's id and backs off. Expiry compares wall clocks of
+different hosts: the TTL must be much longer than their skew (minutes against NTP's
+milliseconds).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from orchestrator.store.errors import StoreBusyError
+from orchestrator.store.fs import StoreFS, new_token
+
+logger = logging.getLogger(__name__)
+
+LEASE_FILE = "owner.json"
+LEASE_FORMAT = "layercheck.lease/1"
+#: Seconds a lease lives unless renewed; the driver renews it every third of that.
+DEFAULT_TTL_S = 120.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseInfo:
+    """The content of the lease file."""
+
+    owner: str
+    host: str
+    pid: int
+    run: str
+    acquired_at: float
+    expires_at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": LEASE_FORMAT, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LeaseInfo:
+        if data.get("format") != LEASE_FORMAT:
+            raise ValueError(f"not a LayerCheck lease (format {data.get('format')!r})")
+        return cls(owner=str(data["owner"]), host=str(data["host"]), pid=int(data["pid"]), run=str(data["run"]),
+                   acquired_at=float(data["acquired_at"]), expires_at=float(data["expires_at"]))
+
+    def describe(self) -> str:
+        return (f"run {self.run!r} (pid {self.pid} on {self.host}, since {_clock(self.acquired_at)}, "
+                f"lease valid until {_clock(self.expires_at)})")
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def stale_reason(info: LeaseInfo, *, now: float, host: str, pid: int) -> str:
+    """Why ``info`` may be taken over by process ``pid`` on ``host`` at ``now`` ("" if it is live)."""
+    if info.expires_at <= now:
+        return f"its lease expired at {_clock(info.expires_at)}"
+    if info.host == host and (info.pid == pid or not _pid_alive(info.pid)):
+        return f"its process {info.pid} on this host is gone" if info.pid != pid else "it is this process's own"
+    return ""
+
+
+def read_lease(fs: StoreFS) -> LeaseInfo | None:
+    """The lease in ``fs`` (None: there is none). An unreadable lease file counts as none, with
+    a warning: it cannot name a live owner."""
+    try:
+        data = json.loads(fs.read_bytes(LEASE_FILE))
+        return LeaseInfo.from_json(data)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as error:
+        logger.warning("ignoring the unreadable lease %s: %s", fs.uri(LEASE_FILE), error)
+        return None
+
+
+class StoreLease:
+    """This process's lease on a store. Get one with :meth:`acquire`."""
+
+    def __init__(self, fs: StoreFS, info: LeaseInfo, ttl_s: float) -> None:
+        self.fs = fs
+        self.info = info
+        self.ttl_s = ttl_s
+        self.lost = False
+        """Set when a renewal found another owner's lease: this process no longer owns the store."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def acquire(cls, fs: StoreFS, *, run: str, ttl_s: float = DEFAULT_TTL_S, take_over: bool = False,
+                settle_s: float = 1.0) -> StoreLease:
+        """Take the store's lease, or raise :class:`StoreBusyError` naming its live owner."""
+        host, pid, now = socket.gethostname(), os.getpid(), time.time()
+        current = read_lease(fs)
+        if current is not None:
+            reason = "--take-over" if take_over else stale_reason(current, now=now, host=host, pid=pid)
+            if not reason:
+                raise StoreBusyError(
+                    f"{fs.uri()} is in use by {current.describe()}. Two runs must not write one store: let it "
+                    "finish, or stop it. If it is gone (its host died), wait until the lease expires, or pass "
+                    "--take-over to take the store now.")
+            logger.warning("taking over %s from %s: %s", fs.uri(), current.describe(), reason)
+        info = LeaseInfo(owner=secrets.token_hex(8), host=host, pid=pid, run=run, acquired_at=now,
+                         expires_at=now + ttl_s)
+        lease = cls(fs, info, ttl_s)
+        lease._publish(exclusive=current is None, settle_s=settle_s)
+        logger.info("took the lease on %s (owner %s)", fs.uri(), info.owner)
+        return lease
+
+    def _publish(self, *, exclusive: bool, settle_s: float) -> None:
+        data = json.dumps(self.info.to_json(), indent=1).encode()
+        if exclusive and self.fs.fs.type_name == "local":
+            self._create_exclusive(data)
+            return
+        self.fs.write_bytes(LEASE_FILE, data)
+        if not self.fs.atomic_rename:  # an object store: a simultaneous writer's PUT may land after ours
+            time.sleep(settle_s)
+        self._check_still_ours("taking")
+
+    def _create_exclusive(self, data: bytes) -> None:
+        target = self.fs.path(LEASE_FILE)
+        staging = f"{target}.{new_token()}.tmp"
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(staging, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(staging, target)  # fails if another process published first
+        except FileExistsError:
+            other = read_lease(self.fs)
+            raise StoreBusyError(f"{self.fs.uri()} was taken at the same moment by "
+                                 f"{other.describe() if other else 'another run'}") from None
+        finally:
+            os.unlink(staging)
+
+    def _check_still_ours(self, doing: str) -> None:
+        current = read_lease(self.fs)
+        if current is None or current.owner != self.info.owner:
+            self.lost = True
+            raise StoreBusyError(f"{doing} the lease on {self.fs.uri()} failed: it now belongs to "
+                                 f"{current.describe() if current else 'nobody (it was deleted)'}")
+
+    def renew(self) -> None:
+        """Extend the lease by its TTL; :class:`StoreBusyError` (and ``lost``) if it is not ours any more."""
+        self._check_still_ours("renewing")
+        now = time.time()
+        self.info = LeaseInfo(**{**asdict(self.info), "expires_at": now + self.ttl_s})
+        self.fs.write_bytes(LEASE_FILE, json.dumps(self.info.to_json(), indent=1).encode())
+
+    def keep_alive(self) -> None:
+        """Renew the lease from a daemon thread every third of its TTL until :meth:`release`."""
+        self._thread = threading.Thread(target=self._renew_loop, name="layercheck-lease", daemon=True)
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                self.renew()
+            except StoreBusyError as error:
+                logger.error("%s; this run no longer owns its store and must stop writing", error)
+                return
+            except OSError as error:  # storage hiccup: try again next period, the TTL has slack for two
+                logger.warning("could not renew the lease on %s: %s", self.fs.uri(), error)
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease, if it is still ours."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            current = read_lease(self.fs)
+            if current is not None and current.owner == self.info.owner:
+                self.fs.delete(LEASE_FILE)
+                logger.info("released the lease on %s", self.fs.uri())
+        except OSError as error:
+            logger.warning("could not release the lease on %s (it expires by itself): %s", self.fs.uri(), error)

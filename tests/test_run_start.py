@@ -1,0 +1,182 @@
+"""What the driver checks before a run writes anything or starts a worker (issue 14, cases 1, 3,
+4, 12 and 15): the config (data, model, non-finite numbers), the storage location, the store's
+lease, an honest --resume, a safe --overwrite. No Ray: every refusal here comes first."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli.main import main
+from orchestrator.core.run_config import load_run_config
+from orchestrator.core.run_start import ResumeError, StartOptions, check_resumable, open_run_store
+from orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.lease import read_lease
+from policies.config_loader import ConfigError
+from tests.store_helpers import write_layer
+
+DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
+LAYERS = ("embed", "block.0", "block.1", "block.2", "block.3", "norm", "lm_head")
+
+
+def _config(tmp_path, **overrides):
+    return load_run_config(DEMO, {"storage": str(tmp_path / "run"), **overrides}).with_absolute_storage()
+
+
+def _stored_run(root, *, step=40):
+    store = LayerStore.open(str(root), fsync=False)
+    records = {}
+    for layer in LAYERS:
+        records[layer], _ = write_layer(store, layer, 20, base=True)
+    records["block.1@40"], _ = write_layer(store, "block.1", step)
+    return store, records
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"model.hf_config.model_type": "lama"}, "model.hf_config.model_type"),
+    ({"model.hf_config": None, "model.path": "/nonexistent/model"}, "model.path"),
+    ({"model.hf_config.hidden_size": 63}, "model.hf_config"),  # 63 heads of 4: transformers refuses
+])
+def test_model_errors_name_the_field_before_anything_is_written(tmp_path, overrides, field):
+    store, _ = _stored_run(tmp_path / "run")
+    before = sorted((tmp_path / "run").rglob("*"))
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        open_run_store(_config(tmp_path, **overrides), StartOptions(overwrite=True))
+    assert sorted((tmp_path / "run").rglob("*")) == before  # --overwrite did not run: the config was bad
+
+
+def test_a_model_path_without_config_json_is_named(tmp_path):
+    (tmp_path / "model").mkdir()
+    with pytest.raises(ConfigError, match="model.path: .* no config.json"):
+        open_run_store(_config(tmp_path, **{"model.hf_config": None, "model.path": str(tmp_path / "model")}),
+                       StartOptions())
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("item,message", [
+    ("policy.k0=Infinity", "policy.k0: must be a finite number"),
+    ("optim.lr=NaN", "optim.lr: must be a finite number"),
+    ("steps.x=1", "steps is a value"),
+    ("policy..k0=1", "empty part"),
+])
+def test_bad_overrides_are_config_errors_not_tracebacks(tmp_path, capsys, item, message):
+    assert main(["train", str(DEMO), "--set", f"storage={tmp_path / 'run'}", "--set", item]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_fresh_run_takes_the_lease_and_writes_run_json(tmp_path):
+    lease = open_run_store(_config(tmp_path), StartOptions())
+    try:
+        assert json.loads((tmp_path / "run" / "run.json").read_text())["name"] == "demo"
+        assert read_lease(lease.fs).owner == lease.info.owner
+    finally:
+        lease.release()
+    assert read_lease(lease.fs) is None
+
+
+def test_a_second_run_of_the_same_store_is_refused_naming_the_owner(tmp_path):
+    first = open_run_store(_config(tmp_path), StartOptions())
+    try:
+        # another host's driver (same host and pid would count as this process's own leftover)
+        info = first.info
+        other = type(info)(**{**info.__dict__, "host": "node-7", "pid": 99, "run": "first"})
+        first.fs.write_bytes("owner.json", json.dumps(other.to_json()).encode())
+        with pytest.raises(StoreBusyError, match=r"run 'first' \(pid 99 on node-7"):
+            open_run_store(_config(tmp_path), StartOptions(overwrite=True))
+        assert (tmp_path / "run" / "run.json").exists()
+    finally:
+        first.release()
+
+
+def test_overwrite_keeps_foreign_files_and_refuses(tmp_path):
+    _stored_run(tmp_path / "run")
+    (tmp_path / "run" / "train.py").write_text("# the user's code")
+    with pytest.raises(UnsafeStoreError, match="train.py"):
+        open_run_store(_config(tmp_path), StartOptions(overwrite=True))
+    assert (tmp_path / "run" / "train.py").exists() and len(LayerStore.open(str(tmp_path / "run")).versions()) == 8
+    assert read_lease(LayerStore.open(str(tmp_path / "run")).fs) is None  # released on the refusal
+
+
+def test_overwrite_deletes_the_earlier_run(tmp_path):
+    _stored_run(tmp_path / "run")
+    lease = open_run_store(_config(tmp_path), StartOptions(overwrite=True))
+    lease.release()
+    assert not LayerStore.open(str(tmp_path / "run")).versions()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json"]
+
+
+def test_without_overwrite_an_existing_run_is_refused(tmp_path):
+    _stored_run(tmp_path / "run")
+    with pytest.raises(FileExistsError, match="--resume"):
+        open_run_store(_config(tmp_path), StartOptions())
+
+
+def test_empty_storage_is_a_config_error():
+    with pytest.raises(ConfigError, match="storage"):
+        load_run_config(DEMO, {"storage": ""})
+
+
+def test_storage_at_the_working_directory_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsafeStoreError, match="working directory"):
+        open_run_store(load_run_config(DEMO, {"storage": "."}).with_absolute_storage(), StartOptions())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_with_a_layer_without_usable_version_names_it_and_the_options(tmp_path, capsys):
+    store, records = _stored_run(tmp_path / "run")
+    store.fs.delete(records["norm"].shards[1].path)  # norm's only version loses a shard
+    with pytest.raises(ResumeError) as error:
+        open_run_store(_config(tmp_path), StartOptions(resume=True))
+    message = str(error.value)
+    assert "norm" in message and "missing" in message and "--restart-into" in message
+    assert not (tmp_path / "run" / "run.json").exists()
+    # the CLI: exit 2, the same message, nothing trained
+    assert main(["train", str(DEMO), "--set", f"storage={tmp_path / 'run'}", "--resume"]) == 2
+    assert "--resume refused" in capsys.readouterr().err
+
+
+def test_resume_falls_back_to_an_older_usable_version(tmp_path):
+    store, records = _stored_run(tmp_path / "run")
+    store.fs.delete(records["block.1@40"].shards[0].path)
+    resolved = check_resumable(store, dict.fromkeys(LAYERS, 1), _config(tmp_path))
+    assert resolved.records["block.1"].step == 20 and resolved.plan.t_fail == 40
+
+
+def test_resume_at_or_past_steps_is_refused(tmp_path):
+    store, _ = _stored_run(tmp_path / "run", step=40)
+    with pytest.raises(ConfigError, match="steps: .* already at step 40"):
+        check_resumable(store, dict.fromkeys(LAYERS, 1), _config(tmp_path, steps=40))
+
+
+def test_readme_resume_with_one_worker_validates_and_warns(tmp_path, caplog):
+    config = _config(tmp_path, **{"cluster.num_workers": 1})  # the README's command, kill_rank = 1
+    _stored_run(tmp_path / "run")
+    with caplog.at_level(logging.WARNING):
+        lease = open_run_store(config, StartOptions(resume=True))
+    lease.release()
+    assert "fault.kill_rank = 1 is not a rank of the 1-worker group" in caplog.text
+
+
+def test_steps_past_the_schedule_warn(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        lease = open_run_store(_config(tmp_path, steps=500), StartOptions())
+    lease.release()
+    assert "optim.total_steps = 120" in caplog.text and "set optim.total_steps = 500" in caplog.text
+
+
+def test_restart_into_starts_a_fresh_run_in_the_new_store(tmp_path, monkeypatch):
+    import orchestrator.runtime.driver as driver
+
+    seen = {}
+
+    def fake_train(config, **kwargs):  # only the routing of the flag is under test here
+        seen.update(storage=config.storage_uri, **kwargs)
+        raise FileExistsError("stop")
+
+    monkeypatch.setattr(driver, "train", fake_train)
+    assert main(["train", str(DEMO), "--resume", "--restart-into", str(tmp_path / "new")]) == 2
+    assert seen["storage"] == str(tmp_path / "new") and seen["resume"] is False and seen["overwrite"] is False

@@ -1,0 +1,105 @@
+"""A store has one owner at a time (issue 14, case 4): a lease file, refused while live, taken
+over when stale, released at the end."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.store.errors import StoreBusyError
+from orchestrator.store.fs import StoreFS
+from orchestrator.store.lease import LEASE_FILE, LeaseInfo, StoreLease, read_lease, stale_reason
+
+
+def _foreign_lease(fs, *, expires_in=600.0, host="other-host", pid=4242):
+    now = time.time()
+    info = LeaseInfo(owner="f00d", host=host, pid=pid, run="other", acquired_at=now - 5, expires_at=now + expires_in)
+    fs.write_bytes(LEASE_FILE, json.dumps(info.to_json()).encode())
+    return info
+
+
+def test_a_live_lease_refuses_a_second_owner_naming_the_first(tmp_path):
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    _foreign_lease(fs)
+    with pytest.raises(StoreBusyError) as error:
+        StoreLease.acquire(fs, run="mine")
+    message = str(error.value)
+    assert "run 'other'" in message and "pid 4242 on other-host" in message and "--take-over" in message
+    assert read_lease(fs).owner == "f00d"
+
+
+def test_an_expired_lease_is_taken_over(tmp_path):
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    _foreign_lease(fs, expires_in=-1)
+    lease = StoreLease.acquire(fs, run="mine", settle_s=0)
+    assert read_lease(fs).owner == lease.info.owner and read_lease(fs).run == "mine"
+    lease.release()
+    assert read_lease(fs) is None and not (tmp_path / "run" / LEASE_FILE).exists()
+
+
+def test_a_lease_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
+    import socket
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    _foreign_lease(fs, host=socket.gethostname(), pid=dead.pid)
+    lease = StoreLease.acquire(fs, run="mine", settle_s=0)
+    assert read_lease(fs).owner == lease.info.owner
+
+
+def test_take_over_takes_a_live_lease(tmp_path):
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    _foreign_lease(fs)
+    lease = StoreLease.acquire(fs, run="mine", take_over=True, settle_s=0)
+    assert read_lease(fs).owner == lease.info.owner
+
+
+def test_renewal_extends_the_lease_and_notices_a_taker(tmp_path):
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    lease = StoreLease.acquire(fs, run="mine", ttl_s=30)
+    first = read_lease(fs).expires_at
+    time.sleep(0.01)
+    lease.renew()
+    assert read_lease(fs).expires_at > first
+    _foreign_lease(fs)  # someone took it over (--take-over)
+    with pytest.raises(StoreBusyError, match="other"):
+        lease.renew()
+    assert lease.lost
+    lease.release()  # not ours: left alone
+    assert read_lease(fs).owner == "f00d"
+
+
+def test_staleness_is_decided_from_the_lease_alone():
+    info = LeaseInfo(owner="a", host="h", pid=1, run="r", acquired_at=0.0, expires_at=100.0)
+    assert stale_reason(info, now=50.0, host="elsewhere", pid=7) == ""
+    assert "expired" in stale_reason(info, now=100.0, host="elsewhere", pid=7)
+
+
+_CONTENDER = """
+import sys, time
+from orchestrator.store.fs import StoreFS
+from orchestrator.store.lease import StoreLease
+from orchestrator.store.errors import StoreBusyError
+fs = StoreFS.open(sys.argv[1], fsync=False)
+while time.time() < float(sys.argv[2]):
+    pass
+try:
+    StoreLease.acquire(fs, run=sys.argv[3])
+    print("won")
+    time.sleep(2)
+except StoreBusyError as e:
+    print("lost")
+"""
+
+
+def test_two_processes_starting_at_once_get_one_owner(tmp_path):
+    start = time.time() + 1.5
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    procs = [subprocess.Popen([sys.executable, "-c", _CONTENDER, str(tmp_path / "run"), str(start), f"r{i}"],
+                              stdout=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert outcomes == ["lost", "won"]
