@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from policies.config_loader import ConfigError
-from policies.configs import DriftOptimalConfig, LayerCheckConfig, policy_config
-from policies.simulate import Comparison, compare, simulate_config, sweep_k0
+from policies.configs import PolicyConfig, policy_config
+from policies.simulate import BYTES_PER_PARAM, Comparison, compare, simulate_config, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 from orchestrator.table import format_table, human_bytes
 
@@ -67,17 +67,14 @@ def run(args: argparse.Namespace) -> int:
         args.write_trace.write_text(text)
     eval_from = args.warmup
     if args.sweep:
-        if not isinstance(config, LayerCheckConfig):
+        if args.policy != "layercheck":  # the sweep varies K0, which only LayerCheck has
             raise SystemExit("layercheck simulate: --sweep needs --policy layercheck")
         values = [float(v) for v in args.sweep.split(",") if v.strip()]
         comparisons = sweep_k0(trace, config, values, eval_from=eval_from)
-    elif isinstance(config, LayerCheckConfig):
-        comparisons = [compare(trace, config, label=f"layercheck k0={config.k0:g}", eval_from=eval_from)]
-    elif isinstance(config, DriftOptimalConfig):
-        comparisons = [compare(trace, config, label=f"drift-optimal period={config.period}", eval_from=eval_from)]
+    elif config.selective:
+        comparisons = [compare(trace, config, label=config.describe(), eval_from=eval_from)]
     else:
-        result = simulate_config(trace, config, label=args.policy, eval_from=eval_from)
-        comparisons = []
+        result = simulate_config(trace, config, label=config.describe(), eval_from=eval_from)
         print(json.dumps(_result_json(result), indent=2) if args.json else _summary([result]))
         return 0
     report = {
@@ -104,7 +101,7 @@ def load_trace(args: argparse.Namespace) -> DriftTrace:
     )
 
 
-def _policy_config(args: argparse.Namespace):
+def _policy_config(args: argparse.Namespace) -> PolicyConfig:
     if args.policy == "layercheck":
         return policy_config("layercheck", {
             "k0": args.k0, "k0_embed": args.k0_embed, "smax": args.smax,
@@ -171,6 +168,6 @@ def _per_layer_table(trace: DriftTrace, c: Comparison) -> str:
     r = c.result
     return format_table(
         ["layer", "params", "persists", "written"],
-        [[name, trace.numel[name], r.persists[name], human_bytes(r.persists[name] * trace.numel[name] * 12)]
+        [[name, trace.numel[name], r.persists[name], human_bytes(r.persists[name] * trace.numel[name] * BYTES_PER_PARAM)]
          for name in trace.layers],
     )

@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from policies.checkpoint_policy import DriftThresholdPolicy, IntervalPolicy, build_policy
+from policies.checkpoint_policy import build_policy
 from policies.configs import PolicyConfig
 from orchestrator.core.policy_service import PolicyService
 
@@ -63,14 +63,8 @@ class PolicyActor:
     def metrics_view(self) -> dict[str, Any]:
         """What the metrics show of the policy (read-only): per layer the accumulated drift and
         the threshold at the latest step's learning rate, and the staleness budget."""
-        policy = self.service.policy
         lr = self.service.trace[-1].lr if self.service.trace else 0.0
-        if isinstance(policy, DriftThresholdPolicy):
-            return {"lr": lr, "smax": policy.smax, "accumulated": dict(policy.accumulated),
-                    "threshold": {name: policy.threshold(name, lr) for name in policy.layers}}
-        if isinstance(policy, IntervalPolicy):
-            return {"lr": lr, "smax": policy.config.interval}
-        return {"lr": lr}
+        return {"lr": lr, **self.service.policy.metrics_view(lr)}
 
     def trace(self) -> dict[str, Any]:
         """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""
