@@ -34,6 +34,7 @@ from bench.metrics import FreshnessTracker, matched_intervals, trace_of
 from bench.persistence import make_persistence
 from bench.presets import Workload
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
+from orchestrator.logs import configure_process_logging
 from workers.spawn import exit_without_teardown
 
 logger = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def _entry(rank: int, world_size: int, port: int, out_dir: str, payload: Mapping
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_process_logging(timestamps=True)
     try:
         result = rank_main(rank, world_size, payload)
     finally:

@@ -18,6 +18,7 @@ import ray
 
 from policies.checkpoint_policy import build_policy
 from policies.configs import PolicyConfig
+from orchestrator.logs import configure_process_logging
 from orchestrator.core.policy_service import PolicyService
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class PolicyActor:
     def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int) -> None:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_process_logging()  # the actor process has no main of ours
         self.service = PolicyService(build_policy(config, numel), list(numel), world_size)
         self._ready: dict[int, asyncio.Event] = {}
 

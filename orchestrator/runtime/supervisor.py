@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.logs import configure_process_logging
 from orchestrator.core.accounting import RunAccount
 from orchestrator.core.commit_tracker import CommitTracker
 from orchestrator.store.manifest import ShardReceipt, VersionRecord
@@ -77,7 +78,7 @@ class Progress:
 class Supervisor:
     def __init__(self, *, run_id: str, store_uri: str, fsync: bool, writers_per_node: int,
                  layer_numel: Mapping[str, int], policy_actor: Any, resume: bool = False) -> None:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_process_logging()  # the actor process has no main of ours
         self.run_id = run_id
         self.store = LayerStore.open(store_uri, fsync=fsync)
         self.store_uri = store_uri
