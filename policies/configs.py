@@ -122,8 +122,6 @@ POLICY_CONFIGS: dict[str, type] = {
     "never": NeverConfig,
 }
 PolicyConfig = Union[LayerCheckConfig, DriftOptimalConfig, IntervalConfig, NeverConfig]
-SelectiveConfig = Union[LayerCheckConfig, DriftOptimalConfig]
-"""The configs whose ``selective`` is true: they have ``warmup_steps``."""
 
 
 def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: str = "policy") -> PolicyConfig:

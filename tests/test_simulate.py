@@ -3,7 +3,7 @@ import json
 import pytest
 
 from orchestrator.cli.main import main
-from policies.configs import IntervalConfig, LayerCheckConfig, NeverConfig
+from policies.configs import LayerCheckConfig, NeverConfig
 from policies.decision import StepObservation
 from policies.simulate import BYTES_PER_PARAM, compare, match_interval, simulate_config, simulate_interval, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace

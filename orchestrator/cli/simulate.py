@@ -46,14 +46,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def register_defaults() -> argparse.Namespace:
-    """The arguments ``simulate`` runs with when given none (for other commands to reuse)."""
-    parser = argparse.ArgumentParser()
-    parser.set_defaults(verbose=False)
-    register(parser.add_subparsers())
-    return parser.parse_args(["simulate"])
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # thousands of replayed decisions are not news
         logging.getLogger("policies").setLevel(logging.WARNING)

@@ -9,7 +9,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass

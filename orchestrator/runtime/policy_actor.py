@@ -58,9 +58,6 @@ class PolicyActor:
         self._ready.clear()
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
-    def policy_state(self) -> dict[str, Any]:
-        return self.service.policy.state_dict()
-
     def metrics_view(self) -> dict[str, Any]:
         """What the metrics show of the policy (read-only): per layer the accumulated drift and
         the threshold at the latest step's learning rate, and the staleness budget."""
