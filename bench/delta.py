@@ -20,10 +20,6 @@ import torch
 
 from workers.shard import STATE_KEYS, LayerShard
 
-#: Bytes per sent element: an int32 index and a bf16 value.
-BYTES_PER_SENT = 6
-
-
 def top_k_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(numel * density))) if numel else 0
 

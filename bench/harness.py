@@ -43,6 +43,7 @@ from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.local.spawn import spawn_ranks
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
+from orchestrator.logs import configure_process_logging
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +344,7 @@ def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_process_logging(timestamps=True)
     return rank_main(rank, world_size, payload)
 
 

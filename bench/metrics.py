@@ -131,14 +131,10 @@ def matched_intervals(trace: DriftTrace, *, target_staleness: float, target_drif
     by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
     by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
     return MatchedIntervals(
-        staleness=_interval_of(by_stal.policy), drift=_interval_of(by_drift.policy),
+        staleness=by_stal.interval, drift=by_drift.interval,
         target_staleness=target_staleness, target_drift=target_drift,
         interval_staleness=by_stal.mean_weighted_staleness, interval_drift=by_drift.mean_unsaved_drift,
     )
-
-
-def _interval_of(label: str) -> int:
-    return int(label.rsplit("/", 1)[1])  # simulate_interval labels its results "full/<interval>"
 
 
 def _mean(values: Sequence[float]) -> float:

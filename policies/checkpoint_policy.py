@@ -13,9 +13,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig
+from policies.config_loader import require
+from policies.configs import (
+    POLICY_CONFIGS,
+    DriftOptimalConfig,
+    IntervalConfig,
+    LayerCheckConfig,
+    NeverConfig,
+    PolicyConfig,
+    policy_name,
+)
 from policies.decision import PersistDecision, Reason, StepObservation
 from policies.layer_map import EMBED
 
@@ -34,6 +43,11 @@ class CheckpointPolicy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def metrics_view(self, lr: float) -> dict[str, Any]:
+        """What the run's metrics show of this policy at learning rate ``lr`` (read-only), each key
+        optional: ``smax`` (the staleness budget, in steps), ``accumulated`` and ``threshold``
+        (per layer: drift since the last save, and the drift that triggers the next)."""
 
 
 class DriftThresholdPolicy:
@@ -115,10 +129,20 @@ class DriftThresholdPolicy:
         }
         self.base_step = None if state["base_step"] is None else int(state["base_step"])
 
+    def metrics_view(self, lr: float) -> dict[str, Any]:
+        return {"smax": self.smax, "accumulated": dict(self.accumulated),
+                "threshold": {name: self.threshold(name, lr) for name in self.layers}}
+
 
 class LayerCheckPolicy(DriftThresholdPolicy):
     """The paper's policy (DESIGN.md): threshold ``K0 * s(lr_t)``, ``K0`` of its own for the
     embedding, ``s`` following the learning-rate schedule or constant."""
+
+    config_type: ClassVar[type] = LayerCheckConfig
+
+    @classmethod
+    def from_config(cls, config: LayerCheckConfig, numel: Mapping[str, int]) -> LayerCheckPolicy:
+        return cls(config, list(numel))
 
     def __init__(self, config: LayerCheckConfig, layers: Sequence[str]) -> None:
         super().__init__(layers, warmup_steps=config.warmup_steps, smax=config.smax)
@@ -164,6 +188,12 @@ class DriftOptimalPolicy(DriftThresholdPolicy):
     parameter-weighted mean — so a layer at the mean rate is saved every ``period`` steps.
     """
 
+    config_type: ClassVar[type] = DriftOptimalConfig
+
+    @classmethod
+    def from_config(cls, config: DriftOptimalConfig, numel: Mapping[str, int]) -> DriftOptimalPolicy:
+        return cls(config, numel)
+
     def __init__(self, config: DriftOptimalConfig, numel: Mapping[str, int]) -> None:
         super().__init__(list(numel), warmup_steps=config.warmup_steps, smax=config.smax)
         self.config = config
@@ -194,6 +224,12 @@ class DriftOptimalPolicy(DriftThresholdPolicy):
 class IntervalPolicy:
     """Every layer at every multiple of ``interval``: a fixed-interval full checkpoint."""
 
+    config_type: ClassVar[type] = IntervalConfig
+
+    @classmethod
+    def from_config(cls, config: IntervalConfig, numel: Mapping[str, int]) -> IntervalPolicy:
+        return cls(config, list(numel))
+
     def __init__(self, config: IntervalConfig, layers: Sequence[str]) -> None:
         self.config = config
         self.layers = tuple(layers)
@@ -212,9 +248,18 @@ class IntervalPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
+    def metrics_view(self, lr: float) -> dict[str, Any]:
+        return {"smax": self.config.interval}  # no layer waits longer than one interval
+
 
 class NeverPolicy:
     """Never persists anything."""
+
+    config_type: ClassVar[type] = NeverConfig
+
+    @classmethod
+    def from_config(cls, config: NeverConfig, numel: Mapping[str, int]) -> NeverPolicy:
+        return cls(config, list(numel))
 
     def __init__(self, config: NeverConfig, layers: Sequence[str]) -> None:
         self.config = config
@@ -232,15 +277,24 @@ class NeverPolicy:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
+    def metrics_view(self, lr: float) -> dict[str, Any]:
+        return {}
+
+
+#: The second half of the registry: config class → policy class (``POLICY_CONFIGS`` in
+#: :mod:`policies.configs` is the first, name → config class). A new policy adds its config there
+#: and its class here, with ``config_type`` and ``from_config``; nothing else switches on the type.
+POLICY_TYPES: dict[type, type] = {
+    cls.config_type: cls for cls in (LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
+}
+
+
+def policy_type(name: str) -> type:
+    """The policy class registered under ``name``; an unknown name is a ConfigError listing the known ones."""
+    require(name in POLICY_CONFIGS, "policy.name", f"one of {sorted(POLICY_CONFIGS)}", name)
+    return POLICY_TYPES[POLICY_CONFIGS[name]]
+
 
 def build_policy(config: PolicyConfig, numel: Mapping[str, int]) -> CheckpointPolicy:
     """The policy a config describes, over the layers of ``numel`` (model order → parameters)."""
-    if isinstance(config, LayerCheckConfig):
-        return LayerCheckPolicy(config, list(numel))
-    if isinstance(config, DriftOptimalConfig):
-        return DriftOptimalPolicy(config, numel)
-    if isinstance(config, IntervalConfig):
-        return IntervalPolicy(config, list(numel))
-    if isinstance(config, NeverConfig):
-        return NeverPolicy(config, list(numel))
-    raise TypeError(f"not a policy config: {config!r}")
+    return policy_type(policy_name(config)).from_config(config, numel)

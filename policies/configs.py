@@ -2,6 +2,10 @@
 
 Every config is a frozen ``kw_only`` dataclass validated in ``__post_init__``; a bad value
 raises :class:`~policies.config_loader.ConfigError` naming the field and what is allowed.
+``POLICY_CONFIGS`` (name → config class) is one half of the policy registry; the other half,
+config class → policy class, is ``POLICY_TYPES`` in :mod:`policies.checkpoint_policy`. What the
+callers need to know about a policy (is it selective? what is its label?) is asked of the config,
+never switched on its type.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from policies.config_loader import from_mapping, require, require_finite
 
@@ -21,6 +25,9 @@ THRESHOLD_SCHEDULES: tuple[str, ...] = typing.get_args(ThresholdSchedule)
 @dataclass(frozen=True, kw_only=True)
 class LayerCheckConfig:
     """The paper's adaptive policy (DESIGN.md, "The policy, exactly")."""
+
+    selective: ClassVar[bool] = True
+    """Chooses layers by drift after a warm-up: compared with full checkpoints at matched freshness."""
 
     k0: float = 1e-3
     """Base drift threshold for every layer but the embeddings."""
@@ -52,12 +59,17 @@ class LayerCheckConfig:
         require(self.lr_peak is None or self.lr_peak > 0, "lr_peak", "None or > 0", self.lr_peak)
         require(0 < self.min_lr_scale <= 1, "min_lr_scale", "in (0, 1]", self.min_lr_scale)
 
+    def describe(self) -> str:
+        return f"layercheck k0={self.k0:g}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class DriftOptimalConfig:
     """Per-layer save periods proportional to 1/sqrt(drift rate): for a given write rate, the
     schedule that minimises the parameter-weighted drift a failure loses (see
     :class:`policies.checkpoint_policy.DriftOptimalPolicy`)."""
+
+    selective: ClassVar[bool] = True
 
     period: int = 50
     """Save period of a layer drifting at the parameter-weighted mean rate."""
@@ -75,10 +87,15 @@ class DriftOptimalConfig:
         require(self.smax >= 1, "smax", ">= 1", self.smax)
         require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
 
+    def describe(self) -> str:
+        return f"drift-optimal period={self.period}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class IntervalConfig:
     """Fixed-interval full checkpoints, what DeepSpeed and Ray users do today."""
+
+    selective: ClassVar[bool] = False
 
     interval: int = 100
     """Persist every layer at every step that is a multiple of this."""
@@ -86,10 +103,18 @@ class IntervalConfig:
     def __post_init__(self) -> None:
         require(self.interval >= 1, "interval", ">= 1", self.interval)
 
+    def describe(self) -> str:
+        return "interval"
+
 
 @dataclass(frozen=True, kw_only=True)
 class NeverConfig:
     """No checkpoints at all: the lower bound on overhead, the upper bound on lost work."""
+
+    selective: ClassVar[bool] = False
+
+    def describe(self) -> str:
+        return "never"
 
 
 POLICY_CONFIGS: dict[str, type] = {

@@ -9,7 +9,7 @@ yet persisted counts from step 0 — the initial weights, which can always be re
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.checkpoint_policy import CheckpointPolicy, IntervalPolicy, build_policy
 from policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig
@@ -34,6 +34,8 @@ class SimulationResult:
     max_unsaved_drift: float
     staleness_series: tuple[tuple[int, int, float], ...]
     """Per evaluated step: (step, max staleness, weighted staleness)."""
+    interval: int | None = None
+    """For fixed-interval full checkpoints (:func:`simulate_interval`), their interval."""
 
     @property
     def bytes_per_event(self) -> float:
@@ -98,13 +100,14 @@ def simulate(
 
 def simulate_config(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0,
                     keep_series: bool = False) -> SimulationResult:
-    return simulate(trace, build_policy(config, {name: trace.numel[name] for name in trace.layers}), label=label, eval_from=eval_from,
-                    keep_series=keep_series)
+    policy = build_policy(config, {name: trace.numel[name] for name in trace.layers})
+    return simulate(trace, policy, label=label, eval_from=eval_from, keep_series=keep_series)
 
 
 def simulate_interval(trace: DriftTrace, interval: int, *, eval_from: int = 0) -> SimulationResult:
     policy = IntervalPolicy(IntervalConfig(interval=interval), trace.layers)
-    return simulate(trace, policy, label=f"full/{interval}", eval_from=eval_from)
+    result = simulate(trace, policy, label=f"full/{interval}", eval_from=eval_from)  # the label is for display
+    return replace(result, interval=interval)
 
 
 def match_interval(
@@ -167,13 +170,9 @@ def sweep_k0(
     out = []
     for k0 in k0_values:
         scale = k0 / base.k0
-        config = LayerCheckConfig(**{**_fields(base), "k0": k0, "k0_embed": base.k0_embed * scale})
+        config = replace(base, k0=k0, k0_embed=base.k0_embed * scale)
         out.append(compare(trace, config, label=f"layercheck k0={k0:g}", eval_from=eval_from))
     return out
-
-
-def _fields(config: LayerCheckConfig) -> dict[str, object]:
-    return {name: getattr(config, name) for name in config.__dataclass_fields__}
 
 
 def _ratio(a: float, b: float) -> float:

@@ -7,7 +7,7 @@ import pytest
 from policies.checkpoint_policy import DriftOptimalPolicy, build_policy
 from policies.config_loader import ConfigError
 from policies.configs import DriftOptimalConfig, policy_config, policy_name
-from policies.decision import Reason, StepObservation
+from policies.decision import StepObservation
 
 
 def _run(policy: DriftOptimalPolicy, drift: dict[str, float], steps: int) -> dict[str, list[int]]:

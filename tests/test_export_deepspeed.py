@@ -48,6 +48,6 @@ def test_deepspeed_export_resumes_like_the_in_place_restore(trained_run, tmp_pat
     state = get_fp32_state_dict_from_zero_checkpoint(str(out))
     expected = jobs.expected_state(expect, T)
     model = jobs.reference_model(jobs.run_config(), expected)
-    for name, p in model.named_parameters():
+    for name, _ in model.named_parameters():
         assert torch.equal(state[name].reshape(-1), expected[f"fp32/{name}"]), name
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"])  # tied

@@ -87,3 +87,19 @@ def test_the_rules_see_every_module():
     assert len(modules) > 60
     assert {_part(m) for m in modules} >= {"policies", "workers", "orchestrator.store", "orchestrator.core",
                                            "orchestrator.runtime", "orchestrator.cli", "bench"}
+
+
+#: The only modules that configure logging: the CLI's ``main`` and the helper that process entry
+#: points without a ``main`` of ours (Ray actors, the train function, spawned ranks) call.
+LOGGING_CONFIGURED_IN = {"orchestrator.cli.main", "orchestrator.logs"}
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_entry_points_configure_logging(path):
+    if _dotted(path) in LOGGING_CONFIGURED_IN:
+        return
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ("basicConfig", "dictConfig", "fileConfig"):
+            pytest.fail(f"{_dotted(path)} configures logging ({node.attr}); call "
+                        "orchestrator.logs.configure_process_logging() from the process entry point instead")

@@ -6,7 +6,7 @@ import threading
 import urllib.request
 
 import pytest
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.runtime.metrics import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, RunMetrics, series_names

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from orchestrator.cli.main import main
-from policies.configs import IntervalConfig, LayerCheckConfig, NeverConfig
+from policies.configs import LayerCheckConfig, NeverConfig
 from policies.decision import StepObservation
 from policies.simulate import BYTES_PER_PARAM, compare, match_interval, simulate_config, simulate_interval, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
@@ -38,13 +38,15 @@ def test_layercheck_on_uniform_drift_matches_interval_at_the_same_pace():
     # base at step 1, then every layer reaches the threshold every 10 steps (11, 21, ... 191):
     # the same bytes and freshness as a full checkpoint every 10 steps
     assert c.result.events == 20
-    assert c.matched_staleness.policy == "full/10"
+    assert c.matched_staleness.policy == "full/10" and c.matched_staleness.interval == 10
+    assert c.result.interval is None
     assert c.bytes_vs_staleness_match == pytest.approx(1.0)
 
 
 def test_match_interval_finds_the_closest_interval():
     trace = constant_trace(steps=300)
-    assert match_interval(trace, 14.5, lambda r: r.mean_weighted_staleness).policy == "full/30"
+    matched = match_interval(trace, 14.5, lambda r: r.mean_weighted_staleness)
+    assert matched.interval == 30 and matched.policy == "full/30"
 
 
 def test_sweep_spans_the_trade_off():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import transformers
 from hypothesis import given, strategies as st
@@ -49,7 +51,7 @@ def test_model_config_needs_exactly_one_source():
 
 def test_configs_are_frozen_and_keyword_only():
     cfg = OptimConfig(lr=1e-4)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.lr = 1.0  # type: ignore[misc]
     with pytest.raises(TypeError):
         OptimConfig(1e-4)  # type: ignore[misc]

@@ -5,6 +5,12 @@ If a DeepSpeed upgrade moves an attribute, these tests say which wrapper broke.
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+import re
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from tests import worker_jobs
@@ -18,6 +24,39 @@ def test_missing_attribute_is_a_loud_named_error():
 
     with pytest.raises(ds_internals.DeepSpeedInternalsError, match="basic_optimizer"):
         ds_internals.client_optimizer(Engine())
+
+
+def test_installed_deepspeed_is_one_the_wrappers_were_verified_against():
+    installed = importlib.metadata.version("deepspeed")
+    assert ds_internals.deepspeed_is_verified(installed), (
+        f"DeepSpeed {installed} is installed, but workers/ds_internals.py was verified against "
+        f"{ds_internals.VERIFIED_DEEPSPEED}: run the slow tests of this file against it, fix what moved, "
+        "then widen VERIFIED_DEEPSPEED and the pin in pyproject.toml together")
+
+
+def test_pyproject_pins_the_verified_range():
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    (pin,) = [d for d in pyproject["project"]["dependencies"] if re.match(r"deepspeed\b", d)]
+    assert pin.replace(" ", "") == "deepspeed" + ds_internals.VERIFIED_DEEPSPEED
+
+
+@pytest.mark.parametrize("version, verified", [("0.19.8", True), ("0.19.12", True), ("0.19.7", False),
+                                               ("0.20.0", False), ("0.20.0rc1", False), ("1.0", False),
+                                               ("0.19.9.dev0", False), ("not-a-version", False)])
+def test_verified_range(version, verified):
+    assert ds_internals.deepspeed_is_verified(version) is verified
+
+
+def test_an_unverified_deepspeed_is_refused_unless_the_user_opts_in(monkeypatch, caplog):
+    monkeypatch.delenv(ds_internals.ALLOW_UNVERIFIED_ENV, raising=False)
+    ds_internals.check_deepspeed_version("0.19.8")
+    with pytest.raises(ds_internals.DeepSpeedInternalsError, match=r"DeepSpeed 0\.21\.0 .*" +
+                       ds_internals.ALLOW_UNVERIFIED_ENV):
+        ds_internals.check_deepspeed_version("0.21.0")
+    monkeypatch.setenv(ds_internals.ALLOW_UNVERIFIED_ENV, "1")
+    with caplog.at_level(logging.ERROR, logger="workers.ds_internals"):
+        ds_internals.check_deepspeed_version("0.21.0")
+    assert "DeepSpeed 0.21.0 is outside" in caplog.text
 
 
 @pytest.mark.slow

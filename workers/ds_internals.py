@@ -6,22 +6,61 @@ DeepSpeed has no public API for either at ZeRO 1/2 or for the low-precision copy
 Each function here touches one private attribute or method, checks it exists, and raises
 :class:`DeepSpeedInternalsError` naming it when it does not — so a DeepSpeed upgrade breaks here,
 loudly, and ``tests/test_worker_ds_internals.py`` says which piece moved.
-Verified against DeepSpeed 0.19.8.
+
+A moved attribute is the easy case; a private attribute that keeps its name but changes meaning
+(an offset counted differently, a partition laid out anew) would corrupt checkpoints silently.
+So the engine builder refuses a DeepSpeed release outside :data:`VERIFIED_DEEPSPEED` (see
+:func:`check_deepspeed_version`) unless the user opts in to trying one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
 logger = logging.getLogger(__name__)
 
+#: The DeepSpeed releases every function here was verified against (``pyproject.toml`` pins the
+#: same range; ``tests/test_worker_ds_internals.py`` fails when the installed one is outside it).
+VERIFIED_DEEPSPEED = ">=0.19.8,<0.20"
+#: Set to ``1`` to run on a DeepSpeed outside :data:`VERIFIED_DEEPSPEED` anyway (an error is
+#: logged instead of raised): for verifying a new release with ``tests/test_worker_ds_internals.py``.
+ALLOW_UNVERIFIED_ENV = "LAYERCHECK_ALLOW_UNVERIFIED_DEEPSPEED"
+
 
 class DeepSpeedInternalsError(RuntimeError):
-    """A private DeepSpeed attribute LayerCheck relies on is missing or changed shape."""
+    """A private DeepSpeed attribute LayerCheck relies on is missing or changed shape, or the
+    installed DeepSpeed is one they were not verified against."""
+
+
+def deepspeed_is_verified(version: str) -> bool:
+    """Whether DeepSpeed ``version`` is in :data:`VERIFIED_DEEPSPEED` (pre-releases are not)."""
+    try:
+        return SpecifierSet(VERIFIED_DEEPSPEED).contains(Version(version), prereleases=False)
+    except InvalidVersion:
+        return False
+
+
+def check_deepspeed_version(version: str) -> None:
+    """Refuse a DeepSpeed release outside the verified range before any engine is built: raise
+    :class:`DeepSpeedInternalsError`, or, with ``LAYERCHECK_ALLOW_UNVERIFIED_DEEPSPEED=1``, log
+    the same message as an error and go on."""
+    if deepspeed_is_verified(version):
+        return
+    message = (f"DeepSpeed {version} is outside the range LayerCheck's use of its private API "
+               f"(workers/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
+               f"(pip install 'deepspeed{VERIFIED_DEEPSPEED}') or, to try this release, run "
+               f"tests/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1")
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        logger.error("%s (going on: %s=1)", message, ALLOW_UNVERIFIED_ENV)
+        return
+    raise DeepSpeedInternalsError(message)
 
 
 def _attr(obj: Any, name: str) -> Any:
@@ -30,7 +69,7 @@ def _attr(obj: Any, name: str) -> Any:
     except AttributeError:
         raise DeepSpeedInternalsError(
             f"{type(obj).__name__} has no attribute {name!r}; DeepSpeed internals changed "
-            "(LayerCheck was verified with DeepSpeed 0.19.8): update workers/ds_internals.py"
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
         ) from None
 
 

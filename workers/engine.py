@@ -121,6 +121,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Eng
     env.init_distributed()
     import deepspeed  # late: env.init_distributed sets the accelerator first
 
+    ds_internals.check_deepspeed_version(deepspeed.__version__)
     model = build_model(model_cfg)
     layer_map = layer_map_of(model)
     optimizer = DriftAdamW(param_groups(model, layer_map, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,

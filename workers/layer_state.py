@@ -44,11 +44,6 @@ class LayerMeta:
     groups: tuple[Mapping[str, Any], ...] = ()
 
 
-def owned_slices(layout: StateLayout, layer: str) -> tuple[ParamSlice, ...]:
-    """The parameter ranges this rank's snapshot of ``layer`` holds."""
-    return tuple(p.slice for p in layout[layer].owned)
-
-
 def needed_slices(layout: StateLayout, layer: str) -> tuple[ParamSlice, ...]:
     """The parameter ranges a restore of ``layer`` on this rank reads (whole parameters at ZeRO-0)."""
     return tuple(p.slice for p in layout[layer].needed)

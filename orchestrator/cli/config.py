@@ -59,6 +59,8 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
         if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
             continue
         name = node.target.id
+        if name not in defaults:
+            continue  # a ClassVar (e.g. a policy config's ``selective``), not a field
         doc = ""
         if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
             doc = " ".join(str(following.value.value).split())

@@ -12,13 +12,13 @@ from typing import Any
 
 from orchestrator.store.layer_store import RUN_CONFIG_FILE
 from policies.config_loader import ConfigError
-from policies.configs import POLICY_CONFIGS, DriftOptimalConfig, LayerCheckConfig, policy_config, policy_name
-from policies.simulate import Comparison, compare, simulate_config, sweep_k0
+from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from policies.simulate import BYTES_PER_PARAM, Comparison, compare, simulate_config, sweep_k0
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 from orchestrator.table import format_table, human_bytes
 
-
 logger = logging.getLogger(__name__)
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -51,14 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def register_defaults() -> argparse.Namespace:
-    """The arguments ``simulate`` runs with when given none (for other commands to reuse)."""
-    parser = argparse.ArgumentParser()
-    parser.set_defaults(verbose=False)
-    register(parser.add_subparsers())
-    return parser.parse_args(["simulate"])
-
-
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # thousands of replayed decisions are not news
         logging.getLogger("policies").setLevel(logging.WARNING)
@@ -77,17 +69,14 @@ def run(args: argparse.Namespace) -> int:
                          f"(base checkpoint at step {eval_from}): the policy persists nothing on it, so there "
                          f"is nothing to measure; pass a smaller --warmup, or a longer trace")
     if args.sweep:
-        if not isinstance(config, LayerCheckConfig):
+        if policy_name(config) != "layercheck":  # the sweep varies K0, which only LayerCheck has
             raise SystemExit("layercheck simulate: --sweep needs --policy layercheck")
         values = [float(v) for v in args.sweep.split(",") if v.strip()]
         comparisons = sweep_k0(trace, config, values, eval_from=eval_from)
-    elif isinstance(config, LayerCheckConfig):
-        comparisons = [compare(trace, config, label=f"layercheck k0={config.k0:g}", eval_from=eval_from)]
-    elif isinstance(config, DriftOptimalConfig):
-        comparisons = [compare(trace, config, label=f"drift-optimal period={config.period}", eval_from=eval_from)]
+    elif config.selective:
+        comparisons = [compare(trace, config, label=config.describe(), eval_from=eval_from)]
     else:
-        result = simulate_config(trace, config, label=policy_name(config), eval_from=eval_from)
-        comparisons = []
+        result = simulate_config(trace, config, label=config.describe(), eval_from=eval_from)
         print(json.dumps(_result_json(result), indent=2) if args.json else _summary([result]))
         return 0
     report = {
@@ -118,7 +107,7 @@ _FLAGS = {"k0": "k0", "k0_embed": "k0_embed", "smax": "smax", "warmup": "warmup_
           "schedule": "threshold_schedule", "interval": "interval", "period": "period"}
 
 
-def _policy_config(args: argparse.Namespace):
+def _policy_config(args: argparse.Namespace) -> PolicyConfig:
     """The policy to replay: the run's own (``run.json`` beside ``--trace``) unless ``--policy``
     names one; flags given override its fields."""
     name, params = args.policy, {}
@@ -201,6 +190,6 @@ def _per_layer_table(trace: DriftTrace, c: Comparison) -> str:
     r = c.result
     return format_table(
         ["layer", "params", "persists", "written"],
-        [[name, trace.numel[name], r.persists[name], human_bytes(r.persists[name] * trace.numel[name] * 12)]
+        [[name, trace.numel[name], r.persists[name], human_bytes(r.persists[name] * trace.numel[name] * BYTES_PER_PARAM)]
          for name in trace.layers],
     )

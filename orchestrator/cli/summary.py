@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator.runtime.driver import RunResult
 from orchestrator.table import format_table, human_bytes
-from policies.configs import LayerCheckConfig
+from policies.configs import policy_name
 from policies.simulate import BYTES_PER_PARAM, compare
 
 
@@ -42,12 +42,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "storage": result.config.storage_uri,
         "metrics_url": result.metrics_url,
     }
-    if isinstance(result.config.policy, LayerCheckConfig) and result.trace.steps:
+    policy = result.config.policy
+    if policy.selective and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
-        comparison = compare(result.trace, result.config.policy, label="layercheck",
-                             eval_from=result.config.policy.warmup_steps)
+        comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)
         summary["full_at_same_staleness"] = {
-            "interval": int(comparison.matched_staleness.policy.split("/")[1]),
+            "interval": comparison.matched_staleness.interval,
             "bytes": comparison.matched_staleness.bytes_written,
             "mean_weighted_staleness": comparison.matched_staleness.mean_weighted_staleness,
             "layercheck_mean_weighted_staleness": comparison.result.mean_weighted_staleness,

@@ -9,7 +9,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, open_run_store
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.trace import DriftTrace
+from workers.ds_internals import ALLOW_UNVERIFIED_ENV
 from workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ def connect(config: RunConfig) -> None:
     env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
     if not config.cluster.use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
+    if ALLOW_UNVERIFIED_ENV in os.environ:  # the workers check the DeepSpeed version, not the driver
+        env_vars[ALLOW_UNVERIFIED_ENV] = os.environ[ALLOW_UNVERIFIED_ENV]
     address = config.cluster.address or os.environ.get("RAY_ADDRESS") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from orchestrator.logs import configure_process_logging
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.runtime.wire import WireShard, from_wire
 from orchestrator.core.write_queue import SupersedingQueue
@@ -44,7 +45,7 @@ class WriterStats:
 @ray.remote(num_cpus=0)
 class PersistenceWriter:
     def __init__(self, store_uri: str, fsync: bool, supervisor: Any) -> None:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_process_logging()  # the actor process has no main of ours
         self.store = LayerStore.open(store_uri, fsync=fsync)
         self.supervisor = supervisor
         self.stats = WriterStats()

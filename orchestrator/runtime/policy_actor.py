@@ -16,8 +16,9 @@ from typing import Any
 
 import ray
 
-from policies.checkpoint_policy import DriftThresholdPolicy, IntervalPolicy, build_policy
+from policies.checkpoint_policy import build_policy
 from policies.configs import PolicyConfig
+from orchestrator.logs import configure_process_logging
 from orchestrator.core.policy_service import PolicyService
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class PolicyActor:
     def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int) -> None:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_process_logging()  # the actor process has no main of ours
         self.service = PolicyService(build_policy(config, numel), list(numel), world_size)
         self._ready: dict[int, asyncio.Event] = {}
 
@@ -57,20 +58,11 @@ class PolicyActor:
         self._ready.clear()
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
-    def policy_state(self) -> dict[str, Any]:
-        return self.service.policy.state_dict()
-
     def metrics_view(self) -> dict[str, Any]:
         """What the metrics show of the policy (read-only): per layer the accumulated drift and
         the threshold at the latest step's learning rate, and the staleness budget."""
-        policy = self.service.policy
         lr = self.service.trace[-1].lr if self.service.trace else 0.0
-        if isinstance(policy, DriftThresholdPolicy):
-            return {"lr": lr, "smax": policy.smax, "accumulated": dict(policy.accumulated),
-                    "threshold": {name: policy.threshold(name, lr) for name in policy.layers}}
-        if isinstance(policy, IntervalPolicy):
-            return {"lr": lr, "smax": policy.config.interval}
-        return {"lr": lr}
+        return {"lr": lr, **self.service.policy.metrics_view(lr)}
 
     def trace(self) -> dict[str, Any]:
         """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""

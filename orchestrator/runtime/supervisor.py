@@ -24,6 +24,7 @@ import ray
 
 from orchestrator.core.run_supervisor import RunSupervisor
 from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
+from orchestrator.logs import configure_process_logging
 from orchestrator.runtime.metrics import RunMetrics
 from orchestrator.runtime.persistence_pool import WriterStats
 from orchestrator.runtime.writer_pool import WriterPool
@@ -58,7 +59,7 @@ class Supervisor:
     def __init__(self, *, run_id: str, store_uri: str, fsync: bool, writers_per_node: int,
                  layer_numel: Mapping[str, int], policy_actor: Any, resume: bool = False,
                  config: SupervisionConfig | None = None) -> None:
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        configure_process_logging()  # the actor process has no main of ours
         self.run_id = run_id
         self.layer_numel = dict(layer_numel)
         self.policy_actor = policy_actor

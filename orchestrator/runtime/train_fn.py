@@ -14,6 +14,7 @@ from typing import Any
 import ray
 import ray.train
 
+from orchestrator.logs import configure_process_logging
 from orchestrator.core.composite import load_composite
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import RunConfig, parse_run_config
@@ -93,7 +94,7 @@ class RayCoordinator:
 
 def train_fn(loop_config: dict[str, Any]) -> None:
     """The ``train_loop_per_worker`` of the run's ``TorchTrainer``."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    configure_process_logging()  # an actor/worker process has no main of ours
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ZeRO collective renames
     for name in ("workers", "orchestrator"):
         logging.getLogger(name).setLevel(logging.WARNING)

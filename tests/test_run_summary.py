@@ -1,0 +1,43 @@
+"""The closing summary compares a selective policy's bytes with full checkpoints at the same
+staleness (the matched interval read from the simulation's field, not parsed from its label);
+the baselines get no comparison."""
+
+import pytest
+
+from orchestrator.cli.summary import format_summary, summarize
+from orchestrator.core.run_config import RunConfig
+from orchestrator.runtime.driver import RunResult
+from policies.configs import policy_config
+from policies.simulate import compare
+from policies.trace import synthetic_trace
+from workers.config import ModelConfig
+
+TRACE = synthetic_trace(blocks=2, steps=300, warmup=30, seed=1)
+COST = {"mean": 0.001, "p90": 0.002}
+
+
+def result_of(policy) -> RunResult:
+    account = {"failures": 0, "recoveries": [], "ettr": 1.0, "wall_s": 10.0, "productive_s": 10.0, "stall_s": 0.0,
+               "coordination_s_per_step": COST, "step_s_per_step": {"mean": 0.1, "p90": 0.1}}
+    status = {"state": "finished", "step": 300, "loss": 1.0, "account": account, "bytes_committed": 1200,
+              "versions_committed": 3, "max_staleness": 5, "weighted_staleness": 2.5, "write_failures": 0}
+    config = RunConfig(model=ModelConfig(hf_config={"model_type": "llama"}), policy=policy)
+    return RunResult(run_id="r", config=config, status=status, trace=TRACE, layer_numel=dict(TRACE.numel))
+
+
+@pytest.mark.parametrize("name", ["layercheck", "drift-optimal"])
+def test_a_selective_policy_is_compared_with_full_checkpoints(name):
+    policy = policy_config(name, {"warmup_steps": 30})
+    summary = summarize(result_of(policy))
+    expected = compare(TRACE, policy, label=name, eval_from=30).matched_staleness
+    assert summary["full_at_same_staleness"]["interval"] == expected.interval
+    assert expected.policy == f"full/{expected.interval}"
+    assert summary["full_at_same_staleness"]["bytes"] == expected.bytes_written
+    assert f"every {expected.interval} steps" in format_summary(summary)
+
+
+@pytest.mark.parametrize("name", ["interval", "never"])
+def test_a_baseline_gets_no_comparison(name):
+    summary = summarize(result_of(policy_config(name)))
+    assert "full_at_same_staleness" not in summary
+    assert "full checkpoints, same staleness" not in format_summary(summary)
