@@ -1,0 +1,109 @@
+"""The closing summary of a training run: what it trained, what failed and how it recovered,
+what it wrote against what full checkpoints would have written, and its ETTR. Shared by
+``layercheck train`` and ``layercheck.LayerCheckTrainer``."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from orchestrator.runtime.driver import RunResult
+from orchestrator.table import format_table, human_bytes
+from policies.configs import LayerCheckConfig
+from policies.simulate import BYTES_PER_PARAM, compare
+
+
+def summarize(result: RunResult) -> dict[str, Any]:
+    status = result.status
+    account = status["account"]
+    full_bytes = sum(result.layer_numel.values()) * BYTES_PER_PARAM
+    summary: dict[str, Any] = {
+        "run_id": result.run_id,
+        "state": status["state"],
+        "error": result.error,
+        "steps": status["step"],
+        "final_loss": status["loss"],
+        "failures": account["failures"],
+        "recoveries": account["recoveries"],
+        "bytes_written": status["bytes_committed"],
+        "versions_written": status["versions_committed"],
+        "full_checkpoint_bytes": full_bytes,
+        "max_staleness": status["max_staleness"],
+        "weighted_staleness": status["weighted_staleness"],
+        "ettr": account["ettr"],
+        "wall_s": account["wall_s"],
+        "productive_s": account["productive_s"],
+        "stall_s": account["stall_s"],
+        "coordination_s_per_step": account["coordination_s_per_step"],
+        "step_s_per_step": account["step_s_per_step"],
+        "write_failures": status["write_failures"],
+        "storage": result.storage_uri,
+        "metrics_url": result.metrics_url,
+    }
+    if isinstance(result.policy, LayerCheckConfig) and result.trace.steps:
+        logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
+        comparison = compare(result.trace, result.policy, label="layercheck", eval_from=result.policy.warmup_steps)
+        summary["full_at_same_staleness"] = {
+            "interval": int(comparison.matched_staleness.policy.split("/")[1]),
+            "bytes": comparison.matched_staleness.bytes_written,
+            "mean_weighted_staleness": comparison.matched_staleness.mean_weighted_staleness,
+            "layercheck_mean_weighted_staleness": comparison.result.mean_weighted_staleness,
+        }
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    rows: list[list[object]] = [
+        ["run", summary["run_id"]],
+        ["state", summary["state"] + (f" ({summary['error']})" if summary["error"] else "")],
+        ["steps", summary["steps"]],
+        ["final loss", _num(summary["final_loss"])],
+        ["failures / recoveries", f"{summary['failures']} / {len(summary['recoveries'])}"],
+    ]
+    for r in summary["recoveries"]:
+        rows.append([f"  recovery after step {r['t_fail']}",
+                     f"resumed at {r['resumed_at']}; detect+restart {r['detect_restart_s']:.1f}s, plan "
+                     f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
+                     f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}"])
+    rows += [
+        ["bytes written", f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
+                          f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})"],
+    ]
+    matched = summary.get("full_at_same_staleness")
+    if matched:
+        ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
+        rows.append(["full checkpoints, same staleness",
+                     f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
+                     f"(LayerCheck wrote {ratio:.2f}x that)"])
+    rows += [
+        ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
+        ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
+                 f"checkpoint stalls {summary['stall_s']:.2f}s)"],
+        ["policy protocol per step", _protocol_cost(summary)],
+        ["write failures", summary["write_failures"]],
+        ["storage", summary["storage"]],
+    ]
+    if summary.get("metrics_url"):
+        rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
+    return format_table(["", ""], rows)
+
+
+def format_progress(status: dict[str, Any]) -> str:
+    stale = status["max_staleness"]
+    return (f"[{status['state']}] step {status['step']}  loss {_num(status['loss'])}  lr {status['lr']:.2e}  "
+            f"written {human_bytes(status['bytes_committed'])} ({status['versions_committed']} versions)  "
+            f"max staleness {stale if stale is not None else '-'}  ETTR {status['account']['ettr']:.2f}")
+
+
+def _num(value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _protocol_cost(summary: dict[str, Any]) -> str:
+    coord, step = summary["coordination_s_per_step"], summary["step_s_per_step"]
+    share = coord["mean"] / step["mean"] if step["mean"] else 0.0
+    return (f"{coord['mean'] * 1e3:.2f} ms mean, {coord['p90'] * 1e3:.2f} ms p90 "
+            f"({share:.1%} of the {step['mean'] * 1e3:.0f} ms mean step)")
