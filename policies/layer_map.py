@@ -243,6 +243,8 @@ def _by_prefix(spec: Mapping[str, Sequence[str]]) -> Callable[[str], str | None]
 
 
 def model_layer_map(model: _HasNamedParameters, spec: LayerMapSpec | None = None) -> LayerMap:
-    """The layer map of a live model's trainable parameters: by ``spec`` if given, else by name."""
-    params = [(name, tuple(param.shape)) for name, param in model.named_parameters() if param.requires_grad]
+    """The layer map of a live model's trainable parameters: by ``spec`` if given, else by name.
+    Shapes are the full ones also under ZeRO-3, where a module's parameters are empty partitions."""
+    params = [(name, tuple(getattr(param, "ds_shape", param.shape))) for name, param in model.named_parameters()
+              if param.requires_grad]
     return build_layer_map(params) if spec is None else layer_map_from(params, spec)
