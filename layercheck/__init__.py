@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from layercheck.worker import Attachment, LayerMismatchError, attach
-    from layercheck.config import CheckpointConfig
+    from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig
     from layercheck.trainer import FitResult, LayerCheckTrainer
     from policies.layer_map import UnplacedParameterError
     from workers.optim_state import UnsupportedOptimizerError
@@ -36,6 +36,9 @@ _EXPORTS = {
     "Attachment": "layercheck.worker",
     "LayerMismatchError": "layercheck.worker",
     "CheckpointConfig": "layercheck.config",
+    "FaultConfig": "layercheck.config",
+    "MetricsConfig": "layercheck.config",
+    "PersistenceConfig": "layercheck.config",
     "LayerCheckTrainer": "layercheck.trainer",
     "FitResult": "layercheck.trainer",
     "UnplacedParameterError": "policies.layer_map",

@@ -13,6 +13,8 @@ from policies.config_loader import ConfigError, require
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config
 from workers.drift_diff import PROBES
 
+__all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig"]
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
