@@ -4,8 +4,12 @@ training step, measured in one run on the same model.
 Variants of the optimizer step over the model's layer-aligned param groups (fp32 masters):
 
 * ``adamw``          torch AdamW (fused on CUDA, foreach on CPU): the baseline step
-* ``drift_adamw``    LayerCheck's DriftAdamW, plus reading every layer's drift (one sync)
-* ``snapshot_diff``  baseline step + copy of the params before + |after - before| per layer
+* ``drift_adamw``    LayerCheck's DriftAdamW, plus reading every layer's drift (one sync): the
+                     probe when LayerCheck builds the optimizer (the built-in loop)
+* ``snapshot_diff``  baseline step + |theta_t - reference| per layer, then the reference refreshed
+                     (``workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
+* ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
+                     per layer (an alternative for Adam-family optimizers; not shipped, see README)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.
@@ -119,6 +123,8 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     adamw, _ = plain()
     drift = DriftAdamW(_groups(model, device), lr=1e-5)
     snap, snap_groups = plain()
+    reference = [[p.detach().clone() for p in g["params"]] for g in snap_groups]
+    moments, moments_groups = plain()
     floor, floor_groups = plain()
 
     def drift_step() -> None:
@@ -127,9 +133,23 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         torch.stack(list(values.values())).cpu()
 
     def snapshot_diff_step() -> None:
-        before = [[p.detach().clone() for p in g["params"]] for g in snap_groups]
         snap.step()
-        sums = [sum((p.detach() - b).abs().sum() for p, b in zip(g["params"], bs)) for g, bs in zip(snap_groups, before)]
+        sums = []
+        for g, ref in zip(snap_groups, reference):
+            now = [p.detach() for p in g["params"]]
+            sums.append(torch.stack(torch._foreach_norm(torch._foreach_sub(now, ref), 1)).sum())
+            torch._foreach_copy_(ref, now)
+        torch.stack(sums).cpu()
+
+    def moments_step() -> None:
+        moments.step()
+        sums = []
+        for g in moments_groups:
+            states = [moments.state[p] for p in g["params"]]
+            denom = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+            torch._foreach_add_(denom, 1e-8)
+            update = torch._foreach_div([s["exp_avg"] for s in states], denom)
+            sums.append(torch.stack(torch._foreach_norm(update, 1)).sum())
         torch.stack(sums).cpu()
 
     def l1_step() -> None:
@@ -137,7 +157,8 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         sums = [torch.stack(torch._foreach_norm([p.detach() for p in g["params"]], 1)).sum() for g in floor_groups]
         torch.stack(sums).cpu()
 
-    return {"adamw": adamw.step, "drift_adamw": drift_step, "snapshot_diff": snapshot_diff_step, "l1_params": l1_step}
+    return {"adamw": adamw.step, "drift_adamw": drift_step, "snapshot_diff": snapshot_diff_step,
+            "moments": moments_step, "l1_params": l1_step}
 
 
 def training_step_seconds(preset: Preset) -> float:

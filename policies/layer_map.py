@@ -9,14 +9,17 @@ Placement works from parameter names, so it covers the Llama, Mistral, Qwen2, GP
 Falcon, OPT and Phi families without per-family code: a parameter under a numbered module list
 (``layers.3.``, ``h.3.``, ``blocks.3.``) belongs to that block; before the blocks it must be an
 embedding; after them a final norm or the output head. Anything else raises
-:class:`UnplacedParameterError` naming the parameter, rather than being silently misfiled.
+:class:`UnplacedParameterError` naming the parameters, rather than being silently misfiled.
+
+A model these rules do not fit takes an explicit layer map (:func:`layer_map_from`): a dict of
+layer name → parameter-name prefixes, or a function from a parameter name to its layer name.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +34,20 @@ _HEAD = re.compile(r"^(lm_head|embed_out|output)\.")
 
 
 class UnplacedParameterError(ValueError):
-    """A parameter whose name fits none of the layer kinds."""
+    """Parameters whose names fit none of the layers."""
+
+
+#: An explicit layer map: layer name → parameter-name prefixes (``{"encoder": ["enc."], ...}``),
+#: or a function from a parameter name to its layer name (``None``: unplaced).
+LayerMapSpec = Mapping[str, Sequence[str]] | Callable[[str], "str | None"]
+
+HOW_TO_MAP = ("pass a layer map: layer_map={'layer name': ['parameter.name.prefix', ...], ...} "
+              "or layer_map=lambda param_name: 'layer name'")
+
+
+def _unplaced_error(names: Sequence[str], why: str) -> UnplacedParameterError:
+    shown = ", ".join(repr(n) for n in names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return UnplacedParameterError(f"cannot place {len(names)} parameter(s) in a layer: {shown} ({why}); {HOW_TO_MAP}")
 
 
 def block_name(index: int) -> str:
@@ -153,6 +169,7 @@ def build_layer_map(params: Iterable[tuple[str, Sequence[int]]]) -> LayerMap:
     blocks: dict[int, list[ParamInfo]] = {}
     norm: list[ParamInfo] = []
     head: list[ParamInfo] = []
+    unplaced: list[str] = []
     for name, shape in params:
         info = ParamInfo(name=name, shape=tuple(int(s) for s in shape), decay=is_decayed(name, shape))
         block = _BLOCK.search(name)
@@ -165,12 +182,13 @@ def build_layer_map(params: Iterable[tuple[str, Sequence[int]]]) -> LayerMap:
         elif _EMBED.search(name):
             embed.append(info)
         else:
-            raise UnplacedParameterError(
-                f"cannot place parameter {name!r} in a layer: it is not under a numbered block "
-                "(layers.N / h.N / blocks.N) and is not an embedding, final norm or output head"
-            )
+            unplaced.append(name)
+    if unplaced:
+        raise _unplaced_error(unplaced, "not under a numbered block (layers.N / h.N / blocks.N) and not an "
+                                        "embedding, final norm or output head")
     if not blocks:
-        raise UnplacedParameterError("the model has no numbered transformer blocks (layers.N / h.N / blocks.N)")
+        raise UnplacedParameterError("the model has no numbered transformer blocks (layers.N / h.N / blocks.N); "
+                                     + HOW_TO_MAP)
     if sorted(blocks) != list(range(len(blocks))):
         raise UnplacedParameterError(f"transformer blocks are not numbered 0..B-1: {sorted(blocks)}")
     layers = [Layer(EMBED, tuple(embed))] if embed else []
@@ -187,3 +205,46 @@ def layer_map_of(model: _HasNamedParameters) -> LayerMap:
     return build_layer_map(
         (name, tuple(param.shape)) for name, param in model.named_parameters() if param.requires_grad
     )
+
+
+def layer_map_from(params: Iterable[tuple[str, Sequence[int]]], spec: LayerMapSpec) -> LayerMap:
+    """Group ``(name, shape)`` pairs by an explicit ``spec``; layers in order of first appearance.
+
+    With a dict, a parameter belongs to the layer with the longest prefix it starts with.
+    Every parameter must be placed: the error names those that are not.
+    """
+    assign = spec if callable(spec) else _by_prefix(spec)
+    layers: dict[str, list[ParamInfo]] = {}
+    unplaced: list[str] = []
+    for name, shape in params:
+        layer = assign(name)
+        if layer is None:
+            unplaced.append(name)
+            continue
+        layers.setdefault(str(layer), []).append(
+            ParamInfo(name=name, shape=tuple(int(s) for s in shape), decay=is_decayed(name, shape)))
+    if unplaced:
+        raise _unplaced_error(unplaced, "the layer map given places them nowhere")
+    if not layers:
+        raise UnplacedParameterError("the layer map given places no parameters; " + HOW_TO_MAP)
+    return LayerMap(layers=tuple(Layer(name, tuple(infos)) for name, infos in layers.items()))
+
+
+def _by_prefix(spec: Mapping[str, Sequence[str]]) -> Callable[[str], str | None]:
+    for layer, prefixes in spec.items():
+        if isinstance(prefixes, str):
+            raise TypeError(f"layer_map[{layer!r}]: a list of parameter-name prefixes, got the string {prefixes!r}")
+    pairs = sorted(((p, layer) for layer, prefixes in spec.items() for p in prefixes), key=lambda x: -len(x[0]))
+
+    def assign(name: str) -> str | None:
+        return next((layer for prefix, layer in pairs if name.startswith(prefix)), None)
+
+    return assign
+
+
+def model_layer_map(model: _HasNamedParameters, spec: LayerMapSpec | None = None) -> LayerMap:
+    """The layer map of a live model's trainable parameters: by ``spec`` if given, else by name.
+    Shapes are the full ones also under ZeRO-3, where a module's parameters are empty partitions."""
+    params = [(name, tuple(getattr(param, "ds_shape", param.shape))) for name, param in model.named_parameters()
+              if param.requires_grad]
+    return build_layer_map(params) if spec is None else layer_map_from(params, spec)

@@ -11,7 +11,7 @@ from orchestrator.runtime.driver import connect, train
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE
 from orchestrator.core.run_config import load_run_config
 from orchestrator.store.layer_store import LayerStore
-from orchestrator.cli.summary import format_summary, summarize
+from orchestrator.runtime.summary import format_summary, summarize
 from policies.configs import IntervalConfig
 from policies.trace import DriftTrace
 from workers.schedule import lr_at

@@ -4,7 +4,7 @@ the baselines get no comparison."""
 
 import pytest
 
-from orchestrator.cli.summary import format_summary, summarize
+from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.core.run_config import RunConfig
 from orchestrator.runtime.driver import RunResult
 from policies.configs import policy_config

@@ -51,6 +51,10 @@ class DriftProbe:
     def numel(self) -> Mapping[str, int]:
         return dict(self._numel)
 
+    def reset(self) -> None:
+        """Drop drift gathered so far (after a restore wrote new weights)."""
+        self._optimizer.take_drift()
+
     def collect(self, step: int) -> LayerDrift:
         """This rank's drift for the step(s) since the last call; one host sync."""
         by_group = self._optimizer.take_drift()

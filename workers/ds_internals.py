@@ -132,6 +132,11 @@ def zero12_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
     return list(_attr(zero_optimizer, "single_partition_of_fp32_groups"))
 
 
+def zero12_param_groups(zero_optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """ZeRO 1/2: the model parameters of each client param group, in group order."""
+    return [list(group) for group in _attr(zero_optimizer, "bit16_groups")]
+
+
 def zero12_refresh_lp(zero_optimizer: Any) -> None:
     """ZeRO 1/2: copy fp32 partitions into the low-precision params and all-gather them (collective)."""
     _attr(zero_optimizer, "update_lp_params")()
@@ -157,6 +162,11 @@ def zero3_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
 def zero3_sub_group_to_group(zero_optimizer: Any) -> dict[int, int]:
     """ZeRO 3: which client param group each fp32 sub-group belongs to."""
     return dict(_attr(zero_optimizer, "sub_group_to_group_id"))
+
+
+def zero3_param_groups(zero_optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """ZeRO 3: the model parameters of each client param group, in group order."""
+    return [list(group) for group in _attr(zero_optimizer, "fp16_groups")]
 
 
 def zero3_refresh_lp(zero_optimizer: Any) -> None:

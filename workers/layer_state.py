@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from workers import optim_state
 from workers.host_buffers import HostBufferPool
 from workers.layout import LayerLayout, StateLayout, refresh_forward_weights, state_view
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
@@ -52,24 +53,25 @@ def needed_slices(layout: StateLayout, layer: str) -> tuple[ParamSlice, ...]:
 def optimizer_step_of(layout: StateLayout, layer: str) -> int:
     """The Adam step count of ``layer`` on this rank (0 before any step)."""
     for master in layout[layer].masters:
-        return int(layout.optimizer.state[master]["step"].item())
+        return optim_state.get_step(layout.optimizer, master)
     return 0
 
 
 def group_metadata(layout: StateLayout, layer: str) -> tuple[dict[str, Any], ...]:
-    """``layer``'s param-group hyper-parameters, JSON-safe, each with its parameters' names."""
+    """The hyper-parameters of the param groups holding ``layer``, JSON-safe, each with the
+    names of the layer's parameters in it and the group's position (``index``)."""
     entry = layout[layer]
-    params = layout.layer_map[layer]
-    names_by_kind = {
-        "decay": [p.name for p in params.decay_params],
-        "no_decay": [p.name for p in params.no_decay_params],
-    }
     out = []
-    for group in entry.groups:
+    for group, names in zip(entry.groups, entry.group_params):
         meta = {k: _json_safe(v) for k, v in group.items() if k != "params" and _json_safe(v) is not None}
-        meta["param_names"] = names_by_kind[group["name"].rsplit("/", 1)[1]]
+        meta["param_names"] = list(names)
+        meta.setdefault("index", _group_index(layout, group))
         out.append(meta)
     return tuple(out)
+
+
+def _group_index(layout: StateLayout, group: Mapping[str, Any]) -> int:
+    return next(i for i, g in enumerate(layout.optimizer.param_groups) if g is group)
 
 
 def _json_safe(value: Any) -> Any:
@@ -134,23 +136,34 @@ def restore_layers(layout: StateLayout, metas: Mapping[str, LayerMeta], read: Ra
                     raise ValueError(f"reader gave {source.numel()} elements of {s.name!r} {key}, wanted {s.length}")
                 state_view(layout.optimizer, piece, key).copy_(source.reshape(-1))
         for master in entry.masters:
-            layout.optimizer.state[master]["step"].fill_(float(meta.optimizer_step))
-        _restore_hyperparameters(entry, meta.groups)
+            # a master shared with other layers (param groups not layer-aligned) keeps the newest count
+            shared = sum(master is m for other in metas for m in layout[other].masters) > 1
+            count = max(meta.optimizer_step, _restored_count(layout, metas, master)) if shared else meta.optimizer_step
+            optim_state.set_step(layout.optimizer, master, count)
+        _restore_hyperparameters(layout, entry, meta.groups)
     refresh_forward_weights(layout, list(metas))
     logger.info("restored %d layers: %s", len(metas), ", ".join(metas))
 
 
-def _restore_hyperparameters(entry: LayerLayout, groups: Sequence[Mapping[str, Any]]) -> None:
-    saved = {g["name"]: g for g in groups if "name" in g}
+def _restored_count(layout: StateLayout, metas: Mapping[str, LayerMeta], master: torch.Tensor) -> int:
+    """The newest step count among the restored layers that share ``master``: one Adam count
+    serves them all, and bias correction barely changes past the first steps."""
+    return max(meta.optimizer_step for name, meta in metas.items() if any(m is master for m in layout[name].masters))
+
+
+def _restore_hyperparameters(layout: StateLayout, entry: LayerLayout, groups: Sequence[Mapping[str, Any]]) -> None:
+    by_name = {g["name"]: g for g in groups if "name" in g}
+    by_index = {g["index"]: g for g in groups if "index" in g}
     for group in entry.groups:
-        source = saved.get(group["name"])
+        source = by_name.get(group["name"]) if "name" in group else by_index.get(_group_index(layout, group))
         if source is None:
             continue
         for key in RESTORED_HYPERPARAMETERS:
             if key in source:
                 value = tuple(source[key]) if isinstance(group.get(key), tuple) else source[key]
                 if group.get(key) != value:
-                    logger.info("group %s: %s %s -> %s (restored)", group["name"], key, group.get(key), value)
+                    logger.info("group %s: %s %s -> %s (restored)", group.get("name", _group_index(layout, group)),
+                                key, group.get(key), value)
                 group[key] = value
 
 

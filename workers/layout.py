@@ -9,6 +9,10 @@ Ownership: ZeRO 1-3 partition the fp32 state, so a rank owns (and needs) exactly
 ZeRO-0 replicates it; a rank *owns* the ``rank``-th contiguous ``1/world_size`` slice of each
 parameter (so ranks split the writes instead of each writing a copy) but *needs* the whole
 parameter on restore.
+
+Param groups need not follow layers: a layer's masters and groups are the fp32 tensors and
+client param groups that hold any of its parameters (one group for all, decay/no-decay
+groups, or LayerCheck's own layer-aligned groups), so several layers may share one master.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ from typing import Any
 import torch
 
 from policies.layer_map import LayerMap
-from workers import ds_internals
-from workers.drift_adamw import DriftAdamW
+from workers import ds_internals, optim_state
 from workers.shard import ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -40,13 +43,15 @@ class Piece:
 
 @dataclass(frozen=True, eq=False)
 class LayerLayout:
-    """One layer on this rank: owned and needed pieces, fp32 masters, and its param groups."""
+    """One layer on this rank: owned and needed pieces, fp32 masters, and the param groups
+    holding its parameters (``group_params[i]``: the layer's parameters in ``groups[i]``)."""
 
     name: str
     owned: tuple[Piece, ...]
     needed: tuple[Piece, ...]
     masters: tuple[torch.Tensor, ...]
     groups: tuple[dict[str, Any], ...]
+    group_params: tuple[tuple[str, ...], ...] = ()
 
     @property
     def owned_numel(self) -> int:
@@ -63,7 +68,8 @@ class StateLayout:
     layers: Mapping[str, LayerLayout]
     layer_map: LayerMap
     engine: Any
-    optimizer: DriftAdamW
+    optimizer: Any
+    """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`workers.optim_state`."""
 
     def __getitem__(self, layer: str) -> LayerLayout:
         try:
@@ -72,7 +78,7 @@ class StateLayout:
             raise KeyError(f"no layer {layer!r}; layers are {list(self.layers)}") from None
 
 
-def state_view(optimizer: DriftAdamW, piece: Piece, key: str) -> torch.Tensor:
+def state_view(optimizer: Any, piece: Piece, key: str) -> torch.Tensor:
     """The 1-D view of ``piece`` in state ``key`` (``fp32`` is the master weight itself)."""
     base = piece.master if key == "fp32" else optimizer.state[piece.master][key]
     return base.detach().view(-1).narrow(0, piece.start, piece.slice.length)
@@ -86,29 +92,39 @@ def zero0_owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int]
 
 
 def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
-    """Map every layer of ``layer_map`` onto ``engine``'s optimizer state on this rank."""
+    """Map every layer of ``layer_map`` onto ``engine``'s optimizer state on this rank.
+
+    Raises :class:`~workers.optim_state.UnsupportedOptimizerError` for an optimizer whose state
+    is not Adam's, and ``KeyError`` for a layer-map parameter the engine's model does not have.
+    """
     stage = int(engine.zero_optimization_stage())
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     optimizer = ds_internals.client_optimizer(engine)
-    if not isinstance(optimizer, DriftAdamW):
-        raise TypeError(f"the engine's client optimizer must be DriftAdamW, got {type(optimizer).__name__}")
+    optim_state.check_supported(optimizer)
     params = dict(engine.module.named_parameters())
-    groups_of = _groups_by_layer(optimizer)
+    missing = [p.name for layer in layer_map.layers for p in layer.params if p.name not in params]
+    if missing:
+        raise KeyError(f"the layer map names parameters the model does not have: {missing[:8]}")
+    group_of = _group_of_param(engine, stage, params)
     if stage == 0:
         pieces = _zero0_pieces(engine, layer_map, params, rank, world_size)
     elif stage in (1, 2):
-        pieces = _zero12_pieces(engine.optimizer, layer_map, params, _group_indices(optimizer))
+        pieces = _zero12_pieces(engine.optimizer, layer_map, params, group_of)
     else:
-        pieces = _zero3_pieces(engine.optimizer, layer_map, params, _group_indices(optimizer))
+        pieces = _zero3_pieces(engine.optimizer, layer_map, params, group_of)
     layers: dict[str, LayerLayout] = {}
     for layer in layer_map.layers:
         owned, needed, masters = pieces[layer.name]
+        indices = sorted({group_of[p.name] for p in layer.params})
         layers[layer.name] = LayerLayout(
-            name=layer.name, owned=owned, needed=needed, masters=masters, groups=groups_of[layer.name]
+            name=layer.name, owned=owned, needed=needed, masters=masters,
+            groups=tuple(optimizer.param_groups[i] for i in indices),
+            group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
         )
         for master in masters:
-            optimizer.init_state(master)  # restore into a fresh engine needs moments to write into
-    logger.info("state layout: ZeRO-%d, rank %d of %d, %d layers", stage, rank, world_size, len(layers))
+            optim_state.init_state(optimizer, master)  # restore into a fresh engine needs moments to write into
+    logger.info("state layout: ZeRO-%d, rank %d of %d, %d layers over %d param groups (%s)", stage, rank,
+                world_size, len(layers), len(optimizer.param_groups), type(optimizer).__name__)
     return StateLayout(stage=stage, rank=rank, world_size=world_size, layers=layers, layer_map=layer_map,
                        engine=engine, optimizer=optimizer)
 
@@ -116,18 +132,17 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
 _Pieces = dict[str, tuple[tuple[Piece, ...], tuple[Piece, ...], tuple[torch.Tensor, ...]]]
 
 
-def _groups_by_layer(optimizer: DriftAdamW) -> dict[str, tuple[dict[str, Any], ...]]:
-    out: dict[str, list[dict[str, Any]]] = {}
-    for group in optimizer.param_groups:
-        out.setdefault(group["layer"], []).append(group)
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def _group_indices(optimizer: DriftAdamW) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for index, group in enumerate(optimizer.param_groups):
-        out.setdefault(group["layer"], []).append(index)
-    return out
+def _group_of_param(engine: Any, stage: int, params: Mapping[str, torch.nn.Parameter]) -> dict[str, int]:
+    """Per model parameter name, the index of the client param group that holds it."""
+    if stage == 0:
+        master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
+        index_of = {id(p): i for i, g in enumerate(ds_internals.client_optimizer(engine).param_groups)
+                    for p in g["params"]}
+        return {name: index_of[id(master_of[id(p)])] for name, p in params.items() if id(p) in master_of}
+    groups = (ds_internals.zero12_param_groups(engine.optimizer) if stage in (1, 2)
+              else ds_internals.zero3_param_groups(engine.optimizer))
+    index_of = {id(p): i for i, group in enumerate(groups) for p in group}
+    return {name: index_of[id(p)] for name, p in params.items() if id(p) in index_of}
 
 
 def _unique(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -155,7 +170,7 @@ def _zero0_pieces(engine: Any, layer_map: LayerMap, params: Mapping[str, torch.n
 
 
 def _zero12_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter],
-                   group_indices: Mapping[str, list[int]]) -> _Pieces:
+                   group_of: Mapping[str, int]) -> _Pieces:
     flats = ds_internals.zero12_flat_partitions(zero_optimizer)  # one per param group, same order
     out: _Pieces = {}
     for layer in layer_map.layers:
@@ -165,13 +180,13 @@ def _zero12_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str
             if fragment is not None:
                 owned.append(Piece(ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
                                    flats[fragment.flat_index], fragment.flat_start))
-        masters = _unique([flats[i] for i in group_indices[layer.name]])
+        masters = _unique([flats[i] for i in sorted({group_of[p.name] for p in layer.params})])
         out[layer.name] = (tuple(owned), tuple(owned), masters)
     return out
 
 
 def _zero3_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter],
-                  group_indices: Mapping[str, list[int]]) -> _Pieces:
+                  group_of: Mapping[str, int]) -> _Pieces:
     flats = ds_internals.zero3_flat_partitions(zero_optimizer)  # one per sub-group
     group_of_sub = ds_internals.zero3_sub_group_to_group(zero_optimizer)
     out: _Pieces = {}
@@ -182,7 +197,7 @@ def _zero3_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str,
             if fragment.length:
                 owned.append(Piece(ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
                                    flats[fragment.flat_index], fragment.flat_start))
-        mine = set(group_indices[layer.name])
+        mine = {group_of[p.name] for p in layer.params}
         masters = _unique([flats[s] for s, g in sorted(group_of_sub.items()) if g in mine])
         out[layer.name] = (tuple(owned), tuple(owned), masters)
     return out

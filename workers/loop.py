@@ -22,6 +22,7 @@ from workers.drift import LayerDrift
 from workers.engine import TrainEngine
 from workers.host_buffers import HostBufferPool
 from workers.layer_state import snapshot_layers
+from workers.layout import StateLayout
 from workers.schedule import lr_at
 from workers.shard import LayerShard
 from workers.step import train_step
@@ -59,6 +60,63 @@ class LoopResult:
     """Time in the coordinator's report and decision calls: LayerCheck's per-step protocol cost."""
 
 
+class StepProtocol:
+    """LayerCheck's per-step protocol on one rank, apart from how the step itself is trained:
+    the built-in :func:`run_loop` and a user's own loop (``layercheck.attach``) both call
+    :meth:`after_step` once after each optimizer step and :meth:`finish` once at the end."""
+
+    def __init__(self, layout: StateLayout, coordinator: Coordinator, *, rank: int) -> None:
+        self.layout = layout
+        self.coordinator = coordinator
+        self.rank = rank
+        self.result = LoopResult()
+        self._buffers = HostBufferPool()
+        self._pending: Any = None
+        self._last_step: int | None = None
+
+    def after_step(self, step: int, drift: LayerDrift, *, loss: float, lr: float, compute_s: float) -> float:
+        """Report step ``step``'s drift (not waiting), carry out step ``step - 1``'s decision,
+        and (rank 0) report progress; returns the seconds snapshots held training up."""
+        result = self.result
+        coordination_before = result.coordination_s
+        reported = time.monotonic()
+        handle = self.coordinator.report(drift, lr)
+        result.coordination_s += time.monotonic() - reported
+        stall_s = self._carry_out(self._pending, step) if self._pending is not None else 0.0
+        self._pending, self._last_step = handle, step
+        result.losses[step] = loss
+        result.stall_s += stall_s
+        if self.rank == 0:
+            self.coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
+                                      coordination_s=result.coordination_s - coordination_before)
+        return stall_s
+
+    def finish(self) -> LoopResult:
+        """Carry out the last step's decision (its snapshots are the state after that step)."""
+        if self._pending is not None and self._last_step is not None:
+            self.result.stall_s += self._carry_out(self._pending, self._last_step)
+            self._pending = None
+        return self.result
+
+    def _carry_out(self, handle: Any, step: int) -> float:
+        """Snapshot and hand over what the decision behind ``handle`` names; the time it took."""
+        asked = time.monotonic()
+        decision = self.coordinator.decision(handle)
+        self.result.coordination_s += time.monotonic() - asked
+        if not decision:
+            return 0.0
+        started = time.monotonic()
+        shards = snapshot_layers(self.layout, decision.names, self._buffers, step=step)
+        try:
+            self.coordinator.persist(shards, base=decision.is_base)
+        finally:
+            for shard in shards:
+                self._buffers.release(shard)
+        self.result.persisted[step] = decision.names
+        logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
+        return time.monotonic() - started
+
+
 def run_loop(
     te: TrainEngine,
     dataset: SequenceDataset,
@@ -71,9 +129,7 @@ def run_loop(
     after_step: Callable[[int], None] = lambda step: None,
 ) -> LoopResult:
     """Train steps ``start_step..end_step`` (inclusive, counted from 1)."""
-    result = LoopResult()
-    buffers = HostBufferPool()
-    pending: Any = None
+    protocol = StepProtocol(te.layout, coordinator, rank=rank)
     engine_cfg = te.engine_cfg
     for step in range(start_step, end_step + 1):
         started = time.monotonic()
@@ -81,40 +137,7 @@ def run_loop(
                                        micro_batch=engine_cfg.micro_batch, grad_accum=engine_cfg.grad_accum)
                    for m in range(engine_cfg.grad_accum)]
         loss, drift = train_step(te, batches)
-        compute_s = time.monotonic() - started
-        lr = lr_at(step - 1, te.optim_cfg)
-        coordination_before = result.coordination_s
-        reported = time.monotonic()
-        handle = coordinator.report(drift, lr)
-        result.coordination_s += time.monotonic() - reported
-        stall_s = _carry_out(te, coordinator, pending, step, buffers, result) if pending is not None else 0.0
-        pending = handle
-        result.losses[step] = loss
-        result.stall_s += stall_s
-        if rank == 0:
-            coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
-                                 coordination_s=result.coordination_s - coordination_before)
+        protocol.after_step(step, drift, loss=loss, lr=lr_at(step - 1, te.optim_cfg),
+                            compute_s=time.monotonic() - started)
         after_step(step)
-    if pending is not None:
-        result.stall_s += _carry_out(te, coordinator, pending, end_step, buffers, result)
-    return result
-
-
-def _carry_out(te: TrainEngine, coordinator: Coordinator, handle: Any, step: int, buffers: HostBufferPool,
-               result: LoopResult) -> float:
-    """Snapshot and hand over what the decision behind ``handle`` names; the time it took."""
-    asked = time.monotonic()
-    decision = coordinator.decision(handle)
-    result.coordination_s += time.monotonic() - asked
-    if not decision:
-        return 0.0
-    started = time.monotonic()
-    shards = snapshot_layers(te.layout, decision.names, buffers, step=step)
-    try:
-        coordinator.persist(shards, base=decision.is_base)
-    finally:
-        for shard in shards:
-            buffers.release(shard)
-    result.persisted[step] = decision.names
-    logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
-    return time.monotonic() - started
+    return protocol.finish()

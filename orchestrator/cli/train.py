@@ -63,7 +63,7 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
                      take_over: bool = False) -> int:
     from orchestrator.core.run_start import ResumeError
     from orchestrator.runtime.driver import train
-    from orchestrator.cli.summary import format_progress, format_summary, summarize
+    from orchestrator.runtime.summary import format_progress, format_summary, summarize
 
     last = {"step": -1, "state": None}
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from typing import Protocol
 
 from orchestrator.store.manifest import VersionRecord
 from orchestrator.store.recovery_source import CompositeReader
 from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import LayerMap
-from workers.engine import TrainEngine
 from workers.layer_state import restore_layers
+from workers.layout import StateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,14 @@ def check_fits(reader: CompositeReader, records: Mapping[str, VersionRecord], la
                                          f"fit the run config's model ({'; '.join(diff)})")
 
 
-def load_composite(te: TrainEngine, store: LayerStore, records: Mapping[str, VersionRecord]) -> float:
+class Restorable(Protocol):
+    """What a composite loads into: the built-in ``TrainEngine`` or an attached user engine."""
+
+    layer_map: LayerMap
+    layout: StateLayout
+
+
+def load_composite(te: Restorable, store: LayerStore, records: Mapping[str, VersionRecord]) -> float:
     """Restore every layer in ``records`` from its version (collective at ZeRO 1-3); seconds taken.
 
     Raises :class:`CompositeMismatchError` (before touching the engine) if a version does not fit
@@ -48,6 +56,9 @@ def load_composite(te: TrainEngine, store: LayerStore, records: Mapping[str, Ver
     with CompositeReader(store, records) as reader:
         check_fits(reader, records, te.layer_map)
         restore_layers(te.layout, reader.metas(), reader)
+    probe = getattr(te, "probe", None)
+    if probe is not None and hasattr(probe, "reset"):
+        probe.reset()  # the restore moved the weights: that is no step's drift
     elapsed = time.monotonic() - started
     logger.info("loaded a composite of %d layers in %.2fs", len(records), elapsed)
     return elapsed

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
@@ -63,20 +64,33 @@ def open_run_store(config: RunConfig, options: StartOptions, *, layer_numel: dic
     :meth:`StoreLease.release`. ``config`` must have absolute paths (``with_absolute_storage``)."""
     if layer_numel is None:
         layer_numel = check_config(config)
-    fs = StoreFS.open(config.storage_uri)
-    check_run_location(fs)
-    lease = StoreLease.acquire(fs, run=config.name, take_over=options.take_over)
-    try:
-        store = LayerStore(fs)
+
+    def prepare(store: LayerStore) -> None:
         if options.resume:
             check_resumable(store, layer_numel, config)
-        elif store.versions():
+        # the run's config beside its checkpoints: export, inspect and --resume read the model from it
+        store.fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+
+    return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare)
+
+
+def claim_store(uri: str, *, run: str, options: StartOptions,
+                prepare: Callable[[LayerStore], None] | None = None) -> StoreLease:
+    """Steps 2–4 for any run, ``layercheck train``'s or a user's own loop's: the location, the
+    lease, then (a fresh run) an empty store or one ``--overwrite`` cleared of what LayerCheck
+    wrote, then ``prepare(store)``. The lease is released again if any of it fails."""
+    fs = StoreFS.open(uri)
+    check_run_location(fs)
+    lease = StoreLease.acquire(fs, run=run, take_over=options.take_over)
+    try:
+        store = LayerStore(fs)
+        if not options.resume and store.versions():
             if not options.overwrite:
                 raise FileExistsError(f"{fs.uri()} already holds a run's checkpoints; pick another storage or "
                                       "name, resume it with --resume, or pass --overwrite to delete them")
             clear_run(fs, keep=frozenset({LEASE_FILE}))
-        # the run's config beside its checkpoints: export, inspect and --resume read the model from it
-        fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+        if prepare is not None:
+            prepare(store)
     except BaseException:
         lease.release()
         raise

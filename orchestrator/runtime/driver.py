@@ -1,5 +1,11 @@
 """The driver of a training run: connect to (or start) Ray, start the run's actors, run the
-``TorchTrainer`` with Ray Train's failure handling, show progress, and summarise."""
+``TorchTrainer`` with Ray Train's failure handling, show progress, and summarise.
+
+:func:`train` runs the built-in loop; ``layercheck.LayerCheckTrainer`` runs a user's own
+``train_loop_per_worker``. Both go through the same three steps: :func:`start_run` (policy
+actor, supervisor with its writer pool, metrics), :func:`fit_watched` (the trainer's ``fit``
+with progress polling) and :func:`finish_run` (drain, final state, drift trace, result).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +27,7 @@ from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, open_run_store
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
 from workers.ds_internals import ALLOW_UNVERIFIED_ENV
 from workers.engine import layer_map_for
@@ -30,7 +38,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RunResult:
     run_id: str
-    config: RunConfig
+    config: RunConfig | None
+    """The built-in loop's run config; ``None`` for a user's own loop (``layercheck.LayerCheckTrainer``)."""
     status: dict[str, Any]
     """The supervisor's final view (see :meth:`Supervisor.status`)."""
     trace: DriftTrace
@@ -39,38 +48,56 @@ class RunResult:
     error: str | None = None
     metrics_url: str | None = None
     """Where the run's Prometheus metrics were served (while the run was live); ``None``: disabled."""
+    storage_uri: str = ""
+    """Where the run's checkpoints are (the config's storage when empty)."""
+    policy: PolicyConfig | None = None
+    """The checkpoint policy the run used (the config's when ``None``)."""
+
+    def __post_init__(self) -> None:
+        if self.config is not None:
+            self.storage_uri = self.storage_uri or self.config.storage_uri
+            self.policy = self.policy if self.policy is not None else self.config.policy
 
 
+@dataclass
+class RunHandles:
+    """The live actors of one run, as :func:`start_run` started them."""
+
+    run_id: str
+    storage_uri: str
+    policy_config: PolicyConfig
+    layer_numel: dict[str, int]
+    policy: Any
+    supervisor: Any
+    metrics_url: str | None
 
 def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
+    cluster = config.cluster
+    connect_to(address=cluster.address, use_gpu=cluster.use_gpu,
+               cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1)
+
+
+def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> None:
+    """Join ``address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray with at
+    least ``cpus`` CPUs. Workers get ``DS_ACCELERATOR=cpu`` without GPUs. No-op if Ray is up."""
     if ray.is_initialized():
         return
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-    if not config.cluster.use_gpu:
+    if not use_gpu:
         env_vars["DS_ACCELERATOR"] = "cpu"
     if ALLOW_UNVERIFIED_ENV in os.environ:  # the workers check the DeepSpeed version, not the driver
         env_vars[ALLOW_UNVERIFIED_ENV] = os.environ[ALLOW_UNVERIFIED_ENV]
-    address = config.cluster.address or os.environ.get("RAY_ADDRESS") or _local_cluster()
+    address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         logger.info("joined the Ray cluster at %s", address)
         return
-    cpus = max(os.cpu_count() or 1, int(config.cluster.num_workers * config.cluster.cpus_per_worker) + 1)
+    cpus = max(os.cpu_count() or 1, cpus)
     ray.init(num_cpus=cpus, namespace=NAMESPACE,
              runtime_env={"env_vars": env_vars}, log_to_driver=True)
     logger.info("started a local Ray with %d CPUs", cpus)
-
-
-def _local_cluster() -> str | None:
-    """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
-    ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
-    try:
-        from ray._private.services import find_bootstrap_address
-
-        return find_bootstrap_address(None)
-    except Exception:  # noqa: BLE001 - a moved private API must not stop a run: start a local Ray
-        return None
 
 
 def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, take_over: bool = False,
@@ -81,72 +108,101 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, t
     from ray.train import FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.runtime.policy_actor import PolicyActor
-    from orchestrator.runtime.supervisor import Supervisor
     from orchestrator.runtime.train_fn import train_fn
 
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     config = config.with_absolute_storage()
     # config checks, then the store's lease, then resume/overwrite checks, then run.json: nothing before
     lease = open_run_store(config, StartOptions(overwrite=overwrite, resume=resume, take_over=take_over))
-    layer_map = layer_map_for(config.model)
-    connect(config)
-    run_id = f"{config.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        layer_map = layer_map_for(config.model)
+        connect(config)
+        handles = start_run(name=config.name, storage_uri=config.storage_uri, policy=config.policy,
+                            persistence=config.persistence, metrics=config.metrics,
+                            num_workers=config.cluster.num_workers, layer_numel=layer_map.numel, resume=resume)
+        scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
+        try:
+            trainer = TorchTrainer(
+                train_fn,
+                train_loop_config={"run": config.to_json(), "run_id": handles.run_id},
+                scaling_config=ScalingConfig(num_workers=_group_size(config), use_gpu=config.cluster.use_gpu,
+                                             resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
+                run_config=TrainRunConfig(name=handles.run_id, storage_path=scratch,
+                                          failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
+            )
+            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return finish_run(handles, error=error, config=config)
+    finally:
+        lease.release()  # also when setup fails after the lease was taken
+
+
+def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence: Any, metrics: Any,
+              num_workers: int, layer_numel: dict[str, int], resume: bool = False) -> RunHandles:
+    """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
+    metrics exporter, named after a fresh run id. Ray must be connected."""
+    from orchestrator.runtime.policy_actor import PolicyActor
+    from orchestrator.runtime.supervisor import Supervisor
+
+    run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    policy = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
-        config.policy, layer_map.numel, config.cluster.num_workers)
+    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(policy, layer_numel, num_workers)
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
-        run_id=run_id, store_uri=config.storage_uri, fsync=config.persistence.fsync,
-        writers_per_node=config.persistence.writers_per_node, layer_numel=layer_map.numel, policy_actor=policy,
+        run_id=run_id, store_uri=storage_uri, fsync=persistence.fsync,
+        writers_per_node=persistence.writers_per_node, layer_numel=layer_numel, policy_actor=policy_actor,
         resume=resume)
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
-    metrics_url = _start_metrics(supervisor, config)
-    scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
-    trainer = TorchTrainer(
-        train_fn,
-        train_loop_config={"run": config.to_json(), "run_id": run_id},
-        scaling_config=ScalingConfig(num_workers=_group_size(config), use_gpu=config.cluster.use_gpu,
-                                     resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
-        run_config=TrainRunConfig(name=run_id, storage_path=scratch,
-                                  failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
-    )
+    metrics_url = _start_metrics(supervisor, metrics)
+    return RunHandles(run_id=run_id, storage_uri=storage_uri, policy_config=policy, layer_numel=dict(layer_numel),
+                      policy=policy_actor, supervisor=supervisor, metrics_url=metrics_url)
+
+
+def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
+                poll_s: float = 1.0) -> str | None:
+    """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
+    run for good (max_failures exhausted, a bug in a worker), or ``None``."""
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(supervisor, on_progress, stop, poll_s), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s), daemon=True)
     watcher.start()
     error = None
     try:
         trainer.fit()
-    except Exception as exc:  # the run failed for good (max_failures exhausted, a bug in a worker)
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         logger.error("training failed: %s", error)
     finally:
         stop.set()
         watcher.join()
-        shutil.rmtree(scratch, ignore_errors=True)
+    return error
+
+
+def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | None = None) -> RunResult:
+    """Let the writers finish, record the final state and the drift trace, stop the actors."""
+    supervisor, policy = handles.supervisor, handles.policy
     ray.get(supervisor.drain.remote())
     ray.get(supervisor.finish.remote(error is None))
     trace = DriftTrace.from_json({**ray.get(policy.trace.remote()), "layers": [
-        {"name": name, "numel": numel} for name, numel in layer_map.numel.items()]})
-    LayerStore.open(config.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
-    lease.release()
-    result = RunResult(run_id=run_id, config=config, status=ray.get(supervisor.status.remote()),
-                       trace=trace, layer_numel=layer_map.numel, error=error, metrics_url=metrics_url)
-    if metrics_url is not None:
+        {"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]})
+    LayerStore.open(handles.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
+    result = RunResult(run_id=handles.run_id, config=config, status=ray.get(supervisor.status.remote()),
+                       trace=trace, layer_numel=handles.layer_numel, error=error, metrics_url=handles.metrics_url,
+                       storage_uri=handles.storage_uri, policy=handles.policy_config)
+    if handles.metrics_url is not None:
         ray.get(supervisor.flush_metrics.remote())  # the final values reach Prometheus before the exporter ends
     for actor in (supervisor, policy):
         ray.kill(actor)
     return result
 
 
-def _start_metrics(supervisor: Any, config: RunConfig) -> str | None:
+def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
     """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none); a
     port that cannot be bound is logged, not fatal: the run trains without metrics."""
-    if config.metrics.port == 0:
+    if metrics.port == 0:
         return None
     try:
-        url = ray.get(supervisor.start_metrics.remote(config.metrics.host, config.metrics.port))
+        url = ray.get(supervisor.start_metrics.remote(metrics.host, metrics.port))
     except Exception as error:
-        logger.error("metrics disabled: cannot serve on %s:%d: %s", config.metrics.host, config.metrics.port, error)
+        logger.error("metrics disabled: cannot serve on %s:%d: %s", metrics.host, metrics.port, error)
         return None
     logger.info("metrics at %s", url)
     return url
@@ -157,6 +213,7 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     if 0 < cluster.min_workers < cluster.num_workers:
         return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
     return cluster.num_workers
+
 
 
 def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,

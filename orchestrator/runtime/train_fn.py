@@ -8,7 +8,7 @@ import os
 import signal
 import warnings
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -17,7 +17,7 @@ import ray.train
 from orchestrator.logs import configure_process_logging
 from orchestrator.core.composite import load_composite
 from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.core.run_config import RunConfig, parse_run_config
+from orchestrator.core.run_config import FaultConfig, parse_run_config
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.errors import CorruptShardError
 from orchestrator.runtime.wire import to_wire
@@ -111,11 +111,11 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     te = build_engine(run.model, run.optim, run.engine)
     resume = ray.get(resume_ref)
     if resume.records is not None:
-        _recover(te, run, resume.records, supervisor, rank)
+        recover(te, run.storage_uri, run.persistence.fsync, resume.records, supervisor, rank)
         seek_step(te, resume.start_step - 1)
     coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
                                  supervisor=supervisor, max_inflight_bytes=run.persistence.max_inflight_bytes)
-    kill = _fault(run, rank, resume.attempt, coordinator)
+    kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     try:
         if resume.start_step <= run.steps:
             run_loop(te, load_dataset(run.data), coordinator, start_step=resume.start_step,
@@ -125,23 +125,26 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         shutdown(te)
 
 
-def _recover(te, run: RunConfig, records, supervisor: Any, rank: int) -> None:
-    store = LayerStore.open(run.storage_uri, fsync=run.persistence.fsync)
+def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor: Any, rank: int) -> None:
+    """Load the composite ``records`` names into ``target`` (a built-in ``TrainEngine`` or an
+    attached user engine: anything with ``layout`` and ``layer_map``); a corrupt version is
+    reported to the supervisor, which skips it at the next attempt."""
+    store = LayerStore.open(storage_uri, fsync=fsync)
     try:
-        load_s = load_composite(te, store, records)
+        load_s = load_composite(target, store, records)
     except CorruptShardError as error:
         ray.get(supervisor.version_unusable.remote(error.version_id, str(error)))
         raise
     supervisor.loaded.remote(rank, load_s)
 
 
-def _fault(run: RunConfig, rank: int, attempt: int, coordinator: RayCoordinator):
+def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:
     """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt
     only — once the step's drift report and the snapshots handed over have left the process, so
     the failure falls exactly after that step. (A real crash can also take with it messages
     still in the send queue: then ``t_fail`` is the step before, or the layers whose shards were
     lost come from their previous versions.)"""
-    target = run.fault.kill_at_step if rank == run.fault.kill_rank and attempt == 1 else 0
+    target = fault.kill_at_step if rank == fault.kill_rank and attempt == 1 else 0
 
     def after_step(step: int) -> None:
         if step == target:

@@ -1,5 +1,6 @@
 """The closing summary of a training run: what it trained, what failed and how it recovered,
-what it wrote against what full checkpoints would have written, and its ETTR."""
+what it wrote against what full checkpoints would have written, and its ETTR. Shared by
+``layercheck train`` and ``layercheck.LayerCheckTrainer``."""
 
 from __future__ import annotations
 
@@ -39,10 +40,10 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "write_failures": status["write_failures"],
         "commit_retries": status.get("commit_retries", 0),
         "lost_versions": status.get("lost_versions", 0),
-        "storage": result.config.storage_uri,
+        "storage": result.storage_uri,
         "metrics_url": result.metrics_url,
     }
-    policy = result.config.policy
+    policy = result.policy
     if policy.selective and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
         comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)

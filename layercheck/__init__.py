@@ -1,0 +1,59 @@
+"""LayerCheck's Python API: layer-wise checkpointing and no-rollback recovery for your own
+DeepSpeed training on Ray Train.
+
+Driver::
+
+    trainer = layercheck.LayerCheckTrainer(train_loop_per_worker, model=hf_config,
+                                           checkpoint=layercheck.CheckpointConfig(storage="/shared/ckpt"),
+                                           scaling_config=ScalingConfig(num_workers=2),
+                                           run_config=RunConfig(failure_config=FailureConfig(max_failures=3)))
+    result = trainer.fit()
+
+Worker (inside ``train_loop_per_worker``, after ``deepspeed.initialize``)::
+
+    lc = layercheck.attach(engine)
+    for step in range(lc.start_step, total_steps + 1):
+        ...; engine.step()
+        lc.after_step(step, loss=loss)
+    lc.finish()
+
+Importing this package starts nothing; the heavier parts load on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layercheck.worker import Attachment, LayerMismatchError, attach
+    from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig
+    from layercheck.trainer import FitResult, LayerCheckTrainer
+    from policies.layer_map import UnplacedParameterError
+    from workers.optim_state import UnsupportedOptimizerError
+
+_EXPORTS = {
+    "attach": "layercheck.worker",
+    "Attachment": "layercheck.worker",
+    "LayerMismatchError": "layercheck.worker",
+    "CheckpointConfig": "layercheck.config",
+    "FaultConfig": "layercheck.config",
+    "MetricsConfig": "layercheck.config",
+    "PersistenceConfig": "layercheck.config",
+    "LayerCheckTrainer": "layercheck.trainer",
+    "FitResult": "layercheck.trainer",
+    "UnplacedParameterError": "policies.layer_map",
+    "UnsupportedOptimizerError": "workers.optim_state",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'layercheck' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

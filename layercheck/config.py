@@ -1,0 +1,67 @@
+"""The LayerCheck part of a user's own training run: where checkpoints go and how they are chosen."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig
+from policies.config_loader import ConfigError, require
+from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config
+from workers.drift_diff import PROBES
+
+__all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig"]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """LayerCheck's settings for a :class:`layercheck.LayerCheckTrainer` run."""
+
+    storage: str
+    """Store URI: a path (made absolute on the driver), ``file://``, ``s3://``, ``gs://``."""
+    name: str = "layercheck"
+    """The run's name: the actors and the Ray Train run are named after it."""
+    policy: PolicyConfig | str = "layercheck"
+    """The checkpoint policy: a config from :mod:`layercheck.policies`, or the name of one with its
+    defaults (``layercheck``, ``drift-optimal``, ``interval``, ``never``)."""
+    persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
+    """The asynchronous writers (per node, bytes in flight, fsync)."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The Prometheus endpoint (``port=0`` disables it)."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Failure injection for demos and tests: SIGKILL ``kill_rank`` after ``kill_at_step`` (0: never)."""
+    drift_probe: str = "auto"
+    """``auto`` (the optimizer probe where LayerCheck built the optimizer, else snapshot-and-diff),
+    ``optimizer`` or ``snapshot_diff``."""
+    layer_map: Any = None
+    """How parameters group into layers when the names do not say: ``{"layer": ["param.prefix", ...]}``
+    or a function ``param_name -> layer name``; ``None``: from the names (Llama, GPT-2, ... families)."""
+    overwrite: bool = False
+    """Delete checkpoints an earlier run left in ``storage`` (else such a store is refused)."""
+
+    def __post_init__(self) -> None:
+        require(bool(_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)
+        require(bool(self.storage), "storage", "a path or URI", self.storage)
+        require(self.drift_probe in PROBES, "drift_probe", f"one of {PROBES}", self.drift_probe)
+        if isinstance(self.policy, str):
+            if self.policy not in POLICY_CONFIGS:
+                raise ConfigError(f"policy: must be one of {', '.join(POLICY_CONFIGS)} or a policy config, "
+                                  f"got {self.policy!r}")
+            object.__setattr__(self, "policy", policy_config(self.policy))
+        if self.layer_map is not None and not (callable(self.layer_map) or isinstance(self.layer_map, dict)):
+            raise ConfigError("layer_map: a dict of layer name -> parameter-name prefixes, or a function "
+                              f"param_name -> layer name; got {type(self.layer_map).__name__}")
+
+    @property
+    def storage_uri(self) -> str:
+        """``storage`` with a relative path made absolute (Ray workers run elsewhere)."""
+        uri = self.storage.replace("{name}", self.name)
+        return uri if "://" in uri or os.path.isabs(uri) else os.path.abspath(uri)
+
+    def replace(self, **changes: Any) -> CheckpointConfig:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,155 @@
+"""Driver side: Ray Train's ``TorchTrainer`` with LayerCheck's actors around it.
+
+``LayerCheckTrainer`` takes what ``TorchTrainer`` takes (``train_loop_per_worker``,
+``train_loop_config``, ``ScalingConfig``, ``RunConfig`` with its ``FailureConfig``) plus the
+model (to plan the layers) and a :class:`~layercheck.config.CheckpointConfig`. ``fit()`` starts
+the run's policy actor, supervisor and writer pool exactly as ``layercheck train`` does, runs the
+trainer (Ray Train restarts a lost worker group; LayerCheck resumes it at ``t_fail + 1``), and
+returns the run's summary.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from layercheck.config import CheckpointConfig
+from orchestrator.runtime.context import WorkerContext, with_context
+from orchestrator.core.run_start import StartOptions, claim_store
+from orchestrator.runtime.driver import RunResult, connect_to, fit_watched, finish_run, start_run
+from orchestrator.runtime.summary import format_summary, summarize
+from policies.layer_map import LayerMap, model_layer_map
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FitResult:
+    """What :meth:`LayerCheckTrainer.fit` returns."""
+
+    run: RunResult
+    """The run's final state (``run.status``), drift trace and layer sizes."""
+    summary: dict[str, Any] = field(default_factory=dict)
+    """The closing summary ``layercheck train`` prints (failures, recoveries, bytes, ETTR, ...)."""
+
+    @property
+    def error(self) -> str | None:
+        """Why the run failed for good; ``None`` when it finished."""
+        return self.run.error
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Rank 0's loss per step, over all attempts (a step redone after a failure: its last loss)."""
+        return {int(k): float(v[0]) for k, v in sorted(self.run.status["account"]["history"].items(),
+                                                      key=lambda kv: int(kv[0]))}
+
+    def format(self) -> str:
+        """The summary as the text table ``layercheck train`` prints."""
+        return format_summary(self.summary)
+
+
+class LayerCheckTrainer:
+    """``ray.train.torch.TorchTrainer`` with LayerCheck checkpointing and recovery."""
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        model: Any,
+        checkpoint: CheckpointConfig,
+        scaling_config: Any,
+        run_config: Any = None,
+        train_loop_config: dict[str, Any] | None = None,
+        torch_config: Any = None,
+        on_progress: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        """``model``: the model ``train_loop_per_worker`` trains, for the driver to plan its layers
+        without its weights: a ``transformers`` config, a function returning the module (called on
+        the meta device), the module itself, or a ``LayerMap``. ``run_config`` (``ray.train.RunConfig``)
+        carries the ``FailureConfig``; with ``max_failures=0`` a lost worker ends the run.
+        ``on_progress`` gets the supervisor's status about once a second."""
+        self.train_loop_per_worker = train_loop_per_worker
+        self.model = model
+        self.checkpoint = checkpoint
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+        self.train_loop_config = train_loop_config
+        self.torch_config = torch_config
+        self.on_progress = on_progress
+
+    def layer_map(self) -> LayerMap:
+        """The layers LayerCheck will track (raises ``UnplacedParameterError`` for a model it
+        cannot map: pass ``CheckpointConfig(layer_map=...)``)."""
+        return planned_layer_map(self.model, self.checkpoint.layer_map)
+
+    def fit(self) -> FitResult:
+        """Run to the end; a run that fails for good is in ``result.error`` (not raised)."""
+        cfg = self.checkpoint
+        layers = self.layer_map()  # a bad model fails here, before any actor or worker starts
+        lease = claim_store(cfg.storage_uri, run=cfg.name, options=StartOptions(overwrite=cfg.overwrite))
+        try:
+            run = self._fit(cfg, layers)
+        finally:
+            lease.release()
+        return FitResult(run=run, summary=summarize(run))
+
+    def _fit(self, cfg: CheckpointConfig, layers: LayerMap) -> RunResult:
+        from ray.train import FailureConfig, RunConfig
+        from ray.train.torch import TorchTrainer
+
+        scaling = self.scaling_config
+        workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
+        connect_to(use_gpu=bool(scaling.use_gpu), cpus=int(workers * (scaling.num_cpus_per_worker or 1)) + 1)
+        handles = start_run(name=cfg.name, storage_uri=cfg.storage_uri, policy=cfg.policy,
+                            persistence=cfg.persistence, metrics=cfg.metrics, num_workers=workers,
+                            layer_numel=layers.numel)
+        ctx = WorkerContext(run_id=handles.run_id, storage_uri=cfg.storage_uri, fsync=cfg.persistence.fsync,
+                            max_inflight_bytes=cfg.persistence.max_inflight_bytes, fault=cfg.fault,
+                            drift_probe=cfg.drift_probe, layer_map=cfg.layer_map, layer_numel=layers.numel)
+        loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
+        scratch = None
+        run_config = self.run_config
+        if run_config is None:
+            scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
+            run_config = RunConfig(name=handles.run_id, storage_path=scratch, failure_config=FailureConfig())
+        if (run_config.failure_config or FailureConfig()).max_failures == 0:
+            logger.warning("FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
+                           "when Ray Train may restart the worker group (max_failures > 0)")
+        kwargs = {"torch_config": self.torch_config} if self.torch_config is not None else {}
+        try:
+            trainer = TorchTrainer(loop, train_loop_config=self.train_loop_config, scaling_config=scaling,
+                                   run_config=run_config, **kwargs)
+            error = fit_watched(handles, trainer, on_progress=self.on_progress)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return finish_run(handles, error=error)
+
+
+def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:
+    """The layer map of ``model`` (see :class:`LayerCheckTrainer`), built without its weights."""
+    if isinstance(model, LayerMap):
+        return model
+    if isinstance(model, torch.nn.Module):
+        return model_layer_map(model, spec)
+    if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
+        import transformers
+
+        with torch.device("meta"):
+            return model_layer_map(transformers.AutoModelForCausalLM.from_config(model), spec)
+    if callable(model):
+        with torch.device("meta"):
+            return model_layer_map(model(), spec)
+    raise TypeError("model: a transformers config, a function returning the module, the module or a LayerMap; "
+                    f"got {type(model).__name__}")
+
+
+def _takes_config(fn: Callable[..., Any]) -> bool:
+    return len(inspect.signature(fn).parameters) > 0

@@ -1,0 +1,147 @@
+"""Worker side: attach LayerCheck to the DeepSpeed engine of your own training loop.
+
+Inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
+
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config, ...)
+    lc = layercheck.attach(engine)            # a restarted worker group: loads the composite first
+    for step in range(lc.start_step, total_steps + 1):
+        loss = my_loss(engine, batch_at(step)); engine.backward(loss); engine.step()
+        lc.after_step(step, loss=loss)        # drift report, the decision, snapshots
+    lc.finish()
+
+Steps count from 1: ``after_step(t)`` follows the ``t``-th optimizer step. The per-step protocol
+is :class:`workers.loop.StepProtocol`, the one ``layercheck train`` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from orchestrator.runtime import context
+from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
+from policies.layer_map import LayerMap, LayerMapSpec
+from workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
+from workers.loop import LoopResult, StepProtocol
+
+logger = logging.getLogger(__name__)
+
+
+class LayerMismatchError(ValueError):
+    """The workers' model does not have the layers the driver planned the run with."""
+
+
+class Attachment:
+    """LayerCheck attached to one rank's engine; made by :func:`attach`."""
+
+    def __init__(self, attached: AttachedEngine, protocol: StepProtocol, *, start_step: int, attempt: int,
+                 kill: Any) -> None:
+        self._attached = attached
+        self._protocol = protocol
+        self._kill = kill
+        self._next_step = start_step
+        self._lr = current_lr(attached.engine)
+        self._since = time.monotonic()
+        self._finished = False
+        self.start_step = start_step
+        """The first step to train: 1 on a fresh start, ``t_fail + 1`` after a recovery."""
+        self.attempt = attempt
+        """1 for the first worker group, then one more per restart."""
+
+    @property
+    def layer_map(self) -> LayerMap:
+        """The layers LayerCheck tracks, in model order."""
+        return self._attached.layer_map
+
+    @property
+    def result(self) -> LoopResult:
+        """This rank's losses, persisted layers per step, and protocol timings so far."""
+        return self._protocol.result
+
+    def after_step(self, step: int, *, loss: float | torch.Tensor) -> None:
+        """Call once after optimizer step ``step`` (``start_step``, then one more each time):
+        reports this rank's drift, carries out the previous step's decision (snapshots of the
+        layers it names) and, on rank 0, reports ``loss`` as the run's progress."""
+        if step != self._next_step:
+            raise ValueError(f"after_step({step}): expected step {self._next_step} (call it once after each "
+                             "optimizer step, counting from lc.start_step)")
+        engine_step = int(self._attached.engine.global_steps)
+        if engine_step != step:
+            raise ValueError(f"after_step({step}) but the engine has taken {engine_step} optimizer steps: call it "
+                             "after engine.step() at a gradient-accumulation boundary, once per optimizer step")
+        compute_s = time.monotonic() - self._since
+        drift = self._attached.probe.collect(step)
+        value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
+        self._protocol.after_step(step, drift, loss=value, lr=self._lr, compute_s=compute_s)
+        self._kill(step)
+        self._next_step = step + 1
+        self._lr = current_lr(self._attached.engine)  # the rate the next step will use
+        self._since = time.monotonic()
+
+    def finish(self) -> LoopResult:
+        """Carry out the last step's decision and wait until this rank's snapshots are handed to
+        the writers. Call once, after the last step."""
+        if not self._finished:
+            self._finished = True
+            self._protocol.finish()
+            coordinator = self._protocol.coordinator
+            if isinstance(coordinator, RayCoordinator):
+                coordinator.flush(timeout_s=300)
+        return self._protocol.result
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.finish()
+
+
+def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: str | None = None) -> Attachment:
+    """Attach LayerCheck to ``engine`` (what ``deepspeed.initialize`` returned: any ZeRO stage,
+    your own DeepSpeed config, an Adam-family optimizer with any param groups) inside a
+    :class:`layercheck.LayerCheckTrainer` run. Every rank calls it, after ``deepspeed.initialize``
+    and before the first step. On a restarted worker group it first loads the composite and moves
+    the engine (step counters, ``engine.lr_scheduler``) to ``start_step - 1``.
+
+    ``layer_map`` / ``drift_probe`` override the trainer's :class:`layercheck.CheckpointConfig`.
+    Raises before training: ``UnplacedParameterError`` (parameters no layer holds: pass a
+    ``layer_map``), ``UnsupportedOptimizerError`` (not an Adam-family optimizer),
+    :class:`LayerMismatchError` (not the model the trainer was given).
+    """
+    ctx = context.current()
+    if ctx is None:
+        raise RuntimeError("layercheck.attach() runs inside the train_loop_per_worker of a "
+                           "layercheck.LayerCheckTrainer (it finds the run's actors through it)")
+    attached = attach_engine(engine, layer_map=layer_map if layer_map is not None else ctx.layer_map,
+                             drift_probe=drift_probe or ctx.drift_probe)
+    _check_layers(attached.layer_map, ctx.layer_numel)
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    names = RunNames(ctx.run_id)
+    supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
+    policy = ray.get_actor(names.policy, namespace=NAMESPACE)
+    runtime = ray.get_runtime_context()
+    resume = ray.get(supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}"))
+    writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
+    if resume.records is not None:
+        recover(attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank)
+        seek_engine(attached.engine, resume.start_step - 1)
+        logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
+    coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
+                                 supervisor=supervisor, max_inflight_bytes=ctx.max_inflight_bytes)
+    protocol = StepProtocol(attached.layout, coordinator, rank=rank)
+    return Attachment(attached, protocol, start_step=resume.start_step, attempt=resume.attempt,
+                      kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator))
+
+
+def _check_layers(layers: LayerMap, planned: Any) -> None:
+    if dict(layers.numel) != dict(planned):
+        raise LayerMismatchError(f"the engine's model has layers {layers.numel}, but the trainer planned the run for "
+                                 f"{dict(planned)}: give LayerCheckTrainer(model=...) the model this loop trains "
+                                 "(and the same layer_map)")

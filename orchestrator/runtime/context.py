@@ -1,0 +1,63 @@
+"""What a worker of a user's own Ray Train loop needs to know about its LayerCheck run.
+
+``layercheck.LayerCheckTrainer`` wraps the user's ``train_loop_per_worker`` so that, inside each
+worker, the run's :class:`WorkerContext` is current while the user's function runs; the user's
+``layercheck.attach(engine)`` reads it to find the run's actors and storage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core.run_config import FaultConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerContext:
+    run_id: str
+    """Names the run's actors (see :class:`orchestrator.runtime.names.RunNames`)."""
+    storage_uri: str
+    fsync: bool
+    max_inflight_bytes: int
+    fault: FaultConfig
+    drift_probe: str
+    layer_map: Any
+    """The user's layer-map spec (dict or callable), or ``None``: by parameter names."""
+    layer_numel: Mapping[str, int]
+    """Per layer, the parameter count the driver computed: the workers' model must match it."""
+
+
+_current: WorkerContext | None = None
+
+
+def current() -> WorkerContext | None:
+    """The context of the LayerCheck run this worker belongs to, if any."""
+    return _current
+
+
+def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any) -> Any:
+    """Call ``fn(*args)`` with ``context`` current (Ray Train runs one loop per worker process)."""
+    global _current
+    previous, _current = _current, context
+    try:
+        return fn(*args)
+    finally:
+        _current = previous
+
+
+def with_context(fn: Callable[..., Any], context: WorkerContext, *, takes_config: bool) -> Callable[..., Any]:
+    """``fn`` wrapped for Ray Train: the wrapper takes a config argument exactly when ``fn`` does
+    (Ray Train looks at the signature to decide whether to pass ``train_loop_config``)."""
+    if takes_config:
+        def loop(config: Any) -> Any:
+            return call_with_context(fn, context, config)
+    else:
+        def loop() -> Any:
+            return call_with_context(fn, context)
+    loop.__name__ = getattr(fn, "__name__", "train_loop_per_worker")
+    return loop

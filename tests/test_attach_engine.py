@@ -1,0 +1,65 @@
+"""LayerCheck attached to a user's own DeepSpeed engine (real DeepSpeed, gloo, CPU; no Ray):
+the user's optimizer and param groups, not aligned with layers, at every ZeRO stage; and the
+errors a user meets before training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from policies.layer_map import UnplacedParameterError, layer_map_from
+from tests import attach_jobs
+from tests.dist_harness import run_ranks
+
+CASES = [(0, "decay_groups"), (1, "ds_config"), (2, "decay_groups"), (3, "decay_groups"), (3, "ds_config")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")
+def job(request):
+    stage, optimizer = request.param
+    return request.param, run_ranks(attach_jobs.user_engine_job, 2, stage, optimizer)
+
+
+@pytest.mark.slow
+def test_snapshot_diff_drift_is_exact_per_layer(job):
+    _, results = job
+    for r in results:
+        assert r["probe"] == "SnapshotDiffProbe"
+        for layer, probed, reference in r["drift"]:
+            assert math.isclose(probed, reference, rel_tol=1e-5, abs_tol=1e-12), (layer, probed, reference)
+        moved = {layer for layer, probed, _ in r["drift"] if probed > 0}  # WarmupDecayLR starts at lr 0
+        assert moved == {layer for layer, _, _ in r["drift"]}
+
+
+@pytest.mark.slow
+def test_restore_into_a_user_engine_reproduces_the_trajectory(job):
+    _, results = job
+    for r in results:
+        first, second = r["losses"]
+        assert len(set(first)) == 3  # it trained
+        assert first == second
+        assert r["end_state_equal"]
+        assert r["lr"][0] == pytest.approx(r["lr"][1])  # the user's schedule was moved back too
+
+
+@pytest.mark.slow
+def test_bad_input_fails_before_training_with_a_way_out():
+    (r,) = run_ranks(attach_jobs.bad_input_job, 1)
+    assert "'enc.weight'" in r["unplaced"] and "'dec.bias'" in r["unplaced"] and "layer_map=" in r["unplaced"]
+    assert r["mapped"] == {"encoder": ["enc.weight", "enc.bias"], "decoder": ["dec.weight", "dec.bias"]}
+    assert r["drift_layers"] == ["decoder", "encoder"]
+    assert "SGD" in r["optimizer"] and "AdamW" in r["optimizer"]
+
+
+def test_layer_map_from_a_dict_or_a_function():
+    params = [("enc.0.weight", (4, 4)), ("enc.0.bias", (4,)), ("enc.head.weight", (4, 4)), ("dec.weight", (4, 4))]
+    by_prefix = layer_map_from(params, {"enc": ["enc."], "head": ["enc.head."], "dec": ["dec."]})
+    assert {l.name: [p.name for p in l.params] for l in by_prefix.layers} == {
+        "enc": ["enc.0.weight", "enc.0.bias"], "head": ["enc.head.weight"], "dec": ["dec.weight"]}
+    by_fn = layer_map_from(params, lambda name: name.split(".")[0])
+    assert by_fn.names == ("enc", "dec")
+    with pytest.raises(UnplacedParameterError, match=r"'dec.weight'.*layer_map="):
+        layer_map_from(params, {"enc": ["enc."]})
+    with pytest.raises(TypeError, match="list of parameter-name prefixes"):
+        layer_map_from(params, {"enc": "enc."})

@@ -1,0 +1,83 @@
+"""The drift probe for any optimizer: keep a copy of each layer's owned fp32 elements and, after
+each step, take the L1 of the difference, then refresh the copy.
+
+:class:`workers.drift.DriftProbe` reads the drift off :class:`~workers.drift_adamw.DriftAdamW`
+almost for free, but needs that optimizer and layer-aligned param groups. A user's optimizer
+(torch AdamW, DeepSpeed FusedAdam / CPUAdam, any param groups) gives no such hook; comparing the
+master weights before and after is exact whatever it does. It costs one extra fp32 copy of this
+rank's owned elements in memory and a pass over them per step (see ``bench/drift_probe.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import torch
+
+from workers.drift import DriftProbe, LayerDrift
+from workers.drift_adamw import DriftAdamW
+from workers.layout import StateLayout, state_view
+
+logger = logging.getLogger(__name__)
+
+
+class SnapshotDiffProbe:
+    """Per layer, ``sum |theta_t - theta_{t-1}|`` over this rank's owned elements, by diffing."""
+
+    def __init__(self, layout: StateLayout) -> None:
+        self._layers = tuple(layout.layers)
+        self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
+        self._views = {name: [state_view(layout.optimizer, p, "fp32") for p in layer.owned]
+                       for name, layer in layout.layers.items()}
+        self._previous = {name: [v.detach().clone() for v in views] for name, views in self._views.items()}
+        firsts = [v for views in self._views.values() for v in views[:1]]
+        self._device = firsts[0].device if firsts else torch.device("cpu")
+        held = sum(t.numel() * t.element_size() for ts in self._previous.values() for t in ts)
+        logger.info("snapshot-diff drift probe: %.1f MiB of reference copies", held / 2**20)
+
+    @property
+    def numel(self) -> Mapping[str, int]:
+        return dict(self._numel)
+
+    @torch.no_grad()
+    def collect(self, step: int) -> LayerDrift:
+        """This rank's drift since the last call (or :meth:`reset`); one host sync."""
+        sums = []
+        for name in self._layers:
+            views, previous = self._views[name], self._previous[name]
+            if not views:
+                sums.append(torch.zeros((), dtype=torch.float64, device=self._device))
+                continue
+            diffs = torch._foreach_sub(views, previous)
+            sums.append(torch.stack(torch._foreach_norm(diffs, 1)).sum().double())
+            torch._foreach_copy_(previous, views)
+        values = torch.stack(sums).cpu().tolist() if sums else []
+        return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel))
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Take the current weights as the reference (after a restore wrote new ones)."""
+        for name, views in self._views.items():
+            if views:
+                torch._foreach_copy_(self._previous[name], views)
+
+
+#: ``drift_probe`` choices: ``auto`` picks ``optimizer`` when the engine's optimizer is DriftAdamW.
+PROBES: tuple[str, ...] = ("auto", "optimizer", "snapshot_diff")
+
+
+def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotDiffProbe:
+    """The drift probe for ``layout``: LayerCheck's near-free optimizer probe where the engine
+    steps :class:`DriftAdamW` with layer-aligned groups, else snapshot-and-diff."""
+    if kind not in PROBES:
+        raise ValueError(f"drift_probe: must be one of {PROBES}, got {kind!r}")
+    aligned = isinstance(layout.optimizer, DriftAdamW) and all(
+        len(layer.groups) == 0 or all(g.get("layer") == name for g in layer.groups)
+        for name, layer in layout.layers.items())
+    if kind == "optimizer" and not aligned:
+        raise ValueError("drift_probe='optimizer' needs the engine to step DriftAdamW over layer-aligned param "
+                         f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'")
+    if kind == "snapshot_diff" or not aligned:
+        return SnapshotDiffProbe(layout)
+    return DriftProbe(layout)
