@@ -10,7 +10,7 @@ from orchestrator.store.recovery_source import resolve_plan
 from orchestrator.store.retention import GcConfig, collect_garbage
 from policies.plan import VersionRef
 from policies.retention import RetentionConfig, plan_retention
-from tests.store_helpers import PARAMS, write_layer
+from tests.store_helpers import write_layer
 
 
 

@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -98,6 +97,17 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     ray.init(num_cpus=cpus, namespace=NAMESPACE,
              runtime_env={"env_vars": env_vars}, log_to_driver=True)
     logger.info("started a local Ray with %d CPUs", cpus)
+
+
+def _local_cluster() -> str | None:
+    """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
+    ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        return find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 - a moved private API must not stop a run: start a local Ray
+        return None
 
 
 def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, take_over: bool = False,
