@@ -7,7 +7,7 @@ model, data, seed, steps and failures, in one invocation on one machine state.
 
 Every strategy runs the product's protocol: :func:`workers.loop.run_loop` with the local
 runtime's :class:`LocalCoordinator` (the policy service, the superseding writers under the
-in-flight byte bound, rank 0's commit tracker). LayerCheck's strategies are their policy; the
+in-flight byte bound, rank 0's run supervisor with the Ray runtime's commit and recovery cores). LayerCheck's strategies are their policy; the
 baselines run a ``never`` (or ``interval``) policy with their own checkpointing in the loop's
 ``after_step`` hook (:mod:`bench.baselines`).
 
@@ -129,7 +129,7 @@ class Runner:
         directory.mkdir(parents=True, exist_ok=True)
         store = LayerStore.open(str(directory / "store"), fsync=True)
         coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
-                                       layers=te.layer_map.names, store=store,
+                                       layer_numel=te.layer_map.numel, store=store, run_id=strategy.name,
                                        max_inflight_bytes=PersistenceConfig().max_inflight_bytes)
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
             return {p.step: p.loss for p in coordinator.progress_log}
@@ -189,7 +189,7 @@ class Runner:
 
     def _recover(self, coordinator: LocalCoordinator) -> dict[str, Any]:
         """LayerCheck's recovery, the product's code; from the initial weights if nothing was committed."""
-        recovered = recover(self.te, coordinator, layer_numel=self.te.layer_map.numel)
+        recovered = recover(self.te, coordinator)
         if recovered.records is None:
             _reset(self.te, self.initial)
         return {"resume_after": recovered.start_step - 1, "start_step": recovered.start_step,
@@ -202,8 +202,8 @@ def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[st
     """Per step, the layers whose state taken at that step was saved: LayerCheck's committed
     versions (rank 0), and the baseline's own checkpoints."""
     out: dict[int, set[str]] = {}
-    if coordinator.committer is not None:
-        for layer, step in coordinator.committer.log.committed:
+    if coordinator.run is not None:
+        for layer, step in coordinator.committed():
             out.setdefault(step, set()).add(layer)
     for step, names in (baseline.persisted if baseline is not None else {}).items():
         out.setdefault(step, set()).update(names)
