@@ -181,6 +181,7 @@ class Runner:
             "freshness": freshness,
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
+            "commits": _commits(coordinator),
         }
         if strategy.kind is Kind.NONE:
             drifts = {s: dict(o.drift) for s, o in trace.items()}
@@ -196,6 +197,13 @@ class Runner:
                 "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
                 "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
                 "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+
+
+def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
+    """Rank 0: what the run's supervisor committed, retried and lost (its ``RunView`` status)."""
+    status = coordinator.status() or {}
+    return {key: status.get(key, 0) for key in ("versions_committed", "commit_retries", "lost_versions",
+                                                "write_failures")}
 
 
 def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[str]]:
