@@ -98,7 +98,7 @@ def test_a_version_is_committed_only_once_every_rank_shard_is_in(tmp_path, mailb
     assert pump.catch_up(timeout_s=60)
     (record,) = store.versions()
     assert (record.layer, record.step, [s.rank for s in record.shards]) == ("embed", 5, [0, 1])
-    mailbox.post_failure("writing embed step 6 rank 0 failed: disk full")
+    mailbox.post_failure("writing embed step 6 rank 0 failed: disk full", layer="embed", step=6)
     assert pump.catch_up(timeout_s=60)
     status = run.status()
     assert status["layers"]["embed"] == {"versions": 1, "bytes": record.nbytes, "last_step": 5}

@@ -16,6 +16,10 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`Supervision` decides
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
+* **settlements**: a layer is persisted again only once its previous version has committed
+  (:mod:`orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
+  newest settled version of each layer to its next drift report, so every replica applies the
+  same settlements at the same step and the replicas never diverge.
 
 Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
 """
@@ -23,6 +27,7 @@ Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -74,6 +79,24 @@ class GroupAnswer:
     max_staleness: int = 0
 
 
+class _SettledAtNextReport(LocalPolicy):
+    """Rank 0's policy port: settlements wait for the next drift report, which carries them to
+    every replica (its own included), instead of reaching rank 0's replica first."""
+
+    def __init__(self, service: PolicyService) -> None:
+        super().__init__(service)
+        self._lock = threading.Lock()
+        self._newest: dict[str, int] = {}
+
+    def settled(self, layer: str, version_step: int) -> None:
+        with self._lock:
+            self._newest[layer] = max(version_step, self._newest.get(layer, -1))
+
+    def newest(self, layers: Sequence[str]) -> list[float]:
+        with self._lock:
+            return [float(self._newest.get(name, -1)) for name in layers]
+
+
 @dataclass
 class _Gather:
     step: int
@@ -107,6 +130,7 @@ class LocalCoordinator:
         self.run: RunSupervisor | None = None
         """Rank 0: the run's supervisor; ``None`` on the other ranks."""
         self._pump: ReceiptPump | None = None
+        self._settlements: _SettledAtNextReport | None = None
         self._port: LocalWriters | None = None
         if self.rank == 0:
             self._pump, self._port, self.run = self._host(run_id)
@@ -117,15 +141,18 @@ class LocalCoordinator:
     def _host(self, run_id: str) -> tuple[ReceiptPump, LocalWriters, RunSupervisor]:
         port = LocalWriters(own=lambda: self.writer, mailbox=self.mailbox, world_size=self.world_size,
                             catch_up=lambda timeout_s: pump.catch_up(timeout_s))
+        self._settlements = _SettledAtNextReport(self.service)
         run = RunSupervisor(run_id=run_id, store=self.store, layer_numel=self.layer_numel,
-                            policy=LocalPolicy(self.service), writers=port, config=self.config)
+                            policy=self._settlements, writers=port, config=self.config)
         pump = ReceiptPump(self.mailbox, run)
         return pump, port, run
 
     # ---- workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
+        settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
         mine = torch.tensor([[float(drift.l1.get(n, 0.0)) for n in self.layers],
-                             [float(drift.numel.get(n, 0)) for n in self.layers]], dtype=torch.float64)
+                             [float(drift.numel.get(n, 0)) for n in self.layers],
+                             settled], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         self._gathers[drift.step] = _Gather(drift.step, lr, work, gathered)
@@ -159,6 +186,9 @@ class LocalCoordinator:
                 break
             gather = self._gathers.pop(step)
             gather.work.wait()
+            for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
+                if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
+                    self.service.settled(name, int(version_step))
             for rank, both in enumerate(gather.gathered):
                 self.service.report(step=step, rank=rank, lr=gather.lr,
                                     abs_sums=dict(zip(self.layers, both[0].tolist())),

@@ -62,9 +62,9 @@ class Mailbox:
         """A shard was written in ``write_s`` seconds; ``receipt`` is its ``ShardReceipt.to_json()``."""
         self._push({"kind": RECEIPT, "receipt": dict(receipt), "write_s": write_s})
 
-    def post_failure(self, what: str) -> None:
-        """A shard could not be written (``what`` says which and why)."""
-        self._push({"kind": WRITE_FAILED, "what": what})
+    def post_failure(self, what: str, *, layer: str, step: int) -> None:
+        """A shard of ``layer`` at ``step`` could not be written (``what`` says which and why)."""
+        self._push({"kind": WRITE_FAILED, "what": what, "layer": layer, "step": step})
 
     def _push(self, message: Mapping[str, Any]) -> None:
         self._store.queue_push(QUEUE, json.dumps(dict(message)))

@@ -49,7 +49,7 @@ class ReceiptPump:
         if message["kind"] == RECEIPT:
             self.run.shard_written(ShardReceipt.from_json(message["receipt"]), float(message["write_s"]))
         elif message["kind"] == WRITE_FAILED:
-            self.run.write_failed()
+            self.run.write_failed(message["layer"], int(message["step"]))
         else:
             logger.error("mailbox: unknown message %r", message)
 

@@ -124,7 +124,7 @@ class LocalWriter:
             self.stats.failures += 1
             what = f"writing {shard.layer} step {shard.step} rank {shard.rank} failed: {error}"
             logger.error("%s", what)
-            mailbox.post_failure(what)
+            mailbox.post_failure(what, layer=shard.layer, step=shard.step)
             return
         self.stats.written_versions += 1
         self.stats.written_bytes += receipt.nbytes
