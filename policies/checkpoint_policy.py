@@ -15,9 +15,11 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig
+from policies.configs import (DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig,
+                              StaggeredConfig)
 from policies.decision import PersistDecision, Reason, StepObservation
 from policies.layer_map import EMBED
+from policies.staggered import StaggeredPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +237,8 @@ class NeverPolicy:
 
 def build_policy(config: PolicyConfig, numel: Mapping[str, int]) -> CheckpointPolicy:
     """The policy a config describes, over the layers of ``numel`` (model order → parameters)."""
+    if isinstance(config, StaggeredConfig):
+        return StaggeredPolicy(config, numel)
     if isinstance(config, LayerCheckConfig):
         return LayerCheckPolicy(config, list(numel))
     if isinstance(config, DriftOptimalConfig):
