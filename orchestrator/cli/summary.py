@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator.runtime.driver import RunResult
 from orchestrator.table import format_table, human_bytes
-from policies.configs import LayerCheckConfig
+from policies.configs import LayerCheckConfig, StaggeredConfig, policy_name
 from policies.simulate import BYTES_PER_PARAM, compare
 
 
@@ -42,9 +42,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "storage": result.config.storage_uri,
         "metrics_url": result.metrics_url,
     }
-    if isinstance(result.config.policy, LayerCheckConfig) and result.trace.steps:
+    if isinstance(result.config.policy, (LayerCheckConfig, StaggeredConfig)) and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
-        comparison = compare(result.trace, result.config.policy, label="layercheck",
+        comparison = compare(result.trace, result.config.policy, label=policy_name(result.config.policy),
                              eval_from=result.config.policy.warmup_steps)
         summary["full_at_same_staleness"] = {
             "interval": int(comparison.matched_staleness.policy.split("/")[1]),
@@ -77,7 +77,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
         rows.append(["full checkpoints, same staleness",
                      f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
-                     f"(LayerCheck wrote {ratio:.2f}x that)"])
+                     f"(the policy wrote {ratio:.2f}x that)"])
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
         ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
