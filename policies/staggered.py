@@ -214,7 +214,8 @@ class StaggeredPolicy:
             self.period[name] = new
             changed.append(name)
             if new is None:
-                self.due[name] = None
+                if self.last_persisted[name] is not None:  # else its first save stays due, once
+                    self.due[name] = None
             else:
                 self.unplaced.add(name)  # a new phase, about one new period after its last save
         self.budget = budget

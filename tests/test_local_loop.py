@@ -48,3 +48,21 @@ def test_failure_and_recovery_resume_at_t_fail_plus_one_with_the_same_losses(ran
         assert recovery["versions"] == {layer: 4 for layer in layers}
     assert ranks[0]["failed"]["losses"] == ranks[0]["every"]["losses"]
     assert sorted(map(int, ranks[0]["failed"]["losses"])) == list(range(1, STEPS + 1))
+
+
+def test_the_default_staggered_schedule_hands_over_slices_and_recovers_from_its_first_versions(ranks):
+    layers = ranks[0]["layers"]
+    out = ranks[0]["staggered"]
+    assert out["handed"] == ranks[1]["staggered"]["handed"]
+    first = {}
+    for step, names in out["handed"]:
+        for name in names:
+            first.setdefault(name, step)
+    # period 3 from step 1: every layer's first version decided at steps 1..3, handed over a step later,
+    # a slice at a time (never the whole model at once)
+    assert set(first) == set(layers) and max(first.values()) <= 4
+    assert all(len(names) < len(layers) for _, names in out["handed"])
+    for rank_out in ranks:
+        (recovery,) = rank_out["staggered"]["recoveries"]
+        assert recovery["t_fail"] == 4 and recovery["start_step"] == 5
+        assert set(recovery["versions"]) == set(layers)
