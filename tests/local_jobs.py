@@ -16,7 +16,7 @@ from orchestrator.local.recovery import recover
 from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
-from policies.configs import IntervalConfig
+from policies.configs import IntervalConfig, StaggeredConfig
 from policies.decision import PersistDecision, Reason, StepObservation
 from tests.worker_jobs import make_engine
 from workers.data import DataConfig, SequenceDataset
@@ -129,6 +129,8 @@ def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "corrupt": _run(te, initial, build_policy(IntervalConfig(interval=1), te.layer_map.numel),
                             Path(root, "corrupt"), rank=rank, world_size=world_size, fail_after=(4,),
                             hook=DamageAfterWrite(names[1], 4) if rank == 1 else None),
+            "staggered": _run(te, initial, build_policy(StaggeredConfig(period=3), te.layer_map.numel),
+                              Path(root, "staggered"), rank=rank, world_size=world_size, fail_after=(4,)),
         }
     finally:
         shutdown(te)

@@ -82,3 +82,21 @@ def test_a_corrupt_newest_version_at_recovery_falls_back_to_the_previous_one(ran
     assert all(math.isfinite(loss) for loss in losses.values())  # nothing of the garbage load is left
     # as a Ray group that dies on a corrupt shard: the replan is another attempt
     assert ranks[0]["corrupt"]["status"]["attempt"] == 3
+
+
+def test_the_default_staggered_schedule_hands_over_slices_and_recovers_from_its_first_versions(ranks):
+    layers = ranks[0]["layers"]
+    out = ranks[0]["staggered"]
+    assert out["handed"] == ranks[1]["staggered"]["handed"]
+    first = {}
+    for step, names in out["handed"]:
+        for name in names:
+            first.setdefault(name, step)
+    # period 3 from step 1: every layer's first version decided at steps 1..3, handed over a step later,
+    # a slice at a time (never the whole model at once)
+    assert set(first) == set(layers) and max(first.values()) <= 4
+    assert all(len(names) < len(layers) for _, names in out["handed"])
+    for rank_out in ranks:
+        (recovery,) = rank_out["staggered"]["recoveries"]
+        assert recovery["t_fail"] == 4 and recovery["start_step"] == 5
+        assert set(recovery["versions"]) == set(layers)
