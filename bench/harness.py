@@ -131,7 +131,8 @@ class Runner:
         store = LayerStore.open(str(directory / "store"), fsync=True)
         coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
                                        layer_numel=te.layer_map.numel, store=store, run_id=strategy.name,
-                                       max_inflight_bytes=PersistenceConfig().max_inflight_bytes)
+                                       max_inflight_bytes=PersistenceConfig().max_inflight_bytes,
+                                       max_versions_in_flight=PersistenceConfig().max_versions_in_flight)
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
             return {p.step: p.loss for p in coordinator.progress_log}
 

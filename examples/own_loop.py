@@ -119,13 +119,16 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    policy = IntervalConfig(interval=1) if args.policy == "every-step" else LayerCheckConfig(warmup_steps=4, smax=8)
+    every_step = args.policy == "every-step"
+    policy = IntervalConfig(interval=1) if every_step else LayerCheckConfig(warmup_steps=4, smax=8)
+    # every step: let each layer's versions queue up rather than be held back until the last one commits
+    persistence = layercheck.PersistenceConfig(max_versions_in_flight=64 if every_step else 2)
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro},
         model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
-            storage=args.storage, name="own-loop", policy=policy, overwrite=True,
+            storage=args.storage, name="own-loop", policy=policy, overwrite=True, persistence=persistence,
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank)),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),

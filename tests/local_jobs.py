@@ -26,6 +26,8 @@ from workers.host_buffers import HostBufferPool
 from workers.layer_state import restore_from_shards, snapshot_layers
 
 STEPS = 7
+#: The tests persist every layer every step: nothing may be held back waiting for a commit.
+STEPS_IN_FLIGHT = 64
 
 
 class ScriptedPolicy:
@@ -79,7 +81,7 @@ def _run(te: TrainEngine, initial: list[Any], policy: Any, root: Path, *, rank: 
     if isinstance(hook, DamageAfterWrite):
         hook.root = Path(store.fs.root)
     coordinator = LocalCoordinator(policy=policy, layer_numel=te.layer_map.numel, store=store,
-                                   max_inflight_bytes=2**30,
+                                   max_inflight_bytes=2**30, max_versions_in_flight=STEPS_IN_FLIGHT,
                                    config=SupervisionConfig(drain_deadline_s=60, commit_backoff_s=0.01))
     recoveries = []
 

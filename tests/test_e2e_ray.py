@@ -42,8 +42,9 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
     """With every layer persisted every step, the composite at t_fail is the exact state after
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step."""
     every_step = IntervalConfig(interval=1)
-    clean = run(demo, tmp_path, "clean", every_step, **{"fault.kill_at_step": 0})
-    failed = run(demo, tmp_path, "failed", every_step, **{"fault.kill_at_step": 6})
+    unbounded = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
+    clean = run(demo, tmp_path, "clean", every_step, **{"fault.kill_at_step": 0, **unbounded})
+    failed = run(demo, tmp_path, "failed", every_step, **{"fault.kill_at_step": 6, **unbounded})
 
     account = failed.status["account"]
     assert account["failures"] == 1

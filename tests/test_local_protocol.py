@@ -46,18 +46,20 @@ class Gate:
             self.release.wait(timeout=60)
 
 
-def test_a_newer_snapshot_supersedes_an_unwritten_one_and_the_byte_bound_waits(tmp_path, mailbox):
+def test_every_version_handed_over_is_written_and_the_byte_bound_waits(tmp_path, mailbox):
+    """No shard of another step is dropped (a rank that dropped one would keep a step its peers
+    did not: the PersistGate bounds versions per layer instead); past the byte bound, submit waits."""
     gate = Gate()
     store = LayerStore.open(str(tmp_path), fsync=False, hook=gate)
     one = shards("block.0", 1)[0]
-    writer = LocalWriter(store, mailbox, max_inflight_bytes=2 * one.nbytes)
+    writer = LocalWriter(store, mailbox, max_inflight_bytes=3 * one.nbytes)
     writer.submit(one, base=False)
     assert gate.entered.wait(timeout=60)  # the writer is inside step 1's write
     writer.submit(shards("block.1", 2)[0], base=False)
-    writer.submit(shards("block.1", 3)[0], base=False)  # replaces step 2, still queued
-    assert writer.stats.superseded == 1 and writer.inflight_bytes == 2 * one.nbytes
+    writer.submit(shards("block.1", 3)[0], base=False)  # queued behind step 2, which stays
+    assert writer.stats.superseded == 0 and writer.inflight_bytes == 3 * one.nbytes
     blocked = threading.Thread(target=writer.submit, args=(shards("block.0", 4)[0],), kwargs={"base": False})
-    blocked.start()  # 3 shards' bytes in flight > the bound of 2: waits for storage
+    blocked.start()  # 4 shards' bytes in flight > the bound of 3: waits for storage
     blocked.join(timeout=0.5)
     assert blocked.is_alive()
     gate.release.set()
@@ -65,9 +67,10 @@ def test_a_newer_snapshot_supersedes_an_unwritten_one_and_the_byte_bound_waits(t
     assert not blocked.is_alive() and writer.stats.blocked_s > 0
     assert writer.drain(timeout_s=60)
     writer.close()
-    taken = [mailbox.take()["receipt"] for _ in range(3)]
-    assert sorted((r["layer"], r["step"]) for r in taken) == [("block.0", 1), ("block.0", 4), ("block.1", 3)]
-    assert mailbox.posted() == 3
+    taken = [mailbox.take()["receipt"] for _ in range(4)]
+    assert sorted((r["layer"], r["step"]) for r in taken) == [
+        ("block.0", 1), ("block.0", 4), ("block.1", 2), ("block.1", 3)]
+    assert mailbox.posted() == 4
 
 
 class NoPolicy:

@@ -30,7 +30,8 @@ class _Pending:
 
 
 class PolicyService:
-    def __init__(self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int) -> None:
+    def __init__(self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int, *,
+                 max_versions_in_flight: int = 1) -> None:
         self.policy = policy
         self.layers = tuple(layers)
         self.world_size = world_size
@@ -38,7 +39,7 @@ class PolicyService:
         self.trace: list[StepObservation] = []
         self._pending: dict[int, _Pending] = {}
         self._decisions: dict[int, PersistDecision] = {}
-        self.gate = PersistGate()
+        self.gate = PersistGate(max_in_flight=max_versions_in_flight)
         """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
 
     def report(self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],

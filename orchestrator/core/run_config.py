@@ -66,15 +66,19 @@ class PersistenceConfig:
     writers_per_node: int = 1
     """Writer actors per node; a rank uses writer ``rank % writers_per_node`` of its node."""
     max_inflight_bytes: int = 512 * 2**20
-    """Per worker: snapshot bytes handed over but not yet written. Past it, a newer version of
-    a layer supersedes an older unwritten one; if that is not enough the worker waits (a stall,
-    counted in the metrics and logged)."""
+    """Per worker: snapshot bytes handed over but not yet written; past it the worker waits (a
+    stall, counted in the metrics and logged)."""
+    max_versions_in_flight: int = 2
+    """Versions of one layer that may be handed over and not yet committed; the policy holds a
+    layer back (defers it) while it has this many, so storage that falls behind lowers the save
+    rate instead of piling up snapshots. Every version handed over is written by every rank."""
     fsync: bool = True
     """fsync each file before it is committed (local and NFS stores)."""
 
     def __post_init__(self) -> None:
         require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)
         require(self.max_inflight_bytes >= 1, "max_inflight_bytes", ">= 1", self.max_inflight_bytes)
+        require(self.max_versions_in_flight >= 1, "max_versions_in_flight", ">= 1", self.max_versions_in_flight)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,10 @@
-"""The writers' queue: first in, first out, except that a newer snapshot of a (layer, rank)
-replaces an older one still waiting — so a writer that falls behind holds at most one pending
-shard per layer and rank, and memory stays bounded without blocking training."""
+"""The writers' queue: first in, first out, keyed so that the same item submitted again (a
+retried call: same layer, rank and step) replaces the waiting one instead of being written twice.
+
+The writers key by (layer, rank, step) and never drop another step's shard: a rank that did would
+keep a step of the layer its peers did not, and no version of it would be whole. Memory is bounded
+upstream instead, by the policy's :class:`~orchestrator.core.persist_gate.PersistGate` (at most
+``max_versions_in_flight`` versions of a layer handed over and not yet committed)."""
 
 from __future__ import annotations
 

@@ -108,13 +108,14 @@ class LocalCoordinator:
     """One rank's coordinator; every rank of the group constructs one (collectively)."""
 
     def __init__(self, *, policy: CheckpointPolicy, layer_numel: Mapping[str, int], store: LayerStore,
-                 max_inflight_bytes: int, config: SupervisionConfig | None = None, run_id: str = "local") -> None:
+                 max_inflight_bytes: int, max_versions_in_flight: int = 2, config: SupervisionConfig | None = None,
+                 run_id: str = "local") -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.layer_numel = dict(layer_numel)
         self.layers = tuple(self.layer_numel)
         self.config = config or SupervisionConfig()
-        self.service = PolicyService(policy, self.layers, self.world_size)
+        self.service = PolicyService(policy, self.layers, self.world_size, max_versions_in_flight=max_versions_in_flight)
         self.store = store
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
         self.mailbox = Mailbox.create()

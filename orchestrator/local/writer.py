@@ -1,6 +1,6 @@
 """One rank's writer: a thread that moves the rank's layer snapshots to the store, as the Ray
-runtime's persistence pool does, through the same :class:`SupersedingQueue` — a newer snapshot
-of a layer replaces an older one not yet written — and the same in-flight byte bound: past
+runtime's persistence pool does, through the same :class:`SupersedingQueue` (every step's shard
+is written; see :mod:`orchestrator.core.write_queue`) and the same in-flight byte bound: past
 ``max_inflight_bytes`` (queued plus being written) the training thread waits, and says so.
 Each written shard's receipt (or the news that it failed) goes through the :class:`Mailbox` to
 rank 0, whose :class:`~orchestrator.core.run_supervisor.RunSupervisor` commits whole versions.
@@ -57,7 +57,7 @@ class LocalWriter:
     def submit(self, shard: LayerShard, *, base: bool) -> None:
         """Queue ``shard`` (the writer owns it now); waits while the bytes in flight exceed the bound."""
         with self._changed:
-            older = self._queue.put((shard.layer, shard.rank), _Entry(shard, base))
+            older = self._queue.put((shard.layer, shard.rank, shard.step), _Entry(shard, base))
             if older is not None:
                 self.stats.superseded += 1
                 logger.info("%s step %d (rank %d) superseded by step %d before it was written",

@@ -156,7 +156,8 @@ def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence:
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(policy, layer_numel, num_workers)
+    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
+        policy, layer_numel, num_workers, persistence.max_versions_in_flight)
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
         run_id=run_id, store_uri=storage_uri, fsync=persistence.fsync,
         writers_per_node=persistence.writers_per_node, layer_numel=layer_numel, policy_actor=policy_actor,

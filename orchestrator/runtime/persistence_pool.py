@@ -1,10 +1,11 @@
 """The persistence pool: asynchronous writer actors that move layer snapshots to the store.
 
 Workers hand a snapshot over with :meth:`PersistenceWriter.submit` and go on training; the
-call resolves when the shard is written (or superseded). Each writer keeps at most one queued
-shard per (layer, rank): a newer snapshot of a layer replaces an older one not yet written, so
-memory stays bounded when storage falls behind. After writing, the writer hands the receipt to
-the supervisor, which commits a version once every rank's shard of it is in.
+call resolves when the shard is written. Every shard handed over is written (see
+:mod:`orchestrator.core.write_queue` for why none is dropped); the policy's ``PersistGate`` keeps
+the number of a layer's versions in flight bounded when storage falls behind. After writing, the
+writer hands the receipt to the supervisor, which commits a version once every rank's shard of it
+is in.
 
 Writers are pinned to nodes (the supervisor starts them on demand, ``writers_per_node`` per
 node), so a snapshot crosses the node's shared-memory object store, not the network.
@@ -64,7 +65,7 @@ class PersistenceWriter:
         """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``."""
         self._start()
         future = asyncio.get_running_loop().create_future()
-        older = self._queue.put((wire.layer, wire.rank), (wire, future))
+        older = self._queue.put((wire.layer, wire.rank, wire.step), (wire, future))
         if older is not None:
             self.stats.superseded += 1
             older[1].set_result(SUPERSEDED)

@@ -26,9 +26,11 @@ logger = logging.getLogger(__name__)
 
 @ray.remote(num_cpus=0)
 class PolicyActor:
-    def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int) -> None:
+    def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int,
+                 max_versions_in_flight: int = 1) -> None:
         configure_process_logging()  # the actor process has no main of ours
-        self.service = PolicyService(build_policy(config, numel), list(numel), world_size)
+        self.service = PolicyService(build_policy(config, numel), list(numel), world_size,
+                                     max_versions_in_flight=max_versions_in_flight)
         self._ready: dict[int, asyncio.Event] = {}
 
     async def report(self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
