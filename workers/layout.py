@@ -44,7 +44,9 @@ class Piece:
 @dataclass(frozen=True, eq=False)
 class LayerLayout:
     """One layer on this rank: owned and needed pieces, fp32 masters, and the param groups
-    holding its parameters (``group_params[i]``: the layer's parameters in ``groups[i]``)."""
+    holding its parameters (``group_params[i]``: the layer's parameters in ``groups[i]``, the
+    optimizer's group ``group_indices[i]``; :meth:`StateLayout.groups_of` gives the optimizer's
+    current group dicts, which a DeepSpeed ``load_checkpoint`` replaces)."""
 
     name: str
     owned: tuple[Piece, ...]
@@ -52,6 +54,7 @@ class LayerLayout:
     masters: tuple[torch.Tensor, ...]
     groups: tuple[dict[str, Any], ...]
     group_params: tuple[tuple[str, ...], ...] = ()
+    group_indices: tuple[int, ...] = ()
 
     @property
     def owned_numel(self) -> int:
@@ -70,6 +73,10 @@ class StateLayout:
     engine: Any
     optimizer: Any
     """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`workers.optim_state`."""
+
+    def groups_of(self, layer: str) -> tuple[tuple[int, dict[str, Any]], ...]:
+        """``(index, group)`` of each param group holding ``layer``, as the optimizer holds them now."""
+        return tuple((i, self.optimizer.param_groups[i]) for i in self[layer].group_indices)
 
     def __getitem__(self, layer: str) -> LayerLayout:
         try:
@@ -118,7 +125,7 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
         indices = sorted({group_of[p.name] for p in layer.params})
         layers[layer.name] = LayerLayout(
             name=layer.name, owned=owned, needed=needed, masters=masters,
-            groups=tuple(optimizer.param_groups[i] for i in indices),
+            groups=tuple(optimizer.param_groups[i] for i in indices), group_indices=tuple(indices),
             group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
         )
         for master in masters:
