@@ -217,7 +217,7 @@ class Differential:
         started = time.monotonic()
         self.writer.drain()
         delta_drain_s = time.monotonic() - started
-        recovered = recover(self.te, self.coordinator, layer_numel=self.te.layer_map.numel)
+        recovered = recover(self.te, self.coordinator)
         if recovered.records is None:
             raise RuntimeError("differential: a failure before the first full checkpoint")
         full_step = max(recovered.versions.values())

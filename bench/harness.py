@@ -7,7 +7,7 @@ model, data, seed, steps and failures, in one invocation on one machine state.
 
 Every strategy runs the product's protocol: :func:`workers.loop.run_loop` with the local
 runtime's :class:`LocalCoordinator` (the policy service, the superseding writers under the
-in-flight byte bound, rank 0's commit tracker). LayerCheck's strategies are their policy; the
+in-flight byte bound, rank 0's run supervisor with the Ray runtime's commit and recovery cores). LayerCheck's strategies are their policy; the
 baselines run a ``never`` (or ``interval``) policy with their own checkpointing in the loop's
 ``after_step`` hook (:mod:`bench.baselines`).
 
@@ -130,7 +130,7 @@ class Runner:
         directory.mkdir(parents=True, exist_ok=True)
         store = LayerStore.open(str(directory / "store"), fsync=True)
         coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
-                                       layers=te.layer_map.names, store=store,
+                                       layer_numel=te.layer_map.numel, store=store, run_id=strategy.name,
                                        max_inflight_bytes=PersistenceConfig().max_inflight_bytes)
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
             return {p.step: p.loss for p in coordinator.progress_log}
@@ -182,6 +182,7 @@ class Runner:
             "freshness": freshness,
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
+            "commits": _commits(coordinator),
         }
         if strategy.kind is Kind.NONE:
             drifts = {s: dict(o.drift) for s, o in trace.items()}
@@ -190,7 +191,7 @@ class Runner:
 
     def _recover(self, coordinator: LocalCoordinator) -> dict[str, Any]:
         """LayerCheck's recovery, the product's code; from the initial weights if nothing was committed."""
-        recovered = recover(self.te, coordinator, layer_numel=self.te.layer_map.numel)
+        recovered = recover(self.te, coordinator)
         if recovered.records is None:
             _reset(self.te, self.initial)
         return {"resume_after": recovered.start_step - 1, "start_step": recovered.start_step,
@@ -199,12 +200,19 @@ class Runner:
                 "max_staleness": recovered.max_staleness, "versions": recovered.versions}
 
 
+def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
+    """Rank 0: what the run's supervisor committed, retried and lost (its ``RunView`` status)."""
+    status = coordinator.status() or {}
+    return {key: status.get(key, 0) for key in ("versions_committed", "commit_retries", "lost_versions",
+                                                "write_failures")}
+
+
 def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[str]]:
     """Per step, the layers whose state taken at that step was saved: LayerCheck's committed
     versions (rank 0), and the baseline's own checkpoints."""
     out: dict[int, set[str]] = {}
-    if coordinator.committer is not None:
-        for layer, step in coordinator.committer.log.committed:
+    if coordinator.run is not None:
+        for layer, step in coordinator.committed():
             out.setdefault(step, set()).add(layer)
     for step, names in (baseline.persisted if baseline is not None else {}).items():
         out.setdefault(step, set()).update(names)

@@ -27,6 +27,7 @@ from policies.configs import (
 )
 from policies.decision import PersistDecision, Reason, StepObservation
 from policies.layer_map import EMBED
+from policies.staggered import StaggeredPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +286,8 @@ class NeverPolicy:
 #: :mod:`policies.configs` is the first, name → config class). A new policy adds its config there
 #: and its class here, with ``config_type`` and ``from_config``; nothing else switches on the type.
 POLICY_TYPES: dict[type, type] = {
-    cls.config_type: cls for cls in (LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
+    cls.config_type: cls
+    for cls in (StaggeredPolicy, LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
 }
 
 

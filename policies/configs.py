@@ -92,6 +92,55 @@ class DriftOptimalConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StaggeredConfig:
+    """The default schedule: every layer saved periodically, the layers' phases spread over the
+    steps so each step hands over a slice of the model, periods drift-aware (``1/sqrt(drift
+    rate)``) under a byte budget (see :mod:`policies.staggered`). Never writes more than full
+    checkpoints at the same unsaved drift where layers drift alike; fewer where they differ."""
+
+    selective: ClassVar[bool] = True
+
+    period: int | None = 100
+    """Mean save period in steps, what "a full checkpoint every N steps" means: the byte budget is
+    the changing layers' bytes / ``period`` per step; a layer at the mean drift rate is saved every
+    ``period`` steps. ``None``: set by ``max_bytes_per_step`` alone."""
+    max_bytes_per_step: int | None = None
+    """Cap on the bytes handed over per step on average (12 bytes per parameter: fp32 weight and two
+    Adam moments); periods stretch to fit it. ``None``: no cap beyond ``period``."""
+    warmup_steps: int = 0
+    """First saves start at this step, staggered over the first period (no whole-model burst);
+    until every layer has one, a failure restarts from the initial weights."""
+    smax: int = 1000
+    """Staleness backstop: a layer that changed and has gone this many steps unsaved is persisted
+    whatever the schedule says (layers that did not change since their last save are exact)."""
+    drift_aware: bool = True
+    """Periods ~ 1/sqrt(layer drift rate) under the same budget (minimises unsaved drift);
+    ``false``: equal periods for every changing layer (minimises weighted staleness)."""
+    ema: float = 0.98
+    """Per-step smoothing of each layer's drift-rate estimate (exponential moving average)."""
+    replan_tolerance: float = 1.25
+    """Periods are re-planned every mean period; a layer's period changes only when the new one
+    differs by more than this factor, so phases and per-step bytes stay steady."""
+
+    def __post_init__(self) -> None:
+        require_finite(self)
+        require(self.period is None or self.period >= 1, "period", "None or >= 1", self.period)
+        require(self.max_bytes_per_step is None or self.max_bytes_per_step >= 1, "max_bytes_per_step",
+                "None or >= 1", self.max_bytes_per_step)
+        require(self.period is not None or self.max_bytes_per_step is not None, "period",
+                "set when max_bytes_per_step is None (one of them sets the budget)", self.period)
+        require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
+        require(self.smax >= 1, "smax", ">= 1", self.smax)
+        require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
+        require(self.replan_tolerance >= 1, "replan_tolerance", ">= 1", self.replan_tolerance)
+
+    def describe(self) -> str:
+        budget = [f"period={self.period}"] if self.period is not None else []
+        budget += [f"max={self.max_bytes_per_step}B/step"] if self.max_bytes_per_step else []
+        return " ".join(["staggered", *budget])
+
+
+@dataclass(frozen=True, kw_only=True)
 class IntervalConfig:
     """Fixed-interval full checkpoints, what DeepSpeed and Ray users do today."""
 
@@ -118,12 +167,13 @@ class NeverConfig:
 
 
 POLICY_CONFIGS: dict[str, type] = {
+    "staggered": StaggeredConfig,
     "layercheck": LayerCheckConfig,
     "drift-optimal": DriftOptimalConfig,
     "interval": IntervalConfig,
     "never": NeverConfig,
 }
-PolicyConfig = Union[LayerCheckConfig, DriftOptimalConfig, IntervalConfig, NeverConfig]
+PolicyConfig = Union[StaggeredConfig, LayerCheckConfig, DriftOptimalConfig, IntervalConfig, NeverConfig]
 
 
 def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: str = "policy") -> PolicyConfig:

@@ -14,6 +14,7 @@ class Reason(str, enum.Enum):
     DRIFT = "drift"  # accumulated drift reached the threshold
     STALENESS = "staleness"  # unsaved for Smax steps
     INTERVAL = "interval"  # a fixed-interval full checkpoint
+    SCHEDULE = "schedule"  # its turn in a staggered periodic schedule
 
 
 @dataclass(frozen=True)
@@ -61,3 +62,7 @@ class StepObservation:
     step: int
     lr: float
     drift: Mapping[str, float] = field(default_factory=dict)
+    write_budget_bytes: int | None = None
+    """Bytes per step the writers can drain (measured by the runtime), or ``None``: a schedule
+    that takes a budget stretches its periods to fit it, so the write queue cannot grow without
+    bound."""

@@ -8,15 +8,14 @@ yet persisted counts from step 0 — the initial weights, which can always be re
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.checkpoint_policy import CheckpointPolicy, IntervalPolicy, build_policy
-from policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig
+from policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig
+from policies.staggered import BYTES_PER_PARAM, StaggeredPolicy  # bytes counted as the schedule plans them
 from policies.trace import DriftTrace
-
-#: Bytes persisted per parameter: fp32 weight + Adam exp_avg + exp_avg_sq.
-BYTES_PER_PARAM = 12
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,8 @@ class SimulationResult:
     """Per evaluated step: (step, max staleness, weighted staleness)."""
     interval: int | None = None
     """For fixed-interval full checkpoints (:func:`simulate_interval`), their interval."""
+    peak_step_bytes: int = 0
+    """The most bytes handed over at one step (a whole checkpoint for full checkpoints)."""
 
     @property
     def bytes_per_event(self) -> float:
@@ -56,7 +57,7 @@ def simulate(
     last = {name: 0 for name in trace.layers}
     unsaved = {name: 0.0 for name in trace.layers}
     persists = {name: 0 for name in trace.layers}
-    events = written = 0
+    events = written = peak = 0
     stal_sum = drift_sum = 0.0
     stal_max = 0
     drift_max = 0.0
@@ -68,11 +69,14 @@ def simulate(
         decision = policy.observe(obs)
         if decision:
             events += 1
+            step_bytes = 0
             for name in decision.names:
                 persists[name] += 1
-                written += numel[name] * bytes_per_param
+                step_bytes += numel[name] * bytes_per_param
                 last[name] = obs.step
                 unsaved[name] = 0.0
+            written += step_bytes
+            peak = max(peak, step_bytes)
         if obs.step < eval_from:
             continue
         evaluated += 1
@@ -95,6 +99,7 @@ def simulate(
         mean_unsaved_drift=drift_sum / evaluated if evaluated else 0.0,
         max_unsaved_drift=drift_max,
         staleness_series=tuple(series),
+        peak_step_bytes=peak,
     )
 
 
@@ -133,6 +138,86 @@ def match_interval(
     return min(candidates, key=lambda r: (abs(metric(r) - target), -r.events))
 
 
+def full_bytes_at(
+    trace: DriftTrace, target: float, metric: Callable[[SimulationResult], float], *, eval_from: int = 0
+) -> float:
+    """Bytes full checkpoints write at exactly ``metric == target``: linear between the two
+    intervals around it (alternating them gets there), clamped to every step / one save."""
+    lo, hi = 1, max(1, len(trace.steps))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if metric(simulate_interval(trace, mid, eval_from=eval_from)) < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    above = simulate_interval(trace, lo, eval_from=eval_from)
+    below = simulate_interval(trace, lo - 1, eval_from=eval_from) if lo > 1 else above
+    return _between(below, above, target, metric)
+
+
+@dataclass(frozen=True)
+class OracleMatch:
+    """The offline oracle at a target mean unsaved drift."""
+
+    result: SimulationResult
+    """Its run nearest the target from below (at least as fresh)."""
+    bytes_at_target: float
+    """Its bytes at exactly the target (linear between the two budgets around it)."""
+    budget: int
+    """Its byte budget per step in that run."""
+
+
+def mean_rates(trace: DriftTrace) -> dict[str, float]:
+    """Each layer's mean per-step drift over the whole trace: what the oracle knows."""
+    steps = max(1, len(trace.steps))
+    return {name: sum(o.drift.get(name, 0.0) for o in trace.steps) / steps for name in trace.layers}
+
+
+def simulate_oracle(trace: DriftTrace, budget: int, *, warmup_steps: int = 0, eval_from: int = 0) -> SimulationResult:
+    """Per-layer periods ~ 1/sqrt(mean drift rate over the whole trace) filling ``budget`` bytes
+    per step, staggered, no backstop: the schedule that knows the future."""
+    config = StaggeredConfig(period=None, max_bytes_per_step=max(1, budget), warmup_steps=warmup_steps,
+                             smax=len(trace.steps) + 1)
+    policy = StaggeredPolicy(config, {n: trace.numel[n] for n in trace.layers}, rates=mean_rates(trace))
+    return simulate(trace, policy, label=f"oracle/{budget}B", eval_from=eval_from)
+
+
+def oracle_at_drift(trace: DriftTrace, target: float, *, warmup_steps: int = 0, eval_from: int = 0) -> OracleMatch:
+    """The oracle swept over its byte budget to a target mean unsaved drift (bisection: a larger
+    budget loses less drift)."""
+    total = sum(trace.numel.values()) * BYTES_PER_PARAM
+
+    def run(budget: int) -> SimulationResult:
+        return simulate_oracle(trace, budget, warmup_steps=warmup_steps, eval_from=eval_from)
+
+    lo, hi = 1, total  # lo: too little (drift above target) unless it is enough already
+    fresh = run(hi)
+    if fresh.mean_unsaved_drift > target:
+        return OracleMatch(result=fresh, bytes_at_target=float(fresh.bytes_written), budget=hi)
+    stale = run(lo)
+    if stale.mean_unsaved_drift <= target:
+        return OracleMatch(result=stale, bytes_at_target=float(stale.bytes_written), budget=lo)
+    while hi - lo > 1:
+        mid = math.isqrt(lo * hi) if hi > 4 * lo else (lo + hi) // 2
+        mid = min(max(mid, lo + 1), hi - 1)
+        result = run(mid)
+        if result.mean_unsaved_drift <= target:
+            hi, fresh = mid, result
+        else:
+            lo, stale = mid, result
+    bytes_at = _between(fresh, stale, target, lambda r: r.mean_unsaved_drift)
+    return OracleMatch(result=fresh, bytes_at_target=bytes_at, budget=hi)
+
+
+def _between(a: SimulationResult, b: SimulationResult, target: float, metric: Callable[[SimulationResult], float]) -> float:
+    """Bytes at ``metric == target`` on the line through runs ``a`` and ``b`` (clamped to them)."""
+    ma, mb = metric(a), metric(b)
+    if ma == mb:
+        return float(min(a.bytes_written, b.bytes_written))
+    f = min(1.0, max(0.0, (target - ma) / (mb - ma)))
+    return a.bytes_written + f * (b.bytes_written - a.bytes_written)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """A policy's result beside full checkpoints matched on staleness and on unsaved drift."""
@@ -140,6 +225,8 @@ class Comparison:
     result: SimulationResult
     matched_staleness: SimulationResult
     matched_drift: SimulationResult
+    oracle: OracleMatch | None = None
+    """The offline oracle at the same mean unsaved drift (when asked for)."""
 
     @property
     def bytes_vs_staleness_match(self) -> float:
@@ -149,8 +236,15 @@ class Comparison:
     def bytes_vs_drift_match(self) -> float:
         return _ratio(self.result.bytes_written, self.matched_drift.bytes_written)
 
+    @property
+    def bytes_vs_oracle(self) -> float:
+        return _ratio(self.result.bytes_written, self.oracle.bytes_at_target) if self.oracle else float("nan")
 
-def compare(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0) -> Comparison:
+
+def compare(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0,
+            oracle: bool = False) -> Comparison:
+    """``config``'s run beside full checkpoints matched on staleness and on unsaved drift, and
+    (``oracle``) the offline oracle at its unsaved drift, warmed up as long (``eval_from``)."""
     result = simulate_config(trace, config, label=label, eval_from=eval_from, keep_series=True)
     return Comparison(
         result=result,
@@ -160,6 +254,8 @@ def compare(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: i
         matched_drift=match_interval(
             trace, result.mean_unsaved_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from
         ),
+        oracle=oracle_at_drift(trace, result.mean_unsaved_drift, warmup_steps=eval_from, eval_from=eval_from)
+        if oracle else None,
     )
 
 

@@ -10,12 +10,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.core.supervision_events import SupervisionConfig
 from orchestrator.local.coordinator import LocalCoordinator
 from orchestrator.local.recovery import recover
 from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
-from policies.configs import IntervalConfig
+from policies.configs import IntervalConfig, StaggeredConfig
 from policies.decision import PersistDecision, Reason, StepObservation
 from tests.worker_jobs import make_engine
 from workers.data import DataConfig, SequenceDataset
@@ -40,20 +41,54 @@ class ScriptedPolicy:
         pass
 
 
+class FailFirstCommit:
+    """A store hook: the first commit record cannot be written (as a full or flaky store)."""
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    def __call__(self, event: str, rel: str) -> None:
+        if event == "opened" and rel.startswith("manifest/") and not self.failed:
+            self.failed = True
+            raise OSError(5, "injected: the commit record cannot be written")
+
+
+class DamageAfterWrite:
+    """A store hook: flips a data byte of ``layer``'s shard at ``step`` once it is in place
+    (silent corruption the checksum catches at load)."""
+
+    def __init__(self, layer: str, step: int) -> None:
+        self.prefix = f"layers/{layer}/{step:010d}-"
+        self.root: Path | None = None
+
+    def __call__(self, event: str, rel: str) -> None:
+        if event == "renamed" and rel.startswith(self.prefix):
+            assert self.root is not None
+            path = self.root / rel
+            data = bytearray(path.read_bytes())
+            data[-3] ^= 0x55
+            path.write_bytes(bytes(data))
+
+
 def _run(te: TrainEngine, initial: list[Any], policy: Any, root: Path, *, rank: int, world_size: int,
-         fail_after: Sequence[int] = ()) -> dict[str, Any]:
+         fail_after: Sequence[int] = (), hook: Any = None) -> dict[str, Any]:
     restore_from_shards(te.layout, initial)
     seek_step(te, 0)
     te.optimizer.take_drift()
-    store = LayerStore.open(str(root), fsync=False)
-    coordinator = LocalCoordinator(policy=policy, layers=te.layer_map.names, store=store, max_inflight_bytes=2**30)
+    store = LayerStore.open(str(root), fsync=False, hook=hook)
+    if isinstance(hook, DamageAfterWrite):
+        hook.root = Path(store.fs.root)
+    coordinator = LocalCoordinator(policy=policy, layer_numel=te.layer_map.numel, store=store,
+                                   max_inflight_bytes=2**30,
+                                   config=SupervisionConfig(drain_deadline_s=60, commit_backoff_s=0.01))
     recoveries = []
 
     def on_failure(t_fail: int) -> int:
         wipe_training_state(te)
-        recovered = recover(te, coordinator, layer_numel=te.layer_map.numel, drain_timeout_s=60)
+        recovered = recover(te, coordinator)
         recoveries.append({"t_fail": recovered.t_fail, "start_step": recovered.start_step,
-                           "versions": recovered.versions})
+                           "versions": recovered.versions, "drained": recovered.drained,
+                           "unusable": list(recovered.unusable)})
         return recovered.start_step
 
     dataset = SequenceDataset.from_config(DataConfig(seq_len=16, seed=0))
@@ -64,8 +99,11 @@ def _run(te: TrainEngine, initial: list[Any], policy: Any, root: Path, *, rank: 
            "drained": drained, "decided": {str(o.step): o.drift for o in coordinator.service.trace}}
     if rank == 0:
         out["losses"] = {str(p.step): p.loss for p in coordinator.progress_log}
-        out["committed"] = sorted([layer, step] for layer, step in coordinator.committer.log.committed)
         out["manifest"] = sorted([r.layer, r.step, sorted(s.rank for s in r.shards)] for r in store.versions())
+        status = coordinator.status()
+        out["status"] = {key: status[key] for key in ("state", "attempt", "versions_committed", "lost_versions",
+                                                      "commit_retries", "write_failures", "step")}
+        out["account"] = {key: status["account"][key] for key in ("failures", "recoveries")}
     return out
 
 
@@ -83,6 +121,16 @@ def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
             "every": _run(te, initial, every, Path(root, "every"), rank=rank, world_size=world_size),
             "failed": _run(te, initial, build_policy(IntervalConfig(interval=1), te.layer_map.numel),
                            Path(root, "failed"), rank=rank, world_size=world_size, fail_after=(4,)),
+            # rank 0's store fails the first commit: the supervisor's commit path retries it
+            "retried": _run(te, initial, ScriptedPolicy({2: [names[0]]}), Path(root, "retried"), rank=rank,
+                            world_size=world_size, hook=FailFirstCommit() if rank == 0 else None),
+            # rank 1's shard of layer 1's newest version is damaged after it is written: only rank 1
+            # finds out, while loading; every rank falls back to the version before
+            "corrupt": _run(te, initial, build_policy(IntervalConfig(interval=1), te.layer_map.numel),
+                            Path(root, "corrupt"), rank=rank, world_size=world_size, fail_after=(4,),
+                            hook=DamageAfterWrite(names[1], 4) if rank == 1 else None),
+            "staggered": _run(te, initial, build_policy(StaggeredConfig(period=3), te.layer_map.numel),
+                              Path(root, "staggered"), rank=rank, world_size=world_size, fail_after=(4,)),
         }
     finally:
         shutdown(te)

@@ -1,7 +1,8 @@
-"""The local runtime's writer and committer, in one process: a newer snapshot of a layer
-supersedes an unwritten one, the byte bound makes the trainer wait, receipts travel through the
-in-memory mailbox, and a version is committed only once every rank's shard is in. A store hook
-holds the writer inside a write, so every interleaving here is scripted, not timed."""
+"""The local runtime's writer, receipt pump and writers port, in one process: a newer snapshot of
+a layer supersedes an unwritten one, the byte bound makes the trainer wait, receipts travel
+through the in-memory mailbox to the run's :class:`RunSupervisor`, which commits a version only
+once every rank's shard is in, and a drain names the ranks whose writer did not finish. A store
+hook holds the writer inside a write, so every interleaving here is scripted, not timed."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from orchestrator.local.committer import Committer
+from orchestrator.core.run_supervisor import RunSupervisor
 from orchestrator.local.mailbox import Mailbox
+from orchestrator.local.receipts import ReceiptPump
 from orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from orchestrator.local.writer import LocalWriter
+from orchestrator.local.writers_port import LocalWriters
 from orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
@@ -62,28 +65,63 @@ def test_a_newer_snapshot_supersedes_an_unwritten_one_and_the_byte_bound_waits(t
     assert not blocked.is_alive() and writer.stats.blocked_s > 0
     assert writer.drain(timeout_s=60)
     writer.close()
-    taken = [mailbox.take() for _ in range(3)]
+    taken = [mailbox.take()["receipt"] for _ in range(3)]
     assert sorted((r["layer"], r["step"]) for r in taken) == [("block.0", 1), ("block.0", 4), ("block.1", 3)]
     assert mailbox.posted() == 3
 
 
+class NoPolicy:
+    def last_complete_step(self) -> int:
+        return 0
+
+    def restart(self, **kwargs) -> None:
+        pass
+
+
+class NoWriters:
+    def drain(self, deadline_s):
+        return ()
+
+    def replace(self, names) -> None:
+        pass
+
+
 def test_a_version_is_committed_only_once_every_rank_shard_is_in(tmp_path, mailbox):
     store = LayerStore.open(str(tmp_path), fsync=False)
-    committer = Committer(store, mailbox)
+    run = RunSupervisor(run_id="t", store=store, layer_numel={"embed": TOTAL}, policy=NoPolicy(), writers=NoWriters())
+    pump = ReceiptPump(mailbox, run)
     rank0, rank1 = (store.write_shard(s) for s in shards("embed", 5))
-    mailbox.post(rank0.to_json())
-    assert committer.catch_up(timeout_s=60)
-    assert store.versions() == () and committer.tracker.incomplete == 1
-    mailbox.post(rank1.to_json())
-    assert committer.catch_up(timeout_s=60)
+    mailbox.post(rank0.to_json(), 0.5)
+    assert pump.catch_up(timeout_s=60)
+    assert store.versions() == () and run.commits.tracker.incomplete == 1
+    mailbox.post(rank1.to_json(), 0.25)
+    assert pump.catch_up(timeout_s=60)
     (record,) = store.versions()
     assert (record.layer, record.step, [s.rank for s in record.shards]) == ("embed", 5, [0, 1])
-    assert committer.log.committed == [("embed", 5)]
-    lone = store.write_shard(shards("embed", 6)[1])
-    mailbox.post(lone.to_json())
-    assert committer.catch_up(timeout_s=60)
-    assert committer.forget_incomplete() == 1 and len(store.versions()) == 1
-    committer.close()
+    mailbox.post_failure("writing embed step 6 rank 0 failed: disk full", layer="embed", step=6)
+    assert pump.catch_up(timeout_s=60)
+    status = run.status()
+    assert status["layers"]["embed"] == {"versions": 1, "bytes": record.nbytes, "last_step": 5}
+    assert status["write_latencies"] == [0.5, 0.25] and status["write_failures"] == 1
+    pump.close()
+
+
+def test_a_drain_names_the_ranks_whose_writer_did_not_finish(tmp_path, mailbox):
+    store = LayerStore.open(str(tmp_path), fsync=False)
+    writer = LocalWriter(store, mailbox, max_inflight_bytes=2**20)
+    port = LocalWriters(own=lambda: writer, mailbox=mailbox, catch_up=lambda timeout_s: True, world_size=3)
+    port.begin(1)
+    mailbox.say_drained(1, 1, True)
+    mailbox.say_drained(1, 2, False)  # rank 2's writer ran out of time
+    assert port.drain(deadline_s=30) == ("writer-rank2",)
+    port.begin(2)
+    for rank in (1, 2):
+        mailbox.say_drained(2, rank, True)
+    assert port.drain(deadline_s=30) == ()
+    port2 = LocalWriters(own=lambda: writer, mailbox=mailbox, catch_up=lambda timeout_s: False, world_size=1)
+    port2.begin(3)
+    assert port2.drain(deadline_s=30) == ("receipts",)  # the commits of what was written are behind
+    writer.close()
 
 
 def sleep_on_rank_1(rank: int, world_size: int) -> int:

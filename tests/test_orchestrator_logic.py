@@ -37,6 +37,8 @@ def test_decision_comes_when_the_last_rank_reports_and_drift_is_the_global_mean(
     svc = service()
     assert report(svc, 1, 0, [0, 0, 0]) is None
     assert report(svc, 1, 1, [0, 0, 0]).is_base  # warm-up ends at step 1
+    for layer in svc.layers:
+        svc.settled(layer, 2)  # the base's versions (taken after step 2) committed
     assert report(svc, 2, 1, [4.0, 1.0, 0.0]) is None
     decision = report(svc, 2, 0, [6.0, 1.0, 0.0])
     # embed: (6 + 4) / (10 + 10) = 0.5 < 1; then another 0.5 reaches the threshold

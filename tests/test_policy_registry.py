@@ -64,9 +64,10 @@ def test_metrics_views_keep_the_shape_the_exporter_reads():
 
 def test_configs_say_whether_they_are_selective_and_how_they_are_labelled():
     selective = {name for name, cls in POLICY_CONFIGS.items() if cls.selective}
-    assert selective == {"layercheck", "drift-optimal"}
+    assert selective == {"staggered", "layercheck", "drift-optimal"}
     for name in selective:
         assert policy_config(name).warmup_steps >= 0  # what the comparison evaluates from
     assert policy_config("layercheck", {"k0": 2e-3}).describe() == "layercheck k0=0.002"
     assert policy_config("drift-optimal", {"period": 20}).describe() == "drift-optimal period=20"
+    assert policy_config("staggered", {"period": 50}).describe() == "staggered period=50"
     assert policy_config("interval").describe() == "interval" and policy_config("never").describe() == "never"

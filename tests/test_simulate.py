@@ -120,3 +120,15 @@ def test_cli_drift_optimal_policy_is_compared_like_layercheck(capsys):
     (comparison,) = json.loads(capsys.readouterr().out)["comparisons"]
     assert comparison["result"]["policy"] == "drift-optimal period=40"
     assert comparison["result"]["max_staleness"] <= 1000 and comparison["bytes_vs_full_matched_drift"] > 0
+
+
+def test_cli_prints_the_default_schedule_beside_the_oracle_with_peak_bytes(capsys):
+    assert main(["simulate", "--steps", "400", "--blocks", "3", "--period", "20", "--json"]) == 0
+    (comparison,) = json.loads(capsys.readouterr().out)["comparisons"]
+    assert comparison["result"]["policy"] == "staggered period=20"
+    full = sum(synthetic_trace(blocks=3, steps=1).numel.values()) * BYTES_PER_PARAM
+    assert 0 < comparison["result"]["peak_step_bytes"] < full
+    assert comparison["matched_drift"]["peak_step_bytes"] == full  # a whole checkpoint at each save
+    assert 0.9 <= comparison["bytes_vs_oracle_matched_drift"] <= 1.1
+    assert main(["simulate", "--steps", "300", "--blocks", "2", "--policy", "interval", "--interval", "30"]) == 0
+    assert "oracle @ same drift" in capsys.readouterr().out

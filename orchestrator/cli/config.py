@@ -11,14 +11,15 @@ import textwrap
 import typing
 
 from orchestrator.core.run_config import ClusterConfig, FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
-from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig
+from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.data import DataConfig
 
 #: (TOML table, config class), in the order a run file reads.
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("", RunConfig), ("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig),
-    ("engine", EngineConfig), ("policy (name = \"layercheck\")", LayerCheckConfig),
+    ("engine", EngineConfig), ("policy (name = \"staggered\", the default)", StaggeredConfig),
+    ("policy (name = \"layercheck\")", LayerCheckConfig),
     ("policy (name = \"drift-optimal\")", DriftOptimalConfig),
     ("policy (name = \"interval\")", IntervalConfig), ("cluster", ClusterConfig),
     ("persistence", PersistenceConfig), ("fault", FaultConfig), ("metrics", MetricsConfig),

@@ -1,5 +1,7 @@
 """``layercheck simulate``: replay a drift trace (recorded or synthetic) through a policy and
-print what picking ``K0`` and ``Smax`` trades, against full checkpoints at matched freshness."""
+print what its knobs trade, against full checkpoints at matched freshness and the offline oracle
+(per-layer periods chosen knowing the whole trace) at matched unsaved drift, with the most bytes
+each hands over in one step."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from typing import Any
 from orchestrator.store.layer_store import RUN_CONFIG_FILE
 from policies.config_loader import ConfigError
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
-from policies.simulate import BYTES_PER_PARAM, Comparison, compare, simulate_config, sweep_k0
+from policies.simulate import (
+    BYTES_PER_PARAM, Comparison, OracleMatch, compare, oracle_at_drift, simulate_config, sweep_k0,
+)
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 from orchestrator.table import format_table, human_bytes
 
@@ -35,8 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--peak-lr", type=float, default=1e-5, help="synthetic: peak learning rate")
     src.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     src.add_argument("--write-trace", type=Path, help="also write the trace used (JSON, or CSV for *.csv)")
-    pol = p.add_argument_group("policy (default: the run's own, from run.json beside --trace; else layercheck)")
-    pol.add_argument("--policy", default=None, help="layercheck | drift-optimal | interval | never")
+    pol = p.add_argument_group("policy (default: the run's own, from run.json beside --trace; else staggered, "
+                                "or layercheck with --sweep)")
+    pol.add_argument("--policy", default=None, help=" | ".join(POLICY_CONFIGS))
     pol.add_argument("--k0", type=float, default=None, help="(default 1e-3)")
     pol.add_argument("--k0-embed", type=float, default=None, help="(default 1e-2)")
     pol.add_argument("--smax", type=int, default=None, help="(default 1000)")
@@ -45,7 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pol.add_argument("--interval", type=int, default=None, help="interval policy: steps between full checkpoints "
                                                                  "(default 100)")
     pol.add_argument("--period", type=int, default=None,
-                     help="drift-optimal: save period of a layer drifting at the mean rate (default 50)")
+                     help="staggered / drift-optimal: save period of a layer drifting at the mean rate "
+                          "(default 100 / 50)")
+    pol.add_argument("--max-bytes-per-step", type=int, default=None,
+                     help="staggered: cap on the bytes handed over per step on average")
     pol.add_argument("--sweep", help="comma-separated K0 values: print the whole trade-off curve")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -74,10 +82,14 @@ def run(args: argparse.Namespace) -> int:
         values = [float(v) for v in args.sweep.split(",") if v.strip()]
         comparisons = sweep_k0(trace, config, values, eval_from=eval_from)
     elif config.selective:
-        comparisons = [compare(trace, config, label=config.describe(), eval_from=eval_from)]
+        comparisons = [compare(trace, config, label=config.describe(), eval_from=eval_from, oracle=True)]
     else:
-        result = simulate_config(trace, config, label=config.describe(), eval_from=eval_from)
-        print(json.dumps(_result_json(result), indent=2) if args.json else _summary([result]))
+        result = simulate_config(trace, config, label=policy_name(config), eval_from=eval_from)
+        oracle = oracle_at_drift(trace, result.mean_unsaved_drift, warmup_steps=eval_from, eval_from=eval_from)
+        if args.json:
+            print(json.dumps({**_result_json(result), "oracle": _oracle_json(oracle)}, indent=2))
+        else:
+            print(_summary([result, _oracle_row(oracle)]))
         return 0
     report = {
         "trace": {"layers": len(trace.layers), "steps": len(trace.steps), "params": sum(trace.numel.values())},
@@ -87,11 +99,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(_comparison_table(comparisons))
+        print(_comparison_table(comparisons, full_checkpoint=sum(trace.numel.values()) * BYTES_PER_PARAM))
         if len(comparisons) == 1:
             print()
             print(_per_layer_table(trace, comparisons[0]))
     return 0
+
 
 
 def load_trace(args: argparse.Namespace) -> DriftTrace:
@@ -104,7 +117,8 @@ def load_trace(args: argparse.Namespace) -> DriftTrace:
 
 
 _FLAGS = {"k0": "k0", "k0_embed": "k0_embed", "smax": "smax", "warmup": "warmup_steps",
-          "schedule": "threshold_schedule", "interval": "interval", "period": "period"}
+          "schedule": "threshold_schedule", "interval": "interval", "period": "period",
+          "max_bytes_per_step": "max_bytes_per_step"}
 
 
 def _policy_config(args: argparse.Namespace) -> PolicyConfig:
@@ -115,7 +129,7 @@ def _policy_config(args: argparse.Namespace) -> PolicyConfig:
     if run_policy is not None:
         name, params = run_policy
         logger.info("replaying the run's own policy from run.json beside the trace: %s %s", name, params)
-    name = name or "layercheck"
+    name = name or ("layercheck" if args.sweep else "staggered")  # a sweep is of K0
     fields = {f.name for f in dataclasses.fields(POLICY_CONFIGS[name])} if name in POLICY_CONFIGS else set()
     for flag, field in _FLAGS.items():
         value = getattr(args, flag, None)
@@ -146,6 +160,7 @@ def _result_json(r) -> dict[str, Any]:
         "max_staleness": r.max_staleness,
         "mean_unsaved_drift": r.mean_unsaved_drift,
         "max_unsaved_drift": r.max_unsaved_drift,
+        "peak_step_bytes": r.peak_step_bytes,
         "persists": r.persists,
         "staleness_series": [list(row) for row in r.staleness_series],
     }
@@ -158,32 +173,51 @@ def _comparison_json(c: Comparison) -> dict[str, Any]:
         "matched_drift": _result_json(c.matched_drift),
         "bytes_vs_full_matched_staleness": c.bytes_vs_staleness_match,
         "bytes_vs_full_matched_drift": c.bytes_vs_drift_match,
+        **({"oracle": _oracle_json(c.oracle), "bytes_vs_oracle_matched_drift": c.bytes_vs_oracle} if c.oracle else {}),
     }
+
+
+def _oracle_json(o: OracleMatch) -> dict[str, Any]:
+    return {"bytes_at_matched_drift": o.bytes_at_target, "budget_bytes_per_step": o.budget,
+            "result": _result_json(o.result)}
+
+
+def _oracle_row(o: OracleMatch):
+    """The oracle's run as a summary row, its bytes those at exactly the matched drift."""
+    return dataclasses.replace(o.result, policy="oracle @ same drift", bytes_written=round(o.bytes_at_target))
 
 
 def _summary(results) -> str:
     return format_table(
-        ["policy", "events", "written", "mean w-staleness", "max staleness", "mean unsaved drift", "max unsaved drift"],
-        [[r.policy, r.events, human_bytes(r.bytes_written), r.mean_weighted_staleness, r.max_staleness,
-          r.mean_unsaved_drift, r.max_unsaved_drift] for r in results],
+        ["policy", "events", "written", "peak step", "mean w-staleness", "max staleness", "mean unsaved drift",
+         "max unsaved drift"],
+        [[r.policy, r.events, human_bytes(r.bytes_written), human_bytes(r.peak_step_bytes), r.mean_weighted_staleness,
+          r.max_staleness, r.mean_unsaved_drift, r.max_unsaved_drift] for r in results],
     )
 
 
-def _comparison_table(comparisons: list[Comparison]) -> str:
+def _comparison_table(comparisons: list[Comparison], *, full_checkpoint: int) -> str:
     rows = []
     for c in comparisons:
         r = c.result
         rows.append([
-            r.policy, r.events, human_bytes(r.bytes_written), r.mean_weighted_staleness, r.max_staleness,
-            r.mean_unsaved_drift,
+            r.policy, r.events, human_bytes(r.bytes_written), human_bytes(r.peak_step_bytes),
+            r.mean_weighted_staleness, r.max_staleness, r.mean_unsaved_drift,
             c.matched_staleness.policy, c.bytes_vs_staleness_match,
-            c.matched_drift.policy, c.bytes_vs_drift_match,
+            c.matched_drift.policy, c.bytes_vs_drift_match, c.bytes_vs_oracle if c.oracle else "",
         ])
+        if c.oracle:
+            o = _oracle_row(c.oracle)
+            rows.append([f"  {o.policy}", o.events, human_bytes(o.bytes_written), human_bytes(o.peak_step_bytes),
+                         o.mean_weighted_staleness, o.max_staleness, o.mean_unsaved_drift,
+                         "", "", "", "", 1.0])
     return format_table(
-        ["policy", "events", "written", "mean w-stal", "max stal", "mean unsaved drift",
-         "full @ same stal", "bytes ratio", "full @ same drift", "bytes ratio"],
+        ["policy", "events", "written", "peak step", "mean w-stal", "max stal", "mean unsaved drift",
+         "full @ same stal", "bytes ratio", "full @ same drift", "bytes ratio", "vs oracle"],
         rows,
-    ) + "\n(bytes ratio = policy bytes / full-checkpoint bytes at matched freshness; < 1 means the policy writes less)"
+    ) + ("\n(bytes ratio = policy bytes / full-checkpoint bytes at matched freshness; < 1 means the policy writes less."
+         f"\n vs oracle = policy bytes / the oracle's at the same unsaved drift. Full checkpoints hand over a whole "
+         f"checkpoint, {human_bytes(full_checkpoint)}, at each save.)")
 
 
 def _per_layer_table(trace: DriftTrace, c: Comparison) -> str:

@@ -4,10 +4,14 @@ versions, straight from the store, whatever world size they were written at."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from typing import Protocol
 
+import torch
+
+from orchestrator.store.errors import CorruptShardError
 from orchestrator.store.manifest import VersionRecord
 from orchestrator.store.recovery_source import CompositeReader
 from orchestrator.store.layer_store import LayerStore
@@ -50,15 +54,36 @@ def load_composite(te: Restorable, store: LayerStore, records: Mapping[str, Vers
 
     Raises :class:`CompositeMismatchError` (before touching the engine) if a version does not fit
     the model, and :class:`~orchestrator.store.errors.CorruptShardError` naming the version if a
-    tensor fails its checksum.
+    tensor fails its checksum — only after this rank took part in the load's collective, which
+    its peers (whose slices may be sound) are waiting in; the engine then holds garbage.
     """
     started = time.monotonic()
     with CompositeReader(store, records) as reader:
         check_fits(reader, records, te.layer_map)
-        restore_layers(te.layout, reader.metas(), reader)
+        guarded = _UntilCorrupt(reader)
+        restore_layers(te.layout, reader.metas(), guarded)
+    if guarded.error is not None:
+        raise guarded.error
     probe = getattr(te, "probe", None)
     if probe is not None and hasattr(probe, "reset"):
         probe.reset()  # the restore moved the weights: that is no step's drift
     elapsed = time.monotonic() - started
     logger.info("loaded a composite of %d layers in %.2fs", len(records), elapsed)
     return elapsed
+
+
+class _UntilCorrupt:
+    """A range reader that, once a version turns out corrupt, keeps the error and hands out NaN
+    for every later range, so the restore still reaches its collective."""
+
+    def __init__(self, read: CompositeReader) -> None:
+        self.read = read
+        self.error: CorruptShardError | None = None
+
+    def __call__(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        if self.error is None:
+            try:
+                return self.read(param, key, offset, length)
+            except CorruptShardError as error:
+                self.error = error
+        return torch.full((length,), math.nan)

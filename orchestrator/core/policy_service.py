@@ -11,6 +11,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from orchestrator.core.persist_gate import PersistGate
 from policies.checkpoint_policy import CheckpointPolicy
 from policies.decision import PersistDecision, StepObservation
 
@@ -37,6 +38,8 @@ class PolicyService:
         self.trace: list[StepObservation] = []
         self._pending: dict[int, _Pending] = {}
         self._decisions: dict[int, PersistDecision] = {}
+        self.gate = PersistGate()
+        """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
 
     def report(self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
                counts: Mapping[str, int]) -> PersistDecision | None:
@@ -64,7 +67,7 @@ class PolicyService:
                  for name in self.layers if pending.counts.get(name)}
         observation = StepObservation(step=step, lr=pending.lr, drift=drift)
         self.trace.append(observation)
-        decision = self.policy.observe(observation)
+        decision = self.gate.admit(self.policy.observe(observation))
         self.last_complete_step = step
         self._decisions[step] = decision
         for old in [s for s in self._decisions if s <= step - DECISION_HISTORY]:
@@ -73,6 +76,11 @@ class PolicyService:
 
     def decision(self, step: int) -> PersistDecision | None:
         return self._decisions.get(step)
+
+    def settled(self, layer: str, version_step: int) -> None:
+        """The version of ``layer`` at ``version_step`` committed or will never commit: the layer
+        may be persisted again."""
+        self.gate.settled(layer, version_step)
 
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         """A new worker group resumes at ``resume_after + 1`` (``last_complete_step`` when a
@@ -85,4 +93,5 @@ class PolicyService:
         self.trace = [o for o in self.trace if o.step <= resume_after]
         self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
         self.policy.rebase(persisted_steps)
+        self.gate.reset()
         logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

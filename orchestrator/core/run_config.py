@@ -122,9 +122,10 @@ class RunConfig:
     """AdamW and the learning-rate schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """How DeepSpeed runs the model."""
-    policy: PolicyConfig = field(default_factory=lambda: policy_config("layercheck"))
-    """The checkpoint policy: ``name`` = ``layercheck`` (default), ``drift-optimal``, ``interval`` or
-    ``never``, and its parameters."""
+    policy: PolicyConfig = field(default_factory=lambda: policy_config("staggered"))
+    """The checkpoint policy: ``name`` = ``staggered`` (default: staggered, byte-budgeted,
+    drift-aware periodic saves), ``layercheck`` (the paper's thresholds), ``drift-optimal``,
+    ``interval`` or ``never``, and its parameters."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """Workers and failure handling."""
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
@@ -241,7 +242,7 @@ def _model_vocab_size(config: RunConfig) -> int | None:
 def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     """A validated :class:`RunConfig` from parsed TOML/YAML/JSON."""
     data = dict(data)
-    policy = data.pop("policy", {"name": "layercheck"})
+    policy = data.pop("policy", {"name": "staggered"})
     if not isinstance(policy, Mapping) or "name" not in policy:
         raise ConfigError(f"policy: must be a table with a 'name' ({', '.join(POLICY_CONFIGS)})")
     if "model" not in data:

@@ -10,7 +10,7 @@ API::
                         policy=LocalPolicy(service), writers=my_writers, resume=False)
     resume = run.join(rank, world_size, worker_id)   # -> ResumeInfo, once the group's recovery is done
     run.shard_written(receipt, write_s)               # commits (retrying) when a version is whole
-    run.write_failed(); run.version_unusable(vid, why); run.loaded(load_s)
+    run.write_failed(layer, step); run.version_unusable(vid, why); run.loaded(load_s)
     run.progress(step=..., loss=..., lr=..., compute_s=..., stall_s=..., coordination_s=...)
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
 
@@ -47,6 +47,8 @@ logger = logging.getLogger(__name__)
 class PolicyPort(Protocol):
     def last_complete_step(self) -> int: ...
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
+    def settled(self, layer: str, version_step: int) -> None:
+        """This version committed or never will: the layer may be persisted again (``PersistGate``)."""
 
 
 class WritersPort(Protocol):
@@ -67,6 +69,9 @@ class LocalPolicy:
 
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
+
+    def settled(self, layer: str, version_step: int) -> None:
+        self.service.settled(layer, version_step)
 
 
 class JoinDismissed(RuntimeError):
@@ -123,9 +128,12 @@ class RunSupervisor:
             actions = self.commits.handle(ShardWritten(receipt=receipt))
         self._carry_out(actions)
 
-    def write_failed(self) -> None:
+    def write_failed(self, layer: str, step: int) -> None:
+        """A rank's shard of ``layer`` at ``step`` could not be written: that version will never be
+        whole, so the policy may persist the layer again."""
         with self._lock:
             self.view.write_failures += 1
+        self.policy.settled(layer, step)
 
     def version_unusable(self, version_id: str, reason: str) -> None:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
@@ -217,7 +225,13 @@ class RunSupervisor:
         except Exception as error:  # storage trouble: retried, then counted lost; training goes on
             event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
         with self._lock:
-            return list(self.commits.handle(event))
+            actions = list(self.commits.handle(event))
+        if isinstance(event, CommitSucceeded):
+            self.policy.settled(event.record.layer, event.record.step)
+        elif not actions:  # given up (counted lost), or a newer version of the layer is committed
+            first = action.receipts[0]
+            self.policy.settled(first.layer, first.step)
+        return actions
 
 
 _EXECUTORS: dict[type, str] = {

@@ -1,5 +1,4 @@
 """The :class:`workers.loop.Coordinator` of a run under plain torch.distributed, no Ray.
-
 It runs the Ray runtime's protocol with the same cores, spread over the ranks instead of actors:
 
 * **decisions**: every rank keeps a replica of the :class:`PolicyService`. ``report`` launches an
@@ -10,16 +9,26 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   decision after step ``t + 1`` (:data:`workers.loop.DECISION_LAG`).
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
-* **commits**: receipts reach rank 0's :class:`Committer` through an in-memory :class:`Mailbox`;
-  it commits whole versions with the :class:`CommitTracker`.
+* **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
+  actor wraps — with :class:`LocalPolicy` over its policy replica and :class:`LocalWriters` over
+  every rank's writer. Receipts reach it through the :class:`Mailbox` (:class:`ReceiptPump`), so
+  commits get :class:`CommitPath`'s retries and lost-version accounting; a new worker group
+  (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`Supervision` decides
+  the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
+  :class:`RunView`.
+* **settlements**: a layer is persisted again only once its previous version has committed
+  (:mod:`orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
+  newest settled version of each layer to its next drift report, so every replica applies the
+  same settlements at the same step and the replicas never diverge.
 
-Recovery after a failure lives in :mod:`orchestrator.local.recovery`.
+Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,9 +36,12 @@ import torch
 import torch.distributed as dist
 
 from orchestrator.core.policy_service import PolicyService
-from orchestrator.local.committer import Committer
+from orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
 from orchestrator.local.mailbox import Mailbox
+from orchestrator.local.receipts import ReceiptPump
 from orchestrator.local.writer import LocalWriter
+from orchestrator.local.writers_port import LocalWriters, drain_mine, writer_name
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import CheckpointPolicy
 from policies.decision import PersistDecision
@@ -51,6 +63,39 @@ class StepProgress:
     coordination_s: float
 
 
+@dataclass(frozen=True, kw_only=True)
+class GroupAnswer:
+    """What rank 0 tells every rank of a group that (re)joined the run's supervisor."""
+
+    resume: ResumeInfo
+    replaced: tuple[str, ...] = ()
+    """Writers the recovery's drain wrote off: the ranks owning them start new ones."""
+    t_fail: int = 0
+    drain_s: float = 0.0
+    plan_s: float = 0.0
+    """Planning the composite, after the drain."""
+    weighted_staleness: float = 0.0
+    max_staleness: int = 0
+
+
+class _SettledAtNextReport(LocalPolicy):
+    """Rank 0's policy port: settlements wait for the next drift report, which carries them to
+    every replica (its own included), instead of reaching rank 0's replica first."""
+
+    def __init__(self, service: PolicyService) -> None:
+        super().__init__(service)
+        self._lock = threading.Lock()
+        self._newest: dict[str, int] = {}
+
+    def settled(self, layer: str, version_step: int) -> None:
+        with self._lock:
+            self._newest[layer] = max(version_step, self._newest.get(layer, -1))
+
+    def newest(self, layers: Sequence[str]) -> list[float]:
+        with self._lock:
+            return [float(self._newest.get(name, -1)) for name in layers]
+
+
 @dataclass
 class _Gather:
     step: int
@@ -62,26 +107,51 @@ class _Gather:
 class LocalCoordinator:
     """One rank's coordinator; every rank of the group constructs one (collectively)."""
 
-    def __init__(self, *, policy: CheckpointPolicy, layers: Sequence[str], store: LayerStore,
-                 max_inflight_bytes: int) -> None:
+    def __init__(self, *, policy: CheckpointPolicy, layer_numel: Mapping[str, int], store: LayerStore,
+                 max_inflight_bytes: int, config: SupervisionConfig | None = None, run_id: str = "local") -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self.layers = tuple(layers)
+        self.layer_numel = dict(layer_numel)
+        self.layers = tuple(self.layer_numel)
+        self.config = config or SupervisionConfig()
         self.service = PolicyService(policy, self.layers, self.world_size)
         self.store = store
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
         self.mailbox = Mailbox.create()
+        self.max_inflight_bytes = max_inflight_bytes
         self.writer = LocalWriter(store, self.mailbox, max_inflight_bytes=max_inflight_bytes)
-        self.committer = Committer(store, self.mailbox) if self.rank == 0 else None
         self._gathers: dict[int, _Gather] = {}
+        self._rounds = 0  # collective drains so far (every rank counts alike)
+        self._generation = 0  # worker groups so far: a new one after each failure
         self.handed: list[tuple[int, tuple[str, ...]]] = []
         """(step, layers) of every snapshot handed to the writer, in order."""
         self.progress_log: list[StepProgress] = []
+        self.run: RunSupervisor | None = None
+        """Rank 0: the run's supervisor; ``None`` on the other ranks."""
+        self._pump: ReceiptPump | None = None
+        self._settlements: _SettledAtNextReport | None = None
+        self._port: LocalWriters | None = None
+        if self.rank == 0:
+            self._pump, self._port, self.run = self._host(run_id)
+            self._join_all()  # attempt 1: a fresh start at step 1
+        else:  # what the fresh start's RebasePolicy does to rank 0's replica
+            self.service.restart(world_size=self.world_size, resume_after=0, persisted_steps={})
+
+    def _host(self, run_id: str) -> tuple[ReceiptPump, LocalWriters, RunSupervisor]:
+        port = LocalWriters(own=lambda: self.writer, mailbox=self.mailbox, world_size=self.world_size,
+                            catch_up=lambda timeout_s: pump.catch_up(timeout_s))
+        self._settlements = _SettledAtNextReport(self.service)
+        run = RunSupervisor(run_id=run_id, store=self.store, layer_numel=self.layer_numel,
+                            policy=self._settlements, writers=port, config=self.config)
+        pump = ReceiptPump(self.mailbox, run)
+        return pump, port, run
 
     # ---- workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
+        settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
         mine = torch.tensor([[float(drift.l1.get(n, 0.0)) for n in self.layers],
-                             [float(drift.numel.get(n, 0)) for n in self.layers]], dtype=torch.float64)
+                             [float(drift.numel.get(n, 0)) for n in self.layers],
+                             settled], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         self._gathers[drift.step] = _Gather(drift.step, lr, work, gathered)
@@ -102,6 +172,9 @@ class LocalCoordinator:
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
         self.progress_log.append(StepProgress(step, loss, lr, compute_s, stall_s, coordination_s))
+        if self.run is not None:
+            self.run.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
+                              coordination_s=coordination_s)
 
     # ---- the rest of the protocol ----------------------------------------------------------
     def _settle(self, up_to: int | None = None) -> None:
@@ -112,6 +185,9 @@ class LocalCoordinator:
                 break
             gather = self._gathers.pop(step)
             gather.work.wait()
+            for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
+                if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
+                    self.service.settled(name, int(version_step))
             for rank, both in enumerate(gather.gathered):
                 self.service.report(step=step, rank=rank, lr=gather.lr,
                                     abs_sums=dict(zip(self.layers, both[0].tolist())),
@@ -123,33 +199,121 @@ class LocalCoordinator:
         self._settle()
         return self.service.last_complete_step
 
-    def drain(self, timeout_s: float) -> bool:
-        """Every rank's writer finishes what it holds and rank 0 commits what is whole (a
-        collective); False if a writer or the committer missed the deadline."""
-        drained = self.writer.drain(timeout_s)
-        dist.barrier(group=self._group)
-        if self.committer is not None:
-            drained = self.committer.catch_up(timeout_s) and drained
-        return drained
+    def rejoin(self) -> GroupAnswer:
+        """A new worker group (this one, after a failure) joins the run's supervisor under new
+        worker ids: the recovery drains every rank's writer, rank 0's supervisor plans and
+        rebases its replica, and every rank gets the same :class:`GroupAnswer` (collective).
+        Raises ``RuntimeError`` on every rank if the recovery itself failed."""
+        self._rounds += 1
+        self._generation += 1
+        answer: GroupAnswer | str | None = None
+        if self.run is None:
+            drain_mine(self.writer, self.mailbox, round_=self._rounds, rank=self.rank,
+                       deadline_s=self.config.drain_deadline_s)
+        else:
+            assert self._port is not None
+            self._port.begin(self._rounds)
+            try:
+                answer = self._join_all()
+            except Exception as error:  # every rank must hear it, or they wait here forever
+                logger.exception("the recovery failed")
+                answer = f"{type(error).__name__}: {error}"
+        answer = self._broadcast(answer)
+        if isinstance(answer, str):
+            raise RuntimeError(f"recovery failed on rank 0: {answer}")
+        if writer_name(self.rank) in answer.replaced:
+            logger.warning("rank %d: replacing a writer that did not answer the drain", self.rank)
+            self.writer.abandon()
+            self.writer = LocalWriter(self.store, self.mailbox, max_inflight_bytes=self.max_inflight_bytes)
+        return answer
 
-    def forget_incomplete(self) -> None:
-        """A failure: versions not whole by now never will be (rank 0 keeps the tracker)."""
-        if self.committer is not None:
-            lost = self.committer.forget_incomplete()
-            if lost:
-                logger.info("%d incomplete version(s) abandoned at the failure", lost)
+    def _join_all(self) -> GroupAnswer:
+        """Rank 0: every rank of the group joins the supervisor (rank 0's join carries out the recovery)."""
+        assert self.run is not None and self._port is not None
+        resume = self.run.join(0, self.world_size, self._worker_id(0))
+        for rank in range(1, self.world_size):
+            self.run.join(rank, self.world_size, self._worker_id(rank))
+        recoveries = self.run.status()["account"]["recoveries"]
+        if resume.attempt == 1 or not recoveries:
+            return GroupAnswer(resume=resume)
+        last = recoveries[-1]
+        drain_s = self._port.drain_s
+        return GroupAnswer(resume=resume, replaced=tuple(self._port.replaced), t_fail=last["t_fail"],
+                           drain_s=drain_s, plan_s=max(0.0, last["plan_s"] - drain_s),
+                           weighted_staleness=last["weighted_staleness"], max_staleness=last["max_staleness"])
+
+    def _worker_id(self, rank: int) -> str:
+        return f"rank{rank}-group{self._generation}"
+
+    def resumed(self, answer: GroupAnswer, load_s: float) -> None:
+        """Every rank loaded the group's composite (``load_s``: the slowest rank's): the replicas
+        restart as rank 0's did under the supervisor's ``RebasePolicy``."""
+        self._gathers.clear()
+        records = answer.resume.records or {}
+        if self.run is not None:
+            self.run.loaded(load_s)
+        else:
+            self.service.restart(world_size=self.world_size, resume_after=answer.resume.start_step - 1,
+                                 persisted_steps={layer: r.step for layer, r in records.items()})
+
+    def version_unusable(self, found: Sequence[tuple[str, str]]) -> None:
+        """Ranks found these (version id, why) corrupt while loading: rank 0's supervisor skips them."""
+        if self.run is not None:
+            for version_id, reason in found:
+                self.run.version_unusable(version_id, reason)
 
     def restart(self, *, resume_after: int, persisted_steps: dict[str, int]) -> None:
-        """Rebase the policy replica for a resumption at ``resume_after + 1``."""
+        """Rebase the policy replica for a resumption at ``resume_after + 1`` without the
+        supervisor (a baseline's own recovery)."""
         self._gathers.clear()
         self.service.restart(world_size=self.world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
-    def close(self, timeout_s: float = 300.0) -> bool:
-        """Drain and stop the writer and the committer (collective); False if something was left."""
+    def drain(self, timeout_s: float) -> bool:
+        """Every rank's writer finishes what it holds and rank 0 commits what is whole (a
+        collective); False on every rank if a writer or the commits missed the deadline."""
+        self._rounds += 1
+        unanswered: tuple[str, ...] | None = None
+        if self._port is None:
+            drain_mine(self.writer, self.mailbox, round_=self._rounds, rank=self.rank, deadline_s=timeout_s)
+        else:
+            self._port.begin(self._rounds)
+            unanswered = self._port.drain(timeout_s)
+        return not self._broadcast(unanswered)
+
+    def status(self) -> dict[str, Any] | None:
+        """Rank 0: the run's status (the Ray run's ``Supervisor.status``); ``None`` elsewhere."""
+        return self.run.status() if self.run is not None else None
+
+    def committed(self) -> list[tuple[str, int]]:
+        """Rank 0: (layer, step) of every committed version, from the manifest."""
+        return [(r.layer, r.step) for r in self.store.versions()]
+
+    def all_max(self, values: Sequence[float]) -> list[float]:
+        """Each value's maximum over the ranks (collective, on the side group)."""
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return tensor.tolist()
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (collective, on the side group)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def close(self, timeout_s: float = 300.0, *, ok: bool = True) -> bool:
+        """Drain and stop the writer (collective); rank 0's supervisor finishes the run. False
+        if something was left."""
         self._settle()
         drained = self.drain(timeout_s)
         self.writer.close()
-        if self.committer is not None:
-            self.committer.close()
+        if self.run is not None and self._pump is not None:
+            self._pump.close()
+            self.run.finish(ok, "" if ok else "the trainer raised")
         dist.barrier(group=self._group)
         return drained
+

@@ -1,29 +1,32 @@
-"""Recovery of a local run after a failure, in one place: the seam where a Ray-free recovery
-state machine (``orchestrator/core``) can take over the decisions.
+"""Recovery of a local run after a failure: a thin shell over the run's supervisor, which
+decides it as it does under Ray (:mod:`orchestrator.core.supervision`).
 
-The steps and their order are the Ray runtime's (``runtime/supervisor.py`` ``_start_attempt``,
-``runtime/train_fn.py`` ``_recover``): ``t_fail`` is the last step every rank reported; the
-writers finish what they hold (with a deadline) and whole versions are committed; incomplete
-ones are abandoned; rank 0 plans the composite at ``t_fail`` from the manifest
-(:func:`resolve_plan`) and tells every rank; every rank loads its slices
-(:func:`load_composite`) and moves the engine to ``t_fail``; the policy replicas are rebased on
-the versions loaded (``PolicyService.restart``). Training resumes at ``t_fail + 1``.
+Every rank calls :func:`recover` at the same point (it is collective):
+
+1. ``t_fail``: every rank's drift reports gathered, the last step all ranks completed;
+2. the group rejoins rank 0's :class:`RunSupervisor` under new worker ids
+   (:meth:`LocalCoordinator.rejoin`): the supervision drains every rank's writer (with the
+   deadline; writers that miss it are named and replaced), commits or abandons what the lost
+   group left, plans the composite at ``t_fail`` — or none: restart from the initial weights at
+   step 1 — rebases rank 0's policy replica, and every rank gets the same answer;
+3. every rank loads its slices of the composite (:func:`load_composite`) and the ranks agree on
+   the outcome before any goes on: a version a rank found corrupt is reported to the supervisor
+   (``version_unusable``) and the group rejoins, so the next plan skips it — as a Ray worker
+   group that dies on a corrupt shard is restarted and replanned;
+4. every rank moves its engine to the resume point and restarts its policy replica as rank 0's
+   was rebased. Training resumes at ``start_step`` (``t_fail + 1`` with a composite).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from orchestrator.core.composite import load_composite
 from orchestrator.local.coordinator import LocalCoordinator
+from orchestrator.store.errors import CorruptShardError
 from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
-from policies.plan import NoUsableVersionError
 from workers.engine import TrainEngine, seek_step
 
 logger = logging.getLogger(__name__)
@@ -37,52 +40,68 @@ class Recovered:
     records: Mapping[str, VersionRecord] | None
     """Per layer, the version loaded; ``None``: nothing loaded (start from the initial weights)."""
     drained: bool
-    """Whether every writer and the committer finished within the deadline."""
+    """Whether every writer (and the commits of what they wrote) finished within the deadline."""
     drain_s: float
     plan_s: float
     load_s: float
+    """The slowest rank's loads, failed ones included."""
     weighted_staleness: float = 0.0
     max_staleness: int = 0
+    unusable: tuple[str, ...] = ()
+    """Versions found corrupt while loading (each cost one replan)."""
 
     @property
     def versions(self) -> dict[str, int]:
         return {layer: r.step for layer, r in (self.records or {}).items()}
 
 
-def recover(te: TrainEngine, coordinator: LocalCoordinator, *, layer_numel: Mapping[str, int],
-            drain_timeout_s: float = 300.0, skip: Mapping[str, str] | None = None) -> Recovered:
+def recover(te: TrainEngine, coordinator: LocalCoordinator) -> Recovered:
     """Recover every rank of a local run (collective). The engine's state may be anything
-    (lost); on return it holds the composite at ``t_fail`` unless ``records`` is ``None``."""
+    (lost); on return it holds the composite at ``t_fail`` unless ``records`` is ``None`` (then
+    the caller restores the initial weights)."""
     t_fail = coordinator.last_complete_step()
-    started = time.monotonic()
-    drained = coordinator.drain(drain_timeout_s)
-    coordinator.forget_incomplete()
-    drain_s = time.monotonic() - started
-    started = time.monotonic()
-    resolved = _plan(coordinator, layer_numel, t_fail, skip or {}) if coordinator.rank == 0 else None
-    box = [resolved]
-    dist.broadcast_object_list(box, src=0)
-    resolved = box[0]
-    plan_s = time.monotonic() - started
-    resume_after = t_fail if resolved is not None else 0
-    load_s = load_composite(te, coordinator.store, resolved.records) if resolved is not None else 0.0
-    seek_step(te, resume_after)
-    persisted = {layer: r.step for layer, r in resolved.records.items()} if resolved is not None else {}
-    coordinator.restart(resume_after=resume_after, persisted_steps=persisted)
-    recovered = Recovered(t_fail=t_fail, start_step=resume_after + 1,
-                          records=dict(resolved.records) if resolved is not None else None,
+    drain_s = plan_s = load_s = 0.0
+    drained, unusable = True, []
+    while True:
+        answer = coordinator.rejoin()
+        drain_s, plan_s = drain_s + answer.drain_s, plan_s + answer.plan_s
+        drained = drained and not answer.replaced
+        records = answer.resume.records
+        if records is None:
+            break
+        seconds, corrupt = _load_agreed(te, coordinator, records)
+        load_s += seconds
+        if not corrupt:
+            break
+        unusable += [version_id for version_id, _ in corrupt]
+        coordinator.version_unusable(corrupt)
+        logger.error("recovery: %s unusable; replanning without", ", ".join(v for v, _ in corrupt))
+    start_step = answer.resume.start_step
+    seek_step(te, start_step - 1)
+    coordinator.resumed(answer, load_s)
+    recovered = Recovered(t_fail=t_fail, start_step=start_step, records=dict(records) if records else None,
                           drained=drained, drain_s=drain_s, plan_s=plan_s, load_s=load_s,
-                          weighted_staleness=resolved.plan.weighted_staleness if resolved is not None else 0.0,
-                          max_staleness=resolved.plan.max_staleness if resolved is not None else 0)
-    logger.warning("recovered after step %d: resuming at step %d (max staleness %d)", t_fail,
-                   recovered.start_step, recovered.max_staleness)
+                          weighted_staleness=answer.weighted_staleness, max_staleness=answer.max_staleness,
+                          unusable=tuple(unusable))
+    logger.warning("recovered after step %d: resuming at step %d (max staleness %d)", t_fail, start_step,
+                   recovered.max_staleness)
     return recovered
 
 
-def _plan(coordinator: LocalCoordinator, layer_numel: Mapping[str, int], t_fail: int,
-          skip: Mapping[str, str]) -> ResolvedPlan | None:
+def _load_agreed(te: TrainEngine, coordinator: LocalCoordinator,
+                 records: Mapping[str, VersionRecord]) -> tuple[float, list[tuple[str, str]]]:
+    """Every rank loads its slices; then all agree (collective) on the slowest load and on the
+    versions any rank found corrupt (empty: the load succeeded everywhere)."""
+    mine: tuple[str, str] | None = None
+    seconds = 0.0
     try:
-        return resolve_plan(coordinator.store, layer_numel, t_fail, deep=False, skip=skip)
-    except NoUsableVersionError as error:
-        logger.warning("no composite to recover from (%s): training restarts from the initial weights", error)
-        return None
+        seconds = load_composite(te, coordinator.store, records)
+    except CorruptShardError as error:  # load_composite took part in the load's collective first
+        mine = (error.version_id, str(error))
+        logger.error("rank %d: %s", coordinator.rank, error)
+    failed, slowest = coordinator.all_max([float(mine is not None), seconds])
+    if not failed:
+        return slowest, []
+    found = {version_id: why for entry in coordinator.all_gather(mine) if entry is not None
+             for version_id, why in [entry]}
+    return slowest, sorted(found.items())

@@ -2,7 +2,8 @@
 runtime's persistence pool does, through the same :class:`SupersedingQueue` — a newer snapshot
 of a layer replaces an older one not yet written — and the same in-flight byte bound: past
 ``max_inflight_bytes`` (queued plus being written) the training thread waits, and says so.
-Each written shard's receipt goes to rank 0's committer through the :class:`Mailbox`.
+Each written shard's receipt (or the news that it failed) goes through the :class:`Mailbox` to
+rank 0, whose :class:`~orchestrator.core.run_supervisor.RunSupervisor` commits whole versions.
 """
 
 from __future__ import annotations
@@ -84,10 +85,15 @@ class LocalWriter:
         return True
 
     def close(self) -> None:
+        self.abandon()
+        self._thread.join()
+
+    def abandon(self) -> None:
+        """Stop taking work without waiting: a writer that did not answer a drain is replaced
+        (its thread ends after the write it is stuck in, if that ever returns)."""
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        self._thread.join()
 
     def snapshot_stats(self) -> WriterStats:
         with self._changed:
@@ -111,12 +117,15 @@ class LocalWriter:
 
     def _write(self, entry: _Entry, mailbox: Mailbox) -> None:
         shard = entry.shard
+        started = time.monotonic()
         try:
             receipt = self.store.write_shard(shard, base=entry.base)
         except Exception as error:  # a full or read-only store must not kill the writer
             self.stats.failures += 1
-            logger.error("writing %s step %d rank %d failed: %s", shard.layer, shard.step, shard.rank, error)
+            what = f"writing {shard.layer} step {shard.step} rank {shard.rank} failed: {error}"
+            logger.error("%s", what)
+            mailbox.post_failure(what, layer=shard.layer, step=shard.step)
             return
         self.stats.written_versions += 1
         self.stats.written_bytes += receipt.nbytes
-        mailbox.post(receipt.to_json())
+        mailbox.post(receipt.to_json(), time.monotonic() - started)

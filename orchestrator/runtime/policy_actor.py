@@ -51,6 +51,10 @@ class PolicyActor:
     def last_complete_step(self) -> int:
         return self.service.last_complete_step
 
+    def settled(self, layer: str, version_step: int) -> None:
+        """The supervisor: this version of ``layer`` committed or never will (see ``PersistGate``)."""
+        self.service.settled(layer, version_step)
+
     def restart(self, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         """A new worker group: release waiters of the lost attempt and rebase the policy."""
         for event in self._ready.values():

@@ -78,7 +78,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
         rows.append(["full checkpoints, same staleness",
                      f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
-                     f"(LayerCheck wrote {ratio:.2f}x that)"])
+                     f"(the policy wrote {ratio:.2f}x that)"])
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
         ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "

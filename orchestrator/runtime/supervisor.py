@@ -53,6 +53,9 @@ class _RayPolicy:
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         ray.get(self.actor.restart.remote(world_size, resume_after, dict(persisted_steps)))
 
+    def settled(self, layer: str, version_step: int) -> None:
+        self.actor.settled.remote(layer, version_step)  # no wait: it only frees the layer for later decisions
+
 
 @ray.remote(num_cpus=0, max_concurrency=64, concurrency_groups={"commit": COMMIT_THREADS})
 class Supervisor:
@@ -100,7 +103,7 @@ class Supervisor:
 
     @ray.method(concurrency_group="commit")
     def write_failed(self, layer: str, step: int, rank: int, error: str) -> None:
-        self.run.write_failed()
+        self.run.write_failed(layer, step)
 
     def drain(self, timeout_s: float = FINAL_DRAIN_S) -> list[str]:
         """Wait until every handed-over snapshot is written and, where whole, committed (or

@@ -1,0 +1,92 @@
+"""Phase assignment for periodic per-layer saves: spread the layers over the steps so every step
+hands over about the same number of bytes.
+
+A layer saved every ``period`` steps from step ``due`` loads the steps ``due, due + period, …``.
+:func:`place` gives new layers their first step, largest first, each where the heaviest step it
+would land on is lightest — with equal periods this is exactly LPT ("largest first into the
+least-loaded slot") over the ``period`` slots, whose peak is at most ``4/3`` of the best possible
+(Graham 1969) and at most ``total/period`` plus the layer that tops the peak slot. Everything here
+is plain integers: no state, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+#: Longest look-ahead (steps) of a load table: placement costs O(horizon) per layer.
+MAX_HORIZON = 20_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recurring:
+    """One layer's saves: ``size`` bytes at ``due`` and every ``period`` steps after it
+    (``period=None``: once, at ``due``)."""
+
+    size: int
+    due: int
+    period: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Item:
+    """A layer to place: ``size`` bytes every ``period`` steps (``None``: a one-off save), its
+    first save somewhere in the ``window`` steps from ``offset`` steps after the table's start."""
+
+    name: str
+    size: int
+    period: int | None
+    window: int
+    offset: int = 0
+    """Its first save no earlier than this many steps after the table's start."""
+
+
+def horizon_for(periods: Sequence[int | None], window: int = 1) -> int:
+    """A look-ahead that sees every recurring layer at least twice (so a placement sees what it
+    collides with in the steady state), capped at :data:`MAX_HORIZON`."""
+    longest = max([window, *(p for p in periods if p is not None)])
+    return max(1, min(2 * longest, MAX_HORIZON))
+
+
+def load_table(saves: Mapping[str, Recurring], *, start: int, horizon: int) -> list[int]:
+    """Bytes handed over at each of the steps ``start … start + horizon - 1``."""
+    load = [0] * horizon
+    for save in saves.values():
+        first = save.due - start
+        if save.period is None:
+            if 0 <= first < horizon:
+                load[first] += save.size
+            continue
+        if first < 0:  # overdue or behind: its next occurrence in the table
+            first %= save.period
+        for i in range(first, horizon, save.period):
+            load[i] += save.size
+    return load
+
+
+def place(items: Sequence[Item], load: list[int], *, start: int) -> dict[str, int]:
+    """First save step of each item, largest first; adds them to ``load`` (mutated).
+
+    An item goes to the offset in ``[offset, offset + window)`` whose heaviest occurrence in the table is
+    lightest; ties go to the lightest first occurrence, then the earliest step (deterministic:
+    the same layers and sizes always get the same phases)."""
+    horizon = len(load)
+    order = sorted(range(len(items)), key=lambda i: (-items[i].size, i))
+    dues: dict[str, int] = {}
+    for i in order:
+        item = items[i]
+        first = min(item.offset, horizon - 1)
+        candidates = range(first, max(first + 1, min(first + item.window, horizon)))
+        step = item.period if item.period is not None else horizon
+        best = min(candidates, key=lambda o: (max(load[o::step]), load[o], o))
+        for j in range(best, horizon, step):
+            load[j] += item.size
+        dues[item.name] = start + best
+    return dues
+
+
+def lpt_phases(sizes: Mapping[str, int], period: int) -> dict[str, int]:
+    """Offsets in ``[0, period)`` of layers all saved every ``period`` steps: LPT over the slots."""
+    load = [0] * period
+    items = [Item(name=name, size=size, period=period, window=period) for name, size in sizes.items()]
+    return place(items, load, start=0)
