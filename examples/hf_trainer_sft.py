@@ -96,12 +96,15 @@ def main() -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--writers-per-node", type=int, default=1, help="checkpoint writer actors per node")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync checkpoint files (faster, less safe)")
+    parser.add_argument("--max-inflight-bytes", type=int, default=layercheck.PersistenceConfig().max_inflight_bytes,
+                        help="snapshot bytes a rank may hand to the writers before it waits for them")
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     policy = IntervalConfig(interval=1) if args.policy == "every-step" else LayerCheckConfig(warmup_steps=4, smax=8)
-    persistence = layercheck.PersistenceConfig(writers_per_node=args.writers_per_node, fsync=not args.no_fsync)
+    persistence = layercheck.PersistenceConfig(writers_per_node=args.writers_per_node, fsync=not args.no_fsync,
+                                               max_inflight_bytes=args.max_inflight_bytes)
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro,
