@@ -35,9 +35,11 @@ MODEL = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_si
                                  tie_word_embeddings=False)
 
 
-def ds_config(stage: int) -> dict[str, Any]:
-    """A DeepSpeed config as the Trainer docs write it: "auto" values filled in from SFTConfig."""
-    return {
+def ds_config(stage: int, schedule: str) -> dict[str, Any]:
+    """A DeepSpeed config as the Trainer docs write it: "auto" values filled in from SFTConfig.
+    ``schedule="trainer"`` leaves the scheduler out: the Trainer builds its own (``lr_scheduler_type``)
+    and DeepSpeed steps it."""
+    config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
         "gradient_clipping": "auto",
@@ -47,6 +49,9 @@ def ds_config(stage: int) -> dict[str, Any]:
                                                           "warmup_num_steps": "auto", "total_num_steps": "auto"}},
         "steps_per_print": 10**9,
     }
+    if schedule == "trainer":
+        del config["scheduler"]
+    return config
 
 
 def sft_rows(limit: int) -> list[dict[str, str]]:
@@ -68,10 +73,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(DATA / "sft-tokenizer"), local_files_only=True)
     args = SFTConfig(
-        output_dir=tempfile.mkdtemp(prefix="hf-sft-"), use_cpu=True, deepspeed=ds_config(config["zero_stage"]),
+        output_dir=os.path.join(tempfile.gettempdir(), "hf-sft-trainer"), use_cpu=True,
+        deepspeed=ds_config(config["zero_stage"], config["schedule"]),
         per_device_train_batch_size=config["micro"], max_steps=config["steps"], learning_rate=3e-3, weight_decay=0.01,
-        warmup_steps=3, max_grad_norm=1.0, max_length=64, seed=0, save_strategy="no", report_to=[],
-        logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+        warmup_steps=3, lr_scheduler_type="cosine", max_grad_norm=1.0, max_length=64, seed=0,
+        save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
                          train_dataset=datasets.Dataset.from_list(sft_rows(config["rows"])))
     trainer.add_callback(layercheck.LayerCheckCallback(trainer))  # LayerCheck: attach, resume, persist
@@ -85,6 +91,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--schedule", choices=["deepspeed", "trainer"], default="deepspeed",
+                        help="the learning-rate schedule: DeepSpeed's WarmupDecayLR, or the Trainer's cosine")
     parser.add_argument("--rows", type=int, default=400,
                         help="prompt/completion pairs to train on (fewer: shorter epochs)")
     parser.add_argument("--storage", default=os.path.join(tempfile.gettempdir(), "layercheck-hf-sft"),
@@ -108,7 +116,7 @@ def main() -> None:
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro,
-                           "rows": args.rows},
+                           "rows": args.rows, "schedule": args.schedule},
         model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
             storage=args.storage, name="hf-sft", policy=policy, overwrite=True, persistence=persistence,

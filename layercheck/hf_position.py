@@ -59,7 +59,8 @@ class DataSeek:
         if not hasattr(loader, "skip_batches") or not hasattr(loader, "set_epoch"):
             raise TypeError("LayerCheck resumes the Trainer's data through Accelerate's data loader (skip_batches, "
                             f"set_epoch); the Trainer's train data loader is a {type(loader).__name__}. Use the "
-                            "Trainer's own get_train_dataloader (a custom one must return an accelerator-prepared loader)")
+                            "Trainer's own get_train_dataloader (a custom one must return an accelerator-prepared "
+                            "loader)")
         self.loader = loader
         self.position = position
         self._first_epoch = True

@@ -173,3 +173,14 @@ def test_a_trainer_without_deepspeed_is_refused_with_what_to_set(tmp_path):
     with pytest.raises(TrainerSetupError, match="pass the transformers.Trainer"):
         LayerCheckCallback(object())
     assert layercheck.LayerCheckCallback is LayerCheckCallback
+
+
+def test_no_deepspeed_is_refused_before_training_with_what_to_set():
+    no_ds = SimpleNamespace(args=SimpleNamespace(deepspeed=None, gradient_accumulation_steps=1), model_wrapped=None)
+    with pytest.raises(TrainerSetupError, match=r"TrainingArguments\(deepspeed=\.\.\.\)"):
+        LayerCheckCallback(no_ds)
+    trainer = fake_trainer()  # says DeepSpeed, but train() built no engine
+    trainer.model_wrapped = torch.nn.Linear(2, 2)
+    cb = LayerCheckCallback(trainer)
+    with pytest.raises(TrainerSetupError, match="has no DeepSpeedEngine .*Linear"):
+        cb.on_train_begin(trainer.args, transformers.TrainerState(), None, train_dataloader=FakeLoader(2))

@@ -29,8 +29,8 @@ def run_example(tmp_path: Path, name: str, *args: str) -> dict:
     env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
                DS_ACCELERATOR="cpu")
     proc = subprocess.run([sys.executable, "examples/hf_trainer_sft.py", "--steps", str(STEPS), "--rows", "48",
-                           "--policy", "every-step", *WRITES, "--storage", str(tmp_path / name), "--result-json", str(out),
-                           *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                           "--policy", "every-step", *WRITES, "--storage", str(tmp_path / name),
+                           "--result-json", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
