@@ -108,12 +108,13 @@ class LayerCheckCallback(TrainerCallback):
 
 
 def require_deepspeed(trainer: Any) -> None:
-    """Raise :class:`TrainerSetupError` unless ``trainer`` is a ``Trainer`` set up for DeepSpeed."""
+    """Raise :class:`TrainerSetupError` unless ``trainer`` is a ``Trainer`` set up for DeepSpeed
+    (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin)."""
     args = getattr(trainer, "args", None)
     if args is None or not hasattr(trainer, "model_wrapped"):
         raise TrainerSetupError("LayerCheckCallback(trainer): pass the transformers.Trainer (or TRL SFTTrainer) "
                                 f"itself, got {type(trainer).__name__}")
-    if not getattr(args, "deepspeed", None):
+    if not getattr(args, "deepspeed", None) and not getattr(trainer, "is_deepspeed_enabled", False):
         raise TrainerSetupError("LayerCheck needs the Trainer to run DeepSpeed: set TrainingArguments(deepspeed=...) "
                                 "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
                                 "optimizer (\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\"}} or "
