@@ -1,5 +1,6 @@
 """examples/hf_trainer_sft.py end to end through a real local Ray, as a user runs it: TRL's
-SFTTrainer with DeepSpeed ZeRO-2 on 2 Ray Train workers, LayerCheck added by its callback, one
+SFTTrainer with DeepSpeed (ZeRO-2 with DeepSpeed's schedule; ZeRO-3 with the Trainer's own) on
+2 Ray Train workers, LayerCheck added by its callback, one
 worker SIGKILLed. The restart resumes at t_fail + 1 in the next epoch (48 pairs, 6 steps an
 epoch: the Trainer's step, learning-rate schedule and shuffled data order all moved), and with
 every layer persisted at t_fail the losses after recovery are the failure-free run's."""
@@ -36,10 +37,13 @@ def run_example(tmp_path: Path, name: str, *args: str) -> dict:
 
 
 @pytest.mark.slow
-def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path):
+@pytest.mark.parametrize("setup", [("--zero-stage", "2", "--schedule", "deepspeed"),
+                                   ("--zero-stage", "3", "--schedule", "trainer")],
+                         ids=["zero2-deepspeed-schedule", "zero3-trainer-schedule"])
+def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path, setup):
     pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e '.[test]')")
-    clean = run_example(tmp_path, "clean", "--kill-at-step", "0")
-    failed = run_example(tmp_path, "failed", "--kill-at-step", str(KILL_AT))
+    clean = run_example(tmp_path, "clean", *setup, "--kill-at-step", "0")
+    failed = run_example(tmp_path, "failed", *setup, "--kill-at-step", str(KILL_AT))
     summary = failed["summary"]
     assert summary["failures"] == 1 and summary["state"] == "finished"
     (recovery,) = summary["recoveries"]
