@@ -89,6 +89,10 @@ class LayerCheckCallback(TrainerCallback):
         if loader is None:
             raise TrainerSetupError("on_train_begin got no train_dataloader: LayerCheck cannot move the data to the "
                                     "resumed step")
+        if not hasattr(loader, "__len__"):
+            raise TrainerSetupError("LayerCheck resumes the Trainer's data by epoch and batch, which needs a train "
+                                    "dataset with a length (a map-style datasets.Dataset or torch Dataset); an "
+                                    "IterableDataset cannot be moved to the resumed step")
         position = data_position(done, batches_per_epoch=len(loader),
                                  grad_accum=self.trainer.args.gradient_accumulation_steps)
         self._seek = DataSeek(loader, position)

@@ -194,3 +194,10 @@ def test_no_deepspeed_is_refused_before_training_with_what_to_set():
     cb = LayerCheckCallback(trainer)
     with pytest.raises(TrainerSetupError, match="has no DeepSpeedEngine .*Linear"):
         cb.on_train_begin(trainer.args, transformers.TrainerState(), None, train_dataloader=FakeLoader(2))
+
+
+def test_a_restart_over_an_iterable_dataset_is_refused_naming_it():
+    trainer = fake_trainer()
+    cb = LayerCheckCallback(trainer, attach=lambda t: FakeAttachment(start_step=3))
+    with pytest.raises(TrainerSetupError, match="IterableDataset"):
+        cb.on_train_begin(trainer.args, transformers.TrainerState(), None, train_dataloader=iter([]))
