@@ -17,6 +17,11 @@ Worker (inside ``train_loop_per_worker``, after ``deepspeed.initialize``)::
         lc.after_step(step, loss=loss)
     lc.finish()
 
+Hugging Face ``Trainer`` / TRL ``SFTTrainer`` with DeepSpeed (in ``train_loop_per_worker``)::
+
+    trainer.add_callback(layercheck.LayerCheckCallback(trainer))
+    trainer.train()
+
 Importing this package starts nothing; the heavier parts load on first use.
 """
 
@@ -28,6 +33,7 @@ if TYPE_CHECKING:
     from layercheck.worker import Attachment, LayerMismatchError, attach
     from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig
     from layercheck.trainer import FitResult, LayerCheckTrainer
+    from layercheck.hf import LayerCheckCallback, TrainerSetupError
     from policies.layer_map import UnplacedParameterError
     from workers.optim_state import UnsupportedOptimizerError
 
@@ -41,6 +47,8 @@ _EXPORTS = {
     "PersistenceConfig": "layercheck.config",
     "LayerCheckTrainer": "layercheck.trainer",
     "FitResult": "layercheck.trainer",
+    "LayerCheckCallback": "layercheck.hf",
+    "TrainerSetupError": "layercheck.hf",
     "UnplacedParameterError": "policies.layer_map",
     "UnsupportedOptimizerError": "workers.optim_state",
 }

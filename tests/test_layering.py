@@ -31,7 +31,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "orchestrator.cli": ("layercheck",),
     "orchestrator": ("orchestrator.cli", "bench", "layercheck"),  # modules at the package root
     "bench": ("orchestrator.cli", "layercheck"),
-    "layercheck": ("orchestrator.cli", "bench"),
+    "layercheck": ("orchestrator.cli", "bench", "trl"),  # TRL is a test dependency: the HF callback works without it
 }
 
 

@@ -1,0 +1,136 @@
+"""LayerCheck for a Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``, any ``Trainer`` subclass)
+running DeepSpeed inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
+
+    trainer = SFTTrainer(model=model, args=SFTConfig(deepspeed=ds_config, save_strategy="no", ...), ...)
+    trainer.add_callback(layercheck.LayerCheckCallback(trainer))
+    trainer = ray.train.huggingface.transformers.prepare_trainer(trainer)   # optional, as usual
+    trainer.train()
+
+The callback needs the trainer because the ``DeepSpeedEngine`` reaches callbacks only through it
+(``trainer.model_wrapped``; the hooks get the unwrapped model and Accelerate's optimizer wrapper).
+It attaches in ``on_train_begin``, the first hook after the ``Trainer`` built the engine and before
+its first step; on a restarted worker group that loads the composite and moves the engine (step
+counters, learning-rate schedule), ``state.global_step`` and the data to ``t_fail + 1``. After each
+optimizer step it calls ``after_step``; at the end of training, ``finish``. The ``Trainer``'s own
+checkpoints stay as the user configured them (``save_strategy="no"`` is fine).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from transformers import TrainerCallback
+
+from layercheck.hf_position import DataSeek, data_position
+
+logger = logging.getLogger(__name__)
+
+
+class TrainerSetupError(ValueError):
+    """The ``Trainer`` is not set up the way LayerCheck needs (the message says what to configure)."""
+
+
+class LayerCheckCallback(TrainerCallback):
+    """Adds LayerCheck to ``trainer``: ``trainer.add_callback(LayerCheckCallback(trainer))``."""
+
+    def __init__(self, trainer: Any, *, layer_map: Any = None, drift_probe: str | None = None,
+                 attach: Callable[[Any], Any] | None = None) -> None:
+        """``layer_map`` / ``drift_probe`` override the run's :class:`layercheck.CheckpointConfig`.
+        ``attach`` (``trainer -> Attachment``) replaces attaching to the trainer's engine (tests
+        script it)."""
+        require_deepspeed(trainer)
+        self.trainer = trainer
+        self.layer_map = layer_map
+        self.drift_probe = drift_probe
+        self._attach = attach
+        self.attachment: Any = None
+        """The :class:`layercheck.Attachment`, from ``on_train_begin`` on."""
+        self._seek: DataSeek | None = None
+        self._loss_mark = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
+        if state.global_step != 0:
+            raise TrainerSetupError(f"the Trainer starts at step {state.global_step} (train(resume_from_checkpoint="
+                                    "...)): with LayerCheckCallback, call trainer.train() without it; LayerCheck "
+                                    "resumes a restarted worker group itself")
+        self.attachment = (self._attach or self._attach_engine)(self.trainer)
+        done = self.attachment.start_step - 1
+        if done > 0:
+            self._resume(state, train_dataloader, done)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._loss_mark = self._loss_total()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attachment is None:
+            raise RuntimeError("LayerCheckCallback: on_step_end before on_train_begin (add the callback before "
+                               "trainer.train())")
+        if self._seek is not None:
+            state.epoch = self._seek.epoch_progress(state.epoch)
+        self.attachment.after_step(state.global_step, loss=self._loss_total() - self._loss_mark)
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._seek is not None:
+            self._seek.epoch_ended()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attachment is not None:
+            self.attachment.finish()
+
+    def _attach_engine(self, trainer: Any) -> Any:
+        from layercheck.worker import attach
+
+        return attach(deepspeed_engine(trainer), layer_map=self.layer_map, drift_probe=self.drift_probe)
+
+    def _resume(self, state: Any, loader: Any, done: int) -> None:
+        """Move the ``Trainer`` (its step, its data) to ``done`` steps; the engine is already there."""
+        if loader is None:
+            raise TrainerSetupError("on_train_begin got no train_dataloader: LayerCheck cannot move the data to the "
+                                    "resumed step")
+        if not hasattr(loader, "__len__"):
+            raise TrainerSetupError("LayerCheck resumes the Trainer's data by epoch and batch, which needs a train "
+                                    "dataset with a length (a map-style datasets.Dataset or torch Dataset); an "
+                                    "IterableDataset cannot be moved to the resumed step")
+        position = data_position(done, batches_per_epoch=len(loader),
+                                 grad_accum=self.trainer.args.gradient_accumulation_steps)
+        self._seek = DataSeek(loader, position)
+        state.global_step = done
+        state.epoch = self._seek.epoch_progress(0.0)
+        # The Trainer's loss logging and throughput count from the step train() started at.
+        for name in ("_globalstep_last_logged", "_initial_global_step"):
+            if hasattr(self.trainer, name):
+                setattr(self.trainer, name, done)
+        logger.warning("Trainer resumed at step %d (epoch %.3f)", done + 1, state.epoch)
+
+    def _loss_total(self) -> float:
+        """The ``Trainer``'s running loss sum since its last log (its ``_tr_loss``); the step's loss
+        is its growth over the step. NaN when a ``Trainer`` version keeps no such sum."""
+        total = getattr(self.trainer, "_tr_loss", None)
+        return float("nan") if total is None else float(total)
+
+
+def require_deepspeed(trainer: Any) -> None:
+    """Raise :class:`TrainerSetupError` unless ``trainer`` is a ``Trainer`` set up for DeepSpeed
+    (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin)."""
+    args = getattr(trainer, "args", None)
+    if args is None or not hasattr(trainer, "model_wrapped"):
+        raise TrainerSetupError("LayerCheckCallback(trainer): pass the transformers.Trainer (or TRL SFTTrainer) "
+                                f"itself, got {type(trainer).__name__}")
+    if not getattr(args, "deepspeed", None) and not getattr(trainer, "is_deepspeed_enabled", False):
+        raise TrainerSetupError("LayerCheck needs the Trainer to run DeepSpeed: set TrainingArguments(deepspeed=...) "
+                                "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
+                                "optimizer (\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\"}} or "
+                                "the Trainer's own)")
+
+
+def deepspeed_engine(trainer: Any) -> Any:
+    """The ``DeepSpeedEngine`` the ``Trainer`` trains with (``model_wrapped`` once ``train()`` built it)."""
+    engine = getattr(trainer, "model_wrapped", None)
+    if engine is None or not hasattr(engine, "zero_optimization_stage"):
+        raise TrainerSetupError("the Trainer has no DeepSpeedEngine (trainer.model_wrapped is a "
+                                f"{type(engine).__name__}): set TrainingArguments(deepspeed=...) to a DeepSpeed "
+                                "config, and add LayerCheckCallback before trainer.train()")
+    return engine
+
