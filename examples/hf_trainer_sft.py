@@ -110,9 +110,12 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    policy = IntervalConfig(interval=1) if args.policy == "every-step" else LayerCheckConfig(warmup_steps=4, smax=8)
+    every_step = args.policy == "every-step"
+    policy = IntervalConfig(interval=1) if every_step else LayerCheckConfig(warmup_steps=4, smax=8)
+    # every step: let each layer's versions queue up rather than be held back until the last one commits
     persistence = layercheck.PersistenceConfig(writers_per_node=args.writers_per_node, fsync=not args.no_fsync,
-                                               max_inflight_bytes=args.max_inflight_bytes)
+                                               max_inflight_bytes=args.max_inflight_bytes,
+                                               max_versions_in_flight=64 if every_step else 2)
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
         train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro,
