@@ -11,7 +11,7 @@ from typing import Any
 
 from bench import ettr as ettr_model
 from bench import report as reports
-from bench.presets import PRESETS, preset
+from bench.presets import PRESETS, VARIANTS, preset, variant
 from bench.strategies import default_strategies, select
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="workload: tiny (CPU, a few minutes) or a Qwen2.5 shape for a GPU machine")
+    p.add_argument("--workload", choices=VARIANTS, default="default",
+                   help="a variant where layers differ: frozen-half (the first half of the blocks frozen) or "
+                        "lr-decay-0.8 (layer-wise LR decay 0.8 per block)")
     p.add_argument("--steps", type=int, help="override the preset's steps")
     p.add_argument("--failures", help="comma-separated steps after which a rank fails (override)")
     p.add_argument("--interval", type=int, help="N: steps between full checkpoints (override)")
@@ -51,9 +54,10 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(args: argparse.Namespace) -> Any:
     failures = tuple(int(x) for x in args.failures.split(",")) if args.failures else None
-    return preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
+    base = preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
                   layercheck_warmup=args.layercheck_warmup, delta_density=args.delta_density,
                   world_size=args.world_size)
+    return variant(base, getattr(args, "workload", "default"))
 
 
 def run_bench(args: argparse.Namespace) -> int:

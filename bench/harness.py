@@ -43,6 +43,7 @@ from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.local.spawn import spawn_ranks
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
+from policies.staggered import BYTES_PER_PARAM
 from orchestrator.logs import configure_process_logging
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
     from workers.config import EngineConfig, ModelConfig, OptimConfig
 
     return (
-        ModelConfig(hf_config=dict(w.model), seed=0),
+        ModelConfig(hf_config=dict(w.model), seed=0, freeze=tuple(w.freeze)),
         OptimConfig(lr=w.lr, weight_decay=w.weight_decay, warmup_steps=w.lr_warmup, total_steps=w.steps,
-                    min_lr_ratio=w.min_lr_ratio, schedule="cosine"),
+                    min_lr_ratio=w.min_lr_ratio, schedule="cosine", layer_lr_decay=w.layer_lr_decay),
         EngineConfig(zero_stage=w.zero_stage, precision=w.precision, micro_batch=w.micro_batch, grad_clip=w.grad_clip),
     )
 
@@ -183,6 +184,7 @@ class Runner:
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
             "commits": _commits(coordinator),
+            "handed_state_bytes": handed_bytes(coordinator.handed, te.layer_map.numel),
         }
         if strategy.kind is Kind.NONE:
             drifts = {s: dict(o.drift) for s, o in trace.items()}
@@ -198,6 +200,16 @@ class Runner:
                 "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
                 "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
                 "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+
+
+def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, int]) -> dict[str, int]:
+    """What the loop handed to the writers (all ranks together): total and the most at one
+    step, as layer state (fp32 weights and both Adam moments, 12 bytes a parameter) — the
+    unit the schedule plans in and the oracle counts."""
+    per_step: dict[int, int] = {}
+    for step, layers in handed:
+        per_step[step] = per_step.get(step, 0) + sum(numel[n] for n in layers) * BYTES_PER_PARAM
+    return {"total": sum(per_step.values()), "peak_step": max(per_step.values(), default=0)}
 
 
 def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
@@ -326,8 +338,10 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     shutdown(runner.te)
     if rank != 0:
         return {}
+    model_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.te.engine.module.parameters())
     return {"results": results, "restart_s": restart_s, "params": sum(runner.te.layer_map.numel.values()),
-            "layers": dict(runner.te.layer_map.numel)}
+            "layers": dict(runner.te.layer_map.numel),
+            "frozen_params": model_params - sum(runner.te.layer_map.numel.values())}
 
 
 def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: Workload) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bench import schedule_report
 from bench.metrics import loss_deviation, matched_intervals, measured_ettr, post_failure_windows
 from orchestrator.table import format_table, human_bytes
 
@@ -91,14 +92,19 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
             for name, r in results.items()}
     add_window_bytes(rows, since=workload["strategy"]["layercheck_warmup"], steps=steps)
     add_matched_estimates(rows, results, steps=steps, eval_from=workload["strategy"]["layercheck_warmup"])
+    frozen = int(raw.get("frozen_params", 0))
+    schedule_report.add_peak_bytes(rows, results, full_bytes=schedule_report.full_checkpoint_bytes(raw["params"], frozen))
+    schedule_report.add_drift_matched(rows, results, params=raw["params"], frozen_params=frozen, steps=steps,
+                                      eval_from=workload["strategy"]["layercheck_warmup"])
     report = {
         "workload": dict(workload), "machine": dict(machine), "params": raw["params"], "layers": raw["layers"],
+        "frozen_params": frozen,
         "restart_s": raw["restart_s"], "matched": raw["results"].get("_matched"),
         "strategies": rows, "pairs": matched_pairs(rows),
         "loss_curves": {name: r["losses"] for name, r in results.items()},
         "raw": dict(raw),  # everything measured, so the report can be rebuilt without a rerun
     }
-    report["headline"] = headline(report)
+    report["headline"] = {**headline(report), **schedule_report.headline(rows)}
     return report
 
 
@@ -226,7 +232,7 @@ def _ratio(a: float, b: float) -> float:
 # ---- text --------------------------------------------------------------------------------
 
 MAIN_COLUMNS = ["strategy", "N", "train s", "wall", "compute", "overhead", "stall s", "probe s", "written", "events",
-                "per event",
+                "per event", "peak/step",
                 "mean w-stal", "max stal", "stal@fail", "plan s", "load s", "replay s", "lost", "dev mean",
                 "dev max", "ETTR", "ETTR-R"]
 
@@ -237,6 +243,7 @@ def main_table(report: Mapping[str, Any]) -> str:
         rows.append([r["name"], r["interval"] or "-", r["train_s"], f"{r['wall_overhead']:+.0%}",
                      f"{r['compute_slowdown']:+.0%}", f"{r['overhead']:+.2%}", r["stall_s"], r["probe_s"],
                      human_bytes(r["bytes_written"]), r["events"], human_bytes(r["bytes_per_event"]),
+                     "-" if r.get("peak_step_bytes") is None else human_bytes(r["peak_step_bytes"]),
                      r["mean_weighted_staleness"], r["max_staleness"], r["staleness_at_failure"], r["plan_s"],
                      r["load_s"], r["replay_s"], r["steps_lost"], r["loss_dev_mean"], r["loss_dev_max"],
                      f"{r['ettr']:.3f}", f"{r['ettr_no_restart']:.3f}"])
@@ -264,6 +271,9 @@ def text(report: Mapping[str, Any]) -> str:
         main_table(report),
         "",
     ]
+    if any("at_matched_drift" in r for r in report["strategies"].values()):
+        lines += ["layer-wise policies at their own mean unsaved drift (state bytes, 12 B/param; full counts "
+                  "frozen weights at 4 B/param):", schedule_report.drift_table(report), ""]
     if m:
         lines.append(f"matched freshness: LayerCheck mean weighted staleness {m['target_staleness']:.3g} -> N={m['staleness']}"
                      f"; mean unsaved drift {m['target_drift']:.3g} -> N={m['drift']}")
@@ -295,6 +305,10 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         f"- failures after steps {', '.join(map(str, w['failures']))} (all strategies); full interval N = "
         f"{w['strategy']['interval']}; LayerCheck warm-up W = {w['strategy']['layercheck_warmup']}, other constants "
         "at their defaults",
+        *([f"- frozen (`model.freeze`): {', '.join(w['freeze'])} ({report.get('frozen_params', 0):,} parameters)"]
+          if w.get("freeze") else []),
+        *([f"- layer-wise LR decay {w['layer_lr_decay']:g} per block (`optim.layer_lr_decay`)"]
+          if w.get("layer_lr_decay", 1.0) != 1.0 else []),
         f"- restart (engine build) per failure, in ETTR: {report['restart_s']:.2f} s",
         "",
         "## How it is measured",
@@ -339,7 +353,7 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         "`compute`: median forward/backward/step time versus `none`'s (a background writer competing for the CPU "
         "shows here); `overhead`: the checkpointing cost measured on the critical path, stall (+ drift probe for "
         "LayerCheck, which needs it) over `none`'s training time; time the loop stalled on checkpointing; "
-        "drift-probe time (host read + all-reduce; every strategy runs it for the freshness metrics); bytes written (all ranks) and per checkpoint event; mean parameter-weighted and max staleness "
+        "drift-probe time (host read + all-reduce; every strategy runs it for the freshness metrics); bytes written (all ranks) and per checkpoint event; `peak/step`: the most bytes handed over at one step (a whole checkpoint for `full`/`full-async`); mean parameter-weighted and max staleness "
         "from step W on; mean weighted staleness at the failures (rollback: steps since the last checkpoint); "
         "recovery plan/load/replay seconds per failure (rollback: replay = re-running the lost steps; `none` is "
         "modelled: it re-runs every step); steps re-run per failure; |loss - failure-free loss| after the failures "
@@ -348,6 +362,23 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         "all strategies, dominates a run this short). `ettr_wall` in the JSON uses the noisy whole-run time instead.",
         "",
     ]
+    if any("at_matched_drift" in r for r in report["strategies"].values()):
+        out += [
+            "## Bytes at matched unsaved drift: full checkpoints and the oracle",
+            "",
+            "```",
+            schedule_report.drift_table(report),
+            "```",
+            "",
+            "Each layer-wise policy at its own mean unsaved drift: the layer state it handed over (12 bytes a "
+            "parameter: fp32 weight and both Adam moments, all ranks), full checkpoints at the interval with the "
+            "same unsaved drift on the `none` run's trace (`full N`; counted from step W, each holding every "
+            "trainable parameter's state and the frozen parameters' fp32 weights), and the offline oracle "
+            "(`policies.simulate.oracle_at_drift`: per-layer periods ~ 1/sqrt(mean drift rate over the whole "
+            "trace), staggered, swept over its byte budget to the same drift). `peak/step`: the most bytes handed "
+            "over at one step; `peak/full`: that over one full checkpoint.",
+            "",
+        ]
     if m:
         out += [
             "## Matched freshness",
