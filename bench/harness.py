@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +121,9 @@ class Runner:
         return [self.dataset.micro_batch(step=step, micro=0, rank=self.rank, world_size=self.world_size,
                                          micro_batch=self.workload.micro_batch, grad_accum=1)]
 
-    def run(self, strategy: Strategy) -> dict[str, Any]:
+    def run(self, strategy: Strategy, *, observe: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Train ``strategy`` over the workload; ``observe(step)`` runs on every rank after each
+        step (after the strategy's own hook), e.g. to record the state at chosen steps."""
         w, te = self.workload, self.te
         _reset(te, self.initial)
         directory = self.root / strategy.name
@@ -156,7 +158,7 @@ class Runner:
         train_with_failures(te, self.dataset, coordinator, start_step=1, end_step=w.steps, rank=self.rank,
                             world_size=self.world_size,
                             fail_after=w.failures if strategy.kind is not Kind.NONE else (),
-                            on_failure=on_failure, after_step=baseline.after_step if baseline else lambda s: None)
+                            on_failure=on_failure, after_step=_chain(baseline.after_step if baseline else None, observe))
         train_s = time.monotonic() - started - recovering_s
         baseline_bytes, baseline_events = baseline.finish() if baseline is not None else (0, 0)
         coordinator.close()
@@ -200,6 +202,16 @@ class Runner:
                 "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
                 "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
                 "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+
+
+def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
+    chosen = [h for h in hooks if h is not None]
+
+    def run(step: int) -> None:
+        for hook in chosen:
+            hook(step)
+
+    return run
 
 
 def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, int]) -> dict[str, int]:
