@@ -43,7 +43,7 @@ def module_weights(te: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def frozen_job(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+def frozen_job(rank: int, world_size: int, stage: int, ckpt_dir: str) -> dict[str, Any]:
     """Frozen layers are absent from the layer map, the groups and the layout; they never change
     and equal a fresh build; snapshot -> train -> restore still reproduces the trajectory; each
     group trains at its layer's decayed lr."""
@@ -75,6 +75,16 @@ def frozen_job(rank: int, world_size: int, stage: int) -> dict[str, Any]:
     out["lr"] = {g["name"]: (g["lr"], lr_at(6, te.optim_cfg) * g["lr_scale"], g["lr_scale"])
                  for g in te.optimizer.param_groups}
     out["probe_loss_finite"] = bool(torch.isfinite(torch.tensor(eval_loss(te, probe_batch()))))
+    # DeepSpeed's load_checkpoint replaces the client optimizer's group dicts: the layout
+    # follows the live ones (snapshots name the right groups, restores set live hyper-parameters)
+    te.engine.save_checkpoint(ckpt_dir, tag="t")
+    te.engine.load_checkpoint(ckpt_dir, tag="t")
+    shards = snapshot_layers(te.layout, layers, pool)
+    out["groups_follow_load_state_dict"] = all(
+        g["index"] == i and te.optimizer.param_groups[i]["name"] == g["name"]
+        for s in shards for g in s.groups for i in [g["index"]]) and all(
+        a is b for n in layers for a, b in zip(te.layout.groups_of(n), (te.optimizer.param_groups[i]
+                                                                      for i in te.layout[n].group_indices)))
     out["seq"] = SEQ
     shutdown(te)
     return out

@@ -11,8 +11,9 @@ TRAINED = ["block.2", "block.3", "norm", "lm_head"]
 
 
 @pytest.fixture(scope="module", params=[0, 2, 3], ids=lambda s: f"zero{s}")
-def job(request):
-    return request.param, run_ranks(freeze_jobs.frozen_job, 2, request.param)
+def job(request, tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp(f"ds-zero{request.param}")
+    return request.param, run_ranks(freeze_jobs.frozen_job, 2, request.param, str(ckpt))
 
 
 @pytest.mark.slow
@@ -40,6 +41,7 @@ def test_snapshot_restore_reproduces_the_trajectory_with_frozen_layers(job):
         first, second = r["losses"]
         assert first == second
         assert r["probe_loss_finite"]
+        assert r["groups_follow_load_state_dict"]
 
 
 @pytest.mark.slow

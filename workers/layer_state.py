@@ -62,16 +62,12 @@ def group_metadata(layout: StateLayout, layer: str) -> tuple[dict[str, Any], ...
     names of the layer's parameters in it and the group's position (``index``)."""
     entry = layout[layer]
     out = []
-    for group, names in zip(entry.groups, entry.group_params):
+    for group, names, index in zip(layout.groups_of(layer), entry.group_params, entry.group_indices):
         meta = {k: _json_safe(v) for k, v in group.items() if k != "params" and _json_safe(v) is not None}
         meta["param_names"] = list(names)
-        meta.setdefault("index", _group_index(layout, group))
+        meta.setdefault("index", index)
         out.append(meta)
     return tuple(out)
-
-
-def _group_index(layout: StateLayout, group: Mapping[str, Any]) -> int:
-    return next(i for i, g in enumerate(layout.optimizer.param_groups) if g is group)
 
 
 def _json_safe(value: Any) -> Any:
@@ -154,15 +150,15 @@ def _restored_count(layout: StateLayout, metas: Mapping[str, LayerMeta], master:
 def _restore_hyperparameters(layout: StateLayout, entry: LayerLayout, groups: Sequence[Mapping[str, Any]]) -> None:
     by_name = {g["name"]: g for g in groups if "name" in g}
     by_index = {g["index"]: g for g in groups if "index" in g}
-    for group in entry.groups:
-        source = by_name.get(group["name"]) if "name" in group else by_index.get(_group_index(layout, group))
+    for group, index in zip(layout.groups_of(entry.name), entry.group_indices):
+        source = by_name.get(group["name"]) if "name" in group else by_index.get(index)
         if source is None:
             continue
         for key in RESTORED_HYPERPARAMETERS:
             if key in source:
                 value = tuple(source[key]) if isinstance(group.get(key), tuple) else source[key]
                 if group.get(key) != value:
-                    logger.info("group %s: %s %s -> %s (restored)", group.get("name", _group_index(layout, group)),
+                    logger.info("group %s: %s %s -> %s (restored)", group.get("name", index),
                                 key, group.get(key), value)
                 group[key] = value
 

@@ -51,7 +51,11 @@ class LayerLayout:
     needed: tuple[Piece, ...]
     masters: tuple[torch.Tensor, ...]
     groups: tuple[dict[str, Any], ...]
+    """The groups as built; read them through :meth:`StateLayout.groups_of`, which follows an
+    optimizer whose ``load_state_dict`` replaced its group dicts (DeepSpeed's ``load_checkpoint``)."""
     group_params: tuple[tuple[str, ...], ...] = ()
+    group_indices: tuple[int, ...] = ()
+    """Each group's position in the client optimizer's ``param_groups``."""
 
     @property
     def owned_numel(self) -> int:
@@ -70,6 +74,10 @@ class StateLayout:
     engine: Any
     optimizer: Any
     """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`workers.optim_state`."""
+
+    def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
+        """The client optimizer's current param groups holding ``layer``."""
+        return tuple(self.optimizer.param_groups[i] for i in self[layer].group_indices)
 
     def __getitem__(self, layer: str) -> LayerLayout:
         try:
@@ -120,6 +128,7 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
             name=layer.name, owned=owned, needed=needed, masters=masters,
             groups=tuple(optimizer.param_groups[i] for i in indices),
             group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
+            group_indices=tuple(indices),
         )
         for master in masters:
             optim_state.init_state(optimizer, master)  # restore into a fresh engine needs moments to write into
