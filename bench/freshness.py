@@ -36,6 +36,7 @@ import torch
 from bench import correlation
 from bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from bench.strategies import Kind, Strategy, default_strategies, select
+from orchestrator.logs import configure_process_logging
 from orchestrator.table import format_table
 
 logger = logging.getLogger(__name__)
@@ -183,8 +184,6 @@ def _pair(c: Mapping[str, float]) -> str:
 
 
 def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-    from orchestrator.logs import configure_process_logging
-
     if payload["workload"]["device"] == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write freshness.json here")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    configure_process_logging(timestamps=True)
     w = variant(preset(args.preset), args.workload)
     chosen = select(default_strategies(w.strategy), [s.strip() for s in args.strategies.split(",")])[1:]
     result = run_sweep(w, chosen, points=args.points, horizon=args.horizon)
