@@ -11,6 +11,7 @@ from typing import Any
 
 from bench import ettr as ettr_model
 from bench import report as reports
+from bench import summary
 from bench.presets import PRESETS, VARIANTS, preset, variant
 from bench.strategies import default_strategies, select
 
@@ -97,7 +98,7 @@ def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) ->
     names = [plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
              plots.loss_deviation(report, out / "loss_deviation.png").name,
              plots.ettr_curves(grid, out / "ettr.png").name]
-    (out / "summary.md").write_text(reports.summary_markdown(report, plots=names, ettr=grid))
+    (out / "summary.md").write_text(summary.summary_markdown(report, plots=names, ettr=grid))
     logger.info("wrote %s", ", ".join(str(out / n) for n in ("bench.json", "ettr.json", "summary.md", *names)))
 
 
@@ -125,5 +126,5 @@ def run_ettr(args: argparse.Namespace) -> int:
         json.dump(grid, sys.stdout, indent=1)
         print()
     else:
-        print(reports.ettr_table(grid))
+        print(summary.ettr_table(grid))
     return 0

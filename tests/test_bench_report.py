@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import ettr, render_readme, report
+from bench import ettr, render_readme, report, summary
 from bench.metrics import trace_of
 from bench.presets import preset
 
@@ -88,7 +88,7 @@ def test_layercheck_variants_get_an_estimate_at_their_own_matched_freshness(buil
 
 def test_text_forms(built):
     assert "layercheck" in report.text(built)
-    md = report.summary_markdown(built, plots=["x.png"])
+    md = summary.summary_markdown(built, plots=["x.png"])
     assert "![x.png](x.png)" in md and "0.50x" in md
 
 
@@ -131,7 +131,7 @@ def test_peak_bytes_per_step_for_every_strategy(built):
     assert rows["layercheck"]["peak_fraction_of_full"] == pytest.approx(6000 / full_checkpoint)
     assert rows["none"]["peak_step_bytes"] == 0.0
     assert built["headline"]["peak_step_bytes"]["layercheck"] == 6000
-    assert "peak/step" in report.text(built) and "peak/step" in report.summary_markdown(built)
+    assert "peak/step" in report.text(built) and "peak/step" in summary.summary_markdown(built)
 
 
 def test_layer_policies_against_full_and_the_oracle_at_their_own_unsaved_drift(built):
