@@ -165,13 +165,14 @@ class Runner:
         written = coordinator.writer.stats.written_bytes
         total_bytes = _sum_all(float(written + baseline_bytes))
         recoveries = [_max_timings(r) for r in recoveries]
+        # read the manifest before the store goes: after it, every version would look uncommitted
+        persisted = _persisted(coordinator, baseline) if self.rank == 0 else {}
         torch.distributed.barrier()
         if self.rank == 0 and not self.keep:  # a large model's checkpoints would fill the disk
             shutil.rmtree(directory, ignore_errors=True)
         if self.rank != 0:
             return {}
         progress = coordinator.progress_log
-        persisted = _persisted(coordinator, baseline)
         trace = {o.step: o for o in coordinator.service.trace}
         freshness = _freshness(te.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
