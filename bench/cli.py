@@ -11,7 +11,8 @@ from typing import Any
 
 from bench import ettr as ettr_model
 from bench import report as reports
-from bench.presets import PRESETS, preset
+from bench import summary
+from bench.presets import PRESETS, VARIANTS, preset, variant
 from bench.strategies import default_strategies, select
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
                    help="workload: tiny (CPU, a few minutes) or a Qwen2.5 shape for a GPU machine")
+    p.add_argument("--workload", choices=VARIANTS, default="default",
+                   help="a variant where layers differ: frozen-half (the first half of the blocks frozen) or "
+                        "lr-decay-0.8 (layer-wise LR decay 0.8 per block)")
     p.add_argument("--steps", type=int, help="override the preset's steps")
     p.add_argument("--failures", help="comma-separated steps after which a rank fails (override)")
     p.add_argument("--interval", type=int, help="N: steps between full checkpoints (override)")
@@ -51,9 +55,10 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(args: argparse.Namespace) -> Any:
     failures = tuple(int(x) for x in args.failures.split(",")) if args.failures else None
-    return preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
+    base = preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
                   layercheck_warmup=args.layercheck_warmup, delta_density=args.delta_density,
                   world_size=args.world_size)
+    return variant(base, getattr(args, "workload", "default"))
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -93,7 +98,7 @@ def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) ->
     names = [plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
              plots.loss_deviation(report, out / "loss_deviation.png").name,
              plots.ettr_curves(grid, out / "ettr.png").name]
-    (out / "summary.md").write_text(reports.summary_markdown(report, plots=names, ettr=grid))
+    (out / "summary.md").write_text(summary.summary_markdown(report, plots=names, ettr=grid))
     logger.info("wrote %s", ", ".join(str(out / n) for n in ("bench.json", "ettr.json", "summary.md", *names)))
 
 
@@ -121,5 +126,5 @@ def run_ettr(args: argparse.Namespace) -> int:
         json.dump(grid, sys.stdout, indent=1)
         print()
     else:
-        print(reports.ettr_table(grid))
+        print(summary.ettr_table(grid))
     return 0

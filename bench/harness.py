@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.local.spawn import spawn_ranks
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
+from policies.staggered import BYTES_PER_PARAM
 from orchestrator.logs import configure_process_logging
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,9 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
     from workers.config import EngineConfig, ModelConfig, OptimConfig
 
     return (
-        ModelConfig(hf_config=dict(w.model), seed=0),
+        ModelConfig(hf_config=dict(w.model), seed=0, freeze=tuple(w.freeze)),
         OptimConfig(lr=w.lr, weight_decay=w.weight_decay, warmup_steps=w.lr_warmup, total_steps=w.steps,
-                    min_lr_ratio=w.min_lr_ratio, schedule="cosine"),
+                    min_lr_ratio=w.min_lr_ratio, schedule="cosine", layer_lr_decay=w.layer_lr_decay),
         EngineConfig(zero_stage=w.zero_stage, precision=w.precision, micro_batch=w.micro_batch, grad_clip=w.grad_clip),
     )
 
@@ -120,7 +121,9 @@ class Runner:
         return [self.dataset.micro_batch(step=step, micro=0, rank=self.rank, world_size=self.world_size,
                                          micro_batch=self.workload.micro_batch, grad_accum=1)]
 
-    def run(self, strategy: Strategy) -> dict[str, Any]:
+    def run(self, strategy: Strategy, *, observe: Callable[[int], None] | None = None) -> dict[str, Any]:
+        """Train ``strategy`` over the workload; ``observe(step)`` runs on every rank after each
+        step (after the strategy's own hook), e.g. to record the state at chosen steps."""
         w, te = self.workload, self.te
         _reset(te, self.initial)
         directory = self.root / strategy.name
@@ -156,20 +159,21 @@ class Runner:
         train_with_failures(te, self.dataset, coordinator, start_step=1, end_step=w.steps, rank=self.rank,
                             world_size=self.world_size,
                             fail_after=w.failures if strategy.kind is not Kind.NONE else (),
-                            on_failure=on_failure, after_step=baseline.after_step if baseline else lambda s: None)
+                            on_failure=on_failure, after_step=_chain(baseline.after_step if baseline else None, observe))
         train_s = time.monotonic() - started - recovering_s
         baseline_bytes, baseline_events = baseline.finish() if baseline is not None else (0, 0)
         coordinator.close()
         written = coordinator.writer.stats.written_bytes
         total_bytes = _sum_all(float(written + baseline_bytes))
         recoveries = [_max_timings(r) for r in recoveries]
+        # read the manifest before the store goes: after it, every version would look uncommitted
+        persisted = _persisted(coordinator, baseline) if self.rank == 0 else {}
         torch.distributed.barrier()
         if self.rank == 0 and not self.keep:  # a large model's checkpoints would fill the disk
             shutil.rmtree(directory, ignore_errors=True)
         if self.rank != 0:
             return {}
         progress = coordinator.progress_log
-        persisted = _persisted(coordinator, baseline)
         trace = {o.step: o for o in coordinator.service.trace}
         freshness = _freshness(te.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
@@ -184,6 +188,7 @@ class Runner:
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
             "commits": _commits(coordinator),
+            "handed_state_bytes": handed_bytes(coordinator.handed, te.layer_map.numel),
         }
         if strategy.kind is Kind.NONE:
             drifts = {s: dict(o.drift) for s, o in trace.items()}
@@ -199,6 +204,26 @@ class Runner:
                 "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
                 "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
                 "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+
+
+def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
+    chosen = [h for h in hooks if h is not None]
+
+    def run(step: int) -> None:
+        for hook in chosen:
+            hook(step)
+
+    return run
+
+
+def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, int]) -> dict[str, int]:
+    """What the loop handed to the writers (all ranks together): total and the most at one
+    step, as layer state (fp32 weights and both Adam moments, 12 bytes a parameter) — the
+    unit the schedule plans in and the oracle counts."""
+    per_step: dict[int, int] = {}
+    for step, layers in handed:
+        per_step[step] = per_step.get(step, 0) + sum(numel[n] for n in layers) * BYTES_PER_PARAM
+    return {"total": sum(per_step.values()), "peak_step": max(per_step.values(), default=0)}
 
 
 def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
@@ -327,8 +352,10 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     shutdown(runner.te)
     if rank != 0:
         return {}
+    model_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.te.engine.module.parameters())
     return {"results": results, "restart_s": restart_s, "params": sum(runner.te.layer_map.numel.values()),
-            "layers": dict(runner.te.layer_map.numel)}
+            "layers": dict(runner.te.layer_map.numel),
+            "frozen_params": model_params - sum(runner.te.layer_map.numel.values())}
 
 
 def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: Workload) -> dict[str, Any]:

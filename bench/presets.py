@@ -55,6 +55,10 @@ class Workload:
     """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)."""
     tokenizer_vocab: int = 256
     """Byte-level corpus tokens (< 256) are valid ids in any larger vocabulary."""
+    freeze: tuple[str, ...] = ()
+    """``model.freeze``: layers (names or glob patterns) trained with ``requires_grad=False``."""
+    layer_lr_decay: float = 1.0
+    """``optim.layer_lr_decay``: lr of ``block.i`` = lr * d**(B-1-i), embed lr * d**B."""
     strategy: StrategyOptions = field(default_factory=StrategyOptions)
 
     def __post_init__(self) -> None:
@@ -70,6 +74,7 @@ class Workload:
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["failures"] = list(self.failures)
+        out["freeze"] = list(self.freeze)
         out["model"] = dict(self.model)
         out["strategy"] = {**asdict(self.strategy), "layercheck": dict(self.strategy.layercheck)}
         return out
@@ -78,6 +83,7 @@ class Workload:
     def from_json(cls, data: Mapping[str, Any]) -> Workload:
         fields = dict(data)
         fields["failures"] = tuple(fields["failures"])
+        fields["freeze"] = tuple(fields.get("freeze", ()))
         fields["strategy"] = StrategyOptions(**fields["strategy"])
         return cls(**fields)
 
@@ -99,6 +105,24 @@ PRESETS: dict[str, Workload] = {
                              device="cuda", world_size=1,
                              strategy=StrategyOptions(interval=20, layercheck_warmup=8, min_matched_interval=20)),
 }
+
+
+#: Workload variants where layers differ (``--workload``): the layers trained, or their pace.
+VARIANTS: tuple[str, ...] = ("default", "frozen-half", "lr-decay-0.8")
+
+
+def variant(w: Workload, name: str) -> Workload:
+    """``w`` as variant ``name``: ``frozen-half`` freezes the first half of the blocks (as
+    post-training that keeps the lower layers does), ``lr-decay-0.8`` trains block i at
+    lr * 0.8**(B-1-i) (layer-wise LR decay). ``default`` is ``w`` itself."""
+    if name not in VARIANTS:
+        raise ValueError(f"unknown workload variant {name!r}; known: {list(VARIANTS)}")
+    if name == "default":
+        return w
+    if name == "frozen-half":
+        half = int(w.model["num_hidden_layers"]) // 2
+        return replace(w, name=f"{w.name}+{name}", freeze=tuple(f"block.{i}" for i in range(half)))
+    return replace(w, name=f"{w.name}+{name}", layer_lr_decay=0.8)
 
 
 def preset(name: str, **overrides: Any) -> Workload:

@@ -12,7 +12,10 @@ none            nothing                                      restart from step 0
 full            DeepSpeed ``save_checkpoint`` every N, sync  ``load_checkpoint``, re-run lost steps
 full-async      the same bytes, written by a thread          the same
 full-resume     every layer every N (LayerStore, async)      composite, resume at ``t_fail + 1``
-layercheck      LayerCheck policy (LayerStore, async)        composite, resume at ``t_fail + 1``
+staggered       the default schedule: every layer every ~N,   composite, resume at ``t_fail + 1``
+                phases spread, drift-aware periods, a byte
+                budget of (changing bytes)/N per step
+layercheck      the paper's policy (LayerStore, async)       composite, resume at ``t_fail + 1``
 drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume at ``t_fail + 1``
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
@@ -27,7 +30,10 @@ from typing import Any
 
 from policies.config_loader import to_mapping
 from policies.configs import (DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig,
-                              policy_config, policy_name)
+                              StaggeredConfig, policy_config, policy_name)
+
+#: The layer-wise policies a strategy may run (``layer-policy``).
+LayerPolicy = LayerCheckConfig | DriftOptimalConfig | StaggeredConfig
 
 
 class Kind(str, enum.Enum):
@@ -70,8 +76,8 @@ class Strategy:
     kind: Kind
     interval: int = 0
     """Steps between full checkpoints (the full-checkpoint kinds and ``differential``)."""
-    policy: LayerCheckConfig | DriftOptimalConfig | None = None
-    """The layer-wise policy (``layer-policy`` only): LayerCheck's, or the drift-optimal one."""
+    policy: LayerPolicy | None = None
+    """The layer-wise policy (``layer-policy`` only): the staggered default, the paper's, or drift-optimal."""
     delta_density: float = 0.01
     """``differential``: fraction of each state tensor's elements sent per step (top-k with error feedback)."""
     matched: str = ""
@@ -85,8 +91,8 @@ class Strategy:
         if needs_interval and self.interval < 1:
             raise ValueError(f"Strategy {self.name}: interval must be >= 1 for kind {self.kind.value}, got {self.interval}")
         if (self.kind is Kind.LAYER_POLICY) != (self.policy is not None):
-            raise ValueError(f"Strategy {self.name}: a LayerCheckConfig or DriftOptimalConfig is needed for, "
-                             "and only for, kind layer-policy")
+            raise ValueError(f"Strategy {self.name}: a layer-wise policy config (staggered, layercheck, "
+                             "drift-optimal) is needed for, and only for, kind layer-policy")
         if not 0 < self.delta_density <= 1:
             raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
         if self.matched not in ("", "staleness", "drift"):
@@ -123,11 +129,11 @@ class Strategy:
                    delta_density=float(data["delta_density"]), matched=data.get("matched", ""))
 
 
-def _policy_json(policy: LayerCheckConfig | DriftOptimalConfig | None) -> dict[str, Any] | None:
+def _policy_json(policy: LayerPolicy | None) -> dict[str, Any] | None:
     return None if policy is None else {"type": policy_name(policy), **to_mapping(policy)}
 
 
-def _policy_from_json(data: Mapping[str, Any] | None) -> LayerCheckConfig | DriftOptimalConfig | None:
+def _policy_from_json(data: Mapping[str, Any] | None) -> LayerPolicy | None:
     if not data:
         return None
     return policy_config(data.get("type", "layercheck"), {k: v for k, v in data.items() if k != "type"})
@@ -166,6 +172,9 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
         Strategy(name="full-async", kind=Kind.DEEPSPEED_ASYNC, interval=n),
         Strategy(name="full-resume", kind=Kind.LAYER_INTERVAL, interval=n),
     ]
+    # the default schedule at the baselines' mean period, starting at the paper policy's warm-up step
+    out.append(Strategy(name="staggered", kind=Kind.LAYER_POLICY,
+                        policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup)))
     out += [Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()]
     out.append(Strategy(name="drift-optimal", kind=Kind.LAYER_POLICY,
                         policy=DriftOptimalConfig(period=n, warmup_steps=options.layercheck_warmup)))

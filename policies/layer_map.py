@@ -200,11 +200,27 @@ def build_layer_map(params: Iterable[tuple[str, Sequence[int]]]) -> LayerMap:
     return LayerMap(layers=tuple(layers))
 
 
+def trainable_only(layer_map: LayerMap, trainable: Iterable[str]) -> LayerMap:
+    """``layer_map`` without the parameters not in ``trainable``, and without the layers left empty.
+
+    Layers keep their names (``block.2`` stays ``block.2`` when blocks 0 and 1 are frozen), so a
+    frozen layer is simply absent: nothing tracks, persists or restores it, and recovery keeps the
+    model's own weights for it — exact, since a frozen layer never changes after it is built.
+    """
+    keep = set(trainable)
+    layers = [Layer(layer.name, tuple(p for p in layer.params if p.name in keep)) for layer in layer_map.layers]
+    kept = tuple(layer for layer in layers if layer.params)
+    if not kept:
+        raise UnplacedParameterError("the model has no trainable parameters (every layer is frozen)")
+    return LayerMap(layers=kept)
+
+
 def layer_map_of(model: _HasNamedParameters) -> LayerMap:
-    """The layer map of a live model (anything with ``named_parameters()``), trainable only."""
-    return build_layer_map(
-        (name, tuple(param.shape)) for name, param in model.named_parameters() if param.requires_grad
-    )
+    """The layer map of a live model (anything with ``named_parameters()``), trainable only.
+    Layers are placed over all parameters first, so freezing some blocks leaves the others' numbers."""
+    params = list(model.named_parameters())
+    full = build_layer_map((name, tuple(param.shape)) for name, param in params)
+    return trainable_only(full, (name for name, param in params if param.requires_grad))
 
 
 def layer_map_from(params: Iterable[tuple[str, Sequence[int]]], spec: LayerMapSpec) -> LayerMap:
@@ -245,6 +261,13 @@ def _by_prefix(spec: Mapping[str, Sequence[str]]) -> Callable[[str], str | None]
 def model_layer_map(model: _HasNamedParameters, spec: LayerMapSpec | None = None) -> LayerMap:
     """The layer map of a live model's trainable parameters: by ``spec`` if given, else by name.
     Shapes are the full ones also under ZeRO-3, where a module's parameters are empty partitions."""
-    params = [(name, tuple(getattr(param, "ds_shape", param.shape))) for name, param in model.named_parameters()
-              if param.requires_grad]
-    return build_layer_map(params) if spec is None else layer_map_from(params, spec)
+    named = list(model.named_parameters())
+    trainable = [name for name, param in named if param.requires_grad]
+    if spec is not None:
+        keep = set(trainable)
+        return layer_map_from([(name, _full_shape(param)) for name, param in named if name in keep], spec)
+    return trainable_only(build_layer_map((name, _full_shape(param)) for name, param in named), trainable)
+
+
+def _full_shape(param: Any) -> tuple[int, ...]:
+    return tuple(getattr(param, "ds_shape", param.shape))

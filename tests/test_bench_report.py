@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import ettr, render_readme, report
+from bench import ettr, render_readme, report, summary
 from bench.metrics import trace_of
 from bench.presets import preset
 
@@ -32,14 +32,15 @@ def _recovery(**kw) -> dict:
 
 @pytest.fixture()
 def built() -> dict:
-    raw = {"restart_s": 2.0, "params": 1000, "layers": {"embed": 500, "block.0": 500}, "results": {
+    raw = {"restart_s": 2.0, "params": 1000, "frozen_params": 500, "layers": {"embed": 500, "block.0": 500}, "results": {
         "none": {**_raw("none", "none", "restart"), "trace": trace_of(
             {"embed": 500, "block.0": 500}, {t: {"embed": 0.1, "block.0": 0.1} for t in range(1, STEPS + 1)},
             {t: 1e-3 for t in range(1, STEPS + 1)}).to_json()},
         "full": _raw("full", "deepspeed-sync", "rollback", interval=5, train_s=11.0, stall_s=1.0, bytes_written=24000,
                      events=2, recoveries=[_recovery(resume_after=5, steps_lost=1, replay_s=1.0, recovery_s=1.3)]),
-        "layercheck": _raw("layercheck", "layer-policy", "resume", train_s=10.2, stall_s=0.05, bytes_written=18000,
-                           events=6, shift=0.01, recoveries=[_recovery()]),
+        "layercheck": {**_raw("layercheck", "layer-policy", "resume", train_s=10.2, stall_s=0.05, bytes_written=18000,
+                              events=6, shift=0.01, recoveries=[_recovery()]),
+                       "handed_state_bytes": {"total": 15000, "peak_step": 6000}},
         "full@stal": _raw("full@stal", "deepspeed-sync", "rollback", interval=3, matched="staleness", train_s=11.5,
                           stall_s=1.5, bytes_written=36000, events=3,
                           recoveries=[_recovery(resume_after=6, steps_lost=0, recovery_s=0.3)]),
@@ -87,7 +88,7 @@ def test_layercheck_variants_get_an_estimate_at_their_own_matched_freshness(buil
 
 def test_text_forms(built):
     assert "layercheck" in report.text(built)
-    md = report.summary_markdown(built, plots=["x.png"])
+    md = summary.summary_markdown(built, plots=["x.png"])
     assert "![x.png](x.png)" in md and "0.50x" in md
 
 
@@ -120,3 +121,37 @@ def test_bytes_from_warmup_counts_only_checkpoints_from_w():
     # diff: fulls at 10, 20 (100 B each), deltas at 11..19 (9 x 2 B)
     diff = {"kind": "differential", "interval": 10, "bytes_per_event": 0.0, "bytes_written": 218.0, "events": 11}
     assert report.bytes_from(diff, since=15, steps=20, per_full_event=100.0) == pytest.approx(100 + 5 * 2)
+
+
+def test_peak_bytes_per_step_for_every_strategy(built):
+    rows = built["strategies"]
+    full_checkpoint = 1000 * 12 + 500 * 4  # trainable state + frozen fp32 weights
+    assert rows["full"]["peak_step_bytes"] == 12000  # a whole checkpoint as measured
+    assert rows["layercheck"]["peak_step_bytes"] == 6000
+    assert rows["layercheck"]["peak_fraction_of_full"] == pytest.approx(6000 / full_checkpoint)
+    assert rows["none"]["peak_step_bytes"] == 0.0
+    assert built["headline"]["peak_step_bytes"]["layercheck"] == 6000
+    assert "peak/step" in report.text(built) and "peak/step" in summary.summary_markdown(built)
+
+
+def test_layer_policies_against_full_and_the_oracle_at_their_own_unsaved_drift(built):
+    at = built["strategies"]["layercheck"]["at_matched_drift"]
+    assert at["full_checkpoint_bytes"] == 14000 and at["state_bytes"] == 15000
+    n = at["full_interval"]
+    assert at["full_bytes"] == 14000 * (STEPS // n - (2 - 1) // n)
+    assert at["vs_full"] == pytest.approx(15000 / at["full_bytes"])
+    # uniform drift: the oracle is equal periods, so it cannot beat full checkpoints' trainable part by much
+    assert 0 < at["oracle_bytes"] <= at["full_bytes"]
+    assert built["headline"]["state_bytes_vs_oracle_at_own_matched_drift"]["layercheck"] == at["vs_oracle"]
+    assert "vs oracle" in report.text(built)
+
+
+def test_readme_section_quotes_the_schedule_figures(built):
+    g = ettr.grid(ettr.costs_from_bench(built), mtbf_hours=(1.0,), gpu_counts=(8,), runs=3)
+    text = render_readme.section(built, g, "r")
+    assert "the oracle" in text and "Peak bytes handed over in one step" in text
+
+
+def test_reports_without_the_schedule_figures_still_build():
+    from bench.schedule_report import peak_step_bytes
+    assert peak_step_bytes({"kind": "layer-policy"}, {}) is None

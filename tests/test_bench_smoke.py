@@ -16,10 +16,14 @@ from bench.strategies import default_strategies, select
 @pytest.mark.slow
 def test_harness_runs_recovers_and_reports(tmp_path):
     workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
-    strategies = select(default_strategies(workload.strategy), ["layercheck", "full", "diff"])
-    raw = run_benchmark(workload, strategies, root=tmp_path / "work", matched=False)
+    strategies = select(default_strategies(workload.strategy), ["layercheck", "full", "diff", "full-resume"])
+    raw = run_benchmark(workload, strategies, matched=False)  # no root: each store is deleted after its run
     results = raw["results"]
-    assert list(results) == ["none", "layercheck", "full", "diff"]
+    assert list(results) == ["none", "layercheck", "full", "diff", "full-resume"]
+    # full-resume commits the state after step 5 (decided at 4): freshness counts it although the
+    # store is gone by the time the report is made (staleness 2, 3, 4, 0, 1, then 2, 0 after the recovery)
+    assert results["full-resume"]["freshness"]["max_staleness"] == 4
+    assert results["full-resume"]["handed_state_bytes"]["peak_step"] == raw["params"] * 12
     for name, result in results.items():
         losses = result["losses"]
         assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values()), name

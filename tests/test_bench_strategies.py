@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import pytest
 
-from bench.presets import PRESETS, Workload, preset
+from bench.presets import PRESETS, Workload, preset, variant
 from bench.strategies import (Kind, Recovery, Strategy, StrategyOptions, default_strategies, matched_variants,
                               select)
-from policies.configs import LayerCheckConfig
+from policies.configs import LayerCheckConfig, StaggeredConfig
 
 
 def test_default_set_has_every_strategy_the_issue_names_none_first():
     names = [s.name for s in default_strategies(StrategyOptions())]
     assert names[0] == "none"
-    assert set(names) == {"none", "full", "full-async", "full-resume", "layercheck", "layercheck-const",
-                          "drift-optimal", "diff"}
+    assert set(names) == {"none", "full", "full-async", "full-resume", "staggered", "layercheck",
+                          "layercheck-const", "drift-optimal", "diff"}
+
+
+def test_staggered_default_runs_at_the_baselines_period_from_the_warmup():
+    by_name = {s.name: s for s in default_strategies(StrategyOptions(interval=25, layercheck_warmup=17))}
+    staggered = by_name["staggered"]
+    assert staggered.kind is Kind.LAYER_POLICY and staggered.policy == StaggeredConfig(period=25, warmup_steps=17)
+    assert Strategy.from_json(staggered.to_json()) == staggered
+
+
+def test_workload_variants_freeze_half_the_blocks_or_decay_the_lr():
+    tiny = preset("tiny")
+    frozen = variant(tiny, "frozen-half")
+    assert frozen.freeze == ("block.0", "block.1") and frozen.name == "tiny+frozen-half"
+    assert variant(tiny, "lr-decay-0.8").layer_lr_decay == 0.8
+    assert variant(tiny, "default") is tiny
+    assert Workload.from_json(frozen.to_json()) == frozen
+    with pytest.raises(ValueError, match="unknown workload variant"):
+        variant(tiny, "nope")
 
 
 def test_layercheck_variants_keep_the_defaults_but_the_warmup():
@@ -37,7 +55,7 @@ def test_recovery_follows_the_kind(kind, recovery):
 def test_invalid_strategies_name_the_problem():
     with pytest.raises(ValueError, match="interval"):
         Strategy(name="f", kind=Kind.DEEPSPEED_SYNC)
-    with pytest.raises(ValueError, match="LayerCheckConfig"):
+    with pytest.raises(ValueError, match="layer-wise policy config"):
         Strategy(name="l", kind=Kind.LAYER_POLICY)
     with pytest.raises(ValueError, match="delta_density"):
         Strategy(name="d", kind=Kind.DIFFERENTIAL, interval=3, delta_density=0)

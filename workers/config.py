@@ -36,6 +36,12 @@ class ModelConfig:
     """A local directory that ``AutoModelForCausalLM.from_pretrained`` can read (no downloads)."""
     seed: int = 0
     """Seeds the random initialisation, so every rank builds the same starting weights."""
+    freeze: tuple[str, ...] = ()
+    """Layers to freeze: names or glob patterns over LayerCheck's layer names (``embed``,
+    ``block.N``, ``norm``, ``lm_head``; e.g. ``["embed", "block.[0-5]"]``). A frozen layer's
+    parameters get ``requires_grad=False`` and no optimizer state; LayerCheck never persists it
+    and recovery keeps the model's own weights for it (exact: it never changes). Each pattern
+    must match a layer, and at least one layer must stay trainable."""
 
     def __post_init__(self) -> None:
         if (self.hf_config is None) == (self.path is None):
@@ -43,6 +49,8 @@ class ModelConfig:
         if self.hf_config is not None:
             require("model_type" in self.hf_config, "hf_config", "a dict with 'model_type'", self.hf_config)
         require(self.seed >= 0, "seed", "a non-negative integer", self.seed)
+        require(isinstance(self.freeze, tuple) and all(isinstance(p, str) and p.strip() for p in self.freeze),
+                "freeze", "a list of non-empty layer names or glob patterns", self.freeze)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +73,11 @@ class OptimConfig:
     """The final learning rate as a fraction of ``lr``."""
     schedule: Schedule = "cosine"
     """Decay after warm-up: ``cosine``, ``linear`` or ``constant``."""
+    layer_lr_decay: float = 1.0
+    """Layer-wise learning-rate decay ``d`` in (0, 1]: with B blocks, ``block.i`` trains at
+    ``lr * d**(B - 1 - i)`` (the last block at ``lr``), ``embed`` at ``lr * d**B`` (the lowest),
+    ``norm`` and ``lm_head`` at ``lr``; the schedule scales every layer alike. 1 (the default)
+    gives every layer ``lr``."""
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -82,6 +95,7 @@ class OptimConfig:
         )
         require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         require(self.schedule in SCHEDULES, "schedule", f"one of {SCHEDULES}", self.schedule)
+        require(0.0 < self.layer_lr_decay <= 1.0, "layer_lr_decay", "in (0, 1] (1 = no decay)", self.layer_lr_decay)
         if self.schedule == "constant" and self.min_lr_ratio not in (0.0, 1.0):
             logger.warning("OptimConfig.min_lr_ratio=%s has no effect with schedule='constant'", self.min_lr_ratio)
 

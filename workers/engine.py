@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from policies.layer_map import LayerMap, layer_map_of
+from policies.layer_map import LayerMap, build_layer_map, layer_map_of
 from workers import ds_internals, env
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.drift import DriftProbe
 from workers.drift_adamw import DriftAdamW
+from workers.freeze import apply_freeze, lr_scale
 from workers.layout import StateLayout, build_layout
 from workers.schedule import make_scheduler, seek_scheduler
 
@@ -52,11 +53,15 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
 
     torch.manual_seed(cfg.seed)
     if cfg.path is not None:
-        return transformers.AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, local_files_only=True)
-    hf = dict(cfg.hf_config or {})
-    model_type = hf.pop("model_type")
-    config = transformers.AutoConfig.for_model(model_type, **hf)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
+                                                                  local_files_only=True)
+    else:
+        hf = dict(cfg.hf_config or {})
+        model_type = hf.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **hf)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    apply_freeze(model, cfg.freeze)
+    return model
 
 
 def layer_map_for(model: ModelConfig) -> LayerMap:
@@ -69,14 +74,19 @@ def layer_map_for(model: ModelConfig) -> LayerMap:
         hf = dict(model.hf_config or {})
         config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
     with torch.device("meta"):
-        return layer_map_of(transformers.AutoModelForCausalLM.from_config(config))
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    apply_freeze(meta, model.freeze)
+    return layer_map_of(meta)
 
 
 def param_groups(model: torch.nn.Module, layer_map: LayerMap, cfg: OptimConfig) -> list[dict[str, Any]]:
-    """One group per (layer, decay kind) present, in model order, named ``<layer>/decay|no_decay``."""
+    """One group per (layer, decay kind) present, in model order, named ``<layer>/decay|no_decay``;
+    each at the layer's peak lr under ``cfg.layer_lr_decay`` (``lr_scale`` records the factor)."""
     params = dict(model.named_parameters())
+    num_blocks = _num_blocks(model) if cfg.layer_lr_decay != 1.0 else 0
     groups: list[dict[str, Any]] = []
     for layer in layer_map.layers:
+        scale = lr_scale(layer.name, num_blocks, cfg.layer_lr_decay)
         for kind, infos, decay in (("decay", layer.decay_params, cfg.weight_decay),
                                    ("no_decay", layer.no_decay_params, 0.0)):
             if infos:
@@ -84,12 +94,19 @@ def param_groups(model: torch.nn.Module, layer_map: LayerMap, cfg: OptimConfig) 
                     "params": [params[p.name] for p in infos],
                     "name": f"{layer.name}/{kind}",
                     "layer": layer.name,
-                    "lr": cfg.lr,
+                    "lr": cfg.lr * scale,
+                    "lr_scale": scale,
                     "betas": tuple(cfg.betas),
                     "eps": cfg.eps,
                     "weight_decay": decay,
                 })
     return groups
+
+
+def _num_blocks(model: torch.nn.Module) -> int:
+    """B: the model's blocks, frozen ones included (the decay counts from the last block)."""
+    full = build_layer_map((name, tuple(p.shape)) for name, p in model.named_parameters())
+    return sum(1 for name in full.names if name.startswith("block."))
 
 
 def deepspeed_config(cfg: EngineConfig) -> dict[str, Any]:

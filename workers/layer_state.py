@@ -60,8 +60,9 @@ def optimizer_step_of(layout: StateLayout, layer: str) -> int:
 def group_metadata(layout: StateLayout, layer: str) -> tuple[dict[str, Any], ...]:
     """The hyper-parameters of the param groups holding ``layer``, JSON-safe, each with the
     names of the layer's parameters in it and the group's position (``index``)."""
+    entry = layout[layer]
     out = []
-    for (index, group), names in zip(layout.groups_of(layer), layout[layer].group_params):
+    for group, names, index in zip(layout.groups_of(layer), entry.group_params, entry.group_indices):
         meta = {k: _json_safe(v) for k, v in group.items() if k != "params" and _json_safe(v) is not None}
         meta["param_names"] = list(names)
         meta.setdefault("index", index)
@@ -149,7 +150,7 @@ def _restored_count(layout: StateLayout, metas: Mapping[str, LayerMeta], master:
 def _restore_hyperparameters(layout: StateLayout, entry: LayerLayout, groups: Sequence[Mapping[str, Any]]) -> None:
     by_name = {g["name"]: g for g in groups if "name" in g}
     by_index = {g["index"]: g for g in groups if "index" in g}
-    for index, group in layout.groups_of(entry.name):
+    for group, index in zip(layout.groups_of(entry.name), entry.group_indices):
         source = by_name.get(group["name"]) if "name" in group else by_index.get(index)
         if source is None:
             continue

@@ -44,17 +44,18 @@ class Piece:
 @dataclass(frozen=True, eq=False)
 class LayerLayout:
     """One layer on this rank: owned and needed pieces, fp32 masters, and the param groups
-    holding its parameters (``group_params[i]``: the layer's parameters in ``groups[i]``, the
-    optimizer's group ``group_indices[i]``; :meth:`StateLayout.groups_of` gives the optimizer's
-    current group dicts, which a DeepSpeed ``load_checkpoint`` replaces)."""
+    holding its parameters (``group_params[i]``: the layer's parameters in ``groups[i]``)."""
 
     name: str
     owned: tuple[Piece, ...]
     needed: tuple[Piece, ...]
     masters: tuple[torch.Tensor, ...]
     groups: tuple[dict[str, Any], ...]
+    """The groups as built; read them through :meth:`StateLayout.groups_of`, which follows an
+    optimizer whose ``load_state_dict`` replaced its group dicts (DeepSpeed's ``load_checkpoint``)."""
     group_params: tuple[tuple[str, ...], ...] = ()
     group_indices: tuple[int, ...] = ()
+    """Each group's position in the client optimizer's ``param_groups``."""
 
     @property
     def owned_numel(self) -> int:
@@ -74,9 +75,9 @@ class StateLayout:
     optimizer: Any
     """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`workers.optim_state`."""
 
-    def groups_of(self, layer: str) -> tuple[tuple[int, dict[str, Any]], ...]:
-        """``(index, group)`` of each param group holding ``layer``, as the optimizer holds them now."""
-        return tuple((i, self.optimizer.param_groups[i]) for i in self[layer].group_indices)
+    def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
+        """The client optimizer's current param groups holding ``layer``."""
+        return tuple(self.optimizer.param_groups[i] for i in self[layer].group_indices)
 
     def __getitem__(self, layer: str) -> LayerLayout:
         try:
@@ -125,8 +126,9 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
         indices = sorted({group_of[p.name] for p in layer.params})
         layers[layer.name] = LayerLayout(
             name=layer.name, owned=owned, needed=needed, masters=masters,
-            groups=tuple(optimizer.param_groups[i] for i in indices), group_indices=tuple(indices),
+            groups=tuple(optimizer.param_groups[i] for i in indices),
             group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
+            group_indices=tuple(indices),
         )
         for master in masters:
             optim_state.init_state(optimizer, master)  # restore into a fresh engine needs moments to write into

@@ -41,6 +41,13 @@ class PolicyService:
         self._decisions: dict[int, PersistDecision] = {}
         self.gate = PersistGate(max_in_flight=max_versions_in_flight)
         """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
+        self.write_budget_bytes: int | None = None
+        """The writers' drain budget (bytes per step) the next observations carry; ``None``: unknown."""
+
+    def set_write_budget(self, budget_bytes: int | None) -> None:
+        """The runtime's measured write budget (:mod:`orchestrator.core.write_budget`), put on
+        every step completed from now on."""
+        self.write_budget_bytes = budget_bytes
 
     def report(self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
                counts: Mapping[str, int]) -> PersistDecision | None:
@@ -66,7 +73,7 @@ class PolicyService:
             logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
         drift = {name: pending.sums.get(name, 0.0) / pending.counts[name]
                  for name in self.layers if pending.counts.get(name)}
-        observation = StepObservation(step=step, lr=pending.lr, drift=drift)
+        observation = StepObservation(step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes)
         self.trace.append(observation)
         decision = self.gate.admit(self.policy.observe(observation))
         self.last_complete_step = step

@@ -16,6 +16,11 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`Supervision` decides
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
+* **write budget** (``write_budget``, opt-in): each drift report also carries the rank's writer
+  totals (bytes, write seconds) and its step time; every replica turns the gathered totals into
+  the same budget (:class:`~orchestrator.core.write_budget.DrainBudget`) and the policy service
+  puts it on the step's observation, so a budget-aware schedule stretches its periods when
+  storage is slower than its plan.
 * **settlements**: a layer is persisted again only once its previous version has committed
   (:mod:`orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
   newest settled version of each layer to its next drift report, so every replica applies the
@@ -38,6 +43,7 @@ import torch.distributed as dist
 from orchestrator.core.policy_service import PolicyService
 from orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
 from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
+from orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
 from orchestrator.local.mailbox import Mailbox
 from orchestrator.local.receipts import ReceiptPump
 from orchestrator.local.writer import LocalWriter
@@ -109,7 +115,7 @@ class LocalCoordinator:
 
     def __init__(self, *, policy: CheckpointPolicy, layer_numel: Mapping[str, int], store: LayerStore,
                  max_inflight_bytes: int, max_versions_in_flight: int = 2, config: SupervisionConfig | None = None,
-                 run_id: str = "local") -> None:
+                 run_id: str = "local", write_budget: WriteBudgetConfig | None = None) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.layer_numel = dict(layer_numel)
@@ -122,6 +128,8 @@ class LocalCoordinator:
         self.max_inflight_bytes = max_inflight_bytes
         self.writer = LocalWriter(store, self.mailbox, max_inflight_bytes=max_inflight_bytes)
         self._gathers: dict[int, _Gather] = {}
+        self._budget = DrainBudget(write_budget, self.world_size) if write_budget is not None else None
+        self._last_step_s = 0.0
         self._rounds = 0  # collective drains so far (every rank counts alike)
         self._generation = 0  # worker groups so far: a new one after each failure
         self.handed: list[tuple[int, tuple[str, ...]]] = []
@@ -150,9 +158,16 @@ class LocalCoordinator:
     # ---- workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
         settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
-        mine = torch.tensor([[float(drift.l1.get(n, 0.0)) for n in self.layers],
-                             [float(drift.numel.get(n, 0)) for n in self.layers],
-                             settled], dtype=torch.float64)
+        stats = self.writer.snapshot_stats()
+        width = max(len(self.layers), 3)  # row 3 holds three numbers; rows 0-2 are read up to len(layers)
+
+        def row(values: Sequence[float]) -> list[float]:
+            return [*values, *[0.0] * (width - len(values))]
+
+        mine = torch.tensor([row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
+                             row([float(drift.numel.get(n, 0)) for n in self.layers]),
+                             row(settled),
+                             row([float(stats.written_bytes), stats.write_s, self._last_step_s])], dtype=torch.float64)
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         self._gathers[drift.step] = _Gather(drift.step, lr, work, gathered)
@@ -172,6 +187,7 @@ class LocalCoordinator:
 
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
+        self._last_step_s = compute_s + stall_s + coordination_s
         self.progress_log.append(StepProgress(step, loss, lr, compute_s, stall_s, coordination_s))
         if self.run is not None:
             self.run.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
@@ -189,6 +205,11 @@ class LocalCoordinator:
             for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
                 if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
                     self.service.settled(name, int(version_step))
+            if self._budget is not None:  # from gathered values only: every replica computes the same
+                totals = [both[3].tolist() for both in gather.gathered]
+                self.service.set_write_budget(self._budget.update(
+                    written_bytes=[t[0] for t in totals], write_s=[t[1] for t in totals],
+                    step_s=max(t[2] for t in totals)))
             for rank, both in enumerate(gather.gathered):
                 self.service.report(step=step, rank=rank, lr=gather.lr,
                                     abs_sums=dict(zip(self.layers, both[0].tolist())),

@@ -119,12 +119,14 @@ def _check_empty_dir(out: Path, what: str) -> None:
 
 # ---- Hugging Face -----------------------------------------------------------------------------
 def composite_model(run: RunConfig, store: LayerStore, records: Mapping[str, VersionRecord]) -> torch.nn.Module:
-    """The run's model on the host in fp32, every parameter set to its composite fp32 weights.
-    A tied output head shares the embedding's tensor, so it is set with it."""
+    """The run's model on the host in fp32, every trainable parameter set to its composite fp32
+    weights. A tied output head shares the embedding's tensor, so it is set with it. A frozen
+    layer (``model.freeze``) keeps the weights the model is built with: they never changed."""
     from workers.engine import build_model
 
     model = build_model(run.model)
-    params = dict(model.named_parameters())  # a tied tensor appears once, under its first name
+    # a tied tensor appears once, under its first name
+    params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     with CompositeReader(store, records) as read, torch.no_grad():
         for name, param in params.items():
             try:

@@ -29,6 +29,8 @@ class WriterStats:
     failures: int = 0
     blocked_s: float = 0.0
     """Time the training thread waited for the byte bound."""
+    write_s: float = 0.0
+    """Time spent in successful writes (with ``written_bytes``: the drain bandwidth)."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,9 @@ class LocalWriter:
             logger.error("%s", what)
             mailbox.post_failure(what, layer=shard.layer, step=shard.step)
             return
-        self.stats.written_versions += 1
-        self.stats.written_bytes += receipt.nbytes
-        mailbox.post(receipt.to_json(), time.monotonic() - started)
+        elapsed = time.monotonic() - started
+        with self._changed:  # read together by the coordinator's budget (snapshot_stats)
+            self.stats.written_versions += 1
+            self.stats.written_bytes += receipt.nbytes
+            self.stats.write_s += elapsed
+        mailbox.post(receipt.to_json(), elapsed)

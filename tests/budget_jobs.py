@@ -1,0 +1,56 @@
+"""Per-rank job for the write-budget test of the local runtime (spawned; importable)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orchestrator.core.supervision_events import SupervisionConfig
+from orchestrator.core.write_budget import WriteBudgetConfig
+from orchestrator.local.coordinator import LocalCoordinator
+from orchestrator.local.run import train_with_failures
+from orchestrator.store.layer_store import LayerStore
+from policies.checkpoint_policy import build_policy
+from policies.configs import StaggeredConfig
+from tests.worker_jobs import make_engine
+from workers.data import DataConfig, SequenceDataset
+from workers.engine import seek_step, shutdown
+from workers.env import init_distributed
+from workers.host_buffers import HostBufferPool
+from workers.layer_state import restore_from_shards, snapshot_layers
+
+STEPS = 16
+
+
+def _run(te: Any, initial: list[Any], root: Path, budget: WriteBudgetConfig | None, *, rank: int,
+         world_size: int) -> dict[str, Any]:
+    restore_from_shards(te.layout, initial)
+    seek_step(te, 0)
+    te.optimizer.take_drift()
+    policy = build_policy(StaggeredConfig(period=2), te.layer_map.numel)
+    coordinator = LocalCoordinator(policy=policy, layer_numel=te.layer_map.numel,
+                                   store=LayerStore.open(str(root), fsync=False), max_inflight_bytes=2**30,
+                                   config=SupervisionConfig(drain_deadline_s=60), write_budget=budget)
+    dataset = SequenceDataset.from_config(DataConfig(seq_len=16, seed=0))
+    train_with_failures(te, dataset, coordinator, start_step=1, end_step=STEPS, rank=rank, world_size=world_size)
+    coordinator.close(timeout_s=60)
+    numel = te.layer_map.numel
+    return {"budgets": [o.write_budget_bytes for o in coordinator.service.trace],
+            "handed_params": sum(numel[n] for _, names in coordinator.handed for n in names),
+            "plan_budget": policy.budget, "binding": policy.external_binding}
+
+
+def budget_job(rank: int, world_size: int, root: str, cap: int) -> dict[str, Any]:
+    init_distributed()
+    te = make_engine(stage=2, precision="fp32")
+    try:
+        initial = [s for s in snapshot_layers(te.layout, te.layer_map.names, HostBufferPool(pin=False), step=0)]
+        initial = [type(s)(**{**s.__dict__, "tensors": {k: v.clone() for k, v in s.tensors.items()}}) for s in initial]
+        return {"free": _run(te, initial, Path(root, "free"), None, rank=rank, world_size=world_size),
+                "measured": _run(te, initial, Path(root, "measured"), WriteBudgetConfig(), rank=rank,
+                                 world_size=world_size),
+                "capped": _run(te, initial, Path(root, "capped"), WriteBudgetConfig(cap_bytes_per_step=cap),
+                               rank=rank, world_size=world_size),
+                "model_bytes": sum(te.layer_map.numel.values()) * 12}
+    finally:
+        shutdown(te)
