@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from orchestrator.core.run_supervisor import RunSupervisor
+from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
 from orchestrator.logs import configure_process_logging
 from orchestrator.runtime.metrics import RunMetrics
@@ -56,12 +57,15 @@ class _RayPolicy:
     def settled(self, layer: str, version_step: int) -> None:
         self.actor.settled.remote(layer, version_step)  # no wait: it only frees the layer for later decisions
 
+    def request_stop(self, reason: str) -> None:
+        ray.get(self.actor.request_stop.remote(reason))
+
 
 @ray.remote(num_cpus=0, max_concurrency=64, concurrency_groups={"commit": COMMIT_THREADS})
 class Supervisor:
     def __init__(self, *, run_id: str, store_uri: str, fsync: bool, writers_per_node: int,
                  layer_numel: Mapping[str, int], policy_actor: Any, resume: bool = False,
-                 config: SupervisionConfig | None = None) -> None:
+                 config: SupervisionConfig | None = None, limits: StalenessLimits | None = None) -> None:
         configure_process_logging()  # the actor process has no main of ours
         self.run_id = run_id
         self.layer_numel = dict(layer_numel)
@@ -69,7 +73,8 @@ class Supervisor:
         self.pool = WriterPool(store_uri=store_uri, fsync=fsync, per_node=writers_per_node,
                                supervisor=ray.get_runtime_context().current_actor)
         self.run = RunSupervisor(run_id=run_id, store=LayerStore.open(store_uri, fsync=fsync), layer_numel=layer_numel,
-                                 policy=_RayPolicy(policy_actor), writers=self.pool, config=config, resume=resume)
+                                 policy=_RayPolicy(policy_actor), writers=self.pool, config=config, resume=resume,
+                                 limits=limits)
         self._metrics: RunMetrics | None = None
         self._metrics_url: str | None = None
 
@@ -104,6 +109,21 @@ class Supervisor:
     @ray.method(concurrency_group="commit")
     def write_failed(self, layer: str, step: int, rank: int, error: str) -> None:
         self.run.write_failed(layer, step)
+
+    def writer_died(self, rank: int, node_id: str, writer: Any, lost: list[tuple[str, int]], error: str) -> list[Any]:
+        """Rank ``rank`` found its writer dead (its submissions failed with the actor's death):
+        replace it (once, whichever rank finds it first), count the versions the rank had in it as
+        lost (each version once) so the policy may persist those layers again; the node's writers."""
+        replaced = self.pool.replace_handle(writer)
+        self.run.writer_died(lost=lost, reason=f"their writer died ({error.splitlines()[0][:200] if error else '?'})")
+        if replaced:
+            logger.warning("rank %d found its persistence writer dead; a new one takes over on node %s; "
+                           "%d version(s) it held are lost", rank, node_id[:12], len(lost))
+        return self.pool.for_node(node_id)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the same step (the driver on Ctrl-C)."""
+        self.run.request_stop(reason)
 
     def drain(self, timeout_s: float = FINAL_DRAIN_S) -> list[str]:
         """Wait until every handed-over snapshot is written and, where whole, committed (or

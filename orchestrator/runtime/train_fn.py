@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 import ray.train
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from orchestrator.logs import configure_process_logging
 from orchestrator.core.composite import load_composite
@@ -30,11 +31,16 @@ from workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 
+#: How long a rank waits at the end for its last snapshots to be written before it exits.
+FINAL_FLUSH_S = 300.0
+
 
 class RayCoordinator:
     """The :class:`workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
     writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
-    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so."""
+    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so. A writer found
+    dead (its submissions fail with ``RayActorError``) is replaced through the supervisor, which
+    counts the versions it took with it as lost; the rank goes on with the new writer."""
 
     def __init__(self, *, rank: int, policy: Any, writer: Any, supervisor: Any, max_inflight_bytes: int) -> None:
         self.rank = rank
@@ -42,9 +48,10 @@ class RayCoordinator:
         self.writer = writer
         self.supervisor = supervisor
         self.max_inflight_bytes = max_inflight_bytes
-        self._inflight: dict[str, tuple[ray.ObjectRef, int]] = {}  # newest submission per layer
+        self._inflight: dict[str, tuple[ray.ObjectRef, int, int]] = {}  # newest (ref, bytes, step) per layer
         self.blocked_s = 0.0
         self.last_report: ray.ObjectRef | None = None
+        self._stop = False
 
     def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
         self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
@@ -52,40 +59,77 @@ class RayCoordinator:
 
     def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
         data = ray.get(handle)
-        return PersistDecision.from_json(data) if data is not None else None
+        if data is None:
+            return None
+        self._stop = self._stop or bool(data.get("stop"))
+        return PersistDecision.from_json(data)
+
+    def stop_requested(self) -> bool:
+        """The last decision carried the run's request to stop (same on every rank)."""
+        return self._stop
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         for shard in shards:
             wire = to_wire(shard, base=base)
             # .remote() serialises the arrays into the object store before it returns
-            self._inflight[shard.layer] = (self.writer.submit.remote(wire), wire.nbytes)
+            self._inflight[shard.layer] = (self.writer.submit.remote(wire), wire.nbytes, shard.step)
         self._bound_inflight()
 
     def _bound_inflight(self) -> None:
-        pending = {layer: entry for layer, entry in self._inflight.items()
-                   if not ray.wait([entry[0]], timeout=0)[0]}
-        self._inflight = pending
-        inflight = sum(nbytes for _, nbytes in pending.values())
+        self._settle_done()
+        inflight = sum(nbytes for _, nbytes, _ in self._inflight.values())
         if inflight <= self.max_inflight_bytes:
             return
         started = time.monotonic()
         logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
                        self.rank, inflight, self.max_inflight_bytes)
-        for layer, (ref, nbytes) in list(pending.items()):
+        for layer, (ref, nbytes, _) in list(self._inflight.items()):
             ray.wait([ref])
-            del self._inflight[layer]
             inflight -= nbytes
             if inflight <= self.max_inflight_bytes:
                 break
+        self._settle_done()
         self.blocked_s += time.monotonic() - started
+
+    def _settle_done(self) -> None:
+        """Forget the submissions that resolved; if one resolved with its writer's death, replace it."""
+        refs = [ref for ref, _, _ in self._inflight.values()]
+        if not refs:
+            return
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        died: Exception | None = None
+        for layer, (ref, _, _) in list(self._inflight.items()):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+            except (RayActorError, ActorUnavailableError) as error:
+                died = error
+                continue  # kept: every submission to the dead writer is accounted below
+            except Exception as error:  # noqa: BLE001 - the writer's own failure is reported by the writer
+                logger.error("rank %d: handing %s to the writer failed: %s", self.rank, layer, error)
+            del self._inflight[layer]
+        if died is not None:
+            self._replace_writer(died)
+
+    def _replace_writer(self, error: Exception) -> None:
+        dead = self.writer
+        lost = [(layer, step) for layer, (ref, _, step) in self._inflight.items()]
+        self._inflight.clear()  # a submission to a dead writer resolves only with its death
+        logger.error("rank %d: the persistence writer died (%s); %d version(s) it held are lost; asking "
+                     "for a new writer", self.rank, type(error).__name__, len(lost))
+        node_id = ray.get_runtime_context().get_node_id()
+        writers = ray.get(self.supervisor.writer_died.remote(self.rank, node_id, dead, lost, str(error)))
+        self.writer = writers[self.rank % len(writers)]
 
     def flush(self, timeout_s: float) -> None:
         """Wait until the last drift report is answered and every snapshot handed over is written."""
-        refs = [ref for ref, _ in self._inflight.values()]
+        refs = [ref for ref, _, _ in self._inflight.values()]
         if self.last_report is not None:
             refs.append(self.last_report)
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self._settle_done()
 
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
@@ -119,7 +163,9 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     try:
         if resume.start_step <= run.steps:
             run_loop(te, load_dataset(run.data), coordinator, start_step=resume.start_step,
-                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill)
+                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill,
+                     save_final=run.persistence.save_final)
+            coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
         ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
     finally:
         shutdown(te)
@@ -139,14 +185,19 @@ def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:
-    """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt
-    only — once the step's drift report and the snapshots handed over have left the process, so
-    the failure falls exactly after that step. (A real crash can also take with it messages
-    still in the send queue: then ``t_fail`` is the step before, or the layers whose shards were
-    lost come from their previous versions.)"""
+    """The injected failures, first attempt only. SIGKILL this process after ``fault.kill_at_step``
+    — once the step's drift report and the snapshots handed over have left the process, so the
+    failure falls exactly after that step. (A real crash can also take with it messages still in
+    the send queue: then ``t_fail`` is the step before, or the layers whose shards were lost come
+    from their previous versions.) On rank 0, kill this rank's writer actor after
+    ``fault.kill_writer_at_step``: what it holds is lost, the next hand-over finds it dead."""
     target = fault.kill_at_step if rank == fault.kill_rank and attempt == 1 else 0
+    writer_target = fault.kill_writer_at_step if rank == 0 and attempt == 1 else 0
 
     def after_step(step: int) -> None:
+        if step == writer_target:
+            logger.warning("fault injection: rank %d kills its persistence writer after step %d", rank, step)
+            ray.kill(coordinator.writer)
         if step == target:
             coordinator.flush(timeout_s=60)
             logger.warning("fault injection: rank %d kills itself after step %d", rank, step)
