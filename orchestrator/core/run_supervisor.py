@@ -11,7 +11,7 @@ API::
     resume = run.join(rank, world_size, worker_id)   # -> ResumeInfo, once the group's recovery is done
     run.shard_written(receipt, write_s)               # commits (retrying) when a version is whole
     run.write_failed(layer, step); run.version_unusable(vid, why); run.loaded(load_s)
-    run.writer_died(lost=[(layer, step), ...], reason=...)  # its versions are lost, the gate freed
+    run.writer_died(lost=[(layer, step), ...], reason=..., replaced=True)  # lost versions free the gate
     run.request_stop(reason)                          # Ctrl-C: ranks stop after the same step
     run.progress(step=..., loss=..., lr=..., compute_s=..., stall_s=..., coordination_s=...)
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
@@ -146,12 +146,13 @@ class RunSupervisor:
             self.view.write_failures += 1
         self.policy.settled(layer, step)
 
-    def writer_died(self, *, lost: list[tuple[str, int]], reason: str) -> None:
-        """A writer died holding these versions' shards (``(layer, step)``): they will never be
-        whole; counted lost once each, and the policy may persist those layers again."""
+    def writer_died(self, *, lost: list[tuple[str, int]], reason: str, replaced: bool = True) -> None:
+        """A rank found its writer dead (``replaced``: this report replaced it; others find it
+        replaced already). The versions in ``lost`` (``(layer, step)``) will never be whole: each is
+        counted lost once, and the policy may persist those layers again."""
         versions = tuple((str(layer), int(step)) for layer, step in lost)
         with self._lock:
-            self.view.writers_replaced += 1
+            self.view.writers_replaced += int(replaced)
             self.commits.handle(VersionsLost(versions=versions, reason=reason))
         for layer, step in versions:
             self.policy.settled(layer, step)

@@ -3,12 +3,14 @@ a restart), and train with LayerCheck's protocol through a Ray-backed coordinato
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import warnings
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,6 +33,18 @@ from workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 
+
+@dataclass(frozen=True, kw_only=True)
+class _Submission:
+    snapshot: ray.ObjectRef
+    """The snapshot in the object store (owned by this rank): handed to a new writer if its writer dies."""
+    result: ray.ObjectRef
+    nbytes: int
+    step: int
+    tries: int = 1
+
+#: Writers a snapshot is handed to before it is counted lost (the first, and one replacement).
+SUBMIT_TRIES = 2
 #: How long a rank waits at the end for its last snapshots to be written before it exits.
 FINAL_FLUSH_S = 300.0
 
@@ -38,9 +52,13 @@ FINAL_FLUSH_S = 300.0
 class RayCoordinator:
     """The :class:`workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
     writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
-    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so. A writer found
-    dead (its submissions fail with ``RayActorError``) is replaced through the supervisor, which
-    counts the versions it took with it as lost; the rank goes on with the new writer."""
+    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so.
+
+    A snapshot is put in the object store once and the writer is handed its reference, which the
+    rank keeps until the write resolves: when the writer is found dead (a submission fails with
+    ``RayActorError``), the supervisor replaces it and the rank hands the same snapshots to the new
+    one, so a writer's death loses nothing a live rank still holds. A snapshot whose second writer
+    dies too is counted lost (the supervisor settles it, so the policy may persist the layer again)."""
 
     def __init__(self, *, rank: int, policy: Any, writer: Any, supervisor: Any, max_inflight_bytes: int) -> None:
         self.rank = rank
@@ -48,7 +66,7 @@ class RayCoordinator:
         self.writer = writer
         self.supervisor = supervisor
         self.max_inflight_bytes = max_inflight_bytes
-        self._inflight: dict[str, tuple[ray.ObjectRef, int, int]] = {}  # newest (ref, bytes, step) per layer
+        self._inflight: dict[str, _Submission] = {}  # the newest submission per layer
         self.blocked_s = 0.0
         self.last_report: ray.ObjectRef | None = None
         self._stop = False
@@ -71,65 +89,75 @@ class RayCoordinator:
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         for shard in shards:
             wire = to_wire(shard, base=base)
-            # .remote() serialises the arrays into the object store before it returns
-            self._inflight[shard.layer] = (self.writer.submit.remote(wire), wire.nbytes, shard.step)
+            snapshot = ray.put(wire)  # copied into the object store: the shard's buffers may be reused
+            self._inflight[shard.layer] = _Submission(snapshot=snapshot, result=self.writer.submit.remote(snapshot),
+                                                      nbytes=wire.nbytes, step=shard.step)
         self._bound_inflight()
 
     def _bound_inflight(self) -> None:
         self._settle_done()
-        inflight = sum(nbytes for _, nbytes, _ in self._inflight.values())
+        inflight = sum(sub.nbytes for sub in self._inflight.values())
         if inflight <= self.max_inflight_bytes:
             return
         started = time.monotonic()
         logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
                        self.rank, inflight, self.max_inflight_bytes)
-        for layer, (ref, nbytes, _) in list(self._inflight.items()):
-            ray.wait([ref])
-            inflight -= nbytes
+        for sub in list(self._inflight.values()):
+            ray.wait([sub.result])
+            inflight -= sub.nbytes
             if inflight <= self.max_inflight_bytes:
                 break
         self._settle_done()
         self.blocked_s += time.monotonic() - started
 
-    def _settle_done(self) -> None:
-        """Forget the submissions that resolved; if one resolved with its writer's death, replace it."""
-        refs = [ref for ref, _, _ in self._inflight.values()]
+    def _settle_done(self) -> bool:
+        """Forget the submissions that resolved; if one resolved with its writer's death, get a new
+        writer and hand it what the dead one had. True if anything was handed over again."""
+        refs = [sub.result for sub in self._inflight.values()]
         if not refs:
-            return
+            return False
         done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
         died: Exception | None = None
-        for layer, (ref, _, _) in list(self._inflight.items()):
-            if ref not in done:
+        for layer, sub in list(self._inflight.items()):
+            if sub.result not in done:
                 continue
             try:
-                ray.get(ref)
+                ray.get(sub.result)
             except (RayActorError, ActorUnavailableError) as error:
                 died = error
-                continue  # kept: every submission to the dead writer is accounted below
+                continue  # kept: handed to the new writer below
             except Exception as error:  # noqa: BLE001 - the writer's own failure is reported by the writer
                 logger.error("rank %d: handing %s to the writer failed: %s", self.rank, layer, error)
             del self._inflight[layer]
-        if died is not None:
-            self._replace_writer(died)
+        return died is not None and self._replace_writer(died)
 
-    def _replace_writer(self, error: Exception) -> None:
+    def _replace_writer(self, error: Exception) -> bool:
         dead = self.writer
-        lost = [(layer, step) for layer, (ref, _, step) in self._inflight.items()]
-        self._inflight.clear()  # a submission to a dead writer resolves only with its death
-        logger.error("rank %d: the persistence writer died (%s); %d version(s) it held are lost; asking "
-                     "for a new writer", self.rank, type(error).__name__, len(lost))
+        orphaned = {layer: sub for layer, sub in self._inflight.items()}  # every submission to it fails
+        again = {layer: sub for layer, sub in orphaned.items() if sub.tries < SUBMIT_TRIES}
+        lost = [(layer, sub.step) for layer, sub in orphaned.items() if layer not in again]
+        logger.error("rank %d: the persistence writer died (%s); asking for a new one, which gets the %d snapshot(s) "
+                     "it held%s", self.rank, type(error).__name__, len(again),
+                     f" ({len(lost)} lost: their second writer died too)" if lost else "")
         node_id = ray.get_runtime_context().get_node_id()
         writers = ray.get(self.supervisor.writer_died.remote(self.rank, node_id, dead, lost, str(error)))
         self.writer = writers[self.rank % len(writers)]
+        self._inflight = {layer: dataclasses.replace(sub, result=self.writer.submit.remote(sub.snapshot),
+                                                     tries=sub.tries + 1)
+                          for layer, sub in again.items()}
+        return bool(again)
 
     def flush(self, timeout_s: float) -> None:
-        """Wait until the last drift report is answered and every snapshot handed over is written."""
-        refs = [ref for ref, _, _ in self._inflight.values()]
+        """Wait until the last drift report is answered and every snapshot handed over is written
+        (handed to a new writer first, if its writer died meanwhile)."""
+        deadline = time.monotonic() + timeout_s
         if self.last_report is not None:
-            refs.append(self.last_report)
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        self._settle_done()
+            ray.wait([self.last_report], timeout=timeout_s)
+        while self._inflight:
+            refs = [sub.result for sub in self._inflight.values()]
+            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            if not self._settle_done() or time.monotonic() >= deadline:
+                break
 
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
