@@ -84,12 +84,12 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
 
     def break_storage(status):
         if status["step"] >= 4 and not broken:
+            broken["committed"] = {v.version_id for v in LayerStore.open(str(storage)).versions()}
             (storage / LAYERS_DIR).rename(storage / "layers.moved")
             (storage / LAYERS_DIR).write_text("not a directory")
             (storage / DRIFT_TRACE_FILE).mkdir()
             broken["at"] = status["step"]
 
-    before = None
     cfg = config(tmp_path, "broken", steps=400, **{"policy.warmup_steps": 2, "policy.k0": 1e6,
                                                    "policy.k0_embed": 1e6, "policy.smax": 3})
     result = train(cfg, on_progress=break_storage, poll_s=0.2)
@@ -104,8 +104,7 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
     assert "STALENESS BOUND BROKEN" in text and "end-of-run error" in text
     # what was committed before the storage broke is still in the manifest
     versions = LayerStore.open(str(storage)).versions()
-    assert {v.layer for v in versions} == set(result.layer_numel)
-    assert all(v.step <= broken["at"] + 2 for v in versions), before
+    assert broken["committed"] <= {v.version_id for v in versions}
 
 
 def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(tmp_path):
@@ -127,7 +126,7 @@ def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(t
     out, err = proc.communicate(timeout=300)
     out = "".join(lines) + out
     assert proc.returncode == 130, err[-3000:]
-    assert "stopped early" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
+    assert "stopped after step" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
     assert f"--set storage={storage}" in err and "--resume" in err, err[-3000:]
     assert time.monotonic() - started < 300
     newest = newest_steps(storage)

@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,9 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
     from orchestrator.runtime.summary import format_progress, format_summary, summarize
 
     last = {"step": -1, "state": None}
+    # Ctrl-C stops the run cleanly (driver.fit_watched); a shell that starts us in the background
+    # leaves SIGINT ignored, where `kill -INT` must still stop the run the same way
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def show(status: dict[str, Any]) -> None:
         if last["state"] is None and status.get("metrics_url"):

@@ -191,15 +191,18 @@ def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dic
     watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s), daemon=True)
     watcher.start()
     outcome: dict[str, str] = {}
-    runner = threading.Thread(target=_fit, args=(trainer, outcome), name="trainer-fit", daemon=True)
+    # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
+    # marked stopped while it runs on (CPython 3.11), and the driver would not wait for it
+    fitted = threading.Event()
+    runner = threading.Thread(target=_fit, args=(trainer, outcome, fitted), name="trainer-fit", daemon=True)
     runner.start()
     try:
         try:
-            while runner.is_alive():
-                runner.join(0.5)
+            while not fitted.wait(0.5):
+                pass
         except KeyboardInterrupt:
             handles.interrupted = True
-            _stop_on_interrupt(handles, runner)
+            _stop_on_interrupt(handles, fitted)
     finally:
         stop.set()
         watcher.join()
@@ -208,28 +211,30 @@ def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dic
     return outcome.get("error")
 
 
-def _fit(trainer: Any, outcome: dict[str, str]) -> None:
+def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None:
     try:
         trainer.fit()
     except BaseException as exc:  # noqa: BLE001 - carried to the driver's thread
         outcome["error"] = f"{type(exc).__name__}: {exc}"
         logger.error("training failed: %s", outcome["error"])
+    finally:
+        fitted.set()
 
 
-def _stop_on_interrupt(handles: RunHandles, runner: threading.Thread) -> None:
+def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
     """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
     logger.warning("Ctrl-C: stopping after the current step and saving what is in flight (up to %.0fs; "
                    "Ctrl-C again to stop waiting)", handles.stop_drain_s)
     try:
         ray.get(handles.supervisor.request_stop.remote("interrupted (Ctrl-C)"), timeout=10)
-        runner.join(handles.stop_drain_s)
+        fitted.wait(handles.stop_drain_s)
     except KeyboardInterrupt:
         logger.warning("Ctrl-C again: not waiting for the workers")
         return
     except Exception as error:  # noqa: BLE001 - the supervisor is gone: nothing to wait for
         logger.error("could not ask the workers to stop: %s", error)
         return
-    if runner.is_alive():
+    if not fitted.is_set():
         logger.error("the workers did not stop within %.0fs (persistence.stop_drain_s): ending without them",
                      handles.stop_drain_s)
 

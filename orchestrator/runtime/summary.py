@@ -71,7 +71,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                                        *_trouble_rows(summary), ["storage", summary["storage"]]])
     rows: list[list[object]] = [
         ["run", summary["run_id"]],
-        ["state", summary["state"] + (f" ({summary['error']})" if summary["error"] else "")],
+        ["state", _state(summary)],
         ["steps", summary["steps"]],
         ["final loss", _num(summary["final_loss"])],
         ["failures / recoveries", f"{summary['failures']} / {len(summary['recoveries'])}"],
@@ -106,6 +106,12 @@ def format_summary(summary: dict[str, Any]) -> str:
     return format_table(["", ""], rows)
 
 
+def _state(summary: dict[str, Any]) -> str:
+    if summary.get("stop_reason"):
+        return f"stopped after step {summary['steps']} ({summary['stop_reason']})"
+    return summary["state"] + (f" ({summary['error']})" if summary["error"] else "")
+
+
 def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
     """What went wrong with persistence or at the end, each on a row of its own (empty when nothing)."""
     rows: list[list[object]] = []
@@ -116,8 +122,6 @@ def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
     breach = summary.get("staleness_breach")
     if breach:
         rows.append(["STALENESS BOUND BROKEN", breach["message"]])
-    if summary.get("stop_reason"):
-        rows.append(["stopped early", summary["stop_reason"]])
     for error in summary.get("end_errors", []):
         rows.append(["end-of-run error", error])
     return rows
