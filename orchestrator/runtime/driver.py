@@ -23,6 +23,7 @@ from typing import Any
 
 import ray
 
+from orchestrator.runtime import ray_noise
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, open_run_store
@@ -101,11 +102,13 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        ray_noise.install()
         logger.info("joined the Ray cluster at %s", address)
         return
     cpus = max(os.cpu_count() or 1, cpus)
     ray.init(num_cpus=cpus, namespace=NAMESPACE,
              runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
 
 
@@ -149,7 +152,8 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, t
                 run_config=TrainRunConfig(name=handles.run_id, storage_path=scratch,
                                           failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
             )
-            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s)
+            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s,
+                                fault_note=_fault_note(config))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return finish_run(handles, error=error, config=config)
@@ -179,7 +183,7 @@ def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence:
 
 
 def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
-                poll_s: float = 1.0) -> str | None:
+                poll_s: float = 1.0, fault_note: str = "") -> str | None:
     """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
     run for good (max_failures exhausted, a bug in a worker), or ``None``.
 
@@ -188,7 +192,8 @@ def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dic
     every rank, through the supervisor, to stop after the same step and persist its final state;
     the driver waits up to ``handles.stop_drain_s`` for that (a second Ctrl-C stops waiting)."""
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note),
+                               daemon=True)
     watcher.start()
     outcome: dict[str, str] = {}
     # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
@@ -299,6 +304,13 @@ def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
     return url
 
 
+def _fault_note(config: RunConfig) -> str:
+    fault = config.fault
+    if fault.kill_at_step and fault.kill_rank < config.cluster.num_workers:
+        return f"injected: rank {fault.kill_rank} SIGKILLs itself after step {fault.kill_at_step}, fault.kill_at_step"
+    return ""
+
+
 def _group_size(config: RunConfig) -> int | tuple[int, int]:
     cluster = config.cluster
     if 0 < cluster.min_workers < cluster.num_workers:
@@ -308,11 +320,33 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
 
 
 def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,
-           poll_s: float) -> None:
+           poll_s: float, fault_note: str = "") -> None:
+    seen = {"state": "", "recoveries": 0}
     while not stop.wait(poll_s):
-        if on_progress is None:
-            continue
         try:
-            on_progress(ray.get(supervisor.status.remote(), timeout=10))
+            status = ray.get(supervisor.status.remote(), timeout=10)
+            announce_failures(status, seen, fault_note)
+            if on_progress is not None:
+                on_progress(status)
         except Exception as error:  # progress display must never end the run
             logger.debug("progress poll failed: %s", error)
+
+
+def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:
+    """LayerCheck's own account of a lost worker group, one WARNING line when it is seen and one
+    when training resumes, so it stands out from Ray's tracebacks; the lines logged."""
+    lines = []
+    state = status.get("state", "")
+    if state == "recovering" and seen["state"] != "recovering":
+        lines.append(f"LAYERCHECK: worker group lost after step {status.get('step')}"
+                     f"{f' ({fault_note})' if fault_note else ''}: Ray Train restarts the workers, LayerCheck loads "
+                     "each layer's newest committed version and training resumes after the last complete step "
+                     "(Ray's tracebacks above are that worker's loss)")
+    recoveries = status.get("account", {}).get("recoveries", [])
+    for r in recoveries[seen["recoveries"]:]:
+        lines.append(f"LAYERCHECK: recovered: training resumes at step {r['resumed_at']} (lost after step "
+                     f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}")
+    seen.update(state=state, recoveries=len(recoveries))
+    for line in lines:
+        logger.warning("%s", line)
+    return lines
