@@ -33,6 +33,19 @@ def test_a_traceback_is_cut_to_its_last_line_and_known_noise_dropped():
     assert f.dropped == len(RAY_TRACEBACK) - 2
 
 
+def test_ray_trains_worker_repr_and_truncated_snippets_are_cut():
+    f = LogFilter()
+    lines = ["[Rank 0 Error Snippet]:", "Traceback (most recent call last):", '  File "a.py", line 1',
+             "... (Output truncated. See individual worker logs for full details) ...", "eturn func(*args)",
+             "    work.wait()", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
+             "Worker info: Worker(", "  actor=Actor(RayTrainWorker, cd),", ")",
+             "The actor died unexpectedly before finishing this task."]
+    kept = f.filter(7, lines)
+    assert [k.split("  [")[0] for k in kept] == [
+        "[Rank 0 Error Snippet]:", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
+        "The actor died unexpectedly before finishing this task."]
+
+
 def test_other_lines_pass_untouched_and_sources_are_kept_apart():
     f = LogFilter()
     assert f.filter(1, ["Traceback (most recent call last):", '  File "a.py"']) == []

@@ -33,13 +33,17 @@ NOISE = (
     re.compile(r"To disable OOM|RAY_memory_monitor_refresh_ms|Refer to the documentation on how to address"),
 )
 _TRACEBACK_START = "Traceback (most recent call last):"
-_CONTINUATION = re.compile(r"^(\s|\^|~|During handling|The above exception|$)")
+#: Lines that open a block to cut: a traceback, Ray Train's repr of a lost worker.
+_BLOCK_START = re.compile(r"^(Traceback \(most recent call last\):|Worker info: Worker\()")
+_CONTINUATION = re.compile(r"^(\s|\^|~|\)|During handling|The above exception|\.\.\. \(Output truncated|$)")
+_TRUNCATED = "(Output truncated"
 
 
 @dataclass
 class LogFilter:
     _in_traceback: dict[Any, int] = field(default_factory=dict)
     """Per source process, the traceback lines cut so far (absent: not inside one)."""
+    _after_truncation: set[Any] = field(default_factory=set)
     dropped: int = 0
 
     def filter(self, source: Any, lines: Sequence[str]) -> list[str]:
@@ -47,15 +51,19 @@ class LogFilter:
         kept: list[str] = []
         for line in lines:
             if source in self._in_traceback:
-                if _CONTINUATION.match(line) or line.startswith(_TRACEBACK_START):
+                resumes = source in self._after_truncation  # Ray cut the snippet mid-line: still inside
+                self._after_truncation.discard(source)
+                if resumes or _CONTINUATION.match(line) or _BLOCK_START.match(line):
                     self._in_traceback[source] += 1
+                    if _TRUNCATED in line:
+                        self._after_truncation.add(source)
                     continue
                 cut = self._in_traceback.pop(source)
                 self.dropped += cut
                 kept.append(f"{line[:300]}  [{cut} traceback lines cut; full text in Ray's session logs, "
                             f"{ALL_LOGS_ENV}=all to print them]")
                 continue
-            if line.startswith(_TRACEBACK_START):
+            if _BLOCK_START.match(line):
                 self._in_traceback[source] = 1
                 continue
             if any(pattern.search(line) for pattern in NOISE):
