@@ -3,8 +3,9 @@ README.md that needs no cluster and no earlier run is run, and must exit 0.
 
 Selection rule (kept simple so the README can change freely): a line of a ```bash block is run
 when it is ``.venv/bin/layercheck SUB ...`` with ``SUB`` one of :data:`SAFE` — subcommands that only
-read the repository (print the config reference, replay the simulator, inspect) — and none of
-its arguments names a run's output (a path under ``runs/``, which only a training run makes).
+read the repository (print the config reference, replay the simulator, inspect). Such a line that
+names a path the repository does not have (a run's output such as ``runs/demo/drift_trace.json``,
+which only a training run makes) is reported as skipped, with the path.
 ``train``, ``export``, ``ray job submit`` and the like need a cluster or a run: the end-to-end
 tests cover them. ``.venv/bin/layercheck`` is run as this checkout's ``python -m
 orchestrator.cli.main`` (the same entry point), in the repository root, with a timeout.
@@ -35,17 +36,23 @@ def commands(text: str) -> list[list[str]]:
     for block in bash_blocks(text):
         for line in block.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
-            if len(words) >= 2 and words[0] == ENTRY and words[1] in SAFE \
-                    and not any(w.startswith("runs/") or "/runs/" in w for w in words[2:]):
+            if len(words) >= 2 and words[0] == ENTRY and words[1] in SAFE:
                 found.append(words)
     return found
 
 
+def missing_paths(words: list[str]) -> list[str]:
+    """The arguments that look like paths (a ``/`` in them, not an option) and are not in the repository."""
+    return [w for w in words[2:] if "/" in w and not w.startswith("-") and "://" not in w and not (REPO / w).exists()]
+
+
 def test_the_selection_rule():
     text = ("```bash\n.venv/bin/layercheck config   # a comment\n.venv/bin/layercheck train x.toml\n"
-            ".venv/bin/layercheck simulate --trace runs/demo/drift_trace.json\nray job submit -- layercheck config\n"
+            ".venv/bin/layercheck export runs/demo\nray job submit -- layercheck config\n"
             ".venv/bin/layercheck simulate \\\n  --sweep 1e-3\n```\n```python\n.venv/bin/layercheck config\n```\n")
     assert commands(text) == [[ENTRY, "config"], [ENTRY, "simulate", "--sweep", "1e-3"]]
+    assert missing_paths([ENTRY, "simulate", "--trace", "runs/demo/drift_trace.json", "--out", "examples/demo.toml"]) \
+        == ["runs/demo/drift_trace.json"]
 
 
 README_COMMANDS = commands((REPO / "README.md").read_text())
@@ -57,6 +64,8 @@ def test_the_readme_has_commands_to_run():
 
 @pytest.mark.parametrize("words", README_COMMANDS, ids=[" ".join(w[1:]) for w in README_COMMANDS])
 def test_a_readme_command_runs_as_written(words):
+    if missing_paths(words):
+        pytest.skip(f"names {missing_paths(words)}, which a run makes (not in the repository)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *words[1:]], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=TIMEOUT_S)
