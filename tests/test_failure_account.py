@@ -65,5 +65,12 @@ def test_a_lost_group_and_its_recovery_are_announced_once_each(caplog):
         (resumed,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen)
         assert announce_failures({"state": "running", "step": 10, "account": {"recoveries": [recovery]}}, seen) == []
     assert lost.startswith("LAYERCHECK: worker group lost after step 8 (injected: rank 1")
-    assert "resumes at step 9" in resumed
+    assert resumed.startswith("LAYERCHECK: recovered: training resumes at step 9")
     assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+
+
+def test_a_recovery_over_between_two_polls_is_announced_in_one_line():
+    seen = {"state": "", "recoveries": 0}
+    recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
+    (line,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen, "rank 1")
+    assert line.startswith("LAYERCHECK: worker group lost after step 8 (rank 1); recovered: training resumes at step 9")

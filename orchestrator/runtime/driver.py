@@ -334,17 +334,20 @@ def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None
 
 def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:
     """LayerCheck's own account of a lost worker group, one WARNING line when it is seen and one
-    when training resumes, so it stands out from Ray's tracebacks; the lines logged."""
+    when training resumes (one line for both when the recovery was over before a poll saw it),
+    so it stands out from Ray's tracebacks; the lines logged."""
     lines = []
+    note = f" ({fault_note})" if fault_note else ""
     state = status.get("state", "")
     if state == "recovering" and seen["state"] != "recovering":
-        lines.append(f"LAYERCHECK: worker group lost after step {status.get('step')}"
-                     f"{f' ({fault_note})' if fault_note else ''}: Ray Train restarts the workers, LayerCheck loads "
-                     "each layer's newest committed version and training resumes after the last complete step "
-                     "(Ray's tracebacks above are that worker's loss)")
+        lines.append(f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
+                     "workers, LayerCheck loads each layer's newest committed version and training resumes after "
+                     "the last complete step (Ray's tracebacks above are that loss)")
+        seen["announced"] = True
     recoveries = status.get("account", {}).get("recoveries", [])
     for r in recoveries[seen["recoveries"]:]:
-        lines.append(f"LAYERCHECK: recovered: training resumes at step {r['resumed_at']} (lost after step "
+        lost = "" if seen.pop("announced", False) else f"worker group lost after step {r['t_fail']}{note}; "
+        lines.append(f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
                      f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}")
     seen.update(state=state, recoveries=len(recoveries))
     for line in lines:
