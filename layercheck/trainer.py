@@ -11,6 +11,7 @@ returns the run's summary.
 from __future__ import annotations
 
 import inspect
+import os
 import logging
 import shutil
 import tempfile
@@ -22,6 +23,7 @@ import torch
 
 from layercheck.config import CheckpointConfig
 from orchestrator.runtime.context import WorkerContext, with_context
+from orchestrator.core.run_config import check_relative_storage
 from orchestrator.core.run_start import StartOptions, claim_store
 from orchestrator.runtime.driver import RunResult, connect_to, fit_watched, finish_run, start_run
 from orchestrator.runtime.summary import format_summary, summarize
@@ -93,6 +95,8 @@ class LayerCheckTrainer:
         """Run to the end; a run that fails for good is in ``result.error`` (not raised)."""
         cfg = self.checkpoint
         layers = self.layer_map()  # a bad model fails here, before any actor or worker starts
+        if "://" not in cfg.storage and not os.path.isabs(cfg.storage):
+            check_relative_storage(cfg.storage)  # under `ray job submit` Ray deletes the job's directory
         lease = claim_store(cfg.storage_uri, run=cfg.name, options=StartOptions(overwrite=cfg.overwrite))
         try:
             run = self._fit(cfg, layers)
@@ -112,7 +116,8 @@ class LayerCheckTrainer:
                             layer_numel=layers.numel)
         ctx = WorkerContext(run_id=handles.run_id, storage_uri=cfg.storage_uri, fsync=cfg.persistence.fsync,
                             max_inflight_bytes=cfg.persistence.max_inflight_bytes, fault=cfg.fault,
-                            drift_probe=cfg.drift_probe, layer_map=cfg.layer_map, layer_numel=layers.numel)
+                            drift_probe=cfg.drift_probe, layer_map=cfg.layer_map, layer_numel=layers.numel,
+                            save_final=cfg.persistence.save_final)
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None
         run_config = self.run_config

@@ -41,8 +41,9 @@ class Attachment:
     """LayerCheck attached to one rank's engine; made by :func:`attach`."""
 
     def __init__(self, attached: AttachedEngine, protocol: StepProtocol, *, start_step: int, attempt: int,
-                 kill: Any) -> None:
+                 kill: Any, save_final: bool = True) -> None:
         self._attached = attached
+        self._save_final = save_final
         self._protocol = protocol
         self._kill = kill
         self._next_step = start_step
@@ -84,12 +85,19 @@ class Attachment:
         self._lr = current_lr(self._attached.engine)  # the rate the next step will use
         self._since = time.monotonic()
 
+    @property
+    def stop_requested(self) -> bool:
+        """The run asks every rank to stop (Ctrl-C on the driver, storage that broke the staleness
+        bound): every rank sees it after the same step; leave the loop and call :meth:`finish`."""
+        return self._protocol.stop_requested()
+
     def finish(self) -> LoopResult:
-        """Carry out the last step's decision and wait until this rank's snapshots are handed to
-        the writers. Call once, after the last step."""
+        """Carry out the last step's decision, persist every layer's state at the last step (unless
+        ``persistence.save_final`` is off), and wait until this rank's snapshots are handed to the
+        writers. Call once, after the last step."""
         if not self._finished:
             self._finished = True
-            self._protocol.finish()
+            self._protocol.finish(save_final=self._save_final)
             coordinator = self._protocol.coordinator
             if isinstance(coordinator, RayCoordinator):
                 coordinator.flush(timeout_s=300)
@@ -137,7 +145,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
                                  supervisor=supervisor, max_inflight_bytes=ctx.max_inflight_bytes)
     protocol = StepProtocol(attached.layout, coordinator, rank=rank)
     return Attachment(attached, protocol, start_step=resume.start_step, attempt=resume.attempt,
-                      kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator))
+                      kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator), save_final=ctx.save_final)
 
 
 def _check_layers(layers: LayerMap, planned: Any) -> None:

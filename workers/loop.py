@@ -4,7 +4,11 @@ After each optimizer step ``t`` the rank reports its drift (without waiting), th
 decision for step ``t - 1`` — by now every rank has reported that step, so it is ready — and
 snapshots the layers it names: the versions are the layers' state after step ``t`` (a lag of
 one step, which the staleness bound accounts for). The last step's decision is carried out
-when the loop ends. Everything that talks to other processes goes through a
+when the loop ends, and with ``save_final`` every other layer is snapshotted at the last step
+too, so the store holds the trained model (what ``export`` of a finished run writes). A
+coordinator may ask the loop to stop early (:meth:`StepProtocol.stop_requested`: Ctrl-C on the
+driver, a storage failure the run's config says to stop for); every rank sees the request on
+the same decision, so all stop after the same step. Everything that talks to other processes goes through a
 :class:`Coordinator`, so the loop runs under Ray, under plain torch.distributed, or in a test.
 """
 
@@ -49,6 +53,8 @@ class Coordinator(Protocol):
                  coordination_s: float) -> None:
         """Rank 0's per-step report to the run's central view."""
 
+    # Optional: ``stop_requested() -> bool``, true once the last decision carried a stop request.
+
 
 @dataclass
 class LoopResult:
@@ -91,11 +97,25 @@ class StepProtocol:
                                       coordination_s=result.coordination_s - coordination_before)
         return stall_s
 
-    def finish(self) -> LoopResult:
-        """Carry out the last step's decision (its snapshots are the state after that step)."""
-        if self._pending is not None and self._last_step is not None:
-            self.result.stall_s += self._carry_out(self._pending, self._last_step)
+    def stop_requested(self) -> bool:
+        """The run asked every rank to stop after this step (same answer on every rank)."""
+        asked = getattr(self.coordinator, "stop_requested", None)
+        return bool(asked()) if asked is not None else False
+
+    def finish(self, *, save_final: bool = False) -> LoopResult:
+        """Carry out the last step's decision (its snapshots are the state after that step); with
+        ``save_final``, snapshot every layer it did not name at that step as well."""
+        step = self._last_step
+        if self._pending is not None and step is not None:
+            self.result.stall_s += self._carry_out(self._pending, step)
             self._pending = None
+        if save_final and step is not None:
+            done = set(self.result.persisted.get(step, ()))
+            rest = tuple(name for name in self.layout.layer_map.names if name not in done)
+            if rest:
+                self.result.stall_s += self._snapshot(rest, step, base=False)
+                self.result.persisted[step] = tuple(done) + rest
+                logger.info("step %d: final state of %d layer(s) handed over", step, len(rest))
         return self.result
 
     def _carry_out(self, handle: Any, step: int) -> float:
@@ -105,15 +125,19 @@ class StepProtocol:
         self.result.coordination_s += time.monotonic() - asked
         if not decision:
             return 0.0
+        elapsed = self._snapshot(decision.names, step, base=decision.is_base)
+        self.result.persisted[step] = decision.names
+        logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
+        return elapsed
+
+    def _snapshot(self, names: Sequence[str], step: int, *, base: bool) -> float:
         started = time.monotonic()
-        shards = snapshot_layers(self.layout, decision.names, self._buffers, step=step)
+        shards = snapshot_layers(self.layout, names, self._buffers, step=step)
         try:
-            self.coordinator.persist(shards, base=decision.is_base)
+            self.coordinator.persist(shards, base=base)
         finally:
             for shard in shards:
                 self._buffers.release(shard)
-        self.result.persisted[step] = decision.names
-        logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
         return time.monotonic() - started
 
 
@@ -127,8 +151,10 @@ def run_loop(
     rank: int,
     world_size: int,
     after_step: Callable[[int], None] = lambda step: None,
+    save_final: bool = False,
 ) -> LoopResult:
-    """Train steps ``start_step..end_step`` (inclusive, counted from 1)."""
+    """Train steps ``start_step..end_step`` (inclusive, counted from 1), fewer if the run asks
+    to stop; ``save_final``: the last step's state of every layer is handed over at the end."""
     protocol = StepProtocol(te.layout, coordinator, rank=rank)
     engine_cfg = te.engine_cfg
     for step in range(start_step, end_step + 1):
@@ -140,4 +166,7 @@ def run_loop(
         protocol.after_step(step, drift, loss=loss, lr=lr_at(step - 1, te.optim_cfg),
                             compute_s=time.monotonic() - started)
         after_step(step)
-    return protocol.finish()
+        if protocol.stop_requested():
+            logger.warning("rank %d: stopping after step %d, as the run asked", rank, step)
+            break
+    return protocol.finish(save_final=save_final)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,16 +58,34 @@ def run(args: argparse.Namespace) -> int:
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
     return train_and_report(config, overwrite=args.overwrite, resume=resume, as_json=args.json,
-                            take_over=args.take_over)
+                            take_over=args.take_over, resume_command=resume_command(args))
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command that continues this run from its store (what a stopped run prints)."""
+    words = ["layercheck", "train", str(args.config)]
+    for item in args.set:
+        if not (args.restart_into is not None and item.startswith("storage=")):
+            words += ["--set", item]
+    if args.restart_into is not None:
+        words += ["--set", f"storage={args.restart_into}"]
+    return shlex.join(words + ["--resume"])
+
+
+#: Exit status of a run stopped by Ctrl-C (the shell's convention for SIGINT: 128 + 2).
+EXIT_INTERRUPTED = 130
 
 
 def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False,
-                     take_over: bool = False) -> int:
+                     take_over: bool = False, resume_command: str = "") -> int:
     from orchestrator.core.run_start import ResumeError
     from orchestrator.runtime.driver import train
     from orchestrator.runtime.summary import format_progress, format_summary, summarize
 
     last = {"step": -1, "state": None}
+    # Ctrl-C stops the run cleanly (driver.fit_watched); a shell that starts us in the background
+    # leaves SIGINT ignored, where `kill -INT` must still stop the run the same way
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def show(status: dict[str, Any]) -> None:
         if last["state"] is None and status.get("metrics_url"):
@@ -82,8 +102,17 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
         # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before training started: nothing to save
+        print("layercheck train: interrupted (Ctrl-C) before training started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     summary = summarize(result)
-    print(json.dumps(summary, indent=2, default=str) if as_json else "\n" + format_summary(summary))
+    print(json.dumps(summary, indent=2, default=str) if as_json else "\n" + format_summary(summary), flush=True)
+    stopped = result.interrupted or bool(result.status.get("stop_reason"))
+    if stopped and resume_command:
+        print(f"\nstopped after step {summary.get('steps')}; to continue this run:\n  {resume_command}",
+              file=sys.stderr, flush=True)
+    if result.interrupted:
+        return EXIT_INTERRUPTED
     return 0 if result.error is None else 1
 
 

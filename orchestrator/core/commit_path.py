@@ -60,7 +60,16 @@ class CommitFailed:
     error: str
 
 
-CommitEvent = ShardWritten | CommitSucceeded | CommitFailed | AbandonIncomplete
+@dataclass(frozen=True, kw_only=True)
+class VersionsLost:
+    """Shards of these versions ``(layer, step)`` were lost with a dead writer: they will never be
+    whole. Each rank that used the writer reports its own; a version is counted once."""
+
+    versions: tuple[tuple[str, int], ...]
+    reason: str
+
+
+CommitEvent = ShardWritten | CommitSucceeded | CommitFailed | AbandonIncomplete | VersionsLost
 
 
 @dataclass
@@ -82,6 +91,7 @@ class CommitPath:
     """Whole or partly written versions that will never be committed for want of storage or writers."""
     lost: list[str] = field(default_factory=list)
     """Why each lost version (or batch of versions) was lost, in order."""
+    _lost_keys: set[tuple[str, int]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.stats = {name: LayerStats() for name in self.layers}
@@ -97,6 +107,9 @@ class CommitPath:
             return self._failed(event)
         if isinstance(event, AbandonIncomplete):
             self._abandon(event)
+            return []
+        if isinstance(event, VersionsLost):
+            self._lost_with_writer(event)
             return []
         raise TypeError(f"not a commit event: {event!r}")
 
@@ -131,6 +144,15 @@ class CommitPath:
             self._lose(count, f"{count} incomplete version(s): {event.reason}")
         elif count:
             logger.info("abandoned %d incomplete version(s): %s", count, event.reason)
+
+    def _lost_with_writer(self, event: VersionsLost) -> None:
+        fresh = [v for v in event.versions if v not in self._lost_keys]
+        for layer, step in fresh:
+            self._lost_keys.add((layer, step))
+            self.tracker.forget(layer, step)
+        if fresh:
+            shown = ", ".join(f"{layer}@{step}" for layer, step in fresh[:8]) + (" …" if len(fresh) > 8 else "")
+            self._lose(len(fresh), f"{len(fresh)} version(s) ({shown}): {event.reason}")
 
     def _lose(self, count: int, reason: str) -> None:
         self.lost_versions += count

@@ -45,6 +45,14 @@ class CommitTracker:
             self.abandoned += 1
             logger.info("abandoned incomplete version of %s at step %d", key[0], key[1])
 
+    def forget(self, layer: str, step: int) -> bool:
+        """A shard of ``layer`` at ``step`` was lost (with its writer): drop what came of that
+        version; True if any rank's receipt was held."""
+        keys = [k for k in self._receipts if k[0] == layer and k[1] == step]
+        for key in keys:
+            del self._receipts[key]
+        return bool(keys)
+
     def forget_incomplete(self) -> int:
         """A worker group was lost: its half-written versions will never complete."""
         lost = len(self._receipts)

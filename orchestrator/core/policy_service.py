@@ -39,6 +39,9 @@ class PolicyService:
         self.trace: list[StepObservation] = []
         self._pending: dict[int, _Pending] = {}
         self._decisions: dict[int, PersistDecision] = {}
+        self.stop_from: int | None = None
+        """Decisions from this step on tell the ranks to stop (:meth:`request_stop`)."""
+        self.stop_reason = ""
         self.gate = PersistGate(max_in_flight=max_versions_in_flight)
         """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
         self.write_budget_bytes: int | None = None
@@ -82,6 +85,18 @@ class PolicyService:
             del self._decisions[old]
         return decision
 
+    def request_stop(self, reason: str) -> None:
+        """Every rank stops after the step that follows the first decision not yet complete: the
+        flag rides on decisions, so all ranks see it on the same one."""
+        if self.stop_from is None:
+            self.stop_from = self.last_complete_step + 1
+            self.stop_reason = reason
+            logger.warning("the run stops: decisions from step %d on ask the ranks to stop (%s)", self.stop_from, reason)
+
+    def stopping(self, step: int) -> bool:
+        """Does the decision of ``step`` ask the ranks to stop?"""
+        return self.stop_from is not None and step >= self.stop_from
+
     def decision(self, step: int) -> PersistDecision | None:
         return self._decisions.get(step)
 
@@ -98,6 +113,8 @@ class PolicyService:
         self.world_size = world_size
         self._pending.clear()
         self.last_complete_step = resume_after
+        if self.stop_from is not None:
+            self.stop_from = min(self.stop_from, resume_after + 1)  # a new group stops at once
         self.trace = [o for o in self.trace if o.step <= resume_after]
         self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
         self.policy.rebase(persisted_steps)

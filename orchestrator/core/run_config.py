@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.core.staleness_guard import BREACH_ACTIONS
 from policies.config_loader import ConfigError, from_mapping, require, to_mapping
 from policies.layer_map import LayerMap
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
@@ -29,6 +30,11 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+#: Set by Ray 2.60 in the environment of a ``ray job submit`` entrypoint (the job's config JSON).
+RAY_JOB_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+#: Ray unpacks a job's ``--working-dir`` here (under its session directory) and deletes it later.
+RAY_WORKING_DIR_CACHE = os.path.join("runtime_resources", "working_dir_files")
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -74,11 +80,29 @@ class PersistenceConfig:
     rate instead of piling up snapshots. Every version handed over is written by every rank."""
     fsync: bool = True
     """fsync each file before it is committed (local and NFS stores)."""
+    save_final: bool = True
+    """After the last step (or a requested stop), every layer's state at that step is persisted
+    like any version, so the store holds the trained model and ``export`` writes it."""
+    on_staleness_breach: str = "stop"
+    """What a run does when storage failures (a full or read-only disk, an object-store outage)
+    let a layer's staleness pass the policy's ``smax`` plus the pipeline lag: ``stop`` (stop the
+    workers after the current step, persist what it can, report the error; resume once storage is
+    fixed) or ``warn`` (keep training, log the error; the metric and alert fire)."""
+    # Default "stop": the staleness bound is what LayerCheck promises. Training on past it means
+    # the next worker failure rolls back further than the operator agreed to, for as long as the
+    # storage stays broken (hours, on a week-long run nobody watches at night); a stopped run
+    # loses nothing and resumes with one command. "warn" is for those who watch the alert.
+    stop_drain_s: float = 120.0
+    """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
+    step and for the writers to commit what they hold, before it gives up on them."""
 
     def __post_init__(self) -> None:
         require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)
         require(self.max_inflight_bytes >= 1, "max_inflight_bytes", ">= 1", self.max_inflight_bytes)
         require(self.max_versions_in_flight >= 1, "max_versions_in_flight", ">= 1", self.max_versions_in_flight)
+        require(self.on_staleness_breach in BREACH_ACTIONS, "on_staleness_breach", " or ".join(repr(a) for a in BREACH_ACTIONS),
+                self.on_staleness_breach)
+        require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,9 +113,12 @@ class FaultConfig:
     """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
     kill_rank: int = 0
     """The rank that is killed (a rank outside the group: none is, with a warning)."""
+    kill_writer_at_step: int = 0
+    """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
 
     def __post_init__(self) -> None:
         require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
+        require(self.kill_writer_at_step >= 0, "kill_writer_at_step", ">= 0", self.kill_writer_at_step)
         require(self.kill_rank >= 0, "kill_rank", ">= 0", self.kill_rank)
 
 
@@ -162,6 +189,7 @@ class RunConfig:
         uri = config.storage_uri
         if "://" in uri or os.path.isabs(uri):
             return config
+        check_relative_storage(uri)
         return dataclasses.replace(config, storage=os.path.abspath(uri))
 
     @property
@@ -289,3 +317,18 @@ def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             table = ".".join(parents[: depth + 1])
             raise ConfigError(f"--set {dotted}: {table} is a value ({data!r}), not a table with fields")
     data[leaf] = value
+
+
+def check_relative_storage(storage: str, *, cwd: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """A relative ``storage`` under ``ray job submit`` is an error: it resolves against the job's
+    working directory, which is Ray's unpacked ``--working-dir`` cache (or a directory Ray chose),
+    and Ray deletes that cache: the checkpoints would go with it."""
+    cwd = os.getcwd() if cwd is None else cwd
+    environ = os.environ if environ is None else environ
+    in_cache = RAY_WORKING_DIR_CACHE in cwd
+    if not in_cache and RAY_JOB_ENV not in environ:
+        return
+    where = "Ray's working-dir cache, which Ray deletes" if in_cache else "the job's working directory, which Ray chose"
+    raise ConfigError(f"storage: a relative path ({storage!r}) under a Ray job would put the checkpoints in {where} "
+                      f"({cwd}); use an absolute path on storage every node sees, or a URI (s3://, gs://), e.g. "
+                      f"--set storage=/shared/runs/{{name}}")

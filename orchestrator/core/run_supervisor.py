@@ -11,6 +11,8 @@ API::
     resume = run.join(rank, world_size, worker_id)   # -> ResumeInfo, once the group's recovery is done
     run.shard_written(receipt, write_s)               # commits (retrying) when a version is whole
     run.write_failed(layer, step); run.version_unusable(vid, why); run.loaded(load_s)
+    run.writer_died(lost=[(layer, step), ...], reason=..., replaced=True)  # lost versions free the gate
+    run.request_stop(reason)                          # Ctrl-C: ranks stop after the same step
     run.progress(step=..., loss=..., lr=..., compute_s=..., stall_s=..., coordination_s=...)
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
 
@@ -29,10 +31,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from orchestrator.core.accounting import RunAccount
-from orchestrator.core.commit_path import CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten
+from orchestrator.core.commit_path import (
+    CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten, VersionsLost,
+)
 from orchestrator.core.policy_service import PolicyService
 from orchestrator.core.recovery_plan import plan_composite
 from orchestrator.core.run_view import RunView
+from orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
 from orchestrator.core.supervision import Supervision
 from orchestrator.core.supervision_events import (
     AbandonIncomplete, DismissJoins, DrainWriters, Event, PlanComposite, PublishResume, RankJoined, RebasePolicy,
@@ -49,6 +54,8 @@ class PolicyPort(Protocol):
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
     def settled(self, layer: str, version_step: int) -> None:
         """This version committed or never will: the layer may be persisted again (``PersistGate``)."""
+    def request_stop(self, reason: str) -> None:
+        """Every rank stops after the same step (the flag rides on the decisions)."""
 
 
 class WritersPort(Protocol):
@@ -73,6 +80,9 @@ class LocalPolicy:
     def settled(self, layer: str, version_step: int) -> None:
         self.service.settled(layer, version_step)
 
+    def request_stop(self, reason: str) -> None:
+        self.service.request_stop(reason)
+
 
 class JoinDismissed(RuntimeError):
     """A rank's group was replaced by a newer one, or its recovery failed, before it was answered."""
@@ -81,7 +91,7 @@ class JoinDismissed(RuntimeError):
 class RunSupervisor:
     def __init__(self, *, run_id: str, store: LayerStore, layer_numel: Mapping[str, int], policy: PolicyPort,
                  writers: WritersPort, config: SupervisionConfig | None = None, resume: bool = False,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 limits: StalenessLimits | None = None, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
         config = config or SupervisionConfig()
         self.store = store
         self.layer_numel = dict(layer_numel)
@@ -94,6 +104,7 @@ class RunSupervisor:
         self.supervision = Supervision(config=config, resume=resume)
         self.commits = CommitPath(layers=list(layer_numel), config=config)
         self.view = RunView(run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()))
+        self.guard = StalenessGuard(limits=limits or StalenessLimits(smax=None))
         self._published: dict[int, ResumeInfo] = {}
         self._dismissed: dict[int, str] = {}
         self.not_draining = threading.Event()
@@ -135,6 +146,26 @@ class RunSupervisor:
             self.view.write_failures += 1
         self.policy.settled(layer, step)
 
+    def writer_died(self, *, lost: list[tuple[str, int]], reason: str, replaced: bool = True) -> None:
+        """A rank found its writer dead (``replaced``: this report replaced it; others find it
+        replaced already). The versions in ``lost`` (``(layer, step)``) will never be whole: each is
+        counted lost once, and the policy may persist those layers again."""
+        versions = tuple((str(layer), int(step)) for layer, step in lost)
+        with self._lock:
+            self.view.writers_replaced += int(replaced)
+            self.commits.handle(VersionsLost(versions=versions, reason=reason))
+        for layer, step in versions:
+            self.policy.settled(layer, step)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the run after the current step (every rank the same): Ctrl-C, a staleness breach."""
+        with self._lock:
+            first = self.view.stop_reason is None
+            if first:
+                self.view.stop_reason = reason
+        if first:
+            self.policy.request_stop(reason)
+
     def version_unusable(self, version_id: str, reason: str) -> None:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
 
@@ -148,7 +179,15 @@ class RunSupervisor:
         with self._lock:
             self.view.step_done(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
                                 coordination_s=coordination_s, now=self.clock())
-            return self.commits.last_steps()
+            last_steps = self.commits.last_steps()
+            breach = self.guard.check(step=step, last_steps=last_steps,
+                                      storage_failures=self.view.storage_failures(self.commits))
+            if breach is not None:
+                self.view.breach = breach.to_json()
+        if breach is not None and breach.action == "stop":
+            self.request_stop(f"storage failures broke the staleness bound ({breach.layer}: {breach.staleness} "
+                              f"steps stale > {breach.limit})")
+        return last_steps
 
     def finish(self, ok: bool, reason: str = "") -> None:
         self._carry_out(self._feed(RunEnded(ok=ok, reason=reason or ("" if ok else "the trainer raised"))))

@@ -28,6 +28,12 @@ class RunView:
     progress: Progress = field(default_factory=Progress)
     write_latencies: list[float] = field(default_factory=list)
     write_failures: int = 0
+    writers_replaced: int = 0
+    """Writer actors found dead and replaced (each one's versions in flight counted lost)."""
+    breach: dict[str, Any] | None = None
+    """The staleness breach (``StalenessBreach.to_json``), if storage failures broke ``smax``."""
+    stop_reason: str | None = None
+    """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
 
     def step_done(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                   coordination_s: float, now: float) -> None:
@@ -48,6 +54,10 @@ class RunView:
         if self.account.recoveries:
             last = self.account.recoveries[-1]
             last.load_s = max(last.load_s, load_s)
+
+    def storage_failures(self, commits: CommitPath) -> int:
+        """Failed writes, failed commits and dead writers so far (lost worker groups are not storage's)."""
+        return self.write_failures + commits.commit_retries + self.writers_replaced
 
     def status(self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None,
                now: float) -> dict[str, Any]:
@@ -75,8 +85,12 @@ class RunView:
             "versions_committed": sum(s.versions for s in layers.values()),
             "abandoned_versions": commits.tracker.abandoned,
             "lost_versions": commits.lost_versions,
+            "lost": list(commits.lost),
             "commit_retries": commits.commit_retries,
             "write_failures": self.write_failures,
+            "writers_replaced": self.writers_replaced,
+            "staleness_breach": self.breach,
+            "stop_reason": self.stop_reason,
             "write_latencies": list(self.write_latencies),
             "account": self.account.summary(now),
         }

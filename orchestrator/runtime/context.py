@@ -30,6 +30,8 @@ class WorkerContext:
     """The user's layer-map spec (dict or callable), or ``None``: by parameter names."""
     layer_numel: Mapping[str, int]
     """Per layer, the parameter count the driver computed: the workers' model must match it."""
+    save_final: bool = True
+    """``lc.finish()`` persists every layer's state at the last step (``persistence.save_final``)."""
 
 
 _current: WorkerContext | None = None

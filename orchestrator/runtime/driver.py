@@ -17,14 +17,17 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from orchestrator.runtime import ray_noise
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, open_run_store
+from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
@@ -51,6 +54,11 @@ class RunResult:
     """Where the run's checkpoints are (the config's storage when empty)."""
     policy: PolicyConfig | None = None
     """The checkpoint policy the run used (the config's when ``None``)."""
+    interrupted: bool = False
+    """Stopped by Ctrl-C (SIGINT) on the driver: resume it with ``--resume``."""
+    end_errors: list[str] = field(default_factory=list)
+    """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
+    shown in the summary, never raised, so the summary is always printed."""
 
     def __post_init__(self) -> None:
         if self.config is not None:
@@ -69,6 +77,9 @@ class RunHandles:
     policy: Any
     supervisor: Any
     metrics_url: str | None
+    stop_drain_s: float = 120.0
+    """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
+    interrupted: bool = False
 
 def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
@@ -91,11 +102,13 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        ray_noise.install()
         logger.info("joined the Ray cluster at %s", address)
         return
     cpus = max(os.cpu_count() or 1, cpus)
     ray.init(num_cpus=cpus, namespace=NAMESPACE,
              runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
 
 
@@ -139,7 +152,8 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, t
                 run_config=TrainRunConfig(name=handles.run_id, storage_path=scratch,
                                           failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
             )
-            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s)
+            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s,
+                                fault_note=_fault_note(config))
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return finish_run(handles, error=error, config=config)
@@ -161,48 +175,120 @@ def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence:
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
         run_id=run_id, store_uri=storage_uri, fsync=persistence.fsync,
         writers_per_node=persistence.writers_per_node, layer_numel=layer_numel, policy_actor=policy_actor,
-        resume=resume)
+        resume=resume, limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach))
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     metrics_url = _start_metrics(supervisor, metrics)
     return RunHandles(run_id=run_id, storage_uri=storage_uri, policy_config=policy, layer_numel=dict(layer_numel),
-                      policy=policy_actor, supervisor=supervisor, metrics_url=metrics_url)
+                      policy=policy_actor, supervisor=supervisor, metrics_url=metrics_url,
+                      stop_drain_s=persistence.stop_drain_s)
 
 
 def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
-                poll_s: float = 1.0) -> str | None:
+                poll_s: float = 1.0, fault_note: str = "") -> str | None:
     """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
-    run for good (max_failures exhausted, a bug in a worker), or ``None``."""
+    run for good (max_failures exhausted, a bug in a worker), or ``None``.
+
+    Ctrl-C (SIGINT) stops the run cleanly: ``fit`` runs in a thread of its own (so Ray Train does
+    not install its SIGINT handler, which aborts the workers mid-step), and the interrupt asks
+    every rank, through the supervisor, to stop after the same step and persist its final state;
+    the driver waits up to ``handles.stop_drain_s`` for that (a second Ctrl-C stops waiting)."""
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note),
+                               daemon=True)
     watcher.start()
-    error = None
+    outcome: dict[str, str] = {}
+    # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
+    # marked stopped while it runs on (CPython 3.11), and the driver would not wait for it
+    fitted = threading.Event()
+    runner = threading.Thread(target=_fit, args=(trainer, outcome, fitted), name="trainer-fit", daemon=True)
+    runner.start()
     try:
-        trainer.fit()
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        logger.error("training failed: %s", error)
+        try:
+            while not fitted.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            handles.interrupted = True
+            _stop_on_interrupt(handles, fitted)
     finally:
         stop.set()
         watcher.join()
-    return error
+    if handles.interrupted:
+        return outcome.get("error") or "interrupted (Ctrl-C)"
+    return outcome.get("error")
+
+
+def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None:
+    try:
+        trainer.fit()
+    except BaseException as exc:  # noqa: BLE001 - carried to the driver's thread
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+        logger.error("training failed: %s", outcome["error"])
+    finally:
+        fitted.set()
+
+
+def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
+    """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
+    logger.warning("Ctrl-C: stopping after the current step and saving what is in flight (up to %.0fs; "
+                   "Ctrl-C again to stop waiting)", handles.stop_drain_s)
+    try:
+        ray.get(handles.supervisor.request_stop.remote("interrupted (Ctrl-C)"), timeout=10)
+        fitted.wait(handles.stop_drain_s)
+    except KeyboardInterrupt:
+        logger.warning("Ctrl-C again: not waiting for the workers")
+        return
+    except Exception as error:  # noqa: BLE001 - the supervisor is gone: nothing to wait for
+        logger.error("could not ask the workers to stop: %s", error)
+        return
+    if not fitted.is_set():
+        logger.error("the workers did not stop within %.0fs (persistence.stop_drain_s): ending without them",
+                     handles.stop_drain_s)
 
 
 def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | None = None) -> RunResult:
-    """Let the writers finish, record the final state and the drift trace, stop the actors."""
+    """Let the writers finish, record the final state and the drift trace, stop the actors.
+    Never raises: what fails here is logged and listed in ``RunResult.end_errors``."""
     supervisor, policy = handles.supervisor, handles.policy
-    ray.get(supervisor.drain.remote())
-    ray.get(supervisor.finish.remote(error is None))
-    trace = DriftTrace.from_json({**ray.get(policy.trace.remote()), "layers": [
+    end_errors: list[str] = []
+    status: dict[str, Any] = {}
+    trace = DriftTrace.from_json({"steps": [], "layers": [
         {"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]})
-    LayerStore.open(handles.storage_uri).fs.write_bytes(DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode())
-    result = RunResult(run_id=handles.run_id, config=config, status=ray.get(supervisor.status.remote()),
-                       trace=trace, layer_numel=handles.layer_numel, error=error, metrics_url=handles.metrics_url,
-                       storage_uri=handles.storage_uri, policy=handles.policy_config)
-    if handles.metrics_url is not None:
-        ray.get(supervisor.flush_metrics.remote())  # the final values reach Prometheus before the exporter ends
+    drain_s = handles.stop_drain_s if handles.interrupted else None
+    _at_end("draining the writers", end_errors, lambda: ray.get(supervisor.drain.remote(), timeout=drain_s))
+    status = _at_end("reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60),
+                     default=status)
+    if error is None and status.get("stop_reason"):
+        error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
+    _at_end("recording the end of the run", end_errors,
+            lambda: ray.get(supervisor.finish.remote(error is None, error or ""), timeout=60))
+    trace = _at_end("collecting the drift trace", end_errors, lambda: DriftTrace.from_json({
+        **ray.get(policy.trace.remote(), timeout=60), "layers": [
+            {"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}), default=trace)
+    _at_end(f"writing {DRIFT_TRACE_FILE}", end_errors, lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
+        DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()))
+    status = _at_end("reading the run's final status", end_errors,
+                     lambda: ray.get(supervisor.status.remote(), timeout=60), default=status)
+    result = RunResult(run_id=handles.run_id, config=config, status=status, trace=trace,
+                       layer_numel=handles.layer_numel, error=error, metrics_url=handles.metrics_url,
+                       storage_uri=handles.storage_uri, policy=handles.policy_config,
+                       interrupted=handles.interrupted, end_errors=end_errors)
+    if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
+        _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
     for actor in (supervisor, policy):
-        ray.kill(actor)
+        _at_end("stopping the run's actors", end_errors, lambda actor=actor: ray.kill(actor))
     return result
+
+
+def _at_end(what: str, errors: list[str], fn: Callable[[], Any], default: Any = None) -> Any:
+    """``fn()``, or — if it raises — ``default``, with the error logged and listed in ``errors``."""
+    started = time.monotonic()
+    try:
+        return fn()
+    except Exception as error:  # noqa: BLE001 - the driver's end must always reach the summary
+        message = f"{what} failed after {time.monotonic() - started:.1f}s: {type(error).__name__}: {error}"
+        logger.error("%s", message)
+        errors.append(message)
+        return default
 
 
 def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
@@ -219,6 +305,13 @@ def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
     return url
 
 
+def _fault_note(config: RunConfig) -> str:
+    fault = config.fault
+    if fault.kill_at_step and fault.kill_rank < config.cluster.num_workers:
+        return f"injected: rank {fault.kill_rank} SIGKILLs itself after step {fault.kill_at_step}, fault.kill_at_step"
+    return ""
+
+
 def _group_size(config: RunConfig) -> int | tuple[int, int]:
     cluster = config.cluster
     if 0 < cluster.min_workers < cluster.num_workers:
@@ -228,11 +321,36 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
 
 
 def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,
-           poll_s: float) -> None:
+           poll_s: float, fault_note: str = "") -> None:
+    seen = {"state": "", "recoveries": 0}
     while not stop.wait(poll_s):
-        if on_progress is None:
-            continue
         try:
-            on_progress(ray.get(supervisor.status.remote(), timeout=10))
+            status = ray.get(supervisor.status.remote(), timeout=10)
+            announce_failures(status, seen, fault_note)
+            if on_progress is not None:
+                on_progress(status)
         except Exception as error:  # progress display must never end the run
             logger.debug("progress poll failed: %s", error)
+
+
+def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:
+    """LayerCheck's own account of a lost worker group, one WARNING line when it is seen and one
+    when training resumes (one line for both when the recovery was over before a poll saw it),
+    so it stands out from Ray's tracebacks; the lines logged."""
+    lines = []
+    note = f" ({fault_note})" if fault_note else ""
+    state = status.get("state", "")
+    if state == "recovering" and seen["state"] != "recovering":
+        lines.append(f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
+                     "workers, LayerCheck loads each layer's newest committed version and training resumes after "
+                     "the last complete step (Ray's tracebacks above are that loss)")
+        seen["announced"] = True
+    recoveries = status.get("account", {}).get("recoveries", [])
+    for r in recoveries[seen["recoveries"]:]:
+        lost = "" if seen.pop("announced", False) else f"worker group lost after step {r['t_fail']}{note}; "
+        lines.append(f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
+                     f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}")
+    seen.update(state=state, recoveries=len(recoveries))
+    for line in lines:
+        logger.warning("%s", line)
+    return lines

@@ -97,6 +97,11 @@ SPECS: tuple[Spec, ...] = (
     Spec(Counter, "layercheck_commit_retries_total", "Version commits tried again after a failure."),
     Spec(Counter, "layercheck_lost_versions_total",
          "Versions never committed for want of storage (commit retries exhausted) or of a writer (drain timed out)."),
+    Spec(Counter, "layercheck_writers_replaced_total",
+         "Persistence writer actors found dead and replaced (what each held is counted in lost versions)."),
+    Spec(Gauge, "layercheck_staleness_breach",
+         "1 once storage failures let a layer's staleness pass Smax plus the pipeline lag (the run's bound is "
+         "broken; persistence.on_staleness_breach says whether it stops), else 0."),
     Spec(Counter, "layercheck_stalls_total", "Steps in which the training loop waited to hand snapshots over."),
     Spec(Counter, "layercheck_stall_seconds_total", "Seconds the training loop waited to hand snapshots over."),
     # ---- failures and recovery ---------------------------------------------------------
@@ -316,6 +321,8 @@ class RunMetrics:
         self._advance("layercheck_write_failures_total", status["write_failures"])
         self._advance("layercheck_commit_retries_total", status["commit_retries"])
         self._advance("layercheck_lost_versions_total", status["lost_versions"])
+        self._advance("layercheck_writers_replaced_total", status.get("writers_replaced", 0))
+        self._set("layercheck_staleness_breach", 1.0 if status.get("staleness_breach") else 0.0)
         latencies = status["write_latencies"]
         for seconds in latencies[self._latencies_seen:]:
             self._child("layercheck_write_latency_seconds").observe(seconds)

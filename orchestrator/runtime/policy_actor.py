@@ -44,7 +44,10 @@ class PolicyActor:
         await event.wait()
         self._forget_before(self.service.last_complete_step - 64)
         decided = self.service.decision(step)
-        return decided.to_json() if decided is not None else None
+        if decided is None:
+            return None
+        # the stop flag rides on the decision (every rank reads the same one): see PolicyService.request_stop
+        return {**decided.to_json(), "stop": self.service.stopping(step)}
 
     def _forget_before(self, step: int) -> None:
         for old in [s for s in self._ready if s < step]:
@@ -56,6 +59,10 @@ class PolicyActor:
     def settled(self, layer: str, version_step: int) -> None:
         """The supervisor: this version of ``layer`` committed or never will (see ``PersistGate``)."""
         self.service.settled(layer, version_step)
+
+    def request_stop(self, reason: str) -> None:
+        """Ask every rank to stop after the same step (Ctrl-C on the driver, a staleness breach)."""
+        self.service.request_stop(reason)
 
     def restart(self, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         """A new worker group: release waiters of the lost attempt and rebase the policy."""

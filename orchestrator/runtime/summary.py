@@ -16,6 +16,9 @@ from policies.simulate import BYTES_PER_PARAM, compare
 
 def summarize(result: RunResult) -> dict[str, Any]:
     status = result.status
+    if "account" not in status:  # the supervisor could not be asked at the end (see end_errors)
+        return {"run_id": result.run_id, "state": "unknown", "error": result.error, "storage": result.storage_uri,
+                "end_errors": list(result.end_errors), "interrupted": result.interrupted}
     account = status["account"]
     full_bytes = sum(result.layer_numel.values()) * BYTES_PER_PARAM
     summary: dict[str, Any] = {
@@ -40,6 +43,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "write_failures": status["write_failures"],
         "commit_retries": status.get("commit_retries", 0),
         "lost_versions": status.get("lost_versions", 0),
+        "lost": list(status.get("lost", [])),
+        "writers_replaced": status.get("writers_replaced", 0),
+        "staleness_breach": status.get("staleness_breach"),
+        "stop_reason": status.get("stop_reason"),
+        "interrupted": result.interrupted,
+        "end_errors": list(result.end_errors),
         "storage": result.storage_uri,
         "metrics_url": result.metrics_url,
     }
@@ -57,9 +66,12 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    if "steps" not in summary:
+        return format_table(["", ""], [["run", summary["run_id"]], ["state", f"unknown ({summary['error'] or 'ok'})"],
+                                       *_trouble_rows(summary), ["storage", summary["storage"]]])
     rows: list[list[object]] = [
         ["run", summary["run_id"]],
-        ["state", summary["state"] + (f" ({summary['error']})" if summary["error"] else "")],
+        ["state", _state(summary)],
         ["steps", summary["steps"]],
         ["final loss", _num(summary["final_loss"])],
         ["failures / recoveries", f"{summary['failures']} / {len(summary['recoveries'])}"],
@@ -86,11 +98,33 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["policy protocol per step", _protocol_cost(summary)],
         ["write failures / commit retries / lost versions",
          f"{summary['write_failures']} / {summary['commit_retries']} / {summary['lost_versions']}"],
+        *_trouble_rows(summary),
         ["storage", summary["storage"]],
     ]
     if summary.get("metrics_url"):
         rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
     return format_table(["", ""], rows)
+
+
+def _state(summary: dict[str, Any]) -> str:
+    if summary.get("stop_reason"):
+        return f"stopped after step {summary['steps']} ({summary['stop_reason']})"
+    return summary["state"] + (f" ({summary['error']})" if summary["error"] else "")
+
+
+def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """What went wrong with persistence or at the end, each on a row of its own (empty when nothing)."""
+    rows: list[list[object]] = []
+    if summary.get("writers_replaced"):
+        rows.append(["writers replaced", f"{summary['writers_replaced']} (a writer died; what it held is lost)"])
+    for reason in summary.get("lost", [])[:5]:
+        rows.append(["  lost", reason])
+    breach = summary.get("staleness_breach")
+    if breach:
+        rows.append(["STALENESS BOUND BROKEN", breach["message"]])
+    for error in summary.get("end_errors", []):
+        rows.append(["end-of-run error", error])
+    return rows
 
 
 def format_progress(status: dict[str, Any]) -> str:

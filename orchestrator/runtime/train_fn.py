@@ -3,16 +3,19 @@ a restart), and train with LayerCheck's protocol through a Ray-backed coordinato
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import warnings
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import ray.train
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from orchestrator.logs import configure_process_logging
 from orchestrator.core.composite import load_composite
@@ -31,10 +34,31 @@ from workers.shard import LayerShard
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Submission:
+    snapshot: ray.ObjectRef
+    """The snapshot in the object store (owned by this rank): handed to a new writer if its writer dies."""
+    result: ray.ObjectRef
+    nbytes: int
+    step: int
+    tries: int = 1
+
+#: Writers a snapshot is handed to before it is counted lost (the first, and one replacement).
+SUBMIT_TRIES = 2
+#: How long a rank waits at the end for its last snapshots to be written before it exits.
+FINAL_FLUSH_S = 300.0
+
+
 class RayCoordinator:
     """The :class:`workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
     writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
-    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so."""
+    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so.
+
+    A snapshot is put in the object store once and the writer is handed its reference, which the
+    rank keeps until the write resolves: when the writer is found dead (a submission fails with
+    ``RayActorError``), the supervisor replaces it and the rank hands the same snapshots to the new
+    one, so a writer's death loses nothing a live rank still holds. A snapshot whose second writer
+    dies too is counted lost (the supervisor settles it, so the policy may persist the layer again)."""
 
     def __init__(self, *, rank: int, policy: Any, writer: Any, supervisor: Any, max_inflight_bytes: int) -> None:
         self.rank = rank
@@ -42,9 +66,10 @@ class RayCoordinator:
         self.writer = writer
         self.supervisor = supervisor
         self.max_inflight_bytes = max_inflight_bytes
-        self._inflight: dict[str, tuple[ray.ObjectRef, int]] = {}  # newest submission per layer
+        self._inflight: dict[str, _Submission] = {}  # the newest submission per layer
         self.blocked_s = 0.0
         self.last_report: ray.ObjectRef | None = None
+        self._stop = False
 
     def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
         self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
@@ -52,40 +77,87 @@ class RayCoordinator:
 
     def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
         data = ray.get(handle)
-        return PersistDecision.from_json(data) if data is not None else None
+        if data is None:
+            return None
+        self._stop = self._stop or bool(data.get("stop"))
+        return PersistDecision.from_json(data)
+
+    def stop_requested(self) -> bool:
+        """The last decision carried the run's request to stop (same on every rank)."""
+        return self._stop
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         for shard in shards:
             wire = to_wire(shard, base=base)
-            # .remote() serialises the arrays into the object store before it returns
-            self._inflight[shard.layer] = (self.writer.submit.remote(wire), wire.nbytes)
+            snapshot = ray.put(wire)  # copied into the object store: the shard's buffers may be reused
+            self._inflight[shard.layer] = _Submission(snapshot=snapshot, result=self.writer.submit.remote(snapshot),
+                                                      nbytes=wire.nbytes, step=shard.step)
         self._bound_inflight()
 
     def _bound_inflight(self) -> None:
-        pending = {layer: entry for layer, entry in self._inflight.items()
-                   if not ray.wait([entry[0]], timeout=0)[0]}
-        self._inflight = pending
-        inflight = sum(nbytes for _, nbytes in pending.values())
+        self._settle_done()
+        inflight = sum(sub.nbytes for sub in self._inflight.values())
         if inflight <= self.max_inflight_bytes:
             return
         started = time.monotonic()
         logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
                        self.rank, inflight, self.max_inflight_bytes)
-        for layer, (ref, nbytes) in list(pending.items()):
-            ray.wait([ref])
-            del self._inflight[layer]
-            inflight -= nbytes
+        for sub in list(self._inflight.values()):
+            ray.wait([sub.result])
+            inflight -= sub.nbytes
             if inflight <= self.max_inflight_bytes:
                 break
+        self._settle_done()
         self.blocked_s += time.monotonic() - started
 
+    def _settle_done(self) -> bool:
+        """Forget the submissions that resolved; if one resolved with its writer's death, get a new
+        writer and hand it what the dead one had. True if anything was handed over again."""
+        refs = [sub.result for sub in self._inflight.values()]
+        if not refs:
+            return False
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        died: Exception | None = None
+        for layer, sub in list(self._inflight.items()):
+            if sub.result not in done:
+                continue
+            try:
+                ray.get(sub.result)
+            except (RayActorError, ActorUnavailableError) as error:
+                died = error
+                continue  # kept: handed to the new writer below
+            except Exception as error:  # noqa: BLE001 - the writer's own failure is reported by the writer
+                logger.error("rank %d: handing %s to the writer failed: %s", self.rank, layer, error)
+            del self._inflight[layer]
+        return died is not None and self._replace_writer(died)
+
+    def _replace_writer(self, error: Exception) -> bool:
+        dead = self.writer
+        orphaned = {layer: sub for layer, sub in self._inflight.items()}  # every submission to it fails
+        again = {layer: sub for layer, sub in orphaned.items() if sub.tries < SUBMIT_TRIES}
+        lost = [(layer, sub.step) for layer, sub in orphaned.items() if layer not in again]
+        logger.error("rank %d: the persistence writer died (%s); asking for a new one, which gets the %d snapshot(s) "
+                     "it held%s", self.rank, type(error).__name__, len(again),
+                     f" ({len(lost)} lost: their second writer died too)" if lost else "")
+        node_id = ray.get_runtime_context().get_node_id()
+        writers = ray.get(self.supervisor.writer_died.remote(self.rank, node_id, dead, lost, str(error)))
+        self.writer = writers[self.rank % len(writers)]
+        self._inflight = {layer: dataclasses.replace(sub, result=self.writer.submit.remote(sub.snapshot),
+                                                     tries=sub.tries + 1)
+                          for layer, sub in again.items()}
+        return bool(again)
+
     def flush(self, timeout_s: float) -> None:
-        """Wait until the last drift report is answered and every snapshot handed over is written."""
-        refs = [ref for ref, _ in self._inflight.values()]
+        """Wait until the last drift report is answered and every snapshot handed over is written
+        (handed to a new writer first, if its writer died meanwhile)."""
+        deadline = time.monotonic() + timeout_s
         if self.last_report is not None:
-            refs.append(self.last_report)
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+            ray.wait([self.last_report], timeout=timeout_s)
+        while self._inflight:
+            refs = [sub.result for sub in self._inflight.values()]
+            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            if not self._settle_done() or time.monotonic() >= deadline:
+                break
 
     def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
                  coordination_s: float) -> None:
@@ -119,7 +191,9 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     try:
         if resume.start_step <= run.steps:
             run_loop(te, load_dataset(run.data), coordinator, start_step=resume.start_step,
-                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill)
+                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill,
+                     save_final=run.persistence.save_final)
+            coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
         ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
     finally:
         shutdown(te)
@@ -139,14 +213,19 @@ def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:
-    """The injected failure: SIGKILL this process after ``fault.kill_at_step``, first attempt
-    only — once the step's drift report and the snapshots handed over have left the process, so
-    the failure falls exactly after that step. (A real crash can also take with it messages
-    still in the send queue: then ``t_fail`` is the step before, or the layers whose shards were
-    lost come from their previous versions.)"""
+    """The injected failures, first attempt only. SIGKILL this process after ``fault.kill_at_step``
+    — once the step's drift report and the snapshots handed over have left the process, so the
+    failure falls exactly after that step. (A real crash can also take with it messages still in
+    the send queue: then ``t_fail`` is the step before, or the layers whose shards were lost come
+    from their previous versions.) On rank 0, kill this rank's writer actor after
+    ``fault.kill_writer_at_step``: what it holds is lost, the next hand-over finds it dead."""
     target = fault.kill_at_step if rank == fault.kill_rank and attempt == 1 else 0
+    writer_target = fault.kill_writer_at_step if rank == 0 and attempt == 1 else 0
 
     def after_step(step: int) -> None:
+        if step == writer_target:
+            logger.warning("fault injection: rank %d kills its persistence writer after step %d", rank, step)
+            ray.kill(coordinator.writer)
         if step == target:
             coordinator.flush(timeout_s=60)
             logger.warning("fault injection: rank %d kills itself after step %d", rank, step)

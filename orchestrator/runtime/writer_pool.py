@@ -76,5 +76,24 @@ class WriterPool:
                 logger.info("killing a replaced writer: %s", error)
         logger.warning("replaced writer(s) %s", ", ".join(names))
 
+    def replace_handle(self, handle: Any) -> bool:
+        """Replace the writer behind ``handle`` (found dead by a rank); False if it was already
+        replaced (another rank, or a recovery's drain, found it first)."""
+        with self._lock:
+            names = tuple(name for name, h in self._handles.items() if h == handle)
+        if not names:
+            return False
+        self.replace(names)
+        return True
+
     def stats(self, timeout_s: float | None = None) -> list[WriterStats]:
-        return ray.get([w.get_stats.remote() for w in self._all().values()], timeout=timeout_s)
+        """The live writers' statistics (a dead one, not yet replaced, is left out)."""
+        refs = [w.get_stats.remote() for w in self._all().values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        stats = []
+        for ref in ready:
+            try:
+                stats.append(ray.get(ref))
+            except Exception as error:  # noqa: BLE001 - a dead writer; the next hand-over replaces it
+                logger.debug("writer stats unavailable: %s", error)
+        return stats

@@ -1,0 +1,76 @@
+"""Issue 14 case 14: LayerCheck's account of a lost worker stands out — one WARNING line when the
+loss is seen and one when training resumes — and Ray's tracebacks on the driver's console are cut
+to their last line (no Ray needed: the filter and the announcement are pure)."""
+
+import logging
+
+from orchestrator.runtime.driver import announce_failures
+from orchestrator.runtime.ray_noise import LogFilter
+
+RAY_TRACEBACK = """Traceback (most recent call last):
+  File "/x/ray/train/v2/_internal/execution/controller/controller.py", line 1, in _run
+    raise WorkerGroupError(...)
+    ^^^^^^^^^^^^^^^^^^^^^^^
+  File "/x/ray/_private/worker.py", line 2, in get
+    values = worker.get_objects(
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/x/a.py", line 3, in f
+ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.
+\tclass_name: RayTrainWorker
+\tactor_id: 8d6c30f25145f2c31190bea501000000
+The actor may have been killed by the OOM killer: see ray logs for memory usage
+Started training worker group of size 2:""".splitlines()
+
+
+def test_a_traceback_is_cut_to_its_last_line_and_known_noise_dropped():
+    f = LogFilter()
+    kept = f.filter(4242, RAY_TRACEBACK[:5]) + f.filter(4242, RAY_TRACEBACK[5:])  # split across batches
+    assert kept[0].startswith("ray.exceptions.ActorDiedError: The actor died unexpectedly")
+    assert "traceback lines cut" in kept[0]
+    assert kept[1:] == ["Started training worker group of size 2:"]
+    assert f.dropped == len(RAY_TRACEBACK) - 2
+
+
+def test_ray_trains_worker_repr_and_truncated_snippets_are_cut():
+    f = LogFilter()
+    lines = ["[Rank 0 Error Snippet]:", "Traceback (most recent call last):", '  File "a.py", line 1',
+             "... (Output truncated. See individual worker logs for full details) ...", "eturn func(*args)",
+             "    work.wait()", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
+             "Worker info: Worker(", "  actor=Actor(RayTrainWorker, cd),", ")",
+             "The actor died unexpectedly before finishing this task."]
+    kept = f.filter(7, lines)
+    assert [k.split("  [")[0] for k in kept] == [
+        "[Rank 0 Error Snippet]:", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
+        "The actor died unexpectedly before finishing this task."]
+
+
+def test_other_lines_pass_untouched_and_sources_are_kept_apart():
+    f = LogFilter()
+    assert f.filter(1, ["Traceback (most recent call last):", '  File "a.py"']) == []
+    assert f.filter(2, ["WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]) == [
+        "WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]
+    assert f.filter(1, ["ValueError: x"])[0].startswith("ValueError: x")
+
+
+def test_a_lost_group_and_its_recovery_are_announced_once_each(caplog):
+    seen = {"state": "", "recoveries": 0}
+    recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
+    with caplog.at_level(logging.WARNING):
+        assert announce_failures({"state": "running", "step": 8, "account": {"recoveries": []}}, seen) == []
+        (lost,) = announce_failures({"state": "recovering", "step": 8, "account": {"recoveries": []}}, seen,
+                                    "injected: rank 1 SIGKILLs itself after step 8, fault.kill_at_step")
+        assert announce_failures({"state": "recovering", "step": 8, "account": {"recoveries": []}}, seen) == []
+        (resumed,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen)
+        assert announce_failures({"state": "running", "step": 10, "account": {"recoveries": [recovery]}}, seen) == []
+    assert lost.startswith("LAYERCHECK: worker group lost after step 8 (injected: rank 1")
+    assert resumed.startswith("LAYERCHECK: recovered: training resumes at step 9")
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+
+
+def test_a_recovery_over_between_two_polls_is_announced_in_one_line():
+    seen = {"state": "", "recoveries": 0}
+    recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
+    (line,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen, "rank 1")
+    assert line.startswith("LAYERCHECK: worker group lost after step 8 (rank 1); recovered: training resumes at step 9")

@@ -1,0 +1,73 @@
+"""The README's commands work as written (issue 14): every command in a ```bash block of
+README.md that needs no cluster and no earlier run is run, and must exit 0.
+
+Selection rule (kept simple so the README can change freely): a line of a ```bash block is run
+when it is ``.venv/bin/layercheck SUB ...`` with ``SUB`` one of :data:`SAFE` — subcommands that only
+read the repository (print the config reference, replay the simulator, inspect). Such a line that
+names a path the repository does not have (a run's output such as ``runs/demo/drift_trace.json``,
+which only a training run makes) is reported as skipped, with the path.
+``train``, ``export``, ``ray job submit`` and the like need a cluster or a run: the end-to-end
+tests cover them. ``.venv/bin/layercheck`` is run as this checkout's ``python -m
+orchestrator.cli.main`` (the same entry point), in the repository root, with a timeout.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SAFE = ("config", "simulate", "inspect")
+ENTRY = ".venv/bin/layercheck"
+TIMEOUT_S = 300
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def commands(text: str) -> list[list[str]]:
+    """The runnable commands of ``text`` (README markdown), as argument lists."""
+    found = []
+    for block in bash_blocks(text):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if len(words) >= 2 and words[0] == ENTRY and words[1] in SAFE:
+                found.append(words)
+    return found
+
+
+def missing_paths(words: list[str]) -> list[str]:
+    """The arguments that look like paths (a ``/`` in them, not an option) and are not in the repository."""
+    return [w for w in words[2:] if "/" in w and not w.startswith("-") and "://" not in w and not (REPO / w).exists()]
+
+
+def test_the_selection_rule():
+    text = ("```bash\n.venv/bin/layercheck config   # a comment\n.venv/bin/layercheck train x.toml\n"
+            ".venv/bin/layercheck export runs/demo\nray job submit -- layercheck config\n"
+            ".venv/bin/layercheck simulate \\\n  --sweep 1e-3\n```\n```python\n.venv/bin/layercheck config\n```\n")
+    assert commands(text) == [[ENTRY, "config"], [ENTRY, "simulate", "--sweep", "1e-3"]]
+    assert missing_paths([ENTRY, "simulate", "--trace", "runs/demo/drift_trace.json", "--out", "examples/demo.toml"]) \
+        == ["runs/demo/drift_trace.json"]
+
+
+README_COMMANDS = commands((REPO / "README.md").read_text())
+
+
+def test_the_readme_has_commands_to_run():
+    assert README_COMMANDS, "no `.venv/bin/layercheck config|simulate|inspect` line in README.md's bash blocks"
+
+
+@pytest.mark.parametrize("words", README_COMMANDS, ids=[" ".join(w[1:]) for w in README_COMMANDS])
+def test_a_readme_command_runs_as_written(words):
+    if missing_paths(words):
+        pytest.skip(f"names {missing_paths(words)}, which a run makes (not in the repository)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *words[1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{shlex.join(words)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    assert done.stdout.strip(), f"{shlex.join(words)} printed nothing"

@@ -1,0 +1,134 @@
+"""Issue 14 on a real local Ray (cases 5, 6, 7, 8): a run ends with its trained model in the
+store, a writer actor killed mid-run is replaced without losing what the ranks held, storage
+that breaks mid-run stops the run with the bound's breach reported (and an end-of-run write
+error does not crash the driver), and Ctrl-C stops `layercheck train` cleanly with the resume
+command."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from orchestrator.core.run_config import load_run_config
+from orchestrator.local.export import export
+from orchestrator.runtime.driver import connect, train
+from orchestrator.runtime.summary import format_summary, summarize
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from orchestrator.store.manifest import LAYERS_DIR
+from policies.configs import IntervalConfig
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    connect(load_run_config("examples/demo.toml"))
+    yield
+    ray.shutdown()
+
+
+def config(tmp_path, name, steps=12, policy=None, **overrides):
+    cfg = load_run_config("examples/demo.toml", {
+        "name": name, "storage": str(tmp_path / name), "steps": steps, "optim.total_steps": steps,
+        "optim.warmup_steps": 2, "metrics.port": 0, "fault.kill_at_step": 0, **overrides})
+    return dataclasses.replace(cfg, policy=policy) if policy is not None else cfg
+
+
+def newest_steps(storage):
+    newest = {}
+    for version in LayerStore.open(str(storage)).versions():
+        newest[version.layer] = max(version.step, newest.get(version.layer, 0))
+    return newest
+
+
+def hf_weights(tmp_path, storage, name):
+    out = export(str(storage), fmt="hf", out=tmp_path / f"export-{name}")
+    return load_file(str(next(Path(out).glob("*.safetensors"))))
+
+
+def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(local_ray, tmp_path):
+    """The reference persists every layer every step, so its step-12 composite is the trained
+    model. The run under test saves only its base at step 2 (thresholds it never reaches), and its
+    writer actor is killed after step 5: the final state must still reach the store, through a
+    replacement writer, and export to the reference's weights."""
+    reference = train(config(tmp_path, "reference", policy=IntervalConfig(interval=1)))
+    assert reference.error is None, reference.error
+    run = train(config(tmp_path, "final", **{"policy.warmup_steps": 2, "policy.k0": 1e6, "policy.k0_embed": 1e6,
+                                             "policy.smax": 1000, "fault.kill_writer_at_step": 5}))
+    assert run.error is None, run.error
+    assert run.status["writers_replaced"] == 1 and run.status["lost_versions"] == 0
+    assert newest_steps(tmp_path / "final") == {layer: 12 for layer in run.layer_numel}
+    summary = summarize(run)
+    assert "writers replaced" in format_summary(summary)
+    trained, exported = hf_weights(tmp_path, tmp_path / "reference", "ref"), hf_weights(tmp_path, tmp_path / "final", "final")
+    assert trained.keys() == exported.keys()
+    for key in trained:
+        torch.testing.assert_close(exported[key], trained[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(local_ray, tmp_path):
+    """After step 4 the store's layer directory turns into a file (every shard write fails, like a
+    read-only or full disk) and drift_trace.json into a directory (the driver's last write fails):
+    the run stops soon after staleness passes smax, says why, and still prints its summary."""
+    storage = tmp_path / "broken"
+    broken = {}
+
+    def break_storage(status):
+        if status["step"] >= 4 and not broken:
+            broken["committed"] = {v.version_id for v in LayerStore.open(str(storage)).versions()}
+            (storage / LAYERS_DIR).rename(storage / "layers.moved")
+            (storage / LAYERS_DIR).write_text("not a directory")
+            (storage / DRIFT_TRACE_FILE).mkdir()
+            broken["at"] = status["step"]
+
+    cfg = config(tmp_path, "broken", steps=400, **{"policy.warmup_steps": 2, "policy.k0": 1e6,
+                                                   "policy.k0_embed": 1e6, "policy.smax": 3})
+    result = train(cfg, on_progress=break_storage, poll_s=0.2)
+    status = result.status
+    assert broken, "the run ended before the storage was broken"
+    breach = status["staleness_breach"]
+    assert breach is not None and breach["action"] == "stop" and breach["staleness"] > 3 + 1
+    assert status["step"] < 400 and "staleness bound" in (result.error or "")
+    assert status["write_failures"] > 0
+    assert any(DRIFT_TRACE_FILE in error for error in result.end_errors)
+    text = format_summary(summarize(result))
+    assert "STALENESS BOUND BROKEN" in text and "end-of-run error" in text
+    # what was committed before the storage broke is still in the manifest
+    versions = LayerStore.open(str(storage)).versions()
+    assert broken["committed"] <= {v.version_id for v in versions}
+
+
+def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(tmp_path):
+    storage = tmp_path / "interrupted"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli.main", "train", "examples/demo.toml", "--set", "steps=2000",
+         "--set", "optim.total_steps=2000", "--set", "fault.kill_at_step=0", "--set", "metrics.port=0",
+         "--set", f"storage={storage}", "--set", "log_every=1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    lines = []
+    for line in proc.stdout:  # the progress lines; a run that never gets there fails the test's timeout
+        lines.append(line)
+        if "] step 25 " in line or "] step 26 " in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
+    started = time.monotonic()
+    out, err = proc.communicate(timeout=300)
+    out = "".join(lines) + out
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped after step" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
+    assert f"--set storage={storage}" in err and "--resume" in err, err[-3000:]
+    assert time.monotonic() - started < 300
+    newest = newest_steps(storage)
+    stopped = max(newest.values())
+    assert stopped >= 25 and set(newest.values()) == {stopped}  # every layer's final state, at the stop step
