@@ -75,16 +75,29 @@ class DeepSpeedFull:
     """``engine.save_checkpoint`` every ``interval`` steps; rollback with ``load_checkpoint``
     and re-run the lost steps."""
 
-    def __init__(self, te: TrainEngine, strategy: Strategy, root: Path, coordinator: LocalCoordinator, *,
-                 batches: Callable[[int], list[torch.Tensor]], losses: Callable[[], dict[int, float]],
-                 reset: Callable[[], None]) -> None:
-        self.te, self.interval, self.root, self.coordinator = te, strategy.interval, root, coordinator
+    def __init__(
+        self,
+        train_engine: TrainEngine,
+        strategy: Strategy,
+        root: Path,
+        coordinator: LocalCoordinator,
+        *,
+        batches: Callable[[int], list[torch.Tensor]],
+        losses: Callable[[], dict[int, float]],
+        reset: Callable[[], None],
+    ) -> None:
+        self.train_engine, self.interval, self.root, self.coordinator = (
+            train_engine,
+            strategy.interval,
+            root,
+            coordinator,
+        )
         self.batches, self.losses, self.reset = batches, losses, reset
         self.writer: JobThread | None = None
         if strategy.kind is Kind.DEEPSPEED_ASYNC:
             self.writer = JobThread("ds-async-writer")
-            self._saved_engine = te.engine.checkpoint_engine
-            te.engine.checkpoint_engine = async_checkpoint_engine(self.writer)
+            self._saved_engine = train_engine.engine.checkpoint_engine
+            train_engine.engine.checkpoint_engine = async_checkpoint_engine(self.writer)
         self.tags: list[int] = []
         self.persisted: dict[int, tuple[str, ...]] = {}
         self.stall_s = 0.0
@@ -94,13 +107,13 @@ class DeepSpeedFull:
         if step % self.interval:
             return
         started = time.monotonic()
-        self.te.engine.save_checkpoint(str(self.root), tag=f"step{step}", save_latest=False)
+        self.train_engine.engine.save_checkpoint(str(self.root), tag=f"step{step}", save_latest=False)
         self.tags.append(step)
         if self.writer is None:
             self._account_and_prune()
         else:  # after this tag's files in the writer's queue
             self.writer.submit(self._account_and_prune)
-        self.persisted[step] = tuple(self.te.layer_map.names)
+        self.persisted[step] = tuple(self.train_engine.layer_map.names)
         self.stall_s += time.monotonic() - started
 
     def _account_and_prune(self) -> None:
@@ -138,7 +151,7 @@ class DeepSpeedFull:
         plan_s = time.monotonic() - started
         started = time.monotonic()
         if usable:
-            self.te.engine.load_checkpoint(str(self.root), tag=f"step{usable[-1]}")
+            self.train_engine.engine.load_checkpoint(str(self.root), tag=f"step{usable[-1]}")
         else:
             self.reset()  # nothing saved yet: back to the initial weights
         load_s = time.monotonic() - started
@@ -146,20 +159,27 @@ class DeepSpeedFull:
         started = time.monotonic()
         replay_diff, losses = 0.0, self.losses()
         for step in range(resume_after + 1, t_fail + 1):
-            loss, _ = train_step(self.te, self.batches(step))
+            loss, _ = train_step(self.train_engine, self.batches(step))
             replay_diff = max(replay_diff, abs(loss - losses[step]) if step in losses else 0.0)
         replay_s = time.monotonic() - started
         self.coordinator.restart(resume_after=t_fail, persisted_steps={})
-        return {"resume_after": resume_after, "start_step": t_fail + 1, "plan_s": plan_s, "load_s": load_s,
-                "replay_s": replay_s, "drain_s": drain_s, "replay_max_loss_diff": replay_diff}
+        return {
+            "resume_after": resume_after,
+            "start_step": t_fail + 1,
+            "plan_s": plan_s,
+            "load_s": load_s,
+            "replay_s": replay_s,
+            "drain_s": drain_s,
+            "replay_max_loss_diff": replay_diff,
+        }
 
     def finish(self) -> tuple[int, int]:
         self._drain()
         if self.writer is None:
             return self.bytes_written, len(self.tags)  # rank 0 counted every rank's files
         self.writer.close()
-        written = self.te.engine.checkpoint_engine.bytes_written  # this rank's files
-        self.te.engine.checkpoint_engine = self._saved_engine
+        written = self.train_engine.engine.checkpoint_engine.bytes_written  # this rank's files
+        self.train_engine.engine.checkpoint_engine = self._saved_engine
         return written, len(self.tags)
 
 
@@ -172,13 +192,15 @@ class Differential:
     there, as gradient compression would be), so its cost is stall; only the small indices and
     values go to host memory and the writer thread."""
 
-    def __init__(self, te: TrainEngine, strategy: Strategy, root: Path, coordinator: LocalCoordinator) -> None:
-        self.te, self.coordinator = te, coordinator
+    def __init__(
+        self, train_engine: TrainEngine, strategy: Strategy, root: Path, coordinator: LocalCoordinator
+    ) -> None:
+        self.train_engine, self.coordinator = train_engine, coordinator
         self.encoder = deltas.DeltaEncoder(strategy.delta_density)
         self.delta_root = root / "deltas"
         self.delta_root.mkdir(parents=True, exist_ok=True)
         self.rank = torch.distributed.get_rank()
-        self.names = tuple(te.layer_map.names)
+        self.names = tuple(train_engine.layer_map.names)
         self.writer = JobThread(f"delta-writer-{self.rank}")
         self.last_full: int | None = None
         self.persisted: dict[int, tuple[str, ...]] = {}
@@ -190,9 +212,9 @@ class Differential:
         """This rank's owned state of every layer as flat tensors, in ``snapshot_layers`` order."""
         out = {}
         for name in self.names:
-            owned = self.te.layout[name].owned
+            owned = self.train_engine.layout[name].owned
             for key in STATE_KEYS:
-                views = [state_view(self.te.layout.optimizer, piece, key) for piece in owned]
+                views = [state_view(self.train_engine.layout.optimizer, piece, key) for piece in owned]
                 out[(name, key)] = torch.cat(views) if views else torch.empty(0)
         return out
 
@@ -217,22 +239,28 @@ class Differential:
         started = time.monotonic()
         self.writer.drain()
         delta_drain_s = time.monotonic() - started
-        recovered = recover(self.te, self.coordinator)
+        recovered = recover(self.train_engine, self.coordinator)
         if recovered.records is None:
             raise RuntimeError("differential: a failure before the first full checkpoint")
         full_step = max(recovered.versions.values())
         started = time.monotonic()
-        shards = snapshot_layers(self.te.layout, self.names, HostBufferPool(), step=t_fail)
+        shards = snapshot_layers(self.train_engine.layout, self.names, HostBufferPool(), step=t_fail)
         deltas.replay(shards, self.delta_root, range(full_step + 1, t_fail + 1), self.rank)
         for shard in shards:
             shard.optimizer_step = t_fail  # every layer's Adam took a step at every step
-        restore_from_shards(self.te.layout, shards)
+        restore_from_shards(self.train_engine.layout, shards)
         self.encoder.reset_tensors(self._device_state())
         replay_s = time.monotonic() - started
-        seek_step(self.te, t_fail)
-        return {"resume_after": t_fail, "start_step": t_fail + 1, "plan_s": recovered.plan_s,
-                "load_s": recovered.load_s, "replay_s": replay_s, "drain_s": delta_drain_s + recovered.drain_s,
-                "versions": {name: t_fail for name in self.names}}
+        seek_step(self.train_engine, t_fail)
+        return {
+            "resume_after": t_fail,
+            "start_step": t_fail + 1,
+            "plan_s": recovered.plan_s,
+            "load_s": recovered.load_s,
+            "replay_s": replay_s,
+            "drain_s": delta_drain_s + recovered.drain_s,
+            "versions": {name: t_fail for name in self.names},
+        }
 
     def finish(self) -> tuple[int, int]:
         self.writer.drain()
@@ -240,15 +268,22 @@ class Differential:
         return self.delta_bytes, self.events
 
 
-def make_baseline(te: TrainEngine, strategy: Strategy, root: Path, coordinator: LocalCoordinator, *,
-                  batches: Callable[[int], list[torch.Tensor]], losses: Callable[[], dict[int, float]],
-                  reset: Callable[[], None]) -> DeepSpeedFull | Differential | None:
+def make_baseline(
+    train_engine: TrainEngine,
+    strategy: Strategy,
+    root: Path,
+    coordinator: LocalCoordinator,
+    *,
+    batches: Callable[[int], list[torch.Tensor]],
+    losses: Callable[[], dict[int, float]],
+    reset: Callable[[], None],
+) -> DeepSpeedFull | Differential | None:
     """The strategy's own checkpointing, or ``None`` where LayerCheck's path is all of it. A
     rollback needs the batches of a step, the losses recorded so far and a reset to the initial weights."""
     if strategy.kind in (Kind.DEEPSPEED_SYNC, Kind.DEEPSPEED_ASYNC):
-        return DeepSpeedFull(te, strategy, root, coordinator, batches=batches, losses=losses, reset=reset)
+        return DeepSpeedFull(train_engine, strategy, root, coordinator, batches=batches, losses=losses, reset=reset)
     if strategy.kind is Kind.DIFFERENTIAL:
-        return Differential(te, strategy, root, coordinator)
+        return Differential(train_engine, strategy, root, coordinator)
     return None
 
 

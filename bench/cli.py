@@ -19,11 +19,19 @@ logger = logging.getLogger(__name__)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny",
-                   help="workload: tiny (CPU, a few minutes) or a Qwen2.5 shape for a GPU machine")
-    p.add_argument("--workload", choices=VARIANTS, default="default",
-                   help="a variant where layers differ: frozen-half (the first half of the blocks frozen) or "
-                        "lr-decay-0.8 (layer-wise LR decay 0.8 per block)")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="workload: tiny (CPU, a few minutes) or a Qwen2.5 shape for a GPU machine",
+    )
+    p.add_argument(
+        "--workload",
+        choices=VARIANTS,
+        default="default",
+        help="a variant where layers differ: frozen-half (the first half of the blocks frozen) or "
+        "lr-decay-0.8 (layer-wise LR decay 0.8 per block)",
+    )
     p.add_argument("--steps", type=int, help="override the preset's steps")
     p.add_argument("--failures", help="comma-separated steps after which a rank fails (override)")
     p.add_argument("--interval", type=int, help="N: steps between full checkpoints (override)")
@@ -36,8 +44,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work-dir", type=Path, help="keep checkpoints here (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="write bench.json, summary.md, ettr.json and plots here")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
-    p.add_argument("--rebuild", type=Path, metavar="BENCH_JSON",
-                   help="run nothing: rebuild the report, summary and plots from the measurements in a bench.json")
+    p.add_argument(
+        "--rebuild",
+        type=Path,
+        metavar="BENCH_JSON",
+        help="run nothing: rebuild the report, summary and plots from the measurements in a bench.json",
+    )
 
 
 def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,9 +67,15 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
 
 def workload_from_args(args: argparse.Namespace) -> Any:
     failures = tuple(int(x) for x in args.failures.split(",")) if args.failures else None
-    base = preset(args.preset, steps=args.steps, failures=failures, interval=args.interval,
-                  layercheck_warmup=args.layercheck_warmup, delta_density=args.delta_density,
-                  world_size=args.world_size)
+    base = preset(
+        args.preset,
+        steps=args.steps,
+        failures=failures,
+        interval=args.interval,
+        layercheck_warmup=args.layercheck_warmup,
+        delta_density=args.delta_density,
+        world_size=args.world_size,
+    )
     return variant(base, getattr(args, "workload", "default"))
 
 
@@ -95,9 +113,11 @@ def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) ->
     (out / "bench.json").write_text(json.dumps(report, indent=1))
     grid = ettr_model.grid(ettr_model.costs_from_bench(report), runs=ettr_runs)
     (out / "ettr.json").write_text(json.dumps(grid, indent=1))
-    names = [plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
-             plots.loss_deviation(report, out / "loss_deviation.png").name,
-             plots.ettr_curves(grid, out / "ettr.png").name]
+    names = [
+        plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
+        plots.loss_deviation(report, out / "loss_deviation.png").name,
+        plots.ettr_curves(grid, out / "ettr.png").name,
+    ]
     (out / "summary.md").write_text(summary.summary_markdown(report, plots=names, ettr=grid))
     logger.info("wrote %s", ", ".join(str(out / n) for n in ("bench.json", "ettr.json", "summary.md", *names)))
 
@@ -113,9 +133,14 @@ def run_ettr(args: argparse.Namespace) -> int:
         gpus = [int(x) for x in args.gpus.split(",")]
     except (OSError, ValueError, KeyError) as error:
         raise SystemExit(f"layercheck ettr: {error!r}") from None
-    grid = ettr_model.grid(costs, mtbf_hours=mtbf, gpu_counts=gpus, per_gpu_mtbf_hours=args.per_gpu_mtbf_hours,
-                           runs=args.runs,
-                           storage_bytes_per_s=args.storage_gbps * 1e9 if args.storage_gbps else None)
+    grid = ettr_model.grid(
+        costs,
+        mtbf_hours=mtbf,
+        gpu_counts=gpus,
+        per_gpu_mtbf_hours=args.per_gpu_mtbf_hours,
+        runs=args.runs,
+        storage_bytes_per_s=args.storage_gbps * 1e9 if args.storage_gbps else None,
+    )
     if args.out:
         from bench import plots
 

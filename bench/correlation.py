@@ -28,8 +28,13 @@ def weighted_staleness(numel: Mapping[str, int], versions: Mapping[str, int], t:
     return sum(n * (t - versions.get(name, 0)) for name, n in numel.items()) / total
 
 
-def unsaved_drift(numel: Mapping[str, int], versions: Mapping[str, int], t: int,
-                  drift: Mapping[int, Mapping[str, float]], scale: Mapping[str, float] | None = None) -> float:
+def unsaved_drift(
+    numel: Mapping[str, int],
+    versions: Mapping[str, int],
+    t: int,
+    drift: Mapping[int, Mapping[str, float]],
+    scale: Mapping[str, float] | None = None,
+) -> float:
     """``sum n_ℓ D_ℓ / N`` (``scale``: divide each ``D_ℓ`` by ``scale[ℓ]`` first)."""
     total = sum(numel.values())
     out = 0.0

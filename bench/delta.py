@@ -20,6 +20,7 @@ import torch
 
 from workers.shard import STATE_KEYS, LayerShard
 
+
 def top_k_count(numel: int, density: float) -> int:
     return min(numel, max(1, math.ceil(numel * density))) if numel else 0
 

@@ -47,15 +47,40 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "cpu-small": Preset(
-        model={"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 688,
-               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "max_position_embeddings": 128},
-        device="cpu", precision="fp32", micro_batch=4, seq=64, steps=20),
+        model={
+            "model_type": "llama",
+            "vocab_size": 512,
+            "hidden_size": 256,
+            "intermediate_size": 688,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        },
+        device="cpu",
+        precision="fp32",
+        micro_batch=4,
+        seq=64,
+        steps=20,
+    ),
     "h200-0.5b": Preset(
-        model={"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-               "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-               "max_position_embeddings": 2048, "tie_word_embeddings": True},
-        device="cuda", precision="bf16", micro_batch=4, seq=1024, steps=30),
+        model={
+            "model_type": "qwen2",
+            "vocab_size": 151936,
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 2048,
+            "tie_word_embeddings": True,
+        },
+        device="cuda",
+        precision="bf16",
+        micro_batch=4,
+        seq=1024,
+        steps=30,
+    ),
 }
 
 
@@ -117,8 +142,9 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
 
     def plain() -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
         groups = _groups(model, device)
-        return torch.optim.AdamW([{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups],
-                                 lr=1e-5, **fast), groups
+        return torch.optim.AdamW(
+            [{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups], lr=1e-5, **fast
+        ), groups
 
     adamw, _ = plain()
     drift = DriftAdamW(_groups(model, device), lr=1e-5)
@@ -157,8 +183,13 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         sums = [torch.stack(torch._foreach_norm([p.detach() for p in g["params"]], 1)).sum() for g in floor_groups]
         torch.stack(sums).cpu()
 
-    return {"adamw": adamw.step, "drift_adamw": drift_step, "snapshot_diff": snapshot_diff_step,
-            "moments": moments_step, "l1_params": l1_step}
+    return {
+        "adamw": adamw.step,
+        "drift_adamw": drift_step,
+        "snapshot_diff": snapshot_diff_step,
+        "moments": moments_step,
+        "l1_params": l1_step,
+    }
 
 
 def training_step_seconds(preset: Preset) -> float:
@@ -167,18 +198,21 @@ def training_step_seconds(preset: Preset) -> float:
     from workers.engine import build_engine, shutdown
     from workers.step import train_step
 
-    te = build_engine(ModelConfig(hf_config=preset.model), OptimConfig(lr=1e-5, weight_decay=0.1),
-                      EngineConfig(zero_stage=0, precision=preset.precision, micro_batch=preset.micro_batch))
+    train_engine = build_engine(
+        ModelConfig(hf_config=preset.model),
+        OptimConfig(lr=1e-5, weight_decay=0.1),
+        EngineConfig(zero_stage=0, precision=preset.precision, micro_batch=preset.micro_batch),
+    )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, preset.model["vocab_size"], (preset.micro_batch, preset.seq), generator=g)
-    seconds = _time(lambda: train_step(te, [ids]), preset.device, preset.steps)
-    shutdown(te)
+    seconds = _time(lambda: train_step(train_engine, [ids]), preset.device, preset.steps)
+    shutdown(train_engine)
     return seconds
 
 
 def run(preset_name: str, steps: int | None) -> dict[str, Any]:
-    from workers.engine import build_model
     from workers.config import ModelConfig
+    from workers.engine import build_model
 
     preset = PRESETS[preset_name]
     if steps:
@@ -192,23 +226,39 @@ def run(preset_name: str, steps: int | None) -> dict[str, Any]:
     whole = training_step_seconds(preset)
     base = optimizer["adamw"]
     rows = {
-        name: {"seconds": s, "overhead_s": s - base, "vs_optimizer_step": (s - base) / base,
-               "vs_training_step": (s - base) / whole}
-        for name, s in optimizer.items() if name != "adamw"
+        name: {
+            "seconds": s,
+            "overhead_s": s - base,
+            "vs_optimizer_step": (s - base) / base,
+            "vs_training_step": (s - base) / whole,
+        }
+        for name, s in optimizer.items()
+        if name != "adamw"
     }
-    return {"preset": preset_name, "device": preset.device, "params": numel, "steps": preset.steps,
-            "optimizer_step_s": base, "training_step_s": whole, "probes": rows}
+    return {
+        "preset": preset_name,
+        "device": preset.device,
+        "params": numel,
+        "steps": preset.steps,
+        "optimizer_step_s": base,
+        "training_step_s": whole,
+        "probes": rows,
+    }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{result['preset']} on {result['device']}: {result['params'] / 1e6:.2f}M params, "
-             f"median of {result['steps']} steps",
-             f"plain AdamW step {result['optimizer_step_s'] * 1e3:9.3f} ms   whole training step "
-             f"{result['training_step_s'] * 1e3:9.3f} ms",
-             f"{'variant':<14} {'step ms':>10} {'extra ms':>10} {'x opt step':>11} {'x train step':>13}"]
+    lines = [
+        f"{result['preset']} on {result['device']}: {result['params'] / 1e6:.2f}M params, "
+        f"median of {result['steps']} steps",
+        f"plain AdamW step {result['optimizer_step_s'] * 1e3:9.3f} ms   whole training step "
+        f"{result['training_step_s'] * 1e3:9.3f} ms",
+        f"{'variant':<14} {'step ms':>10} {'extra ms':>10} {'x opt step':>11} {'x train step':>13}",
+    ]
     for name, row in result["probes"].items():
-        lines.append(f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['overhead_s'] * 1e3:10.3f} "
-                     f"{row['vs_optimizer_step']:11.3f} {row['vs_training_step']:13.4f}")
+        lines.append(
+            f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['overhead_s'] * 1e3:10.3f} "
+            f"{row['vs_optimizer_step']:11.3f} {row['vs_training_step']:13.4f}"
+        )
     return "\n".join(lines)
 
 

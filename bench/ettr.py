@@ -150,8 +150,9 @@ def simulate_once(costs: Costs, mtbf_s: float, work_steps: int, rng: random.Rand
     return work_steps * costs.base_step_s / elapsed
 
 
-def simulate(costs: Costs, mtbf_s: float, *, runs: int = 200, work_s: float | None = None,
-             seed: int = 0) -> dict[str, float]:
+def simulate(
+    costs: Costs, mtbf_s: float, *, runs: int = 200, work_s: float | None = None, seed: int = 0
+) -> dict[str, float]:
     """Mean, standard deviation and 5th/95th percentiles of ETTR over ``runs`` runs of
     ``work_s`` productive seconds (default: 10 MTBFs, at least one hour)."""
     work_s = work_s if work_s is not None else max(HOUR, 10.0 * mtbf_s)
@@ -169,9 +170,16 @@ def simulate(costs: Costs, mtbf_s: float, *, runs: int = 200, work_s: float | No
     }
 
 
-def grid(costs: Sequence[Costs], *, mtbf_hours: Sequence[float] = MTBF_HOURS,
-         gpu_counts: Sequence[int] = GPU_COUNTS, per_gpu_mtbf_hours: float = PER_GPU_MTBF_HOURS,
-         runs: int = 200, seed: int = 0, storage_bytes_per_s: float | None = None) -> dict[str, Any]:
+def grid(
+    costs: Sequence[Costs],
+    *,
+    mtbf_hours: Sequence[float] = MTBF_HOURS,
+    gpu_counts: Sequence[int] = GPU_COUNTS,
+    per_gpu_mtbf_hours: float = PER_GPU_MTBF_HOURS,
+    runs: int = 200,
+    seed: int = 0,
+    storage_bytes_per_s: float | None = None,
+) -> dict[str, Any]:
     """ETTR of every strategy for each cluster MTBF and for each GPU count."""
     scaled = [c.with_storage(storage_bytes_per_s) for c in costs]
 
@@ -196,10 +204,19 @@ def costs_from_bench(report: Mapping[str, Any], *, restart_s: float | None = Non
     restart = report["restart_s"] if restart_s is None else restart_s
     out = []
     for name, row in rows.items():
-        out.append(Costs(
-            name=name, recovery=row["recovery"], base_step_s=base, step_s=max(row["model_step_s"], base),
-            interval=row["interval"] or 0, stall_per_event_s=row["stall_per_event_s"],
-            bytes_per_step=row["bytes_per_step"], bytes_per_event=row["bytes_per_event"],
-            recovery_s=row["recovery_s"], restart_s=restart, sync_write=row["kind"] == "deepspeed-sync",
-        ))
+        out.append(
+            Costs(
+                name=name,
+                recovery=row["recovery"],
+                base_step_s=base,
+                step_s=max(row["model_step_s"], base),
+                interval=row["interval"] or 0,
+                stall_per_event_s=row["stall_per_event_s"],
+                bytes_per_step=row["bytes_per_step"],
+                bytes_per_event=row["bytes_per_event"],
+                recovery_s=row["recovery_s"],
+                restart_s=restart,
+                sync_write=row["kind"] == "deepspeed-sync",
+            )
+        )
     return out

@@ -55,17 +55,17 @@ def failure_points(w: Workload, count: int, horizon: int) -> list[int]:
     return sorted({lo + round(i * (hi - lo) / max(1, count - 1)) for i in range(count)})
 
 
-def _owned_fp32(te: Any) -> dict[str, torch.Tensor]:
+def _owned_fp32(train_engine: Any) -> dict[str, torch.Tensor]:
     """This rank's owned fp32 weights of every layer, flat (cloned)."""
     from workers.host_buffers import HostBufferPool
     from workers.layer_state import snapshot_layers
 
-    shards = snapshot_layers(te.layout, list(te.layer_map.names), HostBufferPool(pin=False))
+    shards = snapshot_layers(train_engine.layout, list(train_engine.layer_map.names), HostBufferPool(pin=False))
     return {s.layer: s.tensors["fp32"].clone() for s in shards}
 
 
-def _sum_layers(te: Any, per_layer: Mapping[str, float]) -> dict[str, float]:
-    names = list(te.layer_map.names)
+def _sum_layers(train_engine: Any, per_layer: Mapping[str, float]) -> dict[str, float]:
+    names = list(train_engine.layer_map.names)
     t = torch.tensor([per_layer[n] for n in names], dtype=torch.float64)
     if torch.distributed.get_backend() == "nccl":
         t = t.cuda()
@@ -73,9 +73,9 @@ def _sum_layers(te: Any, per_layer: Mapping[str, float]) -> dict[str, float]:
     return dict(zip(names, t.cpu().tolist()))
 
 
-def _mean_abs(te: Any, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    sums = _sum_layers(te, {n: float(w.double().abs().sum()) for n, w in weights.items()})
-    return {n: sums[n] / te.layer_map.numel[n] for n in sums}
+def _mean_abs(train_engine: Any, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    sums = _sum_layers(train_engine, {n: float(w.double().abs().sum()) for n, w in weights.items()})
+    return {n: sums[n] / train_engine.layer_map.numel[n] for n in sums}
 
 
 def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -88,20 +88,23 @@ def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, to
     from workers.engine import seek_step
     from workers.step import train_step
 
-    te = runner.te
+    train_engine = runner.train_engine
     try:
-        records = resolve_plan(store, te.layer_map.numel, t, deep=False).records
+        records = resolve_plan(store, train_engine.layer_map.numel, t, deep=False).records
     except NoUsableVersionError:
         return None
-    wipe_training_state(te)
-    load_composite(te, store, records)
-    seek_step(te, t)
-    te.optimizer.take_drift()
-    recovered = _owned_fp32(te)
-    distance = _sum_layers(te, {n: float((recovered[n] - at_t[n]).double().abs().sum()) for n in recovered})
-    losses = {t + k: train_step(te, runner.batches(t + k))[0] for k in range(1, horizon + 1)}
-    return {"versions": {n: r.step for n, r in records.items()},
-            "lost_distance_per_layer": {n: distance[n] / te.layer_map.numel[n] for n in distance}, "losses": losses}
+    wipe_training_state(train_engine)
+    load_composite(train_engine, store, records)
+    seek_step(train_engine, t)
+    train_engine.optimizer.take_drift()
+    recovered = _owned_fp32(train_engine)
+    distance = _sum_layers(train_engine, {n: float((recovered[n] - at_t[n]).double().abs().sum()) for n in recovered})
+    losses = {t + k: train_step(train_engine, runner.batches(t + k))[0] for k in range(1, horizon + 1)}
+    return {
+        "versions": {n: r.step for n, r in records.items()},
+        "lost_distance_per_layer": {n: distance[n] / train_engine.layer_map.numel[n] for n in distance},
+        "losses": losses,
+    }
 
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -121,10 +124,10 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     def record(step: int) -> None:
         if step in at_points or step not in points:
             return
-        at_points[step] = _owned_fp32(runner.te)
+        at_points[step] = _owned_fp32(runner.train_engine)
 
     reference = runner.run(Strategy(name="none", kind=Kind.NONE), observe=record)
-    scale = {t: _mean_abs(runner.te, at_points[t]) for t in points}
+    scale = {t: _mean_abs(runner.train_engine, at_points[t]) for t in points}
     out: list[dict[str, Any]] = []
     for strategy in strategies:
         runner.run(strategy)
@@ -135,11 +138,15 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
                 out.append({"strategy": strategy.name, "t_fail": t, **replayed})
         if rank == 0:
             logger.warning("freshness: %s done (%d points)", strategy.name, len(points))
-    shutdown(runner.te)
+    shutdown(runner.train_engine)
     if rank != 0:
         return {}
-    return {"reference": reference, "scale": {str(t): s for t, s in scale.items()}, "replays": out,
-            "numel": dict(runner.te.layer_map.numel)}
+    return {
+        "reference": reference,
+        "scale": {str(t): s for t, s in scale.items()},
+        "replays": out,
+        "numel": dict(runner.train_engine.layer_map.numel),
+    }
 
 
 def analyse(raw: Mapping[str, Any], *, horizon: int) -> dict[str, Any]:
@@ -151,32 +158,60 @@ def analyse(raw: Mapping[str, Any], *, horizon: int) -> dict[str, Any]:
     for r in raw["replays"]:
         t, versions = r["t_fail"], r["versions"]
         devs = [abs(float(loss) - ref_losses[int(s)]) for s, loss in r["losses"].items()]
-        points.append({
-            "strategy": r["strategy"], "t_fail": t, "versions": versions,
-            "weighted_staleness": correlation.weighted_staleness(numel, versions, t),
-            "unsaved_drift": correlation.unsaved_drift(numel, versions, t, drift),
-            "unsaved_drift_relative": correlation.unsaved_drift(numel, versions, t, drift, scale=raw["scale"][str(t)]),
-            "lost_distance": correlation.weighted_mean(numel, r["lost_distance_per_layer"]),
-            "loss_dev_mean": statistics.fmean(devs), "loss_dev_max": max(devs),
-        })
+        points.append(
+            {
+                "strategy": r["strategy"],
+                "t_fail": t,
+                "versions": versions,
+                "weighted_staleness": correlation.weighted_staleness(numel, versions, t),
+                "unsaved_drift": correlation.unsaved_drift(numel, versions, t, drift),
+                "unsaved_drift_relative": correlation.unsaved_drift(
+                    numel, versions, t, drift, scale=raw["scale"][str(t)]
+                ),
+                "lost_distance": correlation.weighted_mean(numel, r["lost_distance_per_layer"]),
+                "loss_dev_mean": statistics.fmean(devs),
+                "loss_dev_max": max(devs),
+            }
+        )
     by_strategy = {}
     for name in dict.fromkeys(p["strategy"] for p in points):
         by_strategy[name] = correlation.correlations([p for p in points if p["strategy"] == name])
-    return {"horizon": horizon, "points": points, "pooled": correlation.correlations(points),
-            "pooled_max": correlation.correlations(points, target="loss_dev_max"), "by_strategy": by_strategy}
+    return {
+        "horizon": horizon,
+        "points": points,
+        "pooled": correlation.correlations(points),
+        "pooled_max": correlation.correlations(points, target="loss_dev_max"),
+        "by_strategy": by_strategy,
+    }
 
 
 def table(result: Mapping[str, Any]) -> str:
-    rows = [["pooled (mean |dloss|)", *(_pair(result["pooled"][m]) for m in correlation.MEASURES)],
-            ["pooled (max |dloss|)", *(_pair(result["pooled_max"][m]) for m in correlation.MEASURES)]]
+    rows = [
+        ["pooled (mean |dloss|)", *(_pair(result["pooled"][m]) for m in correlation.MEASURES)],
+        ["pooled (max |dloss|)", *(_pair(result["pooled_max"][m]) for m in correlation.MEASURES)],
+    ]
     rows += [[name, *(_pair(c[m]) for m in correlation.MEASURES)] for name, c in result["by_strategy"].items()]
     head = format_table(["points", *correlation.MEASURES], rows)
-    pts = [[p["strategy"], p["t_fail"], p["weighted_staleness"], p["unsaved_drift"], p["unsaved_drift_relative"],
-            p["lost_distance"], p["loss_dev_mean"], p["loss_dev_max"]] for p in result["points"]]
-    return (f"Pearson / Spearman of each freshness measure with the loss deviation over the next "
-            f"{result['horizon']} steps ({len(result['points'])} failure points)\n{head}\n\n"
-            + format_table(["strategy", "t_fail", "w-stal", "unsaved drift", "relative", "lost dist", "dev mean",
-                            "dev max"], pts))
+    pts = [
+        [
+            p["strategy"],
+            p["t_fail"],
+            p["weighted_staleness"],
+            p["unsaved_drift"],
+            p["unsaved_drift_relative"],
+            p["lost_distance"],
+            p["loss_dev_mean"],
+            p["loss_dev_max"],
+        ]
+        for p in result["points"]
+    ]
+    return (
+        f"Pearson / Spearman of each freshness measure with the loss deviation over the next "
+        f"{result['horizon']} steps ({len(result['points'])} failure points)\n{head}\n\n"
+        + format_table(
+            ["strategy", "t_fail", "w-stal", "unsaved drift", "relative", "lost dist", "dev mean", "dev max"], pts
+        )
+    )
 
 
 def _pair(c: Mapping[str, float]) -> str:
@@ -192,18 +227,26 @@ def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[
     return rank_main(rank, world_size, payload)
 
 
-def run_sweep(w: Workload, strategies: Sequence[Strategy], *, points: int, horizon: int,
-              timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_sweep(
+    w: Workload, strategies: Sequence[Strategy], *, points: int, horizon: int, timeout_s: float = 3600.0
+) -> dict[str, Any]:
     """Spawn the ranks, run the sweep, analyse it (rank 0's raw measurements under ``raw``)."""
     from orchestrator.local.spawn import spawn_ranks
 
     w = replace(w, failures=())
     steps = failure_points(w, points, horizon)
     root = Path(tempfile.mkdtemp(prefix="layercheck-freshness-"))
-    payload = {"workload": w.to_json(), "strategies": [s.to_json() for s in strategies], "root": str(root),
-               "points": steps, "horizon": horizon}
+    payload = {
+        "workload": w.to_json(),
+        "strategies": [s.to_json() for s in strategies],
+        "root": str(root),
+        "points": steps,
+        "horizon": horizon,
+    }
     try:
-        raw = spawn_ranks(_rank_entry, w.world_size, payload, timeout_s=timeout_s, what=f"freshness sweep ({w.name})")[0]
+        raw = spawn_ranks(_rank_entry, w.world_size, payload, timeout_s=timeout_s, what=f"freshness sweep ({w.name})")[
+            0
+        ]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = analyse(raw, horizon=horizon)
@@ -214,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.freshness", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--workload", choices=VARIANTS, default="default")
-    p.add_argument("--strategies", default=",".join(DEFAULT_STRATEGIES),
-                   help="comma-separated resume strategies (rollbacks re-run lost steps exactly: no deviation)")
+    p.add_argument(
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help="comma-separated resume strategies (rollbacks re-run lost steps exactly: no deviation)",
+    )
     p.add_argument("--points", type=int, default=12, help="failure points per strategy")
     p.add_argument("--horizon", type=int, default=20, help="K: steps trained after each recovery")
     p.add_argument("--out", type=Path, help="write freshness.json here")

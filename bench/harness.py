@@ -41,10 +41,10 @@ from orchestrator.local.coordinator import LocalCoordinator
 from orchestrator.local.recovery import recover
 from orchestrator.local.run import train_with_failures, wipe_training_state
 from orchestrator.local.spawn import spawn_ranks
+from orchestrator.logs import configure_process_logging
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
 from policies.staggered import BYTES_PER_PARAM
-from orchestrator.logs import configure_process_logging
 
 logger = logging.getLogger(__name__)
 
@@ -73,19 +73,26 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
 
     return (
         ModelConfig(hf_config=dict(w.model), seed=0, freeze=tuple(w.freeze)),
-        OptimConfig(lr=w.lr, weight_decay=w.weight_decay, warmup_steps=w.lr_warmup, total_steps=w.steps,
-                    min_lr_ratio=w.min_lr_ratio, schedule="cosine", layer_lr_decay=w.layer_lr_decay),
+        OptimConfig(
+            lr=w.lr,
+            weight_decay=w.weight_decay,
+            warmup_steps=w.lr_warmup,
+            total_steps=w.steps,
+            min_lr_ratio=w.min_lr_ratio,
+            schedule="cosine",
+            layer_lr_decay=w.layer_lr_decay,
+        ),
         EngineConfig(zero_stage=w.zero_stage, precision=w.precision, micro_batch=w.micro_batch, grad_clip=w.grad_clip),
     )
 
 
-def _reset(te: Any, initial: list[Any]) -> None:
+def _reset(train_engine: Any, initial: list[Any]) -> None:
     from workers.engine import seek_step
     from workers.layer_state import restore_from_shards
 
-    restore_from_shards(te.layout, initial)
-    seek_step(te, 0)
-    te.optimizer.take_drift()
+    restore_from_shards(train_engine.layout, initial)
+    seek_step(train_engine, 0)
+    train_engine.optimizer.take_drift()
 
 
 class Runner:
@@ -107,47 +114,69 @@ class Runner:
         model_cfg, optim_cfg, engine_cfg = _configs(workload)
         init_distributed()  # outside the timed build: a one-off JIT of DeepSpeed's shm op on CPU
         started = time.monotonic()
-        self.te = build_engine(model_cfg, optim_cfg, engine_cfg)
+        self.train_engine = build_engine(model_cfg, optim_cfg, engine_cfg)
         self.build_s = time.monotonic() - started
-        self.probe = TimedProbe(self.te.probe)
-        self.te.probe = self.probe
+        self.probe = TimedProbe(self.train_engine.probe)
+        self.train_engine.probe = self.probe
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.dataset = SequenceDataset.from_config(DataConfig(seq_len=workload.seq_len, seed=0))
-        initial = snapshot_layers(self.te.layout, self.te.layer_map.names, HostBufferPool(pin=False), step=0)
+        initial = snapshot_layers(
+            self.train_engine.layout, self.train_engine.layer_map.names, HostBufferPool(pin=False), step=0
+        )
         self.initial = [_clone_shard(s) for s in initial]
 
     def batches(self, step: int) -> list[torch.Tensor]:
-        return [self.dataset.micro_batch(step=step, micro=0, rank=self.rank, world_size=self.world_size,
-                                         micro_batch=self.workload.micro_batch, grad_accum=1)]
+        return [
+            self.dataset.micro_batch(
+                step=step,
+                micro=0,
+                rank=self.rank,
+                world_size=self.world_size,
+                micro_batch=self.workload.micro_batch,
+                grad_accum=1,
+            )
+        ]
 
     def run(self, strategy: Strategy, *, observe: Callable[[int], None] | None = None) -> dict[str, Any]:
         """Train ``strategy`` over the workload; ``observe(step)`` runs on every rank after each
         step (after the strategy's own hook), e.g. to record the state at chosen steps."""
-        w, te = self.workload, self.te
-        _reset(te, self.initial)
+        w, train_engine = self.workload, self.train_engine
+        _reset(train_engine, self.initial)
         directory = self.root / strategy.name
         if self.rank == 0 and directory.exists():
             shutil.rmtree(directory)
         torch.distributed.barrier()
         directory.mkdir(parents=True, exist_ok=True)
         store = LayerStore.open(str(directory / "store"), fsync=True)
-        coordinator = LocalCoordinator(policy=build_policy(strategy.loop_policy, te.layer_map.numel),
-                                       layer_numel=te.layer_map.numel, store=store, run_id=strategy.name,
-                                       max_inflight_bytes=PersistenceConfig().max_inflight_bytes,
-                                       max_versions_in_flight=PersistenceConfig().max_versions_in_flight)
+        coordinator = LocalCoordinator(
+            policy=build_policy(strategy.loop_policy, train_engine.layer_map.numel),
+            layer_numel=train_engine.layer_map.numel,
+            store=store,
+            run_id=strategy.name,
+            max_inflight_bytes=PersistenceConfig().max_inflight_bytes,
+            max_versions_in_flight=PersistenceConfig().max_versions_in_flight,
+        )
+
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
             return {p.step: p.loss for p in coordinator.progress_log}
 
-        baseline = make_baseline(te, strategy, directory, coordinator, batches=self.batches, losses=losses,
-                                 reset=lambda: _reset(te, self.initial))
+        baseline = make_baseline(
+            train_engine,
+            strategy,
+            directory,
+            coordinator,
+            batches=self.batches,
+            losses=losses,
+            reset=lambda: _reset(train_engine, self.initial),
+        )
         recoveries: list[dict[str, Any]] = []
         recovering_s = 0.0
 
         def on_failure(t_fail: int) -> int:
             nonlocal recovering_s
             started = time.monotonic()
-            wipe_training_state(te)
+            wipe_training_state(train_engine)
             recovered = baseline.recover(t_fail) if baseline is not None else self._recover(coordinator)
             recoveries.append({"t_fail": t_fail, **recovered})
             recovering_s += time.monotonic() - started
@@ -156,10 +185,18 @@ class Runner:
         probe_before = self.probe.seconds
         torch.distributed.barrier()
         started = time.monotonic()
-        train_with_failures(te, self.dataset, coordinator, start_step=1, end_step=w.steps, rank=self.rank,
-                            world_size=self.world_size,
-                            fail_after=w.failures if strategy.kind is not Kind.NONE else (),
-                            on_failure=on_failure, after_step=_chain(baseline.after_step if baseline else None, observe))
+        train_with_failures(
+            train_engine,
+            self.dataset,
+            coordinator,
+            start_step=1,
+            end_step=w.steps,
+            rank=self.rank,
+            world_size=self.world_size,
+            fail_after=w.failures if strategy.kind is not Kind.NONE else (),
+            on_failure=on_failure,
+            after_step=_chain(baseline.after_step if baseline else None, observe),
+        )
         train_s = time.monotonic() - started - recovering_s
         baseline_bytes, baseline_events = baseline.finish() if baseline is not None else (0, 0)
         coordinator.close()
@@ -175,7 +212,7 @@ class Runner:
             return {}
         progress = coordinator.progress_log
         trace = {o.step: o for o in coordinator.service.trace}
-        freshness = _freshness(te.layer_map.numel, trace, persisted, recoveries, strategy, w)
+        freshness = _freshness(train_engine.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
             "strategy": strategy.to_json(),
             "train_s": train_s,
@@ -188,22 +225,29 @@ class Runner:
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
             "commits": _commits(coordinator),
-            "handed_state_bytes": handed_bytes(coordinator.handed, te.layer_map.numel),
+            "handed_state_bytes": handed_bytes(coordinator.handed, train_engine.layer_map.numel),
         }
         if strategy.kind is Kind.NONE:
             drifts = {s: dict(o.drift) for s, o in trace.items()}
-            out["trace"] = trace_of(te.layer_map.numel, drifts, {s: o.lr for s, o in trace.items()}).to_json()
+            out["trace"] = trace_of(train_engine.layer_map.numel, drifts, {s: o.lr for s, o in trace.items()}).to_json()
         return out
 
     def _recover(self, coordinator: LocalCoordinator) -> dict[str, Any]:
         """LayerCheck's recovery, the product's code; from the initial weights if nothing was committed."""
-        recovered = recover(self.te, coordinator)
+        recovered = recover(self.train_engine, coordinator)
         if recovered.records is None:
-            _reset(self.te, self.initial)
-        return {"resume_after": recovered.start_step - 1, "start_step": recovered.start_step,
-                "plan_s": recovered.plan_s, "load_s": recovered.load_s, "replay_s": 0.0,
-                "drain_s": recovered.drain_s, "weighted_staleness": recovered.weighted_staleness,
-                "max_staleness": recovered.max_staleness, "versions": recovered.versions}
+            _reset(self.train_engine, self.initial)
+        return {
+            "resume_after": recovered.start_step - 1,
+            "start_step": recovered.start_step,
+            "plan_s": recovered.plan_s,
+            "load_s": recovered.load_s,
+            "replay_s": 0.0,
+            "drain_s": recovered.drain_s,
+            "weighted_staleness": recovered.weighted_staleness,
+            "max_staleness": recovered.max_staleness,
+            "versions": recovered.versions,
+        }
 
 
 def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
@@ -229,8 +273,9 @@ def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, 
 def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
     """Rank 0: what the run's supervisor committed, retried and lost (its ``RunView`` status)."""
     status = coordinator.status() or {}
-    return {key: status.get(key, 0) for key in ("versions_committed", "commit_retries", "lost_versions",
-                                                "write_failures")}
+    return {
+        key: status.get(key, 0) for key in ("versions_committed", "commit_retries", "lost_versions", "write_failures")
+    }
 
 
 def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[str]]:
@@ -245,8 +290,14 @@ def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[st
     return out
 
 
-def _freshness(numel: Mapping[str, int], trace: Mapping[int, Any], persisted: Mapping[int, set[str]],
-               recoveries: list[dict[str, Any]], strategy: Strategy, w: Workload) -> dict[str, float]:
+def _freshness(
+    numel: Mapping[str, int],
+    trace: Mapping[int, Any],
+    persisted: Mapping[int, set[str]],
+    recoveries: list[dict[str, Any]],
+    strategy: Strategy,
+    w: Workload,
+) -> dict[str, float]:
     """Replay the run's freshness: per step its drift and what was saved, and each recovery.
     A rollback's staleness at the failure is the tracker's (its recovery reports none)."""
     tracker = FreshnessTracker(numel=numel, eval_from=w.strategy.layercheck_warmup)
@@ -334,8 +385,9 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
                 matched = _matched(results["none"], results["layercheck"], workload)
             matched = _broadcast(matched)
             results["_matched"] = matched
-            order += matched_variants(strategies, staleness_interval=matched["staleness"],
-                                      drift_interval=matched["drift"])
+            order += matched_variants(
+                strategies, staleness_interval=matched["staleness"], drift_interval=matched["drift"]
+            )
             ran_matched = True
     for repeat in range(1, int(payload.get("repeats", 1))):
         for strategy in reversed(order) if repeat % 2 else order:
@@ -349,31 +401,45 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
             if isinstance(result, dict) and f"{key}_repeats" in result:
                 result[key] = statistics.median(result[f"{key}_repeats"])
     restart_s = _max_all([runner.build_s])[0]
-    shutdown(runner.te)
+    shutdown(runner.train_engine)
     if rank != 0:
         return {}
-    model_params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.te.engine.module.parameters())
-    return {"results": results, "restart_s": restart_s, "params": sum(runner.te.layer_map.numel.values()),
-            "layers": dict(runner.te.layer_map.numel),
-            "frozen_params": model_params - sum(runner.te.layer_map.numel.values())}
+    model_params = sum(
+        p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.train_engine.engine.module.parameters()
+    )
+    return {
+        "results": results,
+        "restart_s": restart_s,
+        "params": sum(runner.train_engine.layer_map.numel.values()),
+        "layers": dict(runner.train_engine.layer_map.numel),
+        "frozen_params": model_params - sum(runner.train_engine.layer_map.numel.values()),
+    }
 
 
 def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
     from policies.trace import DriftTrace
 
     trace = DriftTrace.from_json(none["trace"])
-    m = matched_intervals(trace, target_staleness=layercheck["freshness"]["mean_weighted_staleness"],
-                          target_drift=layercheck["freshness"]["mean_unsaved_drift"],
-                          eval_from=workload.strategy.layercheck_warmup)
+    m = matched_intervals(
+        trace,
+        target_staleness=layercheck["freshness"]["mean_weighted_staleness"],
+        target_drift=layercheck["freshness"]["mean_unsaved_drift"],
+        eval_from=workload.strategy.layercheck_warmup,
+    )
     floor = workload.strategy.min_matched_interval
-    return {"staleness": max(m.staleness, floor), "drift": max(m.drift, floor),
-            "clipped_to_min_interval": floor if min(m.staleness, m.drift) < floor else None,
-            "target_staleness": m.target_staleness,
-            "target_drift": m.target_drift, "interval_staleness": m.interval_staleness,
-            "interval_drift": m.interval_drift}
+    return {
+        "staleness": max(m.staleness, floor),
+        "drift": max(m.drift, floor),
+        "clipped_to_min_interval": floor if min(m.staleness, m.drift) < floor else None,
+        "target_staleness": m.target_staleness,
+        "target_drift": m.target_drift,
+        "interval_staleness": m.interval_staleness,
+        "interval_drift": m.interval_drift,
+    }
 
 
 # ---- spawning ------------------------------------------------------------------------------
+
 
 def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
     if payload["workload"]["device"] == "cuda":
@@ -384,16 +450,30 @@ def _rank_entry(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[
     return rank_main(rank, world_size, payload)
 
 
-def run_benchmark(workload: Workload, strategies: list[Strategy], *, root: Path | None = None,
-                  matched: bool = True, repeats: int = 1, timeout_s: float = 3600.0) -> dict[str, Any]:
+def run_benchmark(
+    workload: Workload,
+    strategies: list[Strategy],
+    *,
+    root: Path | None = None,
+    matched: bool = True,
+    repeats: int = 1,
+    timeout_s: float = 3600.0,
+) -> dict[str, Any]:
     """Spawn the ranks and run every strategy; rank 0's raw measurements."""
     keep = root is not None
     root = root or Path(tempfile.mkdtemp(prefix="layercheck-bench-"))
-    payload = {"workload": workload.to_json(), "strategies": [s.to_json() for s in strategies],
-               "root": str(root.resolve()), "matched": matched, "repeats": repeats, "keep": keep}
+    payload = {
+        "workload": workload.to_json(),
+        "strategies": [s.to_json() for s in strategies],
+        "root": str(root.resolve()),
+        "matched": matched,
+        "repeats": repeats,
+        "keep": keep,
+    }
     try:
-        return spawn_ranks(_rank_entry, workload.world_size, payload, timeout_s=timeout_s,
-                           what=f"benchmark ({workload.name})")[0]
+        return spawn_ranks(
+            _rank_entry, workload.world_size, payload, timeout_s=timeout_s, what=f"benchmark ({workload.name})"
+        )[0]
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -73,8 +73,9 @@ class FreshnessTracker:
         }
 
 
-def loss_deviation(losses: Mapping[int, float], reference: Mapping[int, float],
-                   windows: Sequence[tuple[int, int]]) -> dict[str, float]:
+def loss_deviation(
+    losses: Mapping[int, float], reference: Mapping[int, float], windows: Sequence[tuple[int, int]]
+) -> dict[str, float]:
     """``|loss - reference|`` over the steps of ``windows`` (inclusive ranges): mean, max, and the
     max relative to the reference loss."""
     diffs, rel = [], []
@@ -84,8 +85,12 @@ def loss_deviation(losses: Mapping[int, float], reference: Mapping[int, float],
                 d = abs(losses[step] - reference[step])
                 diffs.append(d)
                 rel.append(d / abs(reference[step]) if reference[step] else 0.0)
-    return {"mean": _mean(diffs), "max": max(diffs, default=0.0), "max_relative": max(rel, default=0.0),
-            "steps": len(diffs)}
+    return {
+        "mean": _mean(diffs),
+        "max": max(diffs, default=0.0),
+        "max_relative": max(rel, default=0.0),
+        "steps": len(diffs),
+    }
 
 
 def post_failure_windows(failures: Sequence[int], steps: int, length: int | None = None) -> list[tuple[int, int]]:
@@ -107,7 +112,9 @@ def measured_ettr(*, productive_s: float, train_s: float, recovery_s: float, res
     return productive_s / wall if wall > 0 else 0.0
 
 
-def trace_of(numel: Mapping[str, int], drifts: Mapping[int, Mapping[str, float]], lrs: Mapping[int, float]) -> DriftTrace:
+def trace_of(
+    numel: Mapping[str, int], drifts: Mapping[int, Mapping[str, float]], lrs: Mapping[int, float]
+) -> DriftTrace:
     """The run's drift trace (``policies.trace`` format) from per-step global drift and LR."""
     steps = tuple(StepObservation(step=s, lr=lrs[s], drift=dict(drifts[s])) for s in sorted(drifts))
     return DriftTrace(layers=tuple(numel), numel=dict(numel), steps=steps)
@@ -124,16 +131,20 @@ class MatchedIntervals:
     interval_drift: float
 
 
-def matched_intervals(trace: DriftTrace, *, target_staleness: float, target_drift: float,
-                      eval_from: int) -> MatchedIntervals:
+def matched_intervals(
+    trace: DriftTrace, *, target_staleness: float, target_drift: float, eval_from: int
+) -> MatchedIntervals:
     """Fixed intervals whose full checkpoints give, on ``trace``, the mean weighted staleness and
     the mean unsaved drift LayerCheck was measured at (``policies.simulate.match_interval``)."""
     by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
     by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
     return MatchedIntervals(
-        staleness=by_stal.interval, drift=by_drift.interval,
-        target_staleness=target_staleness, target_drift=target_drift,
-        interval_staleness=by_stal.mean_weighted_staleness, interval_drift=by_drift.mean_unsaved_drift,
+        staleness=by_stal.interval,
+        drift=by_drift.interval,
+        target_staleness=target_staleness,
+        target_drift=target_drift,
+        interval_staleness=by_stal.mean_weighted_staleness,
+        interval_drift=by_drift.mean_unsaved_drift,
     )
 
 

@@ -26,13 +26,26 @@ def bytes_vs_staleness(report: Mapping[str, Any], path: Path) -> Path:
         if row["kind"] == "none":
             continue
         marker = "*" if row["kind"] == "layer-policy" else ("s" if row["matched"] else "o")
-        ax.scatter(row["mean_weighted_staleness"], row["bytes_written"] / 2**20, marker=marker, s=80 if marker == "*" else 40)
-        ax.annotate(row["name"], (row["mean_weighted_staleness"], row["bytes_written"] / 2**20), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+        ax.scatter(
+            row["mean_weighted_staleness"], row["bytes_written"] / 2**20, marker=marker, s=80 if marker == "*" else 40
+        )
+        ax.annotate(
+            row["name"],
+            (row["mean_weighted_staleness"], row["bytes_written"] / 2**20),
+            fontsize=7,
+            xytext=(3, 3),
+            textcoords="offset points",
+        )
     frontier = _full_frontier(report)
     if frontier:
-        ax.plot(*zip(*frontier), color="grey", lw=0.8, ls="--", zorder=0,
-                label="full checkpoints every N (on the measured trace)")
+        ax.plot(
+            *zip(*frontier),
+            color="grey",
+            lw=0.8,
+            ls="--",
+            zorder=0,
+            label="full checkpoints every N (on the measured trace)",
+        )
         ax.legend(fontsize=7)
     ax.set_xlabel("mean parameter-weighted staleness (steps)")
     ax.set_ylabel("bytes written (MiB, all ranks)")

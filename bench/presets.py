@@ -15,21 +15,38 @@ from typing import Any
 from bench.strategies import StrategyOptions
 
 DEMO_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
     "max_position_embeddings": 128,
 }
 
 QWEN25_05B: dict[str, Any] = {
-    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
-    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
-    "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
 }
 
 QWEN25_15B: dict[str, Any] = {
-    "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
-    "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
-    "max_position_embeddings": 4096, "tie_word_embeddings": True,
+    "model_type": "qwen2",
+    "vocab_size": 151936,
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
 }
 
 
@@ -90,20 +107,45 @@ class Workload:
 
 PRESETS: dict[str, Workload] = {
     # ~0.1M params, ~0.05-0.2 s a step on 2 CPU cores: the whole run takes a few minutes.
-    "tiny": Workload(name="tiny", model=DEMO_LLAMA, steps=200, failures=(110, 170),
-                     strategy=StrategyOptions(interval=50, layercheck_warmup=40)),
+    "tiny": Workload(
+        name="tiny",
+        model=DEMO_LLAMA,
+        steps=200,
+        failures=(110, 170),
+        strategy=StrategyOptions(interval=50, layercheck_warmup=40),
+    ),
     # GPU presets: one rank per GPU; one by default (the project's GPU machine has one H200;
     # --world-size 2 or more on a machine with that many GPUs). Shorter runs: a full checkpoint
     # of the 0.5B shape is ~6 GB, and the whole command must finish in 8 minutes.
-    "qwen2.5-0.5b": Workload(name="qwen2.5-0.5b", model=QWEN25_05B, steps=60, failures=(33, 51),
-                             seq_len=1024, micro_batch=4, lr=1e-5, lr_warmup=6, precision="bf16",
-                             device="cuda", world_size=1,
-                             strategy=StrategyOptions(interval=15, layercheck_warmup=12, min_matched_interval=5)),
+    "qwen2.5-0.5b": Workload(
+        name="qwen2.5-0.5b",
+        model=QWEN25_05B,
+        steps=60,
+        failures=(33, 51),
+        seq_len=1024,
+        micro_batch=4,
+        lr=1e-5,
+        lr_warmup=6,
+        precision="bf16",
+        device="cuda",
+        world_size=1,
+        strategy=StrategyOptions(interval=15, layercheck_warmup=12, min_matched_interval=5),
+    ),
     # 1.5B: a full checkpoint is ~18.5 GB of fp32 state; intervals keep one run's files under ~60 GB.
-    "qwen2.5-1.5b": Workload(name="qwen2.5-1.5b", model=QWEN25_15B, steps=40, failures=(22, 34),
-                             seq_len=1024, micro_batch=2, lr=1e-5, lr_warmup=4, precision="bf16",
-                             device="cuda", world_size=1,
-                             strategy=StrategyOptions(interval=20, layercheck_warmup=8, min_matched_interval=20)),
+    "qwen2.5-1.5b": Workload(
+        name="qwen2.5-1.5b",
+        model=QWEN25_15B,
+        steps=40,
+        failures=(22, 34),
+        seq_len=1024,
+        micro_batch=2,
+        lr=1e-5,
+        lr_warmup=4,
+        precision="bf16",
+        device="cuda",
+        world_size=1,
+        strategy=StrategyOptions(interval=20, layercheck_warmup=8, min_matched_interval=20),
+    ),
 }
 
 

@@ -1,7 +1,7 @@
 """Print (or write into README.md) the "Performance" section, every figure from committed results.
 
-    python -m bench.render_readme                      # print the section
-    python -m bench.render_readme --write README.md    # replace the section between its markers
+python -m bench.render_readme                      # print the section
+python -m bench.render_readme --write README.md    # replace the section between its markers
 """
 
 from __future__ import annotations
@@ -34,15 +34,18 @@ def _at(points: list[Mapping[str, Any]], key: str, value: float) -> Mapping[str,
 def ray_line(demo: Mapping[str, Any], results_dir: str) -> str:
     """The Ray actor path's per-step protocol cost, from a ``layercheck demo --json`` summary."""
     coord, step = demo["coordination_s_per_step"], demo["step_s_per_step"]
-    return (f"- **Coordination through Ray actors** ([`ray-demo-summary.json`]({results_dir}/ray-demo-summary.json), "
-            f"`layercheck demo`, the real orchestrator; the benchmark above runs the same protocol over "
-            f"torch.distributed instead): the per-step policy protocol took {coord['mean'] * 1e3:.2f} ms on average (p90 "
-            f"{coord['p90'] * 1e3:.2f} ms) against a {step['mean'] * 1e3:.1f} ms training step "
-            f"({coord['mean'] / step['mean']:.1%}).")
+    return (
+        f"- **Coordination through Ray actors** ([`ray-demo-summary.json`]({results_dir}/ray-demo-summary.json), "
+        f"`layercheck demo`, the real orchestrator; the benchmark above runs the same protocol over "
+        f"torch.distributed instead): the per-step policy protocol took {coord['mean'] * 1e3:.2f} ms on average (p90 "
+        f"{coord['p90'] * 1e3:.2f} ms) against a {step['mean'] * 1e3:.1f} ms training step "
+        f"({coord['mean'] / step['mean']:.1%})."
+    )
 
 
-def section(report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str,
-            demo: Mapping[str, Any] | None = None) -> str:
+def section(
+    report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str, demo: Mapping[str, Any] | None = None
+) -> str:
     rows, h, w = report["strategies"], report["headline"], report["workload"]
     m = report.get("matched") or {}
     bench_link = f"[`bench.json`]({results_dir}/bench.json)"
@@ -74,10 +77,13 @@ def section(report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str
             f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('layercheck-const'))} / "
             f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('layercheck-const'))} at its own matched "
             "staleness / drift (estimated from the measured size of one full checkpoint)"
-            + (f"; the `drift-optimal` policy (period ~ 1/sqrt(drift)) "
-               f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('drift-optimal'))} / "
-               f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('drift-optimal'))}"
-               if "drift-optimal" in h["bytes_estimate_vs_full_at_own_matched_drift"] else "")
+            + (
+                f"; the `drift-optimal` policy (period ~ 1/sqrt(drift)) "
+                f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('drift-optimal'))} / "
+                f"{_x(h['bytes_estimate_vs_full_at_own_matched_drift'].get('drift-optimal'))}"
+                if "drift-optimal" in h["bytes_estimate_vs_full_at_own_matched_drift"]
+                else ""
+            )
             + ". Below 1 means writing less than full checkpoints for the same freshness.",
         ]
     lines += schedule_lines(report, bench_link)
@@ -98,7 +104,8 @@ def section(report: Mapping[str, Any], grid: Mapping[str, Any], results_dir: str
             f"{lc['loss_dev_max']:.3g}, `full-resume` {rows.get('full-resume', {}).get('loss_dev_max', float('nan')):.3g}, "
             f"rollback 0 (it re-runs the lost steps exactly).",
             f"- **ETTR under the failure schedule** ({bench_link}, restarts excluded): "
-            + ", ".join(f"`{n}` {r['ettr_no_restart']:.3f}" for n, r in rows.items() if "@" not in n) + ".",
+            + ", ".join(f"`{n}` {r['ettr_no_restart']:.3f}" for n, r in rows.items() if "@" not in n)
+            + ".",
         ]
     by_mtbf = grid.get("by_mtbf", {})
     by_gpus = grid.get("by_gpus", {})
@@ -135,23 +142,36 @@ def schedule_lines(report: Mapping[str, Any], bench_link: str) -> list[str]:
     if at:
         out.append(
             f"- **Bytes at matched unsaved drift, against full checkpoints and the offline oracle** ({bench_link}): "
-            + "; ".join(f"`{n}` {a['vs_full']:.2f}x full (every {a['full_interval']} steps), {a['vs_oracle']:.2f}x the "
-                        "oracle" for n, a in at.items())
-            + ". The oracle knows every layer's mean drift over the whole run in advance; 1.00x is the best possible.")
-    peaks = [(n, r["peak_step_bytes"], r.get("peak_fraction_of_full")) for n, r in rows.items()
-             if r.get("peak_step_bytes") and "@" not in n]
+            + "; ".join(
+                f"`{n}` {a['vs_full']:.2f}x full (every {a['full_interval']} steps), {a['vs_oracle']:.2f}x the oracle"
+                for n, a in at.items()
+            )
+            + ". The oracle knows every layer's mean drift over the whole run in advance; 1.00x is the best possible."
+        )
+    peaks = [
+        (n, r["peak_step_bytes"], r.get("peak_fraction_of_full"))
+        for n, r in rows.items()
+        if r.get("peak_step_bytes") and "@" not in n
+    ]
     if peaks:
         out.append(
             f"- **Peak bytes handed over in one step** ({bench_link}): "
-            + ", ".join(f"`{n}` {human_bytes(p)}" + (f" ({f:.2f} of a full checkpoint)" if f is not None else "")
-                        for n, p, f in peaks) + ".")
+            + ", ".join(
+                f"`{n}` {human_bytes(p)}" + (f" ({f:.2f} of a full checkpoint)" if f is not None else "")
+                for n, p, f in peaks
+            )
+            + "."
+        )
     return out
 
 
 def load(results_dir: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
     demo = results_dir / "ray-demo-summary.json"
-    return (json.loads((results_dir / "bench.json").read_text()), json.loads((results_dir / "ettr.json").read_text()),
-            json.loads(demo.read_text()) if demo.exists() else None)
+    return (
+        json.loads((results_dir / "bench.json").read_text()),
+        json.loads((results_dir / "ettr.json").read_text()),
+        json.loads(demo.read_text()) if demo.exists() else None,
+    )
 
 
 def write_into(readme: Path, text: str) -> None:

@@ -23,17 +23,29 @@ def _losses(raw: Mapping[str, Any]) -> dict[int, float]:
     return {int(k): float(v) for k, v in raw["losses"].items()}
 
 
-def strategy_row(raw: Mapping[str, Any], none: Mapping[str, Any], *, steps: int, failures: Sequence[int],
-                 restart_s: float) -> dict[str, Any]:
+def strategy_row(
+    raw: Mapping[str, Any], none: Mapping[str, Any], *, steps: int, failures: Sequence[int], restart_s: float
+) -> dict[str, Any]:
     """The reported figures of one strategy (``none``'s failures are modelled: restart at step 0)."""
     s = raw["strategy"]
     reference = _losses(none)
     none_step = none["train_s"] / steps
     recoveries = list(raw["recoveries"])
     if s["kind"] == "none":  # not run with failures: every step before the failure is re-run
-        recoveries = [{"t_fail": f, "steps_lost": f, "plan_s": 0.0, "load_s": 0.0, "replay_s": f * none_step,
-                       "recovery_s": f * none_step, "weighted_staleness": float(f), "max_staleness": f,
-                       "modelled": True} for f in failures]
+        recoveries = [
+            {
+                "t_fail": f,
+                "steps_lost": f,
+                "plan_s": 0.0,
+                "load_s": 0.0,
+                "replay_s": f * none_step,
+                "recovery_s": f * none_step,
+                "weighted_staleness": float(f),
+                "max_staleness": f,
+                "modelled": True,
+            }
+            for f in failures
+        ]
     deviation = loss_deviation(_losses(raw), reference, post_failure_windows(failures, steps))
     recovery_total = sum(r["recovery_s"] for r in recoveries)
     plan_load = _mean([r["plan_s"] + r["load_s"] for r in recoveries])
@@ -42,20 +54,27 @@ def strategy_row(raw: Mapping[str, Any], none: Mapping[str, Any], *, steps: int,
     events = raw["events"]
     critical = raw["stall_s"] + (raw["probe_s"] if s["kind"] == "layer-policy" else 0.0)
     return {
-        "name": s["name"], "kind": s["kind"], "recovery": s["recovery"], "interval": s["interval"],
+        "name": s["name"],
+        "kind": s["kind"],
+        "recovery": s["recovery"],
+        "interval": s["interval"],
         "matched": s["matched"],
-        "train_s": raw["train_s"], "step_s": raw["train_s"] / steps,
+        "train_s": raw["train_s"],
+        "step_s": raw["train_s"] / steps,
         # the critical-path cost measured directly: stalls, plus the probe LayerCheck needs
         "overhead": critical / none["train_s"],
         "wall_overhead": raw["train_s"] / none["train_s"] - 1.0,
         "compute_slowdown": raw.get("compute_median_s", 0.0) / none["compute_median_s"] - 1.0
-        if none.get("compute_median_s") else 0.0,
+        if none.get("compute_median_s")
+        else 0.0,
         # for the ETTR model: none's step plus this strategy's own critical-path costs, which
         # are measured directly (whole-run differences on a shared machine are mostly noise)
         "model_step_s": none_step + critical / steps,
-        "stall_s": raw["stall_s"], "stall_per_event_s": raw["stall_s"] / events if events else 0.0,
+        "stall_s": raw["stall_s"],
+        "stall_per_event_s": raw["stall_s"] / events if events else 0.0,
         "probe_s": raw["probe_s"],
-        "bytes_written": raw["bytes_written"], "events": events,
+        "bytes_written": raw["bytes_written"],
+        "events": events,
         "bytes_per_event": raw["bytes_written"] / events if events else 0.0,
         "bytes_per_step": raw["bytes_written"] / steps,
         "mean_weighted_staleness": raw["freshness"]["mean_weighted_staleness"],
@@ -69,16 +88,32 @@ def strategy_row(raw: Mapping[str, Any], none: Mapping[str, Any], *, steps: int,
         "recovery_s": plan_load + delta_replay,
         "recovery_total_s": _mean([r["recovery_s"] for r in recoveries]),
         "steps_lost": _mean([r["steps_lost"] for r in recoveries]),
-        "loss_dev_mean": deviation["mean"], "loss_dev_max": deviation["max"],
+        "loss_dev_mean": deviation["mean"],
+        "loss_dev_max": deviation["max"],
         "loss_dev_max_relative": deviation["max_relative"],
         # on the failure schedule, with none's training time plus this strategy's critical-path cost
         # (whole-run times on a shared machine vary by tens of percent between identical runs)
-        "ettr": measured_ettr(productive_s=none["train_s"], train_s=none["train_s"] + critical,
-                              recovery_s=recovery_total, restart_s=restart_s, failures=len(failures)),
-        "ettr_no_restart": measured_ettr(productive_s=none["train_s"], train_s=none["train_s"] + critical,
-                                         recovery_s=recovery_total, restart_s=0.0, failures=len(failures)),
-        "ettr_wall": measured_ettr(productive_s=none["train_s"], train_s=raw["train_s"], recovery_s=recovery_total,
-                                   restart_s=restart_s, failures=len(failures)),
+        "ettr": measured_ettr(
+            productive_s=none["train_s"],
+            train_s=none["train_s"] + critical,
+            recovery_s=recovery_total,
+            restart_s=restart_s,
+            failures=len(failures),
+        ),
+        "ettr_no_restart": measured_ettr(
+            productive_s=none["train_s"],
+            train_s=none["train_s"] + critical,
+            recovery_s=recovery_total,
+            restart_s=0.0,
+            failures=len(failures),
+        ),
+        "ettr_wall": measured_ettr(
+            productive_s=none["train_s"],
+            train_s=raw["train_s"],
+            recovery_s=recovery_total,
+            restart_s=restart_s,
+            failures=len(failures),
+        ),
         "recoveries": recoveries,
     }
 
@@ -88,19 +123,34 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
     results = {k: v for k, v in raw["results"].items() if not k.startswith("_")}
     steps, failures = workload["steps"], workload["failures"]
     none = results["none"]
-    rows = {name: strategy_row(r, none, steps=steps, failures=failures, restart_s=raw["restart_s"])
-            for name, r in results.items()}
+    rows = {
+        name: strategy_row(r, none, steps=steps, failures=failures, restart_s=raw["restart_s"])
+        for name, r in results.items()
+    }
     add_window_bytes(rows, since=workload["strategy"]["layercheck_warmup"], steps=steps)
     add_matched_estimates(rows, results, steps=steps, eval_from=workload["strategy"]["layercheck_warmup"])
     frozen = int(raw.get("frozen_params", 0))
-    schedule_report.add_peak_bytes(rows, results, full_bytes=schedule_report.full_checkpoint_bytes(raw["params"], frozen))
-    schedule_report.add_drift_matched(rows, results, params=raw["params"], frozen_params=frozen, steps=steps,
-                                      eval_from=workload["strategy"]["layercheck_warmup"])
+    schedule_report.add_peak_bytes(
+        rows, results, full_bytes=schedule_report.full_checkpoint_bytes(raw["params"], frozen)
+    )
+    schedule_report.add_drift_matched(
+        rows,
+        results,
+        params=raw["params"],
+        frozen_params=frozen,
+        steps=steps,
+        eval_from=workload["strategy"]["layercheck_warmup"],
+    )
     report = {
-        "workload": dict(workload), "machine": dict(machine), "params": raw["params"], "layers": raw["layers"],
+        "workload": dict(workload),
+        "machine": dict(machine),
+        "params": raw["params"],
+        "layers": raw["layers"],
         "frozen_params": frozen,
-        "restart_s": raw["restart_s"], "matched": raw["results"].get("_matched"),
-        "strategies": rows, "pairs": matched_pairs(rows),
+        "restart_s": raw["restart_s"],
+        "matched": raw["results"].get("_matched"),
+        "strategies": rows,
+        "pairs": matched_pairs(rows),
         "loss_curves": {name: r["losses"] for name, r in results.items()},
         "raw": dict(raw),  # everything measured, so the report can be rebuilt without a rerun
     }
@@ -141,8 +191,9 @@ def add_window_bytes(rows: dict[str, dict[str, Any]], *, since: int, steps: int)
         row["bytes_from_warmup"] = bytes_from(row, since=since, steps=steps, per_full_event=per_full)
 
 
-def add_matched_estimates(rows: dict[str, dict[str, Any]], results: Mapping[str, Any], *, steps: int,
-                          eval_from: int) -> None:
+def add_matched_estimates(
+    rows: dict[str, dict[str, Any]], results: Mapping[str, Any], *, steps: int, eval_from: int
+) -> None:
     """For every LayerCheck variant, the intervals matching *its own* staleness and unsaved drift on
     the reference drift trace, and the bytes every-layer-together checkpoints would write there:
     the measured bytes of one such checkpoint (``full-resume``, same format; else ``full``) times
@@ -157,14 +208,20 @@ def add_matched_estimates(rows: dict[str, dict[str, Any]], results: Mapping[str,
     for row in rows.values():
         if row["kind"] != "layer-policy":
             continue
-        m = matched_intervals(trace, target_staleness=row["mean_weighted_staleness"],
-                              target_drift=row["mean_unsaved_drift"], eval_from=eval_from)
+        m = matched_intervals(
+            trace,
+            target_staleness=row["mean_weighted_staleness"],
+            target_drift=row["mean_unsaved_drift"],
+            eval_from=eval_from,
+        )
         by_stal = source["bytes_per_event"] * _multiples(m.staleness, eval_from, steps)
         by_drift = source["bytes_per_event"] * _multiples(m.drift, eval_from, steps)
         row["matched_estimate"] = {
             "per_checkpoint_bytes_from": source["name"],
-            "interval_staleness": m.staleness, "interval_drift": m.drift,
-            "full_bytes_staleness": by_stal, "full_bytes_drift": by_drift,
+            "interval_staleness": m.staleness,
+            "interval_drift": m.drift,
+            "full_bytes_staleness": by_stal,
+            "full_bytes_drift": by_drift,
             "bytes_ratio_staleness": _ratio(row["bytes_written"], by_stal),
             "bytes_ratio_drift": _ratio(row["bytes_written"], by_drift),
         }
@@ -179,18 +236,28 @@ def matched_pairs(rows: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]
     for row in rows.values():
         if not row["matched"]:
             continue
-        out.append({
-            "baseline": row["name"], "matched_on": row["matched"], "interval": row["interval"],
-            "baseline_bytes": row["bytes_written"], "layercheck_bytes": lc["bytes_written"],
-            "bytes_ratio": _ratio(lc["bytes_written"], row["bytes_written"]),
-            "baseline_bytes_from_warmup": row["bytes_from_warmup"],
-            "bytes_ratio_from_warmup": _ratio(lc["bytes_from_warmup"], row["bytes_from_warmup"])
-            if row["bytes_from_warmup"] is not None else None,
-            "baseline_loss_dev_mean": row["loss_dev_mean"], "layercheck_loss_dev_mean": lc["loss_dev_mean"],
-            "baseline_loss_dev_max": row["loss_dev_max"], "layercheck_loss_dev_max": lc["loss_dev_max"],
-            "baseline_staleness": row["mean_weighted_staleness"], "layercheck_staleness": lc["mean_weighted_staleness"],
-            "baseline_unsaved_drift": row["mean_unsaved_drift"], "layercheck_unsaved_drift": lc["mean_unsaved_drift"],
-        })
+        out.append(
+            {
+                "baseline": row["name"],
+                "matched_on": row["matched"],
+                "interval": row["interval"],
+                "baseline_bytes": row["bytes_written"],
+                "layercheck_bytes": lc["bytes_written"],
+                "bytes_ratio": _ratio(lc["bytes_written"], row["bytes_written"]),
+                "baseline_bytes_from_warmup": row["bytes_from_warmup"],
+                "bytes_ratio_from_warmup": _ratio(lc["bytes_from_warmup"], row["bytes_from_warmup"])
+                if row["bytes_from_warmup"] is not None
+                else None,
+                "baseline_loss_dev_mean": row["loss_dev_mean"],
+                "layercheck_loss_dev_mean": lc["loss_dev_mean"],
+                "baseline_loss_dev_max": row["loss_dev_max"],
+                "layercheck_loss_dev_max": lc["loss_dev_max"],
+                "baseline_staleness": row["mean_weighted_staleness"],
+                "layercheck_staleness": lc["mean_weighted_staleness"],
+                "baseline_unsaved_drift": row["mean_unsaved_drift"],
+                "layercheck_unsaved_drift": lc["mean_unsaved_drift"],
+            }
+        )
     return out
 
 
@@ -209,13 +276,23 @@ def headline(report: Mapping[str, Any]) -> dict[str, Any]:
         "bytes_layercheck_vs_full_at_matched_staleness": ratio("layercheck", "full@stal", "bytes_written"),
         "bytes_layercheck_vs_full_at_matched_drift": ratio("layercheck", "full@drift", "bytes_written"),
         "bytes_estimate_vs_full_at_own_matched_staleness": {
-            name: row["matched_estimate"]["bytes_ratio_staleness"] for name, row in rows.items() if "matched_estimate" in row},
+            name: row["matched_estimate"]["bytes_ratio_staleness"]
+            for name, row in rows.items()
+            if "matched_estimate" in row
+        },
         "bytes_estimate_vs_full_at_own_matched_drift": {
-            name: row["matched_estimate"]["bytes_ratio_drift"] for name, row in rows.items() if "matched_estimate" in row},
+            name: row["matched_estimate"]["bytes_ratio_drift"]
+            for name, row in rows.items()
+            if "matched_estimate" in row
+        },
         "bytes_layercheck_vs_diff_at_matched_staleness": ratio("layercheck", "diff@stal", "bytes_written"),
-        "bytes_from_warmup_layercheck_vs_full_at_matched_staleness": ratio("layercheck", "full@stal", "bytes_from_warmup"),
+        "bytes_from_warmup_layercheck_vs_full_at_matched_staleness": ratio(
+            "layercheck", "full@stal", "bytes_from_warmup"
+        ),
         "bytes_from_warmup_layercheck_vs_full_at_matched_drift": ratio("layercheck", "full@drift", "bytes_from_warmup"),
-        "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness": ratio("layercheck", "diff@stal", "bytes_from_warmup"),
+        "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness": ratio(
+            "layercheck", "diff@stal", "bytes_from_warmup"
+        ),
         "overhead": {name: row["overhead"] for name, row in rows.items()},
         "recovery_s": {name: row["recovery_total_s"] for name, row in rows.items()},
         "recovery_layercheck_vs_full": ratio("layercheck", "full", "recovery_total_s"),
@@ -231,35 +308,99 @@ def _ratio(a: float, b: float) -> float:
 
 # ---- text --------------------------------------------------------------------------------
 
-MAIN_COLUMNS = ["strategy", "N", "train s", "wall", "compute", "overhead", "stall s", "probe s", "written", "events",
-                "per event", "peak/step",
-                "mean w-stal", "max stal", "stal@fail", "plan s", "load s", "replay s", "lost", "dev mean",
-                "dev max", "ETTR", "ETTR-R"]
+MAIN_COLUMNS = [
+    "strategy",
+    "N",
+    "train s",
+    "wall",
+    "compute",
+    "overhead",
+    "stall s",
+    "probe s",
+    "written",
+    "events",
+    "per event",
+    "peak/step",
+    "mean w-stal",
+    "max stal",
+    "stal@fail",
+    "plan s",
+    "load s",
+    "replay s",
+    "lost",
+    "dev mean",
+    "dev max",
+    "ETTR",
+    "ETTR-R",
+]
 
 
 def main_table(report: Mapping[str, Any]) -> str:
     rows = []
     for r in report["strategies"].values():
-        rows.append([r["name"], r["interval"] or "-", r["train_s"], f"{r['wall_overhead']:+.0%}",
-                     f"{r['compute_slowdown']:+.0%}", f"{r['overhead']:+.2%}", r["stall_s"], r["probe_s"],
-                     human_bytes(r["bytes_written"]), r["events"], human_bytes(r["bytes_per_event"]),
-                     "-" if r.get("peak_step_bytes") is None else human_bytes(r["peak_step_bytes"]),
-                     r["mean_weighted_staleness"], r["max_staleness"], r["staleness_at_failure"], r["plan_s"],
-                     r["load_s"], r["replay_s"], r["steps_lost"], r["loss_dev_mean"], r["loss_dev_max"],
-                     f"{r['ettr']:.3f}", f"{r['ettr_no_restart']:.3f}"])
+        rows.append(
+            [
+                r["name"],
+                r["interval"] or "-",
+                r["train_s"],
+                f"{r['wall_overhead']:+.0%}",
+                f"{r['compute_slowdown']:+.0%}",
+                f"{r['overhead']:+.2%}",
+                r["stall_s"],
+                r["probe_s"],
+                human_bytes(r["bytes_written"]),
+                r["events"],
+                human_bytes(r["bytes_per_event"]),
+                "-" if r.get("peak_step_bytes") is None else human_bytes(r["peak_step_bytes"]),
+                r["mean_weighted_staleness"],
+                r["max_staleness"],
+                r["staleness_at_failure"],
+                r["plan_s"],
+                r["load_s"],
+                r["replay_s"],
+                r["steps_lost"],
+                r["loss_dev_mean"],
+                r["loss_dev_max"],
+                f"{r['ettr']:.3f}",
+                f"{r['ettr_no_restart']:.3f}",
+            ]
+        )
     return format_table(MAIN_COLUMNS, rows)
 
 
 def pairs_table(report: Mapping[str, Any]) -> str:
-    rows = [[p["baseline"], p["matched_on"], p["interval"], human_bytes(p["baseline_bytes"]),
-             human_bytes(p["layercheck_bytes"]), f"{p['bytes_ratio']:.2f}x",
-             "-" if p["bytes_ratio_from_warmup"] is None else f"{p['bytes_ratio_from_warmup']:.2f}x",
-             p["baseline_loss_dev_mean"],
-             p["layercheck_loss_dev_mean"], p["baseline_loss_dev_max"], p["layercheck_loss_dev_max"]]
-            for p in report["pairs"]]
-    return format_table(["baseline", "matched on", "N", "baseline bytes", "layercheck bytes", "LC/baseline",
-                         "from W",
-                         "dev mean (base)", "dev mean (LC)", "dev max (base)", "dev max (LC)"], rows)
+    rows = [
+        [
+            p["baseline"],
+            p["matched_on"],
+            p["interval"],
+            human_bytes(p["baseline_bytes"]),
+            human_bytes(p["layercheck_bytes"]),
+            f"{p['bytes_ratio']:.2f}x",
+            "-" if p["bytes_ratio_from_warmup"] is None else f"{p['bytes_ratio_from_warmup']:.2f}x",
+            p["baseline_loss_dev_mean"],
+            p["layercheck_loss_dev_mean"],
+            p["baseline_loss_dev_max"],
+            p["layercheck_loss_dev_max"],
+        ]
+        for p in report["pairs"]
+    ]
+    return format_table(
+        [
+            "baseline",
+            "matched on",
+            "N",
+            "baseline bytes",
+            "layercheck bytes",
+            "LC/baseline",
+            "from W",
+            "dev mean (base)",
+            "dev mean (LC)",
+            "dev max (base)",
+            "dev max (LC)",
+        ],
+        rows,
+    )
 
 
 def text(report: Mapping[str, Any]) -> str:
@@ -272,10 +413,16 @@ def text(report: Mapping[str, Any]) -> str:
         "",
     ]
     if any("at_matched_drift" in r for r in report["strategies"].values()):
-        lines += ["layer-wise policies at their own mean unsaved drift (state bytes, 12 B/param; full counts "
-                  "frozen weights at 4 B/param):", schedule_report.drift_table(report), ""]
+        lines += [
+            "layer-wise policies at their own mean unsaved drift (state bytes, 12 B/param; full counts "
+            "frozen weights at 4 B/param):",
+            schedule_report.drift_table(report),
+            "",
+        ]
     if m:
-        lines.append(f"matched freshness: LayerCheck mean weighted staleness {m['target_staleness']:.3g} -> N={m['staleness']}"
-                     f"; mean unsaved drift {m['target_drift']:.3g} -> N={m['drift']}")
+        lines.append(
+            f"matched freshness: LayerCheck mean weighted staleness {m['target_staleness']:.3g} -> N={m['staleness']}"
+            f"; mean unsaved drift {m['target_drift']:.3g} -> N={m['drift']}"
+        )
         lines.append(pairs_table(report))
     return "\n".join(lines)

@@ -52,8 +52,15 @@ def add_peak_bytes(rows: dict[str, dict[str, Any]], results: Mapping[str, Any], 
         row["peak_fraction_of_full"] = peak / full_bytes if peak is not None and full_bytes else None
 
 
-def add_drift_matched(rows: dict[str, dict[str, Any]], results: Mapping[str, Any], *, params: int,
-                      frozen_params: int, steps: int, eval_from: int) -> None:
+def add_drift_matched(
+    rows: dict[str, dict[str, Any]],
+    results: Mapping[str, Any],
+    *,
+    params: int,
+    frozen_params: int,
+    steps: int,
+    eval_from: int,
+) -> None:
     """Per layer-wise policy row, ``at_matched_drift``: its handed state bytes, full checkpoints'
     bytes at the interval matching its mean unsaved drift (from step W on), the oracle's bytes at
     the same drift, and the two ratios."""
@@ -69,14 +76,20 @@ def add_drift_matched(rows: dict[str, dict[str, Any]], results: Mapping[str, Any
         if row["kind"] != "layer-policy" or not handed:
             continue
         target = row["mean_unsaved_drift"]
-        interval = matched_intervals(trace, target_staleness=row["mean_weighted_staleness"], target_drift=target,
-                                     eval_from=eval_from).drift
+        interval = matched_intervals(
+            trace, target_staleness=row["mean_weighted_staleness"], target_drift=target, eval_from=eval_from
+        ).drift
         full_bytes = full * _multiples(interval, eval_from, steps)
         oracle = oracle_at_drift(trace, target, warmup_steps=eval_from, eval_from=eval_from)
         row["at_matched_drift"] = {
-            "state_bytes": handed["total"], "full_checkpoint_bytes": full, "full_interval": interval,
-            "full_bytes": full_bytes, "oracle_bytes": oracle.bytes_at_target, "oracle_budget_per_step": oracle.budget,
-            "vs_full": _ratio(handed["total"], full_bytes), "vs_oracle": _ratio(handed["total"], oracle.bytes_at_target),
+            "state_bytes": handed["total"],
+            "full_checkpoint_bytes": full,
+            "full_interval": interval,
+            "full_bytes": full_bytes,
+            "oracle_bytes": oracle.bytes_at_target,
+            "oracle_budget_per_step": oracle.budget,
+            "vs_full": _ratio(handed["total"], full_bytes),
+            "vs_oracle": _ratio(handed["total"], oracle.bytes_at_target),
         }
 
 
@@ -98,11 +111,35 @@ def drift_table(report: Mapping[str, Any]) -> str:
         a = r.get("at_matched_drift")
         if not a:
             continue
-        rows.append([name, f"{r['mean_unsaved_drift']:.3g}", human_bytes(a["state_bytes"]), a["full_interval"],
-                     human_bytes(a["full_bytes"]), human_bytes(a["oracle_bytes"]), f"{a['vs_full']:.2f}x",
-                     f"{a['vs_oracle']:.2f}x", _bytes(r.get("peak_step_bytes")), _fraction(r.get("peak_fraction_of_full"))])
-    return format_table(["strategy", "unsaved drift", "state bytes", "full N", "full bytes", "oracle bytes",
-                         "vs full", "vs oracle", "peak/step", "peak/full"], rows)
+        rows.append(
+            [
+                name,
+                f"{r['mean_unsaved_drift']:.3g}",
+                human_bytes(a["state_bytes"]),
+                a["full_interval"],
+                human_bytes(a["full_bytes"]),
+                human_bytes(a["oracle_bytes"]),
+                f"{a['vs_full']:.2f}x",
+                f"{a['vs_oracle']:.2f}x",
+                _bytes(r.get("peak_step_bytes")),
+                _fraction(r.get("peak_fraction_of_full")),
+            ]
+        )
+    return format_table(
+        [
+            "strategy",
+            "unsaved drift",
+            "state bytes",
+            "full N",
+            "full bytes",
+            "oracle bytes",
+            "vs full",
+            "vs oracle",
+            "peak/step",
+            "peak/full",
+        ],
+        rows,
+    )
 
 
 def _bytes(value: float | None) -> str:

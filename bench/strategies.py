@@ -29,8 +29,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from policies.config_loader import to_mapping
-from policies.configs import (DriftOptimalConfig, IntervalConfig, LayerCheckConfig, NeverConfig, PolicyConfig,
-                              StaggeredConfig, policy_config, policy_name)
+from policies.configs import (
+    DriftOptimalConfig,
+    IntervalConfig,
+    LayerCheckConfig,
+    NeverConfig,
+    PolicyConfig,
+    StaggeredConfig,
+    policy_config,
+    policy_name,
+)
 
 #: The layer-wise policies a strategy may run (``layer-policy``).
 LayerPolicy = LayerCheckConfig | DriftOptimalConfig | StaggeredConfig
@@ -86,13 +94,21 @@ class Strategy:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("Strategy.name: must be non-empty")
-        needs_interval = self.kind in (Kind.DEEPSPEED_SYNC, Kind.DEEPSPEED_ASYNC, Kind.LAYER_INTERVAL,
-                                       Kind.DIFFERENTIAL)
+        needs_interval = self.kind in (
+            Kind.DEEPSPEED_SYNC,
+            Kind.DEEPSPEED_ASYNC,
+            Kind.LAYER_INTERVAL,
+            Kind.DIFFERENTIAL,
+        )
         if needs_interval and self.interval < 1:
-            raise ValueError(f"Strategy {self.name}: interval must be >= 1 for kind {self.kind.value}, got {self.interval}")
+            raise ValueError(
+                f"Strategy {self.name}: interval must be >= 1 for kind {self.kind.value}, got {self.interval}"
+            )
         if (self.kind is Kind.LAYER_POLICY) != (self.policy is not None):
-            raise ValueError(f"Strategy {self.name}: a layer-wise policy config (staggered, layercheck, "
-                             "drift-optimal) is needed for, and only for, kind layer-policy")
+            raise ValueError(
+                f"Strategy {self.name}: a layer-wise policy config (staggered, layercheck, "
+                "drift-optimal) is needed for, and only for, kind layer-policy"
+            )
         if not 0 < self.delta_density <= 1:
             raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
         if self.matched not in ("", "staleness", "drift"):
@@ -118,15 +134,27 @@ class Strategy:
         return self.kind in (Kind.LAYER_INTERVAL, Kind.LAYER_POLICY, Kind.DIFFERENTIAL)
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.kind.value, "recovery": self.recovery.value,
-                "interval": self.interval, "delta_density": self.delta_density, "matched": self.matched,
-                "policy": _policy_json(self.policy)}
+        return {
+            "name": self.name,
+            "kind": self.kind.value,
+            "recovery": self.recovery.value,
+            "interval": self.interval,
+            "delta_density": self.delta_density,
+            "matched": self.matched,
+            "policy": _policy_json(self.policy),
+        }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Strategy:
         policy = _policy_from_json(data.get("policy"))
-        return cls(name=data["name"], kind=Kind(data["kind"]), interval=int(data["interval"]), policy=policy,
-                   delta_density=float(data["delta_density"]), matched=data.get("matched", ""))
+        return cls(
+            name=data["name"],
+            kind=Kind(data["kind"]),
+            interval=int(data["interval"]),
+            policy=policy,
+            delta_density=float(data["delta_density"]),
+            matched=data.get("matched", ""),
+        )
 
 
 def _policy_json(policy: LayerPolicy | None) -> dict[str, Any] | None:
@@ -173,11 +201,23 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
         Strategy(name="full-resume", kind=Kind.LAYER_INTERVAL, interval=n),
     ]
     # the default schedule at the baselines' mean period, starting at the paper policy's warm-up step
-    out.append(Strategy(name="staggered", kind=Kind.LAYER_POLICY,
-                        policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup)))
-    out += [Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()]
-    out.append(Strategy(name="drift-optimal", kind=Kind.LAYER_POLICY,
-                        policy=DriftOptimalConfig(period=n, warmup_steps=options.layercheck_warmup)))
+    out.append(
+        Strategy(
+            name="staggered",
+            kind=Kind.LAYER_POLICY,
+            policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup),
+        )
+    )
+    out += [
+        Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()
+    ]
+    out.append(
+        Strategy(
+            name="drift-optimal",
+            kind=Kind.LAYER_POLICY,
+            policy=DriftOptimalConfig(period=n, warmup_steps=options.layercheck_warmup),
+        )
+    )
     out.append(Strategy(name="diff", kind=Kind.DIFFERENTIAL, interval=n, delta_density=options.delta_density))
     return out
 

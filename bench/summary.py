@@ -15,7 +15,9 @@ from bench.report import main_table, pairs_table
 from orchestrator.table import format_table
 
 
-def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), ettr: Mapping[str, Any] | None = None) -> str:
+def summary_markdown(
+    report: Mapping[str, Any], *, plots: Sequence[str] = (), ettr: Mapping[str, Any] | None = None
+) -> str:
     w, mach = report["workload"], report["machine"]
     m = report.get("matched") or {}
     h = report["headline"]
@@ -39,10 +41,16 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         f"- failures after steps {', '.join(map(str, w['failures']))} (all strategies); full interval N = "
         f"{w['strategy']['interval']}; LayerCheck warm-up W = {w['strategy']['layercheck_warmup']}, other constants "
         "at their defaults",
-        *([f"- frozen (`model.freeze`): {', '.join(w['freeze'])} ({report.get('frozen_params', 0):,} parameters)"]
-          if w.get("freeze") else []),
-        *([f"- layer-wise LR decay {w['layer_lr_decay']:g} per block (`optim.layer_lr_decay`)"]
-          if w.get("layer_lr_decay", 1.0) != 1.0 else []),
+        *(
+            [f"- frozen (`model.freeze`): {', '.join(w['freeze'])} ({report.get('frozen_params', 0):,} parameters)"]
+            if w.get("freeze")
+            else []
+        ),
+        *(
+            [f"- layer-wise LR decay {w['layer_lr_decay']:g} per block (`optim.layer_lr_decay`)"]
+            if w.get("layer_lr_decay", 1.0) != 1.0
+            else []
+        ),
         f"- restart (engine build) per failure, in ETTR: {report['restart_s']:.2f} s",
         "",
         "## How it is measured",
@@ -132,30 +140,47 @@ def summary_markdown(report: Mapping[str, Any], *, plots: Sequence[str] = (), et
         ]
     out += reading(report)
     out += ["## Headline ratios", ""]
-    for key in ("bytes_from_warmup_layercheck_vs_full_at_matched_staleness",
-                "bytes_from_warmup_layercheck_vs_full_at_matched_drift",
-                "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness",
-                "bytes_layercheck_vs_full_at_matched_staleness", "bytes_layercheck_vs_full_at_matched_drift",
-                "bytes_layercheck_vs_diff_at_matched_staleness",
-                "recovery_layercheck_vs_full", "recovery_layercheck_vs_full_at_matched_staleness"):
+    for key in (
+        "bytes_from_warmup_layercheck_vs_full_at_matched_staleness",
+        "bytes_from_warmup_layercheck_vs_full_at_matched_drift",
+        "bytes_from_warmup_layercheck_vs_diff_at_matched_staleness",
+        "bytes_layercheck_vs_full_at_matched_staleness",
+        "bytes_layercheck_vs_full_at_matched_drift",
+        "bytes_layercheck_vs_diff_at_matched_staleness",
+        "recovery_layercheck_vs_full",
+        "recovery_layercheck_vs_full_at_matched_staleness",
+    ):
         if h.get(key) is not None:
             out.append(f"- {key.replace('_', ' ')}: **{h[key]:.2f}x**")
     estimates = [(n, r["matched_estimate"]) for n, r in report["strategies"].items() if "matched_estimate" in r]
     if estimates:
-        out += ["", "Each LayerCheck variant against every-layer-together checkpoints at the interval matching *its "
-                "own* freshness (estimated: measured bytes of one such checkpoint x its checkpoints from step W on):", ""]
+        out += [
+            "",
+            "Each LayerCheck variant against every-layer-together checkpoints at the interval matching *its "
+            "own* freshness (estimated: measured bytes of one such checkpoint x its checkpoints from step W on):",
+            "",
+        ]
         for name, e in estimates:
-            out.append(f"- `{name}`: {e['bytes_ratio_staleness']:.2f}x at matched staleness (N={e['interval_staleness']}),"
-                       f" {e['bytes_ratio_drift']:.2f}x at matched unsaved drift (N={e['interval_drift']})")
+            out.append(
+                f"- `{name}`: {e['bytes_ratio_staleness']:.2f}x at matched staleness (N={e['interval_staleness']}),"
+                f" {e['bytes_ratio_drift']:.2f}x at matched unsaved drift (N={e['interval_drift']})"
+            )
     out.append("")
     if ettr:
-        out += ["## ETTR at cluster scale", "",
-                "`layercheck ettr` on this report (`ettr.json`): Monte-Carlo mean over exponential failures "
-                "(rollback: Young/Daly closed forms are in the JSON too). Per-step cost = the `none` step plus the "
-                "strategy's measured checkpoint stall (and the drift probe for LayerCheck); per failure: the "
-                "restart above plus the measured plan + load (+ delta replay); rollback loses the steps since "
-                "its last checkpoint. Storage bandwidth as measured here (`--storage-gbps` rescales it).", "",
-                "```", ettr_table(ettr), "```", ""]
+        out += [
+            "## ETTR at cluster scale",
+            "",
+            "`layercheck ettr` on this report (`ettr.json`): Monte-Carlo mean over exponential failures "
+            "(rollback: Young/Daly closed forms are in the JSON too). Per-step cost = the `none` step plus the "
+            "strategy's measured checkpoint stall (and the drift probe for LayerCheck); per failure: the "
+            "restart above plus the measured plan + load (+ delta replay); rollback loses the steps since "
+            "its last checkpoint. Storage bandwidth as measured here (`--storage-gbps` rescales it).",
+            "",
+            "```",
+            ettr_table(ettr),
+            "```",
+            "",
+        ]
     for plot in plots:
         out += [f"![{plot}]({plot})", ""]
     return "\n".join(out)
@@ -170,11 +195,15 @@ def drift_spread(report: Mapping[str, Any]) -> dict[str, float] | None:
     steps = [s for s in trace["steps"] if s["step"] >= since]
     if not steps:
         return None
-    mean = {layer["name"]: statistics.fmean(s["drift"].get(layer["name"], 0.0) for s in steps)
-            for layer in trace["layers"]}
+    mean = {
+        layer["name"]: statistics.fmean(s["drift"].get(layer["name"], 0.0) for s in steps) for layer in trace["layers"]
+    }
     blocks = [v for k, v in mean.items() if k.startswith("block.")]
-    return {"per_layer": mean, "block_max_over_min": max(blocks) / min(blocks) if blocks and min(blocks) > 0 else 0.0,
-            "all_max_over_min": max(mean.values()) / min(mean.values()) if min(mean.values()) > 0 else 0.0}
+    return {
+        "per_layer": mean,
+        "block_max_over_min": max(blocks) / min(blocks) if blocks and min(blocks) > 0 else 0.0,
+        "all_max_over_min": max(mean.values()) / min(mean.values()) if min(mean.values()) > 0 else 0.0,
+    }
 
 
 def reading(report: Mapping[str, Any]) -> list[str]:
@@ -193,9 +222,13 @@ def reading(report: Mapping[str, Any]) -> list[str]:
             "bytes of full checkpoints at matched staleness"
             + (f" and {drift_ratio:.2f}x at matched unsaved drift" if drift_ratio is not None else "")
             + " over the whole run"
-            + (f"; counted from step W, where both protect, {fair:.2f}x and {fair_drift:.2f}x" if fair and fair_drift
-               else "")
-            + f": {'more' if more else 'less'} for the same freshness on this workload.")
+            + (
+                f"; counted from step W, where both protect, {fair:.2f}x and {fair_drift:.2f}x"
+                if fair and fair_drift
+                else ""
+            )
+            + f": {'more' if more else 'less'} for the same freshness on this workload."
+        )
     if spread:
         out.append(
             "- Why: mean weighted staleness depends only on when layers are saved, not on how they drift, and "
@@ -206,7 +239,8 @@ def reading(report: Mapping[str, Any]) -> list[str]:
             f"different paces; here the blocks' mean per-step drift differed by at most "
             f"{spread['block_max_over_min']:.2f}x (all layers {spread['all_max_over_min']:.2f}x, with the embedding, "
             "norm and head as the outliers). The workload is the demo's, not tuned either way; "
-            "`layercheck simulate --spread` shows where selection starts to pay.")
+            "`layercheck simulate --spread` shows where selection starts to pay."
+        )
     opt = rows.get("drift-optimal", {}).get("matched_estimate")
     if opt:
         out.append(
@@ -217,29 +251,37 @@ def reading(report: Mapping[str, Any]) -> list[str]:
             "measured size of one full checkpoint). Fewer bytes at the same unsaved drift did not mean a closer "
             f"loss after recovery: its mean |Δloss| was {rows['drift-optimal']['loss_dev_mean']:.3g} (weighted "
             f"staleness at the failures {rows['drift-optimal']['staleness_at_failure']:.1f} steps)"
-            + (f" against `full-resume`'s {rows['full-resume']['loss_dev_mean']:.3g} "
-               f"({rows['full-resume']['staleness_at_failure']:.1f} steps)" if "full-resume" in rows else "")
-            + ": on this run (two failures) the loss after recovery followed staleness more than unsaved drift.")
+            + (
+                f" against `full-resume`'s {rows['full-resume']['loss_dev_mean']:.3g} "
+                f"({rows['full-resume']['staleness_at_failure']:.1f} steps)"
+                if "full-resume" in rows
+                else ""
+            )
+            + ": on this run (two failures) the loss after recovery followed staleness more than unsaved drift."
+        )
     if lc and full:
         if "full-resume" in rows:
             out.append(
-            f"- Where LayerCheck gains here: recovery without rollback ({lc['recovery_total_s']:.3f} s per failure "
-            f"vs `full`'s {full['recovery_total_s']:.3f} s, of which re-running {full['steps_lost']:.1f} lost steps "
-            f"{full['replay_s']:.3f} s), and small write events ({lc['bytes_per_event'] / 2**10:.0f} KiB vs "
-            f"{full['bytes_per_event'] / 2**10:.0f} KiB). `full-resume` (every layer together, no rollback) gets "
-            f"the same recovery with {rows['full-resume']['bytes_written'] / lc['bytes_written']:.2f}x LayerCheck's "
-            "bytes at its own (coarser) freshness; at LayerCheck's freshness see the matched table.")
+                f"- Where LayerCheck gains here: recovery without rollback ({lc['recovery_total_s']:.3f} s per failure "
+                f"vs `full`'s {full['recovery_total_s']:.3f} s, of which re-running {full['steps_lost']:.1f} lost steps "
+                f"{full['replay_s']:.3f} s), and small write events ({lc['bytes_per_event'] / 2**10:.0f} KiB vs "
+                f"{full['bytes_per_event'] / 2**10:.0f} KiB). `full-resume` (every layer together, no rollback) gets "
+                f"the same recovery with {rows['full-resume']['bytes_written'] / lc['bytes_written']:.2f}x LayerCheck's "
+                "bytes at its own (coarser) freshness; at LayerCheck's freshness see the matched table."
+            )
         out.append(
             f"- Critical path: LayerCheck's cost is mostly the drift probe's all-reduce ({lc['probe_s']:.2f} s over "
             f"the run on gloo/CPU, {lc['probe_s'] / report['workload']['steps'] * 1e3:.2f} ms a step) and its "
             f"snapshots ({lc['stall_s']:.2f} s); `full`'s synchronous saves stalled {full['stall_s']:.2f} s. "
             f"Training loss after recovery differs from the failure-free run by at most {lc['loss_dev_max']:.3g} "
-            f"({lc['loss_dev_max_relative']:.2%} relative) for LayerCheck; rollback reproduces it exactly.")
+            f"({lc['loss_dev_max_relative']:.2%} relative) for LayerCheck; rollback reproduces it exactly."
+        )
         out.append(
             "- Cluster ETTR from these costs is dominated by the per-step overhead, because a tiny model's "
             "checkpoints and recoveries take a fraction of a second; feed a GPU preset's `bench.json` to "
             "`layercheck ettr` (or pass `--storage-gbps`) for costs where bytes matter. `none` is ~0 there: a job "
-            "ten MTBFs long without checkpoints practically never finishes.")
+            "ten MTBFs long without checkpoints practically never finishes."
+        )
     out.append("")
     return out
 
@@ -250,5 +292,9 @@ def ettr_table(ettr: Mapping[str, Any]) -> str:
     rows = [[f"{h:g} h", *(f"{ettr['by_mtbf'][n][i]['sim']['mean']:.4f}" for n in names)] for i, h in enumerate(mtbfs)]
     gpus = [p["gpus"] for p in next(iter(ettr["by_gpus"].values()))]
     rows2 = [[f"{g} GPUs", *(f"{ettr['by_gpus'][n][i]['sim']['mean']:.4f}" for n in names)] for i, g in enumerate(gpus)]
-    return (format_table(["cluster MTBF", *names], rows) + "\n\n" +
-            f"per-GPU MTBF {ettr['per_gpu_mtbf_hours']:g} h\n" + format_table(["GPUs", *names], rows2))
+    return (
+        format_table(["cluster MTBF", *names], rows)
+        + "\n\n"
+        + f"per-GPU MTBF {ettr['per_gpu_mtbf_hours']:g} h\n"
+        + format_table(["GPUs", *names], rows2)
+    )

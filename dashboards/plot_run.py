@@ -39,8 +39,14 @@ def query(prometheus: str, path: str, **params: object) -> list[dict]:
 def span(prometheus: str, run_id: str, lookback_s: float) -> tuple[float, float]:
     """First and last scrape of the run within the last ``lookback_s`` seconds."""
     now = time.time()
-    result = query(prometheus, "query_range", query=f'layercheck_training_step{{run_id="{run_id}"}}',
-                   start=now - lookback_s, end=now, step=1)
+    result = query(
+        prometheus,
+        "query_range",
+        query=f'layercheck_training_step{{run_id="{run_id}"}}',
+        start=now - lookback_s,
+        end=now,
+        step=1,
+    )
     if not result:
         raise SystemExit(f"no series of run {run_id!r} in {prometheus} over the last {lookback_s:.0f} s")
     stamps = [float(t) for r in result for t, _ in r["values"]]
@@ -70,8 +76,13 @@ def heatmap(ax: plt.Axes, fig: plt.Figure, layers: Series, end_s: float) -> None
     for row, name in enumerate(names):
         t, v = layers[name]
         grid[row, np.clip(np.round(t).astype(int), 0, grid.shape[1] - 1)] = v
-    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", interpolation="nearest", cmap="YlOrRd",
-                      extent=(0, end_s, len(names) - 0.5, -0.5))
+    image = ax.imshow(
+        np.ma.masked_invalid(grid),
+        aspect="auto",
+        interpolation="nearest",
+        cmap="YlOrRd",
+        extent=(0, end_s, len(names) - 0.5, -0.5),
+    )
     ax.set_yticks(range(len(names)), names)
     ax.set_title("staleness per layer (steps since its newest committed version)")
     fig.colorbar(image, ax=ax, label="steps", pad=0.01)
@@ -103,8 +114,15 @@ def mark_failures(axes: list[plt.Axes], failures: Series) -> None:
         for when in t[1:][np.diff(v) > 0]:
             for ax in axes:
                 ax.axvline(when, color="black", linestyle=":", linewidth=1)
-            axes[0].annotate("recovery", (when, 0), xytext=(3, 3), textcoords="offset points", fontsize=8,
-                             color="black", xycoords=("data", "axes fraction"))
+            axes[0].annotate(
+                "recovery",
+                (when, 0),
+                xytext=(3, 3),
+                textcoords="offset points",
+                fontsize=8,
+                color="black",
+                xycoords=("data", "axes fraction"),
+            )
 
 
 def render(prometheus: str, run_id: str, out: str, lookback_s: float = 3600.0) -> None:
@@ -114,20 +132,35 @@ def render(prometheus: str, run_id: str, out: str, lookback_s: float = 3600.0) -
     (top_left, top_right), (bottom_left, bottom_right) = axes
     heatmap(top_left, fig, q("layercheck_layer_staleness_steps{RUN}", "layer"), end - start)
 
-    lines(top_right, [(q("layercheck_staleness_max_steps{RUN}"), "max staleness", {"color": "tab:red"}),
-                      (q("layercheck_staleness_weighted_steps{RUN}"), "weighted staleness", {"color": "tab:blue"}),
-                      (q("layercheck_smax_steps{RUN}"), "Smax", {"color": "black", "linestyle": "--"})])
+    lines(
+        top_right,
+        [
+            (q("layercheck_staleness_max_steps{RUN}"), "max staleness", {"color": "tab:red"}),
+            (q("layercheck_staleness_weighted_steps{RUN}"), "weighted staleness", {"color": "tab:blue"}),
+            (q("layercheck_smax_steps{RUN}"), "Smax", {"color": "black", "linestyle": "--"}),
+        ],
+    )
     top_right.set(title="staleness against the budget Smax", ylabel="steps")
     mib = lambda s: {k: (t, v / 2**20) for k, (t, v) in s.items()}  # noqa: E731
-    lines(bottom_left, [
-        (mib(q("layercheck_committed_bytes_total{RUN}")), "LayerCheck, committed", {"color": "tab:green"}),
-        (mib(q("layercheck_full_checkpoint_equivalent_bytes{RUN}")),
-         "full checkpoints at the same mean staleness", {"color": "tab:purple", "linestyle": "--"}),
-    ])
+    lines(
+        bottom_left,
+        [
+            (mib(q("layercheck_committed_bytes_total{RUN}")), "LayerCheck, committed", {"color": "tab:green"}),
+            (
+                mib(q("layercheck_full_checkpoint_equivalent_bytes{RUN}")),
+                "full checkpoints at the same mean staleness",
+                {"color": "tab:purple", "linestyle": "--"},
+            ),
+        ],
+    )
     bottom_left.set(title="bytes written against fixed-interval full checkpoints", ylabel="MiB")
-    lines(bottom_right, [(q("layercheck_ettr_ratio{RUN}"), "ETTR", {"color": "tab:orange", "linewidth": 2}),
-                         (q("layercheck_ettr_recent_ratio{RUN}"), "ETTR, last 60 s",
-                          {"color": "tab:brown", "linestyle": "--"})])
+    lines(
+        bottom_right,
+        [
+            (q("layercheck_ettr_ratio{RUN}"), "ETTR", {"color": "tab:orange", "linewidth": 2}),
+            (q("layercheck_ettr_recent_ratio{RUN}"), "ETTR, last 60 s", {"color": "tab:brown", "linestyle": "--"}),
+        ],
+    )
     bottom_right.set(title="effective training time ratio and progress", ylabel="ETTR", ylim=(0, 1.05))
     steps = bottom_right.twinx()
     step_series = q("layercheck_training_step{RUN}")
@@ -138,7 +171,9 @@ def render(prometheus: str, run_id: str, out: str, lookback_s: float = 3600.0) -
         ax.set_xlim(0, end - start)
     for i, (begin, end_s) in enumerate(idle_spans(step_series)):
         for ax in (top_right, bottom_left, bottom_right):  # the heatmap shows frozen staleness there
-            ax.axvspan(begin, end_s, color="0.85", zorder=0, label="no step trained (start, restart)" if i == 0 else None)
+            ax.axvspan(
+                begin, end_s, color="0.85", zorder=0, label="no step trained (start, restart)" if i == 0 else None
+            )
     mark_failures([top_left, top_right, bottom_left, bottom_right], q("layercheck_failures_total{RUN}"))
     handles = [h for ax in (bottom_right, steps) for h in ax.get_legend_handles_labels()[0]]
     bottom_right.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)

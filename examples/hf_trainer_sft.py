@@ -30,9 +30,16 @@ import layercheck  # LayerCheck
 from layercheck.policies import IntervalConfig, LayerCheckConfig  # LayerCheck
 
 DATA = Path(__file__).resolve().parent / "data"
-MODEL = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                 tie_word_embeddings=False)
+MODEL = transformers.LlamaConfig(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+)
 
 
 def ds_config(stage: int, schedule: str) -> dict[str, Any]:
@@ -45,8 +52,15 @@ def ds_config(stage: int, schedule: str) -> dict[str, Any]:
         "gradient_clipping": "auto",
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                          "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {
+                "warmup_min_lr": "auto",
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": "auto",
+                "total_num_steps": "auto",
+            },
+        },
         "steps_per_print": 10**9,
     }
     if schedule == "trainer":
@@ -73,13 +87,30 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(DATA / "sft-tokenizer"), local_files_only=True)
     args = SFTConfig(
-        output_dir=os.path.join(tempfile.gettempdir(), "hf-sft-trainer"), use_cpu=True,
+        output_dir=os.path.join(tempfile.gettempdir(), "hf-sft-trainer"),
+        use_cpu=True,
         deepspeed=ds_config(config["zero_stage"], config["schedule"]),
-        per_device_train_batch_size=config["micro"], max_steps=config["steps"], learning_rate=3e-3, weight_decay=0.01,
-        warmup_steps=3, lr_scheduler_type="cosine", max_grad_norm=1.0, max_length=64, seed=0,
-        save_strategy="no", report_to=[], logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
-    trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
-                         train_dataset=datasets.Dataset.from_list(sft_rows(config["rows"])))
+        per_device_train_batch_size=config["micro"],
+        max_steps=config["steps"],
+        learning_rate=3e-3,
+        weight_decay=0.01,
+        warmup_steps=3,
+        lr_scheduler_type="cosine",
+        max_grad_norm=1.0,
+        max_length=64,
+        seed=0,
+        save_strategy="no",
+        report_to=[],
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=datasets.Dataset.from_list(sft_rows(config["rows"])),
+    )
     trainer.add_callback(layercheck.LayerCheckCallback(trainer))  # LayerCheck: attach, resume, persist
     trainer = ray.train.huggingface.transformers.prepare_trainer(trainer)
     trainer.train()
@@ -91,21 +122,41 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--schedule", choices=["deepspeed", "trainer"], default="deepspeed",
-                        help="the learning-rate schedule: DeepSpeed's WarmupDecayLR, or the Trainer's cosine")
-    parser.add_argument("--rows", type=int, default=400,
-                        help="prompt/completion pairs to train on (fewer: shorter epochs)")
-    parser.add_argument("--storage", default=os.path.join(tempfile.gettempdir(), "layercheck-hf-sft"),
-                        help="checkpoint store (path or URI; the default is overwritten)")
-    parser.add_argument("--policy", choices=["layercheck", "every-step"], default="layercheck",
-                        help="every-step: every layer persisted after every step (exact recovery)")
-    parser.add_argument("--kill-at-step", type=int, default=int(os.environ.get("LAYERCHECK_KILL_AT_STEP", 9)),
-                        help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)")
+    parser.add_argument(
+        "--schedule",
+        choices=["deepspeed", "trainer"],
+        default="deepspeed",
+        help="the learning-rate schedule: DeepSpeed's WarmupDecayLR, or the Trainer's cosine",
+    )
+    parser.add_argument(
+        "--rows", type=int, default=400, help="prompt/completion pairs to train on (fewer: shorter epochs)"
+    )
+    parser.add_argument(
+        "--storage",
+        default=os.path.join(tempfile.gettempdir(), "layercheck-hf-sft"),
+        help="checkpoint store (path or URI; the default is overwritten)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=["layercheck", "every-step"],
+        default="layercheck",
+        help="every-step: every layer persisted after every step (exact recovery)",
+    )
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=int(os.environ.get("LAYERCHECK_KILL_AT_STEP", 9)),
+        help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)",
+    )
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--writers-per-node", type=int, default=1, help="checkpoint writer actors per node")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync checkpoint files (faster, less safe)")
-    parser.add_argument("--max-inflight-bytes", type=int, default=layercheck.PersistenceConfig().max_inflight_bytes,
-                        help="snapshot bytes a rank may hand to the writers before it waits for them")
+    parser.add_argument(
+        "--max-inflight-bytes",
+        type=int,
+        default=layercheck.PersistenceConfig().max_inflight_bytes,
+        help="snapshot bytes a rank may hand to the writers before it waits for them",
+    )
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -113,21 +164,35 @@ def main() -> None:
     every_step = args.policy == "every-step"
     policy = IntervalConfig(interval=1) if every_step else LayerCheckConfig(warmup_steps=4, smax=8)
     # every step: let each layer's versions queue up rather than be held back until the last one commits
-    persistence = layercheck.PersistenceConfig(writers_per_node=args.writers_per_node, fsync=not args.no_fsync,
-                                               max_inflight_bytes=args.max_inflight_bytes,
-                                               max_versions_in_flight=64 if every_step else 2)
+    persistence = layercheck.PersistenceConfig(
+        writers_per_node=args.writers_per_node,
+        fsync=not args.no_fsync,
+        max_inflight_bytes=args.max_inflight_bytes,
+        max_versions_in_flight=64 if every_step else 2,
+    )
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
-        train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro,
-                           "rows": args.rows, "schedule": args.schedule},
+        train_loop_config={
+            "steps": args.steps,
+            "zero_stage": args.zero_stage,
+            "micro": args.micro,
+            "rows": args.rows,
+            "schedule": args.schedule,
+        },
         model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
-            storage=args.storage, name="hf-sft", policy=policy, overwrite=True, persistence=persistence,
+            storage=args.storage,
+            name="hf-sft",
+            policy=policy,
+            overwrite=True,
+            persistence=persistence,
             metrics=layercheck.MetricsConfig(port=0),
-            fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank)),
+            fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
+        ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="hf-sft-ray-"),
-                             failure_config=FailureConfig(max_failures=2)),
+        run_config=RunConfig(
+            storage_path=tempfile.mkdtemp(prefix="hf-sft-ray-"), failure_config=FailureConfig(max_failures=2)
+        ),
     )
     result = trainer.fit()
     print(result.format())

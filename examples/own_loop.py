@@ -30,9 +30,16 @@ from layercheck.policies import IntervalConfig, LayerCheckConfig  # LayerCheck
 
 SEQ = 48
 IGNORE = -100
-MODEL = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-                                 tie_word_embeddings=False)
+MODEL = transformers.LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=SEQ,
+    tie_word_embeddings=False,
+)
 
 
 def make_pairs(n: int = 400, seed: int = 0) -> list[dict[str, str]]:
@@ -57,14 +64,15 @@ def encode(pair: dict[str, str]) -> tuple[torch.Tensor, torch.Tensor]:
 def batch_at(pairs: list[dict[str, str]], step: int, rank: int, world: int, micro: int) -> tuple[torch.Tensor, ...]:
     """The batch of ``rank`` at ``step``: a pure function of both, so a resumed run sees the same data."""
     order = random.Random(step).sample(range(len(pairs)), world * micro)
-    rows = [encode(pairs[i]) for i in order[rank * micro:(rank + 1) * micro]]
+    rows = [encode(pairs[i]) for i in order[rank * micro : (rank + 1) * micro]]
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy on the answer tokens only."""
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                             labels[:, 1:].reshape(-1), ignore_index=IGNORE)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.size(-1)).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE
+    )
 
 
 def ds_config(stage: int, steps: int, micro: int) -> dict[str, Any]:
@@ -74,8 +82,10 @@ def ds_config(stage: int, steps: int, micro: int) -> dict[str, Any]:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3,
-                                                          "warmup_num_steps": 3, "total_num_steps": steps}},
+        "scheduler": {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-3, "warmup_num_steps": 3, "total_num_steps": steps},
+        },
         "steps_per_print": 10**9,
     }
 
@@ -88,8 +98,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=ds_config(config["zero_stage"], config["steps"], config["micro"]))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=ds_config(config["zero_stage"], config["steps"], config["micro"]),
+    )
     pairs = make_pairs()
     lc = layercheck.attach(engine)  # LayerCheck: on a restart, loads the composite; says where to start
     for step in range(lc.start_step, config["steps"] + 1):
@@ -108,12 +121,23 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--storage", default=os.path.join(tempfile.gettempdir(), "layercheck-own-loop"),
-                        help="checkpoint store (path or URI; the default is overwritten)")
-    parser.add_argument("--policy", choices=["layercheck", "every-step"], default="layercheck",
-                        help="every-step: every layer persisted after every step (exact recovery)")
-    parser.add_argument("--kill-at-step", type=int, default=int(os.environ.get("LAYERCHECK_KILL_AT_STEP", 12)),
-                        help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)")
+    parser.add_argument(
+        "--storage",
+        default=os.path.join(tempfile.gettempdir(), "layercheck-own-loop"),
+        help="checkpoint store (path or URI; the default is overwritten)",
+    )
+    parser.add_argument(
+        "--policy",
+        choices=["layercheck", "every-step"],
+        default="layercheck",
+        help="every-step: every layer persisted after every step (exact recovery)",
+    )
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=int(os.environ.get("LAYERCHECK_KILL_AT_STEP", 12)),
+        help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)",
+    )
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
@@ -128,12 +152,18 @@ def main() -> None:
         train_loop_config={"steps": args.steps, "zero_stage": args.zero_stage, "micro": args.micro},
         model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
-            storage=args.storage, name="own-loop", policy=policy, overwrite=True, persistence=persistence,
+            storage=args.storage,
+            name="own-loop",
+            policy=policy,
+            overwrite=True,
+            persistence=persistence,
             metrics=layercheck.MetricsConfig(port=0),
-            fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank)),
+            fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
+        ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
-        run_config=RunConfig(storage_path=tempfile.mkdtemp(prefix="own-loop-ray-"),
-                             failure_config=FailureConfig(max_failures=2)),
+        run_config=RunConfig(
+            storage_path=tempfile.mkdtemp(prefix="own-loop-ray-"), failure_config=FailureConfig(max_failures=2)
+        ),
     )
     result = trainer.fit()
     print(result.format())

@@ -30,10 +30,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layercheck.worker import Attachment, LayerMismatchError, attach
     from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig
-    from layercheck.trainer import FitResult, LayerCheckTrainer
     from layercheck.hf import LayerCheckCallback, TrainerSetupError
+    from layercheck.trainer import FitResult, LayerCheckTrainer
+    from layercheck.worker import Attachment, LayerMismatchError, attach
     from policies.layer_map import UnplacedParameterError
     from workers.optim_state import UnsupportedOptimizerError
 

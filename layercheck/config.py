@@ -50,12 +50,15 @@ class CheckpointConfig:
         require(self.drift_probe in PROBES, "drift_probe", f"one of {PROBES}", self.drift_probe)
         if isinstance(self.policy, str):
             if self.policy not in POLICY_CONFIGS:
-                raise ConfigError(f"policy: must be one of {', '.join(POLICY_CONFIGS)} or a policy config, "
-                                  f"got {self.policy!r}")
+                raise ConfigError(
+                    f"policy: must be one of {', '.join(POLICY_CONFIGS)} or a policy config, got {self.policy!r}"
+                )
             object.__setattr__(self, "policy", policy_config(self.policy))
         if self.layer_map is not None and not (callable(self.layer_map) or isinstance(self.layer_map, dict)):
-            raise ConfigError("layer_map: a dict of layer name -> parameter-name prefixes, or a function "
-                              f"param_name -> layer name; got {type(self.layer_map).__name__}")
+            raise ConfigError(
+                "layer_map: a dict of layer name -> parameter-name prefixes, or a function "
+                f"param_name -> layer name; got {type(self.layer_map).__name__}"
+            )
 
     @property
     def storage_uri(self) -> str:

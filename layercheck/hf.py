@@ -35,8 +35,14 @@ class TrainerSetupError(ValueError):
 class LayerCheckCallback(TrainerCallback):
     """Adds LayerCheck to ``trainer``: ``trainer.add_callback(LayerCheckCallback(trainer))``."""
 
-    def __init__(self, trainer: Any, *, layer_map: Any = None, drift_probe: str | None = None,
-                 attach: Callable[[Any], Any] | None = None) -> None:
+    def __init__(
+        self,
+        trainer: Any,
+        *,
+        layer_map: Any = None,
+        drift_probe: str | None = None,
+        attach: Callable[[Any], Any] | None = None,
+    ) -> None:
         """``layer_map`` / ``drift_probe`` override the run's :class:`layercheck.CheckpointConfig`.
         ``attach`` (``trainer -> Attachment``) replaces attaching to the trainer's engine (tests
         script it)."""
@@ -52,9 +58,11 @@ class LayerCheckCallback(TrainerCallback):
 
     def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
         if state.global_step != 0:
-            raise TrainerSetupError(f"the Trainer starts at step {state.global_step} (train(resume_from_checkpoint="
-                                    "...)): with LayerCheckCallback, call trainer.train() without it; LayerCheck "
-                                    "resumes a restarted worker group itself")
+            raise TrainerSetupError(
+                f"the Trainer starts at step {state.global_step} (train(resume_from_checkpoint="
+                "...)): with LayerCheckCallback, call trainer.train() without it; LayerCheck "
+                "resumes a restarted worker group itself"
+            )
         self.attachment = (self._attach or self._attach_engine)(self.trainer)
         done = self.attachment.start_step - 1
         if done > 0:
@@ -65,8 +73,9 @@ class LayerCheckCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attachment is None:
-            raise RuntimeError("LayerCheckCallback: on_step_end before on_train_begin (add the callback before "
-                               "trainer.train())")
+            raise RuntimeError(
+                "LayerCheckCallback: on_step_end before on_train_begin (add the callback before trainer.train())"
+            )
         if self._seek is not None:
             state.epoch = self._seek.epoch_progress(state.epoch)
         self.attachment.after_step(state.global_step, loss=self._loss_total() - self._loss_mark)
@@ -87,14 +96,18 @@ class LayerCheckCallback(TrainerCallback):
     def _resume(self, state: Any, loader: Any, done: int) -> None:
         """Move the ``Trainer`` (its step, its data) to ``done`` steps; the engine is already there."""
         if loader is None:
-            raise TrainerSetupError("on_train_begin got no train_dataloader: LayerCheck cannot move the data to the "
-                                    "resumed step")
+            raise TrainerSetupError(
+                "on_train_begin got no train_dataloader: LayerCheck cannot move the data to the resumed step"
+            )
         if not hasattr(loader, "__len__"):
-            raise TrainerSetupError("LayerCheck resumes the Trainer's data by epoch and batch, which needs a train "
-                                    "dataset with a length (a map-style datasets.Dataset or torch Dataset); an "
-                                    "IterableDataset cannot be moved to the resumed step")
-        position = data_position(done, batches_per_epoch=len(loader),
-                                 grad_accum=self.trainer.args.gradient_accumulation_steps)
+            raise TrainerSetupError(
+                "LayerCheck resumes the Trainer's data by epoch and batch, which needs a train "
+                "dataset with a length (a map-style datasets.Dataset or torch Dataset); an "
+                "IterableDataset cannot be moved to the resumed step"
+            )
+        position = data_position(
+            done, batches_per_epoch=len(loader), grad_accum=self.trainer.args.gradient_accumulation_steps
+        )
         self._seek = DataSeek(loader, position)
         state.global_step = done
         state.epoch = self._seek.epoch_progress(0.0)
@@ -116,21 +129,26 @@ def require_deepspeed(trainer: Any) -> None:
     (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin)."""
     args = getattr(trainer, "args", None)
     if args is None or not hasattr(trainer, "model_wrapped"):
-        raise TrainerSetupError("LayerCheckCallback(trainer): pass the transformers.Trainer (or TRL SFTTrainer) "
-                                f"itself, got {type(trainer).__name__}")
+        raise TrainerSetupError(
+            "LayerCheckCallback(trainer): pass the transformers.Trainer (or TRL SFTTrainer) "
+            f"itself, got {type(trainer).__name__}"
+        )
     if not getattr(args, "deepspeed", None) and not getattr(trainer, "is_deepspeed_enabled", False):
-        raise TrainerSetupError("LayerCheck needs the Trainer to run DeepSpeed: set TrainingArguments(deepspeed=...) "
-                                "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
-                                "optimizer (\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": \"auto\"}} or "
-                                "the Trainer's own)")
+        raise TrainerSetupError(
+            "LayerCheck needs the Trainer to run DeepSpeed: set TrainingArguments(deepspeed=...) "
+            "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
+            'optimizer ("optimizer": {"type": "AdamW", "params": {"lr": "auto"}} or '
+            "the Trainer's own)"
+        )
 
 
 def deepspeed_engine(trainer: Any) -> Any:
     """The ``DeepSpeedEngine`` the ``Trainer`` trains with (``model_wrapped`` once ``train()`` built it)."""
     engine = getattr(trainer, "model_wrapped", None)
     if engine is None or not hasattr(engine, "zero_optimization_stage"):
-        raise TrainerSetupError("the Trainer has no DeepSpeedEngine (trainer.model_wrapped is a "
-                                f"{type(engine).__name__}): set TrainingArguments(deepspeed=...) to a DeepSpeed "
-                                "config, and add LayerCheckCallback before trainer.train()")
+        raise TrainerSetupError(
+            "the Trainer has no DeepSpeedEngine (trainer.model_wrapped is a "
+            f"{type(engine).__name__}): set TrainingArguments(deepspeed=...) to a DeepSpeed "
+            "config, and add LayerCheckCallback before trainer.train()"
+        )
     return engine
-

@@ -48,8 +48,12 @@ def data_position(step: int, *, batches_per_epoch: int, grad_accum: int) -> Data
         raise ValueError(f"batches_per_epoch and grad_accum: must be >= 1, got {batches_per_epoch}, {grad_accum}")
     steps_per_epoch = max(-(-batches_per_epoch // grad_accum), 1)
     epochs_done, steps_in = divmod(step, steps_per_epoch)
-    return DataPosition(step=step, epochs_done=epochs_done, batches_to_skip=steps_in * grad_accum,
-                        exact=batches_per_epoch % grad_accum == 0)
+    return DataPosition(
+        step=step,
+        epochs_done=epochs_done,
+        batches_to_skip=steps_in * grad_accum,
+        exact=batches_per_epoch % grad_accum == 0,
+    )
 
 
 class DataSeek:
@@ -57,10 +61,12 @@ class DataSeek:
 
     def __init__(self, loader: Any, position: DataPosition) -> None:
         if not hasattr(loader, "skip_batches") or not hasattr(loader, "set_epoch"):
-            raise TypeError("LayerCheck resumes the Trainer's data through Accelerate's data loader (skip_batches, "
-                            f"set_epoch); the Trainer's train data loader is a {type(loader).__name__}. Use the "
-                            "Trainer's own get_train_dataloader (a custom one must return an accelerator-prepared "
-                            "loader)")
+            raise TypeError(
+                "LayerCheck resumes the Trainer's data through Accelerate's data loader (skip_batches, "
+                f"set_epoch); the Trainer's train data loader is a {type(loader).__name__}. Use the "
+                "Trainer's own get_train_dataloader (a custom one must return an accelerator-prepared "
+                "loader)"
+            )
         self.loader = loader
         self.position = position
         self._first_epoch = True
@@ -68,11 +74,17 @@ class DataSeek:
             _offset_epochs(loader, position.epochs_done)
         loader.skip_batches = position.batches_to_skip
         if not position.exact:
-            logger.warning("the epoch's batch count is not a multiple of gradient_accumulation_steps: the first "
-                           "resumed epoch's last optimizer step groups its micro-batches differently from the "
-                           "failure-free run")
-        logger.info("train data moved to step %d: epoch %d, %d batches skipped", position.step,
-                    position.epochs_done, position.batches_to_skip)
+            logger.warning(
+                "the epoch's batch count is not a multiple of gradient_accumulation_steps: the first "
+                "resumed epoch's last optimizer step groups its micro-batches differently from the "
+                "failure-free run"
+            )
+        logger.info(
+            "train data moved to step %d: epoch %d, %d batches skipped",
+            position.step,
+            position.epochs_done,
+            position.batches_to_skip,
+        )
 
     def epoch_ended(self) -> None:
         """The first resumed epoch is over: later epochs start at their first batch."""

@@ -11,8 +11,8 @@ returns the run's summary.
 from __future__ import annotations
 
 import inspect
-import os
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from layercheck.config import CheckpointConfig
-from orchestrator.runtime.context import WorkerContext, with_context
 from orchestrator.core.run_config import check_relative_storage
 from orchestrator.core.run_start import StartOptions, claim_store
-from orchestrator.runtime.driver import RunResult, connect_to, fit_watched, finish_run, start_run
+from orchestrator.runtime.context import WorkerContext, with_context
+from orchestrator.runtime.driver import RunResult, connect_to, finish_run, fit_watched, start_run
 from orchestrator.runtime.summary import format_summary, summarize
 from policies.layer_map import LayerMap, model_layer_map
 
@@ -49,8 +49,10 @@ class FitResult:
     @property
     def losses(self) -> dict[int, float]:
         """Rank 0's loss per step, over all attempts (a step redone after a failure: its last loss)."""
-        return {int(k): float(v[0]) for k, v in sorted(self.run.status["account"]["history"].items(),
-                                                      key=lambda kv: int(kv[0]))}
+        return {
+            int(k): float(v[0])
+            for k, v in sorted(self.run.status["account"]["history"].items(), key=lambda kv: int(kv[0]))
+        }
 
     def format(self) -> str:
         """The summary as the text table ``layercheck train`` prints."""
@@ -111,13 +113,26 @@ class LayerCheckTrainer:
         scaling = self.scaling_config
         workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
         connect_to(use_gpu=bool(scaling.use_gpu), cpus=int(workers * (scaling.num_cpus_per_worker or 1)) + 1)
-        handles = start_run(name=cfg.name, storage_uri=cfg.storage_uri, policy=cfg.policy,
-                            persistence=cfg.persistence, metrics=cfg.metrics, num_workers=workers,
-                            layer_numel=layers.numel)
-        ctx = WorkerContext(run_id=handles.run_id, storage_uri=cfg.storage_uri, fsync=cfg.persistence.fsync,
-                            max_inflight_bytes=cfg.persistence.max_inflight_bytes, fault=cfg.fault,
-                            drift_probe=cfg.drift_probe, layer_map=cfg.layer_map, layer_numel=layers.numel,
-                            save_final=cfg.persistence.save_final)
+        handles = start_run(
+            name=cfg.name,
+            storage_uri=cfg.storage_uri,
+            policy=cfg.policy,
+            persistence=cfg.persistence,
+            metrics=cfg.metrics,
+            num_workers=workers,
+            layer_numel=layers.numel,
+        )
+        ctx = WorkerContext(
+            run_id=handles.run_id,
+            storage_uri=cfg.storage_uri,
+            fsync=cfg.persistence.fsync,
+            max_inflight_bytes=cfg.persistence.max_inflight_bytes,
+            fault=cfg.fault,
+            drift_probe=cfg.drift_probe,
+            layer_map=cfg.layer_map,
+            layer_numel=layers.numel,
+            save_final=cfg.persistence.save_final,
+        )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None
         run_config = self.run_config
@@ -125,12 +140,15 @@ class LayerCheckTrainer:
             scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
             run_config = RunConfig(name=handles.run_id, storage_path=scratch, failure_config=FailureConfig())
         if (run_config.failure_config or FailureConfig()).max_failures == 0:
-            logger.warning("FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
-                           "when Ray Train may restart the worker group (max_failures > 0)")
+            logger.warning(
+                "FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
+                "when Ray Train may restart the worker group (max_failures > 0)"
+            )
         kwargs = {"torch_config": self.torch_config} if self.torch_config is not None else {}
         try:
-            trainer = TorchTrainer(loop, train_loop_config=self.train_loop_config, scaling_config=scaling,
-                                   run_config=run_config, **kwargs)
+            trainer = TorchTrainer(
+                loop, train_loop_config=self.train_loop_config, scaling_config=scaling, run_config=run_config, **kwargs
+            )
             error = fit_watched(handles, trainer, on_progress=self.on_progress)
         finally:
             if scratch is not None:
@@ -152,8 +170,10 @@ def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:
     if callable(model):
         with torch.device("meta"):
             return model_layer_map(model(), spec)
-    raise TypeError("model: a transformers config, a function returning the module, the module or a LayerMap; "
-                    f"got {type(model).__name__}")
+    raise TypeError(
+        "model: a transformers config, a function returning the module, the module or a LayerMap; "
+        f"got {type(model).__name__}"
+    )
 
 
 def _takes_config(fn: Callable[..., Any]) -> bool:

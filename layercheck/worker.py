@@ -40,8 +40,16 @@ class LayerMismatchError(ValueError):
 class Attachment:
     """LayerCheck attached to one rank's engine; made by :func:`attach`."""
 
-    def __init__(self, attached: AttachedEngine, protocol: StepProtocol, *, start_step: int, attempt: int,
-                 kill: Any, save_final: bool = True) -> None:
+    def __init__(
+        self,
+        attached: AttachedEngine,
+        protocol: StepProtocol,
+        *,
+        start_step: int,
+        attempt: int,
+        kill: Any,
+        save_final: bool = True,
+    ) -> None:
         self._attached = attached
         self._save_final = save_final
         self._protocol = protocol
@@ -70,12 +78,16 @@ class Attachment:
         reports this rank's drift, carries out the previous step's decision (snapshots of the
         layers it names) and, on rank 0, reports ``loss`` as the run's progress."""
         if step != self._next_step:
-            raise ValueError(f"after_step({step}): expected step {self._next_step} (call it once after each "
-                             "optimizer step, counting from lc.start_step)")
+            raise ValueError(
+                f"after_step({step}): expected step {self._next_step} (call it once after each "
+                "optimizer step, counting from lc.start_step)"
+            )
         engine_step = int(self._attached.engine.global_steps)
         if engine_step != step:
-            raise ValueError(f"after_step({step}) but the engine has taken {engine_step} optimizer steps: call it "
-                             "after engine.step() at a gradient-accumulation boundary, once per optimizer step")
+            raise ValueError(
+                f"after_step({step}) but the engine has taken {engine_step} optimizer steps: call it "
+                "after engine.step() at a gradient-accumulation boundary, once per optimizer step"
+            )
         compute_s = time.monotonic() - self._since
         drift = self._attached.probe.collect(step)
         value = float(loss.detach().float()) if isinstance(loss, torch.Tensor) else float(loss)
@@ -125,10 +137,15 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     """
     ctx = context.current()
     if ctx is None:
-        raise RuntimeError("layercheck.attach() runs inside the train_loop_per_worker of a "
-                           "layercheck.LayerCheckTrainer (it finds the run's actors through it)")
-    attached = attach_engine(engine, layer_map=layer_map if layer_map is not None else ctx.layer_map,
-                             drift_probe=drift_probe or ctx.drift_probe)
+        raise RuntimeError(
+            "layercheck.attach() runs inside the train_loop_per_worker of a "
+            "layercheck.LayerCheckTrainer (it finds the run's actors through it)"
+        )
+    attached = attach_engine(
+        engine,
+        layer_map=layer_map if layer_map is not None else ctx.layer_map,
+        drift_probe=drift_probe or ctx.drift_probe,
+    )
     _check_layers(attached.layer_map, ctx.layer_numel)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     names = RunNames(ctx.run_id)
@@ -141,15 +158,28 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         recover(attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank)
         seek_engine(attached.engine, resume.start_step - 1)
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
-    coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
-                                 supervisor=supervisor, max_inflight_bytes=ctx.max_inflight_bytes)
+    coordinator = RayCoordinator(
+        rank=rank,
+        policy=policy,
+        writer=writers[rank % len(writers)],
+        supervisor=supervisor,
+        max_inflight_bytes=ctx.max_inflight_bytes,
+    )
     protocol = StepProtocol(attached.layout, coordinator, rank=rank)
-    return Attachment(attached, protocol, start_step=resume.start_step, attempt=resume.attempt,
-                      kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator), save_final=ctx.save_final)
+    return Attachment(
+        attached,
+        protocol,
+        start_step=resume.start_step,
+        attempt=resume.attempt,
+        kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator),
+        save_final=ctx.save_final,
+    )
 
 
 def _check_layers(layers: LayerMap, planned: Any) -> None:
     if dict(layers.numel) != dict(planned):
-        raise LayerMismatchError(f"the engine's model has layers {layers.numel}, but the trainer planned the run for "
-                                 f"{dict(planned)}: give LayerCheckTrainer(model=...) the model this loop trains "
-                                 "(and the same layer_map)")
+        raise LayerMismatchError(
+            f"the engine's model has layers {layers.numel}, but the trainer planned the run for "
+            f"{dict(planned)}: give LayerCheckTrainer(model=...) the model this loop trains "
+            "(and the same layer_map)"
+        )

@@ -71,9 +71,7 @@ class DriftThresholdPolicy:
 
     def staleness(self, step: int) -> dict[str, int | None]:
         """Steps since each layer was last persisted (``None`` before the base)."""
-        return {
-            name: None if last is None else step - last for name, last in self.last_persisted.items()
-        }
+        return {name: None if last is None else step - last for name, last in self.last_persisted.items()}
 
     def observe(self, obs: StepObservation) -> PersistDecision:
         unknown = set(obs.drift) - set(self.layers)
@@ -82,8 +80,12 @@ class DriftThresholdPolicy:
         if self.base_step is None:
             if obs.step < self.warmup_steps:
                 return PersistDecision(step=obs.step)
-            logger.info("step %d: base checkpoint of all %d layers (warmup_steps=%d)",
-                        obs.step, len(self.layers), self.warmup_steps)
+            logger.info(
+                "step %d: base checkpoint of all %d layers (warmup_steps=%d)",
+                obs.step,
+                len(self.layers),
+                self.warmup_steps,
+            )
             self.base_step = obs.step
             return self._persist(obs.step, {name: Reason.BASE for name in self.layers})
         reasons: dict[str, Reason] = {}
@@ -131,8 +133,11 @@ class DriftThresholdPolicy:
         self.base_step = None if state["base_step"] is None else int(state["base_step"])
 
     def metrics_view(self, lr: float) -> dict[str, Any]:
-        return {"smax": self.smax, "accumulated": dict(self.accumulated),
-                "threshold": {name: self.threshold(name, lr) for name in self.layers}}
+        return {
+            "smax": self.smax,
+            "accumulated": dict(self.accumulated),
+            "threshold": {name: self.threshold(name, lr) for name in self.layers},
+        }
 
 
 class LayerCheckPolicy(DriftThresholdPolicy):
@@ -286,8 +291,7 @@ class NeverPolicy:
 #: :mod:`policies.configs` is the first, name → config class). A new policy adds its config there
 #: and its class here, with ``config_type`` and ``from_config``; nothing else switches on the type.
 POLICY_TYPES: dict[type, type] = {
-    cls.config_type: cls
-    for cls in (StaggeredPolicy, LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
+    cls.config_type: cls for cls in (StaggeredPolicy, LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
 }
 
 

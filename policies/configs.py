@@ -13,10 +13,9 @@ from __future__ import annotations
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from policies.config_loader import from_mapping, require, require_finite
-
 
 ThresholdSchedule = Literal["lr", "constant"]
 THRESHOLD_SCHEDULES: tuple[str, ...] = typing.get_args(ThresholdSchedule)
@@ -125,10 +124,18 @@ class StaggeredConfig:
     def __post_init__(self) -> None:
         require_finite(self)
         require(self.period is None or self.period >= 1, "period", "None or >= 1", self.period)
-        require(self.max_bytes_per_step is None or self.max_bytes_per_step >= 1, "max_bytes_per_step",
-                "None or >= 1", self.max_bytes_per_step)
-        require(self.period is not None or self.max_bytes_per_step is not None, "period",
-                "set when max_bytes_per_step is None (one of them sets the budget)", self.period)
+        require(
+            self.max_bytes_per_step is None or self.max_bytes_per_step >= 1,
+            "max_bytes_per_step",
+            "None or >= 1",
+            self.max_bytes_per_step,
+        )
+        require(
+            self.period is not None or self.max_bytes_per_step is not None,
+            "period",
+            "set when max_bytes_per_step is None (one of them sets the budget)",
+            self.period,
+        )
         require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
         require(self.smax >= 1, "smax", ">= 1", self.smax)
         require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
@@ -173,7 +180,7 @@ POLICY_CONFIGS: dict[str, type] = {
     "interval": IntervalConfig,
     "never": NeverConfig,
 }
-PolicyConfig = Union[StaggeredConfig, LayerCheckConfig, DriftOptimalConfig, IntervalConfig, NeverConfig]
+PolicyConfig = StaggeredConfig | LayerCheckConfig | DriftOptimalConfig | IntervalConfig | NeverConfig
 
 
 def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: str = "policy") -> PolicyConfig:

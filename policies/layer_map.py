@@ -41,8 +41,10 @@ class UnplacedParameterError(ValueError):
 #: or a function from a parameter name to its layer name (``None``: unplaced).
 LayerMapSpec = Mapping[str, Sequence[str]] | Callable[[str], "str | None"]
 
-HOW_TO_MAP = ("pass a layer map: layer_map={'layer name': ['parameter.name.prefix', ...], ...} "
-              "or layer_map=lambda param_name: 'layer name'")
+HOW_TO_MAP = (
+    "pass a layer map: layer_map={'layer name': ['parameter.name.prefix', ...], ...} "
+    "or layer_map=lambda param_name: 'layer name'"
+)
 
 
 def _unplaced_error(names: Sequence[str], why: str) -> UnplacedParameterError:
@@ -127,9 +129,7 @@ class LayerMap:
             "layers": [
                 {
                     "name": layer.name,
-                    "params": [
-                        {"name": p.name, "shape": list(p.shape), "decay": p.decay} for p in layer.params
-                    ],
+                    "params": [{"name": p.name, "shape": list(p.shape), "decay": p.decay} for p in layer.params],
                 }
                 for layer in self.layers
             ]
@@ -184,11 +184,14 @@ def build_layer_map(params: Iterable[tuple[str, Sequence[int]]]) -> LayerMap:
         else:
             unplaced.append(name)
     if unplaced:
-        raise _unplaced_error(unplaced, "not under a numbered block (layers.N / h.N / blocks.N) and not an "
-                                        "embedding, final norm or output head")
+        raise _unplaced_error(
+            unplaced,
+            "not under a numbered block (layers.N / h.N / blocks.N) and not an embedding, final norm or output head",
+        )
     if not blocks:
-        raise UnplacedParameterError("the model has no numbered transformer blocks (layers.N / h.N / blocks.N); "
-                                     + HOW_TO_MAP)
+        raise UnplacedParameterError(
+            "the model has no numbered transformer blocks (layers.N / h.N / blocks.N); " + HOW_TO_MAP
+        )
     if sorted(blocks) != list(range(len(blocks))):
         raise UnplacedParameterError(f"transformer blocks are not numbered 0..B-1: {sorted(blocks)}")
     layers = [Layer(EMBED, tuple(embed))] if embed else []
@@ -238,7 +241,8 @@ def layer_map_from(params: Iterable[tuple[str, Sequence[int]]], spec: LayerMapSp
             unplaced.append(name)
             continue
         layers.setdefault(str(layer), []).append(
-            ParamInfo(name=name, shape=tuple(int(s) for s in shape), decay=is_decayed(name, shape)))
+            ParamInfo(name=name, shape=tuple(int(s) for s in shape), decay=is_decayed(name, shape))
+        )
     if unplaced:
         raise _unplaced_error(unplaced, "the layer map given places them nowhere")
     if not layers:

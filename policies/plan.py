@@ -75,9 +75,7 @@ def plan_recovery(
         newest = max(usable, key=lambda v: (v.step, not v.base))
         choices.append(LayerChoice(layer=layer, version=newest, staleness=t_fail - newest.step))
     if missing:
-        raise NoUsableVersionError(
-            f"cannot recover at step {t_fail}: no usable version for " + "; ".join(missing)
-        )
+        raise NoUsableVersionError(f"cannot recover at step {t_fail}: no usable version for " + "; ".join(missing))
     total = sum(layer_numel.values())
     weighted = sum(layer_numel[c.layer] * c.staleness for c in choices) / total if total else 0.0
     return RecoveryPlan(

@@ -69,7 +69,8 @@ def _base_needs(by_layer: dict[str, list[VersionRef]]) -> dict[str, str]:
         if bases:
             newest_base[layer] = max(bases, key=lambda v: v.step)
     waiting = [
-        layer for layer, base in newest_base.items()
+        layer
+        for layer, base in newest_base.items()
         if not any(not v.base and v.step > base.step for v in by_layer[layer])
     ]
     if not waiting:
@@ -79,7 +80,10 @@ def _base_needs(by_layer: dict[str, list[VersionRef]]) -> dict[str, str]:
 
 
 def plan_retention(
-    versions: Iterable[VersionRef], *, config: RetentionConfig, layers: Collection[str] | None = None,
+    versions: Iterable[VersionRef],
+    *,
+    config: RetentionConfig,
+    layers: Collection[str] | None = None,
     unusable: Mapping[str, str] | None = None,
 ) -> RetentionDecision:
     """Decide what to keep. ``layers`` defaults to every layer that has a version; until every
@@ -91,13 +95,17 @@ def plan_retention(
     refs = list(versions)
     unusable = unusable or {}
     names = list(layers) if layers is not None else list(dict.fromkeys(v.layer for v in refs))
-    damaged = {v.version_id: f"damaged ({unusable[v.version_id]}): kept for inspection"
-               for v in refs if v.version_id in unusable}
+    damaged = {
+        v.version_id: f"damaged ({unusable[v.version_id]}): kept for inspection"
+        for v in refs
+        if v.version_id in unusable
+    }
     refs = [v for v in refs if v.version_id not in unusable]
     newest = newest_recoverable_step(names, refs)
     if newest is None:
-        return RetentionDecision(newest_step=None, keep={**{v.version_id: "no recovery point yet" for v in refs},
-                                                         **damaged})
+        return RetentionDecision(
+            newest_step=None, keep={**{v.version_id: "no recovery point yet" for v in refs}, **damaged}
+        )
     by_layer: dict[str, list[VersionRef]] = {}
     for v in refs:
         by_layer.setdefault(v.layer, []).append(v)

@@ -103,8 +103,9 @@ def simulate(
     )
 
 
-def simulate_config(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0,
-                    keep_series: bool = False) -> SimulationResult:
+def simulate_config(
+    trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0, keep_series: bool = False
+) -> SimulationResult:
     policy = build_policy(config, {name: trace.numel[name] for name in trace.layers})
     return simulate(trace, policy, label=label, eval_from=eval_from, keep_series=keep_series)
 
@@ -176,8 +177,9 @@ def mean_rates(trace: DriftTrace) -> dict[str, float]:
 def simulate_oracle(trace: DriftTrace, budget: int, *, warmup_steps: int = 0, eval_from: int = 0) -> SimulationResult:
     """Per-layer periods ~ 1/sqrt(mean drift rate over the whole trace) filling ``budget`` bytes
     per step, staggered, no backstop: the schedule that knows the future."""
-    config = StaggeredConfig(period=None, max_bytes_per_step=max(1, budget), warmup_steps=warmup_steps,
-                             smax=len(trace.steps) + 1)
+    config = StaggeredConfig(
+        period=None, max_bytes_per_step=max(1, budget), warmup_steps=warmup_steps, smax=len(trace.steps) + 1
+    )
     policy = StaggeredPolicy(config, {n: trace.numel[n] for n in trace.layers}, rates=mean_rates(trace))
     return simulate(trace, policy, label=f"oracle/{budget}B", eval_from=eval_from)
 
@@ -209,7 +211,9 @@ def oracle_at_drift(trace: DriftTrace, target: float, *, warmup_steps: int = 0, 
     return OracleMatch(result=fresh, bytes_at_target=bytes_at, budget=hi)
 
 
-def _between(a: SimulationResult, b: SimulationResult, target: float, metric: Callable[[SimulationResult], float]) -> float:
+def _between(
+    a: SimulationResult, b: SimulationResult, target: float, metric: Callable[[SimulationResult], float]
+) -> float:
     """Bytes at ``metric == target`` on the line through runs ``a`` and ``b`` (clamped to them)."""
     ma, mb = metric(a), metric(b)
     if ma == mb:
@@ -241,8 +245,9 @@ class Comparison:
         return _ratio(self.result.bytes_written, self.oracle.bytes_at_target) if self.oracle else float("nan")
 
 
-def compare(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0,
-            oracle: bool = False) -> Comparison:
+def compare(
+    trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0, oracle: bool = False
+) -> Comparison:
     """``config``'s run beside full checkpoints matched on staleness and on unsaved drift, and
     (``oracle``) the offline oracle at its unsaved drift, warmed up as long (``eval_from``)."""
     result = simulate_config(trace, config, label=label, eval_from=eval_from, keep_series=True)
@@ -255,7 +260,8 @@ def compare(trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: i
             trace, result.mean_unsaved_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from
         ),
         oracle=oracle_at_drift(trace, result.mean_unsaved_drift, warmup_steps=eval_from, eval_from=eval_from)
-        if oracle else None,
+        if oracle
+        else None,
     )
 
 

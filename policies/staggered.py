@@ -64,8 +64,9 @@ class StaggeredPolicy:
     def from_config(cls, config: StaggeredConfig, numel: Mapping[str, int]) -> StaggeredPolicy:
         return cls(config, numel)
 
-    def __init__(self, config: StaggeredConfig, numel: Mapping[str, int], *,
-                 rates: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self, config: StaggeredConfig, numel: Mapping[str, int], *, rates: Mapping[str, float] | None = None
+    ) -> None:
         if not numel:
             raise ValueError("StaggeredPolicy needs at least one layer")
         self.config = config
@@ -124,8 +125,11 @@ class StaggeredPolicy:
             if last is not None and self.unsaved[name] > 0 and t - last >= self.config.smax:
                 reasons[name] = Reason.STALENESS
                 handed += self.size[name]
-        due = sorted((d, -self.size[n], i, n) for i, n in enumerate(self.layers)
-                     if (d := self.due[n]) is not None and d <= t and n not in reasons)
+        due = sorted(
+            (d, -self.size[n], i, n)
+            for i, n in enumerate(self.layers)
+            if (d := self.due[n]) is not None and d <= t and n not in reasons
+        )
         for _, _, _, name in due:
             if self.last_persisted[name] is not None and self.unsaved[name] == 0.0:
                 self._advance(name, t)  # unchanged since its last save (frozen): its version is exact
@@ -173,8 +177,9 @@ class StaggeredPolicy:
         horizon = 1 / (1 - self.config.ema) if self.config.ema else 1
         if self.fixed_rates is None and self.observed < horizon:
             return {name: 1.0 for name in self.layers}
-        return {name: (math.sqrt(r) if self.config.drift_aware else 1.0) if r > 0 else 0.0
-                for name, r in self.rate.items()}
+        return {
+            name: (math.sqrt(r) if self.config.drift_aware else 1.0) if r > 0 else 0.0 for name, r in self.rate.items()
+        }
 
     def _budget(self, active_bytes: int) -> float:
         limits = [active_bytes / self.config.period] if self.config.period is not None else []
@@ -183,8 +188,13 @@ class StaggeredPolicy:
         configured = min(limits)
         self.external_binding = self.external_budget is not None and self.external_budget < configured
         if self.external_binding:
-            logger.info("write budget %d B/step (the writers' drain rate) is below the schedule's %.0f B/step: "
-                        "periods stretch %.2fx", self.external_budget, configured, configured / self.external_budget)
+            logger.info(
+                "write budget %d B/step (the writers' drain rate) is below the schedule's %.0f B/step: "
+                "periods stretch %.2fx",
+                self.external_budget,
+                configured,
+                configured / self.external_budget,
+            )
             return float(max(1, self.external_budget))
         return configured
 
@@ -214,8 +224,9 @@ class StaggeredPolicy:
         changed = []
         for name, new in periods.items():
             old = self.period[name]
-            if old == new or (not every_layer and old is not None and new is not None
-                              and max(old, new) <= min(old, new) * tolerance):
+            if old == new or (
+                not every_layer and old is not None and new is not None and max(old, new) <= min(old, new) * tolerance
+            ):
                 continue
             self.period[name] = new
             changed.append(name)
@@ -228,20 +239,32 @@ class StaggeredPolicy:
         self.mean_period = active_bytes / budget
         self.next_replan = t + max(1, math.ceil(self.mean_period))
         if self.config.smax < self.mean_period and self.fixed_rates is None:  # the oracle sweeps past it on purpose
-            logger.warning("budget %.0f B/step needs a mean period of %.0f steps, beyond smax=%d: smax wins",
-                           budget, self.mean_period, self.config.smax)
+            logger.warning(
+                "budget %.0f B/step needs a mean period of %.0f steps, beyond smax=%d: smax wins",
+                budget,
+                self.mean_period,
+                self.config.smax,
+            )
         self.cap = self._cap(weights)
         if changed:
-            logger.info("step %d: planned %d B/step (mean period %.1f steps); periods of %d layer(s) changed",
-                        t, round(budget), self.mean_period, len(changed))
+            logger.info(
+                "step %d: planned %d B/step (mean period %.1f steps); periods of %d layer(s) changed",
+                t,
+                round(budget),
+                self.mean_period,
+                len(changed),
+            )
 
     def _place(self, t: int) -> None:
         """Phase every unplaced layer on the least-loaded steps: a first save within one mean
         period from ``t`` (its own period, if shorter); a layer with a version and a new period
         within that period from half of it after its last save."""
         window = max(1, min(math.ceil(self.mean_period), self.config.smax))
-        scheduled = {n: Recurring(size=self.size[n], due=d, period=self.period[n])
-                     for n in self.layers if (d := self.due[n]) is not None and n not in self.unplaced}
+        scheduled = {
+            n: Recurring(size=self.size[n], due=d, period=self.period[n])
+            for n in self.layers
+            if (d := self.due[n]) is not None and n not in self.unplaced
+        }
         items = []
         for n in self.layers:
             if n not in self.unplaced:
@@ -250,8 +273,9 @@ class StaggeredPolicy:
             if last is None or period is None:
                 items.append(Item(name=n, size=self.size[n], period=period, window=min(window, period or window)))
             else:
-                items.append(Item(name=n, size=self.size[n], period=period, window=period,
-                                  offset=max(0, last + period // 2 - t)))
+                items.append(
+                    Item(name=n, size=self.size[n], period=period, window=period, offset=max(0, last + period // 2 - t))
+                )
         horizon = horizon_for([*self.period.values(), *(i.offset + i.window for i in items)], window)
         self.due.update(place(items, load_table(scheduled, start=t, horizon=horizon), start=t))
         self.unplaced.clear()
@@ -294,17 +318,26 @@ class StaggeredPolicy:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "last_persisted": dict(self.last_persisted), "unsaved": dict(self.unsaved), "rate": dict(self.rate),
-            "observed": self.observed, "period": dict(self.period), "due": dict(self.due),
-            "unplaced": sorted(self.unplaced), "budget": self.budget, "mean_period": self.mean_period,
-            "cap": self.cap, "next_replan": self.next_replan, "external_budget": self.external_budget,
+            "last_persisted": dict(self.last_persisted),
+            "unsaved": dict(self.unsaved),
+            "rate": dict(self.rate),
+            "observed": self.observed,
+            "period": dict(self.period),
+            "due": dict(self.due),
+            "unplaced": sorted(self.unplaced),
+            "budget": self.budget,
+            "mean_period": self.mean_period,
+            "cap": self.cap,
+            "next_replan": self.next_replan,
+            "external_budget": self.external_budget,
             "external_binding": self.external_binding,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if set(state["last_persisted"]) != set(self.layers):
-            raise ValueError(f"policy state is for layers {sorted(state['last_persisted'])}, "
-                             f"this policy has {sorted(self.layers)}")
+            raise ValueError(
+                f"policy state is for layers {sorted(state['last_persisted'])}, this policy has {sorted(self.layers)}"
+            )
 
         def opt_int(value: Any) -> int | None:
             return None if value is None else int(value)

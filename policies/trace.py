@@ -42,7 +42,9 @@ class DriftTrace:
                 raise TraceFormatError(f"steps must increase: {obs.step} after {previous}")
             previous = obs.step
             if set(obs.drift) - set(self.layers):
-                raise TraceFormatError(f"step {obs.step}: drift for unknown layers {sorted(set(obs.drift) - set(self.layers))}")
+                raise TraceFormatError(
+                    f"step {obs.step}: drift for unknown layers {sorted(set(obs.drift) - set(self.layers))}"
+                )
 
     def to_json(self) -> dict[str, object]:
         return {

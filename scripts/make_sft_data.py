@@ -28,10 +28,29 @@ CHAT_TEMPLATE = (
     "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
-WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "rocket", "garden", "silver",
-         "window", "planet", "candle", "forest", "mirror", "pepper", "orange", "bridge", "castle", "dragon"]
-UNITS = [("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("h", "min", 60), ("min", "s", 60),
-         ("l", "ml", 1000)]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "piano",
+    "rocket",
+    "garden",
+    "silver",
+    "window",
+    "planet",
+    "candle",
+    "forest",
+    "mirror",
+    "pepper",
+    "orange",
+    "bridge",
+    "castle",
+    "dragon",
+]
+UNITS = [("km", "m", 1000), ("m", "cm", 100), ("kg", "g", 1000), ("h", "min", 60), ("min", "s", 60), ("l", "ml", 1000)]
 
 
 def task(rng: random.Random) -> tuple[str, str]:
@@ -88,14 +107,26 @@ def build_tokenizer(rows: list[dict]):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     texts = [r["prompt"] + r["completion"] if "prompt" in r else chat_text(r) for r in rows]
     core.train_from_iterator(texts, trainer=trainer)
     bos = core.token_to_id("<s>")
-    core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
-                                   additional_special_tokens=SPECIAL_TOKENS[3:], chat_template=CHAT_TEMPLATE)
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def main() -> None:

@@ -33,19 +33,26 @@ def user_engine(stage: int, optimizer: str) -> Any:
     import deepspeed
 
     model = _model()
-    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-                              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
-                              "steps_per_print": 10**9}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
     client = None
     if optimizer == "ds_config":  # the DeepSpeed config names the optimizer and the schedule
         config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.1, "torch_adam": True}}
-        config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": LR,
-                                                                   "warmup_num_steps": 2, "total_num_steps": 20}}
+        config["scheduler"] = {
+            "type": "WarmupDecayLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": LR, "warmup_num_steps": 2, "total_num_steps": 20},
+        }
     elif optimizer == "decay_groups":  # the usual decay / no-decay split, across all layers
         decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        client = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                    {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+        client = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
+        )
     elif optimizer == "sgd":
         client = torch.optim.SGD(model.parameters(), lr=LR)
     else:
@@ -54,8 +61,13 @@ def user_engine(stage: int, optimizer: str) -> Any:
     if client is not None:
         config["zero_allow_untested_optimizer"] = True
         scheduler = torch.optim.lr_scheduler.LambdaLR(client, lambda s: min(1.0, (s + 1) / 2) * 0.97**s)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=client, lr_scheduler=scheduler, config=config,
-                                           model_parameters=model.parameters() if client is None else None)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=client,
+        lr_scheduler=scheduler,
+        config=config,
+        model_parameters=model.parameters() if client is None else None,
+    )
     return engine
 
 
@@ -114,8 +126,9 @@ def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str) -> d
     out["lr"] = (lr_at_snap, current_lr(engine))
     second = [_step(engine, 4 + i, rank) for i in range(3)]
     out["losses"] = (first, second)
-    out["end_state_equal"] = all(same(v, end[name]) for name, v in
-                                 shard_values(snapshot_layers(att.layout, layers, pool)).items())
+    out["end_state_equal"] = all(
+        same(v, end[name]) for name, v in shard_values(snapshot_layers(att.layout, layers, pool)).items()
+    )
     return out
 
 
@@ -150,11 +163,16 @@ def bad_input_job(rank: int, world_size: int) -> dict[str, Any]:
     from workers.optim_state import UnsupportedOptimizerError
 
     out: dict[str, Any] = {}
-    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     model = CustomLM()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
+    )
     try:
         attach_engine(engine)
     except UnplacedParameterError as error:
@@ -166,8 +184,9 @@ def bad_input_job(rank: int, world_size: int) -> dict[str, Any]:
     engine.step()
     out["drift_layers"] = sorted(att.probe.collect(1).l1)
     model = CustomLM()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), config=config
+    )
     try:
         attach_engine(engine, layer_map=lambda name: name.split(".")[0])
     except UnsupportedOptimizerError as error:

@@ -22,35 +22,60 @@ from workers.layer_state import restore_from_shards, snapshot_layers
 STEPS = 16
 
 
-def _run(te: Any, initial: list[Any], root: Path, budget: WriteBudgetConfig | None, *, rank: int,
-         world_size: int) -> dict[str, Any]:
-    restore_from_shards(te.layout, initial)
-    seek_step(te, 0)
-    te.optimizer.take_drift()
-    policy = build_policy(StaggeredConfig(period=2), te.layer_map.numel)
-    coordinator = LocalCoordinator(policy=policy, layer_numel=te.layer_map.numel,
-                                   store=LayerStore.open(str(root), fsync=False), max_inflight_bytes=2**30,
-                                   config=SupervisionConfig(drain_deadline_s=60), write_budget=budget)
+def _run(
+    train_engine: Any, initial: list[Any], root: Path, budget: WriteBudgetConfig | None, *, rank: int, world_size: int
+) -> dict[str, Any]:
+    restore_from_shards(train_engine.layout, initial)
+    seek_step(train_engine, 0)
+    train_engine.optimizer.take_drift()
+    policy = build_policy(StaggeredConfig(period=2), train_engine.layer_map.numel)
+    coordinator = LocalCoordinator(
+        policy=policy,
+        layer_numel=train_engine.layer_map.numel,
+        store=LayerStore.open(str(root), fsync=False),
+        max_inflight_bytes=2**30,
+        config=SupervisionConfig(drain_deadline_s=60),
+        write_budget=budget,
+    )
     dataset = SequenceDataset.from_config(DataConfig(seq_len=16, seed=0))
-    train_with_failures(te, dataset, coordinator, start_step=1, end_step=STEPS, rank=rank, world_size=world_size)
+    train_with_failures(
+        train_engine, dataset, coordinator, start_step=1, end_step=STEPS, rank=rank, world_size=world_size
+    )
     coordinator.close(timeout_s=60)
-    numel = te.layer_map.numel
-    return {"budgets": [o.write_budget_bytes for o in coordinator.service.trace],
-            "handed_params": sum(numel[n] for _, names in coordinator.handed for n in names),
-            "plan_budget": policy.budget, "binding": policy.external_binding}
+    numel = train_engine.layer_map.numel
+    return {
+        "budgets": [o.write_budget_bytes for o in coordinator.service.trace],
+        "handed_params": sum(numel[n] for _, names in coordinator.handed for n in names),
+        "plan_budget": policy.budget,
+        "binding": policy.external_binding,
+    }
 
 
 def budget_job(rank: int, world_size: int, root: str, cap: int) -> dict[str, Any]:
     init_distributed()
-    te = make_engine(stage=2, precision="fp32")
+    train_engine = make_engine(stage=2, precision="fp32")
     try:
-        initial = [s for s in snapshot_layers(te.layout, te.layer_map.names, HostBufferPool(pin=False), step=0)]
+        initial = [
+            s
+            for s in snapshot_layers(
+                train_engine.layout, train_engine.layer_map.names, HostBufferPool(pin=False), step=0
+            )
+        ]
         initial = [type(s)(**{**s.__dict__, "tensors": {k: v.clone() for k, v in s.tensors.items()}}) for s in initial]
-        return {"free": _run(te, initial, Path(root, "free"), None, rank=rank, world_size=world_size),
-                "measured": _run(te, initial, Path(root, "measured"), WriteBudgetConfig(), rank=rank,
-                                 world_size=world_size),
-                "capped": _run(te, initial, Path(root, "capped"), WriteBudgetConfig(cap_bytes_per_step=cap),
-                               rank=rank, world_size=world_size),
-                "model_bytes": sum(te.layer_map.numel.values()) * 12}
+        return {
+            "free": _run(train_engine, initial, Path(root, "free"), None, rank=rank, world_size=world_size),
+            "measured": _run(
+                train_engine, initial, Path(root, "measured"), WriteBudgetConfig(), rank=rank, world_size=world_size
+            ),
+            "capped": _run(
+                train_engine,
+                initial,
+                Path(root, "capped"),
+                WriteBudgetConfig(cap_bytes_per_step=cap),
+                rank=rank,
+                world_size=world_size,
+            ),
+            "model_bytes": sum(train_engine.layer_map.numel.values()) * 12,
+        }
     finally:
-        shutdown(te)
+        shutdown(train_engine)

@@ -24,9 +24,15 @@ from workers.layer_state import optimizer_step_of, snapshot_layers
 from workers.step import eval_loss, train_step
 
 TIED_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": True,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
 }
 SEQ = 16
 ALL = ("embed", "block.0", "block.1", "norm")
@@ -42,7 +48,8 @@ STEPS = 6
 
 def run_config(zero_stage: int = 3, num_workers: int = 2) -> RunConfig:
     return RunConfig(
-        name="composite-test", steps=20,
+        name="composite-test",
+        steps=20,
         model=ModelConfig(hf_config=TIED_LLAMA, seed=7),
         optim=OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1),
         engine=EngineConfig(zero_stage=zero_stage, precision="fp32", micro_batch=2, grad_clip=1.0),
@@ -74,14 +81,14 @@ def expected_file(expect_dir: str | Path, layer: str, step: int) -> Path:
     return Path(expect_dir, f"{layer}@{step}.safetensors")
 
 
-def full_state(te: TrainEngine, layers: Sequence[str]) -> dict[str, torch.Tensor]:
+def full_state(train_engine: TrainEngine, layers: Sequence[str]) -> dict[str, torch.Tensor]:
     """``{"<key>/<param>": flat tensor}`` for every parameter of ``layers`` (collective at ZeRO-3)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    params = dict(te.engine.module.named_parameters())
+    params = dict(train_engine.engine.module.named_parameters())
     out = {}
     for layer in layers:
-        for info in te.layer_map[layer].params:
+        for info in train_engine.layer_map[layer].params:
             p = params[info.name]
             out[f"fp32/{info.name}"] = safe_get_full_fp32_param(p)
             for key in ("exp_avg", "exp_avg_sq"):
@@ -89,21 +96,28 @@ def full_state(te: TrainEngine, layers: Sequence[str]) -> dict[str, torch.Tensor
     return {k: v.detach().float().reshape(-1).clone() for k, v in out.items()}
 
 
-def _persist(te: TrainEngine, store: LayerStore, layers: Sequence[str], base: bool, pool: HostBufferPool,
-             expect_dir: str, rank: int) -> None:
-    shards = snapshot_layers(te.layout, list(layers), pool)
+def _persist(
+    train_engine: TrainEngine,
+    store: LayerStore,
+    layers: Sequence[str],
+    base: bool,
+    pool: HostBufferPool,
+    expect_dir: str,
+    rank: int,
+) -> None:
+    shards = snapshot_layers(train_engine.layout, list(layers), pool)
     receipts = [store.write_shard(s, base=base) for s in shards]
     for shard in shards:
         pool.release(shard)
     everyone: list[Any] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, receipts)
-    expected = {layer: full_state(te, [layer]) for layer in layers}
+    expected = {layer: full_state(train_engine, [layer]) for layer in layers}
     if rank == 0:
         from safetensors.torch import save_file
 
         for i, layer in enumerate(layers):
             store.commit([r[i] for r in everyone])
-            save_file(expected[layer], str(expected_file(expect_dir, layer, te.step)))
+            save_file(expected[layer], str(expected_file(expect_dir, layer, train_engine.step)))
     torch.distributed.barrier()
 
 
@@ -129,17 +143,17 @@ def trained_store(tmp_path_factory: Any) -> tuple[str, str, dict[int, float]]:
 def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: str) -> dict[str, Any]:
     """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the training losses and the
     probe loss at each persisting step."""
-    te = make_engine(run_config())
+    train_engine = make_engine(run_config())
     store = LayerStore.open(store_uri, fsync=False)
     pool = HostBufferPool()
     losses, probe_loss = [], {}
     for t in range(1, STEPS + 1):
-        losses.append(train_step(te, batches(t, rank))[0])
+        losses.append(train_step(train_engine, batches(t, rank))[0])
         if t in SCHEDULE:
             layers, base = SCHEDULE[t]
-            _persist(te, store, layers, base, pool, expect_dir, rank)
-            probe_loss[t] = eval_loss(te, probe_batch())
-    shutdown(te)
+            _persist(train_engine, store, layers, base, pool, expect_dir, rank)
+            probe_loss[t] = eval_loss(train_engine, probe_batch())
+    shutdown(train_engine)
     return {"losses": losses, "probe_loss": probe_loss}
 
 
@@ -166,14 +180,14 @@ def reference_model(config: RunConfig, expected: Mapping[str, torch.Tensor]) -> 
     return model.eval()
 
 
-def compare_state(te: TrainEngine, expected: Mapping[str, torch.Tensor]) -> list[str]:
+def compare_state(train_engine: TrainEngine, expected: Mapping[str, torch.Tensor]) -> list[str]:
     """Names of the ``key/param`` tensors of the engine that differ from ``expected`` (collective)."""
-    got = full_state(te, list(te.layer_map.names))
+    got = full_state(train_engine, list(train_engine.layer_map.names))
     return sorted(k for k in expected if not torch.equal(got[k], expected[k])) + sorted(set(got) - set(expected))
 
 
-def adam_steps(te: TrainEngine) -> dict[str, int]:
-    return {layer: optimizer_step_of(te.layout, layer) for layer in te.layer_map.names}
+def adam_steps(train_engine: TrainEngine) -> dict[str, int]:
+    return {layer: optimizer_step_of(train_engine.layout, layer) for layer in train_engine.layer_map.names}
 
 
 def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expect_dir: str) -> dict[str, Any]:
@@ -182,51 +196,56 @@ def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expec
     from orchestrator.core.composite import load_composite
     from orchestrator.store.recovery_source import resolve_plan
 
-    te = make_engine(run_config())
+    train_engine = make_engine(run_config())
     store = LayerStore.open(store_uri, fsync=False)
-    resolved = resolve_plan(store, te.layer_map.numel, t)
-    load_composite(te, store, resolved.records)
-    seek_step(te, t)
+    resolved = resolve_plan(store, train_engine.layer_map.numel, t)
+    load_composite(train_engine, store, resolved.records)
+    seek_step(train_engine, t)
     out: dict[str, Any] = {
         "versions": {layer: r.step for layer, r in resolved.records.items()},
-        "mismatches": compare_state(te, expected_state(expect_dir, t)),
-        "adam_steps": adam_steps(te),
-        "loss": eval_loss(te, probe_batch()),
-        "lr": te.engine.lr_scheduler.get_last_lr()[0],
+        "mismatches": compare_state(train_engine, expected_state(expect_dir, t)),
+        "adam_steps": adam_steps(train_engine),
+        "loss": eval_loss(train_engine, probe_batch()),
+        "lr": train_engine.engine.lr_scheduler.get_last_lr()[0],
     }
-    out["train_losses"] = [train_step(te, batches(t + 1 + i, rank))[0] for i in range(2)]
-    out["step"] = te.step
-    out["mismatches_after_training"] = len(compare_state(te, expected_state(expect_dir, t)))
-    shutdown(te)
+    out["train_losses"] = [train_step(train_engine, batches(t + 1 + i, rank))[0] for i in range(2)]
+    out["step"] = train_engine.step
+    out["mismatches_after_training"] = len(compare_state(train_engine, expected_state(expect_dir, t)))
+    shutdown(train_engine)
     return out
 
 
-def check_export_job(rank: int, world_size: int, ds_dir: str, store_uri: str, t: int,
-                     expect_dir: str) -> dict[str, Any]:
+def check_export_job(
+    rank: int, world_size: int, ds_dir: str, store_uri: str, t: int, expect_dir: str
+) -> dict[str, Any]:
     """Resume from the exported DeepSpeed checkpoint with ``load_checkpoint`` and train; then put
     the composite in place in the same engine (``load_composite`` + ``seek_step``) and train the
     same steps again. Both runs, and the state ``load_checkpoint`` gave."""
     from orchestrator.core.composite import load_composite
     from orchestrator.store.recovery_source import resolve_plan
 
-    te = make_engine(run_config())
-    load_path, client_state = te.engine.load_checkpoint(ds_dir)
-    out: dict[str, Any] = {"load_path": load_path, "client_state": client_state.get("layercheck_export"),
-                           "mismatches": compare_state(te, expected_state(expect_dir, t)),
-                           "adam_steps": adam_steps(te)}
-    out["checkpoint"] = _continue(te, t, rank)
+    train_engine = make_engine(run_config())
+    load_path, client_state = train_engine.engine.load_checkpoint(ds_dir)
+    out: dict[str, Any] = {
+        "load_path": load_path,
+        "client_state": client_state.get("layercheck_export"),
+        "mismatches": compare_state(train_engine, expected_state(expect_dir, t)),
+        "adam_steps": adam_steps(train_engine),
+    }
+    out["checkpoint"] = _continue(train_engine, t, rank)
     store = LayerStore.open(store_uri, fsync=False)
-    load_composite(te, store, resolve_plan(store, te.layer_map.numel, t).records)
-    seek_step(te, t)
-    out["in_place"] = _continue(te, t, rank)
-    shutdown(te)
+    load_composite(train_engine, store, resolve_plan(store, train_engine.layer_map.numel, t).records)
+    seek_step(train_engine, t)
+    out["in_place"] = _continue(train_engine, t, rank)
+    shutdown(train_engine)
     return out
 
 
-def _continue(te: TrainEngine, t: int, rank: int) -> dict[str, Any]:
-    return {"step": te.step, "lr": te.engine.lr_scheduler.get_last_lr()[0],
-            "group_lrs": [g["lr"] for g in te.optimizer.param_groups],
-            "loss": eval_loss(te, probe_batch()),
-            "train_losses": [train_step(te, batches(t + 1 + i, rank))[0] for i in range(3)]}
-
-
+def _continue(train_engine: TrainEngine, t: int, rank: int) -> dict[str, Any]:
+    return {
+        "step": train_engine.step,
+        "lr": train_engine.engine.lr_scheduler.get_last_lr()[0],
+        "group_lrs": [g["lr"] for g in train_engine.optimizer.param_groups],
+        "loss": eval_loss(train_engine, probe_batch()),
+        "train_losses": [train_step(train_engine, batches(t + 1 + i, rank))[0] for i in range(3)],
+    }

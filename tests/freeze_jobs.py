@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tests.worker_jobs import SEQ, batches, gather_shards, probe_batch, shard_values, same
+from tests.worker_jobs import SEQ, batches, gather_shards, probe_batch, same, shard_values
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.engine import build_engine, build_model, layer_map_for, seek_step, shutdown
 from workers.host_buffers import HostBufferPool
@@ -15,9 +15,15 @@ from workers.schedule import lr_at
 from workers.step import eval_loss, train_step
 
 FOUR_BLOCKS: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 FREEZE = ("embed", "block.[01]")
 DECAY = 0.5
@@ -28,17 +34,18 @@ def model_cfg() -> ModelConfig:
 
 
 def optim_cfg() -> OptimConfig:
-    return OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1,
-                       layer_lr_decay=DECAY)
+    return OptimConfig(
+        lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, layer_lr_decay=DECAY
+    )
 
 
-def module_weights(te: Any) -> dict[str, torch.Tensor]:
+def module_weights(train_engine: Any) -> dict[str, torch.Tensor]:
     """Every module parameter as the forward sees it (gathered at ZeRO-3), on the host."""
     import deepspeed
 
     out = {}
-    for name, param in te.engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], enabled=te.engine_cfg.zero_stage == 3):
+    for name, param in train_engine.engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], enabled=train_engine.engine_cfg.zero_stage == 3):
             out[name] = param.detach().float().cpu().clone()
     return out
 
@@ -47,44 +54,60 @@ def frozen_job(rank: int, world_size: int, stage: int, ckpt_dir: str) -> dict[st
     """Frozen layers are absent from the layer map, the groups and the layout; they never change
     and equal a fresh build; snapshot -> train -> restore still reproduces the trajectory; each
     group trains at its layer's decayed lr."""
-    te = build_engine(model_cfg(), optim_cfg(), EngineConfig(zero_stage=stage, precision="fp32", micro_batch=2,
-                                                             grad_clip=1.0))
-    frozen_names = [n for n, p in te.engine.module.named_parameters() if not p.requires_grad]
+    train_engine = build_engine(
+        model_cfg(), optim_cfg(), EngineConfig(zero_stage=stage, precision="fp32", micro_batch=2, grad_clip=1.0)
+    )
+    frozen_names = [n for n, p in train_engine.engine.module.named_parameters() if not p.requires_grad]
     fresh = {n: p.detach().clone() for n, p in build_model(model_cfg()).named_parameters()}
-    out: dict[str, Any] = {"layers": list(te.layer_map.names), "meta_layers": list(layer_map_for(model_cfg()).names),
-                           "layout_layers": list(te.layout.layers), "frozen_params": frozen_names,
-                           "groups": [g["name"] for g in te.optimizer.param_groups]}
-    before = module_weights(te)
+    out: dict[str, Any] = {
+        "layers": list(train_engine.layer_map.names),
+        "meta_layers": list(layer_map_for(model_cfg()).names),
+        "layout_layers": list(train_engine.layout.layers),
+        "frozen_params": frozen_names,
+        "groups": [g["name"] for g in train_engine.optimizer.param_groups],
+    }
+    before = module_weights(train_engine)
     pool = HostBufferPool()
-    layers = list(te.layer_map.names)
+    layers = list(train_engine.layer_map.names)
     for t in range(3):
-        train_step(te, batches(te, t, rank))
-    snap = snapshot_layers(te.layout, layers, pool)
+        train_step(train_engine, batches(train_engine, t, rank))
+    snap = snapshot_layers(train_engine.layout, layers, pool)
     snap_values = shard_values(snap)
-    first = [train_step(te, batches(te, 3 + i, rank))[0] for i in range(3)]
-    restore_from_shards(te.layout, gather_shards(snap) if stage == 0 else snap)
-    seek_step(te, 3)
+    first = [train_step(train_engine, batches(train_engine, 3 + i, rank))[0] for i in range(3)]
+    restore_from_shards(train_engine.layout, gather_shards(snap) if stage == 0 else snap)
+    seek_step(train_engine, 3)
     out["restored_equals_snapshot"] = all(
-        same(v, snap_values[n]) for n, v in shard_values(snapshot_layers(te.layout, layers, pool)).items())
-    second = [train_step(te, batches(te, 3 + i, rank))[0] for i in range(3)]
+        same(v, snap_values[n]) for n, v in shard_values(snapshot_layers(train_engine.layout, layers, pool)).items()
+    )
+    second = [train_step(train_engine, batches(train_engine, 3 + i, rank))[0] for i in range(3)]
     out["losses"] = (first, second)
-    after = module_weights(te)
+    after = module_weights(train_engine)
     out["frozen_unchanged"] = all(torch.equal(before[n], after[n]) for n in frozen_names)
     out["frozen_equal_fresh_build"] = all(torch.equal(after[n], fresh[n]) for n in frozen_names)
     out["trained_changed"] = all(not torch.equal(before[n], after[n]) for n in before if n not in frozen_names)
-    out["lr"] = {g["name"]: (g["lr"], lr_at(6, te.optim_cfg) * g["lr_scale"], g["lr_scale"])
-                 for g in te.optimizer.param_groups}
-    out["probe_loss_finite"] = bool(torch.isfinite(torch.tensor(eval_loss(te, probe_batch()))))
+    out["lr"] = {
+        g["name"]: (g["lr"], lr_at(6, train_engine.optim_cfg) * g["lr_scale"], g["lr_scale"])
+        for g in train_engine.optimizer.param_groups
+    }
+    out["probe_loss_finite"] = bool(torch.isfinite(torch.tensor(eval_loss(train_engine, probe_batch()))))
     # DeepSpeed's load_checkpoint replaces the client optimizer's group dicts: the layout
     # follows the live ones (snapshots name the right groups, restores set live hyper-parameters)
-    te.engine.save_checkpoint(ckpt_dir, tag="t")
-    te.engine.load_checkpoint(ckpt_dir, tag="t")
-    shards = snapshot_layers(te.layout, layers, pool)
+    train_engine.engine.save_checkpoint(ckpt_dir, tag="t")
+    train_engine.engine.load_checkpoint(ckpt_dir, tag="t")
+    shards = snapshot_layers(train_engine.layout, layers, pool)
     out["groups_follow_load_state_dict"] = all(
-        g["index"] == i and te.optimizer.param_groups[i]["name"] == g["name"]
-        for s in shards for g in s.groups for i in [g["index"]]) and all(
-        a is b for n in layers for a, b in zip(te.layout.groups_of(n), (te.optimizer.param_groups[i]
-                                                                      for i in te.layout[n].group_indices)))
+        g["index"] == i and train_engine.optimizer.param_groups[i]["name"] == g["name"]
+        for s in shards
+        for g in s.groups
+        for i in [g["index"]]
+    ) and all(
+        a is b
+        for n in layers
+        for a, b in zip(
+            train_engine.layout.groups_of(n),
+            (train_engine.optimizer.param_groups[i] for i in train_engine.layout[n].group_indices),
+        )
+    )
     out["seq"] = SEQ
-    shutdown(te)
+    shutdown(train_engine)
     return out

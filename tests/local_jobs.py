@@ -72,70 +72,152 @@ class DamageAfterWrite:
             path.write_bytes(bytes(data))
 
 
-def _run(te: TrainEngine, initial: list[Any], policy: Any, root: Path, *, rank: int, world_size: int,
-         fail_after: Sequence[int] = (), hook: Any = None) -> dict[str, Any]:
-    restore_from_shards(te.layout, initial)
-    seek_step(te, 0)
-    te.optimizer.take_drift()
+def _run(
+    train_engine: TrainEngine,
+    initial: list[Any],
+    policy: Any,
+    root: Path,
+    *,
+    rank: int,
+    world_size: int,
+    fail_after: Sequence[int] = (),
+    hook: Any = None,
+) -> dict[str, Any]:
+    restore_from_shards(train_engine.layout, initial)
+    seek_step(train_engine, 0)
+    train_engine.optimizer.take_drift()
     store = LayerStore.open(str(root), fsync=False, hook=hook)
     if isinstance(hook, DamageAfterWrite):
         hook.root = Path(store.fs.root)
-    coordinator = LocalCoordinator(policy=policy, layer_numel=te.layer_map.numel, store=store,
-                                   max_inflight_bytes=2**30, max_versions_in_flight=STEPS_IN_FLIGHT,
-                                   config=SupervisionConfig(drain_deadline_s=60, commit_backoff_s=0.01))
+    coordinator = LocalCoordinator(
+        policy=policy,
+        layer_numel=train_engine.layer_map.numel,
+        store=store,
+        max_inflight_bytes=2**30,
+        max_versions_in_flight=STEPS_IN_FLIGHT,
+        config=SupervisionConfig(drain_deadline_s=60, commit_backoff_s=0.01),
+    )
     recoveries = []
 
     def on_failure(t_fail: int) -> int:
-        wipe_training_state(te)
-        recovered = recover(te, coordinator)
-        recoveries.append({"t_fail": recovered.t_fail, "start_step": recovered.start_step,
-                           "versions": recovered.versions, "drained": recovered.drained,
-                           "unusable": list(recovered.unusable)})
+        wipe_training_state(train_engine)
+        recovered = recover(train_engine, coordinator)
+        recoveries.append(
+            {
+                "t_fail": recovered.t_fail,
+                "start_step": recovered.start_step,
+                "versions": recovered.versions,
+                "drained": recovered.drained,
+                "unusable": list(recovered.unusable),
+            }
+        )
         return recovered.start_step
 
     dataset = SequenceDataset.from_config(DataConfig(seq_len=16, seed=0))
-    train_with_failures(te, dataset, coordinator, start_step=1, end_step=STEPS, rank=rank, world_size=world_size,
-                        fail_after=fail_after, on_failure=on_failure)
+    train_with_failures(
+        train_engine,
+        dataset,
+        coordinator,
+        start_step=1,
+        end_step=STEPS,
+        rank=rank,
+        world_size=world_size,
+        fail_after=fail_after,
+        on_failure=on_failure,
+    )
     drained = coordinator.close(timeout_s=60)
-    out = {"handed": [[step, list(names)] for step, names in coordinator.handed], "recoveries": recoveries,
-           "drained": drained, "decided": {str(o.step): o.drift for o in coordinator.service.trace}}
+    out = {
+        "handed": [[step, list(names)] for step, names in coordinator.handed],
+        "recoveries": recoveries,
+        "drained": drained,
+        "decided": {str(o.step): o.drift for o in coordinator.service.trace},
+    }
     if rank == 0:
         out["losses"] = {str(p.step): p.loss for p in coordinator.progress_log}
         out["manifest"] = sorted([r.layer, r.step, sorted(s.rank for s in r.shards)] for r in store.versions())
         status = coordinator.status()
-        out["status"] = {key: status[key] for key in ("state", "attempt", "versions_committed", "lost_versions",
-                                                      "commit_retries", "write_failures", "step")}
+        out["status"] = {
+            key: status[key]
+            for key in (
+                "state",
+                "attempt",
+                "versions_committed",
+                "lost_versions",
+                "commit_retries",
+                "write_failures",
+                "step",
+            )
+        }
         out["account"] = {key: status["account"][key] for key in ("failures", "recoveries")}
     return out
 
 
 def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
     init_distributed()
-    te = make_engine(stage=2, precision="fp32")
+    train_engine = make_engine(stage=2, precision="fp32")
     try:
-        initial = [_clone(s) for s in snapshot_layers(te.layout, te.layer_map.names, HostBufferPool(pin=False), step=0)]
-        names = te.layer_map.names
-        every = build_policy(IntervalConfig(interval=1), te.layer_map.numel)
+        initial = [
+            _clone(s)
+            for s in snapshot_layers(
+                train_engine.layout, train_engine.layer_map.names, HostBufferPool(pin=False), step=0
+            )
+        ]
+        names = train_engine.layer_map.names
+        every = build_policy(IntervalConfig(interval=1), train_engine.layer_map.numel)
         return {
             "layers": list(names),
-            "scripted": _run(te, initial, ScriptedPolicy({2: [names[0]], 3: [names[1], names[-1]]}),
-                             Path(root, "scripted"), rank=rank, world_size=world_size),
-            "every": _run(te, initial, every, Path(root, "every"), rank=rank, world_size=world_size),
-            "failed": _run(te, initial, build_policy(IntervalConfig(interval=1), te.layer_map.numel),
-                           Path(root, "failed"), rank=rank, world_size=world_size, fail_after=(4,)),
+            "scripted": _run(
+                train_engine,
+                initial,
+                ScriptedPolicy({2: [names[0]], 3: [names[1], names[-1]]}),
+                Path(root, "scripted"),
+                rank=rank,
+                world_size=world_size,
+            ),
+            "every": _run(train_engine, initial, every, Path(root, "every"), rank=rank, world_size=world_size),
+            "failed": _run(
+                train_engine,
+                initial,
+                build_policy(IntervalConfig(interval=1), train_engine.layer_map.numel),
+                Path(root, "failed"),
+                rank=rank,
+                world_size=world_size,
+                fail_after=(4,),
+            ),
             # rank 0's store fails the first commit: the supervisor's commit path retries it
-            "retried": _run(te, initial, ScriptedPolicy({2: [names[0]]}), Path(root, "retried"), rank=rank,
-                            world_size=world_size, hook=FailFirstCommit() if rank == 0 else None),
+            "retried": _run(
+                train_engine,
+                initial,
+                ScriptedPolicy({2: [names[0]]}),
+                Path(root, "retried"),
+                rank=rank,
+                world_size=world_size,
+                hook=FailFirstCommit() if rank == 0 else None,
+            ),
             # rank 1's shard of layer 1's newest version is damaged after it is written: only rank 1
             # finds out, while loading; every rank falls back to the version before
-            "corrupt": _run(te, initial, build_policy(IntervalConfig(interval=1), te.layer_map.numel),
-                            Path(root, "corrupt"), rank=rank, world_size=world_size, fail_after=(4,),
-                            hook=DamageAfterWrite(names[1], 4) if rank == 1 else None),
-            "staggered": _run(te, initial, build_policy(StaggeredConfig(period=3), te.layer_map.numel),
-                              Path(root, "staggered"), rank=rank, world_size=world_size, fail_after=(4,)),
+            "corrupt": _run(
+                train_engine,
+                initial,
+                build_policy(IntervalConfig(interval=1), train_engine.layer_map.numel),
+                Path(root, "corrupt"),
+                rank=rank,
+                world_size=world_size,
+                fail_after=(4,),
+                hook=DamageAfterWrite(names[1], 4) if rank == 1 else None,
+            ),
+            "staggered": _run(
+                train_engine,
+                initial,
+                build_policy(StaggeredConfig(period=3), train_engine.layer_map.numel),
+                Path(root, "staggered"),
+                rank=rank,
+                world_size=world_size,
+                fail_after=(4,),
+            ),
         }
     finally:
-        shutdown(te)
+        shutdown(train_engine)
 
 
 def _clone(shard: Any) -> Any:

@@ -15,9 +15,15 @@ from workers.loop import run_loop
 from workers.step import eval_loss
 
 SFT_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 
 
@@ -38,23 +44,30 @@ class NoCheckpoints:
 
 
 def sft_loop_job(rank: int, world_size: int, path: str, tokenizer: str, packing: bool, steps: int) -> dict[str, Any]:
-    te = build_engine(ModelConfig(hf_config=SFT_LLAMA, seed=3),
-                      OptimConfig(lr=3e-3, warmup_steps=1, total_steps=steps, schedule="constant"),
-                      EngineConfig(zero_stage=3, precision="fp32", micro_batch=2, grad_accum=2, grad_clip=1.0))
+    train_engine = build_engine(
+        ModelConfig(hf_config=SFT_LLAMA, seed=3),
+        OptimConfig(lr=3e-3, warmup_steps=1, total_steps=steps, schedule="constant"),
+        EngineConfig(zero_stage=3, precision="fp32", micro_batch=2, grad_accum=2, grad_clip=1.0),
+    )
     dataset = load_dataset(DataConfig(format="sft", path=path, tokenizer=tokenizer, seq_len=64, packing=packing))
     probe = dataset.micro_batch(step=1, micro=0, rank=0, world_size=1, micro_batch=2, grad_accum=1)
     out: dict[str, Any] = {}
     ids = probe.input_ids
     # a Batch with labels = inputs and full attention is the text path's loss, exactly
-    out["tensor_vs_batch"] = (eval_loss(te, ids), eval_loss(te, Batch(ids, ids.clone(), torch.ones_like(ids))))
+    out["tensor_vs_batch"] = (
+        eval_loss(train_engine, ids),
+        eval_loss(train_engine, Batch(ids, ids.clone(), torch.ones_like(ids))),
+    )
     # padding changes nothing: one example padded to seq_len vs the same example alone
     n = int(probe.attention_mask[0].sum())
     padded = Batch(probe.input_ids[:1], probe.labels[:1], probe.attention_mask[:1])
     alone = Batch(probe.input_ids[:1, :n], probe.labels[:1, :n], probe.attention_mask[:1, :n])
-    out["padded_vs_alone"] = (eval_loss(te, padded), eval_loss(te, alone))
-    out["probe_before"] = eval_loss(te, probe)
-    result = run_loop(te, dataset, NoCheckpoints(), start_step=1, end_step=steps, rank=rank, world_size=world_size)
+    out["padded_vs_alone"] = (eval_loss(train_engine, padded), eval_loss(train_engine, alone))
+    out["probe_before"] = eval_loss(train_engine, probe)
+    result = run_loop(
+        train_engine, dataset, NoCheckpoints(), start_step=1, end_step=steps, rank=rank, world_size=world_size
+    )
     out["losses"] = [result.losses[s] for s in sorted(result.losses)]
-    out["probe_after"] = eval_loss(te, probe)
-    shutdown(te)
+    out["probe_after"] = eval_loss(train_engine, probe)
+    shutdown(train_engine)
     return out

@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.fs import StoreFS
+from orchestrator.store.layer_store import LayerStore
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
@@ -22,8 +22,10 @@ PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
 def layer_state(params: Mapping[str, tuple[int, ...]], *, seed: int) -> dict[str, dict[str, torch.Tensor]]:
     """``state[key][param]``: the full flattened tensor of each parameter, distinct per seed."""
     gen = torch.Generator().manual_seed(seed)
-    return {key: {name: torch.randn(math.prod(shape), generator=gen) for name, shape in params.items()}
-            for key in STATE_KEYS}
+    return {
+        key: {name: torch.randn(math.prod(shape), generator=gen) for name, shape in params.items()}
+        for key in STATE_KEYS
+    }
 
 
 def even_cuts(total: int, world_size: int) -> list[int]:
@@ -56,14 +58,22 @@ def cut_shards(
                 slices.append(ParamSlice(name=name, shape=shape, offset=a - starts[name], length=b - a))
         tensors = {
             key: torch.cat([state[key][s.name][s.offset : s.offset + s.length] for s in slices])
-            if slices else torch.zeros(0)
+            if slices
+            else torch.zeros(0)
             for key in STATE_KEYS
         }
-        shards.append(LayerShard(
-            layer=layer, step=step, rank=rank, world_size=world_size, slices=tuple(slices), tensors=tensors,
-            optimizer_step=step if optimizer_step is None else optimizer_step,
-            groups=({"name": f"{layer}.decay", "lr": 1e-5, "betas": [0.9, 0.999], "params": sorted(params)},),
-        ))
+        shards.append(
+            LayerShard(
+                layer=layer,
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                slices=tuple(slices),
+                tensors=tensors,
+                optimizer_step=step if optimizer_step is None else optimizer_step,
+                groups=({"name": f"{layer}.decay", "lr": 1e-5, "betas": [0.9, 0.999], "params": sorted(params)},),
+            )
+        )
     return shards
 
 
@@ -71,8 +81,16 @@ def seed_of(layer: str, step: int) -> int:
     return zlib.crc32(f"{layer}@{step}".encode())
 
 
-def write_layer(store: LayerStore, layer: str, step: int, *, world_size: int = 2, seed: int | None = None,
-                base: bool = False, params: Mapping[str, tuple[int, ...]] = PARAMS):
+def write_layer(
+    store: LayerStore,
+    layer: str,
+    step: int,
+    *,
+    world_size: int = 2,
+    seed: int | None = None,
+    base: bool = False,
+    params: Mapping[str, tuple[int, ...]] = PARAMS,
+):
     """Write and commit one version; returns (record, state)."""
     state = layer_state(params, seed=seed_of(layer, step) if seed is None else seed)
     total = sum(math.prod(s) for s in params.values())
@@ -117,14 +135,29 @@ class FaultyLocalFS(pafs.FileSystemHandler):
         if self.read_only:
             raise PermissionError(errno.EACCES, "Permission denied", path)
 
-    def get_type_name(self): return "faulty"
-    def normalize_path(self, path): return self.local.normalize_path(path)
-    def get_file_info(self, paths): return self.local.get_file_info(paths)
-    def get_file_info_selector(self, selector): return self.local.get_file_info(selector)
-    def open_input_stream(self, path): return self.local.open_input_stream(path)
-    def open_input_file(self, path): return self.local.open_input_file(path)
-    def __eq__(self, other): return self is other
-    def __ne__(self, other): return self is not other
+    def get_type_name(self):
+        return "faulty"
+
+    def normalize_path(self, path):
+        return self.local.normalize_path(path)
+
+    def get_file_info(self, paths):
+        return self.local.get_file_info(paths)
+
+    def get_file_info_selector(self, selector):
+        return self.local.get_file_info(selector)
+
+    def open_input_stream(self, path):
+        return self.local.open_input_stream(path)
+
+    def open_input_file(self, path):
+        return self.local.open_input_file(path)
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
 
     def create_dir(self, path, recursive):
         self._check_writable(path)

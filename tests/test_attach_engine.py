@@ -55,8 +55,11 @@ def test_bad_input_fails_before_training_with_a_way_out():
 def test_layer_map_from_a_dict_or_a_function():
     params = [("enc.0.weight", (4, 4)), ("enc.0.bias", (4,)), ("enc.head.weight", (4, 4)), ("dec.weight", (4, 4))]
     by_prefix = layer_map_from(params, {"enc": ["enc."], "head": ["enc.head."], "dec": ["dec."]})
-    assert {l.name: [p.name for p in l.params] for l in by_prefix.layers} == {
-        "enc": ["enc.0.weight", "enc.0.bias"], "head": ["enc.head.weight"], "dec": ["dec.weight"]}
+    assert {layer.name: [p.name for p in layer.params] for layer in by_prefix.layers} == {
+        "enc": ["enc.0.weight", "enc.0.bias"],
+        "head": ["enc.head.weight"],
+        "dec": ["dec.weight"],
+    }
     by_fn = layer_map_from(params, lambda name: name.split(".")[0])
     assert by_fn.names == ("enc", "dec")
     with pytest.raises(UnplacedParameterError, match=r"'dec.weight'.*layer_map="):

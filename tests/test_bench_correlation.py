@@ -30,12 +30,21 @@ def test_measures_weight_layers_by_size():
     drift = {s: {"a": 1.0, "b": 0.5} for s in range(1, 11)}
     assert c.unsaved_drift(numel, versions, 10, drift) == pytest.approx((3 * 2 * 1.0 + 1 * 6 * 0.5) / 4)
     assert c.unsaved_drift(numel, versions, 10, drift, scale={"a": 2.0, "b": 0.5}) == pytest.approx(
-        (3 * 2 * 1.0 / 2 + 1 * 6 * 0.5 / 0.5) / 4)
+        (3 * 2 * 1.0 / 2 + 1 * 6 * 0.5 / 0.5) / 4
+    )
 
 
 def test_correlations_cover_every_measure():
-    points = [{"weighted_staleness": s, "unsaved_drift": 2 * s, "unsaved_drift_relative": -s, "lost_distance": s * s,
-               "loss_dev_mean": s} for s in (1.0, 2.0, 3.0, 4.0)]
+    points = [
+        {
+            "weighted_staleness": s,
+            "unsaved_drift": 2 * s,
+            "unsaved_drift_relative": -s,
+            "lost_distance": s * s,
+            "loss_dev_mean": s,
+        }
+        for s in (1.0, 2.0, 3.0, 4.0)
+    ]
     out = c.correlations(points)
     assert set(out) == set(c.MEASURES)
     assert out["unsaved_drift"]["pearson"] == pytest.approx(1.0)

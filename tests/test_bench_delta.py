@@ -10,9 +10,15 @@ from workers.shard import LayerShard, ParamSlice
 
 def _shard(values: torch.Tensor, layer: str = "block.0") -> LayerShard:
     n = values.numel()
-    return LayerShard(layer=layer, step=0, rank=0, world_size=1, slices=(ParamSlice("w", (n,), 0, n),),
-                      tensors={"fp32": values.clone(), "exp_avg": values.clone() * 2, "exp_avg_sq": values.abs().clone()},
-                      optimizer_step=0)
+    return LayerShard(
+        layer=layer,
+        step=0,
+        rank=0,
+        world_size=1,
+        slices=(ParamSlice("w", (n,), 0, n),),
+        tensors={"fp32": values.clone(), "exp_avg": values.clone() * 2, "exp_avg_sq": values.abs().clone()},
+        optimizer_step=0,
+    )
 
 
 def test_encode_sends_the_largest_entries_and_shadow_tracks_exactly_what_was_sent():

@@ -12,8 +12,19 @@ from bench.ettr import Costs
 
 
 def _rollback(**kw) -> Costs:
-    base = dict(name="full", recovery="rollback", base_step_s=1.0, step_s=1.1, interval=10, stall_per_event_s=1.0,
-                bytes_per_event=1e9, bytes_per_step=1e8, recovery_s=5.0, restart_s=10.0, sync_write=True)
+    base = dict(
+        name="full",
+        recovery="rollback",
+        base_step_s=1.0,
+        step_s=1.1,
+        interval=10,
+        stall_per_event_s=1.0,
+        bytes_per_event=1e9,
+        bytes_per_step=1e8,
+        recovery_s=5.0,
+        restart_s=10.0,
+        sync_write=True,
+    )
     return Costs(**{**base, **kw})
 
 
@@ -71,8 +82,9 @@ def test_storage_bandwidth_rescales_the_sync_stall_and_throttles_async_writes():
 
 
 def test_grid_has_every_point():
-    g = ettr.grid([_rollback(), _rollback(name="lc", recovery="resume")], mtbf_hours=(0.5, 24), gpu_counts=(8, 16384),
-                  runs=5)
+    g = ettr.grid(
+        [_rollback(), _rollback(name="lc", recovery="resume")], mtbf_hours=(0.5, 24), gpu_counts=(8, 16384), runs=5
+    )
     assert [p["mtbf_hours"] for p in g["by_mtbf"]["lc"]] == [0.5, 24]
     assert [p["gpus"] for p in g["by_gpus"]["full"]] == [8, 16384]
     assert g["by_gpus"]["full"][1]["sim"]["mean"] < g["by_gpus"]["full"][0]["sim"]["mean"]

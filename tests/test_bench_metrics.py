@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench.metrics import (FreshnessTracker, loss_deviation, matched_intervals, measured_ettr,
-                           post_failure_windows, trace_of)
+from bench.metrics import (
+    FreshnessTracker,
+    loss_deviation,
+    matched_intervals,
+    measured_ettr,
+    post_failure_windows,
+    trace_of,
+)
 from policies.configs import IntervalConfig
 from policies.simulate import simulate_config
 

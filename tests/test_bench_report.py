@@ -11,42 +11,125 @@ from bench.presets import preset
 STEPS, FAILURES = 10, (6,)
 
 
-def _raw(name: str, kind: str, recovery: str, *, interval: int = 0, matched: str = "", train_s: float = 10.0,
-         stall_s: float = 0.0, bytes_written: float = 0.0, events: int = 0, shift: float = 0.0,
-         recoveries: list | None = None) -> dict:
+def _raw(
+    name: str,
+    kind: str,
+    recovery: str,
+    *,
+    interval: int = 0,
+    matched: str = "",
+    train_s: float = 10.0,
+    stall_s: float = 0.0,
+    bytes_written: float = 0.0,
+    events: int = 0,
+    shift: float = 0.0,
+    recoveries: list | None = None,
+) -> dict:
     return {
-        "strategy": {"name": name, "kind": kind, "recovery": recovery, "interval": interval, "matched": matched,
-                     "delta_density": 0.01, "policy": None},
-        "train_s": train_s, "stall_s": stall_s, "probe_s": 0.1, "bytes_written": bytes_written, "events": events,
-        "freshness": {"mean_weighted_staleness": 2.0, "max_staleness": 4.0, "mean_unsaved_drift": 0.1,
-                      "max_unsaved_drift": 0.2},
+        "strategy": {
+            "name": name,
+            "kind": kind,
+            "recovery": recovery,
+            "interval": interval,
+            "matched": matched,
+            "delta_density": 0.01,
+            "policy": None,
+        },
+        "train_s": train_s,
+        "stall_s": stall_s,
+        "probe_s": 0.1,
+        "bytes_written": bytes_written,
+        "events": events,
+        "freshness": {
+            "mean_weighted_staleness": 2.0,
+            "max_staleness": 4.0,
+            "mean_unsaved_drift": 0.1,
+            "max_unsaved_drift": 0.2,
+        },
         "recoveries": recoveries or [],
         "losses": {str(s): 3.0 - 0.1 * s + (shift if s > FAILURES[0] else 0.0) for s in range(1, STEPS + 1)},
     }
 
 
 def _recovery(**kw) -> dict:
-    return {"t_fail": 6, "resume_after": 6, "steps_lost": 0, "plan_s": 0.1, "load_s": 0.2, "replay_s": 0.0,
-            "drain_s": 0.0, "recovery_s": 0.3, "weighted_staleness": 1.5, "max_staleness": 3, **kw}
+    return {
+        "t_fail": 6,
+        "resume_after": 6,
+        "steps_lost": 0,
+        "plan_s": 0.1,
+        "load_s": 0.2,
+        "replay_s": 0.0,
+        "drain_s": 0.0,
+        "recovery_s": 0.3,
+        "weighted_staleness": 1.5,
+        "max_staleness": 3,
+        **kw,
+    }
 
 
 @pytest.fixture()
 def built() -> dict:
-    raw = {"restart_s": 2.0, "params": 1000, "frozen_params": 500, "layers": {"embed": 500, "block.0": 500}, "results": {
-        "none": {**_raw("none", "none", "restart"), "trace": trace_of(
-            {"embed": 500, "block.0": 500}, {t: {"embed": 0.1, "block.0": 0.1} for t in range(1, STEPS + 1)},
-            {t: 1e-3 for t in range(1, STEPS + 1)}).to_json()},
-        "full": _raw("full", "deepspeed-sync", "rollback", interval=5, train_s=11.0, stall_s=1.0, bytes_written=24000,
-                     events=2, recoveries=[_recovery(resume_after=5, steps_lost=1, replay_s=1.0, recovery_s=1.3)]),
-        "layercheck": {**_raw("layercheck", "layer-policy", "resume", train_s=10.2, stall_s=0.05, bytes_written=18000,
-                              events=6, shift=0.01, recoveries=[_recovery()]),
-                       "handed_state_bytes": {"total": 15000, "peak_step": 6000}},
-        "full@stal": _raw("full@stal", "deepspeed-sync", "rollback", interval=3, matched="staleness", train_s=11.5,
-                          stall_s=1.5, bytes_written=36000, events=3,
-                          recoveries=[_recovery(resume_after=6, steps_lost=0, recovery_s=0.3)]),
-        "_matched": {"staleness": 3, "drift": 2, "target_staleness": 2.0, "target_drift": 0.1,
-                     "interval_staleness": 1.0, "interval_drift": 0.1},
-    }}
+    raw = {
+        "restart_s": 2.0,
+        "params": 1000,
+        "frozen_params": 500,
+        "layers": {"embed": 500, "block.0": 500},
+        "results": {
+            "none": {
+                **_raw("none", "none", "restart"),
+                "trace": trace_of(
+                    {"embed": 500, "block.0": 500},
+                    {t: {"embed": 0.1, "block.0": 0.1} for t in range(1, STEPS + 1)},
+                    {t: 1e-3 for t in range(1, STEPS + 1)},
+                ).to_json(),
+            },
+            "full": _raw(
+                "full",
+                "deepspeed-sync",
+                "rollback",
+                interval=5,
+                train_s=11.0,
+                stall_s=1.0,
+                bytes_written=24000,
+                events=2,
+                recoveries=[_recovery(resume_after=5, steps_lost=1, replay_s=1.0, recovery_s=1.3)],
+            ),
+            "layercheck": {
+                **_raw(
+                    "layercheck",
+                    "layer-policy",
+                    "resume",
+                    train_s=10.2,
+                    stall_s=0.05,
+                    bytes_written=18000,
+                    events=6,
+                    shift=0.01,
+                    recoveries=[_recovery()],
+                ),
+                "handed_state_bytes": {"total": 15000, "peak_step": 6000},
+            },
+            "full@stal": _raw(
+                "full@stal",
+                "deepspeed-sync",
+                "rollback",
+                interval=3,
+                matched="staleness",
+                train_s=11.5,
+                stall_s=1.5,
+                bytes_written=36000,
+                events=3,
+                recoveries=[_recovery(resume_after=6, steps_lost=0, recovery_s=0.3)],
+            ),
+            "_matched": {
+                "staleness": 3,
+                "drift": 2,
+                "target_staleness": 2.0,
+                "target_drift": 0.1,
+                "interval_staleness": 1.0,
+                "interval_drift": 0.1,
+            },
+        },
+    }
     workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
     return report.build_report(raw, workload, {"nproc": 2})
 
@@ -83,7 +166,8 @@ def test_layercheck_variants_get_an_estimate_at_their_own_matched_freshness(buil
     n = estimate["interval_staleness"]
     assert estimate["full_bytes_staleness"] == 12000 * (STEPS // n)
     assert built["headline"]["bytes_estimate_vs_full_at_own_matched_staleness"]["layercheck"] == pytest.approx(
-        18000 / (12000 * (STEPS // n)))
+        18000 / (12000 * (STEPS // n))
+    )
 
 
 def test_text_forms(built):
@@ -154,4 +238,5 @@ def test_readme_section_quotes_the_schedule_figures(built):
 
 def test_reports_without_the_schedule_figures_still_build():
     from bench.schedule_report import peak_step_bytes
+
     assert peak_step_bytes({"kind": "layer-policy"}, {}) is None

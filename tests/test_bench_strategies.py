@@ -5,16 +5,24 @@ from __future__ import annotations
 import pytest
 
 from bench.presets import PRESETS, Workload, preset, variant
-from bench.strategies import (Kind, Recovery, Strategy, StrategyOptions, default_strategies, matched_variants,
-                              select)
+from bench.strategies import Kind, Recovery, Strategy, StrategyOptions, default_strategies, matched_variants, select
 from policies.configs import LayerCheckConfig, StaggeredConfig
 
 
 def test_default_set_has_every_strategy_the_issue_names_none_first():
     names = [s.name for s in default_strategies(StrategyOptions())]
     assert names[0] == "none"
-    assert set(names) == {"none", "full", "full-async", "full-resume", "staggered", "layercheck",
-                          "layercheck-const", "drift-optimal", "diff"}
+    assert set(names) == {
+        "none",
+        "full",
+        "full-async",
+        "full-resume",
+        "staggered",
+        "layercheck",
+        "layercheck-const",
+        "drift-optimal",
+        "diff",
+    }
 
 
 def test_staggered_default_runs_at_the_baselines_period_from_the_warmup():
@@ -44,10 +52,16 @@ def test_layercheck_variants_keep_the_defaults_but_the_warmup():
     assert const.threshold_schedule == "constant"
 
 
-@pytest.mark.parametrize("kind, recovery", [
-    (Kind.NONE, Recovery.RESTART), (Kind.DEEPSPEED_SYNC, Recovery.ROLLBACK), (Kind.DEEPSPEED_ASYNC, Recovery.ROLLBACK),
-    (Kind.LAYER_INTERVAL, Recovery.RESUME), (Kind.DIFFERENTIAL, Recovery.REPLAY_DELTAS),
-])
+@pytest.mark.parametrize(
+    "kind, recovery",
+    [
+        (Kind.NONE, Recovery.RESTART),
+        (Kind.DEEPSPEED_SYNC, Recovery.ROLLBACK),
+        (Kind.DEEPSPEED_ASYNC, Recovery.ROLLBACK),
+        (Kind.LAYER_INTERVAL, Recovery.RESUME),
+        (Kind.DIFFERENTIAL, Recovery.REPLAY_DELTAS),
+    ],
+)
 def test_recovery_follows_the_kind(kind, recovery):
     assert Strategy(name="x", kind=kind, interval=5).recovery is recovery
 
@@ -69,9 +83,12 @@ def test_json_round_trip():
 def test_matched_variants_cover_full_full_resume_and_diff_at_both_intervals():
     variants = matched_variants(default_strategies(StrategyOptions()), staleness_interval=7, drift_interval=3)
     assert {(v.name, v.interval, v.matched) for v in variants} == {
-        ("full@stal", 7, "staleness"), ("full@drift", 3, "drift"),
-        ("full-resume@stal", 7, "staleness"), ("full-resume@drift", 3, "drift"),
-        ("diff@stal", 7, "staleness"), ("diff@drift", 3, "drift"),
+        ("full@stal", 7, "staleness"),
+        ("full@drift", 3, "drift"),
+        ("full-resume@stal", 7, "staleness"),
+        ("full-resume@drift", 3, "drift"),
+        ("diff@stal", 7, "staleness"),
+        ("diff@drift", 3, "drift"),
     }
 
 

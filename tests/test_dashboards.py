@@ -24,8 +24,9 @@ GRAFANA_VARIABLES = {"$run_id": "demo-0", "$__rate_interval": "1m", "$__interval
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool not found: install Debian's 'prometheus' package (apt-get install prometheus; "
-                    ".ci/run does it)")
+        pytest.fail(
+            "promtool not found: install Debian's 'prometheus' package (apt-get install prometheus; .ci/run does it)"
+        )
     return path
 
 
@@ -80,19 +81,35 @@ def test_the_dashboard_is_importable_and_selects_one_run():
     kinds = {p["type"] for p in graphs}
     assert "heatmap" in kinds
     referenced = {m for p in graphs for t in p["targets"] for m in METRIC.findall(t["expr"])}
-    for needed in ("layercheck_layer_staleness_steps", "layercheck_staleness_max_steps",
-                   "layercheck_staleness_weighted_steps", "layercheck_smax_steps",
-                   "layercheck_committed_bytes_total", "layercheck_full_checkpoint_equivalent_bytes",
-                   "layercheck_persistence_queue_versions", "layercheck_stall_seconds_total",
-                   "layercheck_ettr_ratio", "layercheck_failures_total", "layercheck_recovery_seconds_sum"):
+    for needed in (
+        "layercheck_layer_staleness_steps",
+        "layercheck_staleness_max_steps",
+        "layercheck_staleness_weighted_steps",
+        "layercheck_smax_steps",
+        "layercheck_committed_bytes_total",
+        "layercheck_full_checkpoint_equivalent_bytes",
+        "layercheck_persistence_queue_versions",
+        "layercheck_stall_seconds_total",
+        "layercheck_ettr_ratio",
+        "layercheck_failures_total",
+        "layercheck_recovery_seconds_sum",
+    ):
         assert needed in referenced, needed
 
 
 def test_every_dashboard_expression_parses(tmp_path):
     """promtool parses a rule file's expressions: the dashboard's queries go in as recording rules."""
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"layercheck_dashboard:query{i}", "expr": substitute(expr)}
-        for i, expr in enumerate(dashboard_exprs(dashboard()))]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"layercheck_dashboard:query{i}", "expr": substitute(expr)}
+                    for i, expr in enumerate(dashboard_exprs(dashboard()))
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump(rules))
     done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
@@ -100,8 +117,11 @@ def test_every_dashboard_expression_parses(tmp_path):
 
 
 def test_alert_rules_and_scrape_config_pass_promtool():
-    for args in (["check", "rules", str(ALERTS)], ["test", "rules", str(DASHBOARDS / "alerts_test.yml")],
-                 ["check", "config", str(DASHBOARDS / "prometheus.yml")]):
+    for args in (
+        ["check", "rules", str(ALERTS)],
+        ["test", "rules", str(DASHBOARDS / "alerts_test.yml")],
+        ["check", "config", str(DASHBOARDS / "prometheus.yml")],
+    ):
         done = subprocess.run([promtool(), *args], capture_output=True, text=True, cwd=DASHBOARDS)
         assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"
 

@@ -17,8 +17,12 @@ def test_bundled_corpus_tokenizes_byte_level():
 def test_a_step_gives_each_rank_distinct_sequences():
     ds = dataset()
     kw = dict(step=4, world_size=2, micro_batch=2, grad_accum=2)
-    rows = [tuple(r.tolist()) for rank in range(2) for micro in range(2)
-            for r in ds.micro_batch(micro=micro, rank=rank, **kw)]
+    rows = [
+        tuple(r.tolist())
+        for rank in range(2)
+        for micro in range(2)
+        for r in ds.micro_batch(micro=micro, rank=rank, **kw)
+    ]
     assert len(set(rows)) == 8
 
 

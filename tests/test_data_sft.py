@@ -22,9 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "examples" / "data" / "sft-tokenizer")
 SFT_TOML = ROOT / "examples" / "sft.toml"
 PAIR = {"prompt": "Q: What is 3 + 4?\nA:", "completion": " 7"}
-CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
-                     {"role": "assistant", "content": "4"}, {"role": "user", "content": "Reverse 'abc'."},
-                     {"role": "assistant", "content": "cba"}]}
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 2 + 2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Reverse 'abc'."},
+        {"role": "assistant", "content": "cba"},
+    ]
+}
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +63,8 @@ def test_prompt_tokens_are_masked_and_the_answer_and_eos_kept(tmp_path, tok):
     answer = tok(PAIR["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     n = len(prompt) + len(answer)
     assert ids[:n].tolist() == prompt + answer
-    assert labels[:len(prompt)].tolist() == [IGNORE_INDEX] * len(prompt)
-    assert labels[len(prompt):n].tolist() == answer
+    assert labels[: len(prompt)].tolist() == [IGNORE_INDEX] * len(prompt)
+    assert labels[len(prompt) : n].tolist() == answer
     # padding: attended nowhere, trained on nowhere
     assert mask.tolist() == [1] * n + [0] * (32 - n)
     assert labels[n:].tolist() == [IGNORE_INDEX] * (32 - n) and ids[n:].tolist() == [tok.pad_token_id] * (32 - n)
@@ -78,8 +84,9 @@ def test_packing_places_every_example_once_and_masks_the_padding(tmp_path, tok):
     padded, packed = rows_of(sft(path, seq_len=64)), rows_of(sft(path, seq_len=64, packing=True))
     assert packed.count < padded.count == 20
     assert int(packed.attention_mask.sum()) == int(padded.attention_mask.sum())  # no token lost or added
-    assert sorted(packed.labels[packed.labels != IGNORE_INDEX].tolist()) == \
-        sorted(padded.labels[padded.labels != IGNORE_INDEX].tolist())
+    assert sorted(packed.labels[packed.labels != IGNORE_INDEX].tolist()) == sorted(
+        padded.labels[padded.labels != IGNORE_INDEX].tolist()
+    )
     pads = packed.attention_mask == 0
     assert (packed.labels[pads] == IGNORE_INDEX).all()
     # real tokens first, then padding, in every row
@@ -103,9 +110,14 @@ def test_order_is_resumable_and_the_same_at_any_world_size(tmp_path):
     dataset, _ = load_data(sft(write_jsonl(tmp_path / "d.jsonl", [PAIR, CHAT] * 20), seq_len=64, seed=5))
 
     def step_rows(step, world_size, micro_batch, grad_accum):
-        return [tuple(r) for rank in range(world_size) for micro in range(grad_accum)
-                for r in dataset.micro_batch(step=step, micro=micro, rank=rank, world_size=world_size,
-                                             micro_batch=micro_batch, grad_accum=grad_accum).input_ids.tolist()]
+        return [
+            tuple(r)
+            for rank in range(world_size)
+            for micro in range(grad_accum)
+            for r in dataset.micro_batch(
+                step=step, micro=micro, rank=rank, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum
+            ).input_ids.tolist()
+        ]
 
     for step in (1, 7, 30):  # 40 rows, global batch 8: step 30 is in a later epoch
         a, b = step_rows(step, 2, 2, 2), step_rows(step, 4, 2, 1)
@@ -122,14 +134,17 @@ def test_a_token_tensor_still_feeds_labels_equal_to_inputs():
     assert set(inputs) == {"input_ids", "labels"} and inputs["labels"] is inputs["input_ids"]
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"prompt": "a", "completion": "b"', r"d.jsonl line 2: not JSON"),
-    ('{"question": "a", "answer": "b"}', r"d.jsonl line 2: expected keys 'prompt' and 'completion', or 'messages'"),
-    ('{"prompt": "a", "completion": 3}', r"d.jsonl line 2: 'prompt' and 'completion' must be strings"),
-    ('{"messages": [{"role": "user"}]}', r"d.jsonl line 2: messages\[0\] must be an object"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', r"d.jsonl line 2: no message has role 'assistant'"),
-    ('[1, 2]', r"d.jsonl line 2: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"prompt": "a", "completion": "b"', r"d.jsonl line 2: not JSON"),
+        ('{"question": "a", "answer": "b"}', r"d.jsonl line 2: expected keys 'prompt' and 'completion', or 'messages'"),
+        ('{"prompt": "a", "completion": 3}', r"d.jsonl line 2: 'prompt' and 'completion' must be strings"),
+        ('{"messages": [{"role": "user"}]}', r"d.jsonl line 2: messages\[0\] must be an object"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}', r"d.jsonl line 2: no message has role 'assistant'"),
+        ("[1, 2]", r"d.jsonl line 2: expected a JSON object"),
+    ],
+)
 def test_a_bad_line_names_the_file_and_line(tmp_path, line, message):
     path = write_jsonl(tmp_path / "d.jsonl", [PAIR, line])
     with pytest.raises(DataError, match=message):
@@ -148,8 +163,11 @@ def test_chats_need_a_tokenizer_with_a_chat_template(tmp_path):
     del config["chat_template"]
     (bare / "tokenizer_config.json").write_text(json.dumps(config))
     path = write_jsonl(tmp_path / "d.jsonl", [PAIR, CHAT])
-    with pytest.raises(DataError, match=r"data.tokenizer: .*tok has no chat_template, but 1 example\(s\) are chats "
-                                        r"\(first at line 2\)"):
+    with pytest.raises(
+        DataError,
+        match=r"data.tokenizer: .*tok has no chat_template, but 1 example\(s\) are chats "
+        r"\(first at line 2\)",
+    ):
         load_data(DataConfig(format="sft", path=path, tokenizer=str(bare)))
     load_data(DataConfig(format="sft", path=write_jsonl(tmp_path / "p.jsonl", [PAIR]), tokenizer=str(bare)))
 
@@ -170,7 +188,9 @@ def test_the_sft_example_validates_on_the_driver(monkeypatch):
     config = load_run_config(SFT_TOML, {"steps": 5}).with_absolute_storage()
     assert Path(config.data.path).is_absolute() and Path(config.data.tokenizer).is_absolute()
     summary = check_data(config)
-    assert summary.rows == 700 and summary.fit.dropped == 0 and summary.vocab_size == config.model.hf_config["vocab_size"]
+    assert (
+        summary.rows == 700 and summary.fit.dropped == 0 and summary.vocab_size == config.model.hf_config["vocab_size"]
+    )
     packed = check_data(dataclasses.replace(config, data=dataclasses.replace(config.data, packing=True)))
     assert packed.rows < summary.rows
     small = load_run_config(SFT_TOML, {"model.hf_config.vocab_size": 256})
@@ -182,8 +202,9 @@ def test_layercheck_train_refuses_bad_data_before_starting_anything(tmp_path, ca
     monkeypatch.chdir(ROOT)
     bad = write_jsonl(tmp_path / "bad.jsonl", [PAIR, PAIR, "not json"])
     storage = tmp_path / "store"
-    code = main(["train", str(SFT_TOML), "--set", f"data.path={bad}", "--set", f"storage={storage}",
-                 "--set", "metrics.port=0"])
+    code = main(
+        ["train", str(SFT_TOML), "--set", f"data.path={bad}", "--set", f"storage={storage}", "--set", "metrics.port=0"]
+    )
     assert code == 2
     assert "bad.jsonl line 3: not JSON" in capsys.readouterr().err
     assert not storage.exists()  # refused before the store was prepared or Ray was started

@@ -7,11 +7,10 @@ import math
 import pytest
 import ray
 
-from orchestrator.runtime.driver import connect, train
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE
 from orchestrator.core.run_config import load_run_config
-from orchestrator.store.layer_store import LayerStore
+from orchestrator.runtime.driver import connect, train
 from orchestrator.runtime.summary import format_summary, summarize
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import IntervalConfig
 from policies.trace import DriftTrace
 from workers.schedule import lr_at
@@ -28,9 +27,18 @@ def demo():
 
 
 def run(demo, tmp_path, name, policy=None, resume=False, **overrides):
-    config = load_run_config("examples/demo.toml", {
-        "name": name, "storage": str(tmp_path / name), "steps": 12, "optim.total_steps": 12,
-        "optim.warmup_steps": 2, "metrics.port": 0, **overrides})
+    config = load_run_config(
+        "examples/demo.toml",
+        {
+            "name": name,
+            "storage": str(tmp_path / name),
+            "steps": 12,
+            "optim.total_steps": 12,
+            "optim.warmup_steps": 2,
+            "metrics.port": 0,
+            **overrides,
+        },
+    )
     if policy is not None:
         config = dataclasses.replace(config, policy=policy)
     result = train(config, resume=resume)
@@ -62,8 +70,12 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
 
 
 def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp_path):
-    result = run(demo, tmp_path, "mixed", **{"fault.kill_at_step": 8, "policy.warmup_steps": 3,
-                                            "policy.smax": 4, "policy.k0": 0.05})
+    result = run(
+        demo,
+        tmp_path,
+        "mixed",
+        **{"fault.kill_at_step": 8, "policy.warmup_steps": 3, "policy.smax": 4, "policy.k0": 0.05},
+    )
     status = result.status
     (recovery,) = status["account"]["recoveries"]
     assert recovery["resumed_at"] == recovery["t_fail"] + 1 == 9

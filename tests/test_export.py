@@ -14,10 +14,9 @@ import torch
 import transformers
 
 from orchestrator.cli.main import main
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
 from orchestrator.local.export import ExportError, composite_model, export, export_deepspeed, plan_export, run_config_of
+from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
 from orchestrator.store.retention import GcConfig, collect_garbage
-from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import layer_map_of
 from tests import composite_jobs as jobs
 from tests.store_helpers import cut_shards, even_cuts
@@ -30,8 +29,10 @@ NEWER = ("embed", "block.1")  # persisted again at step 20
 def _write_layer(store: LayerStore, layer, step: int, *, base: bool, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     params = {p.name: p.shape for p in layer.params}
-    state = {key: {name: torch.randn(math.prod(shape), generator=gen) for name, shape in params.items()}
-             for key in STATE_KEYS}
+    state = {
+        key: {name: torch.randn(math.prod(shape), generator=gen) for name, shape in params.items()}
+        for key in STATE_KEYS
+    }
     store.write_version(cut_shards(layer.name, step, params, state, even_cuts(layer.numel, 2)), base=base)
     return state["fp32"]
 
@@ -77,8 +78,9 @@ def test_step_picks_the_composite_at_that_step(run):
     numel = layer_map_of(build_model(config.model)).numel
     model = composite_model(config, store, plan_export(store, numel, 15).records)
     assert all(torch.equal(p.detach().reshape(-1), at15[n]) for n, p in model.named_parameters())
-    assert not torch.equal(dict(model.named_parameters())["model.embed_tokens.weight"].reshape(-1),
-                           at20["model.embed_tokens.weight"])
+    assert not torch.equal(
+        dict(model.named_parameters())["model.embed_tokens.weight"].reshape(-1), at20["model.embed_tokens.weight"]
+    )
 
 
 def test_no_usable_version_at_the_step_names_the_run_and_step(run, tmp_path, capsys):
@@ -106,11 +108,16 @@ def test_a_run_without_run_json_asks_for_config(run, tmp_path, capsys):
 
 def test_a_config_for_another_model_is_refused(run, tmp_path):
     other = jobs.run_config()
-    other = dataclasses.replace(other, model=dataclasses.replace(other.model, hf_config={**jobs.TIED_LLAMA, "hidden_size": 32}))
+    other = dataclasses.replace(
+        other, model=dataclasses.replace(other.model, hf_config={**jobs.TIED_LLAMA, "hidden_size": 32})
+    )
     config_file = tmp_path / "other.json"
     config_file.write_text(json.dumps(other.to_json()))
-    with pytest.raises(ExportError, match=r"does not fit the run config's model .*model.embed_tokens.weight: "
-                                          r"stored \(256, 64\), model \(256, 32\)"):
+    with pytest.raises(
+        ExportError,
+        match=r"does not fit the run config's model .*model.embed_tokens.weight: "
+        r"stored \(256, 64\), model \(256, 32\)",
+    ):
         export(run[0], fmt="deepspeed", out=tmp_path / "o", config_path=config_file)
     assert not (tmp_path / "o").exists()
 
@@ -152,7 +159,7 @@ def test_store_tools_leave_run_json_alone(run, capsys):
     assert main(["verify", uri]) == 0
     assert main(["inspect", uri, "--json"]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(out[out.index("{"):])
+    summary = json.loads(out[out.index("{") :])
     assert summary["newest_recoverable_step"] == 20
     assert {name: (Path(uri) / name).read_bytes() for name in root_files} == root_files
 

@@ -29,7 +29,9 @@ def test_deepspeed_export_resumes_like_the_in_place_restore(trained_run, tmp_pat
     assert (out / "latest").read_text().strip() == f"step{T}"
     assert (out / "zero_to_fp32.py").is_file()
     assert sorted(p.name for p in (out / f"step{T}").glob("*model_states.pt")) == [
-        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"]
+        "zero_pp_rank_0_mp_rank_00_model_states.pt",
+        "zero_pp_rank_1_mp_rank_00_model_states.pt",
+    ]
 
     results = run_ranks(jobs.check_export_job, 2, str(out), store, T, expect)
     for r in results:

@@ -57,8 +57,18 @@ def _run_dir_with_trace(tmp_path, steps: int, policy: dict) -> Path:
 
 
 def test_simulate_replays_the_runs_own_policy(tmp_path, capsys):
-    path = _run_dir_with_trace(tmp_path, 120, {"name": "layercheck", "k0": 0.005, "k0_embed": 0.05, "smax": 40,
-                                               "warmup_steps": 20, "threshold_schedule": "lr"})
+    path = _run_dir_with_trace(
+        tmp_path,
+        120,
+        {
+            "name": "layercheck",
+            "k0": 0.005,
+            "k0_embed": 0.05,
+            "smax": 40,
+            "warmup_steps": 20,
+            "threshold_schedule": "lr",
+        },
+    )
     assert main(["simulate", "--trace", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["eval_from"] == 20 and report["comparisons"][0]["result"]["policy"].startswith("layercheck k0=0.005")

@@ -35,22 +35,37 @@ def test_a_traceback_is_cut_to_its_last_line_and_known_noise_dropped():
 
 def test_ray_trains_worker_repr_and_truncated_snippets_are_cut():
     f = LogFilter()
-    lines = ["[Rank 0 Error Snippet]:", "Traceback (most recent call last):", '  File "a.py", line 1',
-             "... (Output truncated. See individual worker logs for full details) ...", "eturn func(*args)",
-             "    work.wait()", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
-             "Worker info: Worker(", "  actor=Actor(RayTrainWorker, cd),", ")",
-             "The actor died unexpectedly before finishing this task."]
+    lines = [
+        "[Rank 0 Error Snippet]:",
+        "Traceback (most recent call last):",
+        '  File "a.py", line 1',
+        "... (Output truncated. See individual worker logs for full details) ...",
+        "eturn func(*args)",
+        "    work.wait()",
+        "RuntimeError: Connection reset by peer",
+        "",
+        "[Rank 1 Error Snippet]:",
+        "Worker info: Worker(",
+        "  actor=Actor(RayTrainWorker, cd),",
+        ")",
+        "The actor died unexpectedly before finishing this task.",
+    ]
     kept = f.filter(7, lines)
     assert [k.split("  [")[0] for k in kept] == [
-        "[Rank 0 Error Snippet]:", "RuntimeError: Connection reset by peer", "", "[Rank 1 Error Snippet]:",
-        "The actor died unexpectedly before finishing this task."]
+        "[Rank 0 Error Snippet]:",
+        "RuntimeError: Connection reset by peer",
+        "",
+        "[Rank 1 Error Snippet]:",
+        "The actor died unexpectedly before finishing this task.",
+    ]
 
 
 def test_other_lines_pass_untouched_and_sources_are_kept_apart():
     f = LogFilter()
     assert f.filter(1, ["Traceback (most recent call last):", '  File "a.py"']) == []
     assert f.filter(2, ["WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]) == [
-        "WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]
+        "WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"
+    ]
     assert f.filter(1, ["ValueError: x"])[0].startswith("ValueError: x")
 
 
@@ -59,8 +74,11 @@ def test_a_lost_group_and_its_recovery_are_announced_once_each(caplog):
     recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
     with caplog.at_level(logging.WARNING):
         assert announce_failures({"state": "running", "step": 8, "account": {"recoveries": []}}, seen) == []
-        (lost,) = announce_failures({"state": "recovering", "step": 8, "account": {"recoveries": []}}, seen,
-                                    "injected: rank 1 SIGKILLs itself after step 8, fault.kill_at_step")
+        (lost,) = announce_failures(
+            {"state": "recovering", "step": 8, "account": {"recoveries": []}},
+            seen,
+            "injected: rank 1 SIGKILLs itself after step 8, fault.kill_at_step",
+        )
         assert announce_failures({"state": "recovering", "step": 8, "account": {"recoveries": []}}, seen) == []
         (resumed,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen)
         assert announce_failures({"state": "running", "step": 10, "account": {"recoveries": [recovery]}}, seen) == []

@@ -13,7 +13,6 @@ from policies.retention import RetentionConfig, plan_retention
 from tests.store_helpers import write_layer
 
 
-
 def _history(store):
     records = {}
     for layer, step, base in [("A", 20, True), ("B", 20, True), ("A", 30, False), ("A", 40, False), ("B", 40, False)]:
@@ -54,8 +53,10 @@ def test_undamaged_history_is_pruned_as_before(tmp_path):
 
 
 def test_every_version_of_a_layer_damaged_keeps_everything():
-    refs = [VersionRef(step=s, layer=layer, version_id=f"{layer}@{s}", base=s == 20)
-            for layer, s in [("A", 20), ("A", 30), ("B", 20), ("B", 40)]]
+    refs = [
+        VersionRef(step=s, layer=layer, version_id=f"{layer}@{s}", base=s == 20)
+        for layer, s in [("A", 20), ("A", 30), ("B", 20), ("B", 40)]
+    ]
     decision = plan_retention(refs, config=RetentionConfig(), unusable={"A@20": "x", "A@30": "y"})
     assert decision.newest_step is None and not decision.delete
 

@@ -119,18 +119,28 @@ class TinyLM(torch.nn.Module):
         return {"loss": self.w(input_ids).pow(2).mean()}
 
 
-def run_trainer(tmp_path, *, start_step: int, steps: int, grad_accum: int,
-                epochs: int = 0) -> tuple[list[list[int]], list, list]:
+def run_trainer(
+    tmp_path, *, start_step: int, steps: int, grad_accum: int, epochs: int = 0
+) -> tuple[list[list[int]], list, list]:
     """A real ``Trainer`` (shuffled data, 6 batches of 2 per epoch) with the callback; the rows
     each micro-batch held, the steps reported, ``state.epoch`` at each step."""
     torch.manual_seed(0)
     model = TinyLM()
     rows = [{"input_ids": [i, i + 1, i + 2], "labels": [i, i + 1, i + 2]} for i in range(12)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / f"out{start_step}"), use_cpu=True,
-                                          max_steps=steps if not epochs else -1, num_train_epochs=epochs or 3,
-                                          per_device_train_batch_size=2, gradient_accumulation_steps=grad_accum,
-                                          save_strategy="no", report_to=[], disable_tqdm=True, seed=3,
-                                          dataloader_num_workers=0, logging_steps=1)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / f"out{start_step}"),
+        use_cpu=True,
+        max_steps=steps if not epochs else -1,
+        num_train_epochs=epochs or 3,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=grad_accum,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=3,
+        dataloader_num_workers=0,
+        logging_steps=1,
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=rows)
     attachment = FakeAttachment(start_step)
     epochs: list[float] = []
@@ -157,12 +167,13 @@ def no_deepspeed_check(monkeypatch):
 def test_a_restarted_trainer_sees_the_failure_free_batches(tmp_path, no_deepspeed_check, grad_accum, start_step):
     steps = 15 if grad_accum == 1 else 8
     full, full_steps, full_epochs = run_trainer(tmp_path, start_step=1, steps=steps, grad_accum=grad_accum)
-    resumed, resumed_steps, resumed_epochs = run_trainer(tmp_path, start_step=start_step, steps=steps,
-                                                         grad_accum=grad_accum)
+    resumed, resumed_steps, resumed_epochs = run_trainer(
+        tmp_path, start_step=start_step, steps=steps, grad_accum=grad_accum
+    )
     assert [s for s, _ in full_steps] == list(range(1, steps + 1))
     assert [s for s, _ in resumed_steps] == list(range(start_step, steps + 1))
-    assert resumed == full[(start_step - 1) * grad_accum:]  # the same rows, in the same order
-    assert resumed_epochs == pytest.approx(full_epochs[start_step - 1:])
+    assert resumed == full[(start_step - 1) * grad_accum :]  # the same rows, in the same order
+    assert resumed_epochs == pytest.approx(full_epochs[start_step - 1 :])
     assert len({tuple(b) for b in full}) > 6  # the epochs are shuffled differently (else the test shows little)
 
 

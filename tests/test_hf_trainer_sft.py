@@ -24,19 +24,42 @@ WRITES = ("--no-fsync",)  # every-step mode lets a layer's versions queue up: ea
 def run_example(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-               DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "examples/hf_trainer_sft.py", "--steps", str(STEPS), "--rows", "48",
-                           "--policy", "every-step", *WRITES, "--storage", str(tmp_path / name),
-                           "--result-json", str(out), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), DS_ACCELERATOR="cpu"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/hf_trainer_sft.py",
+            "--steps",
+            str(STEPS),
+            "--rows",
+            "48",
+            "--policy",
+            "every-step",
+            *WRITES,
+            "--storage",
+            str(tmp_path / name),
+            "--result-json",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("setup", [("--zero-stage", "2", "--schedule", "deepspeed"),
-                                   ("--zero-stage", "3", "--schedule", "trainer")],
-                         ids=["zero2-deepspeed-schedule", "zero3-trainer-schedule"])
+@pytest.mark.parametrize(
+    "setup",
+    [("--zero-stage", "2", "--schedule", "deepspeed"), ("--zero-stage", "3", "--schedule", "trainer")],
+    ids=["zero2-deepspeed-schedule", "zero3-trainer-schedule"],
+)
 def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path, setup):
     pytest.importorskip("trl", reason="TRL is a test dependency (pip install -e '.[test]')")
     clean = run_example(tmp_path, "clean", *setup, "--kill-at-step", "0")

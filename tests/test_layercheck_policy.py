@@ -114,14 +114,18 @@ def test_unknown_layer_in_drift_is_refused():
 @given(
     smax=st.integers(min_value=1, max_value=40),
     warmup=st.integers(min_value=0, max_value=20),
-    drifts=st.lists(st.lists(st.floats(min_value=0, max_value=3), min_size=len(LAYERS), max_size=len(LAYERS)),
-                    min_size=1, max_size=150),
+    drifts=st.lists(
+        st.lists(st.floats(min_value=0, max_value=3), min_size=len(LAYERS), max_size=len(LAYERS)),
+        min_size=1,
+        max_size=150,
+    ),
     lrs=st.lists(st.floats(min_value=0, max_value=1e-3), min_size=1, max_size=150),
     schedule=st.sampled_from(["lr", "constant"]),
 )
 def test_properties_staleness_bound_and_reset(smax, warmup, drifts, lrs, schedule):
-    p = LayerCheckPolicy(LayerCheckConfig(k0=1.0, k0_embed=2.0, smax=smax, warmup_steps=warmup,
-                                          threshold_schedule=schedule), LAYERS)
+    p = LayerCheckPolicy(
+        LayerCheckConfig(k0=1.0, k0_embed=2.0, smax=smax, warmup_steps=warmup, threshold_schedule=schedule), LAYERS
+    )
     for i, row in enumerate(drifts):
         step = i + 1
         before = dict(p.accumulated)
@@ -147,12 +151,15 @@ def test_properties_staleness_bound_and_reset(smax, warmup, drifts, lrs, schedul
 )
 def test_state_export_restore_gives_identical_future_decisions(split, drifts):
     config = LayerCheckConfig(k0=1.0, k0_embed=3.0, smax=7, warmup_steps=5, threshold_schedule="lr")
-    steps = [StepObservation(step=s + 1, lr=1e-4 * (1 + (s % 13)), drift=dict(zip(LAYERS, drifts[s * 5:(s + 1) * 5])))
-             for s in range(61)]
+    steps = [
+        StepObservation(step=s + 1, lr=1e-4 * (1 + (s % 13)), drift=dict(zip(LAYERS, drifts[s * 5 : (s + 1) * 5])))
+        for s in range(61)
+    ]
     original = LayerCheckPolicy(config, LAYERS)
     for o in steps[:split]:
         original.observe(o)
     import json
+
     restored = LayerCheckPolicy(config, LAYERS)
     restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
     for o in steps[split:]:

@@ -14,18 +14,44 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("policies", "workers", "orchestrator", "bench", "layercheck")
-POLICIES_FORBIDDEN = {"ray", "pyarrow", "deepspeed", "torch", "os", "pathlib", "shutil", "socket",
-                      "subprocess", "tempfile", "prometheus_client", "safetensors", "requests"}
+POLICIES_FORBIDDEN = {
+    "ray",
+    "pyarrow",
+    "deepspeed",
+    "torch",
+    "os",
+    "pathlib",
+    "shutil",
+    "socket",
+    "subprocess",
+    "tempfile",
+    "prometheus_client",
+    "safetensors",
+    "requests",
+}
 FORBIDDEN_CALLS = {"open", "print", "input"}
 
 #: For each part (longest prefix wins): the imports it must not make (module prefixes).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "policies": tuple(POLICIES_FORBIDDEN) + ("workers", "orchestrator", "bench", "layercheck"),
     "workers": ("ray", "orchestrator", "bench", "layercheck"),
-    "orchestrator.store": ("ray", "orchestrator.core", "orchestrator.runtime", "orchestrator.local",
-                           "orchestrator.cli", "bench", "layercheck"),
-    "orchestrator.core": ("ray", "orchestrator.runtime", "orchestrator.local", "orchestrator.cli", "bench",
-                          "layercheck"),
+    "orchestrator.store": (
+        "ray",
+        "orchestrator.core",
+        "orchestrator.runtime",
+        "orchestrator.local",
+        "orchestrator.cli",
+        "bench",
+        "layercheck",
+    ),
+    "orchestrator.core": (
+        "ray",
+        "orchestrator.runtime",
+        "orchestrator.local",
+        "orchestrator.cli",
+        "bench",
+        "layercheck",
+    ),
     "orchestrator.local": ("ray", "orchestrator.runtime", "orchestrator.cli", "bench", "layercheck"),
     "orchestrator.runtime": ("orchestrator.local", "orchestrator.cli", "bench", "layercheck"),
     "orchestrator.cli": ("layercheck",),
@@ -85,8 +111,15 @@ def test_the_rules_see_every_module():
     """A rule-less module would pass silently: every project module falls under one part."""
     modules = [_dotted(p) for p in _modules()]
     assert len(modules) > 60
-    assert {_part(m) for m in modules} >= {"policies", "workers", "orchestrator.store", "orchestrator.core",
-                                           "orchestrator.runtime", "orchestrator.cli", "bench"}
+    assert {_part(m) for m in modules} >= {
+        "policies",
+        "workers",
+        "orchestrator.store",
+        "orchestrator.core",
+        "orchestrator.runtime",
+        "orchestrator.cli",
+        "bench",
+    }
 
 
 #: The only modules that configure logging: the CLI's ``main`` and the helper that process entry
@@ -101,5 +134,7 @@ def test_only_entry_points_configure_logging(path):
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in ("basicConfig", "dictConfig", "fileConfig"):
-            pytest.fail(f"{_dotted(path)} configures logging ({node.attr}); call "
-                        "orchestrator.logs.configure_process_logging() from the process entry point instead")
+            pytest.fail(
+                f"{_dotted(path)} configures logging ({node.attr}); call "
+                "orchestrator.logs.configure_process_logging() from the process entry point instead"
+            )

@@ -14,7 +14,6 @@ import pytest
 from orchestrator.local.spawn import spawn_ranks
 from tests.local_jobs import STEPS, loop_scenarios
 
-
 pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)
 
 
@@ -30,7 +29,8 @@ def test_the_layers_a_decision_names_are_persisted_one_step_later_on_every_rank(
         # decided at steps 2 and 3, carried out after steps 3 and 4 (DECISION_LAG = 1)
         assert out["scripted"]["handed"] == [[3, [layers[0]]], [4, [layers[1], layers[-1]]]]
     assert [[layer, step] for layer, step, _ in ranks[0]["scripted"]["manifest"]] == sorted(
-        [[layers[0], 3], [layers[1], 4], [layers[-1], 4]])
+        [[layers[0], 3], [layers[1], 4], [layers[-1], 4]]
+    )
     status = ranks[0]["scripted"]["status"]
     assert status["state"] == "finished" and status["versions_committed"] == 3 and status["lost_versions"] == 0
 

@@ -69,7 +69,11 @@ def test_every_version_handed_over_is_written_and_the_byte_bound_waits(tmp_path,
     writer.close()
     taken = [mailbox.take()["receipt"] for _ in range(4)]
     assert sorted((r["layer"], r["step"]) for r in taken) == [
-        ("block.0", 1), ("block.0", 4), ("block.1", 2), ("block.1", 3)]
+        ("block.0", 1),
+        ("block.0", 4),
+        ("block.1", 2),
+        ("block.1", 3),
+    ]
     assert mailbox.posted() == 4
 
 
@@ -135,6 +139,8 @@ def sleep_on_rank_1(rank: int, world_size: int) -> int:
 
 @pytest.mark.slow
 def test_spawned_ranks_past_their_deadline_are_killed_and_named():
-    with pytest.raises(RanksFailedError, match=r"sleepers: rank\(s\) \[.*\] of 2 still running after 5s; killed") as error:
+    with pytest.raises(
+        RanksFailedError, match=r"sleepers: rank\(s\) \[.*\] of 2 still running after 5s; killed"
+    ) as error:
         spawn_ranks(sleep_on_rank_1, 2, timeout_s=5, what="sleepers")
     assert 1 in error.value.ranks  # rank 0 may not have finished starting by then

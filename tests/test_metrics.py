@@ -14,23 +14,60 @@ from orchestrator.runtime.persistence_pool import WriterStats
 from workers.env import free_port
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}
-POLICY = {"lr": 1e-3, "smax": 4, "accumulated": {"embed": 0.01, "block.0": 0.002, "block.1": 0.0},
-          "threshold": {"embed": 0.05, "block.0": 0.005, "block.1": 0.005}}
+POLICY = {
+    "lr": 1e-3,
+    "smax": 4,
+    "accumulated": {"embed": 0.01, "block.0": 0.002, "block.1": 0.0},
+    "threshold": {"embed": 0.05, "block.0": 0.005, "block.1": 0.005},
+}
 
 
-def status(step=10, *, last=(8, 9, 10), failures=0, recoveries=(), productive=5.0, state="running",
-           latencies=(0.01, 0.02), committed=1200, stalls=0, stall_s=0.0, lost_s=0.0):
+def status(
+    step=10,
+    *,
+    last=(8, 9, 10),
+    failures=0,
+    recoveries=(),
+    productive=5.0,
+    state="running",
+    latencies=(0.01, 0.02),
+    committed=1200,
+    stalls=0,
+    stall_s=0.0,
+    lost_s=0.0,
+):
     layers = {n: {"versions": 2, "bytes": committed // 3, "last_step": s} for n, s in zip(NUMEL, last)}
     staleness = {n: step - s for n, s in zip(NUMEL, last)}
     return {
-        "run_id": "r1", "state": state, "attempt": 1 + failures, "step": step, "loss": 2.5, "lr": 1e-3,
-        "step_s": 0.1, "staleness": staleness, "max_staleness": max(staleness.values()),
+        "run_id": "r1",
+        "state": state,
+        "attempt": 1 + failures,
+        "step": step,
+        "loss": 2.5,
+        "lr": 1e-3,
+        "step_s": 0.1,
+        "staleness": staleness,
+        "max_staleness": max(staleness.values()),
         "weighted_staleness": sum(NUMEL[n] * v for n, v in staleness.items()) / sum(NUMEL.values()),
-        "layers": layers, "bytes_committed": committed, "versions_committed": 6, "abandoned_versions": 0,
-        "lost_versions": 0, "commit_retries": 0, "write_failures": 0, "write_latencies": list(latencies),
-        "account": {"wall_s": 10.0, "productive_s": productive, "stall_s": stall_s, "stalls": stalls,
-                    "lost_step_s": lost_s, "failures": failures, "recoveries": list(recoveries), "ettr": 0.5,
-                    "coordination_s_per_step": {"mean": 0.003, "p50": 0.002, "p90": 0.005, "max": 0.01}},
+        "layers": layers,
+        "bytes_committed": committed,
+        "versions_committed": 6,
+        "abandoned_versions": 0,
+        "lost_versions": 0,
+        "commit_retries": 0,
+        "write_failures": 0,
+        "write_latencies": list(latencies),
+        "account": {
+            "wall_s": 10.0,
+            "productive_s": productive,
+            "stall_s": stall_s,
+            "stalls": stalls,
+            "lost_step_s": lost_s,
+            "failures": failures,
+            "recoveries": list(recoveries),
+            "ettr": 0.5,
+            "coordination_s_per_step": {"mean": 0.003, "p50": 0.002, "p90": 0.005, "max": 0.01},
+        },
     }
 
 
@@ -69,14 +106,16 @@ def test_every_series_carries_the_run_id_and_an_exported_name():
     assert exported <= series_names()
     # everything is exported once a run has made progress (histograms observed)
     assert {n for n in METRIC_NAMES if not n.startswith("layercheck_recovery")} <= {
-        n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in exported}
+        n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in exported
+    }
 
 
 def test_values_reflect_the_central_view():
     metrics = RunMetrics("r1", NUMEL)
     metrics.step_done(10, 0.1, {"embed": 8, "block.0": 9, "block.1": 10})
-    metrics.refresh(status(), [WriterStats(written_bytes=1200, queued=2, queued_bytes=300, superseded=1)],
-                    POLICY, now=1.0)
+    metrics.refresh(
+        status(), [WriterStats(written_bytes=1200, queued=2, queued_bytes=300, superseded=1)], POLICY, now=1.0
+    )
     assert value(metrics, "layercheck_layer_staleness_steps", layer="embed") == 2
     assert value(metrics, "layercheck_staleness_max_steps") == 2
     assert value(metrics, "layercheck_staleness_weighted_steps") == pytest.approx((400 * 2 + 300 * 1) / 1000)
@@ -100,17 +139,52 @@ def test_counters_stay_monotonic_across_a_worker_group_restart():
     metrics = RunMetrics("r1", NUMEL)
     writers = [WriterStats(written_bytes=1200)]
     metrics.refresh(status(productive=5.0, stalls=2, stall_s=0.5), writers, POLICY, now=1.0)
-    recovery = {"t_fail": 10, "resumed_at": 11, "detect_restart_s": 11.0, "plan_s": 0.2, "load_s": 0.3,
-                "total_s": 11.5, "weighted_staleness": 1.5, "max_staleness": 3, "steps_redone": 0}
+    recovery = {
+        "t_fail": 10,
+        "resumed_at": 11,
+        "detect_restart_s": 11.0,
+        "plan_s": 0.2,
+        "load_s": 0.3,
+        "total_s": 11.5,
+        "weighted_staleness": 1.5,
+        "max_staleness": 3,
+        "steps_redone": 0,
+    }
     # the group is lost: productive time of its late steps is discarded, the new group is loading
-    metrics.refresh(status(step=10, productive=4.8, failures=1, recoveries=[recovery], state="running",
-                           stalls=2, stall_s=0.5, lost_s=0.2), writers, {}, now=2.0)
+    metrics.refresh(
+        status(
+            step=10,
+            productive=4.8,
+            failures=1,
+            recoveries=[recovery],
+            state="running",
+            stalls=2,
+            stall_s=0.5,
+            lost_s=0.2,
+        ),
+        writers,
+        {},
+        now=2.0,
+    )
     assert value(metrics, "layercheck_failures_total") == 1
     assert value(metrics, "layercheck_recoveries_total") == 0  # not yet trained past the resume step
     assert value(metrics, "layercheck_ettr_recent_ratio") == 0.0  # lost time is no gain, never negative
     # a writer actor restarted with fresh stats: the counter does not go back
-    metrics.refresh(status(step=12, productive=5.0, failures=1, recoveries=[recovery], stalls=3, stall_s=0.7,
-                           lost_s=0.2, committed=1500), [WriterStats(written_bytes=10)], POLICY, now=3.0)
+    metrics.refresh(
+        status(
+            step=12,
+            productive=5.0,
+            failures=1,
+            recoveries=[recovery],
+            stalls=3,
+            stall_s=0.7,
+            lost_s=0.2,
+            committed=1500,
+        ),
+        [WriterStats(written_bytes=10)],
+        POLICY,
+        now=3.0,
+    )
     assert value(metrics, "layercheck_recoveries_total") == 1
     assert value(metrics, "layercheck_recovery_seconds_count", phase="load") == 1
     assert value(metrics, "layercheck_recovery_seconds_sum", phase="total") == 11.5

@@ -9,10 +9,10 @@ import torch
 
 from orchestrator.core.accounting import RunAccount
 from orchestrator.core.commit_tracker import CommitTracker
-from orchestrator.store.manifest import ShardReceipt
 from orchestrator.core.policy_service import PolicyService
 from orchestrator.core.run_config import load_run_config, parse_run_config
 from orchestrator.runtime.wire import from_wire, to_wire
+from orchestrator.store.manifest import ShardReceipt
 from policies.checkpoint_policy import LayerCheckPolicy
 from policies.config_loader import ConfigError
 from policies.configs import LayerCheckConfig
@@ -23,8 +23,9 @@ LAYERS = ("embed", "block.0", "norm")
 
 
 def service(world_size=2, **policy):
-    config = LayerCheckConfig(**{"k0": 1.0, "k0_embed": 1.0, "smax": 100, "warmup_steps": 1,
-                                 "threshold_schedule": "constant", **policy})
+    config = LayerCheckConfig(
+        **{"k0": 1.0, "k0_embed": 1.0, "smax": 100, "warmup_steps": 1, "threshold_schedule": "constant", **policy}
+    )
     return PolicyService(LayerCheckPolicy(config, LAYERS), LAYERS, world_size)
 
 
@@ -90,8 +91,16 @@ def test_restart_without_a_composite_starts_over_and_rewrites_the_base():
 
 
 def receipt(layer, step, rank, world_size=2):
-    return ShardReceipt(layer=layer, step=step, rank=rank, world_size=world_size, base=False,
-                        path=f"layers/{layer}/{step}-{rank}", nbytes=10, checksum="0")
+    return ShardReceipt(
+        layer=layer,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        base=False,
+        path=f"layers/{layer}/{step}-{rank}",
+        nbytes=10,
+        checksum="0",
+    )
 
 
 def test_commit_tracker_waits_for_every_rank_and_abandons_superseded_versions():
@@ -123,9 +132,16 @@ def test_account_drops_lost_steps_from_productive_time():
 
 def test_wire_round_trip_is_exact_and_keeps_empty_shards():
     tensors = {k: torch.randn(6) for k in ("fp32", "exp_avg", "exp_avg_sq")}
-    shard = LayerShard(layer="block.0", step=3, rank=1, world_size=2,
-                       slices=(ParamSlice("a", (2, 4), 2, 6),), tensors=tensors, optimizer_step=3,
-                       groups=({"name": "block.0/decay", "lr": 1e-3},))
+    shard = LayerShard(
+        layer="block.0",
+        step=3,
+        rank=1,
+        world_size=2,
+        slices=(ParamSlice("a", (2, 4), 2, 6),),
+        tensors=tensors,
+        optimizer_step=3,
+        groups=({"name": "block.0/decay", "lr": 1e-3},),
+    )
     wire = to_wire(shard, base=True)
     for a in wire.arrays.values():
         a.setflags(write=False)  # as the object store hands them out
@@ -133,8 +149,15 @@ def test_wire_round_trip_is_exact_and_keeps_empty_shards():
     assert wire.base and back.slices == shard.slices and back.groups == shard.groups
     for key in tensors:
         assert torch.equal(back.tensors[key], tensors[key])
-    empty = LayerShard(layer="norm", step=3, rank=1, world_size=2, slices=(),
-                       tensors={k: torch.empty(0) for k in tensors}, optimizer_step=3)
+    empty = LayerShard(
+        layer="norm",
+        step=3,
+        rank=1,
+        world_size=2,
+        slices=(),
+        tensors={k: torch.empty(0) for k in tensors},
+        optimizer_step=3,
+    )
     assert from_wire(to_wire(empty, base=False)).numel == 0
     assert isinstance(wire.arrays["fp32"], np.ndarray)
 
@@ -143,9 +166,14 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
     config = load_run_config("examples/demo.toml")
     assert config.engine.zero_stage == 3 and config.cluster.num_workers == 2 and config.fault.kill_at_step > 0
     assert parse_run_config(config.to_json()) == config  # what the workers receive
-    for overrides, field in [({"policy.k0": -1.0}, "policy.k0"), ({"engine.zero_stage": 7}, "zero_stage"),
-                             ({"stepz": 3}, "stepz"), ({"policy.k0": float("inf")}, "policy.k0"),
-                             ({"policy.name": "sometimes"}, "policy.name"), ({"cluster.max_failures": -1}, "max_failures")]:
+    for overrides, field in [
+        ({"policy.k0": -1.0}, "policy.k0"),
+        ({"engine.zero_stage": 7}, "zero_stage"),
+        ({"stepz": 3}, "stepz"),
+        ({"policy.k0": float("inf")}, "policy.k0"),
+        ({"policy.name": "sometimes"}, "policy.name"),
+        ({"cluster.max_failures": -1}, "max_failures"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             load_run_config("examples/demo.toml", overrides)
     (tmp_path / "x.yaml").write_text("steps: 5\nmodel: {hf_config: {model_type: llama}}\npolicy: {name: never}\n")

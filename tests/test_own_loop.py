@@ -21,9 +21,24 @@ def run_example(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / f"{name}.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
-    proc = subprocess.run([sys.executable, "examples/own_loop.py", "--steps", str(STEPS), "--storage",
-                           str(tmp_path / name), "--result-json", str(out), *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/own_loop.py",
+            "--steps",
+            str(STEPS),
+            "--storage",
+            str(tmp_path / name),
+            "--result-json",
+            str(out),
+            *args,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
 

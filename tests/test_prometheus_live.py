@@ -15,12 +15,12 @@ import pytest
 import ray
 import yaml
 
+from orchestrator.core.run_config import load_run_config
 from orchestrator.runtime.driver import connect, train
 from orchestrator.runtime.metrics import BYTES_PER_PARAM
-from workers.loop import DECISION_LAG
-from orchestrator.core.run_config import load_run_config
 from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
 from workers.env import free_port
+from workers.loop import DECISION_LAG
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,18 +31,28 @@ class Prometheus:
     def __init__(self, tmp: Path, target: str) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
-            pytest.fail("the prometheus binary is not installed: install Debian's 'prometheus' package "
-                        "(apt-get install prometheus; .ci/run does it)")
+            pytest.fail(
+                "the prometheus binary is not installed: install Debian's 'prometheus' package "
+                "(apt-get install prometheus; .ci/run does it)"
+            )
         self.url = f"http://127.0.0.1:{free_port()}"
-        config = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-                  "rule_files": [str(DASHBOARDS / "alerts.yml")],
-                  "scrape_configs": [{"job_name": "layercheck", "static_configs": [{"targets": [target]}]}]}
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(DASHBOARDS / "alerts.yml")],
+            "scrape_configs": [{"job_name": "layercheck", "static_configs": [{"targets": [target]}]}],
+        }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(tmp / "prometheus.log", "w")
         self.process = subprocess.Popen(
-            [binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-             f"--web.listen-address={self.url.removeprefix('http://')}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'tsdb'}",
+                f"--web.listen-address={self.url.removeprefix('http://')}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self._wait_ready(tmp / "prometheus.log")
 
     def _wait_ready(self, log: Path) -> None:
@@ -86,10 +96,22 @@ def scraped(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     prometheus = Prometheus(tmp, f"127.0.0.1:{port}")
-    config = load_run_config(ROOT / "examples" / "demo.toml", {
-        "name": "metrics", "storage": str(tmp / "store"), "steps": 15, "optim.total_steps": 15,
-        "optim.warmup_steps": 2, "policy.warmup_steps": 3, "policy.smax": SMAX, "policy.k0": 0.05,
-        "fault.kill_at_step": 8, "metrics.port": port, "metrics.host": "127.0.0.1"})
+    config = load_run_config(
+        ROOT / "examples" / "demo.toml",
+        {
+            "name": "metrics",
+            "storage": str(tmp / "store"),
+            "steps": 15,
+            "optim.total_steps": 15,
+            "optim.warmup_steps": 2,
+            "policy.warmup_steps": 3,
+            "policy.smax": SMAX,
+            "policy.k0": 0.05,
+            "fault.kill_at_step": 8,
+            "metrics.port": port,
+            "metrics.host": "127.0.0.1",
+        },
+    )
     connect(config)
     try:
         result = train(config)  # waits until Prometheus has scraped the final values
@@ -124,7 +146,8 @@ def test_prometheus_holds_the_runs_staleness_bytes_and_ettr(scraped):
     assert 0 <= last("layercheck_staleness_max_steps") <= SMAX + DECISION_LAG
     assert last("layercheck_staleness_max_steps") == result.status["max_staleness"]
     composite = prometheus.scalar(
-        f'last_over_time(layercheck_recovery_composite_staleness_steps{{{run}, aggregation="max"}}[10m])')
+        f'last_over_time(layercheck_recovery_composite_staleness_steps{{{run}, aggregation="max"}}[10m])'
+    )
     assert 0 <= composite <= SMAX + DECISION_LAG
     max_staleness = prometheus.scalar(f"max_over_time(layercheck_staleness_max_steps{{{run}}}[10m])")
     weighted = prometheus.scalar(f"max_over_time(layercheck_staleness_weighted_steps{{{run}}}[10m])")
@@ -152,8 +175,12 @@ def test_counters_survive_the_worker_group_restart(scraped):
     assert prometheus.scalar(f"last_over_time(layercheck_steps_lost_total{{{run}}}[10m])") == 0
     (phases,) = [prometheus.query(f"last_over_time(layercheck_recovery_seconds_count{{{run}}}[10m])")]
     assert {s["metric"]["phase"] for s in phases} == {"detect", "plan", "load", "total"}
-    for counter in ("layercheck_written_bytes_total", "layercheck_committed_bytes_total",
-                    "layercheck_layer_committed_versions_total", "layercheck_step_duration_seconds_count"):
+    for counter in (
+        "layercheck_written_bytes_total",
+        "layercheck_committed_bytes_total",
+        "layercheck_layer_committed_versions_total",
+        "layercheck_step_duration_seconds_count",
+    ):
         for sample in prometheus.query(f"resets({counter}{{{run}}}[10m])"):
             assert float(sample["value"][1]) == 0, (counter, sample["metric"])
     # one exporter served the run before and after the restart: one series went from 0 to 1 failure
@@ -179,6 +206,18 @@ def test_the_alert_rules_load_and_evaluate(scraped):
 def test_the_plot_script_renders_the_run(scraped):
     prometheus, result, tmp = scraped
     out = tmp / "run.png"
-    subprocess.run([sys.executable, str(DASHBOARDS / "plot_run.py"), "--prometheus", prometheus.url,
-                    "--run-id", result.run_id, "--out", str(out)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            str(DASHBOARDS / "plot_run.py"),
+            "--prometheus",
+            prometheus.url,
+            "--run-id",
+            result.run_id,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=120,
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -47,12 +47,15 @@ def missing_paths(words: list[str]) -> list[str]:
 
 
 def test_the_selection_rule():
-    text = ("```bash\n.venv/bin/layercheck config   # a comment\n.venv/bin/layercheck train x.toml\n"
-            ".venv/bin/layercheck export runs/demo\nray job submit -- layercheck config\n"
-            ".venv/bin/layercheck simulate \\\n  --sweep 1e-3\n```\n```python\n.venv/bin/layercheck config\n```\n")
+    text = (
+        "```bash\n.venv/bin/layercheck config   # a comment\n.venv/bin/layercheck train x.toml\n"
+        ".venv/bin/layercheck export runs/demo\nray job submit -- layercheck config\n"
+        ".venv/bin/layercheck simulate \\\n  --sweep 1e-3\n```\n```python\n.venv/bin/layercheck config\n```\n"
+    )
     assert commands(text) == [[ENTRY, "config"], [ENTRY, "simulate", "--sweep", "1e-3"]]
-    assert missing_paths([ENTRY, "simulate", "--trace", "runs/demo/drift_trace.json", "--out", "examples/demo.toml"]) \
-        == ["runs/demo/drift_trace.json"]
+    assert missing_paths(
+        [ENTRY, "simulate", "--trace", "runs/demo/drift_trace.json", "--out", "examples/demo.toml"]
+    ) == ["runs/demo/drift_trace.json"]
 
 
 README_COMMANDS = commands((REPO / "README.md").read_text())
@@ -67,7 +70,15 @@ def test_a_readme_command_runs_as_written(words):
     if missing_paths(words):
         pytest.skip(f"names {missing_paths(words)}, which a run makes (not in the repository)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", *words[1:]], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert done.returncode == 0, f"{shlex.join(words)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli.main", *words[1:]],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, (
+        f"{shlex.join(words)} exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+    )
     assert done.stdout.strip(), f"{shlex.join(words)} printed nothing"

@@ -38,7 +38,9 @@ def test_overwrite_refuses_a_directory_with_foreign_files_and_deletes_nothing(tm
     before = sorted(p for p in (tmp_path / "run").rglob("*"))
     with pytest.raises(UnsafeStoreError, match="did not write") as error:
         clear_run(store.fs)
-    assert "notes.txt" in str(error.value) and "layers/block.0/README" in str(error.value) and "src/" in str(error.value)
+    assert (
+        "notes.txt" in str(error.value) and "layers/block.0/README" in str(error.value) and "src/" in str(error.value)
+    )
     assert sorted(p for p in (tmp_path / "run").rglob("*")) == before
     assert len(store.versions()) == 3
 

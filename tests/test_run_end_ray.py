@@ -37,9 +37,19 @@ def local_ray():
 
 
 def config(tmp_path, name, steps=12, policy=None, **overrides):
-    cfg = load_run_config("examples/demo.toml", {
-        "name": name, "storage": str(tmp_path / name), "steps": steps, "optim.total_steps": steps,
-        "optim.warmup_steps": 2, "metrics.port": 0, "fault.kill_at_step": 0, **overrides})
+    cfg = load_run_config(
+        "examples/demo.toml",
+        {
+            "name": name,
+            "storage": str(tmp_path / name),
+            "steps": steps,
+            "optim.total_steps": steps,
+            "optim.warmup_steps": 2,
+            "metrics.port": 0,
+            "fault.kill_at_step": 0,
+            **overrides,
+        },
+    )
     return dataclasses.replace(cfg, policy=policy) if policy is not None else cfg
 
 
@@ -62,14 +72,28 @@ def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(loc
     replacement writer, and export to the reference's weights."""
     reference = train(config(tmp_path, "reference", policy=IntervalConfig(interval=1)))
     assert reference.error is None, reference.error
-    run = train(config(tmp_path, "final", **{"policy.warmup_steps": 2, "policy.k0": 1e6, "policy.k0_embed": 1e6,
-                                             "policy.smax": 1000, "fault.kill_writer_at_step": 5}))
+    run = train(
+        config(
+            tmp_path,
+            "final",
+            **{
+                "policy.warmup_steps": 2,
+                "policy.k0": 1e6,
+                "policy.k0_embed": 1e6,
+                "policy.smax": 1000,
+                "fault.kill_writer_at_step": 5,
+            },
+        )
+    )
     assert run.error is None, run.error
     assert run.status["writers_replaced"] == 1 and run.status["lost_versions"] == 0
     assert newest_steps(tmp_path / "final") == {layer: 12 for layer in run.layer_numel}
     summary = summarize(run)
     assert "writers replaced" in format_summary(summary)
-    trained, exported = hf_weights(tmp_path, tmp_path / "reference", "ref"), hf_weights(tmp_path, tmp_path / "final", "final")
+    trained, exported = (
+        hf_weights(tmp_path, tmp_path / "reference", "ref"),
+        hf_weights(tmp_path, tmp_path / "final", "final"),
+    )
     assert trained.keys() == exported.keys()
     for key in trained:
         torch.testing.assert_close(exported[key], trained[key], rtol=1e-5, atol=1e-6, msg=key)
@@ -90,8 +114,12 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
             (storage / DRIFT_TRACE_FILE).mkdir()
             broken["at"] = status["step"]
 
-    cfg = config(tmp_path, "broken", steps=400, **{"policy.warmup_steps": 2, "policy.k0": 1e6,
-                                                   "policy.k0_embed": 1e6, "policy.smax": 3})
+    cfg = config(
+        tmp_path,
+        "broken",
+        steps=400,
+        **{"policy.warmup_steps": 2, "policy.k0": 1e6, "policy.k0_embed": 1e6, "policy.smax": 3},
+    )
     result = train(cfg, on_progress=break_storage, poll_s=0.2)
     status = result.status
     assert broken, "the run ended before the storage was broken"
@@ -112,10 +140,32 @@ def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(t
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli.main", "train", "examples/demo.toml", "--set", "steps=2000",
-         "--set", "optim.total_steps=2000", "--set", "fault.kill_at_step=0", "--set", "metrics.port=0",
-         "--set", f"storage={storage}", "--set", "log_every=1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli.main",
+            "train",
+            "examples/demo.toml",
+            "--set",
+            "steps=2000",
+            "--set",
+            "optim.total_steps=2000",
+            "--set",
+            "fault.kill_at_step=0",
+            "--set",
+            "metrics.port=0",
+            "--set",
+            f"storage={storage}",
+            "--set",
+            "log_every=1",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     lines = []
     for line in proc.stdout:  # the progress lines; a run that never gets there fails the test's timeout
         lines.append(line)

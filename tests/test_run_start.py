@@ -34,11 +34,14 @@ def _stored_run(root, *, step=40):
     return store, records
 
 
-@pytest.mark.parametrize("overrides,field", [
-    ({"model.hf_config.model_type": "lama"}, "model.hf_config.model_type"),
-    ({"model.hf_config": None, "model.path": "/nonexistent/model"}, "model.path"),
-    ({"model.hf_config.hidden_size": 63}, "model.hf_config"),  # 63 heads of 4: transformers refuses
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        ({"model.hf_config.model_type": "lama"}, "model.hf_config.model_type"),
+        ({"model.hf_config": None, "model.path": "/nonexistent/model"}, "model.path"),
+        ({"model.hf_config.hidden_size": 63}, "model.hf_config"),  # 63 heads of 4: transformers refuses
+    ],
+)
 def test_model_errors_name_the_field_before_anything_is_written(tmp_path, overrides, field):
     store, _ = _stored_run(tmp_path / "run")
     before = sorted((tmp_path / "run").rglob("*"))
@@ -50,17 +53,21 @@ def test_model_errors_name_the_field_before_anything_is_written(tmp_path, overri
 def test_a_model_path_without_config_json_is_named(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(ConfigError, match="model.path: .* no config.json"):
-        open_run_store(_config(tmp_path, **{"model.hf_config": None, "model.path": str(tmp_path / "model")}),
-                       StartOptions())
+        open_run_store(
+            _config(tmp_path, **{"model.hf_config": None, "model.path": str(tmp_path / "model")}), StartOptions()
+        )
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("item,message", [
-    ("policy.k0=Infinity", "policy.k0: must be a finite number"),
-    ("optim.lr=NaN", "optim.lr: must be a finite number"),
-    ("steps.x=1", "steps is a value"),
-    ("policy..k0=1", "empty part"),
-])
+@pytest.mark.parametrize(
+    "item,message",
+    [
+        ("policy.k0=Infinity", "policy.k0: must be a finite number"),
+        ("optim.lr=NaN", "optim.lr: must be a finite number"),
+        ("steps.x=1", "steps is a value"),
+        ("policy..k0=1", "empty part"),
+    ],
+)
 def test_bad_overrides_are_config_errors_not_tracebacks(tmp_path, capsys, item, message):
     assert main(["train", str(DEMO), "--set", f"storage={tmp_path / 'run'}", "--set", item]) == 2
     assert message in capsys.readouterr().err

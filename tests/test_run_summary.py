@@ -4,9 +4,9 @@ the baselines get no comparison."""
 
 import pytest
 
-from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.core.run_config import RunConfig
 from orchestrator.runtime.driver import RunResult
+from orchestrator.runtime.summary import format_summary, summarize
 from policies.configs import policy_config
 from policies.simulate import compare
 from policies.trace import synthetic_trace
@@ -17,10 +17,27 @@ COST = {"mean": 0.001, "p90": 0.002}
 
 
 def result_of(policy) -> RunResult:
-    account = {"failures": 0, "recoveries": [], "ettr": 1.0, "wall_s": 10.0, "productive_s": 10.0, "stall_s": 0.0,
-               "coordination_s_per_step": COST, "step_s_per_step": {"mean": 0.1, "p90": 0.1}}
-    status = {"state": "finished", "step": 300, "loss": 1.0, "account": account, "bytes_committed": 1200,
-              "versions_committed": 3, "max_staleness": 5, "weighted_staleness": 2.5, "write_failures": 0}
+    account = {
+        "failures": 0,
+        "recoveries": [],
+        "ettr": 1.0,
+        "wall_s": 10.0,
+        "productive_s": 10.0,
+        "stall_s": 0.0,
+        "coordination_s_per_step": COST,
+        "step_s_per_step": {"mean": 0.1, "p90": 0.1},
+    }
+    status = {
+        "state": "finished",
+        "step": 300,
+        "loss": 1.0,
+        "account": account,
+        "bytes_committed": 1200,
+        "versions_committed": 3,
+        "max_staleness": 5,
+        "weighted_staleness": 2.5,
+        "write_failures": 0,
+    }
     config = RunConfig(model=ModelConfig(hf_config={"model_type": "llama"}), policy=policy)
     return RunResult(run_id="r", config=config, status=status, trace=TRACE, layer_numel=dict(TRACE.numel))
 

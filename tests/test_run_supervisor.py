@@ -48,8 +48,15 @@ def policy_service():
 
 def make(store, writers, **kwargs):
     service = policy_service()
-    run = RunSupervisor(run_id="r", store=store, layer_numel=NUMEL, policy=LocalPolicy(service), writers=writers,
-                        config=SupervisionConfig(drain_deadline_s=5.0, commit_backoff_s=0.5), **kwargs)
+    run = RunSupervisor(
+        run_id="r",
+        store=store,
+        layer_numel=NUMEL,
+        policy=LocalPolicy(service),
+        writers=writers,
+        config=SupervisionConfig(drain_deadline_s=5.0, commit_backoff_s=0.5),
+        **kwargs,
+    )
     writers.run = run
     return run, service
 
@@ -57,8 +64,9 @@ def make(store, writers, **kwargs):
 def train(service, steps):
     for step in steps:
         for rank in (0, 1):
-            service.report(step=step, rank=rank, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS},
-                           counts={n: 10 for n in LAYERS})
+            service.report(
+                step=step, rank=rank, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS}, counts={n: 10 for n in LAYERS}
+            )
 
 
 def receipts(store, layer, step):

@@ -12,8 +12,11 @@ from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 def constant_trace(steps=100, drift=1.0):
     layers = ("embed", "block.0", "norm")
     numel = {"embed": 10, "block.0": 30, "norm": 1}
-    return DriftTrace(layers=layers, numel=numel, steps=tuple(
-        StepObservation(step=s, lr=1.0, drift={n: drift for n in layers}) for s in range(1, steps + 1)))
+    return DriftTrace(
+        layers=layers,
+        numel=numel,
+        steps=tuple(StepObservation(step=s, lr=1.0, drift={n: drift for n in layers}) for s in range(1, steps + 1)),
+    )
 
 
 def test_interval_policy_accounting():
@@ -67,14 +70,17 @@ def test_trace_round_trips(form):
     assert DriftTrace.parse(text) == trace
 
 
-@pytest.mark.parametrize("text,message", [
-    ("step,lr,embed\n1,0.1,0.2\n", "numel"),
-    ("step,lr,embed\nnumel,,10\n1,0.1\n", "line 3"),
-    ("step,lr,embed\nnumel,,10\n2,0.1,0.2\n1,0.1,0.2\n", "steps must increase"),
-    ("{not json", "invalid JSON"),
-    ('{"layers": []}', "not a drift trace"),
-    ("hello", "header"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("step,lr,embed\n1,0.1,0.2\n", "numel"),
+        ("step,lr,embed\nnumel,,10\n1,0.1\n", "line 3"),
+        ("step,lr,embed\nnumel,,10\n2,0.1,0.2\n1,0.1,0.2\n", "steps must increase"),
+        ("{not json", "invalid JSON"),
+        ('{"layers": []}', "not a drift trace"),
+        ("hello", "header"),
+    ],
+)
 def test_bad_traces_are_reported(text, message):
     with pytest.raises(TraceFormatError, match=message):
         DriftTrace.parse(text)
@@ -86,7 +92,11 @@ def test_cli_replays_a_recorded_trace_as_json(tmp_path, capsys):
     assert main(["simulate", "--trace", str(path), "--warmup", "50", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     comparison = report["comparisons"][0]
-    assert report["trace"] == {"layers": 6, "steps": 400, "params": sum(synthetic_trace(blocks=3, steps=1).numel.values())}
+    assert report["trace"] == {
+        "layers": 6,
+        "steps": 400,
+        "params": sum(synthetic_trace(blocks=3, steps=1).numel.values()),
+    }
     assert comparison["result"]["events"] >= 1
     assert comparison["result"]["persists"]["embed"] >= 1
     assert comparison["matched_staleness"]["policy"].startswith("full/")
@@ -95,8 +105,24 @@ def test_cli_replays_a_recorded_trace_as_json(tmp_path, capsys):
 
 def test_cli_sweep_prints_a_table(capsys, tmp_path):
     out = tmp_path / "t.json"
-    assert main(["simulate", "--steps", "300", "--blocks", "2", "--warmup", "30", "--sweep", "5e-4,2e-3",
-                 "--write-trace", str(out)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--steps",
+                "300",
+                "--blocks",
+                "2",
+                "--warmup",
+                "30",
+                "--sweep",
+                "5e-4,2e-3",
+                "--write-trace",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "layercheck k0=0.0005" in text and "layercheck k0=0.002" in text and "full @ same stal" in text
     assert len(DriftTrace.parse(out.read_text()).steps) == 300
@@ -115,8 +141,27 @@ def test_cli_baseline_policy(capsys):
 
 
 def test_cli_drift_optimal_policy_is_compared_like_layercheck(capsys):
-    assert main(["simulate", "--policy", "drift-optimal", "--period", "40", "--steps", "400", "--blocks", "3",
-                 "--warmup", "40", "--spread", "1.0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--policy",
+                "drift-optimal",
+                "--period",
+                "40",
+                "--steps",
+                "400",
+                "--blocks",
+                "3",
+                "--warmup",
+                "40",
+                "--spread",
+                "1.0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     (comparison,) = json.loads(capsys.readouterr().out)["comparisons"]
     assert comparison["result"]["policy"] == "drift-optimal period=40"
     assert comparison["result"]["max_staleness"] <= 1000 and comparison["bytes_vs_full_matched_drift"] > 0

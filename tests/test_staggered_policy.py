@@ -23,8 +23,13 @@ FRESHNESS = {"drift": lambda r: r.mean_unsaved_drift, "staleness": lambda r: r.m
 
 
 def trace_of(numel: dict[str, int], rates: dict[str, float], steps: int, lr=lambda s: 1.0) -> DriftTrace:
-    return DriftTrace(layers=tuple(numel), numel=numel, steps=tuple(
-        StepObservation(step=s, lr=lr(s), drift={n: rates[n] * lr(s) for n in numel}) for s in range(1, steps + 1)))
+    return DriftTrace(
+        layers=tuple(numel),
+        numel=numel,
+        steps=tuple(
+            StepObservation(step=s, lr=lr(s), drift={n: rates[n] * lr(s) for n in numel}) for s in range(1, steps + 1)
+        ),
+    )
 
 
 def model(blocks: int, block_numel: int = 1000, embed_numel: int = 3000) -> dict[str, int]:
@@ -33,10 +38,16 @@ def model(blocks: int, block_numel: int = 1000, embed_numel: int = 3000) -> dict
 
 uniform_traces = st.builds(
     lambda sizes, rate, steps, decay: trace_of(
-        {f"l{i}": n for i, n in enumerate(sizes)}, {f"l{i}": rate for i in range(len(sizes))}, steps,
-        lr=lambda s: 1.0 - decay * s / steps),  # an LR decay common to every layer keeps the drift uniform
-    st.lists(st.integers(1, 5000), min_size=1, max_size=12), st.floats(1e-4, 1.0), st.integers(60, 400),
-    st.sampled_from([0.0, 0.5]))
+        {f"l{i}": n for i, n in enumerate(sizes)},
+        {f"l{i}": rate for i in range(len(sizes))},
+        steps,
+        lr=lambda s: 1.0 - decay * s / steps,
+    ),  # an LR decay common to every layer keeps the drift uniform
+    st.lists(st.integers(1, 5000), min_size=1, max_size=12),
+    st.floats(1e-4, 1.0),
+    st.integers(60, 400),
+    st.sampled_from([0.0, 0.5]),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,7 +116,9 @@ def layered_trace(*, decay: float = 1.0, frozen: int = 0, blocks: int = 12, step
     return trace_of(numel, rates, steps, lr=lambda s: 1e-3 * (1 - 0.5 * s / steps))
 
 
-@pytest.mark.parametrize("trace", [layered_trace(decay=0.8), layered_trace(frozen=6)], ids=["lr-decay-0.8", "half-frozen"])
+@pytest.mark.parametrize(
+    "trace", [layered_trace(decay=0.8), layered_trace(frozen=6)], ids=["lr-decay-0.8", "half-frozen"]
+)
 def test_where_layers_differ_it_writes_fewer_bytes_and_is_within_10pct_of_the_oracle(trace):
     result = simulate(trace, StaggeredPolicy(StaggeredConfig(period=20), dict(trace.numel)), label="s")
     drift = result.mean_unsaved_drift
@@ -137,7 +150,9 @@ def test_a_lower_write_budget_in_the_observation_stretches_the_periods(caplog):
     def written(steps, budget):
         out = 0
         for s in steps:
-            d = policy.observe(StepObservation(step=s, lr=1.0, drift={n: 1.0 for n in numel}, write_budget_bytes=budget))
+            d = policy.observe(
+                StepObservation(step=s, lr=1.0, drift={n: 1.0 for n in numel}, write_budget_bytes=budget)
+            )
             out += sum(numel[n] for n in d.names) * BYTES_PER_PARAM
         return out
 
@@ -179,9 +194,14 @@ def test_nothing_before_the_warm_up_then_first_saves_staggered_over_one_period()
 
 
 def test_config_validation_names_the_field_and_it_is_the_default():
-    for params, field in [({"period": 0}, "policy.period"), ({"period": None}, "policy.period"),
-                          ({"max_bytes_per_step": 0}, "policy.max_bytes_per_step"), ({"ema": 1.0}, "policy.ema"),
-                          ({"replan_tolerance": 0.5}, "policy.replan_tolerance"), ({"smax": 0}, "policy.smax")]:
+    for params, field in [
+        ({"period": 0}, "policy.period"),
+        ({"period": None}, "policy.period"),
+        ({"max_bytes_per_step": 0}, "policy.max_bytes_per_step"),
+        ({"ema": 1.0}, "policy.ema"),
+        ({"replan_tolerance": 0.5}, "policy.replan_tolerance"),
+        ({"smax": 0}, "policy.smax"),
+    ]:
         with pytest.raises(ConfigError, match=field):
             policy_config("staggered", params)
     config = policy_config("staggered", {"max_bytes_per_step": 10**6, "period": None})

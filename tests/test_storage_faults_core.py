@@ -28,17 +28,23 @@ class Writers:
 def make(tmp_path, on_breach="stop"):
     config = LayerCheckConfig(k0=1e9, k0_embed=1e9, smax=SMAX, warmup_steps=2, threshold_schedule="constant")
     service = PolicyService(LayerCheckPolicy(config, LAYERS), LAYERS, 2)
-    run = RunSupervisor(run_id="r", store=LayerStore.open(str(tmp_path / "store")), layer_numel={n: 42 for n in LAYERS},
-                        policy=LocalPolicy(service), writers=Writers(),
-                        limits=StalenessLimits.of(config, on_breach=on_breach))
+    run = RunSupervisor(
+        run_id="r",
+        store=LayerStore.open(str(tmp_path / "store")),
+        layer_numel={n: 42 for n in LAYERS},
+        policy=LocalPolicy(service),
+        writers=Writers(),
+        limits=StalenessLimits.of(config, on_breach=on_breach),
+    )
     return run, service
 
 
 def report(service, step):
     decision = None
     for rank in (0, 1):
-        decision = service.report(step=step, rank=rank, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS},
-                                  counts={n: 42 for n in LAYERS})
+        decision = service.report(
+            step=step, rank=rank, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS}, counts={n: 42 for n in LAYERS}
+        )
     return decision
 
 
@@ -53,8 +59,11 @@ def test_a_dead_writers_versions_are_lost_once_and_the_layers_may_be_persisted_a
     assert set(base.names) == set(LAYERS) and set(service.gate.in_flight) == set(LAYERS)
     # both ranks used the writer that died; each reports what it had in it
     run.writer_died(lost=[("embed", 2), ("block.0", 2)], reason="their writer died twice (ActorDiedError)")
-    run.writer_died(lost=[("embed", 2), ("block.0", 2), ("norm", 2)], replaced=False,
-                    reason="their writer died twice (ActorDiedError)")
+    run.writer_died(
+        lost=[("embed", 2), ("block.0", 2), ("norm", 2)],
+        replaced=False,
+        reason="their writer died twice (ActorDiedError)",
+    )
     status = run.status()
     assert status["lost_versions"] == 3 and status["writers_replaced"] == 1
     assert all("writer died" in reason for reason in status["lost"])

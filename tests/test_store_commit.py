@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from orchestrator.store.manifest import ShardReceipt, manifest_table
-from orchestrator.store.recovery_source import VersionReader
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.errors import ManifestError, StoreWriteError
 from orchestrator.store.fs import StoreFS
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import ShardReceipt, manifest_table
+from orchestrator.store.recovery_source import VersionReader
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,8 +51,12 @@ def test_commit_refuses_an_incomplete_version(tmp_path, which):
     shards, _ = _shards()
     receipts = [store.write_shard(s) for s in shards]
     other = store.write_shard(_shards(step=8)[0][2])
-    bad = {"missing rank": receipts[:2], "duplicate rank": receipts + receipts[:1],
-           "mixed steps": receipts[:2] + [other], "empty": []}[which]
+    bad = {
+        "missing rank": receipts[:2],
+        "duplicate rank": receipts + receipts[:1],
+        "mixed steps": receipts[:2] + [other],
+        "empty": [],
+    }[which]
     with pytest.raises(ManifestError, match="missing ranks|mix versions|without shard receipts"):
         store.commit(bad)
     assert store.versions() == ()
@@ -82,8 +86,12 @@ def test_manifest_table_lists_every_version(tmp_path):
 def test_object_store_mode_writes_in_place(tmp_path):
     """Without atomic rename (S3, GCS) files go straight to their final names."""
     seen = []
-    fs = StoreFS(fs=pafs.LocalFileSystem(), root=str(tmp_path), atomic_rename=False,
-                 hook=lambda event, path: seen.append((event, path)))
+    fs = StoreFS(
+        fs=pafs.LocalFileSystem(),
+        root=str(tmp_path),
+        atomic_rename=False,
+        hook=lambda event, path: seen.append((event, path)),
+    )
     store = LayerStore(fs)
     record, state = write_layer(store, "norm", 5)
     assert all(".tmp" not in path for _, path in seen)
@@ -142,17 +150,21 @@ def test_threads_committing_different_layers_lose_nothing(tmp_path):
     assert not errors
     records = store.versions()
     assert sorted((r.layer, r.step) for r in records) == sorted(
-        (f"block.{i}", s) for i in range(4) for s in range(1, 9))
+        (f"block.{i}", s) for i in range(4) for s in range(1, 9)
+    )
 
 
 def test_processes_committing_different_layers_lose_nothing(tmp_path):
     steps = ",".join(str(s) for s in range(1, 7))
     procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.store_writer_proc", str(tmp_path),
-                          "--layers", layers, "--steps", steps], cwd=REPO)
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.store_writer_proc", str(tmp_path), "--layers", layers, "--steps", steps],
+            cwd=REPO,
+        )
         for layers in ("embed,block.0", "block.1,norm")
     ]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     records = LayerStore.open(str(tmp_path)).versions()
     assert sorted((r.layer, r.step) for r in records) == sorted(
-        (layer, s) for layer in ("embed", "block.0", "block.1", "norm") for s in range(1, 7))
+        (layer, s) for layer in ("embed", "block.0", "block.1", "norm") for s in range(1, 7)
+    )

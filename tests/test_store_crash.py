@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.recovery_source import VersionReader, resolve_plan
 from orchestrator.store.retention import GcConfig, collect_garbage
-from orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, layer_state, seed_of, write_layer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -19,20 +19,24 @@ LAYERS = {"block.0": 48, "norm": 48}
 
 # (kill point, whether the version is committed when the writer dies)
 POINTS = [
-    ("opened:layers/", False),        # first shard's temporary file created, nothing in it
-    ("partial:layers/", False),       # first shard's header written, tensors not
-    ("closed:layers/", False),        # first shard written, not yet renamed into place
-    ("renamed:layers/#2", False),     # every shard written, before the commit
-    ("opened:manifest/", False),      # commit record being written
-    ("closed:manifest/", False),      # commit record written under its temporary name
-    ("renamed:manifest/", True),      # committed: the new version is there
+    ("opened:layers/", False),  # first shard's temporary file created, nothing in it
+    ("partial:layers/", False),  # first shard's header written, tensors not
+    ("closed:layers/", False),  # first shard written, not yet renamed into place
+    ("renamed:layers/#2", False),  # every shard written, before the commit
+    ("opened:manifest/", False),  # commit record being written
+    ("closed:manifest/", False),  # commit record written under its temporary name
+    ("renamed:manifest/", True),  # committed: the new version is there
 ]
 
 
 def _crash_writer(root, point):
     env = {**os.environ, "LAYERCHECK_TEST_KILL_AT": point}
-    proc = subprocess.run([sys.executable, "-m", "tests.store_writer_proc", str(root), "--layers", "block.0",
-                           "--steps", "20"], cwd=REPO, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.store_writer_proc", str(root), "--layers", "block.0", "--steps", "20"],
+        cwd=REPO,
+        env=env,
+        timeout=120,
+    )
     return proc.returncode
 
 

@@ -99,7 +99,14 @@ except StoreBusyError as e:
 def test_two_processes_starting_at_once_get_one_owner(tmp_path):
     start = time.time() + 1.5
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    procs = [subprocess.Popen([sys.executable, "-c", _CONTENDER, str(tmp_path / "run"), str(start), f"r{i}"],
-                              stdout=subprocess.PIPE, text=True, env=env) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONTENDER, str(tmp_path / "run"), str(start), f"r{i}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
     outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert outcomes == ["lost", "won"]

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.store.recovery_source import VersionReader, resolve_plan
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.errors import CorruptShardError
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.recovery_source import VersionReader, resolve_plan
 from policies.plan import NoUsableVersionError
 from tests.store_helpers import PARAMS, cut_shards, layer_state, write_layer
 from workers.shard import STATE_KEYS, LayerShard
@@ -47,8 +47,11 @@ def test_any_world_size_reads_back_exactly_at_any_other(case):
             assert reader.optimizer_step == 9 and reader.param_shapes == params
             for target in targets:
                 for key in STATE_KEYS:
-                    got = torch.cat([reader.read_slice(s, key) for s in target.slices]) if target.slices \
+                    got = (
+                        torch.cat([reader.read_slice(s, key) for s in target.slices])
+                        if target.slices
                         else torch.zeros(0)
+                    )
                     assert torch.equal(got, target.tensors[key])
 
 
@@ -56,8 +59,12 @@ def test_overlapping_stored_shards_are_fine(tmp_path):
     """ZeRO-0: every rank holds the whole layer."""
     state = layer_state(PARAMS, seed=5)
     full = cut_shards("norm", 3, PARAMS, state, [0, 48])[0]
-    shards = [LayerShard(layer="norm", step=3, rank=r, world_size=2, slices=full.slices, tensors=full.tensors,
-                         optimizer_step=3) for r in range(2)]
+    shards = [
+        LayerShard(
+            layer="norm", step=3, rank=r, world_size=2, slices=full.slices, tensors=full.tensors, optimizer_step=3
+        )
+        for r in range(2)
+    ]
     store = LayerStore.open(str(tmp_path))
     with VersionReader(store, store.write_version(shards)) as reader:
         assert reader.read("w", "fp32", 4, 20).equal(state["fp32"]["w"][4:24])
@@ -191,8 +198,10 @@ def test_composite_reader_serves_every_layer(history):
     store, written = history
     params = {layer: {f"{layer}.{n}": s for n, s in PARAMS.items()} for layer in LAYERS}
     states = {layer: layer_state(params[layer], seed=i) for i, layer in enumerate(LAYERS)}
-    records = {layer: store.write_version(cut_shards(layer, 300, params[layer], states[layer], [0, 20, 48]))
-               for layer in LAYERS}
+    records = {
+        layer: store.write_version(cut_shards(layer, 300, params[layer], states[layer], [0, 20, 48]))
+        for layer in LAYERS
+    }
     with CompositeReader(store, records) as read:
         assert {layer: m.optimizer_step for layer, m in read.metas().items()} == dict.fromkeys(LAYERS, 300)
         assert read.metas(["norm"])["norm"].groups[0]["name"] == "norm.decay"

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.recovery_source import resolve_plan
 from orchestrator.store.retention import GcConfig, collect_garbage
-from orchestrator.store.layer_store import LayerStore
 from policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
 from policies.retention import RetentionConfig, plan_retention
-from tests.store_helpers import faulty_store, write_layer, PARAMS, cut_shards, even_cuts, layer_state
+from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 
 def _v(layer, step, base=False):
@@ -21,18 +21,21 @@ def _v(layer, step, base=False):
 HISTORY = [_v("A", 200, True), _v("B", 200, True), _v("A", 300), _v("A", 400), _v("B", 450), _v("A", 500)]
 
 
-@pytest.mark.parametrize("window,versions,kept", [
-    (0, HISTORY, {"A@500", "B@450"}),
-    (100, HISTORY, {"A@400", "A@500", "B@200b", "B@450"}),
-    (300, HISTORY, {"A@200b", "A@300", "A@400", "A@500", "B@200b", "B@450"}),
-    # B has nothing newer than the base: the whole base stays
-    (0, [v for v in HISTORY if v.layer == "A"] + [_v("B", 200, True)], {"A@200b", "B@200b", "A@500"}),
-    # no recovery point yet (B has no version): keep everything
-    (0, [_v("A", 200), _v("A", 300)], {"A@200", "A@300"}),
-    # at one step a non-base version wins over a base one (which stays as the base: nothing is newer)
-    (0, [_v("A", 200, True), _v("A", 200), _v("B", 210)], {"A@200", "A@200b", "B@210"}),
-    (0, [_v("A", 200, True), _v("A", 200), _v("A", 201), _v("B", 210)], {"A@201", "B@210"}),
-])
+@pytest.mark.parametrize(
+    "window,versions,kept",
+    [
+        (0, HISTORY, {"A@500", "B@450"}),
+        (100, HISTORY, {"A@400", "A@500", "B@200b", "B@450"}),
+        (300, HISTORY, {"A@200b", "A@300", "A@400", "A@500", "B@200b", "B@450"}),
+        # B has nothing newer than the base: the whole base stays
+        (0, [v for v in HISTORY if v.layer == "A"] + [_v("B", 200, True)], {"A@200b", "B@200b", "A@500"}),
+        # no recovery point yet (B has no version): keep everything
+        (0, [_v("A", 200), _v("A", 300)], {"A@200", "A@300"}),
+        # at one step a non-base version wins over a base one (which stays as the base: nothing is newer)
+        (0, [_v("A", 200, True), _v("A", 200), _v("B", 210)], {"A@200", "A@200b", "B@210"}),
+        (0, [_v("A", 200, True), _v("A", 200), _v("A", 201), _v("B", 210)], {"A@201", "B@210"}),
+    ],
+)
 def test_retention_table(window, versions, kept):
     layers = None if window or len({v.layer for v in versions}) > 1 else ["A", "B"]
     decision = plan_retention(versions, config=RetentionConfig(window=window), layers=layers)
@@ -99,8 +102,12 @@ def _ids(store):
 def test_gc_deletes_unreachable_versions_and_their_files(store, tmp_path):
     files_before = {p for p in tmp_path.rglob("*.safetensors")}
     dry = collect_garbage(store, GcConfig(dry_run=True))
-    assert _ids(store) == {(l, 100) for l in LAYERS} | {("block.0", 150), ("embed", 170), ("block.0", 200),
-                                                        ("norm", 180)}
+    assert _ids(store) == {(layer, 100) for layer in LAYERS} | {
+        ("block.0", 150),
+        ("embed", 170),
+        ("block.0", 200),
+        ("norm", 180),
+    }
     report = collect_garbage(store, GcConfig())
     assert (report.deleted_versions, report.freed_bytes) == (dry.deleted_versions, dry.freed_bytes)
     assert _ids(store) == {("block.0", 200), ("embed", 170), ("norm", 180)}
@@ -113,8 +120,14 @@ def test_gc_deletes_unreachable_versions_and_their_files(store, tmp_path):
 def test_gc_window_keeps_earlier_recovery_points(store):
     collect_garbage(store, GcConfig(retention=RetentionConfig(window=40)))
     # recovery at 160 needs embed's and norm's base, and block.0 at 150
-    assert _ids(store) == {("block.0", 150), ("block.0", 200), ("embed", 100), ("embed", 170), ("norm", 100),
-                           ("norm", 180)}
+    assert _ids(store) == {
+        ("block.0", 150),
+        ("block.0", 200),
+        ("embed", 100),
+        ("embed", 170),
+        ("norm", 100),
+        ("norm", 180),
+    }
     resolved = resolve_plan(store, LAYERS, t_fail=160)
     assert {layer: r.step for layer, r in resolved.records.items()} == {"embed": 100, "block.0": 150, "norm": 100}
 

@@ -12,9 +12,22 @@ from orchestrator.core.recovery_plan import plan_composite
 from orchestrator.core.run_view import RunView
 from orchestrator.core.supervision import Failed, Finished, Recovering, Running, Starting, Supervision
 from orchestrator.core.supervision_events import (
-    AbandonIncomplete, CompositePlanned, DismissJoins, DrainWriters, NoComposite, PlanComposite, PublishResume,
-    RankJoined, RebasePolicy, RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded, SupervisionConfig,
-    VersionUnusable, WritersDrained,
+    AbandonIncomplete,
+    CompositePlanned,
+    DismissJoins,
+    DrainWriters,
+    NoComposite,
+    PlanComposite,
+    PublishResume,
+    RankJoined,
+    RebasePolicy,
+    RecordRecovery,
+    ReplaceWriters,
+    ResumeInfo,
+    RunEnded,
+    SupervisionConfig,
+    VersionUnusable,
+    WritersDrained,
 )
 from orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
@@ -56,8 +69,10 @@ def test_a_fresh_start_rebases_the_policy_and_answers_step_one():
     sup = Supervision(config=CONFIG)
     assert isinstance(sup.state, Starting) and sup.attempt == 0 and not sup.state.terminal
     actions = sup.handle(joined(0, "a0"))
-    assert actions == [RebasePolicy(world_size=2, resume_after=0, persisted_steps={}),
-                       PublishResume(resume=ResumeInfo(1, 1))]
+    assert actions == [
+        RebasePolicy(world_size=2, resume_after=0, persisted_steps={}),
+        PublishResume(resume=ResumeInfo(1, 1)),
+    ]
     assert sup.handle(joined(1, "a1")) == []  # the answer is published: the second rank just reads it
     assert sup.state == Running(attempt=1, world_size=2, members={0: "a0", 1: "a1"}, resume=ResumeInfo(1, 1))
     assert sup.state.name == "running" and sup.attempt == 1
@@ -93,8 +108,9 @@ def test_a_lost_group_recovers_at_t_fail_plus_one(store, caplog):
     resume = of(PublishResume, actions).resume
     assert resume.attempt == 2 and resume.start_step == 7
     assert {layer: r.step for layer, r in resume.records.items()} == {layer: 6 for layer in LAYERS}
-    assert of(RebasePolicy, actions) == RebasePolicy(world_size=2, resume_after=6,
-                                                     persisted_steps={layer: 6 for layer in LAYERS})
+    assert of(RebasePolicy, actions) == RebasePolicy(
+        world_size=2, resume_after=6, persisted_steps={layer: 6 for layer in LAYERS}
+    )
     record = of(RecordRecovery, actions)
     assert (record.t_fail, record.resumed_at, record.lost_group, record.groups_lost) == (6, 7, True, 1)
     assert record.plan_s == pytest.approx(0.5)
@@ -204,8 +220,17 @@ def test_config_errors_name_the_field():
 # ---- the commit path -------------------------------------------------------------------------
 def receipt(layer, step, rank, world_size=2):
     from orchestrator.store.manifest import ShardReceipt
-    return ShardReceipt(layer=layer, step=step, rank=rank, world_size=world_size, base=False,
-                        path=f"layers/{layer}/{step}-{rank}", nbytes=10, checksum="0")
+
+    return ShardReceipt(
+        layer=layer,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        base=False,
+        path=f"layers/{layer}/{step}-{rank}",
+        nbytes=10,
+        checksum="0",
+    )
 
 
 def written_shards(store, layer, step):

@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 import transformers
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from policies.layer_map import layer_map_of
 from tests.worker_jobs import TINY_LLAMA
@@ -15,26 +16,32 @@ from workers.engine import build_model, deepspeed_config, param_groups
 from workers.schedule import lr_at, lr_factor
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"lr": 0.0}, "^lr: must"),
-    ({"betas": (0.9, 1.0)}, "^betas: must"),
-    ({"warmup_steps": 10, "total_steps": 5}, "^total_steps: must"),
-    ({"min_lr_ratio": 1.5}, "^min_lr_ratio: must"),
-    ({"schedule": "step"}, "^schedule: must"),
-    ({"weight_decay": -1.0}, "^weight_decay: must"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"lr": 0.0}, "^lr: must"),
+        ({"betas": (0.9, 1.0)}, "^betas: must"),
+        ({"warmup_steps": 10, "total_steps": 5}, "^total_steps: must"),
+        ({"min_lr_ratio": 1.5}, "^min_lr_ratio: must"),
+        ({"schedule": "step"}, "^schedule: must"),
+        ({"weight_decay": -1.0}, "^weight_decay: must"),
+    ],
+)
 def test_optim_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         OptimConfig(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"zero_stage": 4}, "^zero_stage: must"),
-    ({"precision": "fp16"}, "^precision: must"),
-    ({"micro_batch": 0}, "^micro_batch: must"),
-    ({"grad_accum": 0}, "^grad_accum: must"),
-    ({"grad_clip": -1.0}, "^grad_clip: must"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"zero_stage": 4}, "^zero_stage: must"),
+        ({"precision": "fp16"}, "^precision: must"),
+        ({"micro_batch": 0}, "^micro_batch: must"),
+        ({"grad_accum": 0}, "^grad_accum: must"),
+        ({"grad_clip": -1.0}, "^grad_clip: must"),
+    ],
+)
 def test_engine_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**kwargs)
@@ -69,8 +76,13 @@ def test_schedule_shapes():
     assert [lr_at(s, const) for s in (0, 1, 2, 50)] == [1.5, 3.0, 3.0, 3.0]
 
 
-@given(st.integers(0, 50), st.integers(0, 200), st.integers(0, 500),
-       st.floats(0, 1), st.sampled_from(["cosine", "linear", "constant"]))
+@given(
+    st.integers(0, 50),
+    st.integers(0, 200),
+    st.integers(0, 500),
+    st.floats(0, 1),
+    st.sampled_from(["cosine", "linear", "constant"]),
+)
 def test_schedule_stays_within_bounds(warmup, extra, step, floor, schedule):
     cfg = OptimConfig(lr=1.0, warmup_steps=warmup, total_steps=warmup + extra, min_lr_ratio=floor, schedule=schedule)
     factor = lr_factor(step, cfg)
@@ -87,8 +99,15 @@ def test_param_groups_mirror_the_layer_map():
     cfg = OptimConfig(lr=1e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
     groups = param_groups(model, layer_map, cfg)
     by_name = {g["name"]: g for g in groups}
-    assert list(by_name) == ["embed/decay", "block.0/decay", "block.0/no_decay", "block.1/decay",
-                             "block.1/no_decay", "norm/no_decay", "lm_head/decay"]
+    assert list(by_name) == [
+        "embed/decay",
+        "block.0/decay",
+        "block.0/no_decay",
+        "block.1/decay",
+        "block.1/no_decay",
+        "norm/no_decay",
+        "lm_head/decay",
+    ]
     params = dict(model.named_parameters())
     for layer in layer_map.layers:
         for kind, infos in (("decay", layer.decay_params), ("no_decay", layer.no_decay_params)):
@@ -114,9 +133,21 @@ def test_same_seed_same_weights_and_local_path(tmp_path):
 
 
 def test_deepspeed_config():
-    ds = deepspeed_config(EngineConfig(zero_stage=3, precision="bf16", micro_batch=4, grad_accum=2, grad_clip=1.0,
-                                       extra_ds_config={"zero_optimization": {"sub_group_size": 1000}}))
+    ds = deepspeed_config(
+        EngineConfig(
+            zero_stage=3,
+            precision="bf16",
+            micro_batch=4,
+            grad_accum=2,
+            grad_clip=1.0,
+            extra_ds_config={"zero_optimization": {"sub_group_size": 1000}},
+        )
+    )
     assert ds["zero_optimization"] == {"stage": 3, "sub_group_size": 1000}
     assert ds["bf16"] == {"enabled": True}
-    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (4, 2, 1.0)
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["gradient_clipping"]) == (
+        4,
+        2,
+        1.0,
+    )
     assert ds["zero_allow_untested_optimizer"] is True

@@ -13,9 +13,16 @@ def _pair(seed: int = 0):
     ours = [torch.randn(6, 5, requires_grad=True), torch.randn(11, requires_grad=True)]
     ref = [t.detach().clone().requires_grad_(True) for t in ours]
     kwargs = {"lr": 1e-2, "betas": (0.8, 0.95), "eps": 1e-7}
-    a = DriftAdamW([{"params": [ours[0]], "weight_decay": 0.1, "name": "w"},
-                    {"params": [ours[1]], "weight_decay": 0.0, "name": "b"}], **kwargs)
-    b = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kwargs)
+    a = DriftAdamW(
+        [
+            {"params": [ours[0]], "weight_decay": 0.1, "name": "w"},
+            {"params": [ours[1]], "weight_decay": 0.0, "name": "b"},
+        ],
+        **kwargs,
+    )
+    b = torch.optim.AdamW(
+        [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kwargs
+    )
     return ours, ref, a, b
 
 

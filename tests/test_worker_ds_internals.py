@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from tests import worker_jobs
 from tests.dist_harness import run_ranks
@@ -31,7 +31,8 @@ def test_installed_deepspeed_is_one_the_wrappers_were_verified_against():
     assert ds_internals.deepspeed_is_verified(installed), (
         f"DeepSpeed {installed} is installed, but workers/ds_internals.py was verified against "
         f"{ds_internals.VERIFIED_DEEPSPEED}: run the slow tests of this file against it, fix what moved, "
-        "then widen VERIFIED_DEEPSPEED and the pin in pyproject.toml together")
+        "then widen VERIFIED_DEEPSPEED and the pin in pyproject.toml together"
+    )
 
 
 def test_pyproject_pins_the_verified_range():
@@ -40,9 +41,19 @@ def test_pyproject_pins_the_verified_range():
     assert pin.replace(" ", "") == "deepspeed" + ds_internals.VERIFIED_DEEPSPEED
 
 
-@pytest.mark.parametrize("version, verified", [("0.19.8", True), ("0.19.12", True), ("0.19.7", False),
-                                               ("0.20.0", False), ("0.20.0rc1", False), ("1.0", False),
-                                               ("0.19.9.dev0", False), ("not-a-version", False)])
+@pytest.mark.parametrize(
+    "version, verified",
+    [
+        ("0.19.8", True),
+        ("0.19.12", True),
+        ("0.19.7", False),
+        ("0.20.0", False),
+        ("0.20.0rc1", False),
+        ("1.0", False),
+        ("0.19.9.dev0", False),
+        ("not-a-version", False),
+    ],
+)
 def test_verified_range(version, verified):
     assert ds_internals.deepspeed_is_verified(version) is verified
 
@@ -50,8 +61,9 @@ def test_verified_range(version, verified):
 def test_an_unverified_deepspeed_is_refused_unless_the_user_opts_in(monkeypatch, caplog):
     monkeypatch.delenv(ds_internals.ALLOW_UNVERIFIED_ENV, raising=False)
     ds_internals.check_deepspeed_version("0.19.8")
-    with pytest.raises(ds_internals.DeepSpeedInternalsError, match=r"DeepSpeed 0\.21\.0 .*" +
-                       ds_internals.ALLOW_UNVERIFIED_ENV):
+    with pytest.raises(
+        ds_internals.DeepSpeedInternalsError, match=r"DeepSpeed 0\.21\.0 .*" + ds_internals.ALLOW_UNVERIFIED_ENV
+    ):
         ds_internals.check_deepspeed_version("0.21.0")
     monkeypatch.setenv(ds_internals.ALLOW_UNVERIFIED_ENV, "1")
     with caplog.at_level(logging.ERROR, logger="workers.ds_internals"):

@@ -15,9 +15,18 @@ from tests.dist_harness import run_ranks
 
 # (zero stage, precision, world size, gradient accumulation)
 CONFIGS = [
-    (0, "fp32", 2, 1), (0, "bf16", 2, 1), (1, "fp32", 2, 1), (1, "bf16", 2, 2),
-    (2, "fp32", 2, 2), (2, "bf16", 2, 1), (3, "fp32", 2, 1), (3, "bf16", 2, 2),
-    (0, "fp32", 1, 2), (0, "bf16", 1, 1), (3, "fp32", 1, 1), (3, "bf16", 1, 2),
+    (0, "fp32", 2, 1),
+    (0, "bf16", 2, 1),
+    (1, "fp32", 2, 1),
+    (1, "bf16", 2, 2),
+    (2, "fp32", 2, 2),
+    (2, "bf16", 2, 1),
+    (3, "fp32", 2, 1),
+    (3, "bf16", 2, 2),
+    (0, "fp32", 1, 2),
+    (0, "bf16", 1, 1),
+    (3, "fp32", 1, 1),
+    (3, "bf16", 1, 2),
 ]
 
 
@@ -36,8 +45,15 @@ def test_param_groups_follow_the_layer_map(job):
     _, results = job
     for r in results:
         names = [name for name, _, _ in r["groups"]]
-        assert names == ["embed/decay", "block.0/decay", "block.0/no_decay", "block.1/decay",
-                         "block.1/no_decay", "norm/no_decay", "lm_head/decay"]
+        assert names == [
+            "embed/decay",
+            "block.0/decay",
+            "block.0/no_decay",
+            "block.1/decay",
+            "block.1/no_decay",
+            "norm/no_decay",
+            "lm_head/decay",
+        ]
         assert all(wd == (0.1 if name.endswith("/decay") else 0.0) for name, wd, _ in r["groups"])
 
 

@@ -21,8 +21,9 @@ def test_frozen_layers_are_not_layercheck_layers(job):
     _, results = job
     for r in results:
         assert r["layers"] == r["meta_layers"] == r["layout_layers"] == TRAINED
-        assert r["frozen_params"] and all(n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1."))
-                                          for n in r["frozen_params"])
+        assert r["frozen_params"] and all(
+            n.startswith(("model.embed_tokens", "model.layers.0.", "model.layers.1.")) for n in r["frozen_params"]
+        )
         assert not any(g.startswith(("embed/", "block.0/", "block.1/")) for g in r["groups"])
 
 

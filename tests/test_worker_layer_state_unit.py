@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from workers.host_buffers import HostBufferPool
 from workers.layer_state import ShardReader, metas_of
@@ -27,9 +28,19 @@ def _shards(world_size: int, step: int = 5) -> list[LayerShard]:
         for name, shape in SHAPES.items():
             offset, length = zero0_owned_range(torch.Size(shape).numel(), rank, world_size)
             slices.append(ParamSlice(name, shape, offset, length))
-        tensors = {k: torch.cat([_full(s.name, k)[s.offset:s.offset + s.length] for s in slices]) for k in STATE_KEYS}
-        out.append(LayerShard(layer="a", step=step, rank=rank, world_size=world_size, slices=tuple(slices),
-                              tensors=tensors, optimizer_step=step, groups=({"name": "a/decay", "eps": 1e-8},)))
+        tensors = {k: torch.cat([_full(s.name, k)[s.offset : s.offset + s.length] for s in slices]) for k in STATE_KEYS}
+        out.append(
+            LayerShard(
+                layer="a",
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                slices=tuple(slices),
+                tensors=tensors,
+                optimizer_step=step,
+                groups=({"name": "a/decay", "eps": 1e-8},),
+            )
+        )
     return out
 
 
@@ -39,7 +50,7 @@ def test_reader_serves_any_range_from_any_world_size(world_size, name, key, data
     offset = data.draw(st.integers(0, n - 1))
     length = data.draw(st.integers(1, n - offset))
     got = ShardReader(_shards(world_size))(name, key, offset, length)
-    assert torch.equal(got, _full(name, key)[offset:offset + length])
+    assert torch.equal(got, _full(name, key)[offset : offset + length])
 
 
 def test_reader_names_a_missing_range():
@@ -73,8 +84,15 @@ def test_pool_reuses_released_buffers_and_leaves_foreign_tensors():
     pool = HostBufferPool()
     assert pool.pin == torch.cuda.is_available()
     first = {k: pool.acquire(12) for k in STATE_KEYS}
-    shard = LayerShard(layer="x", step=1, rank=0, world_size=1, slices=(ParamSlice("p", (12,), 0, 12),),
-                       tensors=first, optimizer_step=1)
+    shard = LayerShard(
+        layer="x",
+        step=1,
+        rank=0,
+        world_size=1,
+        slices=(ParamSlice("p", (12,), 0, 12),),
+        tensors=first,
+        optimizer_step=1,
+    )
     allocated = pool.allocated_bytes
     assert pool.lent == 3
     pool.release(shard)
@@ -83,7 +101,14 @@ def test_pool_reuses_released_buffers_and_leaves_foreign_tensors():
     again = {pool.acquire(12).data_ptr() for _ in STATE_KEYS}
     assert again == {t.data_ptr() for t in first.values()}
     assert pool.allocated_bytes == allocated
-    foreign = LayerShard(layer="x", step=1, rank=0, world_size=1, slices=(ParamSlice("p", (2,), 0, 2),),
-                         tensors={k: torch.zeros(2) for k in STATE_KEYS}, optimizer_step=1)
+    foreign = LayerShard(
+        layer="x",
+        step=1,
+        rank=0,
+        world_size=1,
+        slices=(ParamSlice("p", (2,), 0, 2),),
+        tensors={k: torch.zeros(2) for k in STATE_KEYS},
+        optimizer_step=1,
+    )
     pool.release(foreign)
     assert pool.acquire(2).data_ptr() not in {t.data_ptr() for t in foreign.tensors.values()}

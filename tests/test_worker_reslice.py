@@ -11,7 +11,9 @@ from tests.dist_harness import run_ranks
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("save, load", [((3, 2), (2, 1)), ((0, 1), (3, 2))], ids=["zero3w2-to-zero2w1", "zero0w1-to-zero3w2"])
+@pytest.mark.parametrize(
+    "save, load", [((3, 2), (2, 1)), ((0, 1), (3, 2))], ids=["zero3w2-to-zero2w1", "zero0w1-to-zero3w2"]
+)
 def test_restore_across_world_sizes(tmp_path, save, load):
     (save_stage, save_world), (load_stage, load_world) = save, load
     saved = run_ranks(worker_jobs.save_snapshot_job, save_world, save_stage, str(tmp_path))

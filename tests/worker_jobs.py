@@ -11,17 +11,23 @@ from typing import Any
 import torch
 
 from workers.config import EngineConfig, ModelConfig, OptimConfig
+from workers.drift import global_drift
 from workers.engine import TrainEngine, build_engine, seek_step, shutdown
 from workers.host_buffers import HostBufferPool
 from workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
-from workers.drift import global_drift
-from workers.step import eval_loss, train_step
 from workers.shard import STATE_KEYS, LayerShard
+from workers.step import eval_loss, train_step
 
 TINY_LLAMA: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 64, "tie_word_embeddings": False,
+    "model_type": "llama",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
 }
 SEQ = 16
 
@@ -30,16 +36,18 @@ def make_engine(stage: int, precision: str, micro_batch: int = 2, grad_accum: in
     return build_engine(
         ModelConfig(hf_config=TINY_LLAMA, seed=7),
         OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, schedule="cosine"),
-        EngineConfig(zero_stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum, grad_clip=1.0),
+        EngineConfig(
+            zero_stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum, grad_clip=1.0
+        ),
     )
 
 
-def batches(te: TrainEngine, step: int, rank: int) -> list[torch.Tensor]:
+def batches(train_engine: TrainEngine, step: int, rank: int) -> list[torch.Tensor]:
     """The micro-batches rank ``rank`` trains on at ``step`` (a pure function of both)."""
     out = []
-    for micro in range(te.engine.gradient_accumulation_steps()):
+    for micro in range(train_engine.engine.gradient_accumulation_steps()):
         g = torch.Generator().manual_seed(100_000 * step + 100 * micro + rank)
-        out.append(torch.randint(0, TINY_LLAMA["vocab_size"], (te.engine_cfg.micro_batch, SEQ), generator=g))
+        out.append(torch.randint(0, TINY_LLAMA["vocab_size"], (train_engine.engine_cfg.micro_batch, SEQ), generator=g))
     return out
 
 
@@ -48,22 +56,22 @@ def probe_batch() -> torch.Tensor:
     return torch.randint(0, TINY_LLAMA["vocab_size"], (2, SEQ), generator=g)
 
 
-def full_fp32(te: TrainEngine, name: str) -> torch.Tensor:
+def full_fp32(train_engine: TrainEngine, name: str) -> torch.Tensor:
     """The whole fp32 master of parameter ``name``, through DeepSpeed's public helpers where
     they exist (collective at ZeRO-3): an independent reference for the layout code."""
     import deepspeed
 
     from workers import ds_internals
 
-    param = dict(te.engine.module.named_parameters())[name]
-    if te.engine_cfg.zero_stage == 0:
-        master = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(te.engine)}[id(param)]
+    param = dict(train_engine.engine.module.named_parameters())[name]
+    if train_engine.engine_cfg.zero_stage == 0:
+        master = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(train_engine.engine)}[id(param)]
         return master.detach().clone().float().view(-1)
     return deepspeed.utils.safe_get_full_fp32_param(param).detach().clone().float().view(-1)
 
 
-def all_full_fp32(te: TrainEngine) -> dict[str, torch.Tensor]:
-    return {p.name: full_fp32(te, p.name) for layer in te.layer_map.layers for p in layer.params}
+def all_full_fp32(train_engine: TrainEngine) -> dict[str, torch.Tensor]:
+    return {p.name: full_fp32(train_engine, p.name) for layer in train_engine.layer_map.layers for p in layer.params}
 
 
 def shard_values(shards: list[LayerShard]) -> dict[str, Any]:
@@ -84,60 +92,72 @@ def gather_shards(shards: list[LayerShard]) -> list[LayerShard]:
 def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: str, grad_accum: int) -> dict[str, Any]:
     """Drift vs snapshot-and-diff; snapshot → train → restore reproduces the trajectory;
     the forward reads restored weights; a partial restore touches only its layers."""
-    te = make_engine(stage, precision, grad_accum=grad_accum)
+    train_engine = make_engine(stage, precision, grad_accum=grad_accum)
     pool = HostBufferPool()
-    layers = list(te.layer_map.names)
-    out: dict[str, Any] = {"groups": [(g["name"], g["weight_decay"], g["lr"]) for g in te.optimizer.param_groups]}
-    out["numel"] = te.probe.numel
-    out["layer_numel"] = te.layer_map.numel
+    layers = list(train_engine.layer_map.names)
+    out: dict[str, Any] = {
+        "groups": [(g["name"], g["weight_decay"], g["lr"]) for g in train_engine.optimizer.param_groups]
+    }
+    out["numel"] = train_engine.probe.numel
+    out["layer_numel"] = train_engine.layer_map.numel
 
     # 1. Drift: the probe against a local snapshot-and-diff and a global full-parameter diff.
     local_pairs, global_pairs = [], []
     k = 3
     for t in range(k):
-        before_local = shard_values(snapshot_layers(te.layout, layers, pool))
-        before_full = all_full_fp32(te)
-        _, drift = train_step(te, batches(te, t, rank))
-        after_local = shard_values(snapshot_layers(te.layout, layers, pool))
-        after_full = all_full_fp32(te)
+        before_local = shard_values(snapshot_layers(train_engine.layout, layers, pool))
+        before_full = all_full_fp32(train_engine)
+        _, drift = train_step(train_engine, batches(train_engine, t, rank))
+        after_local = shard_values(snapshot_layers(train_engine.layout, layers, pool))
+        after_full = all_full_fp32(train_engine)
         for name in layers:
             ref = float((after_local[name]["fp32"] - before_local[name]["fp32"]).abs().double().sum())
             local_pairs.append((name, drift.l1[name], ref))
         reduced = global_drift(drift)
-        for layer in te.layer_map.layers:
+        for layer in train_engine.layer_map.layers:
             diff = sum(float((after_full[p.name] - before_full[p.name]).abs().double().sum()) for p in layer.params)
             global_pairs.append((layer.name, reduced[layer.name], diff / layer.numel))
     out["local_drift"], out["global_drift"] = local_pairs, global_pairs
 
     # 2. Round trip: snapshot at k, train n, restore, train the same n again.
-    snap = snapshot_layers(te.layout, layers, pool)
+    snap = snapshot_layers(train_engine.layout, layers, pool)
     snap_values = shard_values(snap)
-    loss_at_snap = eval_loss(te, probe_batch())
+    loss_at_snap = eval_loss(train_engine, probe_batch())
     n = 3
-    first = [train_step(te, batches(te, k + i, rank)) for i in range(n)]
-    current = snapshot_layers(te.layout, layers, pool)
+    first = [train_step(train_engine, batches(train_engine, k + i, rank)) for i in range(n)]
+    current = snapshot_layers(train_engine.layout, layers, pool)
     current_values = shard_values(current)
     pool.release(current[0])  # exercise reuse: the next same-sized snapshot takes this buffer back
-    restore_from_shards(te.layout, gather_shards(snap) if stage == 0 else snap)
-    seek_step(te, k)
-    out["loss_at_snapshot"] = (loss_at_snap, eval_loss(te, probe_batch()))
+    restore_from_shards(train_engine.layout, gather_shards(snap) if stage == 0 else snap)
+    seek_step(train_engine, k)
+    out["loss_at_snapshot"] = (loss_at_snap, eval_loss(train_engine, probe_batch()))
     out["restored_equals_snapshot"] = all(
-        same(v, snap_values[name]) for name, v in shard_values(snapshot_layers(te.layout, layers, pool)).items())
-    second = [train_step(te, batches(te, k + i, rank)) for i in range(n)]
-    out["losses"] = ([l for l, _ in first], [l for l, _ in second])
+        same(v, snap_values[name])
+        for name, v in shard_values(snapshot_layers(train_engine.layout, layers, pool)).items()
+    )
+    second = [train_step(train_engine, batches(train_engine, k + i, rank)) for i in range(n)]
+    out["losses"] = ([loss for loss, _ in first], [loss for loss, _ in second])
     out["drifts"] = ([dict(d.l1) for _, d in first], [dict(d.l1) for _, d in second])
     out["end_state_equal"] = all(
-        same(v, current_values[name]) for name, v in shard_values(snapshot_layers(te.layout, layers, pool)).items())
+        same(v, current_values[name])
+        for name, v in shard_values(snapshot_layers(train_engine.layout, layers, pool)).items()
+    )
 
     # 3. Mixed: restore only some layers from the older snapshot.
     chosen = [layers[0], layers[2]]
-    restore_from_shards(te.layout, [s for s in (gather_shards(snap) if stage == 0 else snap) if s.layer in chosen])
-    mixed = shard_values(snapshot_layers(te.layout, layers, pool))
-    out["mixed"] = {name: same(mixed[name], snap_values[name] if name in chosen else current_values[name]) for name in layers}
+    restore_from_shards(
+        train_engine.layout, [s for s in (gather_shards(snap) if stage == 0 else snap) if s.layer in chosen]
+    )
+    mixed = shard_values(snapshot_layers(train_engine.layout, layers, pool))
+    out["mixed"] = {
+        name: same(mixed[name], snap_values[name] if name in chosen else current_values[name]) for name in layers
+    }
     out["mixed_differs_from_current"] = {name: not same(mixed[name], current_values[name]) for name in chosen}
     out["pool_allocated_bytes"] = pool.allocated_bytes
-    out["needed_covers_layer"] = {name: sum(s.length for s in needed_slices(te.layout, name)) for name in layers}
-    shutdown(te)
+    out["needed_covers_layer"] = {
+        name: sum(s.length for s in needed_slices(train_engine.layout, name)) for name in layers
+    }
+    shutdown(train_engine)
     return out
 
 
@@ -148,12 +168,12 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
     from workers import ds_internals
     from workers.drift_adamw import DriftAdamW
 
-    te = make_engine(stage, precision)
-    train_step(te, batches(te, 0, rank))
-    engine, out = te.engine, {}
+    train_engine = make_engine(stage, precision)
+    train_step(train_engine, batches(train_engine, 0, rank))
+    engine, out = train_engine.engine, {}
     out["client_is_drift_adamw"] = isinstance(ds_internals.client_optimizer(engine), DriftAdamW)
     params = dict(engine.module.named_parameters())
-    names = [p.name for layer in te.layer_map.layers for p in layer.params]
+    names = [p.name for layer in train_engine.layer_map.layers for p in layer.params]
     target = names[1]  # a block matrix
     if stage == 0:
         pairs = ds_internals.zero0_master_pairs(engine)
@@ -167,24 +187,34 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
         out["refresh_reaches_model"] = torch.equal(params[target].detach(), hp.detach().to(params[target].dtype))
     else:
         coverage, values_ok = {}, True
-        flats = (ds_internals.zero12_flat_partitions if stage in (1, 2) else ds_internals.zero3_flat_partitions)(engine.optimizer)
+        flats = (ds_internals.zero12_flat_partitions if stage in (1, 2) else ds_internals.zero3_flat_partitions)(
+            engine.optimizer
+        )
         for name in names:
             p = params[name]
-            frag = (ds_internals.zero12_fragment(p) if stage in (1, 2) else ds_internals.zero3_fragment(engine.optimizer, p))
+            frag = (
+                ds_internals.zero12_fragment(p) if stage in (1, 2) else ds_internals.zero3_fragment(engine.optimizer, p)
+            )
             full = deepspeed.utils.safe_get_full_fp32_param(p).detach().view(-1)
             if frag is None or frag.length == 0:
                 coverage[name] = 0
                 continue
             mine = flats[frag.flat_index].narrow(0, frag.flat_start, frag.length)
-            values_ok &= torch.equal(mine, full[frag.param_offset:frag.param_offset + frag.length])
+            values_ok &= torch.equal(mine, full[frag.param_offset : frag.param_offset + frag.length])
             coverage[name] = frag.length
         out["coverage"] = coverage
         out["numel"] = {n: int(params[n].ds_numel if stage == 3 else params[n].numel()) for n in names}
         out["fragment_values_match_public_helper"] = bool(values_ok)
         if stage == 3:
             groups = ds_internals.zero3_sub_group_to_group(engine.optimizer)
-            out["sub_groups_cover_groups"] = sorted(set(groups.values())) == list(range(len(te.optimizer.param_groups)))
-        frag = ds_internals.zero12_fragment(params[target]) if stage in (1, 2) else ds_internals.zero3_fragment(engine.optimizer, params[target])
+            out["sub_groups_cover_groups"] = sorted(set(groups.values())) == list(
+                range(len(train_engine.optimizer.param_groups))
+            )
+        frag = (
+            ds_internals.zero12_fragment(params[target])
+            if stage in (1, 2)
+            else ds_internals.zero3_fragment(engine.optimizer, params[target])
+        )
         with torch.no_grad():
             if frag is not None and frag.length:
                 flats[frag.flat_index].narrow(0, frag.flat_start, frag.length).add_(1.0)
@@ -193,7 +223,7 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
         with deepspeed.zero.GatheredParameters([params[target]]):
             seen = params[target].detach().float().clone()
         out["refresh_reaches_model"] = torch.allclose(seen, expected.to(params[target].dtype).float())
-    shutdown(te)
+    shutdown(train_engine)
     return out
 
 
@@ -204,18 +234,24 @@ def save_snapshot_job(rank: int, world_size: int, stage: int, out_dir: str) -> d
 
     from safetensors.torch import save_file
 
-    te = make_engine(stage, "fp32")
+    train_engine = make_engine(stage, "fp32")
     for t in range(2):
-        train_step(te, batches(te, t, rank))
-    for shard in snapshot_layers(te.layout, list(te.layer_map.names), HostBufferPool()):
+        train_step(train_engine, batches(train_engine, t, rank))
+    for shard in snapshot_layers(train_engine.layout, list(train_engine.layer_map.names), HostBufferPool()):
         stem = Path(out_dir, f"{shard.layer}.rank{rank}")
         save_file({k: v.contiguous() for k, v in shard.tensors.items()}, f"{stem}.safetensors")
-        meta = {"layer": shard.layer, "step": shard.step, "rank": rank, "world_size": world_size,
-                "optimizer_step": shard.optimizer_step, "groups": list(shard.groups),
-                "slices": [[s.name, list(s.shape), s.offset, s.length] for s in shard.slices]}
+        meta = {
+            "layer": shard.layer,
+            "step": shard.step,
+            "rank": rank,
+            "world_size": world_size,
+            "optimizer_step": shard.optimizer_step,
+            "groups": list(shard.groups),
+            "slices": [[s.name, list(s.shape), s.offset, s.length] for s in shard.slices],
+        }
         Path(f"{stem}.json").write_text(json.dumps(meta))
-    loss = eval_loss(te, probe_batch())
-    shutdown(te)
+    loss = eval_loss(train_engine, probe_batch())
+    shutdown(train_engine)
     return {"loss": loss}
 
 
@@ -230,15 +266,24 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
     from workers.layer_state import ShardReader, metas_of, restore_layers
     from workers.shard import ParamSlice
 
-    te = make_engine(stage, "fp32")
+    train_engine = make_engine(stage, "fp32")
     shards = []
     for meta_path in sorted(Path(in_dir).glob("*.json")):
         meta = json.loads(meta_path.read_text())
         tensors = load_file(str(meta_path.with_suffix(".safetensors")))
         slices = tuple(ParamSlice(n, tuple(shape), o, length) for n, shape, o, length in meta["slices"])
-        shards.append(LayerShard(layer=meta["layer"], step=meta["step"], rank=meta["rank"], world_size=meta["world_size"],
-                                 slices=slices, tensors=tensors, optimizer_step=meta["optimizer_step"],
-                                 groups=tuple(meta["groups"])))
+        shards.append(
+            LayerShard(
+                layer=meta["layer"],
+                step=meta["step"],
+                rank=meta["rank"],
+                world_size=meta["world_size"],
+                slices=slices,
+                tensors=tensors,
+                optimizer_step=meta["optimizer_step"],
+                groups=tuple(meta["groups"]),
+            )
+        )
     reader = ShardReader(shards)
     requested: list[tuple[str, str, int, int]] = []
 
@@ -246,18 +291,25 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
         requested.append((name, key, offset, length))
         return reader(name, key, offset, length)
 
-    restore_layers(te.layout, metas_of(shards), read)
-    seek_step(te, shards[0].step)
-    needed = {(s.name, s.offset, s.length) for layer in te.layer_map.names for s in needed_slices(te.layout, layer)}
+    restore_layers(train_engine.layout, metas_of(shards), read)
+    seek_step(train_engine, shards[0].step)
+    needed = {
+        (s.name, s.offset, s.length)
+        for layer in train_engine.layer_map.names
+        for s in needed_slices(train_engine.layout, layer)
+    }
     state_ok = True
-    for shard in snapshot_layers(te.layout, list(te.layer_map.names), HostBufferPool()):
+    for shard in snapshot_layers(train_engine.layout, list(train_engine.layer_map.names), HostBufferPool()):
         for i, s in enumerate(shard.slices):
             for key in STATE_KEYS:
                 state_ok &= torch.equal(shard.view(key, i), reader(s.name, key, s.offset, s.length))
         state_ok &= shard.optimizer_step == shards[0].optimizer_step
-    out = {"loss": eval_loss(te, probe_batch()), "state_equals_files": bool(state_ok),
-           "read_only_needed": {(n, o, length) for n, _, o, length in requested} == needed,
-           "step": te.step}
-    train_step(te, batches(te, 2, rank))  # and training carries on from the restored state
-    shutdown(te)
+    out = {
+        "loss": eval_loss(train_engine, probe_batch()),
+        "state_equals_files": bool(state_ok),
+        "read_only_needed": {(n, o, length) for n, _, o, length in requested} == needed,
+        "step": train_engine.step,
+    }
+    train_step(train_engine, batches(train_engine, 2, rank))  # and training carries on from the restored state
+    shutdown(train_engine)
     return out

@@ -48,13 +48,16 @@ def attach_engine(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_p
     :class:`~workers.optim_state.UnsupportedOptimizerError` for a non-Adam optimizer."""
     engine = unwrap_engine(engine)
     if ds_internals.client_optimizer(engine) is None:
-        raise ValueError("the engine has no optimizer: pass one to deepspeed.initialize or name one in the "
-                         "DeepSpeed config (\"optimizer\": {\"type\": \"AdamW\", ...})")
+        raise ValueError(
+            "the engine has no optimizer: pass one to deepspeed.initialize or name one in the "
+            'DeepSpeed config ("optimizer": {"type": "AdamW", ...})'
+        )
     layers = model_layer_map(engine.module, layer_map)
     layout = build_layout(engine, layers)
     probe = probe_for(layout, drift_probe)
-    logger.info("attached to a ZeRO-%d engine: %d layers, %s probe", layout.stage, len(layers.layers),
-                type(probe).__name__)
+    logger.info(
+        "attached to a ZeRO-%d engine: %d layers, %s probe", layout.stage, len(layers.layers), type(probe).__name__
+    )
     return AttachedEngine(engine=engine, layer_map=layers, layout=layout, probe=probe)
 
 

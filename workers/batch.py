@@ -26,8 +26,10 @@ class Batch:
 
     def __post_init__(self) -> None:
         if not (self.input_ids.shape == self.labels.shape == self.attention_mask.shape):
-            raise ValueError(f"Batch: input_ids {tuple(self.input_ids.shape)}, labels {tuple(self.labels.shape)} "
-                             f"and attention_mask {tuple(self.attention_mask.shape)} must have one shape")
+            raise ValueError(
+                f"Batch: input_ids {tuple(self.input_ids.shape)}, labels {tuple(self.labels.shape)} "
+                f"and attention_mask {tuple(self.attention_mask.shape)} must have one shape"
+            )
 
     def to(self, device: torch.device) -> Batch:
         return Batch(self.input_ids.to(device), self.labels.to(device), self.attention_mask.to(device))

@@ -49,8 +49,12 @@ class ModelConfig:
         if self.hf_config is not None:
             require("model_type" in self.hf_config, "hf_config", "a dict with 'model_type'", self.hf_config)
         require(self.seed >= 0, "seed", "a non-negative integer", self.seed)
-        require(isinstance(self.freeze, tuple) and all(isinstance(p, str) and p.strip() for p in self.freeze),
-                "freeze", "a list of non-empty layer names or glob patterns", self.freeze)
+        require(
+            isinstance(self.freeze, tuple) and all(isinstance(p, str) and p.strip() for p in self.freeze),
+            "freeze",
+            "a list of non-empty layer names or glob patterns",
+            self.freeze,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,14 +88,18 @@ class OptimConfig:
         require(math.isfinite(self.lr) and self.lr > 0, "lr", "a positive finite number", self.lr)
         require(
             len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
-            "betas", "two numbers in [0, 1)", self.betas,
+            "betas",
+            "two numbers in [0, 1)",
+            self.betas,
         )
         require(self.eps > 0, "eps", "positive", self.eps)
         require(self.weight_decay >= 0, "weight_decay", "non-negative", self.weight_decay)
         require(self.warmup_steps >= 0, "warmup_steps", "non-negative", self.warmup_steps)
         require(
             self.total_steps >= self.warmup_steps,
-            "total_steps", f"at least warmup_steps ({self.warmup_steps})", self.total_steps,
+            "total_steps",
+            f"at least warmup_steps ({self.warmup_steps})",
+            self.total_steps,
         )
         require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         require(self.schedule in SCHEDULES, "schedule", f"one of {SCHEDULES}", self.schedule)

@@ -64,8 +64,12 @@ class DataConfig:
         require(self.seq_len >= 2, "seq_len", ">= 2", self.seq_len)
         if self.format == "sft":
             require(bool(self.path), "path", "a JSONL file when format = 'sft'", self.path)
-            require(self.tokenizer != "bytes", "tokenizer",
-                    "a local Hugging Face tokenizer directory when format = 'sft'", self.tokenizer)
+            require(
+                self.tokenizer != "bytes",
+                "tokenizer",
+                "a local Hugging Face tokenizer directory when format = 'sft'",
+                self.tokenizer,
+            )
         elif self.packing:
             logger.warning("data.packing: ignored for format = %r (text windows are always full)", self.format)
 
@@ -87,8 +91,9 @@ class TrainData(Protocol):
     count: int
     """Rows in one epoch."""
 
-    def micro_batch(self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
-                    grad_accum: int) -> MicroBatch:
+    def micro_batch(
+        self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
+    ) -> MicroBatch:
         """What rank ``rank`` trains on in micro-step ``micro`` of optimizer step ``step``."""
 
 
@@ -105,8 +110,7 @@ class DataSummary:
     def describe(self) -> str:
         text = f"{self.format} data: {self.rows} rows, tokenizer vocabulary {self.vocab_size}"
         if self.fit is not None:
-            text += (f", {self.fit.examples} examples ({self.fit.truncated} cut to seq_len, "
-                     f"{self.fit.dropped} dropped)")
+            text += f", {self.fit.examples} examples ({self.fit.truncated} cut to seq_len, {self.fit.dropped} dropped)"
         return text
 
 
@@ -142,12 +146,14 @@ class SequenceDataset:
         """The ``index``-th sequence of the endless shuffled stream."""
         return self.sequences[self.order(index)]
 
-    def micro_batch(self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
-                    grad_accum: int) -> torch.Tensor:
+    def micro_batch(
+        self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
+    ) -> torch.Tensor:
         """The ``[micro_batch, seq_len]`` input ids rank ``rank`` trains on in micro-step ``micro``
         of optimizer step ``step`` (steps count from 1)."""
-        first = first_index(step=step, micro=micro, rank=rank, world_size=world_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum)
+        first = first_index(
+            step=step, micro=micro, rank=rank, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum
+        )
         return torch.stack([self.sample(first + i) for i in range(micro_batch)])
 
 
@@ -159,10 +165,17 @@ def load_data(config: DataConfig) -> tuple[TrainData, DataSummary]:
     if config.format == "text":
         dataset = SequenceDataset(tokenize(config, tokenizer), seq_len=config.seq_len, seed=config.seed)
         return dataset, DataSummary(format="text", rows=dataset.count, vocab_size=vocab)
-    rows = build_rows(config.resolved_path(), tokenizer, tokenizer_name=config.tokenizer, seq_len=config.seq_len,
-                      packing=config.packing, seed=config.seed)
-    summary = DataSummary(format="sft (packed)" if config.packing else "sft", rows=rows.count, vocab_size=vocab,
-                          fit=rows.fit)
+    rows = build_rows(
+        config.resolved_path(),
+        tokenizer,
+        tokenizer_name=config.tokenizer,
+        seq_len=config.seq_len,
+        packing=config.packing,
+        seed=config.seed,
+    )
+    summary = DataSummary(
+        format="sft (packed)" if config.packing else "sft", rows=rows.count, vocab_size=vocab, fit=rows.fit
+    )
     return SftDataset(rows, seed=config.seed), summary
 
 

@@ -28,8 +28,10 @@ class SnapshotDiffProbe:
     def __init__(self, layout: StateLayout) -> None:
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
-        self._views = {name: [state_view(layout.optimizer, p, "fp32") for p in layer.owned]
-                       for name, layer in layout.layers.items()}
+        self._views = {
+            name: [state_view(layout.optimizer, p, "fp32") for p in layer.owned]
+            for name, layer in layout.layers.items()
+        }
         self._previous = {name: [v.detach().clone() for v in views] for name, views in self._views.items()}
         firsts = [v for views in self._views.values() for v in views[:1]]
         self._device = firsts[0].device if firsts else torch.device("cpu")
@@ -74,10 +76,13 @@ def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotD
         raise ValueError(f"drift_probe: must be one of {PROBES}, got {kind!r}")
     aligned = isinstance(layout.optimizer, DriftAdamW) and all(
         len(layer.groups) == 0 or all(g.get("layer") == name for g in layer.groups)
-        for name, layer in layout.layers.items())
+        for name, layer in layout.layers.items()
+    )
     if kind == "optimizer" and not aligned:
-        raise ValueError("drift_probe='optimizer' needs the engine to step DriftAdamW over layer-aligned param "
-                         f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'")
+        raise ValueError(
+            "drift_probe='optimizer' needs the engine to step DriftAdamW over layer-aligned param "
+            f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'"
+        )
     if kind == "snapshot_diff" or not aligned:
         return SnapshotDiffProbe(layout)
     return DriftProbe(layout)

@@ -53,10 +53,12 @@ def check_deepspeed_version(version: str) -> None:
     the same message as an error and go on."""
     if deepspeed_is_verified(version):
         return
-    message = (f"DeepSpeed {version} is outside the range LayerCheck's use of its private API "
-               f"(workers/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
-               f"(pip install 'deepspeed{VERIFIED_DEEPSPEED}') or, to try this release, run "
-               f"tests/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1")
+    message = (
+        f"DeepSpeed {version} is outside the range LayerCheck's use of its private API "
+        f"(workers/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
+        f"(pip install 'deepspeed{VERIFIED_DEEPSPEED}') or, to try this release, run "
+        f"tests/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1"
+    )
     if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         logger.error("%s (going on: %s=1)", message, ALLOW_UNVERIFIED_ENV)
         return

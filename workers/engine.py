@@ -53,8 +53,7 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
 
     torch.manual_seed(cfg.seed)
     if cfg.path is not None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32,
-                                                                  local_files_only=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.path, dtype=torch.float32, local_files_only=True)
     else:
         hf = dict(cfg.hf_config or {})
         model_type = hf.pop("model_type")
@@ -87,19 +86,23 @@ def param_groups(model: torch.nn.Module, layer_map: LayerMap, cfg: OptimConfig) 
     groups: list[dict[str, Any]] = []
     for layer in layer_map.layers:
         scale = lr_scale(layer.name, num_blocks, cfg.layer_lr_decay)
-        for kind, infos, decay in (("decay", layer.decay_params, cfg.weight_decay),
-                                   ("no_decay", layer.no_decay_params, 0.0)):
+        for kind, infos, decay in (
+            ("decay", layer.decay_params, cfg.weight_decay),
+            ("no_decay", layer.no_decay_params, 0.0),
+        ):
             if infos:
-                groups.append({
-                    "params": [params[p.name] for p in infos],
-                    "name": f"{layer.name}/{kind}",
-                    "layer": layer.name,
-                    "lr": cfg.lr * scale,
-                    "lr_scale": scale,
-                    "betas": tuple(cfg.betas),
-                    "eps": cfg.eps,
-                    "weight_decay": decay,
-                })
+                groups.append(
+                    {
+                        "params": [params[p.name] for p in infos],
+                        "name": f"{layer.name}/{kind}",
+                        "layer": layer.name,
+                        "lr": cfg.lr * scale,
+                        "lr_scale": scale,
+                        "betas": tuple(cfg.betas),
+                        "eps": cfg.eps,
+                        "weight_decay": decay,
+                    }
+                )
     return groups
 
 
@@ -141,8 +144,13 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Eng
     ds_internals.check_deepspeed_version(deepspeed.__version__)
     model = build_model(model_cfg)
     layer_map = layer_map_of(model)
-    optimizer = DriftAdamW(param_groups(model, layer_map, optim_cfg), lr=optim_cfg.lr, betas=optim_cfg.betas,
-                           eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay)
+    optimizer = DriftAdamW(
+        param_groups(model, layer_map, optim_cfg),
+        lr=optim_cfg.lr,
+        betas=optim_cfg.betas,
+        eps=optim_cfg.eps,
+        weight_decay=optim_cfg.weight_decay,
+    )
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -151,10 +159,23 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Eng
     )
     _undo_zero0_init_step(engine, optimizer)
     layout = build_layout(engine, layer_map)
-    logger.info("engine built: ZeRO-%d %s, %d layers, %d param groups", engine_cfg.zero_stage,
-                engine_cfg.precision, len(layer_map.layers), len(optimizer.param_groups))
-    return TrainEngine(engine=engine, layer_map=layer_map, optimizer=optimizer, layout=layout,
-                       probe=DriftProbe(layout), model_cfg=model_cfg, optim_cfg=optim_cfg, engine_cfg=engine_cfg)
+    logger.info(
+        "engine built: ZeRO-%d %s, %d layers, %d param groups",
+        engine_cfg.zero_stage,
+        engine_cfg.precision,
+        len(layer_map.layers),
+        len(optimizer.param_groups),
+    )
+    return TrainEngine(
+        engine=engine,
+        layer_map=layer_map,
+        optimizer=optimizer,
+        layout=layout,
+        probe=DriftProbe(layout),
+        model_cfg=model_cfg,
+        optim_cfg=optim_cfg,
+        engine_cfg=engine_cfg,
+    )
 
 
 def _undo_zero0_init_step(engine: Any, optimizer: DriftAdamW) -> None:
@@ -165,22 +186,28 @@ def _undo_zero0_init_step(engine: Any, optimizer: DriftAdamW) -> None:
     then no longer match the model. Copy the masters back from the model, drop that state and
     discard the drift it produced, so every stage starts from step 0 with the same weights.
     """
-    pairs = [(lp, hp) for lp, hp in ds_internals.zero0_master_pairs(engine) if lp is not hp] \
-        if engine.zero_optimization_stage() == 0 else []
+    pairs = (
+        [(lp, hp) for lp, hp in ds_internals.zero0_master_pairs(engine) if lp is not hp]
+        if engine.zero_optimization_stage() == 0
+        else []
+    )
     with torch.no_grad():
         for lp, hp in pairs:
             hp.copy_(lp.float())
             optimizer.state.pop(hp, None)
     optimizer.take_drift()
     if pairs:
-        logger.info("undid DeepSpeed's init-time optimizer step on %d fp32 masters (ZeRO-0 %s)",
-                    len(pairs), engine.optimizer.__class__.__name__)
+        logger.info(
+            "undid DeepSpeed's init-time optimizer step on %d fp32 masters (ZeRO-0 %s)",
+            len(pairs),
+            engine.optimizer.__class__.__name__,
+        )
 
 
-def seek_step(te: TrainEngine, step: int) -> None:
+def seek_step(train_engine: TrainEngine, step: int) -> None:
     """Make the engine continue as if ``step`` optimizer steps had been taken: DeepSpeed's
     counters and the learning-rate schedule. Weights and moments are not touched."""
-    engine = te.engine
+    engine = train_engine.engine
     engine.global_steps = step
     engine.global_samples = step * engine.train_batch_size()
     engine.micro_steps = step * engine.gradient_accumulation_steps()
@@ -188,8 +215,8 @@ def seek_step(te: TrainEngine, step: int) -> None:
     logger.info("engine moved to step %d (lr %.3g)", step, engine.lr_scheduler.get_last_lr()[0])
 
 
-def shutdown(te: TrainEngine) -> None:
+def shutdown(train_engine: TrainEngine) -> None:
     """Release the engine and leave the process group (avoids a ZeRO-3 abort at exit)."""
-    te.engine.destroy()
+    train_engine.engine.destroy()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

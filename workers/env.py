@@ -41,8 +41,13 @@ def prepare_environment() -> None:
         logger.info("no CUDA device: DS_ACCELERATOR=cpu (gloo backend)")
     if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
         port = free_port()
-        for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                           ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        for key, value in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", str(port)),
+        ):
             os.environ.setdefault(key, value)
         logger.info("no distributed environment: running as a single rank (port %d)", port)
 
@@ -55,8 +60,9 @@ STALE_LOCK_S = 600.0
 def extension_locks(root: str | None = None) -> list[str]:
     """The lock files of DeepSpeed's JIT-built ops in torch's extension cache."""
     root = root or os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.expanduser("~/.cache/torch_extensions")
-    return sorted(glob.glob(os.path.join(root, "*", "deepspeed_*", "lock")) + glob.glob(
-        os.path.join(root, "deepspeed_*", "lock")))
+    return sorted(
+        glob.glob(os.path.join(root, "*", "deepspeed_*", "lock")) + glob.glob(os.path.join(root, "deepspeed_*", "lock"))
+    )
 
 
 def _builders(build_dir: str) -> list[int]:
@@ -84,9 +90,14 @@ def check_build_locks(root: str | None = None, *, now: float | None = None, stal
         if age >= stale_s and not _builders(os.path.dirname(lock)):
             raise RuntimeError(
                 f"stale DeepSpeed build lock {lock} ({age / 60:.0f} min old, no build running): a build was "
-                f"killed while it held it, and every start would wait on it forever. Delete it: rm {lock}")
-        logger.warning("DeepSpeed's JIT build lock %s exists (%.0f s old): waiting for that build; if none is "
-                       "running (a killed build leaves it), delete the file", lock, age)
+                f"killed while it held it, and every start would wait on it forever. Delete it: rm {lock}"
+            )
+        logger.warning(
+            "DeepSpeed's JIT build lock %s exists (%.0f s old): waiting for that build; if none is "
+            "running (a killed build leaves it), delete the file",
+            lock,
+            age,
+        )
 
 
 def init_distributed() -> None:

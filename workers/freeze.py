@@ -46,8 +46,13 @@ def apply_freeze(model: torch.nn.Module, patterns: Sequence[str]) -> tuple[str, 
     for name in frozen:
         for info in full[name].params:
             params[info.name].requires_grad_(False)
-    logger.info("froze %d layer(s) (%d parameters) for model.freeze=%s: %s", len(frozen),
-                sum(full[n].numel for n in frozen), list(patterns), list(frozen))
+    logger.info(
+        "froze %d layer(s) (%d parameters) for model.freeze=%s: %s",
+        len(frozen),
+        sum(full[n].numel for n in frozen),
+        list(patterns),
+        list(frozen),
+    )
     return frozen
 
 
@@ -58,7 +63,7 @@ def lr_scale(layer: str, num_blocks: int, decay: float) -> float:
     if decay == 1.0:
         return 1.0
     if layer == EMBED:
-        return decay ** num_blocks
+        return decay**num_blocks
     if layer.startswith("block."):
         return decay ** (num_blocks - 1 - int(layer.split(".", 1)[1]))
     return 1.0

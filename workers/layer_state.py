@@ -94,11 +94,18 @@ def snapshot_layers(
         entry = layout[name]
         tensors = {key: _copy_out(layout, entry, key, pool) for key in STATE_KEYS}
         on_device = on_device or any(p.master.is_cuda for p in entry.owned)
-        shards.append(LayerShard(
-            layer=name, step=step, rank=layout.rank, world_size=layout.world_size,
-            slices=tuple(p.slice for p in entry.owned), tensors=tensors,
-            optimizer_step=optimizer_step_of(layout, name), groups=group_metadata(layout, name),
-        ))
+        shards.append(
+            LayerShard(
+                layer=name,
+                step=step,
+                rank=layout.rank,
+                world_size=layout.world_size,
+                slices=tuple(p.slice for p in entry.owned),
+                tensors=tensors,
+                optimizer_step=optimizer_step_of(layout, name),
+                groups=group_metadata(layout, name),
+            )
+        )
     if on_device:
         torch.cuda.current_stream().synchronize()
     logger.debug("snapshot of %d layers at step %d", len(shards), step)
@@ -158,8 +165,9 @@ def _restore_hyperparameters(layout: StateLayout, entry: LayerLayout, groups: Se
             if key in source:
                 value = tuple(source[key]) if isinstance(group.get(key), tuple) else source[key]
                 if group.get(key) != value:
-                    logger.info("group %s: %s %s -> %s (restored)", group.get("name", index),
-                                key, group.get(key), value)
+                    logger.info(
+                        "group %s: %s %s -> %s (restored)", group.get("name", index), key, group.get(key), value
+                    )
                 group[key] = value
 
 
@@ -196,7 +204,10 @@ def metas_of(shards: Iterable[LayerShard]) -> dict[str, LayerMeta]:
     steps: dict[str, int] = {}
     for shard in shards:
         meta = LayerMeta(optimizer_step=shard.optimizer_step, groups=shard.groups)
-        if shard.layer in metas and (steps[shard.layer], metas[shard.layer].optimizer_step) != (shard.step, meta.optimizer_step):
+        if shard.layer in metas and (steps[shard.layer], metas[shard.layer].optimizer_step) != (
+            shard.step,
+            meta.optimizer_step,
+        ):
             raise ValueError(f"shards of layer {shard.layer!r} come from different steps")
         metas.setdefault(shard.layer, meta)
         steps.setdefault(shard.layer, shard.step)

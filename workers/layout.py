@@ -125,17 +125,34 @@ def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
         owned, needed, masters = pieces[layer.name]
         indices = sorted({group_of[p.name] for p in layer.params})
         layers[layer.name] = LayerLayout(
-            name=layer.name, owned=owned, needed=needed, masters=masters,
+            name=layer.name,
+            owned=owned,
+            needed=needed,
+            masters=masters,
             groups=tuple(optimizer.param_groups[i] for i in indices),
             group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
             group_indices=tuple(indices),
         )
         for master in masters:
             optim_state.init_state(optimizer, master)  # restore into a fresh engine needs moments to write into
-    logger.info("state layout: ZeRO-%d, rank %d of %d, %d layers over %d param groups (%s)", stage, rank,
-                world_size, len(layers), len(optimizer.param_groups), type(optimizer).__name__)
-    return StateLayout(stage=stage, rank=rank, world_size=world_size, layers=layers, layer_map=layer_map,
-                       engine=engine, optimizer=optimizer)
+    logger.info(
+        "state layout: ZeRO-%d, rank %d of %d, %d layers over %d param groups (%s)",
+        stage,
+        rank,
+        world_size,
+        len(layers),
+        len(optimizer.param_groups),
+        type(optimizer).__name__,
+    )
+    return StateLayout(
+        stage=stage,
+        rank=rank,
+        world_size=world_size,
+        layers=layers,
+        layer_map=layer_map,
+        engine=engine,
+        optimizer=optimizer,
+    )
 
 
 _Pieces = dict[str, tuple[tuple[Piece, ...], tuple[Piece, ...], tuple[torch.Tensor, ...]]]
@@ -145,11 +162,15 @@ def _group_of_param(engine: Any, stage: int, params: Mapping[str, torch.nn.Param
     """Per model parameter name, the index of the client param group that holds it."""
     if stage == 0:
         master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
-        index_of = {id(p): i for i, g in enumerate(ds_internals.client_optimizer(engine).param_groups)
-                    for p in g["params"]}
+        index_of = {
+            id(p): i for i, g in enumerate(ds_internals.client_optimizer(engine).param_groups) for p in g["params"]
+        }
         return {name: index_of[id(master_of[id(p)])] for name, p in params.items() if id(p) in master_of}
-    groups = (ds_internals.zero12_param_groups(engine.optimizer) if stage in (1, 2)
-              else ds_internals.zero3_param_groups(engine.optimizer))
+    groups = (
+        ds_internals.zero12_param_groups(engine.optimizer)
+        if stage in (1, 2)
+        else ds_internals.zero3_param_groups(engine.optimizer)
+    )
     index_of = {id(p): i for i, group in enumerate(groups) for p in group}
     return {name: index_of[id(p)] for name, p in params.items() if id(p) in index_of}
 
@@ -161,8 +182,9 @@ def _unique(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(seen.values())
 
 
-def _zero0_pieces(engine: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter],
-                  rank: int, world_size: int) -> _Pieces:
+def _zero0_pieces(
+    engine: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], rank: int, world_size: int
+) -> _Pieces:
     master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
     out: _Pieces = {}
     for layer in layer_map.layers:
@@ -178,8 +200,9 @@ def _zero0_pieces(engine: Any, layer_map: LayerMap, params: Mapping[str, torch.n
     return out
 
 
-def _zero12_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter],
-                   group_of: Mapping[str, int]) -> _Pieces:
+def _zero12_pieces(
+    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
+) -> _Pieces:
     flats = ds_internals.zero12_flat_partitions(zero_optimizer)  # one per param group, same order
     out: _Pieces = {}
     for layer in layer_map.layers:
@@ -187,15 +210,21 @@ def _zero12_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str
         for info in layer.params:
             fragment = ds_internals.zero12_fragment(params[info.name])
             if fragment is not None:
-                owned.append(Piece(ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
-                                   flats[fragment.flat_index], fragment.flat_start))
+                owned.append(
+                    Piece(
+                        ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
+                        flats[fragment.flat_index],
+                        fragment.flat_start,
+                    )
+                )
         masters = _unique([flats[i] for i in sorted({group_of[p.name] for p in layer.params})])
         out[layer.name] = (tuple(owned), tuple(owned), masters)
     return out
 
 
-def _zero3_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter],
-                  group_of: Mapping[str, int]) -> _Pieces:
+def _zero3_pieces(
+    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
+) -> _Pieces:
     flats = ds_internals.zero3_flat_partitions(zero_optimizer)  # one per sub-group
     group_of_sub = ds_internals.zero3_sub_group_to_group(zero_optimizer)
     out: _Pieces = {}
@@ -204,8 +233,13 @@ def _zero3_pieces(zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str,
         for info in layer.params:
             fragment = ds_internals.zero3_fragment(zero_optimizer, params[info.name])
             if fragment.length:
-                owned.append(Piece(ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
-                                   flats[fragment.flat_index], fragment.flat_start))
+                owned.append(
+                    Piece(
+                        ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
+                        flats[fragment.flat_index],
+                        fragment.flat_start,
+                    )
+                )
         mine = {group_of[p.name] for p in layer.params}
         masters = _unique([flats[s] for s, g in sorted(group_of_sub.items()) if g in mine])
         out[layer.name] = (tuple(owned), tuple(owned), masters)

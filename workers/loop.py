@@ -49,8 +49,9 @@ class Coordinator(Protocol):
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         """Hand the snapshots over; the shards' buffers may be reused once this returns."""
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
-                 coordination_s: float) -> None:
+    def progress(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
+    ) -> None:
         """Rank 0's per-step report to the run's central view."""
 
     # Optional: ``stop_requested() -> bool``, true once the last decision carried a stop request.
@@ -93,8 +94,14 @@ class StepProtocol:
         result.losses[step] = loss
         result.stall_s += stall_s
         if self.rank == 0:
-            self.coordinator.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
-                                      coordination_s=result.coordination_s - coordination_before)
+            self.coordinator.progress(
+                step=step,
+                loss=loss,
+                lr=lr,
+                compute_s=compute_s,
+                stall_s=stall_s,
+                coordination_s=result.coordination_s - coordination_before,
+            )
         return stall_s
 
     def stop_requested(self) -> bool:
@@ -142,7 +149,7 @@ class StepProtocol:
 
 
 def run_loop(
-    te: TrainEngine,
+    train_engine: TrainEngine,
     dataset: SequenceDataset,
     coordinator: Coordinator,
     *,
@@ -155,16 +162,25 @@ def run_loop(
 ) -> LoopResult:
     """Train steps ``start_step..end_step`` (inclusive, counted from 1), fewer if the run asks
     to stop; ``save_final``: the last step's state of every layer is handed over at the end."""
-    protocol = StepProtocol(te.layout, coordinator, rank=rank)
-    engine_cfg = te.engine_cfg
+    protocol = StepProtocol(train_engine.layout, coordinator, rank=rank)
+    engine_cfg = train_engine.engine_cfg
     for step in range(start_step, end_step + 1):
         started = time.monotonic()
-        batches = [dataset.micro_batch(step=step, micro=m, rank=rank, world_size=world_size,
-                                       micro_batch=engine_cfg.micro_batch, grad_accum=engine_cfg.grad_accum)
-                   for m in range(engine_cfg.grad_accum)]
-        loss, drift = train_step(te, batches)
-        protocol.after_step(step, drift, loss=loss, lr=lr_at(step - 1, te.optim_cfg),
-                            compute_s=time.monotonic() - started)
+        batches = [
+            dataset.micro_batch(
+                step=step,
+                micro=m,
+                rank=rank,
+                world_size=world_size,
+                micro_batch=engine_cfg.micro_batch,
+                grad_accum=engine_cfg.grad_accum,
+            )
+            for m in range(engine_cfg.grad_accum)
+        ]
+        loss, drift = train_step(train_engine, batches)
+        protocol.after_step(
+            step, drift, loss=loss, lr=lr_at(step - 1, train_engine.optim_cfg), compute_s=time.monotonic() - started
+        )
         after_step(step)
         if protocol.stop_requested():
             logger.warning("rank %d: stopping after step %d, as the run asked", rank, step)

@@ -31,10 +31,13 @@ def check_supported(optimizer: Any) -> None:
         raise UnsupportedOptimizerError(
             f"LayerCheck cannot checkpoint the optimizer {type(optimizer).__module__}.{type(optimizer).__name__}: "
             f"a layer state is Adam's (exp_avg, exp_avg_sq, step); supported are {', '.join(SUPPORTED_OPTIMIZERS)} "
-            "(in a DeepSpeed config: \"optimizer\": {\"type\": \"AdamW\"} or \"Adam\", or a torch.optim.AdamW you pass "
-            "to deepspeed.initialize)")
+            '(in a DeepSpeed config: "optimizer": {"type": "AdamW"} or "Adam", or a torch.optim.AdamW you pass '
+            "to deepspeed.initialize)"
+        )
     if any(group.get("amsgrad") for group in optimizer.param_groups):
-        raise UnsupportedOptimizerError("LayerCheck does not support amsgrad=True (its max_exp_avg_sq is not persisted)")
+        raise UnsupportedOptimizerError(
+            "LayerCheck does not support amsgrad=True (its max_exp_avg_sq is not persisted)"
+        )
 
 
 def init_state(optimizer: Any, master: torch.Tensor) -> dict[str, Any]:

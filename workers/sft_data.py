@@ -65,11 +65,19 @@ def fit_to_length(examples: Sequence[Encoded], seq_len: int) -> tuple[list[Encod
     report = FitReport(examples=len(examples), truncated=truncated, dropped=len(examples) - len(kept))
     if not kept:
         shortest = min(_answer_start(e) for e in examples) + 1
-        raise DataError(f"data.seq_len: {seq_len} is too short: all {len(examples)} examples were dropped, every "
-                        f"answer starts past token {seq_len} (the shortest prompt+answer needs seq_len >= {shortest})")
+        raise DataError(
+            f"data.seq_len: {seq_len} is too short: all {len(examples)} examples were dropped, every "
+            f"answer starts past token {seq_len} (the shortest prompt+answer needs seq_len >= {shortest})"
+        )
     if report.truncated or report.dropped:
-        logger.warning("data: %d of %d examples are longer than seq_len=%d and were cut to it; %d of them kept no "
-                       "answer token and were dropped", report.truncated, report.examples, seq_len, report.dropped)
+        logger.warning(
+            "data: %d of %d examples are longer than seq_len=%d and were cut to it; %d of them kept no "
+            "answer token and were dropped",
+            report.truncated,
+            report.examples,
+            seq_len,
+            report.dropped,
+        )
     return kept, report
 
 
@@ -78,9 +86,11 @@ def _answer_start(example: Encoded) -> int:
 
 
 def _empty_rows(count: int, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (torch.full((count, seq_len), pad_id, dtype=torch.int64),
-            torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int64),
-            torch.zeros((count, seq_len), dtype=torch.int64))
+    return (
+        torch.full((count, seq_len), pad_id, dtype=torch.int64),
+        torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int64),
+        torch.zeros((count, seq_len), dtype=torch.int64),
+    )
 
 
 def _place(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row: int, start: int, example: Encoded) -> None:
@@ -129,8 +139,10 @@ def load_tokenizer(name: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(name, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise DataError(f"data.tokenizer: cannot load a tokenizer from {name!r} (a local Hugging Face tokenizer "
-                        f"directory; nothing is downloaded): {exc}") from None
+        raise DataError(
+            f"data.tokenizer: cannot load a tokenizer from {name!r} (a local Hugging Face tokenizer "
+            f"directory; nothing is downloaded): {exc}"
+        ) from None
 
 
 def pad_id_of(tokenizer: Any) -> int:
@@ -146,8 +158,11 @@ def build_rows(path: Path, tokenizer: Any, *, tokenizer_name: str, seq_len: int,
     records = read_records(path)
     check_chat_template(tokenizer, records, tokenizer_name)
     examples, fit = fit_to_length([encode(tokenizer, record, path) for record in records], seq_len)
-    layout = (pack_rows(examples, seq_len=seq_len, pad_id=pad_id_of(tokenizer), seed=seed) if packing
-              else pad_rows(examples, seq_len=seq_len, pad_id=pad_id_of(tokenizer)))
+    layout = (
+        pack_rows(examples, seq_len=seq_len, pad_id=pad_id_of(tokenizer), seed=seed)
+        if packing
+        else pad_rows(examples, seq_len=seq_len, pad_id=pad_id_of(tokenizer))
+    )
     return SftRows(*layout, fit=fit)
 
 
@@ -159,11 +174,13 @@ class SftDataset:
         self.count = rows.count
         self.order = EpochOrder(self.count, seed)
 
-    def micro_batch(self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int,
-                    grad_accum: int) -> Batch:
+    def micro_batch(
+        self, *, step: int, micro: int, rank: int, world_size: int, micro_batch: int, grad_accum: int
+    ) -> Batch:
         """The rows rank ``rank`` trains on in micro-step ``micro`` of optimizer step ``step``
         (steps count from 1)."""
-        first = first_index(step=step, micro=micro, rank=rank, world_size=world_size, micro_batch=micro_batch,
-                            grad_accum=grad_accum)
+        first = first_index(
+            step=step, micro=micro, rank=rank, world_size=world_size, micro_batch=micro_batch, grad_accum=grad_accum
+        )
         index = torch.tensor([self.order(first + i) for i in range(micro_batch)])
         return Batch(self.rows.input_ids[index], self.rows.labels[index], self.rows.attention_mask[index])

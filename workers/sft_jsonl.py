@@ -94,16 +94,18 @@ def _parse(path: Path, line: int, text: str) -> Record:
         if not completion:
             raise DataError(f"data.path: {where}: 'completion' is empty (nothing to train on)")
         return Record(line=line, prompt=prompt, completion=completion)
-    raise DataError(f"data.path: {where}: expected keys 'prompt' and 'completion', or 'messages'; "
-                    f"got {sorted(row)}")
+    raise DataError(f"data.path: {where}: expected keys 'prompt' and 'completion', or 'messages'; got {sorted(row)}")
 
 
 def _messages(where: str, messages: Any) -> tuple[dict[str, str], ...]:
     if not isinstance(messages, list) or not messages:
         raise DataError(f"data.path: {where}: 'messages' must be a non-empty list")
     for i, message in enumerate(messages):
-        if (not isinstance(message, dict) or not isinstance(message.get("role"), str)
-                or not isinstance(message.get("content"), str)):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise DataError(f"data.path: {where}: messages[{i}] must be an object with string 'role' and 'content'")
     if not any(m["role"] == ASSISTANT for m in messages):
         raise DataError(f"data.path: {where}: no message has role 'assistant' (nothing to train on)")
@@ -114,9 +116,11 @@ def check_chat_template(tokenizer: Any, records: Sequence[Record], tokenizer_nam
     """Chats need a chat template: say so before tokenizing anything."""
     chats = [r.line for r in records if r.is_chat]
     if chats and not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"data.tokenizer: {tokenizer_name} has no chat_template, but {len(chats)} example(s) are "
-                        f"chats (first at line {chats[0]}); use a tokenizer with a chat template or "
-                        f"prompt/completion lines")
+        raise DataError(
+            f"data.tokenizer: {tokenizer_name} has no chat_template, but {len(chats)} example(s) are "
+            f"chats (first at line {chats[0]}); use a tokenizer with a chat template or "
+            f"prompt/completion lines"
+        )
 
 
 def encode(tokenizer: Any, record: Record, path: Path) -> Encoded:
@@ -146,8 +150,9 @@ def _chat_pieces(tokenizer: Any, record: Record, path: Path) -> list[tuple[str, 
 
     def render(upto: int, generation_prompt: bool) -> str:
         try:
-            return tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+            return tokenizer.apply_chat_template(
+                messages[:upto], tokenize=False, add_generation_prompt=generation_prompt
+            )
         except Exception as exc:  # the template's own checks (role order, …) or a Jinja error
             raise DataError(f"data.path: {where}: the chat template cannot render it: {exc}") from None
 
@@ -158,13 +163,15 @@ def _chat_pieces(tokenizer: Any, record: Record, path: Path) -> list[tuple[str, 
             continue
         before, after = render(i, True), render(i + 1, False)
         if not (before.startswith(done) and after.startswith(before)):
-            raise DataError(f"data.tokenizer: its chat template does not render the conversation at {where} "
-                            f"turn by turn (a prefix of the messages is not a prefix of the text), so its "
-                            f"assistant turns cannot be found")
-        pieces += [(before[len(done):], False), (after[len(before):], True)]
+            raise DataError(
+                f"data.tokenizer: its chat template does not render the conversation at {where} "
+                f"turn by turn (a prefix of the messages is not a prefix of the text), so its "
+                f"assistant turns cannot be found"
+            )
+        pieces += [(before[len(done) :], False), (after[len(before) :], True)]
         done = after
     rest = render(len(messages), False)
     if not rest.startswith(done):
         raise DataError(f"data.tokenizer: its chat template does not render the conversation at {where} turn by turn")
-    pieces.append((rest[len(done):], False))
+    pieces.append((rest[len(done) :], False))
     return [(text, trained) for text, trained in pieces if text]

@@ -15,11 +15,19 @@ from bench import cli
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser("bench", help="benchmark every checkpointing strategy in one run",
-                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = subparsers.add_parser(
+        "bench",
+        help="benchmark every checkpointing strategy in one run",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli.add_bench_arguments(bench)
     bench.set_defaults(func=cli.run_bench)
-    ettr = subparsers.add_parser("ettr", help="ETTR per strategy at cluster scale from a bench report",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ettr = subparsers.add_parser(
+        "ettr",
+        help="ETTR per strategy at cluster scale from a bench report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli.add_ettr_arguments(ettr)
     ettr.set_defaults(func=cli.run_ettr)

@@ -17,18 +17,26 @@ from workers.data import DataConfig
 
 #: (TOML table, config class), in the order a run file reads.
 SECTIONS: tuple[tuple[str, type], ...] = (
-    ("", RunConfig), ("model", ModelConfig), ("data", DataConfig), ("optim", OptimConfig),
-    ("engine", EngineConfig), ("policy (name = \"staggered\", the default)", StaggeredConfig),
-    ("policy (name = \"layercheck\")", LayerCheckConfig),
-    ("policy (name = \"drift-optimal\")", DriftOptimalConfig),
-    ("policy (name = \"interval\")", IntervalConfig), ("cluster", ClusterConfig),
-    ("persistence", PersistenceConfig), ("fault", FaultConfig), ("metrics", MetricsConfig),
+    ("", RunConfig),
+    ("model", ModelConfig),
+    ("data", DataConfig),
+    ("optim", OptimConfig),
+    ("engine", EngineConfig),
+    ('policy (name = "staggered", the default)', StaggeredConfig),
+    ('policy (name = "layercheck")', LayerCheckConfig),
+    ('policy (name = "drift-optimal")', DriftOptimalConfig),
+    ('policy (name = "interval")', IntervalConfig),
+    ("cluster", ClusterConfig),
+    ("persistence", PersistenceConfig),
+    ("fault", FaultConfig),
+    ("metrics", MetricsConfig),
 )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("config", help="print every run-config field, its default and meaning",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "config", help="print every run-config field, its default and meaning", description=__doc__
+    )
     p.set_defaults(func=run)
 
 
@@ -66,8 +74,11 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
         if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
             doc = " ".join(str(following.value.value).split())
         default = defaults.get(name, dataclasses.MISSING)
-        shown = "(required)" if default is dataclasses.MISSING and node.value is None else (
-            repr(default) if default is not dataclasses.MISSING else ast.unparse(node.value))
+        shown = (
+            "(required)"
+            if default is dataclasses.MISSING and node.value is None
+            else (repr(default) if default is not dataclasses.MISSING else ast.unparse(node.value))
+        )
         out.append((name, shown, doc.replace("``", "`")))
     return out
 

@@ -16,8 +16,9 @@ DEMO_CONFIG = train_cmd.EXAMPLES / "demo.toml"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("demo", help="run the embedded demo (tiny model, 2 CPU workers, one failure)",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "demo", help="run the embedded demo (tiny model, 2 CPU workers, one failure)", description=__doc__
+    )
     train_cmd.add_run_options(p)
     p.set_defaults(func=run, config=DEMO_CONFIG)
 

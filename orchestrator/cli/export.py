@@ -22,14 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export", help="write a run's composite as a DeepSpeed or Hugging Face checkpoint",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "export",
+        help="write a run's composite as a DeepSpeed or Hugging Face checkpoint",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run", help="store URI or path of the run")
     p.add_argument("--format", required=True, choices=FORMATS, dest="fmt", help="checkpoint format")
     p.add_argument("--out", required=True, help="directory to write (a new or empty one for hf)")
     p.add_argument("--step", type=int, default=None, help="the step T to export (default: newest recoverable)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="deepspeed only: ranks of the checkpoint (default: the run's cluster.num_workers)")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="deepspeed only: ranks of the checkpoint (default: the run's cluster.num_workers)",
+    )
     p.add_argument("--config", default=None, help="the run's config file, when RUN has no run.json")
     p.set_defaults(func=run_export)
 
@@ -39,8 +47,9 @@ def run_export(args: argparse.Namespace) -> int:
         print("error: --world-size applies to --format deepspeed only")
         return 2
     try:
-        written = export(args.run, fmt=args.fmt, out=args.out, step=args.step, world_size=args.world_size,
-                         config_path=args.config)
+        written = export(
+            args.run, fmt=args.fmt, out=args.out, step=args.step, world_size=args.world_size, config_path=args.config
+        )
     except (ExportError, ConfigError) as error:
         print(f"error: {error}")
         return 2

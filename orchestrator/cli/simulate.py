@@ -13,13 +13,19 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.store.layer_store import RUN_CONFIG_FILE
+from orchestrator.table import format_table, human_bytes
 from policies.config_loader import ConfigError
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from policies.simulate import (
-    BYTES_PER_PARAM, Comparison, OracleMatch, compare, oracle_at_drift, simulate_config, sweep_k0,
+    BYTES_PER_PARAM,
+    Comparison,
+    OracleMatch,
+    compare,
+    oracle_at_drift,
+    simulate_config,
+    sweep_k0,
 )
 from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
-from orchestrator.table import format_table, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +45,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--peak-lr", type=float, default=1e-5, help="synthetic: peak learning rate")
     src.add_argument("--seed", type=int, default=0, help="synthetic: random seed")
     src.add_argument("--write-trace", type=Path, help="also write the trace used (JSON, or CSV for *.csv)")
-    pol = p.add_argument_group("policy (default: the run's own, from run.json beside --trace; else staggered, "
-                                "or layercheck with --sweep)")
+    pol = p.add_argument_group(
+        "policy (default: the run's own, from run.json beside --trace; else staggered, or layercheck with --sweep)"
+    )
     pol.add_argument("--policy", default=None, help=" | ".join(POLICY_CONFIGS))
     pol.add_argument("--k0", type=float, default=None, help="(default 1e-3)")
     pol.add_argument("--k0-embed", type=float, default=None, help="(default 1e-2)")
     pol.add_argument("--smax", type=int, default=None, help="(default 1000)")
     pol.add_argument("--warmup", type=int, default=None, help="warm-up steps W (base checkpoint at W; default 200)")
     pol.add_argument("--schedule", default=None, help="threshold schedule: lr | constant (default lr)")
-    pol.add_argument("--interval", type=int, default=None, help="interval policy: steps between full checkpoints "
-                                                                 "(default 100)")
-    pol.add_argument("--period", type=int, default=None,
-                     help="staggered / drift-optimal: save period of a layer drifting at the mean rate "
-                          "(default 100 / 50)")
-    pol.add_argument("--max-bytes-per-step", type=int, default=None,
-                     help="staggered: cap on the bytes handed over per step on average")
+    pol.add_argument(
+        "--interval", type=int, default=None, help="interval policy: steps between full checkpoints (default 100)"
+    )
+    pol.add_argument(
+        "--period",
+        type=int,
+        default=None,
+        help="staggered / drift-optimal: save period of a layer drifting at the mean rate (default 100 / 50)",
+    )
+    pol.add_argument(
+        "--max-bytes-per-step",
+        type=int,
+        default=None,
+        help="staggered: cap on the bytes handed over per step on average",
+    )
     pol.add_argument("--sweep", help="comma-separated K0 values: print the whole trade-off curve")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=run)
@@ -73,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     eval_from = getattr(config, "warmup_steps", args.warmup or 0)
     last = max((obs.step for obs in trace.steps), default=0)
     if eval_from > 0 and last < eval_from:  # nothing is persisted before the warm-up: 0 staleness would lie
-        raise SystemExit(f"layercheck simulate: the trace ends at step {last}, before the policy's warm-up "
-                         f"(base checkpoint at step {eval_from}): the policy persists nothing on it, so there "
-                         f"is nothing to measure; pass a smaller --warmup, or a longer trace")
+        raise SystemExit(
+            f"layercheck simulate: the trace ends at step {last}, before the policy's warm-up "
+            f"(base checkpoint at step {eval_from}): the policy persists nothing on it, so there "
+            f"is nothing to measure; pass a smaller --warmup, or a longer trace"
+        )
     if args.sweep:
         if policy_name(config) != "layercheck":  # the sweep varies K0, which only LayerCheck has
             raise SystemExit("layercheck simulate: --sweep needs --policy layercheck")
@@ -106,19 +123,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
 def load_trace(args: argparse.Namespace) -> DriftTrace:
     if args.trace is not None:
         return DriftTrace.parse(args.trace.read_text())
     return synthetic_trace(
-        blocks=args.blocks, steps=args.steps, peak_lr=args.peak_lr, spread=args.spread, seed=args.seed,
+        blocks=args.blocks,
+        steps=args.steps,
+        peak_lr=args.peak_lr,
+        spread=args.spread,
+        seed=args.seed,
         warmup=min(100, args.steps // 10),
     )
 
 
-_FLAGS = {"k0": "k0", "k0_embed": "k0_embed", "smax": "smax", "warmup": "warmup_steps",
-          "schedule": "threshold_schedule", "interval": "interval", "period": "period",
-          "max_bytes_per_step": "max_bytes_per_step"}
+_FLAGS = {
+    "k0": "k0",
+    "k0_embed": "k0_embed",
+    "smax": "smax",
+    "warmup": "warmup_steps",
+    "schedule": "threshold_schedule",
+    "interval": "interval",
+    "period": "period",
+    "max_bytes_per_step": "max_bytes_per_step",
+}
 
 
 def _policy_config(args: argparse.Namespace) -> PolicyConfig:
@@ -178,8 +205,11 @@ def _comparison_json(c: Comparison) -> dict[str, Any]:
 
 
 def _oracle_json(o: OracleMatch) -> dict[str, Any]:
-    return {"bytes_at_matched_drift": o.bytes_at_target, "budget_bytes_per_step": o.budget,
-            "result": _result_json(o.result)}
+    return {
+        "bytes_at_matched_drift": o.bytes_at_target,
+        "budget_bytes_per_step": o.budget,
+        "result": _result_json(o.result),
+    }
 
 
 def _oracle_row(o: OracleMatch):
@@ -189,10 +219,29 @@ def _oracle_row(o: OracleMatch):
 
 def _summary(results) -> str:
     return format_table(
-        ["policy", "events", "written", "peak step", "mean w-staleness", "max staleness", "mean unsaved drift",
-         "max unsaved drift"],
-        [[r.policy, r.events, human_bytes(r.bytes_written), human_bytes(r.peak_step_bytes), r.mean_weighted_staleness,
-          r.max_staleness, r.mean_unsaved_drift, r.max_unsaved_drift] for r in results],
+        [
+            "policy",
+            "events",
+            "written",
+            "peak step",
+            "mean w-staleness",
+            "max staleness",
+            "mean unsaved drift",
+            "max unsaved drift",
+        ],
+        [
+            [
+                r.policy,
+                r.events,
+                human_bytes(r.bytes_written),
+                human_bytes(r.peak_step_bytes),
+                r.mean_weighted_staleness,
+                r.max_staleness,
+                r.mean_unsaved_drift,
+                r.max_unsaved_drift,
+            ]
+            for r in results
+        ],
     )
 
 
@@ -200,30 +249,74 @@ def _comparison_table(comparisons: list[Comparison], *, full_checkpoint: int) ->
     rows = []
     for c in comparisons:
         r = c.result
-        rows.append([
-            r.policy, r.events, human_bytes(r.bytes_written), human_bytes(r.peak_step_bytes),
-            r.mean_weighted_staleness, r.max_staleness, r.mean_unsaved_drift,
-            c.matched_staleness.policy, c.bytes_vs_staleness_match,
-            c.matched_drift.policy, c.bytes_vs_drift_match, c.bytes_vs_oracle if c.oracle else "",
-        ])
+        rows.append(
+            [
+                r.policy,
+                r.events,
+                human_bytes(r.bytes_written),
+                human_bytes(r.peak_step_bytes),
+                r.mean_weighted_staleness,
+                r.max_staleness,
+                r.mean_unsaved_drift,
+                c.matched_staleness.policy,
+                c.bytes_vs_staleness_match,
+                c.matched_drift.policy,
+                c.bytes_vs_drift_match,
+                c.bytes_vs_oracle if c.oracle else "",
+            ]
+        )
         if c.oracle:
             o = _oracle_row(c.oracle)
-            rows.append([f"  {o.policy}", o.events, human_bytes(o.bytes_written), human_bytes(o.peak_step_bytes),
-                         o.mean_weighted_staleness, o.max_staleness, o.mean_unsaved_drift,
-                         "", "", "", "", 1.0])
+            rows.append(
+                [
+                    f"  {o.policy}",
+                    o.events,
+                    human_bytes(o.bytes_written),
+                    human_bytes(o.peak_step_bytes),
+                    o.mean_weighted_staleness,
+                    o.max_staleness,
+                    o.mean_unsaved_drift,
+                    "",
+                    "",
+                    "",
+                    "",
+                    1.0,
+                ]
+            )
     return format_table(
-        ["policy", "events", "written", "peak step", "mean w-stal", "max stal", "mean unsaved drift",
-         "full @ same stal", "bytes ratio", "full @ same drift", "bytes ratio", "vs oracle"],
+        [
+            "policy",
+            "events",
+            "written",
+            "peak step",
+            "mean w-stal",
+            "max stal",
+            "mean unsaved drift",
+            "full @ same stal",
+            "bytes ratio",
+            "full @ same drift",
+            "bytes ratio",
+            "vs oracle",
+        ],
         rows,
-    ) + ("\n(bytes ratio = policy bytes / full-checkpoint bytes at matched freshness; < 1 means the policy writes less."
-         f"\n vs oracle = policy bytes / the oracle's at the same unsaved drift. Full checkpoints hand over a whole "
-         f"checkpoint, {human_bytes(full_checkpoint)}, at each save.)")
+    ) + (
+        "\n(bytes ratio = policy bytes / full-checkpoint bytes at matched freshness; < 1 means the policy writes less."
+        f"\n vs oracle = policy bytes / the oracle's at the same unsaved drift. Full checkpoints hand over a whole "
+        f"checkpoint, {human_bytes(full_checkpoint)}, at each save.)"
+    )
 
 
 def _per_layer_table(trace: DriftTrace, c: Comparison) -> str:
     r = c.result
     return format_table(
         ["layer", "params", "persists", "written"],
-        [[name, trace.numel[name], r.persists[name], human_bytes(r.persists[name] * trace.numel[name] * BYTES_PER_PARAM)]
-         for name in trace.layers],
+        [
+            [
+                name,
+                trace.numel[name],
+                r.persists[name],
+                human_bytes(r.persists[name] * trace.numel[name] * BYTES_PER_PARAM),
+            ]
+            for name in trace.layers
+        ],
     )

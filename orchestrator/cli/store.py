@@ -12,9 +12,9 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
+from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.manifest import Manifest
 from orchestrator.store.retention import GcConfig, collect_garbage
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.table import format_table, human_bytes
 from policies.plan import newest_recoverable_step
 from policies.retention import RetentionConfig
@@ -23,24 +23,33 @@ logger = logging.getLogger(__name__)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("inspect", help="print a run's manifest: per layer, newest version and staleness",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "inspect", help="print a run's manifest: per layer, newest version and staleness", description=__doc__
+    )
     p.add_argument("run", help="store URI or path")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run_inspect)
 
-    p = subparsers.add_parser("verify", help="re-read every committed shard and check sizes and checksums",
-                              description=__doc__)
+    p = subparsers.add_parser(
+        "verify", help="re-read every committed shard and check sizes and checksums", description=__doc__
+    )
     p.add_argument("run", help="store URI or path")
     p.set_defaults(func=run_verify)
 
-    p = subparsers.add_parser("gc", help="delete versions no recovery point needs, and old orphans",
-                              description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "gc",
+        help="delete versions no recovery point needs, and old orphans",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("run", help="store URI or path")
-    p.add_argument("--window", type=int, default=0,
-                   help="keep every step in [newest - WINDOW, newest] recoverable")
-    p.add_argument("--grace", type=float, default=3600.0,
-                   help="seconds an uncommitted file is left alone (a write may be in progress)")
+    p.add_argument("--window", type=int, default=0, help="keep every step in [newest - WINDOW, newest] recoverable")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        help="seconds an uncommitted file is left alone (a write may be in progress)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would be freed, delete nothing")
     p.set_defaults(func=run_gc)
 
@@ -60,16 +69,18 @@ def summarize(manifest: Manifest) -> dict[str, Any]:
     for layer in layers:
         versions = [r for r in manifest.records if r.layer == layer]
         newest = max(versions, key=lambda r: (r.step, not r.base))
-        rows.append({
-            "layer": layer,
-            "newest_step": newest.step,
-            "newest_version": newest.version_id,
-            "base": newest.base,
-            "staleness": None if newest_step is None else newest_step - newest.step,
-            "newest_bytes": newest.nbytes,
-            "versions": len(versions),
-            "bytes": sum(r.nbytes for r in versions),
-        })
+        rows.append(
+            {
+                "layer": layer,
+                "newest_step": newest.step,
+                "newest_version": newest.version_id,
+                "base": newest.base,
+                "staleness": None if newest_step is None else newest_step - newest.step,
+                "newest_bytes": newest.nbytes,
+                "versions": len(versions),
+                "bytes": sum(r.nbytes for r in versions),
+            }
+        )
     base_steps = sorted({r.step for r in manifest.records if r.base})
     return {
         "newest_recoverable_step": newest_step,
@@ -108,10 +119,22 @@ def run_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"run": store.uri, **summary}, indent=1))
         return 0
-    print(f"run {store.uri}: newest recoverable step {summary['newest_recoverable_step']}, "
-          f"base at {summary['base_steps'] or 'none'}")
-    rows = [[r["layer"], r["newest_step"], "yes" if r["base"] else "", "-" if r["staleness"] is None else r["staleness"],
-             human_bytes(r["newest_bytes"]), r["versions"], human_bytes(r["bytes"])] for r in summary["layers"]]
+    print(
+        f"run {store.uri}: newest recoverable step {summary['newest_recoverable_step']}, "
+        f"base at {summary['base_steps'] or 'none'}"
+    )
+    rows = [
+        [
+            r["layer"],
+            r["newest_step"],
+            "yes" if r["base"] else "",
+            "-" if r["staleness"] is None else r["staleness"],
+            human_bytes(r["newest_bytes"]),
+            r["versions"],
+            human_bytes(r["bytes"]),
+        ]
+        for r in summary["layers"]
+    ]
     totals = summary["totals"]
     rows.append(["total/max", "", "", totals["max_staleness"], "", totals["versions"], human_bytes(totals["bytes"])])
     print(format_table(["layer", "newest", "base", "staleness", "newest size", "versions", "all versions"], rows))
@@ -156,9 +179,11 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"{verb} version {version_id}")
     for rel in report.orphans:
         print(f"{verb} orphan {rel}")
-    print(f"{'would free' if report.dry_run else 'freed'} {human_bytes(report.freed_bytes)}: "
-          f"{len(report.deleted_versions)} version(s), {len(report.orphans)} orphan file(s); "
-          f"{report.kept} version(s) kept (newest recoverable step {report.newest_step}, window {args.window})")
+    print(
+        f"{'would free' if report.dry_run else 'freed'} {human_bytes(report.freed_bytes)}: "
+        f"{len(report.deleted_versions)} version(s), {len(report.orphans)} orphan file(s); "
+        f"{report.kept} version(s) kept (newest recoverable step {report.newest_step}, window {args.window})"
+    )
     for version_id, why in report.damaged.items():
         print(f"warning: damaged version {version_id} kept, and the versions a recovery falls back to instead: {why}")
     if report.damaged:

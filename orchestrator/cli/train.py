@@ -28,16 +28,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set steps=50 --set policy.k0=2e-3 (VALUE is JSON, else a string)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set steps=50 --set policy.k0=2e-3 (VALUE is JSON, else a string)",
+    )
     p.add_argument("--overwrite", action="store_true", help="delete checkpoints an earlier run left in the storage")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in the storage from its newest recoverable step (any number of workers)")
-    p.add_argument("--restart-into", metavar="STORAGE", default=None,
-                   help="start over from the initial weights in a new store STORAGE (when --resume is refused "
-                        "because a layer has no usable version; the old store is kept as it is)")
-    p.add_argument("--take-over", action="store_true",
-                   help="take the store even if another run's lease on it is live (only when that run is dead)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in the storage from its newest recoverable step (any number of workers)",
+    )
+    p.add_argument(
+        "--restart-into",
+        metavar="STORAGE",
+        default=None,
+        help="start over from the initial weights in a new store STORAGE (when --resume is refused "
+        "because a layer has no usable version; the old store is kept as it is)",
+    )
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="take the store even if another run's lease on it is live (only when that run is dead)",
+    )
     p.add_argument("--json", action="store_true", help="print the closing summary as JSON")
 
 
@@ -48,8 +63,9 @@ def run(args: argparse.Namespace) -> int:
     resume = args.resume
     if args.restart_into is not None:
         if args.overwrite:
-            print("layercheck train: --restart-into writes a new store; it does not go with --overwrite",
-                  file=sys.stderr)
+            print(
+                "layercheck train: --restart-into writes a new store; it does not go with --overwrite", file=sys.stderr
+            )
             return 2
         overrides["storage"], resume = args.restart_into, False
     try:
@@ -57,8 +73,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
-    return train_and_report(config, overwrite=args.overwrite, resume=resume, as_json=args.json,
-                            take_over=args.take_over, resume_command=resume_command(args))
+    return train_and_report(
+        config,
+        overwrite=args.overwrite,
+        resume=resume,
+        as_json=args.json,
+        take_over=args.take_over,
+        resume_command=resume_command(args),
+    )
 
 
 def resume_command(args: argparse.Namespace) -> str:
@@ -76,8 +98,15 @@ def resume_command(args: argparse.Namespace) -> str:
 EXIT_INTERRUPTED = 130
 
 
-def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: bool = False,
-                     take_over: bool = False, resume_command: str = "") -> int:
+def train_and_report(
+    config: Any,
+    *,
+    overwrite: bool,
+    as_json: bool,
+    resume: bool = False,
+    take_over: bool = False,
+    resume_command: str = "",
+) -> int:
     from orchestrator.core.run_start import ResumeError
     from orchestrator.runtime.driver import train
     from orchestrator.runtime.summary import format_progress, format_summary, summarize
@@ -96,8 +125,9 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
             last.update(step=status["step"], state=status["state"])
 
     try:
-        result = train(config, overwrite=overwrite, resume=resume, take_over=take_over,
-                       on_progress=None if as_json else show)
+        result = train(
+            config, overwrite=overwrite, resume=resume, take_over=take_over, on_progress=None if as_json else show
+        )
     except (FileExistsError, FileNotFoundError, ConfigError, UnsafeStoreError, StoreBusyError, ResumeError) as error:
         # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
         print(f"layercheck train: {error}", file=sys.stderr)
@@ -109,8 +139,11 @@ def train_and_report(config: Any, *, overwrite: bool, as_json: bool, resume: boo
     print(json.dumps(summary, indent=2, default=str) if as_json else "\n" + format_summary(summary), flush=True)
     stopped = result.interrupted or bool(result.status.get("stop_reason"))
     if stopped and resume_command:
-        print(f"\nstopped after step {summary.get('steps')}; to continue this run:\n  {resume_command}",
-              file=sys.stderr, flush=True)
+        print(
+            f"\nstopped after step {summary.get('steps')}; to continue this run:\n  {resume_command}",
+            file=sys.stderr,
+            flush=True,
+        )
     if result.interrupted:
         return EXIT_INTERRUPTED
     return 0 if result.error is None else 1

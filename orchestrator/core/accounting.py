@@ -51,8 +51,17 @@ class RunAccount:
     coordination_seconds: list[float] = field(default_factory=list)
     """Per step reported, rank 0's time in the policy protocol (drift report + decision)."""
 
-    def step_done(self, step: int, compute_s: float, stall_s: float, now: float, *, loss: float = float("nan"),
-                  lr: float = 0.0, coordination_s: float = 0.0) -> None:
+    def step_done(
+        self,
+        step: int,
+        compute_s: float,
+        stall_s: float,
+        now: float,
+        *,
+        loss: float = float("nan"),
+        lr: float = 0.0,
+        coordination_s: float = 0.0,
+    ) -> None:
         self.step_seconds[step] = compute_s
         self.coordination_seconds.append(coordination_s)
         self.history[step] = (loss, lr)
@@ -70,8 +79,12 @@ class RunAccount:
             self.lost_step_seconds += self.step_seconds.pop(step)
             self.history.pop(step, None)
         since = self.last_progress if self.last_progress is not None else self.started
-        recovery = Recovery(t_fail=t_fail, resumed_at=resumed_at, detect_restart_s=max(0.0, now - since),
-                            steps_redone=max(0, t_fail + 1 - resumed_at))
+        recovery = Recovery(
+            t_fail=t_fail,
+            resumed_at=resumed_at,
+            detect_restart_s=max(0.0, now - since),
+            steps_redone=max(0, t_fail + 1 - resumed_at),
+        )
         self.recoveries.append(recovery)
         self.last_step = resumed_at - 1
         return recovery

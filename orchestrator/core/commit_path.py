@@ -125,14 +125,24 @@ class CommitPath:
         newest = self.stats.get(first.layer, LayerStats()).last_step
         if newest is not None and newest >= first.step:
             self.tracker.abandoned += 1
-            logger.warning("commit of %s failed (%s); not retried: step %d of the layer is committed",
-                           action.label, event.error, newest)
+            logger.warning(
+                "commit of %s failed (%s); not retried: step %d of the layer is committed",
+                action.label,
+                event.error,
+                newest,
+            )
             return []
         if action.tries < self.config.commit_tries:
             delay = self.config.backoff_s(action.tries)
             self.commit_retries += 1
-            logger.warning("commit of %s failed (try %d of %d: %s); retrying in %.2fs (config commit_tries)",
-                           action.label, action.tries, self.config.commit_tries, event.error, delay)
+            logger.warning(
+                "commit of %s failed (try %d of %d: %s); retrying in %.2fs (config commit_tries)",
+                action.label,
+                action.tries,
+                self.config.commit_tries,
+                event.error,
+                delay,
+            )
             return [CommitVersion(receipts=action.receipts, tries=action.tries + 1, delay_s=delay)]
         reason = f"commit of {action.label} failed {action.tries} time(s), last: {event.error}"
         self._lose(1, reason)

@@ -26,8 +26,9 @@ class CommitTracker:
     def add(self, receipt: ShardReceipt) -> list[ShardReceipt] | None:
         """Record one rank's receipt; the whole version's receipts once the last rank is in."""
         if receipt.step <= self._committed_step.get(receipt.layer, -1):
-            logger.info("dropping %s step %d rank %d: a newer version is committed",
-                        receipt.layer, receipt.step, receipt.rank)
+            logger.info(
+                "dropping %s step %d rank %d: a newer version is committed", receipt.layer, receipt.step, receipt.rank
+            )
             return None
         key = (receipt.layer, receipt.step, receipt.base)
         ranks = self._receipts.setdefault(key, {})

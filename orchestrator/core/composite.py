@@ -12,9 +12,9 @@ from typing import Protocol
 import torch
 
 from orchestrator.store.errors import CorruptShardError
+from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.manifest import VersionRecord
 from orchestrator.store.recovery_source import CompositeReader
-from orchestrator.store.layer_store import LayerStore
 from policies.layer_map import LayerMap
 from workers.layer_state import restore_layers
 from workers.layout import StateLayout
@@ -36,10 +36,15 @@ def check_fits(reader: CompositeReader, records: Mapping[str, VersionRecord], la
         stored = reader.reader(layer.name).param_shapes
         wanted = {p.name: tuple(p.shape) for p in layer.params}
         if stored != wanted:
-            diff = sorted(f"{name}: stored {stored.get(name)}, model {wanted.get(name)}"
-                          for name in set(stored) | set(wanted) if stored.get(name) != wanted.get(name))
-            raise CompositeMismatchError(f"version {records[layer.name].version_id} of layer {layer.name} does not "
-                                         f"fit the run config's model ({'; '.join(diff)})")
+            diff = sorted(
+                f"{name}: stored {stored.get(name)}, model {wanted.get(name)}"
+                for name in set(stored) | set(wanted)
+                if stored.get(name) != wanted.get(name)
+            )
+            raise CompositeMismatchError(
+                f"version {records[layer.name].version_id} of layer {layer.name} does not "
+                f"fit the run config's model ({'; '.join(diff)})"
+            )
 
 
 class Restorable(Protocol):
@@ -49,7 +54,7 @@ class Restorable(Protocol):
     layout: StateLayout
 
 
-def load_composite(te: Restorable, store: LayerStore, records: Mapping[str, VersionRecord]) -> float:
+def load_composite(train_engine: Restorable, store: LayerStore, records: Mapping[str, VersionRecord]) -> float:
     """Restore every layer in ``records`` from its version (collective at ZeRO 1-3); seconds taken.
 
     Raises :class:`CompositeMismatchError` (before touching the engine) if a version does not fit
@@ -59,12 +64,12 @@ def load_composite(te: Restorable, store: LayerStore, records: Mapping[str, Vers
     """
     started = time.monotonic()
     with CompositeReader(store, records) as reader:
-        check_fits(reader, records, te.layer_map)
+        check_fits(reader, records, train_engine.layer_map)
         guarded = _UntilCorrupt(reader)
-        restore_layers(te.layout, reader.metas(), guarded)
+        restore_layers(train_engine.layout, reader.metas(), guarded)
     if guarded.error is not None:
         raise guarded.error
-    probe = getattr(te, "probe", None)
+    probe = getattr(train_engine, "probe", None)
     if probe is not None and hasattr(probe, "reset"):
         probe.reset()  # the restore moved the weights: that is no step's drift
     elapsed = time.monotonic() - started

@@ -53,8 +53,12 @@ class PersistGate:
             if self.full(name):
                 if name not in self.deferred:
                     self.deferrals += 1
-                    logger.info("step %d: %s deferred: its version(s) of step(s) %s have not committed yet",
-                                decision.step, name, self.in_flight[name])
+                    logger.info(
+                        "step %d: %s deferred: its version(s) of step(s) %s have not committed yet",
+                        decision.step,
+                        name,
+                        self.in_flight[name],
+                    )
                 self.deferred[name] = reason
             else:
                 admitted[name] = reason

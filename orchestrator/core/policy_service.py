@@ -30,8 +30,9 @@ class _Pending:
 
 
 class PolicyService:
-    def __init__(self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int, *,
-                 max_versions_in_flight: int = 1) -> None:
+    def __init__(
+        self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int, *, max_versions_in_flight: int = 1
+    ) -> None:
         self.policy = policy
         self.layers = tuple(layers)
         self.world_size = world_size
@@ -52,8 +53,9 @@ class PolicyService:
         every step completed from now on."""
         self.write_budget_bytes = budget_bytes
 
-    def report(self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
-               counts: Mapping[str, int]) -> PersistDecision | None:
+    def report(
+        self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]
+    ) -> PersistDecision | None:
         """Add one rank's per-layer ``sum |Δθ|`` and element counts for ``step``. Returns the
         step's decision once the last rank is in, else ``None``."""
         if step in self._decisions or step <= self.last_complete_step:
@@ -74,8 +76,9 @@ class PolicyService:
     def _complete(self, step: int, pending: _Pending) -> PersistDecision:
         if step != self.last_complete_step + 1:
             logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
-        drift = {name: pending.sums.get(name, 0.0) / pending.counts[name]
-                 for name in self.layers if pending.counts.get(name)}
+        drift = {
+            name: pending.sums.get(name, 0.0) / pending.counts[name] for name in self.layers if pending.counts.get(name)
+        }
         observation = StepObservation(step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes)
         self.trace.append(observation)
         decision = self.gate.admit(self.policy.observe(observation))
@@ -91,7 +94,9 @@ class PolicyService:
         if self.stop_from is None:
             self.stop_from = self.last_complete_step + 1
             self.stop_reason = reason
-            logger.warning("the run stops: decisions from step %d on ask the ranks to stop (%s)", self.stop_from, reason)
+            logger.warning(
+                "the run stops: decisions from step %d on ask the ranks to stop (%s)", self.stop_from, reason
+            )
 
     def stopping(self, step: int) -> bool:
         """Does the decision of ``step`` ask the ranks to stop?"""

@@ -15,8 +15,13 @@ from policies.plan import NoUsableVersionError, newest_recoverable_step
 logger = logging.getLogger(__name__)
 
 
-def plan_composite(store: LayerStore, layer_numel: Mapping[str, int], action: PlanComposite, *,
-                   clock: Callable[[], float] = time.monotonic) -> CompositePlanned | NoComposite:
+def plan_composite(
+    store: LayerStore,
+    layer_numel: Mapping[str, int],
+    action: PlanComposite,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+) -> CompositePlanned | NoComposite:
     """The composite at ``action.t_fail`` (``None``: the store's newest recoverable step), or why
     there is none, stamped with ``clock()`` when planning ended."""
     t_fail = action.t_fail
@@ -26,6 +31,11 @@ def plan_composite(store: LayerStore, layer_numel: Mapping[str, int], action: Pl
         resolved = resolve_plan(store, layer_numel, t_fail, deep=False, skip=action.skip)
     except NoUsableVersionError as error:
         return NoComposite(attempt=action.attempt, t_fail=t_fail, reason=str(error), now=clock())
-    return CompositePlanned(attempt=action.attempt, t_fail=t_fail, records=dict(resolved.records),
-                            max_staleness=resolved.plan.max_staleness,
-                            weighted_staleness=resolved.plan.weighted_staleness, now=clock())
+    return CompositePlanned(
+        attempt=action.attempt,
+        t_fail=t_fail,
+        records=dict(resolved.records),
+        max_staleness=resolved.plan.max_staleness,
+        weighted_staleness=resolved.plan.weighted_staleness,
+        now=clock(),
+    )

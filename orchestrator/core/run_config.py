@@ -21,8 +21,8 @@ import yaml
 
 from orchestrator.core.staleness_guard import BREACH_ACTIONS
 from policies.config_loader import ConfigError, from_mapping, require, to_mapping
-from policies.layer_map import LayerMap
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from policies.layer_map import LayerMap
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.data import DataConfig, DataSummary, load_data
 
@@ -59,8 +59,12 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)
-        require(0 <= self.min_workers <= self.num_workers, "min_workers", f"in 0..num_workers ({self.num_workers})",
-                self.min_workers)
+        require(
+            0 <= self.min_workers <= self.num_workers,
+            "min_workers",
+            f"in 0..num_workers ({self.num_workers})",
+            self.min_workers,
+        )
         require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
         require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
 
@@ -100,8 +104,12 @@ class PersistenceConfig:
         require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)
         require(self.max_inflight_bytes >= 1, "max_inflight_bytes", ">= 1", self.max_inflight_bytes)
         require(self.max_versions_in_flight >= 1, "max_versions_in_flight", ">= 1", self.max_versions_in_flight)
-        require(self.on_staleness_breach in BREACH_ACTIONS, "on_staleness_breach", " or ".join(repr(a) for a in BREACH_ACTIONS),
-                self.on_staleness_breach)
+        require(
+            self.on_staleness_breach in BREACH_ACTIONS,
+            "on_staleness_breach",
+            " or ".join(repr(a) for a in BREACH_ACTIONS),
+            self.on_staleness_breach,
+        )
         require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
 
 
@@ -170,9 +178,12 @@ class RunConfig:
         require(bool(_RUN_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)
         require(self.steps >= 1, "steps", ">= 1", self.steps)
         require(self.log_every >= 1, "log_every", ">= 1", self.log_every)
-        require(bool(self.storage.strip()), "storage", "a path or URI of the run's own directory (empty means "
-                "the working directory)", self.storage)
-
+        require(
+            bool(self.storage.strip()),
+            "storage",
+            "a path or URI of the run's own directory (empty means the working directory)",
+            self.storage,
+        )
 
     @property
     def storage_uri(self) -> str:
@@ -184,8 +195,9 @@ class RunConfig:
         in directories of their own."""
         config = dataclasses.replace(self, data=self.data.with_absolute_paths())
         if config.model.path is not None and not os.path.isabs(config.model.path):
-            config = dataclasses.replace(config, model=dataclasses.replace(
-                config.model, path=os.path.abspath(config.model.path)))
+            config = dataclasses.replace(
+                config, model=dataclasses.replace(config.model, path=os.path.abspath(config.model.path))
+            )
         uri = config.storage_uri
         if "://" in uri or os.path.isabs(uri):
             return config
@@ -208,9 +220,12 @@ def check_data(config: RunConfig) -> DataSummary:
     tokenizer larger than the model's vocabulary raises :class:`ConfigError`."""
     _, summary = load_data(config.data)
     vocab = _model_vocab_size(config)
-    require(vocab is None or summary.vocab_size <= vocab, "model.hf_config.vocab_size" if config.model.hf_config
-            else "model.path", f">= the tokenizer's vocabulary ({summary.vocab_size}, data.tokenizer = "
-            f"{config.data.tokenizer!r})", vocab)
+    require(
+        vocab is None or summary.vocab_size <= vocab,
+        "model.hf_config.vocab_size" if config.model.hf_config else "model.path",
+        f">= the tokenizer's vocabulary ({summary.vocab_size}, data.tokenizer = {config.data.tokenizer!r})",
+        vocab,
+    )
     return summary
 
 
@@ -222,8 +237,10 @@ def check_model(model: ModelConfig) -> LayerMap:
     field = "model.path" if model.path is not None else "model.hf_config"
     if model.path is not None:
         if not os.path.isdir(model.path):
-            raise ConfigError(f"model.path: no directory {model.path!r} (a local checkpoint folder with "
-                              "config.json; LayerCheck downloads nothing)")
+            raise ConfigError(
+                f"model.path: no directory {model.path!r} (a local checkpoint folder with "
+                "config.json; LayerCheck downloads nothing)"
+            )
         if not os.path.isfile(os.path.join(model.path, "config.json")):
             raise ConfigError(f"model.path: {model.path!r} has no config.json; is it a Hugging Face model folder?")
     else:
@@ -231,8 +248,10 @@ def check_model(model: ModelConfig) -> LayerMap:
 
         model_type = (model.hf_config or {}).get("model_type")
         if model_type not in CONFIG_MAPPING:
-            raise ConfigError(f"model.hf_config.model_type: unknown model type {model_type!r}; transformers "
-                              "knows e.g. llama, qwen2, mistral, gpt2 (see transformers.CONFIG_MAPPING)")
+            raise ConfigError(
+                f"model.hf_config.model_type: unknown model type {model_type!r}; transformers "
+                "knows e.g. llama, qwen2, mistral, gpt2 (see transformers.CONFIG_MAPPING)"
+            )
         field = "model.hf_config"
     from workers.engine import layer_map_for  # torch and transformers: only when a run starts
 
@@ -250,12 +269,15 @@ def config_warnings(config: RunConfig) -> list[str]:
             f"steps = {config.steps} but optim.total_steps = {config.optim.total_steps}: the learning-rate "
             f"schedule ends at step {config.optim.total_steps} and steps {config.optim.total_steps + 1}-"
             f"{config.steps} train at its final rate (lr x min_lr_ratio = {config.optim.lr * config.optim.min_lr_ratio:g}); "
-            f"set optim.total_steps = {config.steps} to stretch the schedule")
+            f"set optim.total_steps = {config.steps} to stretch the schedule"
+        )
     fault = config.fault
     if fault.kill_at_step and fault.kill_rank >= config.cluster.num_workers:
         # not an error: `--resume --set cluster.num_workers=1` of a demo run must work as written
-        warnings.append(f"fault.kill_rank = {fault.kill_rank} is not a rank of the {config.cluster.num_workers}-"
-                        f"worker group: no failure is injected at step {fault.kill_at_step}")
+        warnings.append(
+            f"fault.kill_rank = {fault.kill_rank} is not a rank of the {config.cluster.num_workers}-"
+            f"worker group: no failure is injected at step {fault.kill_at_step}"
+        )
     return warnings
 
 
@@ -329,6 +351,8 @@ def check_relative_storage(storage: str, *, cwd: str | None = None, environ: Map
     if not in_cache and RAY_JOB_ENV not in environ:
         return
     where = "Ray's working-dir cache, which Ray deletes" if in_cache else "the job's working directory, which Ray chose"
-    raise ConfigError(f"storage: a relative path ({storage!r}) under a Ray job would put the checkpoints in {where} "
-                      f"({cwd}); use an absolute path on storage every node sees, or a URI (s3://, gs://), e.g. "
-                      f"--set storage=/shared/runs/{{name}}")
+    raise ConfigError(
+        f"storage: a relative path ({storage!r}) under a Ray job would put the checkpoints in {where} "
+        f"({cwd}); use an absolute path on storage every node sees, or a URI (s3://, gs://), e.g. "
+        f"--set storage=/shared/runs/{{name}}"
+    )

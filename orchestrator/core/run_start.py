@@ -59,7 +59,9 @@ def check_config(config: RunConfig) -> dict[str, int]:
     return layer_numel
 
 
-def open_run_store(config: RunConfig, options: StartOptions, *, layer_numel: dict[str, int] | None = None) -> StoreLease:
+def open_run_store(
+    config: RunConfig, options: StartOptions, *, layer_numel: dict[str, int] | None = None
+) -> StoreLease:
     """Steps 1–5 (step 1 unless ``layer_numel`` is given); the store's lease, renewed until
     :meth:`StoreLease.release`. ``config`` must have absolute paths (``with_absolute_storage``)."""
     if layer_numel is None:
@@ -74,8 +76,9 @@ def open_run_store(config: RunConfig, options: StartOptions, *, layer_numel: dic
     return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare)
 
 
-def claim_store(uri: str, *, run: str, options: StartOptions,
-                prepare: Callable[[LayerStore], None] | None = None) -> StoreLease:
+def claim_store(
+    uri: str, *, run: str, options: StartOptions, prepare: Callable[[LayerStore], None] | None = None
+) -> StoreLease:
     """Steps 2–4 for any run, ``layercheck train``'s or a user's own loop's: the location, the
     lease, then (a fresh run) an empty store or one ``--overwrite`` cleared of what LayerCheck
     wrote, then ``prepare(store)``. The lease is released again if any of it fails."""
@@ -86,8 +89,10 @@ def claim_store(uri: str, *, run: str, options: StartOptions,
         store = LayerStore(fs)
         if not options.resume and store.versions():
             if not options.overwrite:
-                raise FileExistsError(f"{fs.uri()} already holds a run's checkpoints; pick another storage or "
-                                      "name, resume it with --resume, or pass --overwrite to delete them")
+                raise FileExistsError(
+                    f"{fs.uri()} already holds a run's checkpoints; pick another storage or "
+                    "name, resume it with --resume, or pass --overwrite to delete them"
+                )
             clear_run(fs, keep=frozenset({LEASE_FILE}))
         if prepare is not None:
             prepare(store)
@@ -111,11 +116,14 @@ def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunC
             f"--resume refused: {error}.\nThe run cannot continue from this store. Options: restore the "
             "missing or damaged files (layercheck verify shows which) and resume again; or start over from "
             "the initial weights in a new store, keeping this one for inspection: layercheck train CONFIG "
-            "--restart-into NEW_STORAGE") from None
+            "--restart-into NEW_STORAGE"
+        ) from None
     step = resolved.plan.t_fail
     if step >= config.steps:
-        raise ConfigError(f"steps: the run in {store.uri} is already at step {step}, so --resume with steps = "
-                          f"{config.steps} would train nothing; raise steps above {step} "
-                          f"(e.g. --set steps={step + config.steps})")
+        raise ConfigError(
+            f"steps: the run in {store.uri} is already at step {step}, so --resume with steps = "
+            f"{config.steps} would train nothing; raise steps above {step} "
+            f"(e.g. --set steps={step + config.steps})"
+        )
     logger.info("--resume: every layer has a usable version; continuing at step %d of %d", step + 1, config.steps)
     return resolved

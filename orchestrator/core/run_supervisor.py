@@ -32,7 +32,12 @@ from typing import Any, Protocol
 
 from orchestrator.core.accounting import RunAccount
 from orchestrator.core.commit_path import (
-    CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten, VersionsLost,
+    CommitFailed,
+    CommitPath,
+    CommitSucceeded,
+    CommitVersion,
+    ShardWritten,
+    VersionsLost,
 )
 from orchestrator.core.policy_service import PolicyService
 from orchestrator.core.recovery_plan import plan_composite
@@ -40,8 +45,21 @@ from orchestrator.core.run_view import RunView
 from orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
 from orchestrator.core.supervision import Supervision
 from orchestrator.core.supervision_events import (
-    AbandonIncomplete, DismissJoins, DrainWriters, Event, PlanComposite, PublishResume, RankJoined, RebasePolicy,
-    RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded, SupervisionConfig, VersionUnusable, WritersDrained,
+    AbandonIncomplete,
+    DismissJoins,
+    DrainWriters,
+    Event,
+    PlanComposite,
+    PublishResume,
+    RankJoined,
+    RebasePolicy,
+    RecordRecovery,
+    ReplaceWriters,
+    ResumeInfo,
+    RunEnded,
+    SupervisionConfig,
+    VersionUnusable,
+    WritersDrained,
 )
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.manifest import ShardReceipt
@@ -54,6 +72,7 @@ class PolicyPort(Protocol):
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
     def settled(self, layer: str, version_step: int) -> None:
         """This version committed or never will: the layer may be persisted again (``PersistGate``)."""
+
     def request_stop(self, reason: str) -> None:
         """Every rank stops after the same step (the flag rides on the decisions)."""
 
@@ -62,6 +81,7 @@ class WritersPort(Protocol):
     def drain(self, deadline_s: float | None) -> tuple[str, ...]:
         """Wait up to ``deadline_s`` until every writer has handed over (through
         :meth:`RunSupervisor.shard_written`) what it holds; the names of those that did not answer."""
+
     def replace(self, names: tuple[str, ...]) -> None: ...
 
 
@@ -89,9 +109,20 @@ class JoinDismissed(RuntimeError):
 
 
 class RunSupervisor:
-    def __init__(self, *, run_id: str, store: LayerStore, layer_numel: Mapping[str, int], policy: PolicyPort,
-                 writers: WritersPort, config: SupervisionConfig | None = None, resume: bool = False,
-                 limits: StalenessLimits | None = None, clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        store: LayerStore,
+        layer_numel: Mapping[str, int],
+        policy: PolicyPort,
+        writers: WritersPort,
+        config: SupervisionConfig | None = None,
+        resume: bool = False,
+        limits: StalenessLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         config = config or SupervisionConfig()
         self.store = store
         self.layer_numel = dict(layer_numel)
@@ -115,8 +146,13 @@ class RunSupervisor:
     def join(self, rank: int, world_size: int, worker_id: str) -> ResumeInfo:
         """A rank of a (new) worker group starts; returns, once its group's recovery (if any) is
         done, the :class:`ResumeInfo` every rank of the group gets. Raises :class:`JoinDismissed`."""
-        event = RankJoined(rank=rank, world_size=world_size, worker_id=worker_id,
-                           last_complete_step=self.policy.last_complete_step(), now=self.clock())
+        event = RankJoined(
+            rank=rank,
+            world_size=world_size,
+            worker_id=worker_id,
+            last_complete_step=self.policy.last_complete_step(),
+            now=self.clock(),
+        )
         with self._lock:
             actions = self.supervision.handle(event)
             attempt = self.supervision.attempt
@@ -173,20 +209,31 @@ class RunSupervisor:
         with self._lock:
             self.view.loaded(load_s)
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
-                 coordination_s: float = 0.0) -> dict[str, int | None]:
+    def progress(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float = 0.0
+    ) -> dict[str, int | None]:
         """Rank 0 finished ``step``; returns each layer's newest committed step (for metrics)."""
         with self._lock:
-            self.view.step_done(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
-                                coordination_s=coordination_s, now=self.clock())
+            self.view.step_done(
+                step=step,
+                loss=loss,
+                lr=lr,
+                compute_s=compute_s,
+                stall_s=stall_s,
+                coordination_s=coordination_s,
+                now=self.clock(),
+            )
             last_steps = self.commits.last_steps()
-            breach = self.guard.check(step=step, last_steps=last_steps,
-                                      storage_failures=self.view.storage_failures(self.commits))
+            breach = self.guard.check(
+                step=step, last_steps=last_steps, storage_failures=self.view.storage_failures(self.commits)
+            )
             if breach is not None:
                 self.view.breach = breach.to_json()
         if breach is not None and breach.action == "stop":
-            self.request_stop(f"storage failures broke the staleness bound ({breach.layer}: {breach.staleness} "
-                              f"steps stale > {breach.limit})")
+            self.request_stop(
+                f"storage failures broke the staleness bound ({breach.layer}: {breach.staleness} "
+                f"steps stale > {breach.limit})"
+            )
         return last_steps
 
     def finish(self, ok: bool, reason: str = "") -> None:
@@ -200,8 +247,13 @@ class RunSupervisor:
     def status(self, metrics_url: str | None = None) -> dict[str, Any]:
         """Everything the driver's progress line, the summary and the metrics show."""
         with self._lock:
-            return self.view.status(state=self.supervision.state.name, attempt=self.supervision.attempt,
-                                    commits=self.commits, metrics_url=metrics_url, now=self.clock())
+            return self.view.status(
+                state=self.supervision.state.name,
+                attempt=self.supervision.attempt,
+                commits=self.commits,
+                metrics_url=metrics_url,
+                now=self.clock(),
+            )
 
     # ---- carrying out actions -----------------------------------------------------------
     def _feed(self, event: Event) -> list[Any]:
@@ -235,8 +287,9 @@ class RunSupervisor:
         return self._feed(plan_composite(self.store, self.layer_numel, action, clock=self.clock))
 
     def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
-        self.policy.restart(world_size=action.world_size, resume_after=action.resume_after,
-                            persisted_steps=dict(action.persisted_steps))
+        self.policy.restart(
+            world_size=action.world_size, resume_after=action.resume_after, persisted_steps=dict(action.persisted_steps)
+        )
         return []
 
     def _execute_record(self, action: RecordRecovery) -> list[Any]:
@@ -274,8 +327,13 @@ class RunSupervisor:
 
 
 _EXECUTORS: dict[type, str] = {
-    DrainWriters: "_execute_drain", ReplaceWriters: "_execute_replace_writers",
-    AbandonIncomplete: "_execute_abandon", PlanComposite: "_execute_plan", RebasePolicy: "_execute_rebase",
-    RecordRecovery: "_execute_record", PublishResume: "_execute_publish", DismissJoins: "_execute_dismiss",
+    DrainWriters: "_execute_drain",
+    ReplaceWriters: "_execute_replace_writers",
+    AbandonIncomplete: "_execute_abandon",
+    PlanComposite: "_execute_plan",
+    RebasePolicy: "_execute_rebase",
+    RecordRecovery: "_execute_record",
+    PublishResume: "_execute_publish",
+    DismissJoins: "_execute_dismiss",
     CommitVersion: "_execute_commit",
 }

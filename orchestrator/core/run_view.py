@@ -35,15 +35,17 @@ class RunView:
     stop_reason: str | None = None
     """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
 
-    def step_done(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
-                  coordination_s: float, now: float) -> None:
+    def step_done(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float, now: float
+    ) -> None:
         """Rank 0 finished ``step``."""
         self.account.step_done(step, compute_s, stall_s, now, loss=loss, lr=lr, coordination_s=coordination_s)
         self.progress = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
 
     def record_recovery(self, action: RecordRecovery) -> None:
-        recovery = self.account.failed(t_fail=action.t_fail, resumed_at=action.resumed_at, now=action.detected_at,
-                                       lost_group=action.lost_group)
+        recovery = self.account.failed(
+            t_fail=action.t_fail, resumed_at=action.resumed_at, now=action.detected_at, lost_group=action.lost_group
+        )
         self.account.failures += max(0, action.groups_lost - 1)  # groups lost again during the recovery
         recovery.plan_s = action.plan_s
         recovery.max_staleness = action.max_staleness
@@ -59,8 +61,9 @@ class RunView:
         """Failed writes, failed commits and dead writers so far (lost worker groups are not storage's)."""
         return self.write_failures + commits.commit_retries + self.writers_replaced
 
-    def status(self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None,
-               now: float) -> dict[str, Any]:
+    def status(
+        self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None, now: float
+    ) -> dict[str, Any]:
         step = self.progress.step
         layers = commits.stats
         staleness = {name: (step - s.last_step if s.last_step is not None else None) for name, s in layers.items()}
@@ -78,9 +81,11 @@ class RunView:
             "staleness": staleness,
             "max_staleness": max(known.values()) if known else None,
             "weighted_staleness": (sum(self.layer_numel[n] * v for n, v in known.items()) / total)
-            if known and len(known) == len(staleness) else None,
-            "layers": {name: {"versions": s.versions, "bytes": s.bytes, "last_step": s.last_step}
-                       for name, s in layers.items()},
+            if known and len(known) == len(staleness)
+            else None,
+            "layers": {
+                name: {"versions": s.versions, "bytes": s.bytes, "last_step": s.last_step} for name, s in layers.items()
+            },
             "bytes_committed": sum(s.bytes for s in layers.values()),
             "versions_committed": sum(s.versions for s in layers.values()),
             "abandoned_versions": commits.tracker.abandoned,

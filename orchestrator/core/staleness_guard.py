@@ -44,8 +44,11 @@ class StalenessLimits:
     def of(cls, policy: Any, *, on_breach: str) -> StalenessLimits:
         """The limits of a policy config (any config with ``smax``; others have none)."""
         smax = getattr(policy, "smax", None)
-        return cls(smax=int(smax) if smax is not None else None,
-                   warmup_steps=int(getattr(policy, "warmup_steps", 0) or 0), on_breach=on_breach)
+        return cls(
+            smax=int(smax) if smax is not None else None,
+            warmup_steps=int(getattr(policy, "warmup_steps", 0) or 0),
+            on_breach=on_breach,
+        )
 
     @property
     def limit(self) -> int | None:
@@ -65,16 +68,27 @@ class StalenessBreach:
 
     @property
     def message(self) -> str:
-        then = ("the run stops after this step (persistence.on_staleness_breach = \"stop\"); fix the storage and "
-                "resume" if self.action == "stop" else
-                "training goes on unprotected (persistence.on_staleness_breach = \"warn\")")
-        return (f"staleness bound broken by storage failures: {self.layer} is {self.staleness} steps stale at "
-                f"step {self.step} (smax + lag = {self.limit}; {self.storage_failures} failed write(s) or lost "
-                f"version(s)); {then}")
+        then = (
+            'the run stops after this step (persistence.on_staleness_breach = "stop"); fix the storage and resume'
+            if self.action == "stop"
+            else 'training goes on unprotected (persistence.on_staleness_breach = "warn")'
+        )
+        return (
+            f"staleness bound broken by storage failures: {self.layer} is {self.staleness} steps stale at "
+            f"step {self.step} (smax + lag = {self.limit}; {self.storage_failures} failed write(s) or lost "
+            f"version(s)); {then}"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"step": self.step, "layer": self.layer, "staleness": self.staleness, "limit": self.limit,
-                "action": self.action, "storage_failures": self.storage_failures, "message": self.message}
+        return {
+            "step": self.step,
+            "layer": self.layer,
+            "staleness": self.staleness,
+            "limit": self.limit,
+            "action": self.action,
+            "storage_failures": self.storage_failures,
+            "message": self.message,
+        }
 
 
 @dataclass
@@ -83,7 +97,9 @@ class StalenessGuard:
     breach: StalenessBreach | None = None
     """The first breach of the run (it is reported once; the metric stays up)."""
 
-    def check(self, *, step: int, last_steps: Mapping[str, int | None], storage_failures: int) -> StalenessBreach | None:
+    def check(
+        self, *, step: int, last_steps: Mapping[str, int | None], storage_failures: int
+    ) -> StalenessBreach | None:
         """The breach, the first time ``step`` finds one; else ``None``."""
         limit = self.limits.limit
         if self.breach is not None or limit is None or storage_failures == 0:
@@ -95,7 +111,13 @@ class StalenessGuard:
                 worst = (staleness, layer)
         if worst is None:
             return None
-        self.breach = StalenessBreach(step=step, layer=worst[1], staleness=worst[0], limit=limit,
-                                      action=self.limits.on_breach, storage_failures=storage_failures)
+        self.breach = StalenessBreach(
+            step=step,
+            layer=worst[1],
+            staleness=worst[0],
+            limit=limit,
+            action=self.limits.on_breach,
+            storage_failures=storage_failures,
+        )
         logger.error("%s", self.breach.message)
         return self.breach

@@ -43,9 +43,24 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from orchestrator.core.supervision_events import (
-    AbandonIncomplete, Action, CompositePlanned, DismissJoins, DrainWriters, Event, NoComposite, PlanComposite,
-    PublishResume, RankJoined, RebasePolicy, RecordRecovery, ReplaceWriters, ResumeInfo, RunEnded,
-    SupervisionConfig, VersionUnusable, WritersDrained,
+    AbandonIncomplete,
+    Action,
+    CompositePlanned,
+    DismissJoins,
+    DrainWriters,
+    Event,
+    NoComposite,
+    PlanComposite,
+    PublishResume,
+    RankJoined,
+    RebasePolicy,
+    RecordRecovery,
+    ReplaceWriters,
+    ResumeInfo,
+    RunEnded,
+    SupervisionConfig,
+    VersionUnusable,
+    WritersDrained,
 )
 
 logger = logging.getLogger(__name__)
@@ -145,8 +160,13 @@ class Supervision:
         raise TypeError(f"not a supervision event: {event!r}")
 
     def _move(self, state: State, why: str) -> None:
-        logger.info("supervision: %s -> %s (attempt %d): %s", self.state.name, state.name,
-                    getattr(state, "attempt", self._last_attempt), why)
+        logger.info(
+            "supervision: %s -> %s (attempt %d): %s",
+            self.state.name,
+            state.name,
+            getattr(state, "attempt", self._last_attempt),
+            why,
+        )
         self.state = state
         self._last_attempt = getattr(state, "attempt", self._last_attempt)
 
@@ -180,13 +200,26 @@ class Supervision:
         members = {event.rank: event.worker_id}
         if not resume:
             info = ResumeInfo(1, 1)
-            self._move(Running(attempt=1, world_size=event.world_size, members=members, resume=info),
-                       f"a fresh start with {event.world_size} workers from the initial weights")
-            return [RebasePolicy(world_size=event.world_size, resume_after=0, persisted_steps={}),
-                    PublishResume(resume=info)]
-        self._move(Recovering(attempt=1, world_size=event.world_size, members=members, lost_group=False,
-                              t_fail=None, detected_at=event.now, phase="planning"),
-                   f"--resume: continue the stored run at its newest recoverable step with {event.world_size} workers")
+            self._move(
+                Running(attempt=1, world_size=event.world_size, members=members, resume=info),
+                f"a fresh start with {event.world_size} workers from the initial weights",
+            )
+            return [
+                RebasePolicy(world_size=event.world_size, resume_after=0, persisted_steps={}),
+                PublishResume(resume=info),
+            ]
+        self._move(
+            Recovering(
+                attempt=1,
+                world_size=event.world_size,
+                members=members,
+                lost_group=False,
+                t_fail=None,
+                detected_at=event.now,
+                phase="planning",
+            ),
+            f"--resume: continue the stored run at its newest recoverable step with {event.world_size} workers",
+        )
         return [PlanComposite(attempt=1, t_fail=None, skip=dict(self.unusable))]
 
     def _group_lost(self, state: Running | Recovering, event: RankJoined) -> list[Action]:
@@ -194,18 +227,32 @@ class Supervision:
         actions: list[Action] = []
         if isinstance(state, Running):
             t_fail, lost_group, groups = event.last_complete_step, True, 1
-            why = (f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
-                   f"{state.attempt} was lost after step {t_fail}; recovering with {event.world_size} workers")
+            why = (
+                f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
+                f"{state.attempt} was lost after step {t_fail}; recovering with {event.world_size} workers"
+            )
         else:  # lost again before recovery ended: nothing trained since, so the same t_fail
             t_fail, lost_group, groups = state.t_fail, state.lost_group, state.groups_lost + 1
             actions.append(DismissJoins(attempt=state.attempt, reason=f"attempt {attempt} replaced it"))
-            why = (f"rank {event.rank} joined as a new worker while attempt {state.attempt} was still "
-                   f"{state.phase}: that group was lost too; recovery starts over")
+            why = (
+                f"rank {event.rank} joined as a new worker while attempt {state.attempt} was still "
+                f"{state.phase}: that group was lost too; recovery starts over"
+            )
         logger.warning("supervision: %s", why)
         phase = "draining" if lost_group else "planning"
-        self._move(Recovering(attempt=attempt, world_size=event.world_size, members={event.rank: event.worker_id},
-                              lost_group=lost_group, t_fail=t_fail, detected_at=event.now, phase=phase,
-                              groups_lost=groups), why)
+        self._move(
+            Recovering(
+                attempt=attempt,
+                world_size=event.world_size,
+                members={event.rank: event.worker_id},
+                lost_group=lost_group,
+                t_fail=t_fail,
+                detected_at=event.now,
+                phase=phase,
+                groups_lost=groups,
+            ),
+            why,
+        )
         if lost_group:
             actions.append(DrainWriters(attempt=attempt, deadline_s=self.config.drain_deadline_s))
         else:
@@ -216,8 +263,13 @@ class Supervision:
         state = self.state
         if isinstance(state, Recovering) and state.attempt == attempt and state.phase == phase:
             return state
-        logger.info("dropping %s of attempt %d: the supervisor is %s (attempt %d)", what, attempt,
-                    state.name, self._last_attempt)
+        logger.info(
+            "dropping %s of attempt %d: the supervisor is %s (attempt %d)",
+            what,
+            attempt,
+            state.name,
+            self._last_attempt,
+        )
         return None
 
     def _drained(self, event: WritersDrained) -> list[Action]:
@@ -226,8 +278,10 @@ class Supervision:
             return []
         actions: list[Action] = []
         if event.unanswered:
-            reason = (f"writer(s) {', '.join(event.unanswered)} did not answer the drain within "
-                      f"{self.config.drain_deadline_s:g}s (config drain_deadline_s)")
+            reason = (
+                f"writer(s) {', '.join(event.unanswered)} did not answer the drain within "
+                f"{self.config.drain_deadline_s:g}s (config drain_deadline_s)"
+            )
             logger.error("supervision: %s: their versions are lost; recovering from what is committed", reason)
             actions += [ReplaceWriters(writers=tuple(event.unanswered)), AbandonIncomplete(reason=reason, lost=True)]
         else:
@@ -243,19 +297,31 @@ class Supervision:
         if isinstance(event, CompositePlanned):
             resume_after, records = event.t_fail, dict(event.records)
             persisted = {layer: record.step for layer, record in records.items()}
-            why = (f"resuming at step {resume_after + 1} from a composite at step {event.t_fail}: max staleness "
-                   f"{event.max_staleness}, weighted {event.weighted_staleness:.1f}")
+            why = (
+                f"resuming at step {resume_after + 1} from a composite at step {event.t_fail}: max staleness "
+                f"{event.max_staleness}, weighted {event.weighted_staleness:.1f}"
+            )
         else:
             resume_after, records, persisted = 0, None, {}
-            why = (f"no composite at step {event.t_fail} ({event.reason}): training restarts from the "
-                   "initial weights at step 1")
+            why = (
+                f"no composite at step {event.t_fail} ({event.reason}): training restarts from the "
+                "initial weights at step 1"
+            )
             logger.warning("supervision: %s", why)
         info = ResumeInfo(state.attempt, resume_after + 1, records)
         record = RecordRecovery(
-            t_fail=event.t_fail, resumed_at=resume_after + 1, lost_group=state.lost_group,
-            detected_at=state.detected_at, plan_s=max(0.0, event.now - state.detected_at),
+            t_fail=event.t_fail,
+            resumed_at=resume_after + 1,
+            lost_group=state.lost_group,
+            detected_at=state.detected_at,
+            plan_s=max(0.0, event.now - state.detected_at),
             groups_lost=state.groups_lost if state.lost_group else 0,
-            max_staleness=getattr(event, "max_staleness", 0), weighted_staleness=getattr(event, "weighted_staleness", 0.0))
+            max_staleness=getattr(event, "max_staleness", 0),
+            weighted_staleness=getattr(event, "weighted_staleness", 0.0),
+        )
         self._move(Running(attempt=state.attempt, world_size=state.world_size, members=state.members, resume=info), why)
-        return [RebasePolicy(world_size=state.world_size, resume_after=resume_after, persisted_steps=persisted),
-                record, PublishResume(resume=info)]
+        return [
+            RebasePolicy(world_size=state.world_size, resume_after=resume_after, persisted_steps=persisted),
+            record,
+            PublishResume(resume=info),
+        ]

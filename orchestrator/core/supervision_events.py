@@ -187,5 +187,13 @@ class DismissJoins:
     reason: str
 
 
-Action = (DrainWriters | ReplaceWriters | AbandonIncomplete | PlanComposite | RebasePolicy | RecordRecovery
-          | PublishResume | DismissJoins)
+Action = (
+    DrainWriters
+    | ReplaceWriters
+    | AbandonIncomplete
+    | PlanComposite
+    | RebasePolicy
+    | RecordRecovery
+    | PublishResume
+    | DismissJoins
+)

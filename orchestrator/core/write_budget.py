@@ -39,8 +39,12 @@ class WriteBudgetConfig:
         require_finite(self)
         require(0 < self.headroom <= 1, "headroom", "in (0, 1]", self.headroom)
         require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
-        require(self.cap_bytes_per_step is None or self.cap_bytes_per_step >= 1, "cap_bytes_per_step",
-                "None or >= 1", self.cap_bytes_per_step)
+        require(
+            self.cap_bytes_per_step is None or self.cap_bytes_per_step >= 1,
+            "cap_bytes_per_step",
+            "None or >= 1",
+            self.cap_bytes_per_step,
+        )
 
 
 class DrainBudget:
@@ -79,8 +83,13 @@ class DrainBudget:
         if self.config.cap_bytes_per_step is not None:
             budget = min(budget, self.config.cap_bytes_per_step)
         if self.budget is None:
-            logger.info("write budget: %d bytes/step (drain %.3g B/s x step %.3gs x headroom %g%s)", budget,
-                        bandwidth, step_s, self.config.headroom,
-                        f", cap {self.config.cap_bytes_per_step}" if self.config.cap_bytes_per_step else "")
+            logger.info(
+                "write budget: %d bytes/step (drain %.3g B/s x step %.3gs x headroom %g%s)",
+                budget,
+                bandwidth,
+                step_s,
+                self.config.headroom,
+                f", cap {self.config.cap_bytes_per_step}" if self.config.cap_bytes_per_step else "",
+            )
         self.budget = budget
         return budget

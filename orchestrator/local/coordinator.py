@@ -113,15 +113,26 @@ class _Gather:
 class LocalCoordinator:
     """One rank's coordinator; every rank of the group constructs one (collectively)."""
 
-    def __init__(self, *, policy: CheckpointPolicy, layer_numel: Mapping[str, int], store: LayerStore,
-                 max_inflight_bytes: int, max_versions_in_flight: int = 2, config: SupervisionConfig | None = None,
-                 run_id: str = "local", write_budget: WriteBudgetConfig | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        policy: CheckpointPolicy,
+        layer_numel: Mapping[str, int],
+        store: LayerStore,
+        max_inflight_bytes: int,
+        max_versions_in_flight: int = 2,
+        config: SupervisionConfig | None = None,
+        run_id: str = "local",
+        write_budget: WriteBudgetConfig | None = None,
+    ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.layer_numel = dict(layer_numel)
         self.layers = tuple(self.layer_numel)
         self.config = config or SupervisionConfig()
-        self.service = PolicyService(policy, self.layers, self.world_size, max_versions_in_flight=max_versions_in_flight)
+        self.service = PolicyService(
+            policy, self.layers, self.world_size, max_versions_in_flight=max_versions_in_flight
+        )
         self.store = store
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
         self.mailbox = Mailbox.create()
@@ -147,11 +158,21 @@ class LocalCoordinator:
             self.service.restart(world_size=self.world_size, resume_after=0, persisted_steps={})
 
     def _host(self, run_id: str) -> tuple[ReceiptPump, LocalWriters, RunSupervisor]:
-        port = LocalWriters(own=lambda: self.writer, mailbox=self.mailbox, world_size=self.world_size,
-                            catch_up=lambda timeout_s: pump.catch_up(timeout_s))
+        port = LocalWriters(
+            own=lambda: self.writer,
+            mailbox=self.mailbox,
+            world_size=self.world_size,
+            catch_up=lambda timeout_s: pump.catch_up(timeout_s),
+        )
         self._settlements = _SettledAtNextReport(self.service)
-        run = RunSupervisor(run_id=run_id, store=self.store, layer_numel=self.layer_numel,
-                            policy=self._settlements, writers=port, config=self.config)
+        run = RunSupervisor(
+            run_id=run_id,
+            store=self.store,
+            layer_numel=self.layer_numel,
+            policy=self._settlements,
+            writers=port,
+            config=self.config,
+        )
         pump = ReceiptPump(self.mailbox, run)
         return pump, port, run
 
@@ -164,10 +185,15 @@ class LocalCoordinator:
         def row(values: Sequence[float]) -> list[float]:
             return [*values, *[0.0] * (width - len(values))]
 
-        mine = torch.tensor([row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
-                             row([float(drift.numel.get(n, 0)) for n in self.layers]),
-                             row(settled),
-                             row([float(stats.written_bytes), stats.write_s, self._last_step_s])], dtype=torch.float64)
+        mine = torch.tensor(
+            [
+                row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
+                row([float(drift.numel.get(n, 0)) for n in self.layers]),
+                row(settled),
+                row([float(stats.written_bytes), stats.write_s, self._last_step_s]),
+            ],
+            dtype=torch.float64,
+        )
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         self._gathers[drift.step] = _Gather(drift.step, lr, work, gathered)
@@ -185,13 +211,15 @@ class LocalCoordinator:
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
-                 coordination_s: float) -> None:
+    def progress(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
+    ) -> None:
         self._last_step_s = compute_s + stall_s + coordination_s
         self.progress_log.append(StepProgress(step, loss, lr, compute_s, stall_s, coordination_s))
         if self.run is not None:
-            self.run.progress(step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s,
-                              coordination_s=coordination_s)
+            self.run.progress(
+                step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s, coordination_s=coordination_s
+            )
 
     # ---- the rest of the protocol ----------------------------------------------------------
     def _settle(self, up_to: int | None = None) -> None:
@@ -207,13 +235,21 @@ class LocalCoordinator:
                     self.service.settled(name, int(version_step))
             if self._budget is not None:  # from gathered values only: every replica computes the same
                 totals = [both[3].tolist() for both in gather.gathered]
-                self.service.set_write_budget(self._budget.update(
-                    written_bytes=[t[0] for t in totals], write_s=[t[1] for t in totals],
-                    step_s=max(t[2] for t in totals)))
+                self.service.set_write_budget(
+                    self._budget.update(
+                        written_bytes=[t[0] for t in totals],
+                        write_s=[t[1] for t in totals],
+                        step_s=max(t[2] for t in totals),
+                    )
+                )
             for rank, both in enumerate(gather.gathered):
-                self.service.report(step=step, rank=rank, lr=gather.lr,
-                                    abs_sums=dict(zip(self.layers, both[0].tolist())),
-                                    counts={n: int(c) for n, c in zip(self.layers, both[1].tolist())})
+                self.service.report(
+                    step=step,
+                    rank=rank,
+                    lr=gather.lr,
+                    abs_sums=dict(zip(self.layers, both[0].tolist())),
+                    counts={n: int(c) for n, c in zip(self.layers, both[1].tolist())},
+                )
 
     def last_complete_step(self) -> int:
         """Every rank's report gathered: the last step all ranks completed (``t_fail`` after a
@@ -230,8 +266,9 @@ class LocalCoordinator:
         self._generation += 1
         answer: GroupAnswer | str | None = None
         if self.run is None:
-            drain_mine(self.writer, self.mailbox, round_=self._rounds, rank=self.rank,
-                       deadline_s=self.config.drain_deadline_s)
+            drain_mine(
+                self.writer, self.mailbox, round_=self._rounds, rank=self.rank, deadline_s=self.config.drain_deadline_s
+            )
         else:
             assert self._port is not None
             self._port.begin(self._rounds)
@@ -260,9 +297,15 @@ class LocalCoordinator:
             return GroupAnswer(resume=resume)
         last = recoveries[-1]
         drain_s = self._port.drain_s
-        return GroupAnswer(resume=resume, replaced=tuple(self._port.replaced), t_fail=last["t_fail"],
-                           drain_s=drain_s, plan_s=max(0.0, last["plan_s"] - drain_s),
-                           weighted_staleness=last["weighted_staleness"], max_staleness=last["max_staleness"])
+        return GroupAnswer(
+            resume=resume,
+            replaced=tuple(self._port.replaced),
+            t_fail=last["t_fail"],
+            drain_s=drain_s,
+            plan_s=max(0.0, last["plan_s"] - drain_s),
+            weighted_staleness=last["weighted_staleness"],
+            max_staleness=last["max_staleness"],
+        )
 
     def _worker_id(self, rank: int) -> str:
         return f"rank{rank}-group{self._generation}"
@@ -275,8 +318,11 @@ class LocalCoordinator:
         if self.run is not None:
             self.run.loaded(load_s)
         else:
-            self.service.restart(world_size=self.world_size, resume_after=answer.resume.start_step - 1,
-                                 persisted_steps={layer: r.step for layer, r in records.items()})
+            self.service.restart(
+                world_size=self.world_size,
+                resume_after=answer.resume.start_step - 1,
+                persisted_steps={layer: r.step for layer, r in records.items()},
+            )
 
     def version_unusable(self, found: Sequence[tuple[str, str]]) -> None:
         """Ranks found these (version id, why) corrupt while loading: rank 0's supervisor skips them."""
@@ -338,4 +384,3 @@ class LocalCoordinator:
             self.run.finish(ok, "" if ok else "the trainer raised")
         dist.barrier(group=self._group)
         return drained
-

@@ -28,15 +28,14 @@ from typing import Any
 import torch
 
 from orchestrator.core.composite import CompositeMismatchError, check_fits
-from orchestrator.store.layer_store import RUN_CONFIG_FILE
-from workers.engine import layer_map_for
-from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
 from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
 from orchestrator.local.spawn import RanksFailedError, spawn_ranks
-from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from orchestrator.store.manifest import VersionRecord
+from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
 from policies.layer_map import LayerMap
 from policies.plan import NoUsableVersionError, newest_recoverable_step
+from workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +78,10 @@ def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None 
     try:
         return parse_run_config(json.loads(text))
     except (ValueError, TypeError) as error:  # bad JSON, or a ConfigError naming the field
-        raise ExportError(f"run {store.uri}: {RUN_CONFIG_FILE} is not a valid run config ({error}); "
-                          f"pass the run's config file with --config FILE") from error
+        raise ExportError(
+            f"run {store.uri}: {RUN_CONFIG_FILE} is not a valid run config ({error}); "
+            f"pass the run's config file with --config FILE"
+        ) from error
 
 
 def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
@@ -89,16 +90,24 @@ def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | N
     if step is not None:
         newest = newest_recoverable_step(list(layer_numel), store.manifest().refs())
         if newest is not None and step > newest:  # the composite would be older than its label
-            raise ExportError(f"run {store.uri}: --step {step} is past the newest recoverable step {newest}; "
-                              f"export --step {newest} (or leave --step out)")
+            raise ExportError(
+                f"run {store.uri}: --step {step} is past the newest recoverable step {newest}; "
+                f"export --step {newest} (or leave --step out)"
+            )
     try:
         resolved = resolve_plan(store, layer_numel, step, deep=True)
     except NoUsableVersionError as error:
         at = "the newest recoverable step" if step is None else f"step {step}"
         raise ExportError(f"run {store.uri}: no usable version of every layer at {at}: {error}") from error
     plan = resolved.plan
-    logger.info("composite of %s at step %d: %d layers, max staleness %d, %d version(s) skipped as unusable",
-                store.uri, plan.t_fail, len(plan.choices), plan.max_staleness, len(resolved.skipped))
+    logger.info(
+        "composite of %s at step %d: %d layers, max staleness %d, %d version(s) skipped as unusable",
+        store.uri,
+        plan.t_fail,
+        len(plan.choices),
+        plan.max_staleness,
+        len(resolved.skipped),
+    )
     return resolved
 
 
@@ -132,7 +141,9 @@ def composite_model(run: RunConfig, store: LayerStore, records: Mapping[str, Ver
             try:
                 values = read(name, "fp32", 0, param.numel())
             except (KeyError, ValueError) as error:
-                raise ExportError(f"run {store.uri}: the composite has no full fp32 weights of {name!r}: {error}") from error
+                raise ExportError(
+                    f"run {store.uri}: the composite has no full fp32 weights of {name!r}: {error}"
+                ) from error
             param.copy_(values.view(param.shape))
     return model
 
@@ -164,8 +175,9 @@ def run_tokenizer(run: RunConfig) -> Any:
 
 
 # ---- DeepSpeed --------------------------------------------------------------------------------
-def export_deepspeed(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path, world_size: int,
-                     *, timeout_s: float = 3600.0) -> Path:
+def export_deepspeed(
+    run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path, world_size: int, *, timeout_s: float = 3600.0
+) -> Path:
     """Write the composite as a DeepSpeed checkpoint (tag ``step{T}``) for ``world_size`` ranks at
     ``out``; the run's ZeRO stage and precision. Returns the tag's directory."""
     if world_size < 1:
@@ -178,8 +190,9 @@ def export_deepspeed(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, 
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ExportError(f"cannot create the export directory {out}: {error}") from error
-    job = _DeepSpeedJob(run_json=run.to_json(), store_uri=store.uri, records=dict(resolved.records), step=step,
-                        out=str(out))
+    job = _DeepSpeedJob(
+        run_json=run.to_json(), store_uri=store.uri, records=dict(resolved.records), step=step, out=str(out)
+    )
     _spawn(job, world_size, timeout_s)
     logger.info("wrote the composite at step %d as a %d-rank DeepSpeed checkpoint to %s", step, world_size, tag_dir)
     return tag_dir
@@ -196,8 +209,12 @@ class _DeepSpeedJob:
     out: str
 
     def provenance(self) -> dict[str, Any]:
-        return {"run": self.run_json.get("name"), "store": self.store_uri, "step": self.step,
-                "versions": {layer: r.version_id for layer, r in self.records.items()}}
+        return {
+            "run": self.run_json.get("name"),
+            "store": self.store_uri,
+            "step": self.step,
+            "versions": {layer: r.version_id for layer, r in self.records.items()},
+        }
 
 
 def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
@@ -216,19 +233,27 @@ def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     from workers.engine import build_engine, seek_step, shutdown
 
     run = parse_run_config(job.run_json)
-    te = build_engine(run.model, run.optim, run.engine)
+    train_engine = build_engine(run.model, run.optim, run.engine)
     try:
-        load_composite(te, LayerStore.open(job.store_uri, fsync=False), job.records)
-        seek_step(te, job.step)
-        te.engine.save_checkpoint(job.out, tag=deepspeed_tag(job.step),
-                                  client_state={"layercheck_export": job.provenance()})
+        load_composite(train_engine, LayerStore.open(job.store_uri, fsync=False), job.records)
+        seek_step(train_engine, job.step)
+        train_engine.engine.save_checkpoint(
+            job.out, tag=deepspeed_tag(job.step), client_state={"layercheck_export": job.provenance()}
+        )
     finally:
-        shutdown(te)
+        shutdown(train_engine)
 
 
 # ---- the whole command --------------------------------------------------------------------------
-def export(run_uri: str, *, fmt: str, out: str | os.PathLike[str], step: int | None = None,
-           world_size: int | None = None, config_path: str | os.PathLike[str] | None = None) -> Path:
+def export(
+    run_uri: str,
+    *,
+    fmt: str,
+    out: str | os.PathLike[str],
+    step: int | None = None,
+    world_size: int | None = None,
+    config_path: str | os.PathLike[str] | None = None,
+) -> Path:
     """Export run ``run_uri``'s composite at ``step`` in format ``fmt`` to ``out``; the path written."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")

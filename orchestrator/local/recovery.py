@@ -55,7 +55,7 @@ class Recovered:
         return {layer: r.step for layer, r in (self.records or {}).items()}
 
 
-def recover(te: TrainEngine, coordinator: LocalCoordinator) -> Recovered:
+def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recovered:
     """Recover every rank of a local run (collective). The engine's state may be anything
     (lost); on return it holds the composite at ``t_fail`` unless ``records`` is ``None`` (then
     the caller restores the initial weights)."""
@@ -69,7 +69,7 @@ def recover(te: TrainEngine, coordinator: LocalCoordinator) -> Recovered:
         records = answer.resume.records
         if records is None:
             break
-        seconds, corrupt = _load_agreed(te, coordinator, records)
+        seconds, corrupt = _load_agreed(train_engine, coordinator, records)
         load_s += seconds
         if not corrupt:
             break
@@ -77,31 +77,42 @@ def recover(te: TrainEngine, coordinator: LocalCoordinator) -> Recovered:
         coordinator.version_unusable(corrupt)
         logger.error("recovery: %s unusable; replanning without", ", ".join(v for v, _ in corrupt))
     start_step = answer.resume.start_step
-    seek_step(te, start_step - 1)
+    seek_step(train_engine, start_step - 1)
     coordinator.resumed(answer, load_s)
-    recovered = Recovered(t_fail=t_fail, start_step=start_step, records=dict(records) if records else None,
-                          drained=drained, drain_s=drain_s, plan_s=plan_s, load_s=load_s,
-                          weighted_staleness=answer.weighted_staleness, max_staleness=answer.max_staleness,
-                          unusable=tuple(unusable))
-    logger.warning("recovered after step %d: resuming at step %d (max staleness %d)", t_fail, start_step,
-                   recovered.max_staleness)
+    recovered = Recovered(
+        t_fail=t_fail,
+        start_step=start_step,
+        records=dict(records) if records else None,
+        drained=drained,
+        drain_s=drain_s,
+        plan_s=plan_s,
+        load_s=load_s,
+        weighted_staleness=answer.weighted_staleness,
+        max_staleness=answer.max_staleness,
+        unusable=tuple(unusable),
+    )
+    logger.warning(
+        "recovered after step %d: resuming at step %d (max staleness %d)", t_fail, start_step, recovered.max_staleness
+    )
     return recovered
 
 
-def _load_agreed(te: TrainEngine, coordinator: LocalCoordinator,
-                 records: Mapping[str, VersionRecord]) -> tuple[float, list[tuple[str, str]]]:
+def _load_agreed(
+    train_engine: TrainEngine, coordinator: LocalCoordinator, records: Mapping[str, VersionRecord]
+) -> tuple[float, list[tuple[str, str]]]:
     """Every rank loads its slices; then all agree (collective) on the slowest load and on the
     versions any rank found corrupt (empty: the load succeeded everywhere)."""
     mine: tuple[str, str] | None = None
     seconds = 0.0
     try:
-        seconds = load_composite(te, coordinator.store, records)
+        seconds = load_composite(train_engine, coordinator.store, records)
     except CorruptShardError as error:  # load_composite took part in the load's collective first
         mine = (error.version_id, str(error))
         logger.error("rank %d: %s", coordinator.rank, error)
     failed, slowest = coordinator.all_max([float(mine is not None), seconds])
     if not failed:
         return slowest, []
-    found = {version_id: why for entry in coordinator.all_gather(mine) if entry is not None
-             for version_id, why in [entry]}
+    found = {
+        version_id: why for entry in coordinator.all_gather(mine) if entry is not None for version_id, why in [entry]
+    }
     return slowest, sorted(found.items())

@@ -24,10 +24,19 @@ class InjectedFailure(Exception):
         self.step = step
 
 
-def train_with_failures(te: TrainEngine, dataset: SequenceDataset, coordinator: Coordinator, *, start_step: int,
-                        end_step: int, rank: int, world_size: int, fail_after: Collection[int] = (),
-                        on_failure: Callable[[int], int] | None = None,
-                        after_step: Callable[[int], None] = lambda step: None) -> list[int]:
+def train_with_failures(
+    train_engine: TrainEngine,
+    dataset: SequenceDataset,
+    coordinator: Coordinator,
+    *,
+    start_step: int,
+    end_step: int,
+    rank: int,
+    world_size: int,
+    fail_after: Collection[int] = (),
+    on_failure: Callable[[int], int] | None = None,
+    after_step: Callable[[int], None] = lambda step: None,
+) -> list[int]:
     """Train, failing after each step of ``fail_after``; ``on_failure(t_fail)`` returns the
     step to resume at. Returns the steps at which failures fired."""
     pending = set(fail_after)
@@ -44,8 +53,16 @@ def train_with_failures(te: TrainEngine, dataset: SequenceDataset, coordinator: 
     start = start_step
     while start <= end_step:
         try:
-            run_loop(te, dataset, coordinator, start_step=start, end_step=end_step, rank=rank,
-                     world_size=world_size, after_step=hook)
+            run_loop(
+                train_engine,
+                dataset,
+                coordinator,
+                start_step=start,
+                end_step=end_step,
+                rank=rank,
+                world_size=world_size,
+                after_step=hook,
+            )
             break
         except InjectedFailure as failure:
             fired.append(failure.step)
@@ -55,7 +72,7 @@ def train_with_failures(te: TrainEngine, dataset: SequenceDataset, coordinator: 
     return fired
 
 
-def wipe_training_state(te: TrainEngine) -> None:
+def wipe_training_state(train_engine: TrainEngine) -> None:
     """What a failure takes: every layer's weights and moments become NaN (a layer a recovery
     misses shows up as a NaN loss) and the engine goes back to step 0."""
     import math
@@ -65,6 +82,6 @@ def wipe_training_state(te: TrainEngine) -> None:
     from workers.engine import seek_step
     from workers.layer_state import LayerMeta, restore_layers
 
-    metas = {name: LayerMeta(optimizer_step=0) for name in te.layer_map.names}
-    restore_layers(te.layout, metas, lambda name, key, offset, length: torch.full((length,), math.nan))
-    seek_step(te, 0)
+    metas = {name: LayerMeta(optimizer_step=0) for name in train_engine.layer_map.names}
+    restore_layers(train_engine.layout, metas, lambda name, key, offset, length: torch.full((length,), math.nan))
+    seek_step(train_engine, 0)

@@ -38,10 +38,10 @@ class RanksFailedError(RuntimeError):
         """The failing rank's formatted traceback, where there is one."""
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str,
-           args: tuple[Any, ...]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple[Any, ...]) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -54,8 +54,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     exit_without_teardown()  # the result is on disk; a teardown abort must not fail the rank
 
 
-def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0,
-                what: str = "local ranks") -> list[Any]:
+def spawn_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, what: str = "local ranks"
+) -> list[Any]:
     """``[fn(0, world_size, *args), …, fn(world_size - 1, …)]``, each in its own process.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RanksFailedError` if a
@@ -64,19 +65,29 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory(prefix="layercheck-ranks-") as out_dir:
-        context = mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, tuple(args)),
-                                     nprocs=world_size, join=False, start_method="spawn")
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, free_port(), out_dir, tuple(args)),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while not context.join(timeout=max(0.05, min(5.0, deadline - time.monotonic()))):
                 if time.monotonic() >= deadline:
                     running = [r for r, p in enumerate(context.processes) if p.is_alive()]
-                    raise RanksFailedError(f"{what}: rank(s) {running} of {world_size} still running after "
-                                           f"{timeout_s:.0f}s; killed", ranks=running)
+                    raise RanksFailedError(
+                        f"{what}: rank(s) {running} of {world_size} still running after {timeout_s:.0f}s; killed",
+                        ranks=running,
+                    )
         except mp.ProcessRaisedException as error:
             logger.error("%s: rank %d failed:\n%s", what, error.error_index, error.msg)
-            raise RanksFailedError(f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}",
-                                   ranks=[error.error_index], detail=error.msg) from None
+            raise RanksFailedError(
+                f"{what} failed on rank {error.error_index}: {_last_line(error.msg)}",
+                ranks=[error.error_index],
+                detail=error.msg,
+            ) from None
         except mp.ProcessExitedException as error:
             raise RanksFailedError(f"{what}: {error}", ranks=[error.error_index]) from None
         finally:

@@ -62,14 +62,23 @@ class LocalWriter:
             older = self._queue.put((shard.layer, shard.rank, shard.step), _Entry(shard, base))
             if older is not None:
                 self.stats.superseded += 1
-                logger.info("%s step %d (rank %d) superseded by step %d before it was written",
-                            shard.layer, older.shard.step, shard.rank, shard.step)
+                logger.info(
+                    "%s step %d (rank %d) superseded by step %d before it was written",
+                    shard.layer,
+                    older.shard.step,
+                    shard.rank,
+                    shard.step,
+                )
             self._changed.notify_all()
             if self.inflight_bytes <= self.max_inflight_bytes:
                 return
             started = time.monotonic()
-            logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
-                           shard.rank, self.inflight_bytes, self.max_inflight_bytes)
+            logger.warning(
+                "rank %d: %d snapshot bytes in flight > %d: waiting for storage",
+                shard.rank,
+                self.inflight_bytes,
+                self.max_inflight_bytes,
+            )
             while self.inflight_bytes > self.max_inflight_bytes and not self._closed:
                 self._changed.wait()
             self.stats.blocked_s += time.monotonic() - started

@@ -41,8 +41,9 @@ def drain_mine(writer: LocalWriter, mailbox: Mailbox, *, round_: int, rank: int,
 class LocalWriters:
     """Rank 0's port. ``round`` is set by the coordinator before each collective drain."""
 
-    def __init__(self, *, own: Callable[[], LocalWriter], mailbox: Mailbox, catch_up: Callable[[float], bool],
-                 world_size: int) -> None:
+    def __init__(
+        self, *, own: Callable[[], LocalWriter], mailbox: Mailbox, catch_up: Callable[[float], bool], world_size: int
+    ) -> None:
         self.own = own
         """This rank's writer (a replaced one is a new object)."""
         self.mailbox = mailbox.client()
@@ -65,8 +66,9 @@ class LocalWriters:
         started = time.monotonic()
         answers = {0: drain_mine(self.own(), self.mailbox, round_=self.round, rank=0, deadline_s=deadline_s)}
         left = deadline_s - (time.monotonic() - started)
-        answers.update(self.mailbox.await_drained(self.round, range(1, self.world_size),
-                                                  max(0.0, left) + ANSWER_GRACE_S))
+        answers.update(
+            self.mailbox.await_drained(self.round, range(1, self.world_size), max(0.0, left) + ANSWER_GRACE_S)
+        )
         unanswered = [writer_name(rank) for rank, ok in sorted(answers.items()) if not ok]
         left = deadline_s - (time.monotonic() - started)
         if not self.catch_up(max(0.001, left)):

@@ -56,10 +56,13 @@ def with_context(fn: Callable[..., Any], context: WorkerContext, *, takes_config
     """``fn`` wrapped for Ray Train: the wrapper takes a config argument exactly when ``fn`` does
     (Ray Train looks at the signature to decide whether to pass ``train_loop_config``)."""
     if takes_config:
+
         def loop(config: Any) -> Any:
             return call_with_context(fn, context, config)
     else:
+
         def loop() -> Any:
             return call_with_context(fn, context)
+
     loop.__name__ = getattr(fn, "__name__", "train_loop_per_worker")
     return loop

@@ -15,19 +15,19 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from orchestrator.runtime import ray_noise
-from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, open_run_store
 from orchestrator.core.staleness_guard import StalenessLimits
+from orchestrator.runtime import ray_noise
+from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
@@ -81,11 +81,13 @@ class RunHandles:
     """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
     interrupted: bool = False
 
+
 def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
     cluster = config.cluster
-    connect_to(address=cluster.address, use_gpu=cluster.use_gpu,
-               cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1)
+    connect_to(
+        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1
+    )
 
 
 def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> None:
@@ -106,8 +108,7 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
         logger.info("joined the Ray cluster at %s", address)
         return
     cpus = max(os.cpu_count() or 1, cpus)
-    ray.init(num_cpus=cpus, namespace=NAMESPACE,
-             runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    ray.init(num_cpus=cpus, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
 
@@ -123,12 +124,20 @@ def _local_cluster() -> str | None:
         return None
 
 
-def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, take_over: bool = False,
-          on_progress: Callable[[dict[str, Any]], None] | None = None, poll_s: float = 1.0) -> RunResult:
+def train(
+    config: RunConfig,
+    *,
+    overwrite: bool = False,
+    resume: bool = False,
+    take_over: bool = False,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    poll_s: float = 1.0,
+) -> RunResult:
     """Run the training job ``config`` describes to the end; never raises for a failed run
     (see ``RunResult.error``), only for a bad setup. ``resume`` continues the run already in
     the storage from its newest recoverable step, at whatever world size ``config`` asks for."""
-    from ray.train import FailureConfig, RunConfig as TrainRunConfig, ScalingConfig
+    from ray.train import FailureConfig, ScalingConfig
+    from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
     from orchestrator.runtime.train_fn import train_fn
@@ -139,21 +148,35 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, t
     try:
         layer_map = layer_map_for(config.model)
         connect(config)
-        handles = start_run(name=config.name, storage_uri=config.storage_uri, policy=config.policy,
-                            persistence=config.persistence, metrics=config.metrics,
-                            num_workers=config.cluster.num_workers, layer_numel=layer_map.numel, resume=resume)
+        handles = start_run(
+            name=config.name,
+            storage_uri=config.storage_uri,
+            policy=config.policy,
+            persistence=config.persistence,
+            metrics=config.metrics,
+            num_workers=config.cluster.num_workers,
+            layer_numel=layer_map.numel,
+            resume=resume,
+        )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
             trainer = TorchTrainer(
                 train_fn,
                 train_loop_config={"run": config.to_json(), "run_id": handles.run_id},
-                scaling_config=ScalingConfig(num_workers=_group_size(config), use_gpu=config.cluster.use_gpu,
-                                             resources_per_worker={"CPU": config.cluster.cpus_per_worker}),
-                run_config=TrainRunConfig(name=handles.run_id, storage_path=scratch,
-                                          failure_config=FailureConfig(max_failures=config.cluster.max_failures)),
+                scaling_config=ScalingConfig(
+                    num_workers=_group_size(config),
+                    use_gpu=config.cluster.use_gpu,
+                    resources_per_worker={"CPU": config.cluster.cpus_per_worker},
+                ),
+                run_config=TrainRunConfig(
+                    name=handles.run_id,
+                    storage_path=scratch,
+                    failure_config=FailureConfig(max_failures=config.cluster.max_failures),
+                ),
             )
-            error = fit_watched(handles, trainer, on_progress=on_progress, poll_s=poll_s,
-                                fault_note=_fault_note(config))
+            error = fit_watched(
+                handles, trainer, on_progress=on_progress, poll_s=poll_s, fault_note=_fault_note(config)
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return finish_run(handles, error=error, config=config)
@@ -161,8 +184,17 @@ def train(config: RunConfig, *, overwrite: bool = False, resume: bool = False, t
         lease.release()  # also when setup fails after the lease was taken
 
 
-def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence: Any, metrics: Any,
-              num_workers: int, layer_numel: dict[str, int], resume: bool = False) -> RunHandles:
+def start_run(
+    *,
+    name: str,
+    storage_uri: str,
+    policy: PolicyConfig,
+    persistence: Any,
+    metrics: Any,
+    num_workers: int,
+    layer_numel: dict[str, int],
+    resume: bool = False,
+) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected."""
     from orchestrator.runtime.policy_actor import PolicyActor
@@ -171,20 +203,40 @@ def start_run(*, name: str, storage_uri: str, policy: PolicyConfig, persistence:
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
     policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
-        policy, layer_numel, num_workers, persistence.max_versions_in_flight)
+        policy, layer_numel, num_workers, persistence.max_versions_in_flight
+    )
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
-        run_id=run_id, store_uri=storage_uri, fsync=persistence.fsync,
-        writers_per_node=persistence.writers_per_node, layer_numel=layer_numel, policy_actor=policy_actor,
-        resume=resume, limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach))
+        run_id=run_id,
+        store_uri=storage_uri,
+        fsync=persistence.fsync,
+        writers_per_node=persistence.writers_per_node,
+        layer_numel=layer_numel,
+        policy_actor=policy_actor,
+        resume=resume,
+        limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
+    )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     metrics_url = _start_metrics(supervisor, metrics)
-    return RunHandles(run_id=run_id, storage_uri=storage_uri, policy_config=policy, layer_numel=dict(layer_numel),
-                      policy=policy_actor, supervisor=supervisor, metrics_url=metrics_url,
-                      stop_drain_s=persistence.stop_drain_s)
+    return RunHandles(
+        run_id=run_id,
+        storage_uri=storage_uri,
+        policy_config=policy,
+        layer_numel=dict(layer_numel),
+        policy=policy_actor,
+        supervisor=supervisor,
+        metrics_url=metrics_url,
+        stop_drain_s=persistence.stop_drain_s,
+    )
 
 
-def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dict[str, Any]], None] | None = None,
-                poll_s: float = 1.0, fault_note: str = "") -> str | None:
+def fit_watched(
+    handles: RunHandles,
+    trainer: Any,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    poll_s: float = 1.0,
+    fault_note: str = "",
+) -> str | None:
     """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
     run for good (max_failures exhausted, a bug in a worker), or ``None``.
 
@@ -193,8 +245,9 @@ def fit_watched(handles: RunHandles, trainer: Any, *, on_progress: Callable[[dic
     every rank, through the supervisor, to stop after the same step and persist its final state;
     the driver waits up to ``handles.stop_drain_s`` for that (a second Ctrl-C stops waiting)."""
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note),
-                               daemon=True)
+    watcher = threading.Thread(
+        target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note), daemon=True
+    )
     watcher.start()
     outcome: dict[str, str] = {}
     # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
@@ -229,8 +282,11 @@ def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None
 
 def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
     """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
-    logger.warning("Ctrl-C: stopping after the current step and saving what is in flight (up to %.0fs; "
-                   "Ctrl-C again to stop waiting)", handles.stop_drain_s)
+    logger.warning(
+        "Ctrl-C: stopping after the current step and saving what is in flight (up to %.0fs; "
+        "Ctrl-C again to stop waiting)",
+        handles.stop_drain_s,
+    )
     try:
         ray.get(handles.supervisor.request_stop.remote("interrupted (Ctrl-C)"), timeout=10)
         fitted.wait(handles.stop_drain_s)
@@ -241,8 +297,10 @@ def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
         logger.error("could not ask the workers to stop: %s", error)
         return
     if not fitted.is_set():
-        logger.error("the workers did not stop within %.0fs (persistence.stop_drain_s): ending without them",
-                     handles.stop_drain_s)
+        logger.error(
+            "the workers did not stop within %.0fs (persistence.stop_drain_s): ending without them",
+            handles.stop_drain_s,
+        )
 
 
 def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | None = None) -> RunResult:
@@ -251,27 +309,58 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     supervisor, policy = handles.supervisor, handles.policy
     end_errors: list[str] = []
     status: dict[str, Any] = {}
-    trace = DriftTrace.from_json({"steps": [], "layers": [
-        {"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]})
+    trace = DriftTrace.from_json(
+        {"steps": [], "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}
+    )
     drain_s = handles.stop_drain_s if handles.interrupted else None
     _at_end("draining the writers", end_errors, lambda: ray.get(supervisor.drain.remote(), timeout=drain_s))
-    status = _at_end("reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60),
-                     default=status)
+    status = _at_end(
+        "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default=status
+    )
     if error is None and status.get("stop_reason"):
         error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
-    _at_end("recording the end of the run", end_errors,
-            lambda: ray.get(supervisor.finish.remote(error is None, error or ""), timeout=60))
-    trace = _at_end("collecting the drift trace", end_errors, lambda: DriftTrace.from_json({
-        **ray.get(policy.trace.remote(), timeout=60), "layers": [
-            {"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}), default=trace)
-    _at_end(f"writing {DRIFT_TRACE_FILE}", end_errors, lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
-        DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()))
-    status = _at_end("reading the run's final status", end_errors,
-                     lambda: ray.get(supervisor.status.remote(), timeout=60), default=status)
-    result = RunResult(run_id=handles.run_id, config=config, status=status, trace=trace,
-                       layer_numel=handles.layer_numel, error=error, metrics_url=handles.metrics_url,
-                       storage_uri=handles.storage_uri, policy=handles.policy_config,
-                       interrupted=handles.interrupted, end_errors=end_errors)
+    _at_end(
+        "recording the end of the run",
+        end_errors,
+        lambda: ray.get(supervisor.finish.remote(error is None, error or ""), timeout=60),
+    )
+    trace = _at_end(
+        "collecting the drift trace",
+        end_errors,
+        lambda: DriftTrace.from_json(
+            {
+                **ray.get(policy.trace.remote(), timeout=60),
+                "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()],
+            }
+        ),
+        default=trace,
+    )
+    _at_end(
+        f"writing {DRIFT_TRACE_FILE}",
+        end_errors,
+        lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
+            DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()
+        ),
+    )
+    status = _at_end(
+        "reading the run's final status",
+        end_errors,
+        lambda: ray.get(supervisor.status.remote(), timeout=60),
+        default=status,
+    )
+    result = RunResult(
+        run_id=handles.run_id,
+        config=config,
+        status=status,
+        trace=trace,
+        layer_numel=handles.layer_numel,
+        error=error,
+        metrics_url=handles.metrics_url,
+        storage_uri=handles.storage_uri,
+        policy=handles.policy_config,
+        interrupted=handles.interrupted,
+        end_errors=end_errors,
+    )
     if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
     for actor in (supervisor, policy):
@@ -319,9 +408,13 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     return cluster.num_workers
 
 
-
-def _watch(supervisor: Any, on_progress: Callable[[dict[str, Any]], None] | None, stop: threading.Event,
-           poll_s: float, fault_note: str = "") -> None:
+def _watch(
+    supervisor: Any,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    stop: threading.Event,
+    poll_s: float,
+    fault_note: str = "",
+) -> None:
     seen = {"state": "", "recoveries": 0}
     while not stop.wait(poll_s):
         try:
@@ -341,15 +434,19 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
     note = f" ({fault_note})" if fault_note else ""
     state = status.get("state", "")
     if state == "recovering" and seen["state"] != "recovering":
-        lines.append(f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
-                     "workers, LayerCheck loads each layer's newest committed version and training resumes after "
-                     "the last complete step (Ray's tracebacks above are that loss)")
+        lines.append(
+            f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
+            "workers, LayerCheck loads each layer's newest committed version and training resumes after "
+            "the last complete step (Ray's tracebacks above are that loss)"
+        )
         seen["announced"] = True
     recoveries = status.get("account", {}).get("recoveries", [])
-    for r in recoveries[seen["recoveries"]:]:
+    for r in recoveries[seen["recoveries"] :]:
         lost = "" if seen.pop("announced", False) else f"worker group lost after step {r['t_fail']}{note}; "
-        lines.append(f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
-                     f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}")
+        lines.append(
+            f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
+            f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
+        )
     seen.update(state=state, recoveries=len(recoveries))
     for line in lines:
         logger.warning("%s", line)

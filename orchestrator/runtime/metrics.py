@@ -52,80 +52,154 @@ class Spec:
 _LAYER = ("layer",)
 SPECS: tuple[Spec, ...] = (
     # ---- per layer ---------------------------------------------------------------------
-    Spec(Gauge, "layercheck_layer_staleness_steps",
-         "Steps since the layer's newest committed version was taken (unset before the base).", _LAYER),
-    Spec(Gauge, "layercheck_layer_accumulated_drift",
-         "The policy's accumulated drift D of the layer since it was last persisted.", _LAYER),
-    Spec(Gauge, "layercheck_layer_drift_threshold",
-         "The policy's current threshold K0 * s(lr) for the layer, at the latest step's learning rate.", _LAYER),
-    Spec(Counter, "layercheck_layer_committed_versions_total", "Versions of the layer committed to the store.",
-         _LAYER),
+    Spec(
+        Gauge,
+        "layercheck_layer_staleness_steps",
+        "Steps since the layer's newest committed version was taken (unset before the base).",
+        _LAYER,
+    ),
+    Spec(
+        Gauge,
+        "layercheck_layer_accumulated_drift",
+        "The policy's accumulated drift D of the layer since it was last persisted.",
+        _LAYER,
+    ),
+    Spec(
+        Gauge,
+        "layercheck_layer_drift_threshold",
+        "The policy's current threshold K0 * s(lr) for the layer, at the latest step's learning rate.",
+        _LAYER,
+    ),
+    Spec(Counter, "layercheck_layer_committed_versions_total", "Versions of the layer committed to the store.", _LAYER),
     Spec(Counter, "layercheck_layer_committed_bytes_total", "Bytes of the layer's committed versions.", _LAYER),
     Spec(Gauge, "layercheck_layer_parameters", "Trainable parameters of the layer.", _LAYER),
     # ---- staleness ---------------------------------------------------------------------
     Spec(Gauge, "layercheck_staleness_max_steps", "The largest staleness of any layer."),
-    Spec(Gauge, "layercheck_staleness_weighted_steps",
-         "Parameter-weighted mean staleness over the layers (unset until every layer has a version)."),
-    Spec(Gauge, "layercheck_staleness_weighted_mean_steps",
-         "The parameter-weighted staleness averaged over the steps since every layer had a version."),
-    Spec(Gauge, "layercheck_smax_steps",
-         "The staleness budget Smax of the LayerCheck policy (the interval of the interval baseline)."),
+    Spec(
+        Gauge,
+        "layercheck_staleness_weighted_steps",
+        "Parameter-weighted mean staleness over the layers (unset until every layer has a version).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_staleness_weighted_mean_steps",
+        "The parameter-weighted staleness averaged over the steps since every layer had a version.",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_smax_steps",
+        "The staleness budget Smax of the LayerCheck policy (the interval of the interval baseline).",
+    ),
     # ---- bytes -------------------------------------------------------------------------
     Spec(Counter, "layercheck_written_bytes_total", "Bytes of layer shards the writers wrote to the store."),
-    Spec(Gauge, "layercheck_written_bytes_per_second",
-         f"Bytes of layer shards written per second over the last {RECENT_WINDOW_S:.0f} s "
-         "(the counter's rate() gives the same from Prometheus)."),
+    Spec(
+        Gauge,
+        "layercheck_written_bytes_per_second",
+        f"Bytes of layer shards written per second over the last {RECENT_WINDOW_S:.0f} s "
+        "(the counter's rate() gives the same from Prometheus).",
+    ),
     Spec(Counter, "layercheck_committed_bytes_total", "Bytes of all committed layer versions (base included)."),
-    Spec(Gauge, "layercheck_full_checkpoint_bytes",
-         f"Bytes of one full checkpoint: {BYTES_PER_PARAM} bytes per parameter (fp32 weight and two Adam moments)."),
-    Spec(Gauge, "layercheck_full_checkpoint_equivalent_bytes",
-         "Bytes fixed-interval full checkpoints would have written by the current step at the same freshness: "
-         "layercheck_full_checkpoint_bytes * floor(step / I), I = layercheck_full_checkpoint_interval_steps."),
-    Spec(Gauge, "layercheck_full_checkpoint_interval_steps",
-         "The full-checkpoint interval with the run's freshness: I = max(1, round(2 * S + 1)), S = "
-         "layercheck_staleness_weighted_mean_steps (a full checkpoint every I steps has mean staleness (I - 1) / 2)."),
+    Spec(
+        Gauge,
+        "layercheck_full_checkpoint_bytes",
+        f"Bytes of one full checkpoint: {BYTES_PER_PARAM} bytes per parameter (fp32 weight and two Adam moments).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_full_checkpoint_equivalent_bytes",
+        "Bytes fixed-interval full checkpoints would have written by the current step at the same freshness: "
+        "layercheck_full_checkpoint_bytes * floor(step / I), I = layercheck_full_checkpoint_interval_steps.",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_full_checkpoint_interval_steps",
+        "The full-checkpoint interval with the run's freshness: I = max(1, round(2 * S + 1)), S = "
+        "layercheck_staleness_weighted_mean_steps (a full checkpoint every I steps has mean staleness (I - 1) / 2).",
+    ),
     # ---- persistence -------------------------------------------------------------------
     Spec(Gauge, "layercheck_persistence_queue_versions", "Layer shards handed to the writers and not yet written."),
     Spec(Gauge, "layercheck_persistence_queue_bytes", "Bytes of layer shards handed to the writers, not yet written."),
-    Spec(Histogram, "layercheck_write_latency_seconds", "Time a writer took to write one layer shard.",
-         buckets=_LATENCY_BUCKETS),
-    Spec(Counter, "layercheck_superseded_versions_total",
-         "Queued shards replaced by a newer snapshot of the same layer before they were written."),
-    Spec(Counter, "layercheck_abandoned_versions_total",
-         "Versions dropped incomplete (a newer one completed first, or the worker group was lost)."),
+    Spec(
+        Histogram,
+        "layercheck_write_latency_seconds",
+        "Time a writer took to write one layer shard.",
+        buckets=_LATENCY_BUCKETS,
+    ),
+    Spec(
+        Counter,
+        "layercheck_superseded_versions_total",
+        "Queued shards replaced by a newer snapshot of the same layer before they were written.",
+    ),
+    Spec(
+        Counter,
+        "layercheck_abandoned_versions_total",
+        "Versions dropped incomplete (a newer one completed first, or the worker group was lost).",
+    ),
     Spec(Counter, "layercheck_write_failures_total", "Shard writes that failed."),
     Spec(Counter, "layercheck_commit_retries_total", "Version commits tried again after a failure."),
-    Spec(Counter, "layercheck_lost_versions_total",
-         "Versions never committed for want of storage (commit retries exhausted) or of a writer (drain timed out)."),
-    Spec(Counter, "layercheck_writers_replaced_total",
-         "Persistence writer actors found dead and replaced (what each held is counted in lost versions)."),
-    Spec(Gauge, "layercheck_staleness_breach",
-         "1 once storage failures let a layer's staleness pass Smax plus the pipeline lag (the run's bound is "
-         "broken; persistence.on_staleness_breach says whether it stops), else 0."),
+    Spec(
+        Counter,
+        "layercheck_lost_versions_total",
+        "Versions never committed for want of storage (commit retries exhausted) or of a writer (drain timed out).",
+    ),
+    Spec(
+        Counter,
+        "layercheck_writers_replaced_total",
+        "Persistence writer actors found dead and replaced (what each held is counted in lost versions).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_staleness_breach",
+        "1 once storage failures let a layer's staleness pass Smax plus the pipeline lag (the run's bound is "
+        "broken; persistence.on_staleness_breach says whether it stops), else 0.",
+    ),
     Spec(Counter, "layercheck_stalls_total", "Steps in which the training loop waited to hand snapshots over."),
     Spec(Counter, "layercheck_stall_seconds_total", "Seconds the training loop waited to hand snapshots over."),
     # ---- failures and recovery ---------------------------------------------------------
     Spec(Counter, "layercheck_failures_total", "Worker groups lost (fail-stop failures)."),
-    Spec(Counter, "layercheck_recoveries_total", "Recoveries completed: a new worker group trained past its resume step."),
-    Spec(Histogram, "layercheck_recovery_seconds",
-         "Recovery time by phase: detect (last progress to the new group's join, restart included), plan "
-         "(drain writers, plan the composite), load (slowest rank's load), total.",
-         ("phase",), _RECOVERY_BUCKETS),
-    Spec(Counter, "layercheck_steps_lost_total",
-         "Steps trained again after a recovery (0 when it resumes at t_fail + 1)."),
-    Spec(Counter, "layercheck_lost_compute_seconds_total",
-         "Compute of steps a lost worker group finished that did not count (after t_fail)."),
-    Spec(Gauge, "layercheck_recovery_composite_staleness_steps",
-         "Staleness of the composite the last recovery loaded (aggregation: max or weighted).", ("aggregation",)),
+    Spec(
+        Counter, "layercheck_recoveries_total", "Recoveries completed: a new worker group trained past its resume step."
+    ),
+    Spec(
+        Histogram,
+        "layercheck_recovery_seconds",
+        "Recovery time by phase: detect (last progress to the new group's join, restart included), plan "
+        "(drain writers, plan the composite), load (slowest rank's load), total.",
+        ("phase",),
+        _RECOVERY_BUCKETS,
+    ),
+    Spec(
+        Counter,
+        "layercheck_steps_lost_total",
+        "Steps trained again after a recovery (0 when it resumes at t_fail + 1).",
+    ),
+    Spec(
+        Counter,
+        "layercheck_lost_compute_seconds_total",
+        "Compute of steps a lost worker group finished that did not count (after t_fail).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_recovery_composite_staleness_steps",
+        "Staleness of the composite the last recovery loaded (aggregation: max or weighted).",
+        ("aggregation",),
+    ),
     # ---- time --------------------------------------------------------------------------
     Spec(Gauge, "layercheck_ettr_ratio", "Effective training time ratio: productive step time / wall-clock time."),
-    Spec(Gauge, "layercheck_ettr_recent_ratio",
-         f"ETTR over the last {RECENT_WINDOW_S:.0f} s: productive step time gained / wall-clock time."),
+    Spec(
+        Gauge,
+        "layercheck_ettr_recent_ratio",
+        f"ETTR over the last {RECENT_WINDOW_S:.0f} s: productive step time gained / wall-clock time.",
+    ),
     Spec(Gauge, "layercheck_step_seconds", "Compute time of the latest step (rank 0)."),
-    Spec(Histogram, "layercheck_step_duration_seconds", "Compute time of each step (rank 0).",
-         buckets=_LATENCY_BUCKETS),
-    Spec(Gauge, "layercheck_policy_protocol_seconds",
-         "Rank 0's mean time per step in the policy protocol (drift report + decision), on the critical path."),
+    Spec(
+        Histogram, "layercheck_step_duration_seconds", "Compute time of each step (rank 0).", buckets=_LATENCY_BUCKETS
+    ),
+    Spec(
+        Gauge,
+        "layercheck_policy_protocol_seconds",
+        "Rank 0's mean time per step in the policy protocol (drift report + decision), on the critical path.",
+    ),
     Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),
     Spec(Gauge, "layercheck_training_loss", "Loss of the latest step."),
     Spec(Gauge, "layercheck_learning_rate", "Learning rate of the latest step."),
@@ -262,8 +336,7 @@ class RunMetrics:
             self._weighted[step] = weighted
 
     # ---- refresh ------------------------------------------------------------------------
-    def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any],
-                now: float) -> None:
+    def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
         """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
         :class:`~orchestrator.runtime.persistence_pool.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
@@ -309,8 +382,10 @@ class RunMetrics:
         self._set("layercheck_ettr_ratio", account["ettr"])
         if now > then:
             # productive time drops when a failure discards the lost group's steps: count no gain then
-            self._set("layercheck_ettr_recent_ratio", min(1.0, max(0.0, account["productive_s"] - productive_then)
-                                                          / (now - then)))
+            self._set(
+                "layercheck_ettr_recent_ratio",
+                min(1.0, max(0.0, account["productive_s"] - productive_then) / (now - then)),
+            )
             self._set("layercheck_written_bytes_per_second", (self._samples[-1][2] - written_then) / (now - then))
 
     def _refresh_persistence(self, status: Mapping[str, Any], writers: Sequence[Any]) -> None:
@@ -324,7 +399,7 @@ class RunMetrics:
         self._advance("layercheck_writers_replaced_total", status.get("writers_replaced", 0))
         self._set("layercheck_staleness_breach", 1.0 if status.get("staleness_breach") else 0.0)
         latencies = status["write_latencies"]
-        for seconds in latencies[self._latencies_seen:]:
+        for seconds in latencies[self._latencies_seen :]:
             self._child("layercheck_write_latency_seconds").observe(seconds)
         self._latencies_seen = max(self._latencies_seen, len(latencies))
         account = status["account"]

@@ -14,18 +14,18 @@ node), so a snapshot crosses the node's shared-memory object store, not the netw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from orchestrator.logs import configure_process_logging
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.runtime.wire import WireShard, from_wire
 from orchestrator.core.write_queue import SupersedingQueue
+from orchestrator.logs import configure_process_logging
+from orchestrator.runtime.wire import WireShard, from_wire
+from orchestrator.store.layer_store import LayerStore
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +69,13 @@ class PersistenceWriter:
         if older is not None:
             self.stats.superseded += 1
             older[1].set_result(SUPERSEDED)
-            logger.info("%s step %d (rank %d) superseded by step %d before it was written",
-                        wire.layer, older[0].step, wire.rank, wire.step)
+            logger.info(
+                "%s step %d (rank %d) superseded by step %d before it was written",
+                wire.layer,
+                older[0].step,
+                wire.rank,
+                wire.step,
+            )
         self._count_queue()
         self._idle.clear()
         self._wake.set()

@@ -16,25 +16,28 @@ from typing import Any
 
 import ray
 
+from orchestrator.core.policy_service import PolicyService
+from orchestrator.logs import configure_process_logging
 from policies.checkpoint_policy import build_policy
 from policies.configs import PolicyConfig
-from orchestrator.logs import configure_process_logging
-from orchestrator.core.policy_service import PolicyService
 
 logger = logging.getLogger(__name__)
 
 
 @ray.remote(num_cpus=0)
 class PolicyActor:
-    def __init__(self, config: PolicyConfig, numel: Mapping[str, int], world_size: int,
-                 max_versions_in_flight: int = 1) -> None:
+    def __init__(
+        self, config: PolicyConfig, numel: Mapping[str, int], world_size: int, max_versions_in_flight: int = 1
+    ) -> None:
         configure_process_logging()  # the actor process has no main of ours
-        self.service = PolicyService(build_policy(config, numel), list(numel), world_size,
-                                     max_versions_in_flight=max_versions_in_flight)
+        self.service = PolicyService(
+            build_policy(config, numel), list(numel), world_size, max_versions_in_flight=max_versions_in_flight
+        )
         self._ready: dict[int, asyncio.Event] = {}
 
-    async def report(self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float],
-                     counts: Mapping[str, int]) -> dict[str, Any] | None:
+    async def report(
+        self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]
+    ) -> dict[str, Any] | None:
         """This rank's drift for ``step``; returns the step's decision (as JSON) once all ranks
         are in, or ``None`` if the worker group was restarted before they were."""
         decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts)

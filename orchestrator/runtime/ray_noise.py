@@ -60,8 +60,10 @@ class LogFilter:
                     continue
                 cut = self._in_traceback.pop(source)
                 self.dropped += cut
-                kept.append(f"{line[:300]}  [{cut} traceback lines cut; full text in Ray's session logs, "
-                            f"{ALL_LOGS_ENV}=all to print them]")
+                kept.append(
+                    f"{line[:300]}  [{cut} traceback lines cut; full text in Ray's session logs, "
+                    f"{ALL_LOGS_ENV}=all to print them]"
+                )
                 continue
             if _BLOCK_START.match(line):
                 self._in_traceback[source] = 1

@@ -17,8 +17,14 @@ from policies.simulate import BYTES_PER_PARAM, compare
 def summarize(result: RunResult) -> dict[str, Any]:
     status = result.status
     if "account" not in status:  # the supervisor could not be asked at the end (see end_errors)
-        return {"run_id": result.run_id, "state": "unknown", "error": result.error, "storage": result.storage_uri,
-                "end_errors": list(result.end_errors), "interrupted": result.interrupted}
+        return {
+            "run_id": result.run_id,
+            "state": "unknown",
+            "error": result.error,
+            "storage": result.storage_uri,
+            "end_errors": list(result.end_errors),
+            "interrupted": result.interrupted,
+        }
     account = status["account"]
     full_bytes = sum(result.layer_numel.values()) * BYTES_PER_PARAM
     summary: dict[str, Any] = {
@@ -67,8 +73,15 @@ def summarize(result: RunResult) -> dict[str, Any]:
 
 def format_summary(summary: dict[str, Any]) -> str:
     if "steps" not in summary:
-        return format_table(["", ""], [["run", summary["run_id"]], ["state", f"unknown ({summary['error'] or 'ok'})"],
-                                       *_trouble_rows(summary), ["storage", summary["storage"]]])
+        return format_table(
+            ["", ""],
+            [
+                ["run", summary["run_id"]],
+                ["state", f"unknown ({summary['error'] or 'ok'})"],
+                *_trouble_rows(summary),
+                ["storage", summary["storage"]],
+            ],
+        )
     rows: list[list[object]] = [
         ["run", summary["run_id"]],
         ["state", _state(summary)],
@@ -77,27 +90,43 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["failures / recoveries", f"{summary['failures']} / {len(summary['recoveries'])}"],
     ]
     for r in summary["recoveries"]:
-        rows.append([f"  recovery after step {r['t_fail']}",
-                     f"resumed at {r['resumed_at']}; detect+restart {r['detect_restart_s']:.1f}s, plan "
-                     f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
-                     f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}"])
+        rows.append(
+            [
+                f"  recovery after step {r['t_fail']}",
+                f"resumed at {r['resumed_at']}; detect+restart {r['detect_restart_s']:.1f}s, plan "
+                f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
+                f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
+            ]
+        )
     rows += [
-        ["bytes written", f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
-                          f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})"],
+        [
+            "bytes written",
+            f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
+            f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})",
+        ],
     ]
     matched = summary.get("full_at_same_staleness")
     if matched:
         ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
-        rows.append(["full checkpoints, same staleness",
-                     f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
-                     f"(the policy wrote {ratio:.2f}x that)"])
+        rows.append(
+            [
+                "full checkpoints, same staleness",
+                f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
+                f"(the policy wrote {ratio:.2f}x that)",
+            ]
+        )
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
-        ["ETTR", f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
-                 f"checkpoint stalls {summary['stall_s']:.2f}s)"],
+        [
+            "ETTR",
+            f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
+            f"checkpoint stalls {summary['stall_s']:.2f}s)",
+        ],
         ["policy protocol per step", _protocol_cost(summary)],
-        ["write failures / commit retries / lost versions",
-         f"{summary['write_failures']} / {summary['commit_retries']} / {summary['lost_versions']}"],
+        [
+            "write failures / commit retries / lost versions",
+            f"{summary['write_failures']} / {summary['commit_retries']} / {summary['lost_versions']}",
+        ],
         *_trouble_rows(summary),
         ["storage", summary["storage"]],
     ]
@@ -129,9 +158,11 @@ def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
 
 def format_progress(status: dict[str, Any]) -> str:
     stale = status["max_staleness"]
-    return (f"[{status['state']}] step {status['step']}  loss {_num(status['loss'])}  lr {status['lr']:.2e}  "
-            f"written {human_bytes(status['bytes_committed'])} ({status['versions_committed']} versions)  "
-            f"max staleness {stale if stale is not None else '-'}  ETTR {status['account']['ettr']:.2f}")
+    return (
+        f"[{status['state']}] step {status['step']}  loss {_num(status['loss'])}  lr {status['lr']:.2e}  "
+        f"written {human_bytes(status['bytes_committed'])} ({status['versions_committed']} versions)  "
+        f"max staleness {stale if stale is not None else '-'}  ETTR {status['account']['ettr']:.2f}"
+    )
 
 
 def _num(value: Any) -> str:
@@ -143,5 +174,7 @@ def _num(value: Any) -> str:
 def _protocol_cost(summary: dict[str, Any]) -> str:
     coord, step = summary["coordination_s_per_step"], summary["step_s_per_step"]
     share = coord["mean"] / step["mean"] if step["mean"] else 0.0
-    return (f"{coord['mean'] * 1e3:.2f} ms mean, {coord['p90'] * 1e3:.2f} ms p90 "
-            f"({share:.1%} of the {step['mean'] * 1e3:.0f} ms mean step)")
+    return (
+        f"{coord['mean'] * 1e3:.2f} ms mean, {coord['p90'] * 1e3:.2f} ms p90 "
+        f"({share:.1%} of the {step['mean'] * 1e3:.0f} ms mean step)"
+    )

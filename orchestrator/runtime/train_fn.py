@@ -7,8 +7,8 @@ import dataclasses
 import logging
 import os
 import signal
-import warnings
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,13 +17,13 @@ import ray
 import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from orchestrator.logs import configure_process_logging
 from orchestrator.core.composite import load_composite
-from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.core.run_config import FaultConfig, parse_run_config
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.errors import CorruptShardError
+from orchestrator.logs import configure_process_logging
+from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.runtime.wire import to_wire
+from orchestrator.store.errors import CorruptShardError
+from orchestrator.store.layer_store import LayerStore
 from policies.decision import PersistDecision
 from workers.data import load_dataset
 from workers.drift import LayerDrift
@@ -42,6 +42,7 @@ class _Submission:
     nbytes: int
     step: int
     tries: int = 1
+
 
 #: Writers a snapshot is handed to before it is counted lost (the first, and one replacement).
 SUBMIT_TRIES = 2
@@ -90,8 +91,9 @@ class RayCoordinator:
         for shard in shards:
             wire = to_wire(shard, base=base)
             snapshot = ray.put(wire)  # copied into the object store: the shard's buffers may be reused
-            self._inflight[shard.layer] = _Submission(snapshot=snapshot, result=self.writer.submit.remote(snapshot),
-                                                      nbytes=wire.nbytes, step=shard.step)
+            self._inflight[shard.layer] = _Submission(
+                snapshot=snapshot, result=self.writer.submit.remote(snapshot), nbytes=wire.nbytes, step=shard.step
+            )
         self._bound_inflight()
 
     def _bound_inflight(self) -> None:
@@ -100,8 +102,12 @@ class RayCoordinator:
         if inflight <= self.max_inflight_bytes:
             return
         started = time.monotonic()
-        logger.warning("rank %d: %d snapshot bytes in flight > %d: waiting for storage",
-                       self.rank, inflight, self.max_inflight_bytes)
+        logger.warning(
+            "rank %d: %d snapshot bytes in flight > %d: waiting for storage",
+            self.rank,
+            inflight,
+            self.max_inflight_bytes,
+        )
         for sub in list(self._inflight.values()):
             ray.wait([sub.result])
             inflight -= sub.nbytes
@@ -136,15 +142,20 @@ class RayCoordinator:
         orphaned = {layer: sub for layer, sub in self._inflight.items()}  # every submission to it fails
         again = {layer: sub for layer, sub in orphaned.items() if sub.tries < SUBMIT_TRIES}
         lost = [(layer, sub.step) for layer, sub in orphaned.items() if layer not in again]
-        logger.error("rank %d: the persistence writer died (%s); asking for a new one, which gets the %d snapshot(s) "
-                     "it held%s", self.rank, type(error).__name__, len(again),
-                     f" ({len(lost)} lost: their second writer died too)" if lost else "")
+        logger.error(
+            "rank %d: the persistence writer died (%s); asking for a new one, which gets the %d snapshot(s) it held%s",
+            self.rank,
+            type(error).__name__,
+            len(again),
+            f" ({len(lost)} lost: their second writer died too)" if lost else "",
+        )
         node_id = ray.get_runtime_context().get_node_id()
         writers = ray.get(self.supervisor.writer_died.remote(self.rank, node_id, dead, lost, str(error)))
         self.writer = writers[self.rank % len(writers)]
-        self._inflight = {layer: dataclasses.replace(sub, result=self.writer.submit.remote(sub.snapshot),
-                                                     tries=sub.tries + 1)
-                          for layer, sub in again.items()}
+        self._inflight = {
+            layer: dataclasses.replace(sub, result=self.writer.submit.remote(sub.snapshot), tries=sub.tries + 1)
+            for layer, sub in again.items()
+        }
         return bool(again)
 
     def flush(self, timeout_s: float) -> None:
@@ -159,8 +170,9 @@ class RayCoordinator:
             if not self._settle_done() or time.monotonic() >= deadline:
                 break
 
-    def progress(self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float,
-                 coordination_s: float) -> None:
+    def progress(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
+    ) -> None:
         self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s, coordination_s)
 
 
@@ -180,23 +192,36 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     resume_ref = supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}")
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
 
-    te = build_engine(run.model, run.optim, run.engine)
+    train_engine = build_engine(run.model, run.optim, run.engine)
     resume = ray.get(resume_ref)
     if resume.records is not None:
-        recover(te, run.storage_uri, run.persistence.fsync, resume.records, supervisor, rank)
-        seek_step(te, resume.start_step - 1)
-    coordinator = RayCoordinator(rank=rank, policy=policy, writer=writers[rank % len(writers)],
-                                 supervisor=supervisor, max_inflight_bytes=run.persistence.max_inflight_bytes)
+        recover(train_engine, run.storage_uri, run.persistence.fsync, resume.records, supervisor, rank)
+        seek_step(train_engine, resume.start_step - 1)
+    coordinator = RayCoordinator(
+        rank=rank,
+        policy=policy,
+        writer=writers[rank % len(writers)],
+        supervisor=supervisor,
+        max_inflight_bytes=run.persistence.max_inflight_bytes,
+    )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     try:
         if resume.start_step <= run.steps:
-            run_loop(te, load_dataset(run.data), coordinator, start_step=resume.start_step,
-                     end_step=run.steps, rank=rank, world_size=world_size, after_step=kill,
-                     save_final=run.persistence.save_final)
+            run_loop(
+                train_engine,
+                load_dataset(run.data),
+                coordinator,
+                start_step=resume.start_step,
+                end_step=run.steps,
+                rank=rank,
+                world_size=world_size,
+                after_step=kill,
+                save_final=run.persistence.save_final,
+            )
             coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
         ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
     finally:
-        shutdown(te)
+        shutdown(train_engine)
 
 
 def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor: Any, rank: int) -> None:

@@ -33,20 +33,30 @@ class WireShard:
 def to_wire(shard: LayerShard, *, base: bool) -> WireShard:
     """Views of the shard's host tensors: serialise (``.remote()`` does) before reusing them."""
     return WireShard(
-        layer=shard.layer, step=shard.step, rank=shard.rank, world_size=shard.world_size,
+        layer=shard.layer,
+        step=shard.step,
+        rank=shard.rank,
+        world_size=shard.world_size,
         slices=tuple((s.name, tuple(s.shape), s.offset, s.length) for s in shard.slices),
         arrays={key: shard.tensors[key].detach().cpu().numpy() for key in STATE_KEYS},
-        optimizer_step=shard.optimizer_step, groups=tuple(shard.groups), base=base,
+        optimizer_step=shard.optimizer_step,
+        groups=tuple(shard.groups),
+        base=base,
     )
 
 
 def from_wire(wire: WireShard) -> LayerShard:
     return LayerShard(
-        layer=wire.layer, step=wire.step, rank=wire.rank, world_size=wire.world_size,
-        slices=tuple(ParamSlice(name=n, shape=tuple(shape), offset=o, length=length)
-                     for n, shape, o, length in wire.slices),
+        layer=wire.layer,
+        step=wire.step,
+        rank=wire.rank,
+        world_size=wire.world_size,
+        slices=tuple(
+            ParamSlice(name=n, shape=tuple(shape), offset=o, length=length) for n, shape, o, length in wire.slices
+        ),
         tensors={key: _tensor(a) for key, a in wire.arrays.items()},
-        optimizer_step=wire.optimizer_step, groups=wire.groups,
+        optimizer_step=wire.optimizer_step,
+        groups=wire.groups,
     )
 
 

@@ -42,4 +42,3 @@ class UnsafeStoreError(ValueError):
 
 class StoreBusyError(RuntimeError):
     """Another process owns the store (its lease is live): two runs must not write one store."""
-

@@ -171,7 +171,7 @@ class StoreFS:
         out = []
         for info in self.fs.get_file_info(selector):
             if info.type == pafs.FileType.File:
-                out.append((info.path[len(prefix):] if info.path.startswith(prefix) else info.path, info))
+                out.append((info.path[len(prefix) :] if info.path.startswith(prefix) else info.path, info))
         return sorted(out, key=lambda item: item[0])
 
     def delete(self, rel: str) -> bool:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from orchestrator.store import tensorfile
+from orchestrator.store.errors import ManifestError, ShardFormatError
+from orchestrator.store.fs import FaultHook, StoreFS, new_token
 from orchestrator.store.manifest import (
     LAYERS_DIR,
     Manifest,
@@ -33,8 +35,6 @@ from orchestrator.store.manifest import (
     read_manifest,
     record_path,
 )
-from orchestrator.store.errors import ManifestError, ShardFormatError
-from orchestrator.store.fs import FaultHook, StoreFS, new_token
 from workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -91,8 +91,14 @@ class LayerStore:
         )
         logger.debug("wrote %s (%d bytes) in %.3fs", self.fs.uri(rel), digest.nbytes, time.monotonic() - started)
         return ShardReceipt(
-            layer=shard.layer, step=shard.step, rank=shard.rank, world_size=shard.world_size, base=base,
-            path=rel, nbytes=digest.nbytes, checksum=digest.checksum,
+            layer=shard.layer,
+            step=shard.step,
+            rank=shard.rank,
+            world_size=shard.world_size,
+            base=base,
+            path=rel,
+            nbytes=digest.nbytes,
+            checksum=digest.checksum,
         )
 
     def commit(self, receipts: Sequence[ShardReceipt], *, check_files: bool = True) -> VersionRecord:
@@ -121,8 +127,12 @@ class LayerStore:
         self.fs.write_bytes(record_path(record.version_id), encode_record(record))
         logger.info(
             "committed %s: layer %s step %d%s, %d ranks, %d bytes",
-            record.version_id, record.layer, record.step, " (base)" if record.base else "",
-            record.world_size, record.nbytes,
+            record.version_id,
+            record.layer,
+            record.step,
+            " (base)" if record.base else "",
+            record.world_size,
+            record.nbytes,
         )
         return record
 

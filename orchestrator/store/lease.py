@@ -58,12 +58,20 @@ class LeaseInfo:
     def from_json(cls, data: dict[str, Any]) -> LeaseInfo:
         if data.get("format") != LEASE_FORMAT:
             raise ValueError(f"not a LayerCheck lease (format {data.get('format')!r})")
-        return cls(owner=str(data["owner"]), host=str(data["host"]), pid=int(data["pid"]), run=str(data["run"]),
-                   acquired_at=float(data["acquired_at"]), expires_at=float(data["expires_at"]))
+        return cls(
+            owner=str(data["owner"]),
+            host=str(data["host"]),
+            pid=int(data["pid"]),
+            run=str(data["run"]),
+            acquired_at=float(data["acquired_at"]),
+            expires_at=float(data["expires_at"]),
+        )
 
     def describe(self) -> str:
-        return (f"run {self.run!r} (pid {self.pid} on {self.host}, since {_clock(self.acquired_at)}, "
-                f"lease valid until {_clock(self.expires_at)})")
+        return (
+            f"run {self.run!r} (pid {self.pid} on {self.host}, since {_clock(self.acquired_at)}, "
+            f"lease valid until {_clock(self.expires_at)})"
+        )
 
 
 def _clock(t: float) -> str:
@@ -115,8 +123,9 @@ class StoreLease:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def acquire(cls, fs: StoreFS, *, run: str, ttl_s: float = DEFAULT_TTL_S, take_over: bool = False,
-                settle_s: float = 1.0) -> StoreLease:
+    def acquire(
+        cls, fs: StoreFS, *, run: str, ttl_s: float = DEFAULT_TTL_S, take_over: bool = False, settle_s: float = 1.0
+    ) -> StoreLease:
         """Take the store's lease, or raise :class:`StoreBusyError` naming its live owner."""
         host, pid, now = socket.gethostname(), os.getpid(), time.time()
         current = read_lease(fs)
@@ -126,10 +135,12 @@ class StoreLease:
                 raise StoreBusyError(
                     f"{fs.uri()} is in use by {current.describe()}. Two runs must not write one store: let it "
                     "finish, or stop it. If it is gone (its host died), wait until the lease expires, or pass "
-                    "--take-over to take the store now.")
+                    "--take-over to take the store now."
+                )
             logger.warning("taking over %s from %s: %s", fs.uri(), current.describe(), reason)
-        info = LeaseInfo(owner=secrets.token_hex(8), host=host, pid=pid, run=run, acquired_at=now,
-                         expires_at=now + ttl_s)
+        info = LeaseInfo(
+            owner=secrets.token_hex(8), host=host, pid=pid, run=run, acquired_at=now, expires_at=now + ttl_s
+        )
         lease = cls(fs, info, ttl_s)
         lease._publish(exclusive=current is None, settle_s=settle_s)
         logger.info("took the lease on %s (owner %s)", fs.uri(), info.owner)
@@ -157,8 +168,9 @@ class StoreLease:
             os.link(staging, target)  # fails if another process published first
         except FileExistsError:
             other = read_lease(self.fs)
-            raise StoreBusyError(f"{self.fs.uri()} was taken at the same moment by "
-                                 f"{other.describe() if other else 'another run'}") from None
+            raise StoreBusyError(
+                f"{self.fs.uri()} was taken at the same moment by {other.describe() if other else 'another run'}"
+            ) from None
         finally:
             os.unlink(staging)
 
@@ -166,8 +178,10 @@ class StoreLease:
         current = read_lease(self.fs)
         if current is None or current.owner != self.info.owner:
             self.lost = True
-            raise StoreBusyError(f"{doing} the lease on {self.fs.uri()} failed: it now belongs to "
-                                 f"{current.describe() if current else 'nobody (it was deleted)'}")
+            raise StoreBusyError(
+                f"{doing} the lease on {self.fs.uri()} failed: it now belongs to "
+                f"{current.describe() if current else 'nobody (it was deleted)'}"
+            )
 
     def renew(self) -> None:
         """Extend the lease by its TTL; :class:`StoreBusyError` (and ``lost``) if it is not ours any more."""

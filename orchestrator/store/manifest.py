@@ -119,8 +119,9 @@ class VersionRecord:
                 base=bool(data["base"]),
                 committed_at=float(data["committed_at"]),
                 shards=tuple(
-                    ShardEntry(rank=int(s["rank"]), path=str(s["path"]), nbytes=int(s["nbytes"]),
-                               checksum=str(s["checksum"]))
+                    ShardEntry(
+                        rank=int(s["rank"]), path=str(s["path"]), nbytes=int(s["nbytes"]), checksum=str(s["checksum"])
+                    )
                     for s in data["shards"]
                 ),
             )
@@ -165,8 +166,7 @@ def _read_record(store: StoreFS, rel: str) -> VersionRecord | str:
 def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
     """List and read every commit record. A malformed record (torn by a crash on a filesystem
     without fsync, say) is reported in ``problems`` and left out, never trusted."""
-    names = [rel for rel, _ in store.list_files(MANIFEST_DIR)
-             if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
+    names = [rel for rel, _ in store.list_files(MANIFEST_DIR) if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
     if len(names) > 1 and threads > 1:
         with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
             results = list(pool.map(lambda rel: _read_record(store, rel), names))
@@ -180,18 +180,20 @@ def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
     return Manifest(records=tuple(records), problems=tuple(problems))
 
 
-_SCHEMA = pa.schema([
-    ("version_id", pa.string()),
-    ("layer", pa.string()),
-    ("step", pa.int64()),
-    ("base", pa.bool_()),
-    ("world_size", pa.int32()),
-    ("nbytes", pa.int64()),
-    ("committed_at", pa.timestamp("ms", tz="UTC")),
-    ("files", pa.list_(pa.string())),
-    ("file_nbytes", pa.list_(pa.int64())),
-    ("checksums", pa.list_(pa.string())),
-])
+_SCHEMA = pa.schema(
+    [
+        ("version_id", pa.string()),
+        ("layer", pa.string()),
+        ("step", pa.int64()),
+        ("base", pa.bool_()),
+        ("world_size", pa.int32()),
+        ("nbytes", pa.int64()),
+        ("committed_at", pa.timestamp("ms", tz="UTC")),
+        ("files", pa.list_(pa.string())),
+        ("file_nbytes", pa.list_(pa.int64())),
+        ("checksums", pa.list_(pa.string())),
+    ]
+)
 
 
 def manifest_table(records: Iterable[VersionRecord] | Manifest) -> pa.Table:

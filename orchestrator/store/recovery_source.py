@@ -21,9 +21,9 @@ import pyarrow as pa
 import torch
 
 from orchestrator.store import tensorfile
-from orchestrator.store.manifest import Manifest, VersionRecord
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.errors import CorruptShardError, ShardFormatError
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import Manifest, VersionRecord
 from policies.plan import NoUsableVersionError, RecoveryPlan, newest_recoverable_step, plan_recovery
 from workers.shard import STATE_KEYS, ParamSlice
 
@@ -86,13 +86,22 @@ def resolve_plan(
             if problems:
                 skipped[version_id] = "; ".join(problems)
                 fresh_problems = True
-                logger.warning("recovery: version %s of layer %s is unusable (%s); re-planning without it",
-                               version_id, choice.layer, skipped[version_id])
+                logger.warning(
+                    "recovery: version %s of layer %s is unusable (%s); re-planning without it",
+                    version_id,
+                    choice.layer,
+                    skipped[version_id],
+                )
             else:
                 usable.add(version_id)
         if not fresh_problems:
-            logger.info("recovery plan at step %d: max staleness %d, weighted %.1f, %d version(s) skipped",
-                        plan.t_fail, plan.max_staleness, plan.weighted_staleness, len(skipped))
+            logger.info(
+                "recovery plan at step %d: max staleness %d, weighted %.1f, %d version(s) skipped",
+                plan.t_fail,
+                plan.max_staleness,
+                plan.weighted_staleness,
+                len(skipped),
+            )
             return ResolvedPlan(
                 plan=plan,
                 records={c.layer: by_id[c.version.version_id] for c in plan.choices},
@@ -156,8 +165,11 @@ class VersionReader:
                 except (ShardFormatError, OSError) as error:
                     raise self._corrupt(index, str(error)) from error
                 if header.checksum != entry.checksum or header.file_nbytes != entry.nbytes:
-                    raise self._corrupt(index, f"header checksum {header.checksum} / {header.file_nbytes} bytes, "
-                                               f"the manifest says {entry.checksum} / {entry.nbytes} bytes")
+                    raise self._corrupt(
+                        index,
+                        f"header checksum {header.checksum} / {header.file_nbytes} bytes, "
+                        f"the manifest says {entry.checksum} / {entry.nbytes} bytes",
+                    )
                 headers.append(header)
             steps = {h.optimizer_step for h in headers}
             if len(steps) != 1:
@@ -188,8 +200,14 @@ class VersionReader:
         entry = header.entries[tensorfile.entry_name(key, param)]
         verify = (piece.file_index, entry.name) not in self._verified
         try:
-            data = tensorfile.read_entry(self._file(piece.file_index), entry, path=self.store.fs.uri(
-                self.record.shards[piece.file_index].path), start=start, count=count, verify=verify)
+            data = tensorfile.read_entry(
+                self._file(piece.file_index),
+                entry,
+                path=self.store.fs.uri(self.record.shards[piece.file_index].path),
+                start=start,
+                count=count,
+                verify=verify,
+            )
         except (ShardFormatError, OSError) as error:
             raise self._corrupt(piece.file_index, str(error)) from error
         self._verified.add((piece.file_index, entry.name))
@@ -218,7 +236,8 @@ class VersionReader:
                 break  # a gap: reported below
             stop = min(piece_end, end)
             out[position - offset : stop - offset] = self._read_piece(
-                piece, key, param, position - piece.offset, stop - position)
+                piece, key, param, position - piece.offset, stop - position
+            )
             position = stop
         if position < end:
             raise ValueError(
@@ -263,8 +282,10 @@ class CompositeReader:
 
     def metas(self, layers: Collection[str] | None = None) -> dict[str, VersionMeta]:
         names = self._readers if layers is None else layers
-        return {name: VersionMeta(optimizer_step=self._readers[name].optimizer_step,
-                                  groups=self._readers[name].groups) for name in names}
+        return {
+            name: VersionMeta(optimizer_step=self._readers[name].optimizer_step, groups=self._readers[name].groups)
+            for name in names
+        }
 
     def __call__(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
         if self._layer_of is None:

@@ -22,9 +22,9 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
-from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.fs import TMP_SUFFIX
+from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
 from policies.retention import RetentionConfig, RetentionDecision, plan_retention
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class GcReport:
     """Versions found damaged (version id → why): kept, and their fallbacks kept in their place."""
 
 
-def _orphans(store: LayerStore, listed: list, referenced: set[str], grace_s: float, now: float) -> list[tuple[str, int]]:
+def _orphans(
+    store: LayerStore, listed: list, referenced: set[str], grace_s: float, now: float
+) -> list[tuple[str, int]]:
     out = []
     for rel, info in listed:
         if rel in referenced:
@@ -72,8 +74,9 @@ def _orphans(store: LayerStore, listed: list, referenced: set[str], grace_s: flo
     return out
 
 
-def _verified_plan(store: LayerStore, manifest: Manifest, config: GcConfig,
-                   layers: list[str]) -> tuple[RetentionDecision, dict[str, str]]:
+def _verified_plan(
+    store: LayerStore, manifest: Manifest, config: GcConfig, layers: list[str]
+) -> tuple[RetentionDecision, dict[str, str]]:
     """Plan retention, then checksum every version kept in a layer that loses versions; if one
     is damaged, re-plan without it (its fallback is then kept) until every such version is verified.
     Deleting from a layer thus never removes its newest verified fallback."""
@@ -92,8 +95,14 @@ def _verified_plan(store: LayerStore, manifest: Manifest, config: GcConfig,
             if problems:
                 unusable[vid] = "; ".join(problems)
                 fresh = True
-                logger.warning("gc: version %s (layer %s step %d) is damaged (%s): planning as if it did not "
-                               "exist, so its fallback is kept", vid, record.layer, record.step, unusable[vid])
+                logger.warning(
+                    "gc: version %s (layer %s step %d) is damaged (%s): planning as if it did not "
+                    "exist, so its fallback is kept",
+                    vid,
+                    record.layer,
+                    record.step,
+                    unusable[vid],
+                )
             else:
                 verified.add(vid)
         if not fresh:
@@ -108,15 +117,21 @@ def collect_garbage(
     listed = store.fs.list_files(LAYERS_DIR, recursive=True)
     listed += [(rel, info) for rel, info in store.fs.list_files(MANIFEST_DIR) if rel.endswith(TMP_SUFFIX)]
     manifest = store.manifest()
-    decision, unusable = _verified_plan(store, manifest, config, list(layers) if layers is not None
-                                        else list(manifest.layers()))
+    decision, unusable = _verified_plan(
+        store, manifest, config, list(layers) if layers is not None else list(manifest.layers())
+    )
     doomed = [r for r in manifest.records if r.version_id in decision.delete]
     referenced = {s.path for r in manifest.records for s in r.shards}
     orphans = _orphans(store, listed, referenced, config.grace_s, now)
     freed, errors = 0, []
     for record in doomed:
-        logger.info("gc: %s version %s (layer %s step %d): no recovery point in the window needs it",
-                    "would delete" if config.dry_run else "deleting", record.version_id, record.layer, record.step)
+        logger.info(
+            "gc: %s version %s (layer %s step %d): no recovery point in the window needs it",
+            "would delete" if config.dry_run else "deleting",
+            record.version_id,
+            record.layer,
+            record.step,
+        )
         if config.dry_run:
             freed += record.nbytes
             continue
@@ -126,8 +141,12 @@ def collect_garbage(
             errors.append(f"{record.version_id}: {error}")
             logger.warning("gc: could not delete version %s: %s", record.version_id, error)
     for rel, size in orphans:
-        logger.info("gc: %s orphan %s (%d bytes, never committed)",
-                    "would delete" if config.dry_run else "deleting", store.fs.uri(rel), size)
+        logger.info(
+            "gc: %s orphan %s (%d bytes, never committed)",
+            "would delete" if config.dry_run else "deleting",
+            store.fs.uri(rel),
+            size,
+        )
         if config.dry_run:
             freed += size
             continue

@@ -49,8 +49,9 @@ class RunDirContents:
 
 def check_run_location(fs: StoreFS, *, cwd: str | None = None, home: str | None = None) -> None:
     """Raise :class:`UnsafeStoreError` if ``fs`` is no place for a run (see :func:`location_problem`)."""
-    problem = location_problem(fs.fs.type_name, fs.root, uri=fs.uri(), cwd=cwd or os.getcwd(),
-                               home=home or os.path.expanduser("~"))
+    problem = location_problem(
+        fs.fs.type_name, fs.root, uri=fs.uri(), cwd=cwd or os.getcwd(), home=home or os.path.expanduser("~")
+    )
     if problem:
         raise UnsafeStoreError(problem)
 
@@ -65,14 +66,19 @@ def location_problem(kind: str, root: str, *, uri: str, cwd: str, home: str) -> 
     if kind != "local":
         return ""
     path, cwd, home = os.path.realpath(root), os.path.realpath(cwd), os.path.realpath(home)
-    reasons = {os.path.realpath(os.sep): "the filesystem root", home: "your home directory",
-               cwd: "the working directory (did storage come out empty or '.'?)"}
+    reasons = {
+        os.path.realpath(os.sep): "the filesystem root",
+        home: "your home directory",
+        cwd: "the working directory (did storage come out empty or '.'?)",
+    }
     if path in reasons:
-        return f"storage {path} is {reasons[path]}; a run needs a directory of its own, e.g. storage = \"runs/{{name}}\""
+        return f'storage {path} is {reasons[path]}; a run needs a directory of its own, e.g. storage = "runs/{{name}}"'
     for inner, what in ((cwd, "the working directory"), (home, "your home directory")):
         if inner.startswith(path.rstrip(os.sep) + os.sep):
-            return (f"storage {path} contains {what} ({inner}); a run needs a directory of its own, "
-                    "e.g. storage = \"runs/{name}\"")
+            return (
+                f"storage {path} contains {what} ({inner}); a run needs a directory of its own, "
+                'e.g. storage = "runs/{name}"'
+            )
     return ""
 
 
@@ -88,7 +94,7 @@ def run_dir_contents(fs: StoreFS) -> RunDirContents:
     prefix = fs.root.rstrip("/") + "/"
     owned, foreign = [], []
     for info in fs.fs.get_file_info(selector):
-        rel = info.path[len(prefix):] if info.path.startswith(prefix) else info.path
+        rel = info.path[len(prefix) :] if info.path.startswith(prefix) else info.path
         if info.type == pafs.FileType.Directory:
             parts = rel.split("/")
             if not (rel in (LAYERS_DIR, MANIFEST_DIR) or (len(parts) == 2 and parts[0] == LAYERS_DIR)):
@@ -102,9 +108,9 @@ def run_dir_contents(fs: StoreFS) -> RunDirContents:
 
 def _owned_file(rel: str) -> bool:
     if rel.startswith(LAYERS_DIR + "/"):
-        return bool(_SHARD_FILE.match(rel[len(LAYERS_DIR) + 1:]))
+        return bool(_SHARD_FILE.match(rel[len(LAYERS_DIR) + 1 :]))
     if rel.startswith(MANIFEST_DIR + "/"):
-        return bool(_RECORD_FILE.match(rel[len(MANIFEST_DIR) + 1:]))
+        return bool(_RECORD_FILE.match(rel[len(MANIFEST_DIR) + 1 :]))
     return "/" not in rel and _root_name(rel) in RUN_ROOT_FILES
 
 
@@ -120,7 +126,8 @@ def clear_run(fs: StoreFS, *, keep: frozenset[str] = frozenset()) -> int:
         more = f" and {len(contents.foreign) - _MAX_NAMED} more" if len(contents.foreign) > _MAX_NAMED else ""
         raise UnsafeStoreError(
             f"--overwrite refused: {fs.uri()} holds files LayerCheck did not write ({named}{more}); nothing "
-            "was deleted. Point storage at a directory of its own, or move those files away.")
+            "was deleted. Point storage at a directory of its own, or move those files away."
+        )
     doomed = [rel for rel in contents.owned if rel not in keep]
     for rel in doomed:
         fs.delete(rel)

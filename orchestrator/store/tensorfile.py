@@ -159,8 +159,9 @@ def _meta_int(meta: Mapping[str, str], field: str, path: str) -> int:
         raise ShardFormatError(f"{path}: header metadata field {field!r} is missing or not an integer") from error
 
 
-def _parse_entries(raw: Mapping[str, Any], checksums: Mapping[str, str], data_start: int,
-                   data_nbytes: int, path: str) -> dict[str, Entry]:
+def _parse_entries(
+    raw: Mapping[str, Any], checksums: Mapping[str, str], data_start: int, data_nbytes: int, path: str
+) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     spans = []
     for name, spec in raw.items():
