@@ -17,7 +17,7 @@ from policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -76,9 +76,9 @@ class LogFilter:
 
 
 def install() -> bool:
-    """Filter what Ray prints on this driver from its workers; True if installed."""
-    if os.environ.get(ALL_LOGS_ENV, "").lower() == "all":
-        return False
+    """Filter what Ray prints on this driver from its workers, and print it on stderr: the
+    driver's stdout is LayerCheck's own (progress, the summary, ``--json``). True if installed."""
+    unfiltered = os.environ.get(ALL_LOGS_ENV, "").lower() == "all"
     try:
         import functools
 
@@ -92,9 +92,11 @@ def install() -> bool:
         log_filter = LogFilter()
 
         def print_filtered(data: dict[str, Any]) -> None:
-            lines = log_filter.filter(data.get("pid"), data.get("lines") or [])
+            lines = data.get("lines") or []
+            if not unfiltered:
+                lines = log_filter.filter(data.get("pid"), lines)
             if lines:
-                ray_worker.print_to_stdstream({**data, "lines": lines}, ignore_prefix=ignore_prefix)
+                ray_worker.print_to_stdstream({**data, "lines": lines, "is_err": True}, ignore_prefix=ignore_prefix)
 
         dispatcher.remove_handler("ray_print_logs")
         dispatcher.add_handler("ray_print_logs", functools.partial(print_filtered))
