@@ -4,6 +4,7 @@ on the cluster in ``RAY_ADDRESS`` (or the job's, under ``ray job submit``), else
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shlex
@@ -124,10 +125,14 @@ def train_and_report(
             print(format_progress(status), flush=True)
             last.update(step=status["step"], state=status["state"])
 
+    # with --json, stdout carries the summary alone: whatever else the run prints (Ray's own
+    # messages about lost workers, libraries' notices) goes to stderr
+    quiet = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
-        result = train(
-            config, overwrite=overwrite, resume=resume, take_over=take_over, on_progress=None if as_json else show
-        )
+        with quiet:
+            result = train(
+                config, overwrite=overwrite, resume=resume, take_over=take_over, on_progress=None if as_json else show
+            )
     except (FileExistsError, FileNotFoundError, ConfigError, UnsafeStoreError, StoreBusyError, ResumeError) as error:
         # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
         print(f"layercheck train: {error}", file=sys.stderr)
