@@ -1,23 +1,40 @@
 #!/usr/bin/env bash
-# The `ray job submit` path, checked end to end on this machine: start a local Ray head,
-# submit the demo (shortened) as a job from this checkout, wait for it, stop Ray.
-#   scripts/check_job_submit.sh [STORAGE_DIR]
-# Exits non-zero if the job does not succeed. Uses the Python of $VENV (default .venv).
+# The ways a user reaches a running Ray cluster, checked end to end on this machine against one
+# local `ray start --head`:
+#   1. `ray job submit -- layercheck train` (the demo, shortened, with an injected failure);
+#   2. `ray job submit -- python examples/own_loop.py` (the Python API in the user's own loop);
+#   3. `layercheck train` on the head with RAY_ADDRESS unset: it joins the running cluster.
+#   scripts/check_job_submit.sh [STORAGE_DIR]    # each run's store is a folder below it
+# Exits non-zero if any of them fails. Uses the Python of $VENV (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY="$(cd "$VENV/bin" && pwd)/python"
 RAY="$(cd "$VENV/bin" && pwd)/ray"
-STORAGE=${1:-$(mktemp -d)/job-run}
+STORAGE=${1:-$(mktemp -d)/job-runs}
 export RAY_AUTH_MODE=disabled   # the same for `ray start` and every CLI call (STACK-NOTES)
+unset RAY_ADDRESS
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 GCS=$(port); DASH=$(port)
 "$RAY" start --head --port="$GCS" --dashboard-host=127.0.0.1 --dashboard-port="$DASH" --num-cpus=4 \
   --disable-usage-stats >/dev/null
 trap '"$RAY" stop --force >/dev/null 2>&1 || true' EXIT
+SHORT=(--set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set metrics.port=0)
+
+echo "== 1. ray job submit: layercheck train (demo)"
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
-  "$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite \
-  --set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set fault.kill_at_step=8 \
-  --set metrics.port=0 --set "storage=$STORAGE"
-"$PY" -m orchestrator.cli.main inspect "$STORAGE" >/dev/null
-echo "ray job submit: OK (checkpoints in $STORAGE)"
+  "$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
+  --set fault.kill_at_step=8 --set "storage=$STORAGE/demo"
+"$PY" -m orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
+
+echo "== 2. ray job submit: your own loop (examples/own_loop.py)"
+"$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
+  "$PY" examples/own_loop.py --steps 12 --kill-at-step 6 --storage "$STORAGE/own-loop"
+"$PY" -m orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
+
+echo "== 3. layercheck train with a cluster running and RAY_ADDRESS unset"
+"$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
+  --set fault.kill_at_step=0 --set "storage=$STORAGE/joined"
+"$PY" -m orchestrator.cli.main inspect "$STORAGE/joined" >/dev/null
+
+echo "ray job submit and joining a running cluster: OK (checkpoints in $STORAGE)"

@@ -1,5 +1,7 @@
-"""`ray job submit --working-dir . -- layercheck train ...` against a local `ray start --head`,
-exactly as a user does it (scripts/check_job_submit.sh)."""
+"""How a user reaches a running Ray cluster, exactly as they do it, against one local
+`ray start --head` (scripts/check_job_submit.sh): `ray job submit` of `layercheck train` and of
+the own-loop example, each with an injected failure, and `layercheck train` joining the running
+cluster with RAY_ADDRESS unset. Uses `ray start`: run it alone."""
 
 import os
 import subprocess
@@ -14,17 +16,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-def test_ray_job_submit_runs_the_demo_with_a_recovery(tmp_path):
+def test_ray_job_submit_and_a_driver_on_the_head_reach_the_running_cluster(tmp_path):
     env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent)}
     proc = subprocess.run(
-        [str(ROOT / "scripts/check_job_submit.sh"), str(tmp_path / "run")],
+        [str(ROOT / "scripts/check_job_submit.sh"), str(tmp_path)],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
+    out = proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "succeeded" in proc.stdout + proc.stderr
-    assert "recovery after step 8" in proc.stdout
-    assert LayerStore.open(str(tmp_path / "run")).versions()
+    assert out.count("succeeded") >= 2  # both submitted jobs
+    assert "recovery after step 8" in proc.stdout  # the demo's injected failure
+    assert "recovery after step 6" in proc.stdout  # the own loop's
+    for run in ("demo", "own-loop", "joined"):
+        assert LayerStore.open(str(tmp_path / run)).versions(), run
+    # the third driver joined the running cluster instead of starting its own
+    assert "joined the Ray cluster at" in out
