@@ -58,3 +58,21 @@ def test_a_baseline_gets_no_comparison(name):
     summary = summarize(result_of(policy_config(name)))
     assert "full_at_same_staleness" not in summary
     assert "full checkpoints, same staleness" not in format_summary(summary)
+
+
+def test_the_peak_per_step_and_the_write_budget_are_reported_beside_a_full_checkpoint():
+    result = result_of(policy_config("staggered"))
+    full = sum(TRACE.numel.values()) * 12
+    result.schedule = {
+        "peak_step_bytes": full // 4,
+        "peak_step": 7,
+        "write_budget_bytes": 2048,
+        "drain_bytes_per_second": 1024.0**2,
+        "write_budget_enabled": True,
+    }
+    summary = summarize(result)
+    assert summary["peak_step_bytes"] == full // 4 and summary["peak_step_fraction_of_full"] == pytest.approx(0.25)
+    assert summary["write_budget_bytes_per_step"] == 2048 and summary["drain_bytes_per_second"] == 1024.0**2
+    text = format_summary(summary)
+    assert "peak bytes in one step" in text and "at step 7 (0.25 of a full checkpoint)" in text
+    assert "2.00 KiB/step (writers drain 1.00 MiB/s)" in text

@@ -58,6 +58,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "storage": result.storage_uri,
         "metrics_url": result.metrics_url,
     }
+    summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
     if policy.selective and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
@@ -69,6 +70,22 @@ def summarize(result: RunResult) -> dict[str, Any]:
             "layercheck_mean_weighted_staleness": comparison.result.mean_weighted_staleness,
         }
     return summary
+
+
+def _schedule_figures(schedule: dict[str, Any], full_bytes: int) -> dict[str, Any]:
+    """Peak bytes handed over in one step (beside a full checkpoint) and the write budget, from
+    the policy actor's ``schedule_view`` (absent when it could not be read)."""
+    if not schedule:
+        return {}
+    peak = schedule.get("peak_step_bytes")
+    return {
+        "peak_step_bytes": peak,
+        "peak_step": schedule.get("peak_step"),
+        "peak_step_fraction_of_full": peak / full_bytes if peak is not None and full_bytes else None,
+        "write_budget_bytes_per_step": schedule.get("write_budget_bytes"),
+        "drain_bytes_per_second": schedule.get("drain_bytes_per_second"),
+        "write_budget_enabled": schedule.get("write_budget_enabled"),
+    }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -105,6 +122,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})",
         ],
     ]
+    rows += _schedule_rows(summary)
     matched = summary.get("full_at_same_staleness")
     if matched:
         ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
@@ -133,6 +151,30 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("metrics_url"):
         rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
     return format_table(["", ""], rows)
+
+
+def _schedule_rows(summary: dict[str, Any]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    if summary.get("peak_step_bytes") is not None:
+        fraction = summary.get("peak_step_fraction_of_full")
+        rows.append(
+            [
+                "peak bytes in one step",
+                f"{human_bytes(summary['peak_step_bytes'])} at step {summary.get('peak_step') or '-'}"
+                + (f" ({fraction:.2f} of a full checkpoint)" if fraction is not None else ""),
+            ]
+        )
+    if summary.get("write_budget_enabled"):
+        budget, drain = summary.get("write_budget_bytes_per_step"), summary.get("drain_bytes_per_second")
+        rows.append(
+            [
+                "write budget",
+                "not measured yet (no write finished)"
+                if budget is None
+                else f"{human_bytes(budget)}/step (writers drain {human_bytes(drain or 0)}/s)",
+            ]
+        )
+    return rows
 
 
 def _state(summary: dict[str, Any]) -> str:
