@@ -83,5 +83,6 @@ def test_the_peak_is_the_most_bytes_one_decision_handed_over(clock):
     assert [bool(d["layers"]) for d in decisions] == [False, True, False, True]
     view = a.schedule_view()
     assert view["peak_step_bytes"] == sum(NUMEL.values()) * 12 and view["peak_step"] == 2
+    assert view["handed_bytes"] == 2 * sum(NUMEL.values()) * 12
     step(a, clock, 4, at=9.0)  # a late duplicate of a completed step counts nothing again
     assert a.schedule_view()["peak_step"] == 2

@@ -51,6 +51,9 @@ def test_a_selective_policy_is_compared_with_full_checkpoints(name):
     assert expected.policy == f"full/{expected.interval}"
     assert summary["full_at_same_staleness"]["bytes"] == expected.bytes_written
     assert f"every {expected.interval} steps" in format_summary(summary)
+    by_drift = compare(TRACE, policy, label=name, eval_from=30).matched_drift
+    assert summary["full_at_same_drift"]["interval"] == by_drift.interval
+    assert "full checkpoints, same unsaved drift" in format_summary(summary)
 
 
 @pytest.mark.parametrize("name", ["interval", "never"])
@@ -66,6 +69,7 @@ def test_the_peak_per_step_and_the_write_budget_are_reported_beside_a_full_check
     result.schedule = {
         "peak_step_bytes": full // 4,
         "peak_step": 7,
+        "handed_bytes": 3 * full,
         "write_budget_bytes": 2048,
         "drain_bytes_per_second": 1024.0**2,
         "write_budget_enabled": True,
@@ -76,3 +80,5 @@ def test_the_peak_per_step_and_the_write_budget_are_reported_beside_a_full_check
     text = format_summary(summary)
     assert "peak bytes in one step" in text and "at step 7 (0.25 of a full checkpoint)" in text
     assert "2.00 KiB/step (writers drain 1.00 MiB/s)" in text
+    matched = summary["full_at_same_drift"]["bytes"]  # the schedule's own bytes are what is compared
+    assert f"(the schedule handed over {3 * full / matched:.2f}x that)" in text

@@ -53,6 +53,8 @@ class PolicyActor:
         self._layer_bytes = {name: int(n) * BYTES_PER_PARAM for name, n in numel.items()}
         self.peak_step_bytes = 0
         self.peak_step: int | None = None
+        self.handed_bytes = 0
+        """What the schedule's decisions handed over in all (12 bytes a parameter; the final save is none)."""
         enabled = write_budget is not None and write_budget.enabled
         self._drain = DrainBudget(write_budget) if enabled else None
         self._clock = StepClock(write_budget.ema if enabled else 0.0)
@@ -79,6 +81,7 @@ class PolicyActor:
 
     def _completed(self, decision: PersistDecision) -> None:
         handed = sum(self._layer_bytes[name] for name in decision.names)
+        self.handed_bytes += handed
         if handed > self.peak_step_bytes:
             self.peak_step_bytes, self.peak_step = handed, decision.step
         self._clock.completed(decision.step, time.monotonic())
@@ -106,6 +109,7 @@ class PolicyActor:
         return {
             "peak_step_bytes": self.peak_step_bytes,
             "peak_step": self.peak_step,
+            "handed_bytes": self.handed_bytes,
             "write_budget_bytes": self.service.write_budget_bytes,
             "drain_bytes_per_second": self._drain.bandwidth if self._drain is not None else None,
             "step_s": self._clock.step_s,

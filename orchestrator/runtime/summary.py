@@ -63,12 +63,16 @@ def summarize(result: RunResult) -> dict[str, Any]:
     if policy.selective and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
         comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)
-        summary["full_at_same_staleness"] = {
-            "interval": comparison.matched_staleness.interval,
-            "bytes": comparison.matched_staleness.bytes_written,
-            "mean_weighted_staleness": comparison.matched_staleness.mean_weighted_staleness,
-            "layercheck_mean_weighted_staleness": comparison.result.mean_weighted_staleness,
-        }
+        for key, matched, mean in (
+            ("full_at_same_staleness", comparison.matched_staleness, "mean_weighted_staleness"),
+            ("full_at_same_drift", comparison.matched_drift, "mean_unsaved_drift"),
+        ):
+            summary[key] = {
+                "interval": matched.interval,
+                "bytes": matched.bytes_written,
+                mean: getattr(matched, mean),
+                f"policy_{mean}": getattr(comparison.result, mean),
+            }
     return summary
 
 
@@ -82,6 +86,7 @@ def _schedule_figures(schedule: dict[str, Any], full_bytes: int) -> dict[str, An
         "peak_step_bytes": peak,
         "peak_step": schedule.get("peak_step"),
         "peak_step_fraction_of_full": peak / full_bytes if peak is not None and full_bytes else None,
+        "schedule_bytes": schedule.get("handed_bytes"),
         "write_budget_bytes_per_step": schedule.get("write_budget_bytes"),
         "drain_bytes_per_second": schedule.get("drain_bytes_per_second"),
         "write_budget_enabled": schedule.get("write_budget_enabled"),
@@ -123,16 +128,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ],
     ]
     rows += _schedule_rows(summary)
-    matched = summary.get("full_at_same_staleness")
-    if matched:
-        ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
-        rows.append(
-            [
-                "full checkpoints, same staleness",
-                f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
-                f"(the policy wrote {ratio:.2f}x that)",
-            ]
-        )
+    rows += _matched_rows(summary)
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
         [
@@ -151,6 +147,28 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("metrics_url"):
         rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
     return format_table(["", ""], rows)
+
+
+def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """Full checkpoints at the run's freshness, against what the schedule handed over (12 bytes
+    a parameter, as they count; without the final save, which full checkpoints would make too),
+    or against the bytes written when that is unknown."""
+    ours = summary.get("schedule_bytes")
+    what = "the schedule handed over" if ours is not None else "the policy wrote"
+    ours = ours if ours is not None else summary["bytes_written"]
+    rows: list[list[object]] = []
+    for key, label in (("full_at_same_staleness", "staleness"), ("full_at_same_drift", "unsaved drift")):
+        matched = summary.get(key)
+        if not matched:
+            continue
+        ratio = ours / matched["bytes"] if matched["bytes"] else math.inf
+        rows.append(
+            [
+                f"full checkpoints, same {label}",
+                f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} ({what} {ratio:.2f}x that)",
+            ]
+        )
+    return rows
 
 
 def _schedule_rows(summary: dict[str, Any]) -> list[list[object]]:
