@@ -149,13 +149,15 @@ class Runner:
         torch.distributed.barrier()
         directory.mkdir(parents=True, exist_ok=True)
         store = LayerStore.open(str(directory / "store"), fsync=True)
+        persistence = PersistenceConfig()
         coordinator = LocalCoordinator(
             policy=build_policy(strategy.loop_policy, train_engine.layer_map.numel),
             layer_numel=train_engine.layer_map.numel,
             store=store,
             run_id=strategy.name,
-            max_inflight_bytes=PersistenceConfig().max_inflight_bytes,
-            max_versions_in_flight=PersistenceConfig().max_versions_in_flight,
+            max_inflight_bytes=persistence.max_inflight_bytes,
+            max_versions_in_flight=persistence.max_versions_in_flight,
+            write_budget=persistence.write_budget,  # the product's default: on
         )
 
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress

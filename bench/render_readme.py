@@ -39,8 +39,27 @@ def ray_line(demo: Mapping[str, Any], results_dir: str) -> str:
         f"`layercheck demo`, the real orchestrator; the benchmark above runs the same protocol over "
         f"torch.distributed instead): the per-step policy protocol took {coord['mean'] * 1e3:.2f} ms on average (p90 "
         f"{coord['p90'] * 1e3:.2f} ms) against a {step['mean'] * 1e3:.1f} ms training step "
-        f"({coord['mean'] / step['mean']:.1%})."
+        f"({coord['mean'] / step['mean']:.1%})." + _demo_bytes(demo)
     )
+
+
+def _demo_bytes(demo: Mapping[str, Any]) -> str:
+    """The demo's schedule against full checkpoints, its peak step and its write budget (nothing
+    when the summary predates them)."""
+    matched, ours = demo.get("full_at_same_drift"), demo.get("schedule_bytes")
+    if not matched or ours is None or demo.get("peak_step_bytes") is None:
+        return ""
+    text = (
+        f" Its schedule handed over {human_bytes(ours)}, {ours / matched['bytes']:.2f}x full checkpoints at the "
+        f"same unsaved drift (every {matched['interval']} steps), at most {human_bytes(demo['peak_step_bytes'])} "
+        f"in one step ({demo['peak_step_fraction_of_full']:.2f} of a full checkpoint)"
+    )
+    if demo.get("write_budget_bytes_per_step") is not None:
+        text += (
+            f"; its write budget was {human_bytes(demo['write_budget_bytes_per_step'])}/step from a measured "
+            f"drain of {human_bytes(demo['drain_bytes_per_second'])}/s"
+        )
+    return text + "."
 
 
 def section(

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig
+    from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig, WriteBudgetConfig
     from layercheck.hf import LayerCheckCallback, TrainerSetupError
     from layercheck.trainer import FitResult, LayerCheckTrainer
     from layercheck.worker import Attachment, LayerMismatchError, attach
@@ -45,6 +45,7 @@ _EXPORTS = {
     "FaultConfig": "layercheck.config",
     "MetricsConfig": "layercheck.config",
     "PersistenceConfig": "layercheck.config",
+    "WriteBudgetConfig": "layercheck.config",
     "LayerCheckTrainer": "layercheck.trainer",
     "FitResult": "layercheck.trainer",
     "LayerCheckCallback": "layercheck.hf",

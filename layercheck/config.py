@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig
+from orchestrator.core.write_budget import WriteBudgetConfig
 from policies.config_loader import ConfigError, require
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config
 from workers.drift_diff import PROBES
 
-__all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig"]
+__all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig", "WriteBudgetConfig"]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -30,7 +31,7 @@ class CheckpointConfig:
     """The checkpoint policy: a config from :mod:`layercheck.policies`, or the name of one with its
     defaults (``layercheck``, ``drift-optimal``, ``interval``, ``never``)."""
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
-    """The asynchronous writers (per node, bytes in flight, fsync)."""
+    """The asynchronous writers (per node, bytes in flight, fsync, the write budget)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The Prometheus endpoint (``port=0`` disables it)."""
     fault: FaultConfig = field(default_factory=FaultConfig)

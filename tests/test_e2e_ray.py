@@ -11,7 +11,7 @@ from orchestrator.core.run_config import load_run_config
 from orchestrator.runtime.driver import connect, train
 from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
-from policies.configs import IntervalConfig
+from policies.configs import IntervalConfig, LayerCheckConfig
 from policies.trace import DriftTrace
 from workers.schedule import lr_at
 
@@ -74,7 +74,8 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp
         demo,
         tmp_path,
         "mixed",
-        **{"fault.kill_at_step": 8, "policy.warmup_steps": 3, "policy.smax": 4, "policy.k0": 0.05},
+        LayerCheckConfig(warmup_steps=3, smax=4, k0=0.05, k0_embed=0.05),
+        **{"fault.kill_at_step": 8},
     )
     status = result.status
     (recovery,) = status["account"]["recoveries"]

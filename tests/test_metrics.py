@@ -19,6 +19,9 @@ POLICY = {
     "smax": 4,
     "accumulated": {"embed": 0.01, "block.0": 0.002, "block.1": 0.0},
     "threshold": {"embed": 0.05, "block.0": 0.005, "block.1": 0.005},
+    "peak_step_bytes": 4800,
+    "write_budget_bytes": 2000,
+    "drain_bytes_per_second": 25000.0,
 }
 
 
@@ -133,6 +136,9 @@ def test_values_reflect_the_central_view():
     assert value(metrics, "layercheck_supervisor_state", state="running") == 1
     assert sum(value(metrics, "layercheck_supervisor_state", state=s) for s in STATES) == 1
     assert value(metrics, "layercheck_policy_protocol_seconds") == 0.003
+    assert value(metrics, "layercheck_peak_step_bytes") == 4800
+    assert value(metrics, "layercheck_write_budget_bytes_per_step") == 2000
+    assert value(metrics, "layercheck_drain_bytes_per_second") == 25000.0
 
 
 def test_counters_stay_monotonic_across_a_worker_group_restart():

@@ -167,10 +167,11 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
     assert config.engine.zero_stage == 3 and config.cluster.num_workers == 2 and config.fault.kill_at_step > 0
     assert parse_run_config(config.to_json()) == config  # what the workers receive
     for overrides, field in [
-        ({"policy.k0": -1.0}, "policy.k0"),
+        ({"policy.period": -1}, "policy.period"),
         ({"engine.zero_stage": 7}, "zero_stage"),
         ({"stepz": 3}, "stepz"),
-        ({"policy.k0": float("inf")}, "policy.k0"),
+        ({"policy.ema": float("inf")}, "policy.ema"),
+        ({"policy.k0": 1e-3}, "policy: unknown key"),  # the demo's staggered schedule has no threshold
         ({"policy.name": "sometimes"}, "policy.name"),
         ({"cluster.max_failures": -1}, "max_failures"),
     ]:

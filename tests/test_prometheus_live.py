@@ -104,9 +104,8 @@ def scraped(tmp_path_factory):
             "steps": 15,
             "optim.total_steps": 15,
             "optim.warmup_steps": 2,
-            "policy.warmup_steps": 3,
-            "policy.smax": SMAX,
-            "policy.k0": 0.05,
+            # the paper's policy: its base at step 3 and drift thresholds exercise every metric
+            "policy": {"name": "layercheck", "warmup_steps": 3, "smax": SMAX, "k0": 0.05, "k0_embed": 0.05},
             "fault.kill_at_step": 8,
             "metrics.port": port,
             "metrics.host": "127.0.0.1",

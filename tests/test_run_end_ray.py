@@ -24,7 +24,7 @@ from orchestrator.runtime.driver import connect, train
 from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from orchestrator.store.manifest import LAYERS_DIR
-from policies.configs import IntervalConfig
+from policies.configs import IntervalConfig, LayerCheckConfig
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -77,13 +77,8 @@ def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(loc
         config(
             tmp_path,
             "final",
-            **{
-                "policy.warmup_steps": 2,
-                "policy.k0": 1e6,
-                "policy.k0_embed": 1e6,
-                "policy.smax": 1000,
-                "fault.kill_writer_at_step": 5,
-            },
+            policy=LayerCheckConfig(warmup_steps=2, k0=1e6, k0_embed=1e6, smax=1000),
+            **{"fault.kill_writer_at_step": 5},
         )
     )
     assert run.error is None, run.error
@@ -119,7 +114,7 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
         tmp_path,
         "broken",
         steps=400,
-        **{"policy.warmup_steps": 2, "policy.k0": 1e6, "policy.k0_embed": 1e6, "policy.smax": 3},
+        policy=LayerCheckConfig(warmup_steps=2, k0=1e6, k0_embed=1e6, smax=3),
     )
     result = train(cfg, on_progress=break_storage, poll_s=0.2)
     status = result.status

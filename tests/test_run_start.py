@@ -62,10 +62,10 @@ def test_a_model_path_without_config_json_is_named(tmp_path):
 @pytest.mark.parametrize(
     "item,message",
     [
-        ("policy.k0=Infinity", "policy.k0: must be a finite number"),
+        ("policy.ema=Infinity", "policy.ema: must be a finite number"),
         ("optim.lr=NaN", "optim.lr: must be a finite number"),
         ("steps.x=1", "steps is a value"),
-        ("policy..k0=1", "empty part"),
+        ("policy..smax=1", "empty part"),
     ],
 )
 def test_bad_overrides_are_config_errors_not_tracebacks(tmp_path, capsys, item, message):

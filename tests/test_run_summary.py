@@ -51,6 +51,9 @@ def test_a_selective_policy_is_compared_with_full_checkpoints(name):
     assert expected.policy == f"full/{expected.interval}"
     assert summary["full_at_same_staleness"]["bytes"] == expected.bytes_written
     assert f"every {expected.interval} steps" in format_summary(summary)
+    by_drift = compare(TRACE, policy, label=name, eval_from=30).matched_drift
+    assert summary["full_at_same_drift"]["interval"] == by_drift.interval
+    assert "full checkpoints, same unsaved drift" in format_summary(summary)
 
 
 @pytest.mark.parametrize("name", ["interval", "never"])
@@ -58,3 +61,24 @@ def test_a_baseline_gets_no_comparison(name):
     summary = summarize(result_of(policy_config(name)))
     assert "full_at_same_staleness" not in summary
     assert "full checkpoints, same staleness" not in format_summary(summary)
+
+
+def test_the_peak_per_step_and_the_write_budget_are_reported_beside_a_full_checkpoint():
+    result = result_of(policy_config("staggered"))
+    full = sum(TRACE.numel.values()) * 12
+    result.schedule = {
+        "peak_step_bytes": full // 4,
+        "peak_step": 7,
+        "handed_bytes": 3 * full,
+        "write_budget_bytes": 2048,
+        "drain_bytes_per_second": 1024.0**2,
+        "write_budget_enabled": True,
+    }
+    summary = summarize(result)
+    assert summary["peak_step_bytes"] == full // 4 and summary["peak_step_fraction_of_full"] == pytest.approx(0.25)
+    assert summary["write_budget_bytes_per_step"] == 2048 and summary["drain_bytes_per_second"] == 1024.0**2
+    text = format_summary(summary)
+    assert "peak bytes in one step" in text and "at step 7 (0.25 of a full checkpoint)" in text
+    assert "2.00 KiB/step (writers drain 1.00 MiB/s)" in text
+    matched = summary["full_at_same_drift"]["bytes"]  # the schedule's own bytes are what is compared
+    assert f"(the schedule handed over {3 * full / matched:.2f}x that)" in text

@@ -11,6 +11,7 @@ import textwrap
 import typing
 
 from orchestrator.core.run_config import ClusterConfig, FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
+from orchestrator.core.write_budget import WriteBudgetConfig
 from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
 from workers.config import EngineConfig, ModelConfig, OptimConfig
 from workers.data import DataConfig
@@ -28,6 +29,7 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ('policy (name = "interval")', IntervalConfig),
     ("cluster", ClusterConfig),
     ("persistence", PersistenceConfig),
+    ("persistence.write_budget", WriteBudgetConfig),
     ("fault", FaultConfig),
     ("metrics", MetricsConfig),
 )

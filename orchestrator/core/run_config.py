@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from orchestrator.core.staleness_guard import BREACH_ACTIONS
+from orchestrator.core.write_budget import WriteBudgetConfig
 from policies.config_loader import ConfigError, from_mapping, require, to_mapping
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from policies.layer_map import LayerMap
@@ -99,6 +100,10 @@ class PersistenceConfig:
     stop_drain_s: float = 120.0
     """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
     step and for the writers to commit what they hold, before it gives up on them."""
+    write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
+    """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
+    measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
+    the save periods instead of growing a queue."""
 
     def __post_init__(self) -> None:
         require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)

@@ -16,7 +16,8 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`Supervision` decides
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
-* **write budget** (``write_budget``, opt-in): each drift report also carries the rank's writer
+* **write budget** (``write_budget``, the run config's ``persistence.write_budget``; off when
+  ``None`` or not ``enabled``): each drift report also carries the rank's writer
   totals (bytes, write seconds) and its step time; every replica turns the gathered totals into
   the same budget (:class:`~orchestrator.core.write_budget.DrainBudget`) and the policy service
   puts it on the step's observation, so a budget-aware schedule stretches its periods when
@@ -139,7 +140,7 @@ class LocalCoordinator:
         self.max_inflight_bytes = max_inflight_bytes
         self.writer = LocalWriter(store, self.mailbox, max_inflight_bytes=max_inflight_bytes)
         self._gathers: dict[int, _Gather] = {}
-        self._budget = DrainBudget(write_budget, self.world_size) if write_budget is not None else None
+        self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
         self._last_step_s = 0.0
         self._rounds = 0  # collective drains so far (every rank counts alike)
         self._generation = 0  # worker groups so far: a new one after each failure
@@ -237,8 +238,7 @@ class LocalCoordinator:
                 totals = [both[3].tolist() for both in gather.gathered]
                 self.service.set_write_budget(
                     self._budget.update(
-                        written_bytes=[t[0] for t in totals],
-                        write_s=[t[1] for t in totals],
+                        {writer_name(rank): (t[0], t[1]) for rank, t in enumerate(totals)},
                         step_s=max(t[2] for t in totals),
                     )
                 )

@@ -59,6 +59,9 @@ class RunResult:
     end_errors: list[str] = field(default_factory=list)
     """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
     shown in the summary, never raised, so the summary is always printed."""
+    schedule: dict[str, Any] = field(default_factory=dict)
+    """The policy actor's :meth:`~orchestrator.runtime.policy_actor.PolicyActor.schedule_view`
+    at the end: peak bytes per step, the write budget and the drain bandwidth (empty if unread)."""
 
     def __post_init__(self) -> None:
         if self.config is not None:
@@ -203,7 +206,7 @@ def start_run(
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
     policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
-        policy, layer_numel, num_workers, persistence.max_versions_in_flight
+        policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget
     )
     supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
         run_id=run_id,
@@ -342,6 +345,12 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
             DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()
         ),
     )
+    schedule = _at_end(
+        "reading the schedule's figures",
+        end_errors,
+        lambda: ray.get(policy.schedule_view.remote(), timeout=60),
+        default={},
+    )
     status = _at_end(
         "reading the run's final status",
         end_errors,
@@ -360,6 +369,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         policy=handles.policy_config,
         interrupted=handles.interrupted,
         end_errors=end_errors,
+        schedule=schedule,
     )
     if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))

@@ -116,6 +116,24 @@ SPECS: tuple[Spec, ...] = (
         "The full-checkpoint interval with the run's freshness: I = max(1, round(2 * S + 1)), S = "
         "layercheck_staleness_weighted_mean_steps (a full checkpoint every I steps has mean staleness (I - 1) / 2).",
     ),
+    Spec(
+        Gauge,
+        "layercheck_peak_step_bytes",
+        "The most bytes one step's decision handed over so far (the layers saved at that step, 12 bytes per "
+        "parameter; the run's final save excluded); beside layercheck_full_checkpoint_bytes, a full checkpoint's.",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_write_budget_bytes_per_step",
+        "The schedule's write budget: headroom * the writers' drain bandwidth * the step time, capped "
+        "(persistence.write_budget; unset until a write finished or when disabled).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_drain_bytes_per_second",
+        "The writers' measured drain bandwidth (bytes per second of writing, summed over the writers) "
+        "behind the write budget.",
+    ),
     # ---- persistence -------------------------------------------------------------------
     Spec(Gauge, "layercheck_persistence_queue_versions", "Layer shards handed to the writers and not yet written."),
     Spec(Gauge, "layercheck_persistence_queue_bytes", "Bytes of layer shards handed to the writers, not yet written."),
@@ -344,6 +362,7 @@ class RunMetrics:
             self._refresh_layers(status, policy)
             self._refresh_staleness(status, policy)
             self._refresh_bytes(status, writers, now)
+            self._refresh_schedule(policy)
             self._refresh_persistence(status, writers)
             self._refresh_recovery(status)
             self._refresh_progress(status)
@@ -387,6 +406,12 @@ class RunMetrics:
                 min(1.0, max(0.0, account["productive_s"] - productive_then) / (now - then)),
             )
             self._set("layercheck_written_bytes_per_second", (self._samples[-1][2] - written_then) / (now - then))
+
+    def _refresh_schedule(self, policy: Mapping[str, Any]) -> None:
+        """The policy actor's ``schedule_view``: peak bytes per step, the write budget, the drain rate."""
+        self._set("layercheck_peak_step_bytes", policy.get("peak_step_bytes"))
+        self._set("layercheck_write_budget_bytes_per_step", policy.get("write_budget_bytes"))
+        self._set("layercheck_drain_bytes_per_second", policy.get("drain_bytes_per_second"))
 
     def _refresh_persistence(self, status: Mapping[str, Any], writers: Sequence[Any]) -> None:
         self._set("layercheck_persistence_queue_versions", sum(w.queued for w in writers))

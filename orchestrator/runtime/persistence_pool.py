@@ -8,7 +8,9 @@ writer hands the receipt to the supervisor, which commits a version once every r
 is in.
 
 Writers are pinned to nodes (the supervisor starts them on demand, ``writers_per_node`` per
-node), so a snapshot crosses the node's shared-memory object store, not the network.
+node), so a snapshot crosses the node's shared-memory object store, not the network. After each
+write a writer tells the policy actor its running totals (bytes, seconds spent writing), without
+waiting: the drain bandwidth behind the schedule's write budget.
 """
 
 from __future__ import annotations
@@ -41,14 +43,19 @@ class WriterStats:
     failures: int = 0
     queued: int = 0
     queued_bytes: int = 0
+    write_s: float = 0.0
+    """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
 
 
 @ray.remote(num_cpus=0)
 class PersistenceWriter:
-    def __init__(self, store_uri: str, fsync: bool, supervisor: Any) -> None:
+    def __init__(self, store_uri: str, fsync: bool, supervisor: Any, name: str = "", policy: Any = None) -> None:
         configure_process_logging()  # the actor process has no main of ours
         self.store = LayerStore.open(store_uri, fsync=fsync)
         self.supervisor = supervisor
+        self.name = name
+        self.policy = policy
+        """The policy actor, told this writer's totals after each write (``None``: nobody)."""
         self.stats = WriterStats()
         self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
@@ -107,6 +114,9 @@ class PersistenceWriter:
         elapsed = time.monotonic() - started
         self.stats.written_versions += 1
         self.stats.written_bytes += receipt.nbytes
+        self.stats.write_s += elapsed
+        if self.policy is not None:  # fire-and-forget: the budget is a hint, never worth a wait
+            self.policy.writer_totals.remote(self.name, self.stats.written_bytes, self.stats.write_s)
         await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
         return WRITTEN
 

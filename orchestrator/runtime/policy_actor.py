@@ -5,21 +5,32 @@ answer; the call resolves once all ranks have reported that step, with the one d
 all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
 :data:`workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
 does not wait on the actor.
+
+The write budget (``persistence.write_budget``): each writer actor pushes its running totals
+(bytes written, seconds spent writing) here after every write, fire-and-forget, and the actor
+times the steps itself (the interval between completed steps), so nothing is added to the ranks'
+per-step path; :class:`~orchestrator.core.write_budget.DrainBudget` turns them into the budget
+the next steps' observations carry. The actor also keeps the most bytes one step's decision
+handed over (the run's peak), for the summary and the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 
 from orchestrator.core.policy_service import PolicyService
+from orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
 from orchestrator.logs import configure_process_logging
 from policies.checkpoint_policy import build_policy
 from policies.configs import PolicyConfig
+from policies.decision import PersistDecision
+from policies.staggered import BYTES_PER_PARAM
 
 logger = logging.getLogger(__name__)
 
@@ -27,22 +38,38 @@ logger = logging.getLogger(__name__)
 @ray.remote(num_cpus=0)
 class PolicyActor:
     def __init__(
-        self, config: PolicyConfig, numel: Mapping[str, int], world_size: int, max_versions_in_flight: int = 1
+        self,
+        config: PolicyConfig,
+        numel: Mapping[str, int],
+        world_size: int,
+        max_versions_in_flight: int = 1,
+        write_budget: WriteBudgetConfig | None = None,
     ) -> None:
         configure_process_logging()  # the actor process has no main of ours
         self.service = PolicyService(
             build_policy(config, numel), list(numel), world_size, max_versions_in_flight=max_versions_in_flight
         )
         self._ready: dict[int, asyncio.Event] = {}
+        self._layer_bytes = {name: int(n) * BYTES_PER_PARAM for name, n in numel.items()}
+        self.peak_step_bytes = 0
+        self.peak_step: int | None = None
+        self.handed_bytes = 0
+        """What the schedule's decisions handed over in all (12 bytes a parameter; the final save is none)."""
+        enabled = write_budget is not None and write_budget.enabled
+        self._drain = DrainBudget(write_budget) if enabled else None
+        self._clock = StepClock(write_budget.ema if enabled else 0.0)
 
     async def report(
         self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]
     ) -> dict[str, Any] | None:
         """This rank's drift for ``step``; returns the step's decision (as JSON) once all ranks
         are in, or ``None`` if the worker group was restarted before they were."""
+        completed = step > self.service.last_complete_step
         decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts)
         event = self._ready.setdefault(step, asyncio.Event())
         if decision is not None:
+            if completed:  # this call completed the step (not a late duplicate)
+                self._completed(decision)
             event.set()
         await event.wait()
         self._forget_before(self.service.last_complete_step - 64)
@@ -51,6 +78,43 @@ class PolicyActor:
             return None
         # the stop flag rides on the decision (every rank reads the same one): see PolicyService.request_stop
         return {**decided.to_json(), "stop": self.service.stopping(step)}
+
+    def _completed(self, decision: PersistDecision) -> None:
+        handed = sum(self._layer_bytes[name] for name in decision.names)
+        self.handed_bytes += handed
+        if handed > self.peak_step_bytes:
+            self.peak_step_bytes, self.peak_step = handed, decision.step
+        self._clock.completed(decision.step, time.monotonic())
+        self._apply_budget()
+
+    def _apply_budget(self) -> None:
+        if self._drain is not None:
+            self.service.set_write_budget(self._drain.budget_for(self._clock.step_s))
+
+    def writer_totals(self, writer: str, written_bytes: int, write_s: float) -> None:
+        """A writer's running totals (it calls this after every write, without waiting)."""
+        if self._drain is not None:
+            self._drain.observe(writer, written_bytes=written_bytes, write_s=write_s)
+            self._apply_budget()
+
+    def forget_writers(self, writers: Sequence[str]) -> None:
+        """These writers were replaced: their drain rate no longer counts."""
+        if self._drain is not None:
+            for writer in writers:
+                self._drain.forget(writer)
+
+    def schedule_view(self) -> dict[str, Any]:
+        """The peak bytes one step handed over (the schedule's decisions; the run's final save is
+        not one), and the write budget with the drain bandwidth and step time behind it."""
+        return {
+            "peak_step_bytes": self.peak_step_bytes,
+            "peak_step": self.peak_step,
+            "handed_bytes": self.handed_bytes,
+            "write_budget_bytes": self.service.write_budget_bytes,
+            "drain_bytes_per_second": self._drain.bandwidth if self._drain is not None else None,
+            "step_s": self._clock.step_s,
+            "write_budget_enabled": self._drain is not None,
+        }
 
     def _forget_before(self, step: int) -> None:
         for old in [s for s in self._ready if s < step]:
@@ -72,13 +136,14 @@ class PolicyActor:
         for event in self._ready.values():
             event.set()
         self._ready.clear()
+        self._clock.reset()
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
     def metrics_view(self) -> dict[str, Any]:
         """What the metrics show of the policy (read-only): per layer the accumulated drift and
         the threshold at the latest step's learning rate, and the staleness budget."""
         lr = self.service.trace[-1].lr if self.service.trace else 0.0
-        return {"lr": lr, **self.service.policy.metrics_view(lr)}
+        return {"lr": lr, **self.service.policy.metrics_view(lr), **self.schedule_view()}
 
     def trace(self) -> dict[str, Any]:
         """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""

@@ -58,17 +58,39 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "storage": result.storage_uri,
         "metrics_url": result.metrics_url,
     }
+    summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
     if policy.selective and result.trace.steps:
         logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
         comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)
-        summary["full_at_same_staleness"] = {
-            "interval": comparison.matched_staleness.interval,
-            "bytes": comparison.matched_staleness.bytes_written,
-            "mean_weighted_staleness": comparison.matched_staleness.mean_weighted_staleness,
-            "layercheck_mean_weighted_staleness": comparison.result.mean_weighted_staleness,
-        }
+        for key, matched, mean in (
+            ("full_at_same_staleness", comparison.matched_staleness, "mean_weighted_staleness"),
+            ("full_at_same_drift", comparison.matched_drift, "mean_unsaved_drift"),
+        ):
+            summary[key] = {
+                "interval": matched.interval,
+                "bytes": matched.bytes_written,
+                mean: getattr(matched, mean),
+                f"policy_{mean}": getattr(comparison.result, mean),
+            }
     return summary
+
+
+def _schedule_figures(schedule: dict[str, Any], full_bytes: int) -> dict[str, Any]:
+    """Peak bytes handed over in one step (beside a full checkpoint) and the write budget, from
+    the policy actor's ``schedule_view`` (absent when it could not be read)."""
+    if not schedule:
+        return {}
+    peak = schedule.get("peak_step_bytes")
+    return {
+        "peak_step_bytes": peak,
+        "peak_step": schedule.get("peak_step"),
+        "peak_step_fraction_of_full": peak / full_bytes if peak is not None and full_bytes else None,
+        "schedule_bytes": schedule.get("handed_bytes"),
+        "write_budget_bytes_per_step": schedule.get("write_budget_bytes"),
+        "drain_bytes_per_second": schedule.get("drain_bytes_per_second"),
+        "write_budget_enabled": schedule.get("write_budget_enabled"),
+    }
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -105,16 +127,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})",
         ],
     ]
-    matched = summary.get("full_at_same_staleness")
-    if matched:
-        ratio = summary["bytes_written"] / matched["bytes"] if matched["bytes"] else math.inf
-        rows.append(
-            [
-                "full checkpoints, same staleness",
-                f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} "
-                f"(the policy wrote {ratio:.2f}x that)",
-            ]
-        )
+    rows += _schedule_rows(summary)
+    rows += _matched_rows(summary)
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
         [
@@ -133,6 +147,52 @@ def format_summary(summary: dict[str, Any]) -> str:
     if summary.get("metrics_url"):
         rows.append(["metrics", f"{summary['metrics_url']} (Prometheus; served while the run was live)"])
     return format_table(["", ""], rows)
+
+
+def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """Full checkpoints at the run's freshness, against what the schedule handed over (12 bytes
+    a parameter, as they count; without the final save, which full checkpoints would make too),
+    or against the bytes written when that is unknown."""
+    ours = summary.get("schedule_bytes")
+    what = "the schedule handed over" if ours is not None else "the policy wrote"
+    ours = ours if ours is not None else summary["bytes_written"]
+    rows: list[list[object]] = []
+    for key, label in (("full_at_same_staleness", "staleness"), ("full_at_same_drift", "unsaved drift")):
+        matched = summary.get(key)
+        if not matched:
+            continue
+        ratio = ours / matched["bytes"] if matched["bytes"] else math.inf
+        rows.append(
+            [
+                f"full checkpoints, same {label}",
+                f"every {matched['interval']} steps: {human_bytes(matched['bytes'])} ({what} {ratio:.2f}x that)",
+            ]
+        )
+    return rows
+
+
+def _schedule_rows(summary: dict[str, Any]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    if summary.get("peak_step_bytes") is not None:
+        fraction = summary.get("peak_step_fraction_of_full")
+        rows.append(
+            [
+                "peak bytes in one step",
+                f"{human_bytes(summary['peak_step_bytes'])} at step {summary.get('peak_step') or '-'}"
+                + (f" ({fraction:.2f} of a full checkpoint)" if fraction is not None else ""),
+            ]
+        )
+    if summary.get("write_budget_enabled"):
+        budget, drain = summary.get("write_budget_bytes_per_step"), summary.get("drain_bytes_per_second")
+        rows.append(
+            [
+                "write budget",
+                "not measured yet (no write finished)"
+                if budget is None
+                else f"{human_bytes(budget)}/step (writers drain {human_bytes(drain or 0)}/s)",
+            ]
+        )
+    return rows
 
 
 def _state(summary: dict[str, Any]) -> str:

@@ -17,11 +17,13 @@ logger = logging.getLogger(__name__)
 
 
 class WriterPool:
-    def __init__(self, *, store_uri: str, fsync: bool, per_node: int, supervisor: Any) -> None:
+    def __init__(self, *, store_uri: str, fsync: bool, per_node: int, supervisor: Any, policy: Any = None) -> None:
         self.store_uri = store_uri
         self.fsync = fsync
         self.per_node = per_node
         self.supervisor = supervisor
+        self.policy = policy
+        """The policy actor: writers report their totals to it (the write budget), and hears of replacements."""
         self._lock = threading.Lock()  # the dicts below; never held across a Ray call that waits
         self._by_node: dict[str, list[str]] = {}
         self._handles: dict[str, Any] = {}
@@ -36,7 +38,7 @@ class WriterPool:
                     name = f"writer-{next(self._ids)}@{node_id[:8]}"
                     self._handles[name] = PersistenceWriter.options(
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=True),
-                    ).remote(self.store_uri, self.fsync, self.supervisor)
+                    ).remote(self.store_uri, self.fsync, self.supervisor, name, self.policy)
                     names.append(name)
                 self._by_node[node_id] = names
                 logger.info("started %d writer(s) on node %s", self.per_node, node_id[:12])
@@ -74,6 +76,8 @@ class WriterPool:
                 ray.kill(handle)
             except Exception as error:  # already gone
                 logger.info("killing a replaced writer: %s", error)
+        if self.policy is not None:
+            self.policy.forget_writers.remote(list(names))  # their rates no longer count in the budget
         logger.warning("replaced writer(s) %s", ", ".join(names))
 
     def replace_handle(self, handle: Any) -> bool:
