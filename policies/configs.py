@@ -115,6 +115,11 @@ class StaggeredConfig:
     drift_aware: bool = True
     """Periods ~ 1/sqrt(layer drift rate) under the same budget (minimises unsaved drift);
     ``false``: equal periods for every changing layer (minimises weighted staleness)."""
+    min_gain: float = 0.1
+    """Drift-aware periods are used only while they are predicted to lose at least this fraction
+    less unsaved drift than equal periods at the same bytes; below it (layers drifting nearly
+    alike) the schedule keeps equal periods, whose bytes are exactly full checkpoints', because
+    the rate estimate's noise and re-phasing would cost more than the gain. In [0, 1)."""
     ema: float = 0.98
     """Per-step smoothing of each layer's drift-rate estimate (exponential moving average)."""
     replan_tolerance: float = 1.25
@@ -140,6 +145,7 @@ class StaggeredConfig:
         require(self.smax >= 1, "smax", ">= 1", self.smax)
         require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
         require(self.replan_tolerance >= 1, "replan_tolerance", ">= 1", self.replan_tolerance)
+        require(0 <= self.min_gain < 1, "min_gain", "in [0, 1)", self.min_gain)
 
     def describe(self) -> str:
         budget = [f"period={self.period}"] if self.period is not None else []

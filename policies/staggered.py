@@ -24,8 +24,11 @@ equal periods, which write exactly the full checkpoints' bytes and lose the same
 drift (each layer's sawtooth has the same mean whatever its phase), with a per-step peak of about
 ``1/P`` of a checkpoint (or the largest layer) instead of a whole one. What can cost a little:
 integer periods, estimation error of ``r_l`` (re-planned only every mean period, and a layer's
-period only when it moves by more than ``replan_tolerance``), and a run's ends. ``drift_aware =
-false`` keeps equal periods, which minimise weighted *staleness* instead (``Σ n_l P_l / 2``).
+period only when it moves by more than ``replan_tolerance``), and a run's ends. So drift-aware
+periods are used only while their predicted gain over equal periods (:func:`predicted_gain`) is
+at least ``min_gain``: where layers drift nearly alike the gain is within the estimate's noise,
+and the schedule keeps staggered equal periods, exactly full checkpoints' bytes. ``drift_aware =
+false`` always keeps equal periods, which minimise weighted *staleness* instead (``Σ n_l P_l / 2``).
 
 **Frozen layers.** A layer whose drift since its last save is exactly 0 (frozen: no optimizer
 state, so its saved version is exact) is not saved again, and does not count in the budget.
@@ -52,6 +55,21 @@ logger = logging.getLogger(__name__)
 
 #: Bytes persisted per parameter: fp32 weight + Adam exp_avg + exp_avg_sq.
 BYTES_PER_PARAM = 12
+
+
+def predicted_gain(weights: Mapping[str, float], size: Mapping[str, int]) -> float:
+    """The fraction of unsaved drift that periods ``P_l ~ 1 / w_l`` (``w_l = sqrt(r_l)``) save
+    over equal periods at the same bytes per step ``B``: drift-aware loses ``(Σ b w)² / B``,
+    equal periods ``Σ b w² · Σ b / B`` (both up to the same constant), so the gain is
+    ``1 - (Σ b w)² / (Σ b w² · Σ b)`` over the changing layers: 0 when every layer drifts alike
+    and never negative (Cauchy–Schwarz)."""
+    active = [n for n, w in weights.items() if w > 0]
+    if not active:
+        return 0.0
+    bw = sum(size[n] * weights[n] for n in active)
+    bw2 = sum(size[n] * weights[n] ** 2 for n in active)
+    b = sum(size[n] for n in active)
+    return max(0.0, 1.0 - bw * bw / (bw2 * b))
 
 
 class StaggeredPolicy:
@@ -177,9 +195,11 @@ class StaggeredPolicy:
         horizon = 1 / (1 - self.config.ema) if self.config.ema else 1
         if self.fixed_rates is None and self.observed < horizon:
             return {name: 1.0 for name in self.layers}
-        return {
-            name: (math.sqrt(r) if self.config.drift_aware else 1.0) if r > 0 else 0.0 for name, r in self.rate.items()
-        }
+        changing = {name: r for name, r in self.rate.items() if r > 0}
+        weights = {name: math.sqrt(changing[name]) if name in changing else 0.0 for name in self.layers}
+        if not self.config.drift_aware or predicted_gain(weights, self.size) < self.config.min_gain:
+            return {name: 1.0 if name in changing else 0.0 for name in self.layers}
+        return weights
 
     def _budget(self, active_bytes: int) -> float:
         limits = [active_bytes / self.config.period] if self.config.period is not None else []
