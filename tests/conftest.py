@@ -1,4 +1,9 @@
-"""Shared fixtures: a loopback S3-compatible server (moto) behind a proxy a test can cut."""
+"""Shared fixtures: a loopback S3-compatible server (moto) behind a proxy a test can cut; a
+private temporary directory for the local Ray of a `layercheck train` subprocess."""
+
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +29,11 @@ def s3(moto_server, monkeypatch) -> LoopbackS3:
     bucket = new_bucket(moto_server)
     yield bucket
     bucket.proxy.close()
+
+
+@pytest.fixture
+def ray_tmp():
+    """A private ``RAY_TMPDIR`` (short: Ray's socket paths must fit in 107 bytes), removed after."""
+    path = Path(tempfile.mkdtemp(prefix="lcray-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
