@@ -23,6 +23,10 @@ S3_ENV: dict[str, str] = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 
+#: LayerCheck's S3 client options (``orchestrator/store/uri.py``) for tests: an outage fails a
+#: write within seconds instead of after the SDK's default retries.
+FAST_FAIL: dict[str, str] = {"connect_timeout": "1", "request_timeout": "2", "retry_max_attempts": "2"}
+
 
 class CuttableProxy:
     """Forwards TCP connections from ``127.0.0.1:port`` to ``target`` until :meth:`cut`; while

@@ -17,11 +17,10 @@ from orchestrator.store.recovery_source import VersionReader, resolve_plan
 from orchestrator.store.run_dir import check_run_location, clear_run
 from orchestrator.store.uri import open_uri, redact_uri
 from policies.config_loader import ConfigError
+from tests.s3_server import FAST_FAIL
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, foreign_lease, layer_state, seed_of, write_layer
 
 LAYERS = {"embed": 48, "block.0": 48, "norm": 48}
-#: An outage must fail a write within seconds, not the SDK's defaults.
-FAST_FAIL = {"connect_timeout": "1", "request_timeout": "2", "retry_max_attempts": "2"}
 #: A hang guard, not a performance bound: a write that has not returned by then never will.
 HANG_S = 120
 
