@@ -3,15 +3,17 @@ written, committed and recovered; the owner lease; an outage mid-run that fails 
 commits with the path and the cause, loses nothing committed, and ends with writes working again.
 Issue 14's "S3 outage" row of the fault-injection matrix."""
 
+import json
 import math
 import threading
 
 import pytest
 
-from orchestrator.core.run_start import StartOptions, claim_store
+from orchestrator.core.run_config import load_run_config
+from orchestrator.core.run_start import StartOptions, claim_store, open_run_store
 from orchestrator.store.errors import StoreBusyError, StoreWriteError, UnsafeStoreError
 from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from orchestrator.store.lease import StoreLease, read_lease
 from orchestrator.store.recovery_source import VersionReader, resolve_plan
 from orchestrator.store.run_dir import check_run_location, clear_run
@@ -148,3 +150,14 @@ def test_uris_in_messages_show_no_credentials():
     shown = redact_uri("s3://AKIA:SECRET@bucket/run?endpoint_override=h:1&sig=abc&x-amz-security-token=t")
     assert shown == "s3://bucket/run?endpoint_override=h:1&sig=***&x-amz-security-token=***"
     assert redact_uri("/tmp/a?b") == "/tmp/a?b"
+
+
+def test_run_json_on_s3_keeps_the_storage_uri_whole(s3):
+    uri = s3.uri("runs/{name}", **FAST_FAIL)
+    config = load_run_config("examples/demo.toml", {"storage": uri, "metrics.port": 0}).with_absolute_storage()
+    lease = open_run_store(config, StartOptions())
+    try:
+        stored = json.loads(LayerStore.open(config.storage_uri).fs.read_bytes(RUN_CONFIG_FILE))
+    finally:
+        lease.release()
+    assert stored["storage"] == uri and config.storage_uri == uri.replace("{name}", "demo")
