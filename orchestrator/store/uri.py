@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
@@ -90,11 +90,11 @@ def open_uri(uri: str) -> OpenedURI:
     if "://" not in uri or parts.scheme == "file":  # a path: '?' and '#' are characters of a name
         fs, root = pafs.FileSystem.from_uri(uri)
         return OpenedURI(fs=fs, root=root, query="")
-    pairs = parse_qsl(parts.query, keep_blank_values=True)
-    own = {key: value for key, value in pairs if key in S3_CLIENT_OPTIONS}
+    own = {key: value for key, value in parse_qsl(parts.query, keep_blank_values=True) if key in S3_CLIENT_OPTIONS}
     if own and parts.scheme != "s3":
         raise ConfigError(f"storage: {', '.join(sorted(own))} apply to s3:// storage only, not {redact_uri(uri)}")
-    rest = urlencode([(key, value) for key, value in pairs if key not in S3_CLIENT_OPTIONS], safe=":/")
+    # the rest goes to pyarrow exactly as written (no re-encoding of its values)
+    rest = "&".join(piece for piece in parts.query.split("&") if piece and _key(piece) not in S3_CLIENT_OPTIONS)
     fs, root = pafs.FileSystem.from_uri(urlunsplit(parts._replace(query=rest)))
     if own:
         fs = S3ClientOptions.from_query(own, uri=uri).apply(fs)
@@ -110,6 +110,10 @@ def redact_uri(uri: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc, query=_redact_query(parts.query)))
 
 
+def _key(piece: str) -> str:
+    return unquote_plus(piece.partition("=")[0])
+
+
 def _redact_query(query: str) -> str:
-    pairs = parse_qsl(query, keep_blank_values=True)
-    return urlencode([(key, "***" if _SECRET_KEY.search(key) else value) for key, value in pairs], safe=":/*")
+    pieces = [piece for piece in query.split("&") if piece]
+    return "&".join(f"{piece.partition('=')[0]}=***" if _SECRET_KEY.search(_key(piece)) else piece for piece in pieces)
