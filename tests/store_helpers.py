@@ -4,7 +4,9 @@ a wrapped local filesystem that fails on demand (read-only, disk full)."""
 from __future__ import annotations
 
 import errno
+import json
 import math
+import time
 import zlib
 from collections.abc import Mapping, Sequence
 
@@ -14,6 +16,7 @@ import torch
 
 from orchestrator.store.fs import StoreFS
 from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.lease import LEASE_FILE, LeaseInfo
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
@@ -96,6 +99,14 @@ def write_layer(
     total = sum(math.prod(s) for s in params.values())
     record = store.write_version(cut_shards(layer, step, params, state, even_cuts(total, world_size)), base=base)
     return record, state
+
+
+def foreign_lease(fs: StoreFS, *, expires_in: float = 600.0, host: str = "other-host", pid: int = 4242) -> LeaseInfo:
+    """Another run's lease on ``fs`` (run ``other``, owner ``f00d``), live for ``expires_in`` seconds."""
+    now = time.time()
+    info = LeaseInfo(owner="f00d", host=host, pid=pid, run="other", acquired_at=now - 5, expires_at=now + expires_in)
+    fs.write_bytes(LEASE_FILE, json.dumps(info.to_json()).encode())
+    return info
 
 
 class _FailingWriter:

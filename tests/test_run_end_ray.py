@@ -6,10 +6,7 @@ command."""
 
 import dataclasses
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +22,9 @@ from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from orchestrator.store.manifest import LAYERS_DIR
 from policies.configs import IntervalConfig, LayerCheckConfig
+from tests.train_proc import start_train
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -131,47 +128,24 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
     assert broken["committed"] <= {v.version_id for v in versions}
 
 
-def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(tmp_path):
+def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(tmp_path, ray_tmp):
     storage = tmp_path / "interrupted"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "orchestrator.cli.main",
-            "train",
-            "examples/demo.toml",
-            "--set",
-            "steps=2000",
-            "--set",
-            "optim.total_steps=2000",
-            "--set",
-            "fault.kill_at_step=0",
-            "--set",
-            "metrics.port=0",
-            "--set",
-            f"storage={storage}",
-            "--set",
-            "log_every=1",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+    run = start_train(
+        tmp_path,
+        "steps=2000",
+        "optim.total_steps=2000",
+        "fault.kill_at_step=0",
+        "metrics.port=0",
+        f"storage={storage}",
+        "log_every=1",
+        ray_tmp=ray_tmp,
     )
-    lines = []
-    for line in proc.stdout:  # the progress lines; a run that never gets there fails the test's timeout
-        lines.append(line)
-        shown = re.search(r"\] step (\d+) ", line)  # progress is polled: not every step is printed
-        if shown and int(shown.group(1)) >= 25:
-            break
+    proc = run.proc
+    run.wait_for_step(25)  # a run that never gets there fails the test's timeout
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     started = time.monotonic()
-    out, err = proc.communicate(timeout=300)
-    out = "".join(lines) + out
+    out = run.finish(timeout=300)
+    err = run.stderr
     assert proc.returncode == 130, err[-3000:]
     assert "stopped after step" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
     assert f"--set storage={storage}" in err and "--resume" in err, err[-3000:]

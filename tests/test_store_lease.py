@@ -1,7 +1,6 @@
 """A store has one owner at a time (issue 14, case 4): a lease file, refused while live, taken
 over when stale, released at the end."""
 
-import json
 import os
 import subprocess
 import sys
@@ -12,18 +11,12 @@ import pytest
 from orchestrator.store.errors import StoreBusyError
 from orchestrator.store.fs import StoreFS
 from orchestrator.store.lease import LEASE_FILE, LeaseInfo, StoreLease, read_lease, stale_reason
-
-
-def _foreign_lease(fs, *, expires_in=600.0, host="other-host", pid=4242):
-    now = time.time()
-    info = LeaseInfo(owner="f00d", host=host, pid=pid, run="other", acquired_at=now - 5, expires_at=now + expires_in)
-    fs.write_bytes(LEASE_FILE, json.dumps(info.to_json()).encode())
-    return info
+from tests.store_helpers import foreign_lease
 
 
 def test_a_live_lease_refuses_a_second_owner_naming_the_first(tmp_path):
     fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
-    _foreign_lease(fs)
+    foreign_lease(fs)
     with pytest.raises(StoreBusyError) as error:
         StoreLease.acquire(fs, run="mine")
     message = str(error.value)
@@ -33,7 +26,7 @@ def test_a_live_lease_refuses_a_second_owner_naming_the_first(tmp_path):
 
 def test_an_expired_lease_is_taken_over(tmp_path):
     fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
-    _foreign_lease(fs, expires_in=-1)
+    foreign_lease(fs, expires_in=-1)
     lease = StoreLease.acquire(fs, run="mine", settle_s=0)
     assert read_lease(fs).owner == lease.info.owner and read_lease(fs).run == "mine"
     lease.release()
@@ -46,14 +39,14 @@ def test_a_lease_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
-    _foreign_lease(fs, host=socket.gethostname(), pid=dead.pid)
+    foreign_lease(fs, host=socket.gethostname(), pid=dead.pid)
     lease = StoreLease.acquire(fs, run="mine", settle_s=0)
     assert read_lease(fs).owner == lease.info.owner
 
 
 def test_take_over_takes_a_live_lease(tmp_path):
     fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
-    _foreign_lease(fs)
+    foreign_lease(fs)
     lease = StoreLease.acquire(fs, run="mine", take_over=True, settle_s=0)
     assert read_lease(fs).owner == lease.info.owner
 
@@ -65,7 +58,7 @@ def test_renewal_extends_the_lease_and_notices_a_taker(tmp_path):
     time.sleep(0.01)
     lease.renew()
     assert read_lease(fs).expires_at > first
-    _foreign_lease(fs)  # someone took it over (--take-over)
+    foreign_lease(fs)  # someone took it over (--take-over)
     with pytest.raises(StoreBusyError, match="other"):
         lease.renew()
     assert lease.lost

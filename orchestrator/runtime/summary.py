@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from orchestrator.runtime.driver import RunResult
+from orchestrator.store.uri import redact_uri
 from orchestrator.table import format_table, human_bytes
 from policies.configs import policy_name
 from policies.simulate import BYTES_PER_PARAM, compare
@@ -21,7 +22,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
             "run_id": result.run_id,
             "state": "unknown",
             "error": result.error,
-            "storage": result.storage_uri,
+            "storage": redact_uri(result.storage_uri),
             "end_errors": list(result.end_errors),
             "interrupted": result.interrupted,
         }
@@ -55,7 +56,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "stop_reason": status.get("stop_reason"),
         "interrupted": result.interrupted,
         "end_errors": list(result.end_errors),
-        "storage": result.storage_uri,
+        "storage": redact_uri(result.storage_uri),
         "metrics_url": result.metrics_url,
     }
     summary.update(_schedule_figures(result.schedule, full_bytes))

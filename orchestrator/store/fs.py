@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from orchestrator.store.errors import StoreWriteError
+from orchestrator.store.uri import open_uri
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class StoreFS:
     """fsync files and their directory after writing (local filesystems only)."""
     hook: FaultHook | None = None
     """Fault-injection hook for tests; None in production."""
+    query: str = ""
+    """The storage URI's query (``endpoint_override=…&scheme=http``), secrets redacted: locations
+    in messages carry it, so they name the endpoint as well as the path."""
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -83,17 +87,20 @@ class StoreFS:
 
     @classmethod
     def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> StoreFS:
-        """Open ``uri`` (``s3://bucket/run``, ``gs://…``, ``file:///…`` or a plain path)."""
+        """Open ``uri`` (``s3://bucket/run``, ``gs://…``, ``file:///…`` or a plain path); an
+        S3-compatible server's endpoint and LayerCheck's S3 client options go in the query
+        (``orchestrator/store/uri.py``)."""
         if "://" not in uri:
             uri = os.path.abspath(uri)
-        fs, root = pafs.FileSystem.from_uri(uri)
-        kind = fs.type_name
+        opened = open_uri(uri)
+        kind = opened.fs.type_name
         return cls(
-            fs=fs,
-            root=root.rstrip("/") or "/",
+            fs=opened.fs,
+            root=opened.root.rstrip("/") or "/",
             atomic_rename=kind not in OBJECT_STORES,
             fsync=fsync and kind == "local",
             hook=hook,
+            query=opened.query,
         )
 
     # ---- naming ---------------------------------------------------------------------------
@@ -101,10 +108,12 @@ class StoreFS:
         return f"{self.root}/{rel}" if rel else self.root
 
     def uri(self, rel: str = "") -> str:
-        """The full location, for messages."""
+        """The full location, for messages: with the URI's query (an S3-compatible server's
+        endpoint), never with credentials."""
         scheme = _SCHEMES.get(self.fs.type_name)
         full = self.path(rel)
-        return f"{scheme}://{full.lstrip('/')}" if scheme else full
+        where = f"{scheme}://{full.lstrip('/')}" if scheme else full
+        return f"{where}?{self.query}" if self.query else where
 
     def fire(self, event: str, rel: str) -> None:
         if self.hook is not None:

@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from orchestrator.store import tensorfile
 from orchestrator.store.errors import ManifestError, ShardFormatError
-from orchestrator.store.fs import FaultHook, StoreFS, new_token
+from orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
 from orchestrator.store.manifest import (
     LAYERS_DIR,
     Manifest,
@@ -110,10 +110,14 @@ class LayerStore:
         Either way nothing is committed.
         """
         first = _check_receipts(receipts)
+        version_id = _version_id(first.layer, first.step, base=first.base)
         if check_files:
-            self._check_receipt_files(receipts)
+            try:
+                self._check_receipt_files(receipts)
+            except OSError as error:  # the store is unreachable: the commit fails like its write would
+                raise write_error(self.fs.uri(record_path(version_id)), error) from error
         record = VersionRecord(
-            version_id=_version_id(first.layer, first.step, base=first.base),
+            version_id=version_id,
             layer=first.layer,
             step=first.step,
             world_size=first.world_size,

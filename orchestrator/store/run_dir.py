@@ -61,7 +61,9 @@ def location_problem(kind: str, root: str, *, uri: str, cwd: str, home: str) -> 
     root, the home directory, the working directory or a parent of either, an object-store bucket root."""
     if kind in OBJECT_STORES:
         if "/" not in root.strip("/"):
-            return f"storage {uri} is a bucket root; give the run a prefix of its own (e.g. {uri}/runs/NAME)"
+            where, query = uri.partition("?")[::2]
+            example = f"{where.rstrip('/')}/runs/NAME" + (f"?{query}" if query else "")
+            return f"storage {uri} is a bucket root; give the run a prefix of its own (e.g. {example})"
         return ""
     if kind != "local":
         return ""

@@ -1,0 +1,58 @@
+"""An S3 outage during a real ``layercheck train`` (a local Ray; storage on the loopback S3
+server, the moto fixture): the writes fail, the staleness bound's breach is reported and the run
+stops cleanly with its summary; what was committed before the outage stays; once the outage is
+over, ``--resume`` continues the run to its end."""
+
+import pytest
+
+from orchestrator.core.run_config import check_model, load_run_config
+from orchestrator.store.layer_store import LayerStore
+from policies.plan import newest_recoverable_step
+from tests.s3_server import FAST_FAIL
+from tests.train_proc import start_train
+
+pytestmark = pytest.mark.slow
+STEPS = 150
+
+
+def test_an_s3_outage_mid_run_stops_it_with_the_breach_and_resume_continues(tmp_path, ray_tmp, s3):
+    uri = s3.uri("runs/outage", **FAST_FAIL)
+    settings = (
+        f"steps={STEPS}",
+        f"optim.total_steps={STEPS}",
+        "policy.warmup_steps=2",
+        "policy.k0=1e6",  # thresholds never reached: smax alone sets when layers are saved
+        "policy.k0_embed=1e6",
+        "policy.smax=3",
+        "fault.kill_at_step=0",
+        "metrics.port=0",
+        f"storage={uri}",
+        "log_every=1",
+    )
+    layers = set(check_model(load_run_config("examples/demo.toml").model).numel)
+    run = start_train(tmp_path, *settings, ray_tmp=ray_tmp)
+    step = run.wait_for_step(8)
+    while {v.layer for v in LayerStore.open(uri).versions()} != layers:  # a recoverable store first
+        step = run.wait_for_step(step + 1)
+    committed = {v.version_id for v in LayerStore.open(uri).versions()}
+    s3.proxy.cut()
+    out = run.finish(timeout=600)
+    err = run.stderr
+    assert run.proc.returncode == 1, err[-3000:]
+    assert "STALENESS BOUND BROKEN" in out and "staleness bound" in out, out[-3000:]
+    assert "--resume" in err, err[-3000:]  # the resume command of a stopped run
+    assert "NETWORK_CONNECTION" in err and "lc-dummy" not in err + out  # the cause; no credentials
+
+    s3.proxy.restore()
+    store = LayerStore.open(uri)
+    assert committed and committed <= {v.version_id for v in store.versions()}
+    newest = newest_recoverable_step({v.layer for v in store.versions()}, store.manifest().refs())
+    resumed = start_train(tmp_path, *settings, ray_tmp=ray_tmp, args=("--resume",))
+    out = resumed.finish(timeout=600)
+    err = resumed.stderr
+    assert resumed.proc.returncode == 0, err[-3000:]
+    assert f"continuing at step {newest + 1} of {STEPS}" in err, err[-3000:]
+    final = {}
+    for version in LayerStore.open(uri).versions():
+        final[version.layer] = max(version.step, final.get(version.layer, 0))
+    assert set(final.values()) == {STEPS}, out[-2000:]
