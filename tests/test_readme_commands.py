@@ -54,8 +54,8 @@ def test_the_selection_rule():
     )
     assert commands(text) == [[ENTRY, "config"], [ENTRY, "simulate", "--sweep", "1e-3"]]
     assert missing_paths(
-        [ENTRY, "simulate", "--trace", "runs/demo/drift_trace.json", "--out", "examples/demo.toml"]
-    ) == ["runs/demo/drift_trace.json"]
+        [ENTRY, "simulate", "--trace", "runs/no-such-run/drift_trace.json", "--out", "examples/demo.toml"]
+    ) == ["runs/no-such-run/drift_trace.json"]
 
 
 README_COMMANDS = commands((REPO / "README.md").read_text())
