@@ -32,10 +32,20 @@ TINY_LLAMA: dict[str, Any] = {
 SEQ = 16
 
 
-def make_engine(stage: int, precision: str, micro_batch: int = 2, grad_accum: int = 1) -> TrainEngine:
+def make_engine(
+    stage: int, precision: str, micro_batch: int = 2, grad_accum: int = 1, drift_step: str = "foreach"
+) -> TrainEngine:
     return build_engine(
         ModelConfig(hf_config=TINY_LLAMA, seed=7),
-        OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, schedule="cosine"),
+        OptimConfig(
+            lr=3e-3,
+            weight_decay=0.1,
+            warmup_steps=2,
+            total_steps=20,
+            min_lr_ratio=0.1,
+            schedule="cosine",
+            drift_step=drift_step,
+        ),
         EngineConfig(
             zero_stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum, grad_clip=1.0
         ),
@@ -311,5 +321,22 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
         "step": train_engine.step,
     }
     train_step(train_engine, batches(train_engine, 2, rank))  # and training carries on from the restored state
+    shutdown(train_engine)
+    return out
+
+
+def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
+    """The fused step's per-layer drift next to snapshot-and-diff over the same layout, per step."""
+    from workers.drift_diff import SnapshotDiffProbe
+
+    train_engine = make_engine(stage, precision, drift_step="fused")
+    reference = SnapshotDiffProbe(train_engine.layout)
+    pairs, losses = [], []
+    for t in range(4):
+        loss, drift = train_step(train_engine, batches(train_engine, t, rank))
+        expected = reference.collect(t + 1)
+        pairs.extend((t, name, drift.l1[name], expected.l1[name]) for name in train_engine.layer_map.names)
+        losses.append(loss)
+    out = {"pairs": pairs, "losses": losses, "drift_step": train_engine.optimizer.drift_step}
     shutdown(train_engine)
     return out
