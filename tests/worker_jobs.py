@@ -340,3 +340,36 @@ def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> d
     out = {"pairs": pairs, "losses": losses, "drift_step": train_engine.optimizer.drift_step}
     shutdown(train_engine)
     return out
+
+
+def snapshot_copy_job(rank: int, world_size: int) -> dict[str, Any]:
+    """Snapshot every layer at step 2 through the copier, train step 3 at once, then hand over:
+    the handed shards must equal a joined snapshot taken at step 2."""
+    from workers.snapshot_copy import Handover, copier_for
+
+    precision = "bf16" if torch.cuda.is_available() else "fp32"
+    train_engine = make_engine(0, precision)
+    layers = list(train_engine.layer_map.names)
+    for t in range(2):
+        train_step(train_engine, batches(train_engine, t, rank))
+    reference = shard_values(snapshot_layers(train_engine.layout, layers, HostBufferPool()))
+    handed: list[LayerShard] = []
+    copier = copier_for(train_engine.layout)
+    pool = HostBufferPool()
+    handover = Handover(copier, lambda shards, base: handed.extend(shard_values(shards).items()), pool)
+    handover.take(layers, 2, base=False)
+    handed_before_next_step = bool(handed)
+    train_step(train_engine, batches(train_engine, 2, rank))
+    handover.flush(wait=True)
+    copier.close()
+    after = shard_values(snapshot_layers(train_engine.layout, layers, HostBufferPool()))
+    got = dict(handed)
+    out = {
+        "copier": type(copier).__name__,
+        "handed_before_next_step": handed_before_next_step,
+        "layers": layers,
+        "equal": {name: name in got and same(got[name], reference[name]) for name in layers},
+        "changed_after": any(not torch.equal(after[n]["fp32"], reference[n]["fp32"]) for n in layers),
+    }
+    shutdown(train_engine)
+    return out
