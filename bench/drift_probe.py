@@ -4,8 +4,12 @@ training step, measured in one run on the same model.
 Variants of the optimizer step over the model's layer-aligned param groups (fp32 masters):
 
 * ``adamw``          torch AdamW (fused on CUDA, foreach on CPU): the baseline step
+* ``adamw_foreach``, ``adamw_fused``, ``adamw_single``  torch AdamW's other implementations
+                     (``adamw_single``: foreach=False, what the fused probe matches bit for bit)
 * ``drift_adamw``    LayerCheck's DriftAdamW, plus reading every layer's drift (one sync): the
                      probe when LayerCheck builds the optimizer (the built-in loop)
+* ``drift_fused``    DriftAdamW with ``drift_step="fused"`` (drift counted inside the update; a
+                     Triton kernel on CUDA), plus the same read
 * ``snapshot_diff``  baseline step + |theta_t - reference| per layer, then the reference refreshed
                      (``workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
@@ -16,7 +20,9 @@ and the whole training step (forward, backward, optimizer) through the DeepSpeed
 
     python -m bench.drift_probe                       # small model on CPU
     python -m bench.drift_probe --preset h200-0.5b    # Qwen2.5-0.5B-shaped, batch 4x1024, on CUDA
+    python -m bench.drift_probe --device cuda         # the small model on a GPU
     python -m bench.drift_probe --json                # JSON instead of the table
+    python -m bench.drift_probe --out result.json     # the table, and the JSON written to a file
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from workers.config import DRIFT_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -137,17 +145,26 @@ def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
 
 def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
     from workers.drift_adamw import DriftAdamW
+    from workers.drift_fused import triton_eligible
 
     fast = {"fused": True} if device == "cuda" else {"foreach": True}
 
-    def plain() -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
+    def plain(**kind: bool) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
         groups = _groups(model, device)
         return torch.optim.AdamW(
-            [{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups], lr=1e-5, **fast
+            [{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups], lr=1e-5, **(kind or fast)
         ), groups
 
     adamw, _ = plain()
+    others = {
+        "adamw_foreach": plain(foreach=True)[0].step,
+        "adamw_fused": plain(fused=True)[0].step,
+        "adamw_single": plain(foreach=False)[0].step,
+    }
     drift = DriftAdamW(_groups(model, device), lr=1e-5)
+    fused = DriftAdamW(_groups(model, device), lr=1e-5, drift_step="fused")
+    if device == "cuda" and not triton_eligible([p for g in fused.param_groups for p in g["params"]]):
+        raise SystemExit("drift_fused on CUDA needs Triton (pip install triton): the kernel would not run")
     snap, snap_groups = plain()
     reference = [[p.detach().clone() for p in g["params"]] for g in snap_groups]
     moments, moments_groups = plain()
@@ -156,6 +173,11 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     def drift_step() -> None:
         drift.step()
         values = drift.take_drift()
+        torch.stack(list(values.values())).cpu()
+
+    def fused_step() -> None:
+        fused.step()
+        values = fused.take_drift()
         torch.stack(list(values.values())).cpu()
 
     def snapshot_diff_step() -> None:
@@ -185,15 +207,18 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
 
     return {
         "adamw": adamw.step,
+        **{k: v for k, v in others.items() if k != f"adamw_{next(iter(fast))}"},
         "drift_adamw": drift_step,
+        "drift_fused": fused_step,
         "snapshot_diff": snapshot_diff_step,
         "moments": moments_step,
         "l1_params": l1_step,
     }
 
 
-def training_step_seconds(preset: Preset) -> float:
-    """Median seconds of one whole training step through the DeepSpeed engine (1 rank, ZeRO-0)."""
+def training_step_seconds(preset: Preset) -> dict[str, float]:
+    """Median seconds of one whole training step through the DeepSpeed engine (1 rank, ZeRO-0),
+    per DriftAdamW ``drift_step``, interleaved on one engine (DeepSpeed builds one per process)."""
     from workers.config import EngineConfig, ModelConfig, OptimConfig
     from workers.engine import build_engine, shutdown
     from workers.step import train_step
@@ -205,29 +230,41 @@ def training_step_seconds(preset: Preset) -> float:
     )
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, preset.model["vocab_size"], (preset.micro_batch, preset.seq), generator=g)
-    seconds = _time(lambda: train_step(train_engine, [ids]), preset.device, preset.steps)
+
+    def step_with(mode: str) -> Callable[[], None]:
+        def step() -> None:
+            train_engine.optimizer.drift_step = mode
+            train_step(train_engine, [ids])
+
+        return step
+
+    seconds = _time_interleaved({mode: step_with(mode) for mode in DRIFT_STEPS}, preset.device, preset.steps)
     shutdown(train_engine)
     return seconds
 
 
-def run(preset_name: str, steps: int | None) -> dict[str, Any]:
+def run(preset_name: str, steps: int | None, device: str | None = None) -> dict[str, Any]:
     from workers.config import ModelConfig
     from workers.engine import build_model
 
     preset = PRESETS[preset_name]
     if steps:
         preset = Preset(**{**preset.__dict__, "steps": steps})
+    if device:
+        preset = Preset(**{**preset.__dict__, "device": device})
     if preset.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"preset {preset_name} needs CUDA")
+        raise SystemExit(f"preset {preset_name} on cuda: torch.cuda.is_available() is False")
     model = build_model(ModelConfig(hf_config=preset.model))
     numel = sum(p.numel() for p in model.parameters())
     optimizer = _time_interleaved(optimizer_variants(model, preset.device), preset.device, preset.steps)
     del model
-    whole = training_step_seconds(preset)
+    wholes = training_step_seconds(preset)
+    whole, whole_fused = wholes["foreach"], wholes["fused"]
     base = optimizer["adamw"]
     rows = {
         name: {
             "seconds": s,
+            "x_adamw": s / base,
             "overhead_s": s - base,
             "vs_optimizer_step": (s - base) / base,
             "vs_training_step": (s - base) / whole,
@@ -235,14 +272,20 @@ def run(preset_name: str, steps: int | None) -> dict[str, Any]:
         for name, s in optimizer.items()
         if name != "adamw"
     }
+    from bench.machine import describe
+
     return {
         "preset": preset_name,
         "device": preset.device,
+        "precision": preset.precision,
         "params": numel,
         "steps": preset.steps,
+        "baseline": "torch AdamW fused=True" if preset.device == "cuda" else "torch AdamW foreach=True",
         "optimizer_step_s": base,
         "training_step_s": whole,
+        "training_step_fused_s": whole_fused,
         "probes": rows,
+        "machine": describe(),
     }
 
 
@@ -250,14 +293,14 @@ def table(result: dict[str, Any]) -> str:
     lines = [
         f"{result['preset']} on {result['device']}: {result['params'] / 1e6:.2f}M params, "
         f"median of {result['steps']} steps",
-        f"plain AdamW step {result['optimizer_step_s'] * 1e3:9.3f} ms   whole training step "
-        f"{result['training_step_s'] * 1e3:9.3f} ms",
-        f"{'variant':<14} {'step ms':>10} {'extra ms':>10} {'x opt step':>11} {'x train step':>13}",
+        f"plain AdamW ({result['baseline']}) step {result['optimizer_step_s'] * 1e3:.3f} ms; whole training "
+        f"step {result['training_step_s'] * 1e3:.3f} ms (drift_step=fused: {result['training_step_fused_s'] * 1e3:.3f} ms)",
+        f"{'variant':<14} {'step ms':>10} {'x AdamW':>8} {'extra ms':>10} {'extra/train step':>17}",
     ]
     for name, row in result["probes"].items():
         lines.append(
-            f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['overhead_s'] * 1e3:10.3f} "
-            f"{row['vs_optimizer_step']:11.3f} {row['vs_training_step']:13.4f}"
+            f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['x_adamw']:8.3f} {row['overhead_s'] * 1e3:10.3f} "
+            f"{row['vs_training_step']:17.4f}"
         )
     return "\n".join(lines)
 
@@ -266,9 +309,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (after 3 warm-up)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override the preset's device")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args(argv)
-    result = run(args.preset, args.steps)
+    result = run(args.preset, args.steps, args.device)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2) if args.json else table(result))
 
 

@@ -38,7 +38,8 @@ class CheckpointConfig:
     """Failure injection for demos and tests: SIGKILL ``kill_rank`` after ``kill_at_step`` (0: never)."""
     drift_probe: str = "auto"
     """``auto`` (the optimizer probe where LayerCheck built the optimizer, else snapshot-and-diff),
-    ``optimizer`` or ``snapshot_diff``."""
+    ``optimizer``, ``fused`` (the optimizer probe with DriftAdamW's fused step: the drift counted
+    inside the update, a Triton kernel on CUDA) or ``snapshot_diff``."""
     layer_map: Any = None
     """How parameters group into layers when the names do not say: ``{"layer": ["param.prefix", ...]}``
     or a function ``param_name -> layer name``; ``None``: from the names (Llama, GPT-2, ... families)."""

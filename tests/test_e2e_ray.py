@@ -1,8 +1,14 @@
 """End to end on a real local Ray: Ray Train workers running DeepSpeed ZeRO-3 on CPU (gloo),
-the policy actor, the writers and the supervisor; a worker SIGKILLed mid-run; recovery."""
+the policy actor, the writers and the supervisor; a worker SIGKILLed mid-run; recovery.
+
+``LAYERCHECK_E2E_OVERRIDES`` (a JSON object of run-config keys, e.g. ``{"cluster.use_gpu": true,
+"engine.precision": "bf16"}``) changes every run here: ``scripts/gpu_checks.sh`` runs them with
+NCCL and bf16 that way."""
 
 import dataclasses
+import json
 import math
+import os
 
 import pytest
 import ray
@@ -18,9 +24,14 @@ from workers.schedule import lr_at
 pytestmark = pytest.mark.slow
 
 
+def device_overrides() -> dict:
+    raw = os.environ.get("LAYERCHECK_E2E_OVERRIDES", "")
+    return json.loads(raw) if raw else {}
+
+
 @pytest.fixture(scope="module")
 def demo():
-    config = load_run_config("examples/demo.toml")
+    config = load_run_config("examples/demo.toml", device_overrides())
     connect(config)
     yield config
     ray.shutdown()
@@ -36,6 +47,7 @@ def run(demo, tmp_path, name, policy=None, resume=False, **overrides):
             "optim.total_steps": 12,
             "optim.warmup_steps": 2,
             "metrics.port": 0,
+            **device_overrides(),
             **overrides,
         },
     )

@@ -32,10 +32,20 @@ TINY_LLAMA: dict[str, Any] = {
 SEQ = 16
 
 
-def make_engine(stage: int, precision: str, micro_batch: int = 2, grad_accum: int = 1) -> TrainEngine:
+def make_engine(
+    stage: int, precision: str, micro_batch: int = 2, grad_accum: int = 1, drift_step: str = "foreach"
+) -> TrainEngine:
     return build_engine(
         ModelConfig(hf_config=TINY_LLAMA, seed=7),
-        OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, schedule="cosine"),
+        OptimConfig(
+            lr=3e-3,
+            weight_decay=0.1,
+            warmup_steps=2,
+            total_steps=20,
+            min_lr_ratio=0.1,
+            schedule="cosine",
+            drift_step=drift_step,
+        ),
         EngineConfig(
             zero_stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum, grad_clip=1.0
         ),
@@ -311,5 +321,55 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
         "step": train_engine.step,
     }
     train_step(train_engine, batches(train_engine, 2, rank))  # and training carries on from the restored state
+    shutdown(train_engine)
+    return out
+
+
+def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
+    """The fused step's per-layer drift next to snapshot-and-diff over the same layout, per step."""
+    from workers.drift_diff import SnapshotDiffProbe
+
+    train_engine = make_engine(stage, precision, drift_step="fused")
+    reference = SnapshotDiffProbe(train_engine.layout)
+    pairs, losses = [], []
+    for t in range(4):
+        loss, drift = train_step(train_engine, batches(train_engine, t, rank))
+        expected = reference.collect(t + 1)
+        pairs.extend((t, name, drift.l1[name], expected.l1[name]) for name in train_engine.layer_map.names)
+        losses.append(loss)
+    out = {"pairs": pairs, "losses": losses, "drift_step": train_engine.optimizer.drift_step}
+    shutdown(train_engine)
+    return out
+
+
+def snapshot_copy_job(rank: int, world_size: int) -> dict[str, Any]:
+    """Snapshot every layer at step 2 through the copier, train step 3 at once, then hand over:
+    the handed shards must equal a joined snapshot taken at step 2."""
+    from workers.snapshot_copy import Handover, copier_for
+
+    precision = "bf16" if torch.cuda.is_available() else "fp32"
+    train_engine = make_engine(0, precision)
+    layers = list(train_engine.layer_map.names)
+    for t in range(2):
+        train_step(train_engine, batches(train_engine, t, rank))
+    reference = shard_values(snapshot_layers(train_engine.layout, layers, HostBufferPool()))
+    handed: list[LayerShard] = []
+    copier = copier_for(train_engine.layout)
+    pool = HostBufferPool()
+    handover = Handover(copier, lambda shards, base: handed.extend(shard_values(shards).items()), pool)
+    handover.take(layers, 2, base=False)
+    handed_before_next_step = bool(handed)
+    train_step(train_engine, batches(train_engine, 2, rank))
+    handover.flush(wait=True)
+    copier.close()
+    after = shard_values(snapshot_layers(train_engine.layout, layers, HostBufferPool()))
+    got = dict(handed)
+    out = {
+        "copier": type(copier).__name__,
+        "handed_before_next_step": handed_before_next_step,
+        "layers": layers,
+        "equal": {name: name in got and same(got[name], reference[name]) for name in layers},
+        "changed_after": any(not torch.equal(after[n]["fp32"], reference[n]["fp32"]) for n in layers),
+    }
     shutdown(train_engine)
     return out

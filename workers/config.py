@@ -22,6 +22,8 @@ Schedule = Literal["cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16"]
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+#: How DriftAdamW computes a step: ``foreach`` (update tensors, then their L1) or ``fused``.
+DRIFT_STEPS: tuple[str, ...] = ("foreach", "fused")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
@@ -82,6 +84,11 @@ class OptimConfig:
     ``lr * d**(B - 1 - i)`` (the last block at ``lr``), ``embed`` at ``lr * d**B`` (the lowest),
     ``norm`` and ``lm_head`` at ``lr``; the schedule scales every layer alike. 1 (the default)
     gives every layer ``lr``."""
+    drift_step: Literal["foreach", "fused"] = "foreach"
+    """How the optimizer measures each layer's drift while it steps: ``foreach`` (the update as a
+    tensor, then its L1) or ``fused`` (counted inside the update: no update tensor, no second
+    pass; a Triton kernel on CUDA where Triton imports, cache-sized chunks elsewhere). Both give
+    the same drift; ``fused`` updates exactly as ``torch.optim.AdamW`` orders its arithmetic."""
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -103,6 +110,7 @@ class OptimConfig:
         )
         require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
         require(self.schedule in SCHEDULES, "schedule", f"one of {SCHEDULES}", self.schedule)
+        require(self.drift_step in DRIFT_STEPS, "drift_step", f"one of {DRIFT_STEPS}", self.drift_step)
         require(0.0 < self.layer_lr_decay <= 1.0, "layer_lr_decay", "in (0, 1] (1 = no decay)", self.layer_lr_decay)
         if self.schedule == "constant" and self.min_lr_ratio not in (0.0, 1.0):
             logger.warning("OptimConfig.min_lr_ratio=%s has no effect with schedule='constant'", self.min_lr_ratio)

@@ -11,6 +11,10 @@ DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeR
 the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily trimmed
 ``param_groups`` list (ZeRO 1/2) or once per sub-group (ZeRO-3). Accumulators are therefore
 keyed by each group's unique ``name``, never by list position.
+
+``drift_step="fused"`` counts the drift inside the update instead, with no update tensor and no
+second pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`workers.drift_fused`);
+its parameters and moments are those of ``torch.optim.AdamW`` op for op.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from workers.config import DRIFT_STEPS
+from workers.drift_fused import AdamWScalars, Windows, adamw_l1
 
-#: (start, length) runs of a tensor's flattened elements that count towards drift.
-Windows = tuple[tuple[int, int], ...]
+logger = logging.getLogger(__name__)
 
 
 class DriftAdamW(torch.optim.AdamW):
@@ -43,7 +47,11 @@ class DriftAdamW(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        drift_step: str = "foreach",
     ) -> None:
+        if drift_step not in DRIFT_STEPS:
+            raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {drift_step!r}")
+        self.drift_step = drift_step
         self._drift_l1: dict[str, torch.Tensor] = {}
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -93,6 +101,9 @@ class DriftAdamW(torch.optim.AdamW):
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        if self.drift_step == "fused":
+            self._fused_step_group(group, params)
+            return
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         grads = [p.grad for p in params]
@@ -116,17 +127,48 @@ class DriftAdamW(torch.optim.AdamW):
         self._accumulate_l1(group["name"], params, update)
         torch._foreach_add_(params, update)
 
+    def _fused_step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        states = [self.init_state(p) for p in params]
+        by_count: dict[float, list[int]] = {}
+        for i, state in enumerate(states):
+            state["step"] += 1
+            by_count.setdefault(float(state["step"].item()), []).append(i)
+        beta1, beta2 = group["betas"]
+        for count, members in by_count.items():  # one launch per step count (normally one)
+            scalars = AdamWScalars(
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                step=count,
+            )
+            windows = [self._windows_of(params[i]) for i in members]
+            l1 = adamw_l1(
+                [params[i] for i in members],
+                [params[i].grad for i in members],
+                [states[i]["exp_avg"] for i in members],
+                [states[i]["exp_avg_sq"] for i in members],
+                windows,
+                scalars,
+            )
+            if any(w is None or w for w in windows):  # as the foreach step: no owned element, no entry
+                self._add_l1(group["name"], l1)
+
+    def _windows_of(self, tensor: torch.Tensor) -> Windows | None:
+        entry = self._windows.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
+
+    def _add_l1(self, name: str, l1: torch.Tensor) -> None:
+        previous = self._drift_l1.get(name)
+        self._drift_l1[name] = l1 if previous is None else previous + l1
+
     def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: list[torch.Tensor]) -> None:
         views: list[torch.Tensor] = []
         for p, u in zip(params, update):
-            entry = self._windows.get(id(p))
-            if entry is None or entry[0] is not p:
-                views.append(u.view(-1))
-            else:
-                flat = u.view(-1)
-                views.extend(flat.narrow(0, s, n) for s, n in entry[1])
+            windows = self._windows_of(p)
+            flat = u.view(-1)
+            views.extend([flat] if windows is None else (flat.narrow(0, s, n) for s, n in windows))
         if not views:
             return
-        l1 = torch.stack(torch._foreach_norm(views, 1)).sum()
-        previous = self._drift_l1.get(name)
-        self._drift_l1[name] = l1 if previous is None else previous + l1
+        self._add_l1(name, torch.stack(torch._foreach_norm(views, 1)).sum())

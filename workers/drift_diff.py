@@ -65,8 +65,9 @@ class SnapshotDiffProbe:
                 torch._foreach_copy_(self._previous[name], views)
 
 
-#: ``drift_probe`` choices: ``auto`` picks ``optimizer`` when the engine's optimizer is DriftAdamW.
-PROBES: tuple[str, ...] = ("auto", "optimizer", "snapshot_diff")
+#: ``drift_probe`` choices: ``auto`` picks ``optimizer`` when the engine's optimizer is DriftAdamW;
+#: ``fused`` is ``optimizer`` with DriftAdamW's fused step (``drift_step="fused"``).
+PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "snapshot_diff")
 
 
 def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotDiffProbe:
@@ -78,11 +79,13 @@ def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotD
         len(layer.groups) == 0 or all(g.get("layer") == name for g in layer.groups)
         for name, layer in layout.layers.items()
     )
-    if kind == "optimizer" and not aligned:
+    if kind in ("optimizer", "fused") and not aligned:
         raise ValueError(
-            "drift_probe='optimizer' needs the engine to step DriftAdamW over layer-aligned param "
+            f"drift_probe={kind!r} needs the engine to step DriftAdamW over layer-aligned param "
             f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'"
         )
     if kind == "snapshot_diff" or not aligned:
         return SnapshotDiffProbe(layout)
+    if kind == "fused":
+        layout.optimizer.drift_step = "fused"
     return DriftProbe(layout)

@@ -150,6 +150,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: Eng
         betas=optim_cfg.betas,
         eps=optim_cfg.eps,
         weight_decay=optim_cfg.weight_decay,
+        drift_step=optim_cfg.drift_step,
     )
     engine, _, _, _ = deepspeed.initialize(
         model=model,

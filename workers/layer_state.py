@@ -79,13 +79,14 @@ def _json_safe(value: Any) -> Any:
 
 
 def snapshot_layers(
-    layout: StateLayout, layers: Sequence[str], pool: HostBufferPool, step: int | None = None
+    layout: StateLayout, layers: Sequence[str], pool: HostBufferPool, step: int | None = None, *, join: bool = True
 ) -> list[LayerShard]:
     """This rank's shard of each of ``layers``, copied into buffers from ``pool``.
 
     One copy per owned piece and state key, straight from the optimizer's tensors into the
     host buffer; where those live on a GPU the copies are asynchronous into pinned memory and
-    joined once at the end. Release the shards to ``pool`` when they are written.
+    joined once at the end (``join=False``: not joined; the caller orders them by an event, see
+    :mod:`workers.snapshot_copy`). Release the shards to ``pool`` when they are written.
     """
     step = int(layout.engine.global_steps) if step is None else step
     shards = []
@@ -106,7 +107,7 @@ def snapshot_layers(
                 groups=group_metadata(layout, name),
             )
         )
-    if on_device:
+    if on_device and join:
         torch.cuda.current_stream().synchronize()
     logger.debug("snapshot of %d layers at step %d", len(shards), step)
     return shards

@@ -25,10 +25,10 @@ from workers.data import SequenceDataset
 from workers.drift import LayerDrift
 from workers.engine import TrainEngine
 from workers.host_buffers import HostBufferPool
-from workers.layer_state import snapshot_layers
 from workers.layout import StateLayout
 from workers.schedule import lr_at
 from workers.shard import LayerShard
+from workers.snapshot_copy import Handover, copier_for
 from workers.step import train_step
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ class StepProtocol:
         self.rank = rank
         self.result = LoopResult()
         self._buffers = HostBufferPool()
+        self._handover = Handover(
+            copier_for(layout), lambda shards, base: self.coordinator.persist(shards, base=base), self._buffers
+        )
         self._pending: Any = None
         self._last_step: int | None = None
 
@@ -86,6 +89,7 @@ class StepProtocol:
         and (rank 0) report progress; returns the seconds snapshots held training up."""
         result = self.result
         coordination_before = result.coordination_s
+        self._handover.flush(wait=False)  # snapshots of earlier steps whose copies have landed
         reported = time.monotonic()
         handle = self.coordinator.report(drift, lr)
         result.coordination_s += time.monotonic() - reported
@@ -123,6 +127,10 @@ class StepProtocol:
                 self.result.stall_s += self._snapshot(rest, step, base=False)
                 self.result.persisted[step] = tuple(done) + rest
                 logger.info("step %d: final state of %d layer(s) handed over", step, len(rest))
+        started = time.monotonic()
+        self._handover.flush(wait=True)
+        self._handover.copier.close()
+        self.result.stall_s += time.monotonic() - started
         return self.result
 
     def _carry_out(self, handle: Any, step: int) -> float:
@@ -138,13 +146,10 @@ class StepProtocol:
         return elapsed
 
     def _snapshot(self, names: Sequence[str], step: int, *, base: bool) -> float:
+        """Take the snapshot; it is handed over at once where the copy is synchronous (CPU), else
+        once its copy has landed (see :mod:`workers.snapshot_copy`)."""
         started = time.monotonic()
-        shards = snapshot_layers(self.layout, names, self._buffers, step=step)
-        try:
-            self.coordinator.persist(shards, base=base)
-        finally:
-            for shard in shards:
-                self._buffers.release(shard)
+        self._handover.take(names, step, base=base)
         return time.monotonic() - started
 
 

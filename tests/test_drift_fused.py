@@ -1,0 +1,163 @@
+"""DriftAdamW's fused step: torch AdamW's parameters and moments, and the drift that
+snapshot-and-diff measures, without an update tensor.
+
+CPU always (the torch path, bit-equal to ``torch.optim.AdamW(foreach=False)``); CUDA with
+``LAYERCHECK_TEST_DEVICE=cuda`` (the Triton kernel, within float tolerance of torch's fused
+AdamW); the kernel's arithmetic on CPU under Triton's interpreter where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.devices import devices, require
+from workers import drift_fused
+from workers.drift_adamw import DriftAdamW
+from workers.drift_fused import AdamWScalars, adamw_l1_torch, triton_eligible, work_rows
+
+SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
+HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-7}
+
+
+def _groups(params):
+    """Three groups with different lr / weight decay, as the layer-aligned groups are."""
+    return [
+        {"params": params[:2], "weight_decay": 0.1, "name": "a/decay"},
+        {"params": params[2:3], "weight_decay": 0.0, "lr": 1e-3, "name": "a/no_decay"},
+        {"params": params[3:], "weight_decay": 0.05, "name": "b/decay"},
+    ]
+
+
+def _copies(device, seed=0):
+    torch.manual_seed(seed)
+    base = [torch.randn(*s) for s in SHAPES]
+    return [[t.clone().to(device).requires_grad_(True) for t in base] for _ in range(3)]
+
+
+def _set_grads(step, *param_lists):
+    g = torch.Generator().manual_seed(1000 + step)
+    grads = [torch.randn(p.shape, generator=g) for p in param_lists[0]]
+    for params in param_lists:
+        for p, grad in zip(params, grads):
+            p.grad = grad.to(p.device)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fused_step_matches_torch_adamw_and_snapshot_diff(device, monkeypatch):
+    dev = require(device)
+    monkeypatch.setattr(drift_fused, "TORCH_CHUNK", 64)  # several chunks per tensor on the torch path
+    fused_p, ref_p, foreach_p = _copies(dev)
+    if dev.type == "cuda":
+        assert triton_eligible(fused_p), "the CUDA case must run the Triton kernel (is triton installed?)"
+    fused = DriftAdamW(_groups(fused_p), **HYPER, drift_step="fused")
+    foreach = DriftAdamW(_groups(foreach_p), **HYPER)
+    reference_kwargs = {"fused": True} if dev.type == "cuda" else {"foreach": False}
+    reference = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "name"} for g in _groups(ref_p)], **HYPER, **reference_kwargs
+    )
+    for step in range(5):
+        _set_grads(step, fused_p, ref_p, foreach_p)
+        before = {id(p): p.detach().clone() for p in fused_p}
+        fused.step()
+        reference.step()
+        foreach.step()
+        drift, foreach_drift = fused.take_drift(), foreach.take_drift()
+        for group in fused.param_groups:
+            diff = sum(float((p.detach() - before[id(p)]).abs().double().sum()) for p in group["params"])
+            assert drift[group["name"]].item() == pytest.approx(diff, rel=1e-6), group["name"]
+            assert foreach_drift[group["name"]].item() == pytest.approx(diff, rel=1e-4), group["name"]
+    for p, q in zip(fused_p, ref_p):
+        for ours, theirs in ((p, q), *((fused.state[p][k], reference.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))):
+            if dev.type == "cpu":
+                assert torch.equal(ours, theirs)  # op for op: bit-equal
+            else:
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+        assert float(fused.state[p]["step"]) == float(reference.state[q]["step"]) == 5
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fused_step_counts_only_the_windows(device):
+    dev = require(device)
+    (params, _, _) = _copies(dev, seed=1)
+    opt = DriftAdamW(_groups(params), **HYPER, drift_step="fused")
+    opt.set_drift_windows(params[0], [(0, 40), (500, 33), (1200, 120)])
+    opt.set_drift_windows(params[2], [])  # a tensor of which this rank owns nothing
+    expected = 0.0
+    for step in range(2):
+        _set_grads(step, params)
+        before = [p.detach().clone().view(-1) for p in params[:2]]
+        opt.step()
+        diff = (params[0].detach().view(-1) - before[0]).abs().double()
+        expected += float(diff[0:40].sum() + diff[500:533].sum() + diff[1200:1320].sum())
+        expected += float((params[1].detach().view(-1) - before[1]).abs().double().sum())  # no windows: all
+    drift = opt.take_drift()
+    assert drift["a/decay"].item() == pytest.approx(expected, rel=1e-6)
+    assert "a/no_decay" not in drift  # owns nothing: no entry, as the foreach step
+    assert set(drift) == {"a/decay", "b/decay"}
+    assert opt.take_drift() == {}
+
+
+def test_torch_path_is_bit_equal_whatever_the_chunk():
+    torch.manual_seed(3)
+    p, g, m, v = (torch.randn(1000) for _ in range(4))
+    v = v.abs()
+    scalars = AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3)
+    results = []
+    for chunk in (7, 128, 1000, 4096):
+        state = [t.clone() for t in (p, g, m, v)]
+        l1 = adamw_l1_torch(*state, ((10, 300), (400, 5)), scalars, chunk=chunk)
+        results.append((state, l1))
+    for state, l1 in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(state, results[0][0]))
+        assert l1.item() == pytest.approx(results[0][1].item(), rel=1e-6)  # fp32 partial sums
+    delta = (results[0][0][0] - p).abs().double()
+    assert results[0][1].item() == pytest.approx(float(delta[10:310].sum() + delta[400:405].sum()), rel=1e-9)
+
+
+def test_work_rows_partition_each_tensor_with_one_counted_run_per_row():
+    numels = [10, 7, 0, 5]
+    windows = [((1, 2), (4, 1), (8, 2)), None, None, ()]
+    rows = work_rows(numels, windows, chunk=4)
+    for index, numel in enumerate(numels):
+        mine = sorted((start, stop) for t, start, stop, _, _ in rows if t == index)
+        covered = [i for start, stop in mine for i in range(start, stop)]
+        assert covered == list(range(numel)), index  # every element updated exactly once
+    counted = {t: set() for t in range(len(numels))}
+    for t, start, stop, lo, hi in rows:
+        assert start <= lo <= hi <= stop and stop - start <= 4
+        counted[t].update(range(lo, hi))
+    assert counted == {0: {1, 2, 4, 8, 9}, 1: set(range(7)), 2: set(), 3: set()}
+    with pytest.raises(ValueError, match="chunk"):
+        work_rows([3], [None], chunk=0)
+
+
+def test_triton_kernel_under_the_interpreter():
+    """The CUDA kernel's arithmetic and work table, run by Triton's CPU interpreter (Triton is not
+    a dependency: ``pip install triton`` and run with ``TRITON_INTERPRET=1``)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
+    pytest.importorskip("triton")
+    from workers.drift_triton import adamw_l1_triton
+
+    torch.manual_seed(4)
+    shapes = [(64, 100), (5000,), (7,)]
+    ours = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    for v in ours[3]:
+        v.abs_()
+    ref = [[t.clone() for t in ts] for ts in ours]
+    windows = (((0, 2000), (2500, 3000)), None, ())  # two runs in one chunk: a split row
+    scalars = AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=2)
+    l1 = adamw_l1_triton(*ours, windows, scalars)
+    expected = sum(adamw_l1_torch(*quad, w, scalars).item() for *quad, w in zip(*ref, windows))
+    for got, want in zip(ours, ref):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert l1.dtype == torch.float64 and l1.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_bad_drift_step_is_rejected():
+    with pytest.raises(ValueError, match="drift_step"):
+        DriftAdamW([torch.zeros(2, requires_grad=True)], drift_step="triton")

@@ -1,0 +1,129 @@
+"""Snapshot hand-over: in order, each only once its copy has landed; the host path hands over at
+once, the CUDA side-stream path never waits on the training stream (CUDA case behind
+``LAYERCHECK_TEST_DEVICE=cuda``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.devices import cuda_requested
+from workers.host_buffers import HostBufferPool
+from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
+
+
+class ScriptedCopy:
+    """A copy that completes when the test says so (``torch.cuda.Event``'s two methods)."""
+
+    def __init__(self) -> None:
+        self.complete = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.complete
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.complete = True
+
+
+def _pending(step: int, done=None) -> PendingSnapshot:
+    return PendingSnapshot(step=step, base=False, shards=[], done=done)
+
+
+def test_queue_hands_over_in_order_and_only_what_has_landed():
+    queue = CopyQueue(max_in_flight=3)
+    first, second, third = ScriptedCopy(), ScriptedCopy(), ScriptedCopy()
+    for step, done in ((1, first), (2, second), (3, third)):
+        queue.push(_pending(step, done))
+    assert queue.ready() == []
+    second.complete = True  # a later copy done before an earlier one waits behind it
+    assert queue.ready() == []
+    first.complete = True
+    assert [p.step for p in queue.ready()] == [1, 2]
+    assert len(queue) == 1 and not third.waited
+    assert [p.step for p in queue.ready(wait=True)] == [3] and third.waited
+    queue.push(_pending(4))  # the host path: complete when pushed
+    assert [p.step for p in queue.ready()] == [4]
+
+
+def test_queue_waits_for_the_oldest_past_max_in_flight():
+    queue = CopyQueue(max_in_flight=2)
+    copies = [ScriptedCopy() for _ in range(3)]
+    for step, done in enumerate(copies):
+        queue.push(_pending(step, done))
+    assert [p.step for p in queue.ready()] == [0]  # three outstanding > 2: the oldest is waited for
+    assert copies[0].waited and not copies[1].waited
+    with pytest.raises(ValueError, match="max_in_flight"):
+        CopyQueue(max_in_flight=0)
+
+
+class ScriptedCopier:
+    def __init__(self) -> None:
+        self.copies: list[ScriptedCopy] = []
+
+    def copy(self, names, step, pool):
+        shards = []
+        for name in names:
+            tensors = {key: pool.acquire(4).fill_(step) for key in STATE_KEYS}
+            shards.append(
+                LayerShard(
+                    layer=name,
+                    step=step,
+                    rank=0,
+                    world_size=1,
+                    slices=(ParamSlice(name, (4,), 0, 4),),
+                    tensors=tensors,
+                    optimizer_step=step,
+                )
+            )
+        self.copies.append(ScriptedCopy())
+        return shards, self.copies[-1]
+
+    def close(self) -> None:
+        pass
+
+
+def test_handover_persists_landed_snapshots_then_frees_their_buffers():
+    pool = HostBufferPool(pin=False)
+    copier = ScriptedCopier()
+    handed: list[tuple[int, tuple[str, ...], bool, float]] = []
+
+    def persist(shards, *, base):
+        handed.append((shards[0].step, tuple(s.layer for s in shards), base, float(shards[0].tensors["fp32"][0])))
+
+    handover = Handover(copier, persist, pool)
+    handover.take(["a", "b"], 1, base=True)
+    assert handed == [] and pool.lent == 6  # copying: not handed over, buffers held
+    copier.copies[0].complete = True
+    handover.take(["a"], 2, base=False)
+    assert handed == [(1, ("a", "b"), True, 1.0)] and pool.lent == 3
+    handover.flush(wait=True)
+    assert handed[-1] == (2, ("a",), False, 2.0) and pool.lent == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not cuda_requested(), reason="CUDA case: set LAYERCHECK_TEST_DEVICE=cuda")
+        ),
+    ],
+)
+def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device):
+    """A real engine (1 rank; NCCL on CUDA): a snapshot handed over after the next step has run
+    still equals the state at the step it was taken, bit for bit."""
+    from tests import worker_jobs
+    from tests.dist_harness import run_ranks
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.fail("LAYERCHECK_TEST_DEVICE=cuda but no CUDA device")
+    (result,) = run_ranks(worker_jobs.snapshot_copy_job, 1)
+    assert result["copier"] == ("SideStreamCopier" if device == "cuda" else "HostCopier")
+    if device == "cpu":
+        assert result["handed_before_next_step"]  # the host path hands over at once, as before
+    assert result["layers"] and result["equal"] == {layer: True for layer in result["layers"]}
+    assert result["changed_after"]  # the next step did move the weights the snapshot holds
