@@ -56,6 +56,10 @@ class ClusterConfig:
     """Worker-group restarts Ray Train may make before the run fails."""
     address: str = ""
     """Ray cluster to join; empty: ``RAY_ADDRESS`` or the job's cluster, else a new local one."""
+    shared_storage: bool = False
+    """``storage`` is a path on a filesystem every node mounts (NFS, Lustre, a bucket mount). On a
+    cluster of more than one node a plain path is refused without it: each node would write to
+    its own disk. Object storage (``s3://``, ``gs://``) needs no opt-in."""
 
     def __post_init__(self) -> None:
         require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)

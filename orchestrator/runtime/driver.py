@@ -24,15 +24,16 @@ from typing import Any
 import ray
 
 from orchestrator.core.run_config import RunConfig
-from orchestrator.core.run_start import StartOptions, open_run_store
+from orchestrator.core.run_start import StartOptions, check_config, open_run_store
+from orchestrator.core.shared_storage import shared_storage_problem
 from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime import ray_noise
 from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.store.errors import UnsafeStoreError
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
 from workers.ds_internals import ALLOW_UNVERIFIED_ENV
-from workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,19 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     logger.info("started a local Ray with %d CPUs", cpus)
 
 
+def alive_nodes() -> int:
+    """Alive nodes of the connected Ray cluster."""
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.shared_storage = true") -> None:
+    """Refuse (:class:`UnsafeStoreError`) node-local storage on a multi-node cluster; Ray must be
+    connected. See :mod:`orchestrator.core.shared_storage`."""
+    problem = shared_storage_problem(uri, alive_nodes=alive_nodes(), shared_storage=shared, opt_in=opt_in)
+    if problem:
+        raise UnsafeStoreError(problem)
+
+
 def _local_cluster() -> str | None:
     """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
     ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
@@ -143,11 +157,14 @@ def train(
     from orchestrator.runtime.train_fn import train_fn
 
     config = config.with_absolute_storage()
-    # config checks, then the store's lease, then resume/overwrite checks, then run.json: nothing before
-    lease = open_run_store(config, StartOptions(overwrite=overwrite, resume=resume, take_over=take_over))
+    # config checks, the cluster (is the storage shared by its nodes?), then the store's lease,
+    # resume/overwrite checks, run.json: nothing is written before
+    options = StartOptions(overwrite=overwrite, resume=resume, take_over=take_over)  # before Ray starts
+    layer_numel = check_config(config)
+    connect(config)
+    check_shared_storage(config.storage_uri, shared=config.cluster.shared_storage)
+    lease = open_run_store(config, options, layer_numel=layer_numel)
     try:
-        layer_map = layer_map_for(config.model)
-        connect(config)
         handles = start_run(
             name=config.name,
             storage_uri=config.storage_uri,
@@ -155,7 +172,7 @@ def train(
             persistence=config.persistence,
             metrics=config.metrics,
             num_workers=config.cluster.num_workers,
-            layer_numel=layer_map.numel,
+            layer_numel=layer_numel,
             resume=resume,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
