@@ -29,6 +29,7 @@ from orchestrator.core.shared_storage import shared_storage_problem
 from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime import ray_noise
 from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.runtime.train_report import supervisor_callbacks
 from orchestrator.store.errors import UnsafeStoreError
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
@@ -57,6 +58,9 @@ class RunResult:
     """The checkpoint policy the run used (the config's when ``None``)."""
     interrupted: bool = False
     """Stopped by Ctrl-C (SIGINT) on the driver: resume it with ``--resume``."""
+    train_reports: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's metrics of each ``ray.train.report`` (step, loss, max_staleness, ettr; built-in
+    loop, Train v2), as Ray Train's controller received them, oldest first."""
     end_errors: list[str] = field(default_factory=list)
     """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
     shown in the summary, never raised, so the summary is always printed."""
@@ -189,6 +193,7 @@ def train(
                     name=handles.run_id,
                     storage_path=scratch,
                     failure_config=FailureConfig(max_failures=config.cluster.max_failures),
+                    callbacks=supervisor_callbacks(handles.supervisor),
                 ),
             )
             error = fit_watched(
@@ -365,6 +370,12 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         lambda: ray.get(supervisor.status.remote(), timeout=60),
         default=status,
     )
+    train_reports = _at_end(
+        "reading the Ray Train reports",
+        end_errors,
+        lambda: ray.get(supervisor.train_reports.remote(), timeout=60),
+        default=[],
+    )
     result = RunResult(
         run_id=handles.run_id,
         config=config,
@@ -376,6 +387,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         storage_uri=handles.storage_uri,
         policy=handles.policy_config,
         interrupted=handles.interrupted,
+        train_reports=train_reports,
         end_errors=end_errors,
     )
     if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
