@@ -140,11 +140,17 @@ class MetricsConfig:
 
     port: int = 9464
     """0 disables the exporter."""
-    host: str = "127.0.0.1"
-    """Bind address; ``0.0.0.0`` only when the endpoint must be reachable from other hosts."""
+    host: str = "auto"
+    """Bind address. ``auto``: 127.0.0.1 on a one-node Ray cluster, the IP of the supervisor's
+    node on a multi-node one (so a Prometheus on another node reaches it); ``node``: that IP
+    always; or an address (``0.0.0.0``: every interface)."""
+    discovery_dir: str = "/tmp/layercheck/prometheus"
+    """The driver writes ``<run id>.json`` here, a Prometheus ``file_sd`` file naming the
+    endpoint, while the run is live (``dashboards/prometheus.yml`` watches it); empty: none."""
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "in 0..65535", self.port)
+        require(bool(self.host.strip()), "host", "auto, node or an address", self.host)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,12 +25,12 @@ import ray
 
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, check_config, open_run_store
-from orchestrator.core.shared_storage import shared_storage_problem
 from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime import ray_noise
+from orchestrator.runtime.cluster import alive_nodes, check_shared_storage
+from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.runtime.train_report import supervisor_callbacks
-from orchestrator.store.errors import UnsafeStoreError
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
@@ -82,6 +82,8 @@ class RunHandles:
     policy: Any
     supervisor: Any
     metrics_url: str | None
+    discovery_file: str | None = None
+    """The Prometheus ``file_sd`` file naming the exporter (removed when the run ends)."""
     stop_drain_s: float = 120.0
     """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
     interrupted: bool = False
@@ -116,19 +118,6 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     ray.init(num_cpus=cpus, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
     ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
-
-
-def alive_nodes() -> int:
-    """Alive nodes of the connected Ray cluster."""
-    return sum(1 for node in ray.nodes() if node.get("Alive"))
-
-
-def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.shared_storage = true") -> None:
-    """Refuse (:class:`UnsafeStoreError`) node-local storage on a multi-node cluster; Ray must be
-    connected. See :mod:`orchestrator.core.shared_storage`."""
-    problem = shared_storage_problem(uri, alive_nodes=alive_nodes(), shared_storage=shared, opt_in=opt_in)
-    if problem:
-        raise UnsafeStoreError(problem)
 
 
 def _local_cluster() -> str | None:
@@ -238,7 +227,7 @@ def start_run(
         limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
-    metrics_url = _start_metrics(supervisor, metrics)
+    metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
     return RunHandles(
         run_id=run_id,
         storage_uri=storage_uri,
@@ -247,6 +236,7 @@ def start_run(
         policy=policy_actor,
         supervisor=supervisor,
         metrics_url=metrics_url,
+        discovery_file=discovery_file,
         stop_drain_s=persistence.stop_drain_s,
     )
 
@@ -392,6 +382,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     )
     if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
+    remove_discovery(handles.discovery_file)  # the exporter ends with the supervisor: stop pointing at it
     for actor in (supervisor, policy):
         _at_end("stopping the run's actors", end_errors, lambda actor=actor: ray.kill(actor))
     return result
@@ -409,18 +400,21 @@ def _at_end(what: str, errors: list[str], fn: Callable[[], Any], default: Any = 
         return default
 
 
-def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
-    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none); a
-    port that cannot be bound is logged, not fatal: the run trains without metrics."""
+def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | None, str | None]:
+    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none) and
+    write its discovery file; the URL and the file. A port that cannot be bound is logged, not
+    fatal: the run trains without metrics."""
     if metrics.port == 0:
-        return None
+        return None, None
+    host = bind_host(metrics.host, alive_nodes=alive_nodes())
     try:
-        url = ray.get(supervisor.start_metrics.remote(metrics.host, metrics.port))
+        url = ray.get(supervisor.start_metrics.remote(host, metrics.port))
     except Exception as error:
-        logger.error("metrics disabled: cannot serve on %s:%d: %s", metrics.host, metrics.port, error)
-        return None
+        logger.error("metrics disabled: cannot serve on %s:%d: %s", host, metrics.port, error)
+        return None, None
     logger.info("metrics at %s", url)
-    return url
+    discovery = write_discovery(metrics.discovery_dir, run_id, url) if metrics.discovery_dir else None
+    return url, discovery
 
 
 def _fault_note(config: RunConfig) -> str:
