@@ -16,7 +16,8 @@ CLUSTER = yaml.safe_load((ROOT / "cluster.yaml").read_text())
 
 
 def test_ray_accepts_it():
-    validate_config(prepare_config(CLUSTER))  # with Ray's defaults filled in, against Ray's own JSON schema (ray/autoscaler/ray-schema.json)
+    # with Ray's defaults filled in, against Ray's own JSON schema (ray/autoscaler/ray-schema.json)
+    validate_config(prepare_config(CLUSTER))
 
 
 def test_the_image_is_the_ray_and_python_we_test_with():
