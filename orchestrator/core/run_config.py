@@ -48,6 +48,9 @@ class ClusterConfig:
     min_workers: int = 0
     """0: a fixed group of ``num_workers``. Else Ray Train's elastic group: training starts (and,
     after a node is lost, resumes) with as few as ``min_workers``; the composite is re-sliced."""
+    resize_check_s: float = 60.0
+    """Elastic group (``min_workers`` > 0): how often Ray Train looks for room to grow the group back
+    (a returned or new node); growing restarts the group, which resumes like a recovery."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); otherwise CPU with gloo."""
     cpus_per_worker: float = 1.0
@@ -70,6 +73,7 @@ class ClusterConfig:
             self.min_workers,
         )
         require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
+        require(self.resize_check_s > 0, "resize_check_s", "> 0", self.resize_check_s)
         require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
 
 

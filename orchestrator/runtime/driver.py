@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, check_config, open_run_store
@@ -177,6 +178,7 @@ def train(
                     num_workers=_group_size(config),
                     use_gpu=config.cluster.use_gpu,
                     resources_per_worker={"CPU": config.cluster.cpus_per_worker},
+                    **_elastic_options(config),
                 ),
                 run_config=TrainRunConfig(
                     name=handles.run_id,
@@ -213,10 +215,13 @@ def start_run(
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
+    # the run's control actors live with the driver (the head node under `ray job submit`): a lost
+    # worker node must not take the supervisor, the policy or the metrics exporter with it
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(
         policy, layer_numel, num_workers, persistence.max_versions_in_flight
     )
-    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
+    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(
         run_id=run_id,
         store_uri=storage_uri,
         fsync=persistence.fsync,
@@ -429,6 +434,15 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     if 0 < cluster.min_workers < cluster.num_workers:
         return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
     return cluster.num_workers
+
+
+def _elastic_options(config: RunConfig) -> dict[str, Any]:
+    """Train v2's elastic options, for an elastic group only (v1's ``ScalingConfig`` has none)."""
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    if not isinstance(_group_size(config), tuple) or not is_v2_enabled():
+        return {}
+    return {"elastic_resize_monitor_interval_s": config.cluster.resize_check_s}
 
 
 def _watch(
