@@ -94,12 +94,18 @@ def _lose_a_node(head, second, config, seen, *, bring_back=False):
                     seen["committed"] = {v.version_id: v for v in LayerStore.open(config.storage_uri).versions()}
                     seen["killed_at"] = status["step"]
                     head.remove_node(second, allow_graceful=False)  # raylet, worker, writer: gone at once
-                elif bring_back and "committed" in seen and "returned" not in seen and status["account"]["recoveries"]:
+                elif bring_back and "committed" in seen and "returned" not in seen and _trained_alone(status):
                     seen["returned"] = status["step"]  # the test's main thread adds the node (signals)
             except Exception as error:  # the driver's progress poll swallows errors: keep it for the test
                 seen.setdefault("errors", []).append(repr(error))
 
     return on_progress
+
+
+def _trained_alone(status):
+    """The group resumed after the loss and has trained a few steps with what was left."""
+    recoveries = status["account"]["recoveries"]
+    return bool(recoveries) and status.get("step", 0) >= recoveries[0]["resumed_at"] + 5
 
 
 def _check_recovered_from_the_loss(result, config, seen, steps):
@@ -140,8 +146,10 @@ def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_
 
 @pytest.mark.skipif(
     os.environ.get("LAYERCHECK_TEST_REGROW") != "1",
-    reason="work in progress (LAYERCHECK_TEST_REGROW=1 runs it, ~3 min): on this one-machine cluster "
-    "Ray Train 2.60 did not grow the group back after the node returned (see the issue report)",
+    reason="work in progress, not reliable yet (LAYERCHECK_TEST_REGROW=1 runs it, 4+ min): Ray Train 2.60 "
+    "does grow the group back (seen once: resize 1 -> 2, LayerCheck resumed at t_fail + 1, versions at "
+    "world size 2 after), but with the node returned 5 steps after the loss one run stalled at the "
+    "regrown size (no step for minutes), undiagnosed",
 )
 def test_the_group_grows_back_when_a_node_returns(cluster, tmp_path):
     """Ray Train v2's elastic policy resizes a running group every ``resize_check_s`` when its

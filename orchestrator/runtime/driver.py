@@ -151,13 +151,16 @@ def train(
     from orchestrator.runtime.train_fn import train_fn
 
     config = config.with_absolute_storage()
-    # config checks, the cluster (is the storage shared by its nodes?), then the store's lease,
-    # resume/overwrite checks, run.json: nothing is written before
+    # config checks, the store's read-only checks, the cluster (is the storage shared by its
+    # nodes?), then the store's lease, overwrite, run.json: nothing is written before
     options = StartOptions(overwrite=overwrite, resume=resume, take_over=take_over)  # before Ray starts
     layer_numel = check_config(config)
-    connect(config)
-    check_shared_storage(config.storage_uri, shared=config.cluster.shared_storage)
-    lease = open_run_store(config, options, layer_numel=layer_numel)
+
+    def join_the_cluster() -> None:  # after the read-only store checks, before the lease
+        connect(config)
+        check_shared_storage(config.storage_uri, shared=config.cluster.shared_storage)
+
+    lease = open_run_store(config, options, layer_numel=layer_numel, before_write=join_the_cluster)
     try:
         handles = start_run(
             name=config.name,
