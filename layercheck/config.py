@@ -43,6 +43,9 @@ class CheckpointConfig:
     layer_map: Any = None
     """How parameters group into layers when the names do not say: ``{"layer": ["param.prefix", ...]}``
     or a function ``param_name -> layer name``; ``None``: from the names (Llama, GPT-2, ... families)."""
+    shared_storage: bool = False
+    """``storage`` is a path on a filesystem every node mounts (NFS, Lustre, a bucket mount). On a
+    Ray cluster of more than one node a plain path is refused without it; ``s3://``/``gs://`` need no opt-in."""
     overwrite: bool = False
     """Delete checkpoints an earlier run left in ``storage`` (else such a store is refused)."""
 

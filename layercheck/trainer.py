@@ -24,8 +24,15 @@ import torch
 from layercheck.config import CheckpointConfig
 from orchestrator.core.run_config import check_relative_storage
 from orchestrator.core.run_start import StartOptions, claim_store
+from orchestrator.runtime.cluster import check_shared_storage
 from orchestrator.runtime.context import WorkerContext, with_context
-from orchestrator.runtime.driver import RunResult, connect_to, finish_run, fit_watched, start_run
+from orchestrator.runtime.driver import (
+    RunResult,
+    connect_to,
+    finish_run,
+    fit_watched,
+    start_run,
+)
 from orchestrator.runtime.summary import format_summary, summarize
 from policies.layer_map import LayerMap, model_layer_map
 
@@ -93,12 +100,21 @@ class LayerCheckTrainer:
         cannot map: pass ``CheckpointConfig(layer_map=...)``)."""
         return planned_layer_map(self.model, self.checkpoint.layer_map)
 
+    def _connect(self) -> None:
+        scaling = self.scaling_config
+        workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
+        connect_to(use_gpu=bool(scaling.use_gpu), cpus=int(workers * (scaling.num_cpus_per_worker or 1)) + 1)
+
     def fit(self) -> FitResult:
         """Run to the end; a run that fails for good is in ``result.error`` (not raised)."""
         cfg = self.checkpoint
         layers = self.layer_map()  # a bad model fails here, before any actor or worker starts
         if "://" not in cfg.storage and not os.path.isabs(cfg.storage):
             check_relative_storage(cfg.storage)  # under `ray job submit` Ray deletes the job's directory
+        self._connect()
+        check_shared_storage(
+            cfg.storage_uri, shared=cfg.shared_storage, opt_in="CheckpointConfig(shared_storage=True)"
+        )  # before the store is claimed: nothing is written on a refused cluster
         lease = claim_store(cfg.storage_uri, run=cfg.name, options=StartOptions(overwrite=cfg.overwrite))
         try:
             run = self._fit(cfg, layers)
@@ -112,7 +128,7 @@ class LayerCheckTrainer:
 
         scaling = self.scaling_config
         workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
-        connect_to(use_gpu=bool(scaling.use_gpu), cpus=int(workers * (scaling.num_cpus_per_worker or 1)) + 1)
+        self._connect()
         handles = start_run(
             name=cfg.name,
             storage_uri=cfg.storage_uri,

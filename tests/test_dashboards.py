@@ -126,11 +126,19 @@ def test_alert_rules_and_scrape_config_pass_promtool():
         assert done.returncode == 0, f"promtool {' '.join(args)}:\n{done.stdout}{done.stderr}"
 
 
-def test_the_scrape_config_targets_the_demo_exporter_on_loopback():
+def test_the_scrape_config_finds_runs_through_their_discovery_files():
+    """Local or on a cluster, a run is found the same way: the file_sd file its driver writes."""
+    import fnmatch
+
     from orchestrator.core.run_config import load_run_config
+    from orchestrator.runtime.metrics_discovery import discovery_entry, discovery_path
 
     demo = load_run_config(DASHBOARDS.parent / "examples" / "demo.toml").metrics
     config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
-    targets = [t for job in config["scrape_configs"] for c in job["static_configs"] for t in c["targets"]]
-    assert f"{demo.host}:{demo.port}" in targets and demo.host == "127.0.0.1"
+    (job,) = config["scrape_configs"]
+    patterns = [f for sd in job["file_sd_configs"] for f in sd["files"]]
+    assert any(fnmatch.fnmatch(discovery_path(demo.discovery_dir, "demo-1234abcd"), p) for p in patterns)
+    assert discovery_entry(f"http://127.0.0.1:{demo.port}/metrics") == [
+        {"targets": [f"127.0.0.1:{demo.port}"], "labels": {}}
+    ]
     assert config["rule_files"] == ["alerts.yml"]

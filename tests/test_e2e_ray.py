@@ -63,7 +63,7 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step."""
     every_step = IntervalConfig(interval=1)
     unbounded = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
-    clean = run(demo, tmp_path, "clean", every_step, **{"fault.kill_at_step": 0, **unbounded})
+    clean = run(demo, tmp_path, "clean", every_step, **{"fault.kill_at_step": 0, "log_every": 4, **unbounded})
     failed = run(demo, tmp_path, "failed", every_step, **{"fault.kill_at_step": 6, **unbounded})
 
     account = failed.status["account"]
@@ -79,6 +79,14 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
         assert lr == pytest.approx(lr_at(step - 1, config.optim))  # the schedule continues
         assert loss == pytest.approx(clean_history[step][0], rel=1e-5, abs=1e-6), step
     assert failed.status["state"] == "finished"
+
+    # Ray Train saw the progress: one report every log_every steps and one at the end, every rank
+    # (a rank missing one would hang the group), rank 0's with the supervisor's staleness and ETTR
+    reports = clean.train_reports
+    assert [r["step"] for r in reports] == [4, 8, 12, 12]
+    assert all({"step", "loss", "max_staleness", "ettr"} <= set(r) for r in reports)
+    assert [r["loss"] for r in reports[:3]] == pytest.approx([clean_history[s][0] for s in (4, 8, 12)])
+    assert reports[-1]["max_staleness"] is not None and 0 < reports[-1]["ettr"] <= 1
 
 
 def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp_path):

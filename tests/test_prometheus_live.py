@@ -28,7 +28,7 @@ SMAX = 4
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, target: str) -> None:
+    def __init__(self, tmp: Path, discovery_dir: Path) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail(
@@ -36,11 +36,12 @@ class Prometheus:
                 "(apt-get install prometheus; .ci/run does it)"
             )
         self.url = f"http://127.0.0.1:{free_port()}"
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(DASHBOARDS / "alerts.yml")],
-            "scrape_configs": [{"job_name": "layercheck", "static_configs": [{"targets": [target]}]}],
-        }
+        # the shipped config, finding the run the cluster way (the file_sd file its driver writes),
+        # pointed at this test's discovery directory
+        config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
+        config["rule_files"] = [str(DASHBOARDS / "alerts.yml")]
+        (job,) = config["scrape_configs"]
+        job["file_sd_configs"] = [{"files": [str(discovery_dir / "*.json")]}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(tmp / "prometheus.log", "w")
         self.process = subprocess.Popen(
@@ -95,7 +96,7 @@ def scraped(tmp_path_factory):
     """One short demo run with a failure, scraped every second by a real Prometheus."""
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
-    prometheus = Prometheus(tmp, f"127.0.0.1:{port}")
+    prometheus = Prometheus(tmp, tmp / "sd")
     config = load_run_config(
         ROOT / "examples" / "demo.toml",
         {
@@ -108,12 +109,14 @@ def scraped(tmp_path_factory):
             "policy": {"name": "layercheck", "warmup_steps": 3, "smax": SMAX, "k0": 0.05, "k0_embed": 0.05},
             "fault.kill_at_step": 8,
             "metrics.port": port,
-            "metrics.host": "127.0.0.1",
+            "metrics.host": "auto",  # one node: 127.0.0.1
+            "metrics.discovery_dir": str(tmp / "sd"),
         },
     )
     connect(config)
     try:
         result = train(config)  # waits until Prometheus has scraped the final values
+        assert not list((tmp / "sd").glob("*.json"))  # the run's discovery file went with it
         yield prometheus, result, tmp
     finally:
         ray.shutdown()

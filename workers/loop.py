@@ -164,9 +164,11 @@ def run_loop(
     world_size: int,
     after_step: Callable[[int], None] = lambda step: None,
     save_final: bool = False,
+    report_step: Callable[[int, float], None] | None = None,
 ) -> LoopResult:
     """Train steps ``start_step..end_step`` (inclusive, counted from 1), fewer if the run asks
-    to stop; ``save_final``: the last step's state of every layer is handed over at the end."""
+    to stop; ``save_final``: the last step's state of every layer is handed over at the end.
+    ``report_step(step, loss)`` runs after each step, before ``after_step`` (progress reporting)."""
     protocol = StepProtocol(train_engine.layout, coordinator, rank=rank)
     engine_cfg = train_engine.engine_cfg
     for step in range(start_step, end_step + 1):
@@ -186,6 +188,8 @@ def run_loop(
         protocol.after_step(
             step, drift, loss=loss, lr=lr_at(step - 1, train_engine.optim_cfg), compute_s=time.monotonic() - started
         )
+        if report_step is not None:
+            report_step(step, loss)
         after_step(step)
         if protocol.stop_requested():
             logger.warning("rank %d: stopping after step %d, as the run asked", rank, step)

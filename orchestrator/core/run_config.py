@@ -49,6 +49,9 @@ class ClusterConfig:
     min_workers: int = 0
     """0: a fixed group of ``num_workers``. Else Ray Train's elastic group: training starts (and,
     after a node is lost, resumes) with as few as ``min_workers``; the composite is re-sliced."""
+    resize_check_s: float = 60.0
+    """Elastic group (``min_workers`` > 0): how often Ray Train looks for room to grow the group back
+    (a returned or new node); growing restarts the group, which resumes like a recovery."""
     use_gpu: bool = False
     """One GPU per worker (NCCL); otherwise CPU with gloo."""
     cpus_per_worker: float = 1.0
@@ -57,6 +60,10 @@ class ClusterConfig:
     """Worker-group restarts Ray Train may make before the run fails."""
     address: str = ""
     """Ray cluster to join; empty: ``RAY_ADDRESS`` or the job's cluster, else a new local one."""
+    shared_storage: bool = False
+    """``storage`` is a path on a filesystem every node mounts (NFS, Lustre, a bucket mount). On a
+    cluster of more than one node a plain path is refused without it: each node would write to
+    its own disk. Object storage (``s3://``, ``gs://``) needs no opt-in."""
 
     def __post_init__(self) -> None:
         require(self.num_workers >= 1, "num_workers", ">= 1", self.num_workers)
@@ -67,6 +74,7 @@ class ClusterConfig:
             self.min_workers,
         )
         require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
+        require(self.resize_check_s > 0, "resize_check_s", "> 0", self.resize_check_s)
         require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
 
 
@@ -141,11 +149,17 @@ class MetricsConfig:
 
     port: int = 9464
     """0 disables the exporter."""
-    host: str = "127.0.0.1"
-    """Bind address; ``0.0.0.0`` only when the endpoint must be reachable from other hosts."""
+    host: str = "auto"
+    """Bind address. ``auto``: 127.0.0.1 on a one-node Ray cluster, the IP of the supervisor's
+    node on a multi-node one (so a Prometheus on another node reaches it); ``node``: that IP
+    always; or an address (``0.0.0.0``: every interface)."""
+    discovery_dir: str = "/tmp/layercheck/prometheus"
+    """The driver writes ``<run id>.json`` here, a Prometheus ``file_sd`` file naming the
+    endpoint, while the run is live (``dashboards/prometheus.yml`` watches it); empty: none."""
 
     def __post_init__(self) -> None:
         require(0 <= self.port <= 65535, "port", "in 0..65535", self.port)
+        require(bool(self.host.strip()), "host", "auto, node or an address", self.host)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,12 +60,27 @@ def check_config(config: RunConfig) -> dict[str, int]:
 
 
 def open_run_store(
-    config: RunConfig, options: StartOptions, *, layer_numel: dict[str, int] | None = None
+    config: RunConfig,
+    options: StartOptions,
+    *,
+    layer_numel: dict[str, int] | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> StoreLease:
     """Steps 1–5 (step 1 unless ``layer_numel`` is given); the store's lease, renewed until
-    :meth:`StoreLease.release`. ``config`` must have absolute paths (``with_absolute_storage``)."""
+    :meth:`StoreLease.release`. ``config`` must have absolute paths (``with_absolute_storage``).
+    ``before_write`` (the driver: join Ray, check the storage suits the cluster) runs once the
+    read-only checks have passed (location, an existing run, ``--resume``'s composite) and before
+    the lease, so a refused start costs no cluster and writes nothing."""
     if layer_numel is None:
         layer_numel = check_config(config)
+    if before_write is not None:
+        fs = StoreFS.open(config.storage_uri)
+        check_run_location(fs)
+        store = LayerStore(fs)
+        _refuse_existing_run(store, options)
+        if options.resume:
+            check_resumable(store, layer_numel, config)
+        before_write()
 
     def prepare(store: LayerStore) -> None:
         if options.resume:
@@ -87,12 +102,8 @@ def claim_store(
     lease = StoreLease.acquire(fs, run=run, take_over=options.take_over)
     try:
         store = LayerStore(fs)
+        _refuse_existing_run(store, options)
         if not options.resume and store.versions():
-            if not options.overwrite:
-                raise FileExistsError(
-                    f"{fs.uri()} already holds a run's checkpoints; pick another storage or "
-                    "name, resume it with --resume, or pass --overwrite to delete them"
-                )
             clear_run(fs, keep=frozenset({LEASE_FILE}))
         if prepare is not None:
             prepare(store)
@@ -101,6 +112,14 @@ def claim_store(
         raise
     lease.keep_alive()
     return lease
+
+
+def _refuse_existing_run(store: LayerStore, options: StartOptions) -> None:
+    if not options.resume and not options.overwrite and store.versions():
+        raise FileExistsError(
+            f"{store.uri} already holds a run's checkpoints; pick another storage or "
+            "name, resume it with --resume, or pass --overwrite to delete them"
+        )
 
 
 def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunConfig) -> ResolvedPlan:

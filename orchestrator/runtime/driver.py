@@ -22,17 +22,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.core.run_config import RunConfig
-from orchestrator.core.run_start import StartOptions, open_run_store
+from orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime import ray_noise
+from orchestrator.runtime.cluster import alive_nodes, check_shared_storage
+from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.runtime.train_report import supervisor_callbacks
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
 from workers.ds_internals import ALLOW_UNVERIFIED_ENV
-from workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +59,9 @@ class RunResult:
     """The checkpoint policy the run used (the config's when ``None``)."""
     interrupted: bool = False
     """Stopped by Ctrl-C (SIGINT) on the driver: resume it with ``--resume``."""
+    train_reports: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's metrics of each ``ray.train.report`` (step, loss, max_staleness, ettr; built-in
+    loop, Train v2), as Ray Train's controller received them, oldest first."""
     end_errors: list[str] = field(default_factory=list)
     """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
     shown in the summary, never raised, so the summary is always printed."""
@@ -80,6 +86,8 @@ class RunHandles:
     policy: Any
     supervisor: Any
     metrics_url: str | None
+    discovery_file: str | None = None
+    """The Prometheus ``file_sd`` file naming the exporter (removed when the run ends)."""
     stop_drain_s: float = 120.0
     """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
     interrupted: bool = False
@@ -146,11 +154,17 @@ def train(
     from orchestrator.runtime.train_fn import train_fn
 
     config = config.with_absolute_storage()
-    # config checks, then the store's lease, then resume/overwrite checks, then run.json: nothing before
-    lease = open_run_store(config, StartOptions(overwrite=overwrite, resume=resume, take_over=take_over))
-    try:
-        layer_map = layer_map_for(config.model)
+    # config checks, the store's read-only checks, the cluster (is the storage shared by its
+    # nodes?), then the store's lease, overwrite, run.json: nothing is written before
+    options = StartOptions(overwrite=overwrite, resume=resume, take_over=take_over)  # before Ray starts
+    layer_numel = check_config(config)
+
+    def join_the_cluster() -> None:  # after the read-only store checks, before the lease
         connect(config)
+        check_shared_storage(config.storage_uri, shared=config.cluster.shared_storage)
+
+    lease = open_run_store(config, options, layer_numel=layer_numel, before_write=join_the_cluster)
+    try:
         handles = start_run(
             name=config.name,
             storage_uri=config.storage_uri,
@@ -158,7 +172,7 @@ def train(
             persistence=config.persistence,
             metrics=config.metrics,
             num_workers=config.cluster.num_workers,
-            layer_numel=layer_map.numel,
+            layer_numel=layer_numel,
             resume=resume,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
@@ -170,11 +184,13 @@ def train(
                     num_workers=_group_size(config),
                     use_gpu=config.cluster.use_gpu,
                     resources_per_worker={"CPU": config.cluster.cpus_per_worker},
+                    **_elastic_options(config),
                 ),
                 run_config=TrainRunConfig(
                     name=handles.run_id,
                     storage_path=scratch,
                     failure_config=FailureConfig(max_failures=config.cluster.max_failures),
+                    callbacks=supervisor_callbacks(handles.supervisor),
                 ),
             )
             error = fit_watched(
@@ -205,10 +221,13 @@ def start_run(
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE).remote(
+    # the run's control actors live with the driver (the head node under `ray job submit`): a lost
+    # worker node must not take the supervisor, the policy or the metrics exporter with it
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(
         policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget
     )
-    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE).remote(
+    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(
         run_id=run_id,
         store_uri=storage_uri,
         fsync=persistence.fsync,
@@ -219,7 +238,7 @@ def start_run(
         limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
-    metrics_url = _start_metrics(supervisor, metrics)
+    metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
     return RunHandles(
         run_id=run_id,
         storage_uri=storage_uri,
@@ -228,6 +247,7 @@ def start_run(
         policy=policy_actor,
         supervisor=supervisor,
         metrics_url=metrics_url,
+        discovery_file=discovery_file,
         stop_drain_s=persistence.stop_drain_s,
     )
 
@@ -357,6 +377,12 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         lambda: ray.get(supervisor.status.remote(), timeout=60),
         default=status,
     )
+    train_reports = _at_end(
+        "reading the Ray Train reports",
+        end_errors,
+        lambda: ray.get(supervisor.train_reports.remote(), timeout=60),
+        default=[],
+    )
     result = RunResult(
         run_id=handles.run_id,
         config=config,
@@ -368,11 +394,13 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         storage_uri=handles.storage_uri,
         policy=handles.policy_config,
         interrupted=handles.interrupted,
+        train_reports=train_reports,
         end_errors=end_errors,
         schedule=schedule,
     )
     if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
+    remove_discovery(handles.discovery_file)  # the exporter ends with the supervisor: stop pointing at it
     for actor in (supervisor, policy):
         _at_end("stopping the run's actors", end_errors, lambda actor=actor: ray.kill(actor))
     return result
@@ -390,18 +418,21 @@ def _at_end(what: str, errors: list[str], fn: Callable[[], Any], default: Any = 
         return default
 
 
-def _start_metrics(supervisor: Any, metrics: Any) -> str | None:
-    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none); a
-    port that cannot be bound is logged, not fatal: the run trains without metrics."""
+def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | None, str | None]:
+    """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none) and
+    write its discovery file; the URL and the file. A port that cannot be bound is logged, not
+    fatal: the run trains without metrics."""
     if metrics.port == 0:
-        return None
+        return None, None
+    host = bind_host(metrics.host, alive_nodes=alive_nodes())
     try:
-        url = ray.get(supervisor.start_metrics.remote(metrics.host, metrics.port))
+        url = ray.get(supervisor.start_metrics.remote(host, metrics.port))
     except Exception as error:
-        logger.error("metrics disabled: cannot serve on %s:%d: %s", metrics.host, metrics.port, error)
-        return None
+        logger.error("metrics disabled: cannot serve on %s:%d: %s", host, metrics.port, error)
+        return None, None
     logger.info("metrics at %s", url)
-    return url
+    discovery = write_discovery(metrics.discovery_dir, run_id, url) if metrics.discovery_dir else None
+    return url, discovery
 
 
 def _fault_note(config: RunConfig) -> str:
@@ -416,6 +447,15 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     if 0 < cluster.min_workers < cluster.num_workers:
         return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
     return cluster.num_workers
+
+
+def _elastic_options(config: RunConfig) -> dict[str, Any]:
+    """Train v2's elastic options, for an elastic group only (v1's ``ScalingConfig`` has none)."""
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    if not isinstance(_group_size(config), tuple) or not is_v2_enabled():
+        return {}
+    return {"elastic_resize_monitor_interval_s": config.cluster.resize_check_s}
 
 
 def _watch(

@@ -21,6 +21,7 @@ from orchestrator.core.composite import load_composite
 from orchestrator.core.run_config import FaultConfig, parse_run_config
 from orchestrator.logs import configure_process_logging
 from orchestrator.runtime.names import NAMESPACE, RunNames
+from orchestrator.runtime.train_report import TrainReporter
 from orchestrator.runtime.wire import to_wire
 from orchestrator.store.errors import CorruptShardError
 from orchestrator.store.layer_store import LayerStore
@@ -205,9 +206,11 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         max_inflight_bytes=run.persistence.max_inflight_bytes,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
+    reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)
     try:
+        result = None
         if resume.start_step <= run.steps:
-            run_loop(
+            result = run_loop(
                 train_engine,
                 load_dataset(run.data),
                 coordinator,
@@ -217,9 +220,12 @@ def train_fn(loop_config: dict[str, Any]) -> None:
                 world_size=world_size,
                 after_step=kill,
                 save_final=run.persistence.save_final,
+                report_step=reporter,
             )
             coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
-        ray.train.report({"step": run.steps, "blocked_s": coordinator.blocked_s})
+        last = max(result.losses) if result is not None and result.losses else run.steps
+        loss = result.losses.get(last) if result is not None else None
+        reporter.final(last, loss, blocked_s=coordinator.blocked_s)
     finally:
         shutdown(train_engine)
 

@@ -1,0 +1,94 @@
+"""LayerCheck's progress in Ray Train's own channel: ``ray.train.report`` every ``log_every`` steps.
+
+Ray Train's ``report`` is a collective: every rank must call it the same number of times, or
+the group hangs at the next one (Train v2 syncs each call across ranks). The ranks report after
+the same steps (``step % log_every == 0``; a requested stop ends every rank after the same step;
+a restarted group starts every rank at the same step), so the counts match.
+
+The metrics are what a rank knows without waiting on the critical path: its step and loss, and
+— rank 0 — the committed versions' max staleness and the ETTR so far, asked from the supervisor
+at one report and read at the next (a value ``log_every`` steps old; ``None`` until one arrived).
+Other ranks report the same keys with ``None`` for what only the supervisor knows.
+
+Train v2 keeps no metrics of a report without a checkpoint in ``Result`` (``Result.metrics`` and
+``metrics_dataframe`` come from checkpoints, and LayerCheck's checkpoints are its own), so the
+driver adds :class:`ReportsToSupervisor` to the run's callbacks: the controller hands rank 0's
+metrics of every report to the supervisor, and ``RunResult.train_reports`` holds them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import ray.train
+
+logger = logging.getLogger(__name__)
+
+#: The keys of every LayerCheck ``ray.train.report``.
+REPORT_KEYS = ("step", "loss", "max_staleness", "ettr")
+
+
+class TrainReporter:
+    """One rank's ``ray.train.report`` calls; call it after every step."""
+
+    def __init__(self, *, rank: int, every: int, supervisor: Any) -> None:
+        self.rank = rank
+        self.every = every
+        self.supervisor = supervisor
+        self._asked: ray.ObjectRef | None = None
+        self._view: dict[str, Any] = {"max_staleness": None, "ettr": None}
+
+    def __call__(self, step: int, loss: float) -> None:
+        if step % self.every == 0:
+            ray.train.report(self.metrics(step, loss))
+
+    def final(self, step: int, loss: float | None, **extra: Any) -> None:
+        """The report every rank makes once at the end."""
+        ray.train.report({**self.metrics(step, loss), **extra})
+
+    def metrics(self, step: int, loss: float | None) -> dict[str, Any]:
+        if self.rank == 0:
+            self._collect()
+        return {"step": step, "loss": loss, **self._view}
+
+    def _collect(self) -> None:
+        """Take the supervisor's answer to the last question if it has come, and ask again."""
+        if self._asked is not None:
+            ready, _ = ray.wait([self._asked], timeout=0)
+            if not ready:
+                return  # still on its way: keep the older view, do not pile up questions
+            try:
+                self._view = ray.get(self._asked)
+            except Exception as error:  # noqa: BLE001 - progress reporting must never end the run
+                logger.debug("supervisor view for ray.train.report unavailable: %s", error)
+        self._asked = self.supervisor.train_view.remote()
+
+
+def supervisor_callbacks(supervisor: Any) -> list[Any]:
+    """The run's Ray Train callbacks: rank 0's report metrics to the supervisor (Train v2 only;
+    v1 keeps them in ``Result.metrics_dataframe`` itself)."""
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    return [ReportsToSupervisor(supervisor)] if is_v2_enabled() else []
+
+
+def _user_callback_base() -> type:
+    try:
+        from ray.train import UserCallback
+
+        return UserCallback
+    except ImportError:  # Train v1 (RAY_TRAIN_V2_ENABLED=0): never instantiated there
+        return object
+
+
+class ReportsToSupervisor(_user_callback_base()):  # type: ignore[misc]
+    """Runs in Ray Train's controller: forwards rank 0's metrics of each report to the supervisor."""
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+
+    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+        if metrics:
+            self.supervisor.train_reported.remote(metrics[0])

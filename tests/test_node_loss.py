@@ -1,0 +1,177 @@
+"""A real two-node Ray cluster on this machine (``ray.cluster_utils.Cluster``: a head and a
+second node, one logical CPU each, so the two workers land one per node); the second node is
+removed mid-run (its raylet, its worker and its writer actor die with it). The elastic group
+(``cluster.min_workers = 1``) resumes at ``t_fail + 1`` on the head alone, nothing committed is
+lost, and new versions are written by the head's writer; when a node returns, Ray Train grows
+the group back (a restart LayerCheck resumes like a recovery). Also: the same cluster refuses a
+node-local storage path unless ``cluster.shared_storage`` says it is shared."""
+
+import os
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from orchestrator.core.run_config import load_run_config
+from orchestrator.runtime.driver import connect, train
+from orchestrator.store.errors import UnsafeStoreError
+from orchestrator.store.layer_store import LayerStore
+
+pytestmark = pytest.mark.slow
+
+KILL_AFTER_STEP = 8
+STEPS = 40
+#: Growing back: the 1-worker phase must outlast Ray Train's view of the cluster (its autoscaling
+#: coordinator refreshes every 20 s) and cluster.resize_check_s.
+REGROW_STEPS = 600
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    # Ray Train waits this long for a group it cannot place (after the loss it first asks for two
+    # workers again) before it retries smaller; 60 s by default. Propagated to its controller.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+    mp.undo()
+
+
+def _second_node(cluster):
+    """The cluster's worker node, added if an earlier test removed it."""
+    second = next(iter(cluster.worker_nodes), None) or cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    return second
+
+
+def _config(cluster, tmp_path, name, **overrides):
+    steps = overrides.pop("steps", STEPS)
+    return load_run_config(
+        "examples/demo.toml",
+        {
+            "name": name,
+            "storage": str(tmp_path / name),
+            "steps": steps,
+            "optim.total_steps": steps,
+            "optim.warmup_steps": 2,
+            "policy.warmup_steps": 2,
+            "metrics.port": 0,
+            "fault.kill_at_step": 0,
+            "cluster.address": cluster.address,
+            "cluster.num_workers": 2,
+            "cluster.min_workers": 1,
+            "cluster.cpus_per_worker": 1,
+            **overrides,
+        },
+    )
+
+
+def test_a_local_path_on_two_nodes_is_refused_before_anything_is_written(cluster, tmp_path):
+    head = cluster
+    _second_node(head)
+    with pytest.raises(UnsafeStoreError, match="cluster.shared_storage = true"):
+        train(_config(head, tmp_path, "refused"))
+    assert not (tmp_path / "refused").exists()
+
+
+def _lose_a_node(head, second, config, seen, *, bring_back=False):
+    """An ``on_progress`` that removes ``second`` after KILL_AFTER_STEP (and, with ``bring_back``,
+    adds a node once the loss is recovered from), recording what it saw in ``seen``."""
+    lock = threading.Lock()
+
+    def on_progress(status):
+        with lock:
+            try:
+                if "committed" not in seen and status.get("step", 0) >= KILL_AFTER_STEP:
+                    seen["committed"] = {v.version_id: v for v in LayerStore.open(config.storage_uri).versions()}
+                    seen["killed_at"] = status["step"]
+                    head.remove_node(second, allow_graceful=False)  # raylet, worker, writer: gone at once
+                elif bring_back and "committed" in seen and "returned" not in seen and _trained_alone(status):
+                    seen["returned"] = status["step"]  # the test's main thread adds the node (signals)
+            except Exception as error:  # the driver's progress poll swallows errors: keep it for the test
+                seen.setdefault("errors", []).append(repr(error))
+
+    return on_progress
+
+
+def _trained_alone(status):
+    """The group resumed after the loss and has trained a few steps with what was left."""
+    recoveries = status["account"]["recoveries"]
+    return bool(recoveries) and status.get("step", 0) >= recoveries[0]["resumed_at"] + 5
+
+
+def _check_recovered_from_the_loss(result, config, seen, steps):
+    assert result.error is None, result.error
+    assert not seen.get("errors"), seen["errors"]
+    assert "committed" in seen, "the run ended before the node was removed"
+    status = result.status
+    assert status["state"] == "finished"
+    recoveries = status["account"]["recoveries"]
+    assert recoveries, "the node's loss was not recovered from"
+    lost = recoveries[0]
+    assert lost["t_fail"] >= seen["killed_at"]
+    for recovery in recoveries:
+        assert recovery["resumed_at"] == recovery["t_fail"] + 1
+    # every step after the loss trained once (the lost node's rank may take its last progress
+    # messages of the steps before t_fail with it: the history is rank 0's progress)
+    history = {int(step) for step in status["account"]["history"]}
+    assert set(range(lost["resumed_at"], steps + 1)) <= history and max(history) == steps
+
+    store = LayerStore.open(config.storage_uri)
+    after = {v.version_id: v for v in store.versions()}
+    assert set(seen["committed"]) <= set(after), "a version committed before the node loss is gone"
+    for version_id in seen["committed"]:
+        assert store.check_version(after[version_id], deep=True) == [], version_id
+    # the group went on with one worker (the head's writer; the lost node's is not waited on)
+    sizes = [(v.step, v.world_size) for v in after.values() if v.step > lost["t_fail"]]
+    assert any(size == 1 for _, size in sizes), sizes
+    return recoveries, sizes
+
+
+def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_committed(cluster, tmp_path):
+    head, second = cluster, _second_node(cluster)
+    config = _config(head, tmp_path, "nodeloss", **{"cluster.shared_storage": True})
+    seen: dict = {}
+    result = train(config, on_progress=_lose_a_node(head, second, config, seen), poll_s=0.2)
+    _check_recovered_from_the_loss(result, config, seen, STEPS)
+
+
+@pytest.mark.skipif(
+    os.environ.get("LAYERCHECK_TEST_REGROW") != "1",
+    reason="work in progress, not reliable yet (LAYERCHECK_TEST_REGROW=1 runs it, 4+ min): Ray Train 2.60 "
+    "does grow the group back (seen once: resize 1 -> 2, LayerCheck resumed at t_fail + 1, versions at "
+    "world size 2 after), but with the node returned 5 steps after the loss one run stalled at the "
+    "regrown size (no step for minutes), undiagnosed",
+)
+def test_the_group_grows_back_when_a_node_returns(cluster, tmp_path):
+    """Ray Train v2's elastic policy resizes a running group every ``resize_check_s`` when its
+    autoscaling coordinator sees room; growing restarts the group, which LayerCheck resumes."""
+    head, second = cluster, _second_node(cluster)
+    config = _config(
+        head, tmp_path, "regrow", **{"cluster.shared_storage": True, "cluster.resize_check_s": 5, "steps": REGROW_STEPS}
+    )
+    seen: dict = {}
+    on_progress = _lose_a_node(head, second, config, seen, bring_back=True)
+    connect(config)  # here: train() runs in a thread, and Cluster.add_node must run in the main one
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=train(config, on_progress=on_progress, poll_s=0.2)))
+    runner.start()
+    deadline = time.monotonic() + 600
+    while runner.is_alive() and "returned" not in seen and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if "returned" in seen:
+        head.add_node(num_cpus=1)  # room for the second worker again
+        seen["alive_after_return"] = sum(1 for n in ray.nodes() if n["Alive"])
+    runner.join()
+    recoveries, sizes = _check_recovered_from_the_loss(outcome["result"], config, seen, REGROW_STEPS)
+    assert seen.get("alive_after_return") == 2, seen
+    assert len(recoveries) >= 2, f"the group did not grow back (node returned after step {seen['returned']})"
+    assert any(size == 2 for step, size in sizes if step > recoveries[-1]["t_fail"]), sizes
