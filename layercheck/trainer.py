@@ -24,11 +24,10 @@ import torch
 from layercheck.config import CheckpointConfig
 from orchestrator.core.run_config import check_relative_storage
 from orchestrator.core.run_start import StartOptions, claim_store
-from orchestrator.runtime.cluster import check_shared_storage
+from orchestrator.runtime.cluster import check_shared_storage, connect_to
 from orchestrator.runtime.context import WorkerContext, with_context
 from orchestrator.runtime.driver import (
     RunResult,
-    connect_to,
     finish_run,
     fit_watched,
     start_run,

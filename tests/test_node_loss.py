@@ -15,7 +15,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from orchestrator.core.run_config import load_run_config
-from orchestrator.runtime.driver import connect, train
+from orchestrator.runtime.cluster import connect
+from orchestrator.runtime.driver import train
 from orchestrator.store.errors import UnsafeStoreError
 from orchestrator.store.layer_store import LayerStore
 

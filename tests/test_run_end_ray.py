@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from orchestrator.core.run_config import load_run_config
 from orchestrator.local.export import export
-from orchestrator.runtime.driver import connect, train
+from orchestrator.runtime.cluster import connect
+from orchestrator.runtime.driver import train
 from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from orchestrator.store.manifest import LAYERS_DIR

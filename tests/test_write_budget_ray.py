@@ -8,7 +8,8 @@ import pytest
 import ray
 
 from orchestrator.core.run_config import load_run_config
-from orchestrator.runtime.driver import connect, train
+from orchestrator.runtime.cluster import connect
+from orchestrator.runtime.driver import train
 from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import LayerStore
 from policies.configs import StaggeredConfig

@@ -1,12 +1,23 @@
-"""What the driver reads of the Ray cluster it joined: its alive nodes, and whether the run's
-storage suits them (the decision is :mod:`orchestrator.core.shared_storage`'s)."""
+"""The driver and the Ray cluster: joining one (or starting a local Ray), and what the driver
+reads of it: its alive nodes, and whether the run's storage suits them (the decision is
+:mod:`orchestrator.core.shared_storage`'s)."""
 
 from __future__ import annotations
 
+import logging
+import os
+import socket
+
 import ray
 
+from orchestrator.core.run_config import RunConfig
 from orchestrator.core.shared_storage import shared_storage_problem
+from orchestrator.runtime import ray_noise
+from orchestrator.runtime.names import NAMESPACE
 from orchestrator.store.errors import UnsafeStoreError
+from workers.ds_internals import ALLOW_UNVERIFIED_ENV
+
+logger = logging.getLogger(__name__)
 
 
 def alive_nodes() -> int:
@@ -20,3 +31,66 @@ def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.share
     problem = shared_storage_problem(uri, alive_nodes=alive_nodes(), shared_storage=shared, opt_in=opt_in)
     if problem:
         raise UnsafeStoreError(problem)
+
+
+def connect(config: RunConfig) -> None:
+    """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
+    cluster = config.cluster
+    connect_to(
+        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1
+    )
+
+
+def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> None:
+    """Join ``address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray with at
+    least ``cpus`` CPUs. Workers get ``DS_ACCELERATOR=cpu`` without GPUs. No-op if Ray is up."""
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
+    env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
+    if not use_gpu:
+        env_vars["DS_ACCELERATOR"] = "cpu"
+    if ALLOW_UNVERIFIED_ENV in os.environ:  # the workers check the DeepSpeed version, not the driver
+        env_vars[ALLOW_UNVERIFIED_ENV] = os.environ[ALLOW_UNVERIFIED_ENV]
+    address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
+    if address:
+        ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+        ray_noise.install()
+        logger.info("joined the Ray cluster at %s", address)
+        return
+    cpus = max(os.cpu_count() or 1, cpus)
+    # address="local": a new local Ray even if Ray's address file names a cluster (a stale one)
+    ray.init(
+        address="local", num_cpus=cpus, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True
+    )
+    ray_noise.install()
+    logger.info("started a local Ray with %d CPUs", cpus)
+
+
+def _local_cluster() -> str | None:
+    """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
+    ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
+    try:
+        from ray._private.services import find_bootstrap_address
+
+        address = find_bootstrap_address(None)
+    except Exception:  # noqa: BLE001 - a moved private API must not stop a run: start a local Ray
+        return None
+    if address and not _answers(address):
+        # a `ray start` that crashed or was killed leaves its address file behind; joining it
+        # would retry for minutes and fail
+        logger.warning(
+            "Ray's address file names %s, which does not answer (a stopped cluster): starting a local Ray", address
+        )
+        return None
+    return address
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts a TCP connection at ``host:port`` (a live GCS does)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -27,15 +26,13 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.core.run_config import RunConfig
 from orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from orchestrator.core.staleness_guard import StalenessLimits
-from orchestrator.runtime import ray_noise
-from orchestrator.runtime.cluster import alive_nodes, check_shared_storage
+from orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
 from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.runtime.train_report import supervisor_callbacks
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
-from workers.ds_internals import ALLOW_UNVERIFIED_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -91,48 +88,6 @@ class RunHandles:
     stop_drain_s: float = 120.0
     """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
     interrupted: bool = False
-
-
-def connect(config: RunConfig) -> None:
-    """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
-    cluster = config.cluster
-    connect_to(
-        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1
-    )
-
-
-def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> None:
-    """Join ``address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray with at
-    least ``cpus`` CPUs. Workers get ``DS_ACCELERATOR=cpu`` without GPUs. No-op if Ray is up."""
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
-    env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-    if not use_gpu:
-        env_vars["DS_ACCELERATOR"] = "cpu"
-    if ALLOW_UNVERIFIED_ENV in os.environ:  # the workers check the DeepSpeed version, not the driver
-        env_vars[ALLOW_UNVERIFIED_ENV] = os.environ[ALLOW_UNVERIFIED_ENV]
-    address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-        ray_noise.install()
-        logger.info("joined the Ray cluster at %s", address)
-        return
-    cpus = max(os.cpu_count() or 1, cpus)
-    ray.init(num_cpus=cpus, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
-    ray_noise.install()
-    logger.info("started a local Ray with %d CPUs", cpus)
-
-
-def _local_cluster() -> str | None:
-    """The cluster a ``ray start`` runs on this machine (which ``ray.init()`` would join, and where
-    ``num_cpus`` is an error), else None. Private Ray API, hence the guard."""
-    try:
-        from ray._private.services import find_bootstrap_address
-
-        return find_bootstrap_address(None)
-    except Exception:  # noqa: BLE001 - a moved private API must not stop a run: start a local Ray
-        return None
 
 
 def train(
