@@ -86,11 +86,11 @@ def section(
     ]
     if m:
         lines += [
-            f"- **Bytes at matched freshness** ({bench_link}): LayerCheck (defaults) wrote "
+            f"- **Bytes at matched freshness** ({bench_link}): the paper's `layercheck` policy (its default thresholds) wrote "
             f"**{_x(h['bytes_from_warmup_layercheck_vs_full_at_matched_staleness'])}** the bytes of full checkpoints "
             f"at the interval with the same mean weighted staleness (every {m['staleness']} steps) and "
             f"**{_x(h['bytes_from_warmup_layercheck_vs_full_at_matched_drift'])}** at the same mean unsaved drift "
-            f"(every {m['drift']} steps), counting from LayerCheck's warm-up step W on, where both protect "
+            f"(every {m['drift']} steps), counting from its warm-up step W on, where both protect "
             f"({_x(h['bytes_layercheck_vs_full_at_matched_staleness'])} and "
             f"{_x(h['bytes_layercheck_vs_full_at_matched_drift'])} over the whole run); with the constant threshold schedule "
             f"{_x(h['bytes_estimate_vs_full_at_own_matched_staleness'].get('layercheck-const'))} / "
@@ -108,7 +108,7 @@ def section(
     lines += schedule_lines(report, bench_link)
     if lc and full:
         lines += [
-            f"- **Training overhead** on the critical path versus training time ({bench_link}): LayerCheck "
+            f"- **Training overhead** on the critical path versus training time ({bench_link}): `layercheck` "
             f"{_pct(lc['overhead'])} (stall {lc['stall_s']:.2f} s + drift probe {lc['probe_s']:.2f} s), `full` "
             f"{_pct(full['overhead'])} (stall {full['stall_s']:.2f} s)"
             + (f", `full-async` {_pct(rows['full-async']['overhead'])}" if "full-async" in rows else "")
@@ -116,10 +116,10 @@ def section(
             + f". Whole-run wall times ranged from {min(walls):+.0%} to {max(walls):+.0%} of `none`'s (a "
             "strategy cannot be faster than no checkpointing, so differences of this size are this shared "
             "machine's noise); they are in the summary, with the median compute step, but not quoted.",
-            f"- **Recovery per failure** ({bench_link}): LayerCheck {lc['recovery_total_s']:.2f} s (plan "
+            f"- **Recovery per failure** ({bench_link}): `layercheck` {lc['recovery_total_s']:.2f} s (plan "
             f"{lc['plan_s']:.3f} + load {lc['load_s']:.3f}, nothing re-run) versus `full` {full['recovery_total_s']:.2f} s "
             f"(load {full['load_s']:.3f} + re-running {full['steps_lost']:.1f} steps in {full['replay_s']:.2f} s): "
-            f"**{_x(h['recovery_layercheck_vs_full'])}**. Loss deviation after recovery (max |Δloss|): LayerCheck "
+            f"**{_x(h['recovery_layercheck_vs_full'])}**. Loss deviation after recovery (max |Δloss|): `layercheck` "
             f"{lc['loss_dev_max']:.3g}, `full-resume` {rows.get('full-resume', {}).get('loss_dev_max', float('nan')):.3g}, "
             f"rollback 0 (it re-runs the lost steps exactly).",
             f"- **ETTR under the failure schedule** ({bench_link}, restarts excluded): "

@@ -42,7 +42,9 @@ class Prometheus:
         config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
         config["rule_files"] = [str(DASHBOARDS / "alerts.yml")]
         (job,) = config["scrape_configs"]
-        job["file_sd_configs"] = [{"files": [str(discovery_dir / "*.json")]}]
+        # Prometheus starts before the run creates the directory, as it does for a user
+        (sd,) = job["file_sd_configs"]
+        sd["files"] = [str(discovery_dir / "*.json")]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(tmp / "prometheus.log", "w")
         self.process = subprocess.Popen(
