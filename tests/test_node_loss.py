@@ -64,6 +64,7 @@ def _config(cluster, tmp_path, name, **overrides):
             "optim.total_steps": steps,
             "optim.warmup_steps": 2,
             "policy.warmup_steps": 2,
+            "policy.period": 4,  # every layer has a version well before the node is lost
             "metrics.port": 0,
             "fault.kill_at_step": 0,
             "cluster.address": cluster.address,
