@@ -42,7 +42,10 @@ class Prometheus:
         config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
         config["rule_files"] = [str(DASHBOARDS / "alerts.yml")]
         (job,) = config["scrape_configs"]
-        # Prometheus starts before the run creates the directory, as it does for a user
+        # the directory exists, as after a user's first run, so Prometheus watches it and finds
+        # the run at once (a directory created later is found by the 5 s refresh_interval only,
+        # too late for most of this short run on a loaded machine)
+        discovery_dir.mkdir(parents=True, exist_ok=True)
         (sd,) = job["file_sd_configs"]
         sd["files"] = [str(discovery_dir / "*.json")]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
