@@ -23,6 +23,8 @@ class VersionRef:
     layer: str
     version_id: str
     base: bool = False
+    partial: bool = False
+    """Holds only some ranks' slices (a survivor's capture): never a layer's whole state alone."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,9 @@ def plan_recovery(
     t_fail: int,
     skip: Collection[str] = (),
 ) -> RecoveryPlan:
-    """Pick, for every layer of ``layer_numel`` (in its order), its newest version at or before
-    ``t_fail`` whose ``version_id`` is not in ``skip`` (versions found corrupt, say).
+    """Pick, for every layer of ``layer_numel`` (in its order), its newest whole (not partial)
+    version at or before ``t_fail`` whose ``version_id`` is not in ``skip`` (versions found
+    corrupt, say). Partial versions are overlaid on these choices elsewhere.
 
     Raises :class:`NoUsableVersionError` naming every layer left without a version and what
     was tried for it.
@@ -67,9 +70,9 @@ def plan_recovery(
     choices: list[LayerChoice] = []
     missing: list[str] = []
     for layer, candidates in by_layer.items():
-        usable = [v for v in candidates if v.step <= t_fail and v.version_id not in skip]
+        usable = [v for v in candidates if not v.partial and v.step <= t_fail and v.version_id not in skip]
         if not usable:
-            tried = sorted(v.version_id for v in candidates if v.step <= t_fail)
+            tried = sorted(v.version_id for v in candidates if not v.partial and v.step <= t_fail)
             missing.append(f"{layer} (tried: {', '.join(tried) or 'no version at or before the step'})")
             continue
         newest = max(usable, key=lambda v: (v.step, not v.base))
@@ -91,6 +94,8 @@ def newest_recoverable_step(layer_names: Collection[str], versions: Iterable[Ver
     step of the newest version, provided every layer has at least one version at all."""
     seen: dict[str, int] = {}
     for v in versions:
+        if v.partial:
+            continue  # only some ranks' slices: a layer needs a whole version to be recoverable
         seen[v.layer] = max(seen.get(v.layer, v.step), v.step)
     if not layer_names or any(name not in seen for name in layer_names):
         return None

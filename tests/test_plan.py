@@ -60,3 +60,13 @@ def test_plan_choice_is_the_newest_eligible(steps, t_fail):
         assert choice.version.step == max(eligible)
         assert choice.staleness == t_fail - choice.version.step >= 0
     assert plan.max_staleness <= t_fail - 10
+
+
+def test_a_partial_version_is_never_a_layers_whole_choice():
+    whole = VersionRef(step=4, layer="a", version_id="a4")
+    partial = VersionRef(step=7, layer="a", version_id="a7p", partial=True)
+    plan = plan_recovery({"a": 10}, [whole, partial], t_fail=8)
+    assert plan.version_of("a") == whole and plan.max_staleness == 4
+    assert newest_recoverable_step(["a"], [whole, partial]) == 4
+    with pytest.raises(NoUsableVersionError):
+        plan_recovery({"a": 10}, [partial], t_fail=8)

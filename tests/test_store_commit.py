@@ -168,3 +168,34 @@ def test_processes_committing_different_layers_lose_nothing(tmp_path):
     assert sorted((r.layer, r.step) for r in records) == sorted(
         (layer, s) for layer in ("embed", "block.0", "block.1", "norm") for s in range(1, 7)
     )
+
+
+def test_a_partial_version_commits_some_ranks_and_reads_back_what_they_hold(tmp_path):
+    store = LayerStore.open(str(tmp_path))
+    shards, state = _shards()
+    receipts = [store.write_shard(s, origin="capture") for s in (shards[0], shards[2])]  # rank 1 died
+    with pytest.raises(ManifestError, match="missing ranks \\[1\\]"):
+        store.commit(receipts)
+    record = store.commit(receipts, partial=True)
+    assert (record.partial, record.origin, [s.rank for s in record.shards]) == (True, "capture", [0, 2])
+    assert "-capture-" in record.shards[0].path and "-partial-" in record.version_id
+    (again,) = LayerStore.open(str(tmp_path)).versions()
+    assert again == record and again.ref.partial
+    assert store.check_version(record, deep=True) == []
+    with VersionReader(store, record) as reader:
+        cut = shards[0].slices[0]
+        got = reader.read(cut.name, "fp32", cut.offset, cut.length)
+        assert got.equal(state["fp32"][cut.name][cut.offset : cut.offset + cut.length])
+        missing = shards[1].slices[0]
+        with pytest.raises(ValueError, match="no stored rank holds"):
+            reader.read(missing.name, "fp32", missing.offset, missing.length)
+
+
+def test_receipts_of_a_capture_and_a_snapshot_never_make_one_version(tmp_path):
+    store = LayerStore.open(str(tmp_path))
+    shards, _ = _shards(world_size=2)
+    receipts = [store.write_shard(shards[0]), store.write_shard(shards[1], origin="capture")]
+    with pytest.raises(ManifestError, match="receipts mix versions"):
+        store.commit(receipts)
+    with pytest.raises(ValueError, match="origin must be one of"):
+        store.write_shard(shards[0], origin="memory")

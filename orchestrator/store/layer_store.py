@@ -26,6 +26,7 @@ from orchestrator.store.errors import ManifestError, ShardFormatError
 from orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
 from orchestrator.store.manifest import (
     LAYERS_DIR,
+    ORIGINS,
     Manifest,
     ShardEntry,
     ShardReceipt,
@@ -45,16 +46,16 @@ RUN_CONFIG_FILE = "run.json"
 DRIFT_TRACE_FILE = "drift_trace.json"
 
 
-def shard_path(shard: LayerShard, *, base: bool, token: str) -> str:
-    kind = "-base" if base else ""
+def shard_path(shard: LayerShard, *, base: bool, token: str, origin: str = "policy") -> str:
+    kind = ("-base" if base else "") + ("-capture" if origin == "capture" else "")
     return (
         f"{LAYERS_DIR}/{shard.layer}/{shard.step:010d}{kind}-rank{shard.rank:05d}of{shard.world_size:05d}"
         f"-{token}.safetensors"
     )
 
 
-def _version_id(layer: str, step: int, *, base: bool) -> str:
-    return f"{layer}@{step:010d}{'-base' if base else ''}-{new_token()}"
+def _version_id(layer: str, step: int, *, base: bool, partial: bool = False) -> str:
+    return f"{layer}@{step:010d}{'-base' if base else ''}{'-partial' if partial else ''}-{new_token()}"
 
 
 class LayerStore:
@@ -76,12 +77,15 @@ class LayerStore:
         return f"LayerStore({self.uri!r})"
 
     # ---- writing --------------------------------------------------------------------------
-    def write_shard(self, shard: LayerShard, *, base: bool = False) -> ShardReceipt:
-        """Write one rank's shard of a version; visible to readers only after :meth:`commit`."""
+    def write_shard(self, shard: LayerShard, *, base: bool = False, origin: str = "policy") -> ShardReceipt:
+        """Write one rank's shard of a version; visible to readers only after :meth:`commit`.
+        ``origin="capture"``: a survivor's hand-over at a failure (see :data:`ORIGINS`)."""
         check_layer_name(shard.layer)
         if not 0 <= shard.rank < shard.world_size:
             raise ValueError(f"shard rank {shard.rank} is outside world size {shard.world_size}")
-        rel = shard_path(shard, base=base, token=new_token())
+        if origin not in ORIGINS:
+            raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
+        rel = shard_path(shard, base=base, token=new_token(), origin=origin)
         started = time.monotonic()
         digest = self.fs.write_atomic(
             rel,
@@ -99,18 +103,23 @@ class LayerStore:
             path=rel,
             nbytes=digest.nbytes,
             checksum=digest.checksum,
+            origin=origin,
         )
 
-    def commit(self, receipts: Sequence[ShardReceipt], *, check_files: bool = True) -> VersionRecord:
+    def commit(
+        self, receipts: Sequence[ShardReceipt], *, check_files: bool = True, partial: bool = False
+    ) -> VersionRecord:
         """Commit the version the ``receipts`` (one per rank) describe, by writing its record last.
+        ``partial``: the receipts of only some ranks (survivors of a broken group), committed as a
+        partial version that recovery overlays on a whole one.
 
-        Raises :class:`ManifestError` if the receipts are not exactly one of each rank of one
-        (layer, step, world size, base) or, with ``check_files``, if a file is missing or has
-        another size than its receipt; :class:`StoreWriteError` if the record cannot be written.
-        Either way nothing is committed.
+        Raises :class:`ManifestError` if the receipts are not exactly one of each rank (``partial``:
+        at most one of each) of one (layer, step, world size, base, origin) or, with
+        ``check_files``, if a file is missing or has another size than its receipt;
+        :class:`StoreWriteError` if the record cannot be written. Either way nothing is committed.
         """
-        first = _check_receipts(receipts)
-        version_id = _version_id(first.layer, first.step, base=first.base)
+        first = _check_receipts(receipts, partial=partial)
+        version_id = _version_id(first.layer, first.step, base=first.base, partial=partial)
         if check_files:
             try:
                 self._check_receipt_files(receipts)
@@ -127,15 +136,17 @@ class LayerStore:
                 ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum)
                 for r in sorted(receipts, key=lambda r: r.rank)
             ),
+            partial=partial,
+            origin=first.origin,
         )
         self.fs.write_bytes(record_path(record.version_id), encode_record(record))
         logger.info(
-            "committed %s: layer %s step %d%s, %d ranks, %d bytes",
+            "committed %s: layer %s step %d%s, %s ranks, %d bytes",
             record.version_id,
             record.layer,
             record.step,
             " (base)" if record.base else "",
-            record.world_size,
+            f"{len(record.shards)} of {record.world_size}" if partial else record.world_size,
             record.nbytes,
         )
         return record
@@ -205,23 +216,32 @@ class LayerStore:
         return freed
 
 
-def _check_receipts(receipts: Sequence[ShardReceipt]) -> ShardReceipt:
+def _check_receipts(receipts: Sequence[ShardReceipt], *, partial: bool = False) -> ShardReceipt:
     if not receipts:
         raise ManifestError("cannot commit a version without shard receipts")
     first = receipts[0]
     for r in receipts:
-        if (r.layer, r.step, r.world_size, r.base) != (first.layer, first.step, first.world_size, first.base):
+        if (r.layer, r.step, r.world_size, r.base, r.origin) != (
+            first.layer,
+            first.step,
+            first.world_size,
+            first.base,
+            first.origin,
+        ):
             raise ManifestError(
-                f"receipts mix versions: {first.layer}@{first.step} (world {first.world_size}, base={first.base}) "
-                f"and {r.layer}@{r.step} (world {r.world_size}, base={r.base})"
+                f"receipts mix versions: {first.layer}@{first.step} (world {first.world_size}, base={first.base}, "
+                f"{first.origin}) and {r.layer}@{r.step} (world {r.world_size}, base={r.base}, {r.origin})"
             )
     ranks = sorted(r.rank for r in receipts)
-    if ranks != list(range(first.world_size)):
+    whole = list(range(first.world_size))
+    if partial and ranks == sorted(set(ranks)) and set(ranks) <= set(whole):
+        return first
+    if ranks != whole:
         missing = sorted(set(range(first.world_size)) - set(ranks))
         extra = sorted({r for r in ranks if ranks.count(r) > 1 or not 0 <= r < first.world_size})
         raise ManifestError(
-            f"cannot commit layer {first.layer} step {first.step}: world size {first.world_size} needs one "
-            f"receipt per rank; missing ranks {missing}, duplicate or out-of-range ranks {extra}"
+            f"cannot commit layer {first.layer} step {first.step}: world size {first.world_size} needs "
+            f"{'at most ' if partial else ''}one receipt per rank; missing ranks {missing}, duplicate or out-of-range ranks {extra}"
         )
     return first
 

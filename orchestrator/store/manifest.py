@@ -26,6 +26,9 @@ from policies.plan import VersionRef
 logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "layercheck.version/1"
+#: Where a version's data came from: a snapshot the policy scheduled, or a survivor's hand-over of
+#: what it held when its worker group broke (see ``orchestrator.core.capture``).
+ORIGINS = ("policy", "capture")
 MANIFEST_DIR = "manifest"
 LAYERS_DIR = "layers"
 _LAYER_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -56,13 +59,15 @@ class ShardReceipt:
     path: str
     nbytes: int
     checksum: str
+    origin: str = "policy"
+    """``policy`` or ``capture`` (:data:`ORIGINS`): receipts of different origins never make one version."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ShardReceipt:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +82,9 @@ class ShardEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class VersionRecord:
-    """One committed version: a layer's state at one step, as ``world_size`` rank files."""
+    """One committed version: a layer's state at one step, as ``world_size`` rank files — or,
+    ``partial``, as the files of only some ranks (what survivors of a broken group held: each
+    file's header says which elements it covers; recovery takes the rest from other versions)."""
 
     version_id: str
     layer: str
@@ -87,10 +94,20 @@ class VersionRecord:
     committed_at: float
     """Unix time of the commit."""
     shards: tuple[ShardEntry, ...]
+    partial: bool = False
+    origin: str = "policy"
 
     def __post_init__(self) -> None:
         ranks = [s.rank for s in self.shards]
-        if ranks != list(range(self.world_size)):
+        if self.origin not in ORIGINS:
+            raise ManifestError(f"version {self.version_id}: origin must be one of {ORIGINS}, got {self.origin!r}")
+        if self.partial:
+            if not ranks or ranks != sorted(set(ranks)) or not all(0 <= r < self.world_size for r in ranks):
+                raise ManifestError(
+                    f"version {self.version_id}: a partial version needs some of ranks 0..{self.world_size - 1} "
+                    f"in order, got {ranks}"
+                )
+        elif ranks != list(range(self.world_size)):
             raise ManifestError(
                 f"version {self.version_id}: shards must be ranks 0..{self.world_size - 1} in order, got {ranks}"
             )
@@ -101,7 +118,9 @@ class VersionRecord:
 
     @property
     def ref(self) -> VersionRef:
-        return VersionRef(step=self.step, layer=self.layer, version_id=self.version_id, base=self.base)
+        return VersionRef(
+            step=self.step, layer=self.layer, version_id=self.version_id, base=self.base, partial=self.partial
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"format": RECORD_FORMAT, **asdict(self), "shards": [asdict(s) for s in self.shards]}
@@ -124,6 +143,8 @@ class VersionRecord:
                     )
                     for s in data["shards"]
                 ),
+                partial=bool(data.get("partial", False)),
+                origin=str(data.get("origin", "policy")),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
