@@ -33,6 +33,7 @@ from orchestrator.runtime.driver import (
     start_run,
 )
 from orchestrator.runtime.summary import format_summary, summarize
+from orchestrator.runtime.train_report import with_callbacks
 from policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
@@ -147,6 +148,7 @@ class LayerCheckTrainer:
             layer_map=cfg.layer_map,
             layer_numel=layers.numel,
             save_final=cfg.persistence.save_final,
+            capture_timeout_s=cfg.persistence.capture_timeout_s if cfg.persistence.capture else None,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None
@@ -154,6 +156,7 @@ class LayerCheckTrainer:
         if run_config is None:
             scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
             run_config = RunConfig(name=handles.run_id, storage_path=scratch, failure_config=FailureConfig())
+        run_config = with_callbacks(run_config, handles.supervisor, cfg.persistence)
         if (run_config.failure_config or FailureConfig()).max_failures == 0:
             logger.warning(
                 "FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "

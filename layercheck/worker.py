@@ -164,8 +164,11 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         writer=writers[rank % len(writers)],
         supervisor=supervisor,
         max_inflight_bytes=ctx.max_inflight_bytes,
+        attempt=resume.attempt,
+        capture_timeout_s=ctx.capture_timeout_s,
     )
     protocol = StepProtocol(attached.layout, coordinator, rank=rank)
+    context.on_failure(protocol.on_failure)  # the loop raised (a peer died): hand over what this rank holds
     return Attachment(
         attached,
         protocol,

@@ -12,15 +12,18 @@ import os
 
 import pytest
 import ray
+import torch
 
 from orchestrator.core.run_config import load_run_config
 from orchestrator.runtime.cluster import connect
 from orchestrator.runtime.driver import train
 from orchestrator.runtime.summary import format_summary, summarize
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from orchestrator.store.recovery_source import VersionReader
 from policies.configs import IntervalConfig, LayerCheckConfig
 from policies.trace import DriftTrace
 from workers.schedule import lr_at
+from workers.shard import STATE_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -59,13 +62,21 @@ def run(demo, tmp_path, name, policy=None, resume=False, **overrides):
     return result
 
 
-def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(demo, tmp_path):
+EVERY_STEP = IntervalConfig(interval=1)
+UNBOUNDED = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
+
+
+@pytest.fixture(scope="module")
+def clean(demo, tmp_path_factory):
+    """A failure-free run that persists every layer after every step: the reference state."""
+    root = tmp_path_factory.mktemp("clean")
+    return run(demo, root, "clean", EVERY_STEP, **{"fault.kill_at_step": 0, "log_every": 4, **UNBOUNDED})
+
+
+def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(demo, clean, tmp_path):
     """With every layer persisted every step, the composite at t_fail is the exact state after
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step."""
-    every_step = IntervalConfig(interval=1)
-    unbounded = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
-    clean = run(demo, tmp_path, "clean", every_step, **{"fault.kill_at_step": 0, "log_every": 4, **unbounded})
-    failed = run(demo, tmp_path, "failed", every_step, **{"fault.kill_at_step": 6, **unbounded})
+    failed = run(demo, tmp_path, "failed", EVERY_STEP, **{"fault.kill_at_step": 6, **UNBOUNDED})
 
     account = failed.status["account"]
     assert account["failures"] == 1
@@ -88,6 +99,39 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
     assert all({"step", "loss", "max_staleness", "ettr"} <= set(r) for r in reports)
     assert [r["loss"] for r in reports[:3]] == pytest.approx([clean_history[s][0] for s in (4, 8, 12)])
     assert reports[-1]["max_staleness"] is not None and 0 < reports[-1]["ettr"] <= 1
+
+
+def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(demo, clean, tmp_path):
+    """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
+    collective raises, it captures its partition of every layer at step 6 and its writer persists
+    that as a partial version, bit for bit the failure-free state at step 6."""
+    sparse = IntervalConfig(interval=4)  # every layer at step 4 or 5 (whole versions); the capture is fresher
+    failed = run(demo, tmp_path, "captured", sparse, **{"fault.kill_at_step": 6})
+    account = failed.status["account"]
+    (recovery,) = account["recoveries"]
+    assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
+    (capture,) = account["capture"]["captures"]
+    assert (capture["rank"], capture["step"], capture["held"]) == (0, 6, True)
+    assert capture["layers"] == len(failed.layer_numel) and capture["nbytes"] > 0
+    (hold,) = account["capture"]["holds"]
+    assert hold["survivors"] == [0] and hold["captured"] == [0]
+
+    store, reference = LayerStore.open(failed.config.storage_uri), LayerStore.open(clean.config.storage_uri)
+    captured = [v for v in store.versions() if v.origin == "capture"]
+    assert {v.layer for v in captured} == set(failed.layer_numel)
+    assert all(v.partial and v.step == 6 and [s.rank for s in v.shards] == [0] for v in captured)
+    at_6 = {v.layer: v for v in reference.versions() if v.step == 6}
+    for version in captured:
+        assert store.check_version(version, deep=True) == []
+        with VersionReader(store, version) as got, VersionReader(reference, at_6[version.layer]) as want:
+            for piece in got.headers()[0].slices:
+                for key in STATE_KEYS:
+                    mine = got.read(piece.name, key, piece.offset, piece.length)
+                    assert torch.equal(mine, want.read(piece.name, key, piece.offset, piece.length)), (
+                        version.layer,
+                        piece.name,
+                        key,
+                    )
 
 
 def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp_path):

@@ -1,5 +1,6 @@
 """The orchestrator's decision and bookkeeping pieces, driven one call at a time (no Ray)."""
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -8,9 +9,11 @@ import pytest
 import torch
 
 from orchestrator.core.accounting import RunAccount
+from orchestrator.core.commit_path import CommitPath, ShardWritten
 from orchestrator.core.commit_tracker import CommitTracker
 from orchestrator.core.policy_service import PolicyService
 from orchestrator.core.run_config import load_run_config, parse_run_config
+from orchestrator.core.supervision_events import AbandonIncomplete
 from orchestrator.runtime.wire import from_wire, to_wire
 from orchestrator.store.manifest import ShardReceipt
 from policies.checkpoint_policy import LayerCheckPolicy
@@ -215,3 +218,17 @@ def test_superseding_queue_keeps_one_pending_shard_per_layer_and_rank():
     assert len(queue) == 3 and queue.nbytes == 201
     assert [queue.pop()[0] for _ in range(3)] == ["norm@5", "embed@5 rank1", "embed@9"]
     assert queue.pop() is None and queue.nbytes == 0
+
+
+def test_a_lost_groups_incomplete_versions_up_to_t_fail_are_committed_as_partial_versions():
+    commits = CommitPath(layers=["embed", "norm"])
+    assert commits.handle(ShardWritten(receipt=receipt("embed", 6, 0))) == []  # rank 1 died before writing
+    assert commits.handle(ShardWritten(receipt=receipt("norm", 7, 0))) == []  # past t_fail = 6
+    captured = dataclasses.replace(receipt("norm", 6, 0), origin="capture")
+    assert commits.handle(ShardWritten(receipt=captured)) == []  # never merged with a policy snapshot
+    actions = commits.handle(AbandonIncomplete(reason="group lost", keep_upto=6))
+    assert sorted((a.receipts[0].layer, a.receipts[0].origin, a.partial) for a in actions) == [
+        ("embed", "policy", True),
+        ("norm", "capture", True),
+    ]
+    assert commits.tracker.incomplete == 0 and commits.tracker.abandoned == 3  # as whole versions, all three

@@ -23,7 +23,7 @@ import torch
 
 from workers import optim_state
 from workers.host_buffers import HostBufferPool
-from workers.layout import LayerLayout, StateLayout, refresh_forward_weights, state_view
+from workers.layout import LayerLayout, Piece, StateLayout, refresh_forward_weights, state_view
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -79,9 +79,16 @@ def _json_safe(value: Any) -> Any:
 
 
 def snapshot_layers(
-    layout: StateLayout, layers: Sequence[str], pool: HostBufferPool, step: int | None = None, *, join: bool = True
+    layout: StateLayout,
+    layers: Sequence[str],
+    pool: HostBufferPool,
+    step: int | None = None,
+    *,
+    join: bool = True,
+    pieces: Mapping[str, Sequence[Piece]] | None = None,
 ) -> list[LayerShard]:
-    """This rank's shard of each of ``layers``, copied into buffers from ``pool``.
+    """This rank's shard of each of ``layers``, copied into buffers from ``pool``: its owned
+    pieces, or ``pieces[layer]`` where given (a survivor's capture, :mod:`workers.capture`).
 
     One copy per owned piece and state key, straight from the optimizer's tensors into the
     host buffer; where those live on a GPU the copies are asynchronous into pinned memory and
@@ -92,16 +99,16 @@ def snapshot_layers(
     shards = []
     on_device = False
     for name in layers:
-        entry = layout[name]
-        tensors = {key: _copy_out(layout, entry, key, pool) for key in STATE_KEYS}
-        on_device = on_device or any(p.master.is_cuda for p in entry.owned)
+        taken = tuple(pieces[name]) if pieces is not None else layout[name].owned
+        tensors = {key: _copy_out(layout, taken, key, pool) for key in STATE_KEYS}
+        on_device = on_device or any(p.master.is_cuda for p in taken)
         shards.append(
             LayerShard(
                 layer=name,
                 step=step,
                 rank=layout.rank,
                 world_size=layout.world_size,
-                slices=tuple(p.slice for p in entry.owned),
+                slices=tuple(p.slice for p in taken),
                 tensors=tensors,
                 optimizer_step=optimizer_step_of(layout, name),
                 groups=group_metadata(layout, name),
@@ -113,10 +120,10 @@ def snapshot_layers(
     return shards
 
 
-def _copy_out(layout: StateLayout, entry: LayerLayout, key: str, pool: HostBufferPool) -> torch.Tensor:
-    buffer = pool.acquire(entry.owned_numel)
+def _copy_out(layout: StateLayout, pieces: Sequence[Piece], key: str, pool: HostBufferPool) -> torch.Tensor:
+    buffer = pool.acquire(sum(p.slice.length for p in pieces))
     start = 0
-    for piece in entry.owned:
+    for piece in pieces:
         n = piece.slice.length
         buffer.narrow(0, start, n).copy_(state_view(layout.optimizer, piece, key), non_blocking=True)
         start += n

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policies.decision import PersistDecision
+from workers.capture import StepMark, capture_shards, mark, state_step
 from workers.data import SequenceDataset
 from workers.drift import LayerDrift
 from workers.engine import TrainEngine
@@ -55,6 +56,8 @@ class Coordinator(Protocol):
         """Rank 0's per-step report to the run's central view."""
 
     # Optional: ``stop_requested() -> bool``, true once the last decision carried a stop request.
+    # Optional: ``capture(shards, *, step, error) -> None``: hand a survivor's capture over (see
+    # :mod:`workers.capture`) before the rank exits; without it a failure captures nothing.
 
 
 @dataclass
@@ -83,6 +86,8 @@ class StepProtocol:
         )
         self._pending: Any = None
         self._last_step: int | None = None
+        self._mark: StepMark | None = None
+        self._captured = False
 
     def after_step(self, step: int, drift: LayerDrift, *, loss: float, lr: float, compute_s: float) -> float:
         """Report step ``step``'s drift (not waiting), carry out step ``step - 1``'s decision,
@@ -95,6 +100,7 @@ class StepProtocol:
         result.coordination_s += time.monotonic() - reported
         stall_s = self._carry_out(self._pending, step) if self._pending is not None else 0.0
         self._pending, self._last_step = handle, step
+        self._mark = mark(self.layout, step)
         result.losses[step] = loss
         result.stall_s += stall_s
         if self.rank == 0:
@@ -107,6 +113,22 @@ class StepProtocol:
                 coordination_s=result.coordination_s - coordination_before,
             )
         return stall_s
+
+    def on_failure(self, error: BaseException) -> None:
+        """The training step raised (a peer died under a collective, say): hand over this rank's
+        capture of every layer before the error ends the rank (best effort, once; see
+        :mod:`workers.capture`). Nothing is captured before the first completed step of this
+        worker group (the state is then the composite just loaded, nothing fresher)."""
+        handover = getattr(self.coordinator, "capture", None)
+        if self._captured or handover is None or self._mark is None:
+            return
+        self._captured = True
+        try:
+            self._handover.flush(wait=True)  # scheduled snapshots already copied go first
+            step = state_step(self.layout, self._mark)
+            handover(capture_shards(self.layout, step, self._buffers), step=step, error=error)
+        except Exception:  # best effort: the error that ended the step is the one to raise
+            logger.exception("rank %d: capture after %r failed", self.rank, error)
 
     def stop_requested(self) -> bool:
         """The run asked every rank to stop after this step (same answer on every rank)."""
@@ -170,6 +192,25 @@ def run_loop(
     to stop; ``save_final``: the last step's state of every layer is handed over at the end.
     ``report_step(step, loss)`` runs after each step, before ``after_step`` (progress reporting)."""
     protocol = StepProtocol(train_engine.layout, coordinator, rank=rank)
+    try:
+        _train(train_engine, dataset, protocol, start_step, end_step, rank, world_size, after_step, report_step)
+    except Exception as error:
+        protocol.on_failure(error)
+        raise
+    return protocol.finish(save_final=save_final)
+
+
+def _train(
+    train_engine: TrainEngine,
+    dataset: SequenceDataset,
+    protocol: StepProtocol,
+    start_step: int,
+    end_step: int,
+    rank: int,
+    world_size: int,
+    after_step: Callable[[int], None],
+    report_step: Callable[[int, float], None] | None,
+) -> None:
     engine_cfg = train_engine.engine_cfg
     for step in range(start_step, end_step + 1):
         started = time.monotonic()
@@ -194,4 +235,3 @@ def run_loop(
         if protocol.stop_requested():
             logger.warning("rank %d: stopping after step %d, as the run asked", rank, step)
             break
-    return protocol.finish(save_final=save_final)

@@ -42,11 +42,14 @@ class CommitVersion:
     receipts: tuple[ShardReceipt, ...]
     tries: int = 1
     delay_s: float = 0.0
+    partial: bool = False
+    """Only some ranks' receipts: commit them as a partial version (``LayerStore.commit(partial=True)``)."""
 
     @property
     def label(self) -> str:
         first = self.receipts[0]
-        return f"{first.layer} step {first.step}{' (base)' if first.base else ''}"
+        ranks = f" (partial, {first.origin}: ranks {[r.rank for r in self.receipts]})" if self.partial else ""
+        return f"{first.layer} step {first.step}{' (base)' if first.base else ''}{ranks}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +80,9 @@ class LayerStats:
     versions: int = 0
     bytes: int = 0
     last_step: int | None = None
+    """The newest whole version's step (partial versions do not make a layer fresh)."""
+    partial_versions: int = 0
+    partial_bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -106,16 +112,19 @@ class CommitPath:
         if isinstance(event, CommitFailed):
             return self._failed(event)
         if isinstance(event, AbandonIncomplete):
-            self._abandon(event)
-            return []
+            return self._abandon(event)
         if isinstance(event, VersionsLost):
             self._lost_with_writer(event)
             return []
         raise TypeError(f"not a commit event: {event!r}")
 
     def _committed(self, record: VersionRecord) -> None:
-        self.tracker.committed(record.layer, record.step)
         stats = self.stats.setdefault(record.layer, LayerStats())
+        if record.partial:
+            stats.partial_versions += 1
+            stats.partial_bytes += record.nbytes
+            return
+        self.tracker.committed(record.layer, record.step)
         stats.versions += 1
         stats.bytes += record.nbytes
         stats.last_step = max(record.step, stats.last_step or 0)
@@ -135,6 +144,9 @@ class CommitPath:
         if action.tries < self.config.commit_tries:
             delay = self.config.backoff_s(action.tries)
             self.commit_retries += 1
+            retry = CommitVersion(
+                receipts=action.receipts, tries=action.tries + 1, delay_s=delay, partial=action.partial
+            )
             logger.warning(
                 "commit of %s failed (try %d of %d: %s); retrying in %.2fs (config commit_tries)",
                 action.label,
@@ -143,17 +155,24 @@ class CommitPath:
                 event.error,
                 delay,
             )
-            return [CommitVersion(receipts=action.receipts, tries=action.tries + 1, delay_s=delay)]
+            return [retry]
         reason = f"commit of {action.label} failed {action.tries} time(s), last: {event.error}"
         self._lose(1, reason)
         return []
 
-    def _abandon(self, event: AbandonIncomplete) -> None:
-        count = self.tracker.forget_incomplete()
-        if count and event.lost:
+    def _abandon(self, event: AbandonIncomplete) -> list[CommitVersion]:
+        before = self.tracker.abandoned
+        kept = self.tracker.take_incomplete(upto=event.keep_upto)
+        count = self.tracker.abandoned - before
+        if count and event.lost:  # never whole; what survivors wrote of them is kept below
             self._lose(count, f"{count} incomplete version(s): {event.reason}")
         elif count:
             logger.info("abandoned %d incomplete version(s): %s", count, event.reason)
+        if kept:
+            logger.info(
+                "committing %d version(s) the surviving ranks wrote as partial versions (%s)", len(kept), event.reason
+            )
+        return [CommitVersion(receipts=tuple(receipts), partial=True) for receipts in kept]
 
     def _lost_with_writer(self, event: VersionsLost) -> None:
         fresh = [v for v in event.versions if v not in self._lost_keys]

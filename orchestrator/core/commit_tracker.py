@@ -14,7 +14,7 @@ from orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 
-VersionKey = tuple[str, int, bool]  # layer, step, base
+VersionKey = tuple[str, int, bool, str]  # layer, step, base, origin
 
 
 @dataclass
@@ -30,7 +30,7 @@ class CommitTracker:
                 "dropping %s step %d rank %d: a newer version is committed", receipt.layer, receipt.step, receipt.rank
             )
             return None
-        key = (receipt.layer, receipt.step, receipt.base)
+        key = (receipt.layer, receipt.step, receipt.base, receipt.origin)
         ranks = self._receipts.setdefault(key, {})
         ranks[receipt.rank] = receipt
         if len(ranks) < receipt.world_size:
@@ -57,9 +57,21 @@ class CommitTracker:
     def forget_incomplete(self) -> int:
         """A worker group was lost: its half-written versions will never complete."""
         lost = len(self._receipts)
-        self.abandoned += lost
-        self._receipts.clear()
+        self.take_incomplete(upto=None)
         return lost
+
+    def take_incomplete(self, *, upto: int | None) -> list[list[ShardReceipt]]:
+        """A worker group was lost: its half-written versions will never complete. Returns, per
+        version at or before step ``upto`` (``None``: none), the receipts that did come in — what
+        the surviving ranks wrote, committable as a partial version; the others are abandoned."""
+        kept = [
+            [ranks[r] for r in sorted(ranks)]
+            for key, ranks in self._receipts.items()
+            if upto is not None and key[1] <= upto
+        ]
+        self.abandoned += len(self._receipts)  # as whole versions, kept ones too
+        self._receipts.clear()
+        return kept
 
     @property
     def incomplete(self) -> int:

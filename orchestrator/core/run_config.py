@@ -108,6 +108,16 @@ class PersistenceConfig:
     stop_drain_s: float = 120.0
     """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
     step and for the writers to commit what they hold, before it gives up on them."""
+    capture: bool = True
+    """When a worker dies, each surviving rank hands the slices it holds of every layer at its last
+    step to its writer before it exits (persisted as a partial version), and recovery takes them
+    over the stored versions: under ZeRO-3 only the dead ranks' slices come back stale, under
+    ZeRO-0 nothing does. Ray Train's teardown of the broken group is held back for it (below)."""
+    capture_grace_s: float = 2.0
+    """How long the teardown waits for a survivor to begin its capture (a survivor stuck in a
+    collective never does: its slices come from stored versions)."""
+    capture_timeout_s: float = 30.0
+    """The longest the teardown of a broken group is held for the survivors' captures."""
     write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
     """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
     measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
@@ -124,6 +134,8 @@ class PersistenceConfig:
             self.on_staleness_breach,
         )
         require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
+        require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
+        require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)

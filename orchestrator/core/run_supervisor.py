@@ -281,7 +281,9 @@ class RunSupervisor:
 
     def _execute_abandon(self, action: AbandonIncomplete) -> list[Any]:
         with self._lock:
-            return list(self.commits.handle(action))
+            partial = list(self.commits.handle(action))
+        self._carry_out(partial)  # committed before the plan (queued next) reads the manifest
+        return []
 
     def _execute_plan(self, action: PlanComposite) -> list[Any]:
         return self._feed(plan_composite(self.store, self.layer_numel, action, clock=self.clock))
@@ -313,12 +315,14 @@ class RunSupervisor:
         if action.delay_s > 0:
             self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
         try:
-            event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts)))
+            event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts), partial=action.partial))
         except Exception as error:  # storage trouble: retried, then counted lost; training goes on
             event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
         with self._lock:
             actions = list(self.commits.handle(event))
-        if isinstance(event, CommitSucceeded):
+        if action.partial:
+            pass  # the lost group's version: the policy is rebased by the recovery, nothing to settle
+        elif isinstance(event, CommitSucceeded):
             self.policy.settled(event.record.layer, event.record.step)
         elif not actions:  # given up (counted lost), or a newer version of the layer is committed
             first = action.receipts[0]

@@ -283,9 +283,14 @@ class Supervision:
                 f"{self.config.drain_deadline_s:g}s (config drain_deadline_s)"
             )
             logger.error("supervision: %s: their versions are lost; recovering from what is committed", reason)
-            actions += [ReplaceWriters(writers=tuple(event.unanswered)), AbandonIncomplete(reason=reason, lost=True)]
+            actions += [
+                ReplaceWriters(writers=tuple(event.unanswered)),
+                AbandonIncomplete(reason=reason, lost=True, keep_upto=state.t_fail),
+            ]
         else:
-            actions.append(AbandonIncomplete(reason=f"the group of attempt {state.attempt - 1} was lost"))
+            actions.append(
+                AbandonIncomplete(reason=f"the group of attempt {state.attempt - 1} was lost", keep_upto=state.t_fail)
+            )
         self._move(replace(state, phase="planning"), f"writers drained; planning the composite at step {state.t_fail}")
         actions.append(PlanComposite(attempt=state.attempt, t_fail=state.t_fail, skip=dict(self.unusable)))
         return actions

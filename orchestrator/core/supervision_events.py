@@ -134,6 +134,9 @@ class AbandonIncomplete:
 
     reason: str
     lost: bool = False
+    keep_upto: int | None = None
+    """Versions at or before this step (the lost group's ``t_fail``) that some ranks wrote are
+    committed as partial versions — the survivors' slices, fresher than any whole version."""
 
 
 @dataclass(frozen=True, kw_only=True)

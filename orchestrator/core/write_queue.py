@@ -22,12 +22,15 @@ class SupersedingQueue(Generic[T]):
         self.nbytes = 0
         """Bytes of the items waiting."""
 
-    def put(self, key: Hashable, item: T) -> T | None:
-        """Queue ``item`` at the back; returns the older item of ``key`` it replaced, if any."""
+    def put(self, key: Hashable, item: T, *, front: bool = False) -> T | None:
+        """Queue ``item`` at the back (``front``: next to be written, as a survivor's capture is);
+        returns the older item of ``key`` it replaced, if any."""
         older = self._items.pop(key, None)
         if older is not None:
             self.nbytes -= self._size(older)
         self._items[key] = item
+        if front:
+            self._items.move_to_end(key, last=False)
         self.nbytes += self._size(item)
         return older
 

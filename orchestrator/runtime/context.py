@@ -32,14 +32,23 @@ class WorkerContext:
     """Per layer, the parameter count the driver computed: the workers' model must match it."""
     save_final: bool = True
     """``lc.finish()`` persists every layer's state at the last step (``persistence.save_final``)."""
+    capture_timeout_s: float | None = None
+    """A survivor's capture when the loop raises (``persistence.capture``); ``None``: off."""
 
 
 _current: WorkerContext | None = None
+_on_failure: list[Callable[[BaseException], None]] = []
 
 
 def current() -> WorkerContext | None:
     """The context of the LayerCheck run this worker belongs to, if any."""
     return _current
+
+
+def on_failure(hook: Callable[[BaseException], None]) -> None:
+    """Run ``hook(error)`` if the user's loop raises (``layercheck.attach`` registers the survivor
+    capture here, so a loop that never calls ``finish`` or uses ``with`` still captures)."""
+    _on_failure.append(hook)
 
 
 def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any) -> Any:
@@ -48,8 +57,13 @@ def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any
     previous, _current = _current, context
     try:
         return fn(*args)
+    except Exception as error:
+        for hook in _on_failure:
+            hook(error)
+        raise
     finally:
         _current = previous
+        _on_failure.clear()
 
 
 def with_context(fn: Callable[..., Any], context: WorkerContext, *, takes_config: bool) -> Callable[..., Any]:

@@ -29,7 +29,7 @@ from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
 from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.runtime.train_report import supervisor_callbacks
+from orchestrator.runtime.train_report import with_callbacks
 from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from policies.configs import PolicyConfig
 from policies.trace import DriftTrace
@@ -132,6 +132,11 @@ def train(
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
+            run_config = TrainRunConfig(
+                name=handles.run_id,
+                storage_path=scratch,
+                failure_config=FailureConfig(max_failures=config.cluster.max_failures),
+            )
             trainer = TorchTrainer(
                 train_fn,
                 train_loop_config={"run": config.to_json(), "run_id": handles.run_id},
@@ -141,12 +146,7 @@ def train(
                     resources_per_worker={"CPU": config.cluster.cpus_per_worker},
                     **_elastic_options(config),
                 ),
-                run_config=TrainRunConfig(
-                    name=handles.run_id,
-                    storage_path=scratch,
-                    failure_config=FailureConfig(max_failures=config.cluster.max_failures),
-                    callbacks=supervisor_callbacks(handles.supervisor),
-                ),
+                run_config=with_callbacks(run_config, handles.supervisor, config.persistence),
             )
             error = fit_watched(
                 handles, trainer, on_progress=on_progress, poll_s=poll_s, fault_note=_fault_note(config)
@@ -191,6 +191,8 @@ def start_run(
         policy_actor=policy_actor,
         resume=resume,
         limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
+        capture_grace_s=persistence.capture_grace_s,
+        capture_timeout_s=persistence.capture_timeout_s,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 
 from orchestrator.core.write_queue import SupersedingQueue
@@ -43,6 +44,8 @@ class WriterStats:
     failures: int = 0
     queued: int = 0
     queued_bytes: int = 0
+    captures_held: int = 0
+    """Survivors' capture shards taken into this writer's memory (see :meth:`PersistenceWriter.hold`)."""
     write_s: float = 0.0
     """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
 
@@ -70,9 +73,21 @@ class PersistenceWriter:
 
     async def submit(self, wire: WireShard) -> str:
         """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``."""
+        return await self._enqueue(wire)
+
+    async def hold(self, wire: WireShard) -> int:
+        """Take a survivor's capture (``wire.origin == "capture"``) into this writer's own memory
+        and queue it first; resolves, with its byte count, as soon as the copy is held — before it
+        is written — so the survivor may exit (its object-store copy dies with it)."""
+        owned = dataclasses.replace(wire, arrays={key: np.array(a, copy=True) for key, a in wire.arrays.items()})
+        self.stats.captures_held += 1
+        self._enqueue(owned, front=True)  # the write's outcome reaches the supervisor as any write's does
+        return owned.nbytes
+
+    def _enqueue(self, wire: WireShard, *, front: bool = False) -> asyncio.Future:
         self._start()
         future = asyncio.get_running_loop().create_future()
-        older = self._queue.put((wire.layer, wire.rank, wire.step), (wire, future))
+        older = self._queue.put((wire.layer, wire.rank, wire.step, wire.origin), (wire, future), front=front)
         if older is not None:
             self.stats.superseded += 1
             older[1].set_result(SUPERSEDED)
@@ -86,7 +101,7 @@ class PersistenceWriter:
         self._count_queue()
         self._idle.clear()
         self._wake.set()
-        return await future
+        return future
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -105,7 +120,9 @@ class PersistenceWriter:
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()
         try:
-            receipt = await loop.run_in_executor(None, lambda: self.store.write_shard(from_wire(wire), base=wire.base))
+            receipt = await loop.run_in_executor(
+                None, lambda: self.store.write_shard(from_wire(wire), base=wire.base, origin=wire.origin)
+            )
         except Exception as error:  # a full or read-only store must not kill the writer
             self.stats.failures += 1
             logger.error("writing %s step %d rank %d failed: %s", wire.layer, wire.step, wire.rank, error)

@@ -62,8 +62,22 @@ class RayCoordinator:
     one, so a writer's death loses nothing a live rank still holds. A snapshot whose second writer
     dies too is counted lost (the supervisor settles it, so the policy may persist the layer again)."""
 
-    def __init__(self, *, rank: int, policy: Any, writer: Any, supervisor: Any, max_inflight_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        policy: Any,
+        writer: Any,
+        supervisor: Any,
+        max_inflight_bytes: int,
+        attempt: int = 1,
+        capture_timeout_s: float | None = None,
+    ) -> None:
         self.rank = rank
+        self.attempt = attempt
+        self.capture_timeout_s = capture_timeout_s
+        self.capture = self._capture if capture_timeout_s is not None else None
+        """``StepProtocol.on_failure`` hands a survivor's capture to this (``None``: capture is off)."""
         self.policy = policy
         self.writer = writer
         self.supervisor = supervisor
@@ -176,6 +190,49 @@ class RayCoordinator:
     ) -> None:
         self.supervisor.progress.remote(step, loss, lr, compute_s, stall_s, coordination_s)
 
+    def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
+        """Hand a survivor's capture to this node's writer and wait (bounded) until the writer holds
+        it in its own memory: this process and its object-store copies may be killed right after.
+        The supervisor hears when it began and how it ended (Ray Train's teardown waits for that)."""
+        raised_at, started = time.time(), time.monotonic()
+        self.supervisor.capture_began.remote(self.rank, self.attempt)
+        held, nbytes, problem = 0, 0, ""
+        try:
+            refs = [self.writer.hold.remote(ray.put(to_wire(s, base=False, origin="capture"))) for s in shards]
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.capture_timeout_s)
+            for ref in done:
+                try:
+                    nbytes += ray.get(ref)
+                    held += 1
+                except Exception as failure:  # noqa: BLE001 - the writer died too: say so, lose only that
+                    problem = f"{type(failure).__name__}: {failure}"
+            if pending:
+                problem = problem or f"{len(pending)} layer(s) not held within {self.capture_timeout_s:g}s"
+        except Exception as failure:  # noqa: BLE001 - best effort: report it, never mask the step's error
+            problem = f"{type(failure).__name__}: {failure}"
+        report = {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": step,
+            "layers": held,
+            "nbytes": nbytes,
+            "held": held == len(shards) and not problem,
+            "seconds": time.monotonic() - started,
+            "raised_at": raised_at,
+            "error": problem,
+        }
+        logger.warning(
+            "rank %d: step raised (%s); handed the state at step %d of %d layers (%d bytes) to the writer in %.3fs%s",
+            self.rank,
+            type(error).__name__,
+            step,
+            held,
+            nbytes,
+            report["seconds"],
+            f" ({problem})" if problem else "",
+        )
+        ray.get(self.supervisor.capture_ended.remote(report), timeout=10)
+
 
 def train_fn(loop_config: dict[str, Any]) -> None:
     """The ``train_loop_per_worker`` of the run's ``TorchTrainer``."""
@@ -204,6 +261,8 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         writer=writers[rank % len(writers)],
         supervisor=supervisor,
         max_inflight_bytes=run.persistence.max_inflight_bytes,
+        attempt=resume.attempt,
+        capture_timeout_s=run.persistence.capture_timeout_s if run.persistence.capture else None,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)

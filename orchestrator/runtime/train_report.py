@@ -66,12 +66,19 @@ class TrainReporter:
         self._asked = self.supervisor.train_view.remote()
 
 
-def supervisor_callbacks(supervisor: Any) -> list[Any]:
-    """The run's Ray Train callbacks: rank 0's report metrics to the supervisor (Train v2 only;
-    v1 keeps them in ``Result.metrics_dataframe`` itself)."""
+def supervisor_callbacks(supervisor: Any, *, capture_timeout_s: float | None = None) -> list[Any]:
+    """The run's Ray Train callbacks (Train v2 only; v1 keeps report metrics in
+    ``Result.metrics_dataframe`` itself, and has no hook before a group's teardown): rank 0's
+    report metrics to the supervisor and, with ``capture_timeout_s`` (``persistence.capture`` on),
+    the teardown hold for survivors' captures (:mod:`orchestrator.runtime.capture_hold`)."""
     from ray.train.v2._internal.constants import is_v2_enabled
 
-    return [ReportsToSupervisor(supervisor)] if is_v2_enabled() else []
+    if not is_v2_enabled():
+        return []
+    from orchestrator.runtime.capture_hold import CaptureHold
+
+    hold = [] if capture_timeout_s is None else [CaptureHold(supervisor, bound_s=capture_timeout_s)]
+    return [ReportsToSupervisor(supervisor), *hold]
 
 
 def _user_callback_base() -> type:
@@ -92,3 +99,13 @@ class ReportsToSupervisor(_user_callback_base()):  # type: ignore[misc]
     def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
         if metrics:
             self.supervisor.train_reported.remote(metrics[0])
+
+
+def with_callbacks(run_config: Any, supervisor: Any, persistence: Any) -> Any:
+    """A user's Ray Train ``RunConfig`` with LayerCheck's callbacks (:func:`supervisor_callbacks`)
+    added after the user's own."""
+    import dataclasses
+
+    timeout = persistence.capture_grace_s + persistence.capture_timeout_s if persistence.capture else None
+    ours = supervisor_callbacks(supervisor, capture_timeout_s=timeout)
+    return dataclasses.replace(run_config, callbacks=[*(run_config.callbacks or []), *ours])

@@ -24,13 +24,15 @@ class WireShard:
     optimizer_step: int
     groups: tuple[dict[str, Any], ...]
     base: bool
+    origin: str = "policy"
+    """``policy`` (a scheduled snapshot) or ``capture`` (a survivor's hand-over at a failure)."""
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays.values())
 
 
-def to_wire(shard: LayerShard, *, base: bool) -> WireShard:
+def to_wire(shard: LayerShard, *, base: bool, origin: str = "policy") -> WireShard:
     """Views of the shard's host tensors: serialise (``.remote()`` does) before reusing them."""
     return WireShard(
         layer=shard.layer,
@@ -42,6 +44,7 @@ def to_wire(shard: LayerShard, *, base: bool) -> WireShard:
         optimizer_step=shard.optimizer_step,
         groups=tuple(shard.groups),
         base=base,
+        origin=origin,
     )
 
 

@@ -1,0 +1,38 @@
+"""The capture window: the teardown of a broken group waits for survivors' captures, bounded."""
+
+import threading
+
+from orchestrator.core.capture_window import CaptureReport, CaptureWindow
+
+
+def _report(rank, *, held=True, attempt=1):
+    return CaptureReport(rank=rank, attempt=attempt, step=6, layers=3, nbytes=100, held=held)
+
+
+def test_the_hold_ends_when_every_survivor_that_began_has_ended():
+    window = CaptureWindow(grace_s=30.0, timeout_s=60.0)
+    window.began(0, attempt=1)
+    window.began(2, attempt=1)
+    threading.Timer(0.1, lambda: (window.ended(_report(0)), window.ended(_report(2, held=False)))).start()
+    outcome = window.await_survivors(1, [0, 2], teardown_at=0.0)
+    assert outcome.captured == (0,) and outcome.missed == (2,)  # rank 2's writer did not hold it all
+    assert window.status()["holds"][0]["survivors"] == [0, 2]
+
+
+def test_a_survivor_that_never_begins_is_given_up_after_the_grace_period():
+    window = CaptureWindow(grace_s=0.1, timeout_s=60.0)  # rank 1 sits in a collective that never returns
+    outcome = window.await_survivors(1, [1], teardown_at=0.0)
+    assert outcome.captured == () and outcome.missed == (1,)
+
+
+def test_a_capture_that_never_ends_is_given_up_at_the_timeout():
+    window = CaptureWindow(grace_s=0.0, timeout_s=0.1)
+    window.began(0, attempt=1)
+    outcome = window.await_survivors(1, [0], teardown_at=0.0)
+    assert outcome.missed == (0,)
+
+
+def test_captures_of_an_older_attempt_do_not_count_for_a_newer_one():
+    window = CaptureWindow(grace_s=0.1, timeout_s=60.0)
+    window.ended(_report(0, attempt=1))
+    assert window.await_survivors(2, [0], teardown_at=0.0).missed == (0,)

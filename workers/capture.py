@@ -1,0 +1,98 @@
+"""Survivor capture: what a rank hands over when its worker group breaks under it.
+
+When a peer dies, a surviving rank's next collective raises (gloo: tens of milliseconds after
+the death) while its own optimizer state still stands at its last completed step. That state is
+fresher than anything persisted, so before the rank exits it copies the slices it holds of every
+layer out of the optimizer (fp32 masters and both Adam moments, the same
+:class:`~workers.shard.LayerShard` a scheduled snapshot makes) and hands them to its writer,
+which persists them as a *partial* version (``origin="capture"``). Recovery overlays those
+slices on the layers' whole versions, so only the dead ranks' slices come back stale.
+
+What a rank captures:
+
+* ZeRO 1-3: its own partition (the only copy of those elements anywhere);
+* ZeRO-0 (every rank holds everything): the slice it owns and its successor's (rank
+  ``r + 1 mod W``), so any single death is covered by its predecessor at ``2/W`` of the model
+  per survivor, not a whole copy from each.
+
+The capture is labelled with the step its state is at. A rank may stand one step past its last
+reported step (it finished its local optimizer step ``t + 1`` before the collective that broke):
+:func:`state_step` reads that from the optimizer's own step count, and the recovery plan decides
+what such a slice is good for (``policies.plan``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from workers.host_buffers import HostBufferPool
+from workers.layer_state import optimizer_step_of, snapshot_layers
+from workers.layout import Piece, StateLayout, zero0_owned_range
+from workers.shard import LayerShard, ParamSlice
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepMark:
+    """Where this rank's state stood after its last completed ``after_step``: the loop step and
+    the optimizer's own step count then (they differ by a constant after a resume)."""
+
+    step: int
+    optimizer_step: int
+
+
+def mark(layout: StateLayout, step: int) -> StepMark:
+    """A :class:`StepMark` for ``step``, read after the step's optimizer update (cheap: a dict read)."""
+    return StepMark(step=step, optimizer_step=_optimizer_step(layout))
+
+
+def state_step(layout: StateLayout, last: StepMark) -> int:
+    """The loop step this rank's optimizer state is at now: ``last.step``, or one more if the
+    optimizer has stepped since (a failure after the local update, before the step was reported)."""
+    return last.step + (_optimizer_step(layout) - last.optimizer_step)
+
+
+def _optimizer_step(layout: StateLayout) -> int:
+    first = next(iter(layout.layer_map.names), None)
+    return optimizer_step_of(layout, first) if first is not None else 0
+
+
+def capture_pieces(layout: StateLayout) -> dict[str, tuple[Piece, ...]]:
+    """For each layer, the pieces this rank captures (see the module docstring)."""
+    if layout.stage != 0:
+        return {name: layout[name].owned for name in layout.layer_map.names}
+    successor = (layout.rank + 1) % layout.world_size
+    ranks = [layout.rank] if successor == layout.rank else [layout.rank, successor]
+    out: dict[str, tuple[Piece, ...]] = {}
+    for name in layout.layer_map.names:
+        pieces: list[Piece] = []
+        for whole in layout[name].needed:  # ZeRO-0: whole parameters
+            for rank in ranks:
+                offset, length = zero0_owned_range(whole.slice.length, rank, layout.world_size)
+                if length:
+                    s = whole.slice
+                    pieces.append(Piece(ParamSlice(s.name, s.shape, offset, length), whole.master, offset))
+        out[name] = tuple(pieces)
+    return out
+
+
+def capture_shards(layout: StateLayout, step: int, pool: HostBufferPool | None = None) -> list[LayerShard]:
+    """This rank's capture of every layer at ``step`` (its state's step, see :func:`state_step`),
+    copied out of the optimizer into host buffers."""
+    pieces = capture_pieces(layout)
+    shards = snapshot_layers(layout, list(pieces), pool or HostBufferPool(), step, pieces=pieces)
+    logger.info(
+        "rank %d: captured %d layers at step %d (%d bytes)",
+        layout.rank,
+        len(shards),
+        step,
+        sum(s.nbytes for s in shards),
+    )
+    return shards
+
+
+def captured_numel(pieces: Mapping[str, Sequence[Piece]]) -> int:
+    return sum(p.slice.length for layer in pieces.values() for p in layer)
