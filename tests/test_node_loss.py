@@ -15,10 +15,14 @@ import ray
 from ray.cluster_utils import Cluster
 
 from orchestrator.core.run_config import load_run_config
+from orchestrator.core.supervision_events import SupervisionConfig
 from orchestrator.runtime.cluster import connect
 from orchestrator.runtime.driver import train
+from orchestrator.runtime.summary import summarize
 from orchestrator.store.errors import UnsafeStoreError
+from orchestrator.store.fs import TMP_SUFFIX
 from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import LAYERS_DIR
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +31,10 @@ STEPS = 40
 #: Growing back: the 1-worker phase must outlast Ray Train's view of the cluster (its autoscaling
 #: coordinator refreshes every 20 s) and cluster.resize_check_s.
 REGROW_STEPS = 600
+#: The lost node's stalled writes: every layer has a whole version by STALL_AFTER_STEP (period 4);
+#: each later write would take STALL_S, longer than the recovery's drain deadline.
+STALL_AFTER_STEP = 6
+STALL_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +92,15 @@ def test_a_local_path_on_two_nodes_is_refused_before_anything_is_written(cluster
     assert not (tmp_path / "refused").exists()
 
 
-def _lose_a_node(head, second, config, seen, *, bring_back=False):
-    """An ``on_progress`` that removes ``second`` after KILL_AFTER_STEP (and, with ``bring_back``,
+def _lose_a_node(head, second, config, seen, *, bring_back=False, kill_after=KILL_AFTER_STEP):
+    """An ``on_progress`` that removes ``second`` after ``kill_after`` (and, with ``bring_back``,
     adds a node once the loss is recovered from), recording what it saw in ``seen``."""
     lock = threading.Lock()
 
     def on_progress(status):
         with lock:
             try:
-                if "committed" not in seen and status.get("step", 0) >= KILL_AFTER_STEP:
+                if "committed" not in seen and status.get("step", 0) >= kill_after:
                     seen["committed"] = {v.version_id: v for v in LayerStore.open(config.storage_uri).versions()}
                     seen["killed_at"] = status["step"]
                     head.remove_node(second, allow_graceful=False)  # raylet, worker, writer: gone at once
@@ -144,6 +152,47 @@ def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_
     seen: dict = {}
     result = train(config, on_progress=_lose_a_node(head, second, config, seen), poll_s=0.2)
     _check_recovered_from_the_loss(result, config, seen, STEPS)
+
+
+def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_on(cluster, tmp_path):
+    """The second node's storage hangs (``fault.stall_writes_*``: each write of a version taken
+    after STALL_AFTER_STEP pauses STALL_S mid-file), so at the loss its writer holds versions it
+    has not written: recovery writes them off with the dead writer at once (no wait for them, nor
+    for the drain deadline), counts them lost, and the temporary files it left are no obstacle."""
+    head, second = cluster, _second_node(cluster)
+    config = _config(
+        head,
+        tmp_path,
+        "stalled",
+        **{
+            "cluster.shared_storage": True,
+            "fault.stall_writes_s": STALL_S,
+            "fault.stall_writes_node": second.node_id,
+            "fault.stall_writes_after_step": STALL_AFTER_STEP,
+        },
+    )
+    seen: dict = {}
+    on_progress = _lose_a_node(head, second, config, seen, kill_after=STALL_AFTER_STEP + 4)
+    result = train(config, on_progress=on_progress, poll_s=0.2)
+    recoveries, _ = _check_recovered_from_the_loss(result, config, seen, STEPS)
+    status, lost = result.status, recoveries[0]
+    # not waited on: neither for the stalled writes nor for the drain's deadline
+    assert lost["plan_s"] < SupervisionConfig().drain_deadline_s < STALL_S, lost
+    # what the lost node's writer held is counted lost, with its reason (the summary shows it)
+    assert status["lost_versions"] >= 1, status["lost"]
+    assert any(f"@{second.node_id[:8]}" in reason for reason in status["lost"]), (second.node_id, status["lost"])
+    assert summarize(result)["lost_versions"] == status["lost_versions"]
+    # no half-written version in the manifest: the stalled writer finished no version taken after
+    # STALL_AFTER_STEP in the two-node group, and every record is whole
+    store = LayerStore.open(config.storage_uri)
+    versions = store.versions()
+    assert not [v.version_id for v in versions if v.world_size == 2 and v.step > STALL_AFTER_STEP]
+    for version in versions:
+        assert store.check_version(version, deep=True) == [], version.version_id
+    # the lost writer's temporaries are still there (it died mid-write); recovery planned past them
+    strays = [rel for rel, _ in store.fs.list_files(LAYERS_DIR, recursive=True) if rel.endswith(TMP_SUFFIX)]
+    assert strays, "the stalled writer left no temporary file: it was not mid-write at the loss"
+    assert {v.layer for v in versions if v.step <= lost["t_fail"]} == set(result.layer_numel)
 
 
 @pytest.mark.skipif(

@@ -177,6 +177,8 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
         ({"policy.k0": 1e-3}, "policy: unknown key"),  # the demo's staggered schedule has no threshold
         ({"policy.name": "sometimes"}, "policy.name"),
         ({"cluster.max_failures": -1}, "max_failures"),
+        ({"fault.stall_writes_s": float("nan")}, "stall_writes_s"),
+        ({"fault.stall_writes_s": -1.0}, "stall_writes_s"),
     ]:
         with pytest.raises(ConfigError, match=field):
             load_run_config("examples/demo.toml", overrides)
@@ -187,6 +189,17 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_run_config(tmp_path / "missing.toml")
     assert math.isfinite(config.optim.lr)
+
+
+def test_an_injected_write_stall_hits_the_chosen_nodes_writers_after_the_chosen_step():
+    fault = load_run_config(
+        "examples/demo.toml",
+        {"fault.stall_writes_s": 2.5, "fault.stall_writes_node": "n2", "fault.stall_writes_after_step": 6},
+    ).fault
+    assert [fault.stall_s(node_id=n, step=s) for n, s in (("n2", 7), ("n2", 6), ("n1", 7))] == [2.5, 0.0, 0.0]
+    anywhere = load_run_config("examples/demo.toml", {"fault.stall_writes_s": 1.0}).fault
+    assert anywhere.stall_s(node_id="n1", step=1) == 1.0
+    assert load_run_config("examples/demo.toml").fault.stall_s(node_id="n1", step=99) == 0.0
 
 
 def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch):

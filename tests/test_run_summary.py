@@ -6,7 +6,7 @@ import pytest
 
 from orchestrator.core.run_config import RunConfig
 from orchestrator.runtime.driver import RunResult
-from orchestrator.runtime.summary import format_summary, summarize
+from orchestrator.runtime.summary import ProgressLines, format_summary, summarize
 from policies.configs import policy_config
 from policies.simulate import compare
 from policies.trace import synthetic_trace
@@ -82,3 +82,21 @@ def test_the_peak_per_step_and_the_write_budget_are_reported_beside_a_full_check
     assert "2.00 KiB/step (writers drain 1.00 MiB/s)" in text
     matched = summary["full_at_same_drift"]["bytes"]  # the schedule's own bytes are what is compared
     assert f"(the schedule handed over {3 * full / matched:.2f}x that)" in text
+
+
+def test_the_drivers_progress_lines_come_every_log_every_steps_with_loss_staleness_and_ettr():
+    """What ``ray job logs`` shows of a ``layercheck train`` job (Ray's dashboard shows no
+    ``ray.train.report`` metrics): one line per ``log_every`` steps, and one per state change,
+    however often the driver polls."""
+    progress = ProgressLines(log_every=10)
+    status = result_of(policy_config("staggered")).status | {"state": "running", "lr": 1e-3, "metrics_url": "http://m"}
+    shown = []
+    for step in (1, 1, 4, 9, 10, 11, 19, 23, 23, 24, 31):
+        shown += progress(status | {"step": step, "loss": 2.0 + step / 100})
+    shown += progress(status | {"step": 31, "state": "recovering"})
+    assert shown[0] == "metrics at http://m"
+    assert [int(line.split(" step ")[1].split()[0]) for line in shown[1:]] == [1, 10, 23, 31, 31]
+    assert shown[2] == (
+        "[running] step 10  loss 2.1  lr 1.00e-03  written 1.17 KiB (3 versions)  max staleness 5  ETTR 1.00"
+    )
+    assert shown[-1].startswith("[recovering] step 31 ")

@@ -110,20 +110,16 @@ def train_and_report(
 ) -> int:
     from orchestrator.core.run_start import ResumeError
     from orchestrator.runtime.driver import train
-    from orchestrator.runtime.summary import format_progress, format_summary, summarize
+    from orchestrator.runtime.summary import ProgressLines, format_summary, summarize
 
-    last = {"step": -1, "state": None}
+    progress = ProgressLines(config.log_every)
     # Ctrl-C stops the run cleanly (driver.fit_watched); a shell that starts us in the background
     # leaves SIGINT ignored, where `kill -INT` must still stop the run the same way
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def show(status: dict[str, Any]) -> None:
-        if last["state"] is None and status.get("metrics_url"):
-            print(f"metrics at {status['metrics_url']}", flush=True)
-        boundary = status["step"] // config.log_every != last["step"] // config.log_every
-        if boundary or status["state"] != last["state"]:
-            print(format_progress(status), flush=True)
-            last.update(step=status["step"], state=status["state"])
+        for line in progress(status):
+            print(line, flush=True)
 
     # with --json, stdout carries the summary alone: whatever else the run prints (Ray's own
     # messages about lost workers, libraries' notices) goes to stderr

@@ -21,7 +21,7 @@ import yaml
 
 from orchestrator.core.staleness_guard import BREACH_ACTIONS
 from orchestrator.core.write_budget import WriteBudgetConfig
-from policies.config_loader import ConfigError, from_mapping, require, to_mapping
+from policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
 from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from policies.layer_map import LayerMap
 from workers.config import EngineConfig, ModelConfig, OptimConfig
@@ -140,7 +140,8 @@ class PersistenceConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:
-    """Failure injection, for demos and tests: SIGKILL one worker once."""
+    """Failure injection, for demos and tests: SIGKILL one worker once, kill a writer, or stall
+    the writers of one node (slow or hanging storage seen from that node)."""
 
     kill_at_step: int = 0
     """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
@@ -148,11 +149,28 @@ class FaultConfig:
     """The rank that is killed (a rank outside the group: none is, with a warning)."""
     kill_writer_at_step: int = 0
     """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
+    stall_writes_s: float = 0.0
+    """Each shard write of a stalled writer pauses this long after its header, with its temporary
+    file open, as on a storage mount that hangs (0: none). The writer writes one shard at a time,
+    so what it is handed waits in its queue: versions held, not yet committed."""
+    stall_writes_node: str = ""
+    """The Ray node id (hex) whose writers stall; empty: every node's."""
+    stall_writes_after_step: int = 0
+    """Only shards of versions taken after this step stall (earlier ones, e.g. the first
+    versions of every layer, are written at full speed)."""
+
+    def stall_s(self, *, node_id: str, step: int) -> float:
+        """How long a writer on ``node_id`` stalls in its write of a shard taken at ``step``."""
+        here = not self.stall_writes_node or self.stall_writes_node == node_id
+        return self.stall_writes_s if here and step > self.stall_writes_after_step else 0.0
 
     def __post_init__(self) -> None:
         require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
         require(self.kill_writer_at_step >= 0, "kill_writer_at_step", ">= 0", self.kill_writer_at_step)
         require(self.kill_rank >= 0, "kill_rank", ">= 0", self.kill_rank)
+        require_finite(self)
+        require(self.stall_writes_s >= 0, "stall_writes_s", ">= 0", self.stall_writes_s)
+        require(self.stall_writes_after_step >= 0, "stall_writes_after_step", ">= 0", self.stall_writes_after_step)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.core.run_config import RunConfig
+from orchestrator.core.run_config import FaultConfig, RunConfig
 from orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from orchestrator.core.staleness_guard import StalenessLimits
 from orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
@@ -129,6 +129,7 @@ def train(
             num_workers=config.cluster.num_workers,
             layer_numel=layer_numel,
             resume=resume,
+            fault=config.fault,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
@@ -168,9 +169,11 @@ def start_run(
     num_workers: int,
     layer_numel: dict[str, int],
     resume: bool = False,
+    fault: FaultConfig | None = None,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
-    metrics exporter, named after a fresh run id. Ray must be connected."""
+    metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
+    write stalls for the writers (the built-in loop's ``[fault]``)."""
     from orchestrator.runtime.policy_actor import PolicyActor
     from orchestrator.runtime.supervisor import Supervisor
 
@@ -193,6 +196,7 @@ def start_run(
         limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
         capture_grace_s=persistence.capture_grace_s,
         capture_timeout_s=persistence.capture_timeout_s,
+        fault=fault,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from orchestrator.core.run_config import FaultConfig
 from orchestrator.core.write_queue import SupersedingQueue
 from orchestrator.logs import configure_process_logging
 from orchestrator.runtime.wire import WireShard, from_wire
@@ -48,13 +49,28 @@ class WriterStats:
     """Survivors' capture shards taken into this writer's memory (see :meth:`PersistenceWriter.hold`)."""
     write_s: float = 0.0
     """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
+    stalled: int = 0
+    """Writes stalled by fault injection (``fault.stall_writes_s``)."""
 
 
 @ray.remote(num_cpus=0)
 class PersistenceWriter:
-    def __init__(self, store_uri: str, fsync: bool, supervisor: Any, name: str = "", policy: Any = None) -> None:
+    def __init__(
+        self,
+        store_uri: str,
+        fsync: bool,
+        supervisor: Any,
+        name: str = "",
+        policy: Any = None,
+        fault: FaultConfig | None = None,
+    ) -> None:
         configure_process_logging()  # the actor process has no main of ours
-        self.store = LayerStore.open(store_uri, fsync=fsync)
+        self.fault = fault if fault is not None and fault.stall_writes_s > 0 else None
+        """Injected stalls (``fault.stall_writes_*``); ``None``: none."""
+        self._node_id = ray.get_runtime_context().get_node_id()
+        self._stall_s = 0.0  # of the write in progress (one at a time: see _run)
+        hook = self._stall_in_write if self.fault is not None else None
+        self.store = LayerStore.open(store_uri, fsync=fsync, hook=hook)
         self.supervisor = supervisor
         self.name = name
         self.policy = policy
@@ -117,8 +133,26 @@ class PersistenceWriter:
     def _count_queue(self) -> None:
         self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
 
+    def _stall_in_write(self, event: str, rel: str) -> None:
+        """The store's write hook: pause mid-write (header written, temporary file open)."""
+        if event == "partial" and self._stall_s > 0:
+            time.sleep(self._stall_s)
+
+    def _stall_for(self, wire: WireShard) -> float:
+        stall = self.fault.stall_s(node_id=self._node_id, step=wire.step) if self.fault is not None else 0.0
+        if stall > 0 and self.stats.stalled == 0:
+            logger.warning(
+                "fault injection: writer %s stalls %gs in each write of a shard after step %d (fault.stall_writes_s)",
+                self.name,
+                stall,
+                self.fault.stall_writes_after_step,
+            )
+        self.stats.stalled += int(stall > 0)
+        return stall
+
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()
+        self._stall_s = self._stall_for(wire)
         try:
             receipt = await loop.run_in_executor(
                 None, lambda: self.store.write_shard(from_wire(wire), base=wire.base, origin=wire.origin)
