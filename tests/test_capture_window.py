@@ -2,7 +2,7 @@
 
 import threading
 
-from orchestrator.core.capture_window import CaptureReport, CaptureWindow
+from orchestrator.core.capture_window import CaptureReport, CaptureWindow, capture_figures
 
 
 def _report(rank, *, held=True, attempt=1):
@@ -36,3 +36,14 @@ def test_captures_of_an_older_attempt_do_not_count_for_a_newer_one():
     window = CaptureWindow(grace_s=0.1, timeout_s=60.0)
     window.ended(_report(0, attempt=1))
     assert window.await_survivors(2, [0], teardown_at=0.0).missed == (0,)
+
+
+def test_the_figures_say_how_long_survivors_had_and_how_fast_they_captured():
+    window = CaptureWindow(grace_s=0.0, timeout_s=5.0)
+    window.ended(
+        CaptureReport(rank=0, attempt=1, step=6, layers=3, nbytes=2_000_000, held=True, seconds=0.5, raised_at=100.0)
+    )
+    window.await_survivors(1, [0], teardown_at=100.25)
+    (group,) = capture_figures(window.status())
+    assert group["captured"] == [0] and group["steps"] == [6] and group["bytes"] == 2_000_000
+    assert group["window_s"] == 0.25 and group["capture_gb_per_s"] == 0.004

@@ -145,3 +145,30 @@ class CaptureWindow:
         """For the run's status and summary: every capture and every hold, in order."""
         with self._changed:
             return {"captures": [r.to_json() for r in self.reports], "holds": [h.to_json() for h in self.holds]}
+
+
+def capture_figures(capture: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per broken group, the survivors' captures and the teardown hold: how long survivors had
+    (from their step raising to Ray Train's teardown: what they would have had without the hold)
+    and how fast a capture was handed over."""
+    out = []
+    for hold in capture.get("holds", []):
+        mine = [c for c in capture.get("captures", []) if c["attempt"] == hold["attempt"]]
+        raised = [c["raised_at"] for c in mine if c.get("raised_at")]
+        seconds = sum(c["seconds"] for c in mine)
+        nbytes = sum(c["nbytes"] for c in mine)
+        out.append(
+            {
+                "attempt": hold["attempt"],
+                "survivors": hold["survivors"],
+                "captured": hold["captured"],
+                "missed": hold["missed"],
+                "steps": sorted({c["step"] for c in mine}),
+                "bytes": nbytes,
+                "capture_s": max((c["seconds"] for c in mine), default=0.0),
+                "capture_gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else None,
+                "window_s": hold["teardown_at"] - min(raised) if raised else None,
+                "hold_s": hold["hold_s"],
+            }
+        )
+    return out

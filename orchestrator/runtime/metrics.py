@@ -22,6 +22,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
+from orchestrator.core.capture_window import capture_figures
 from orchestrator.core.supervision import STATE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -159,6 +160,33 @@ SPECS: tuple[Spec, ...] = (
         Counter,
         "layercheck_lost_versions_total",
         "Versions never committed for want of storage (commit retries exhausted) or of a writer (drain timed out).",
+    ),
+    Spec(
+        Counter,
+        "layercheck_recovery_capture_bytes_total",
+        "Bytes survivors of broken worker groups handed to their writers (their capture of every layer they hold).",
+    ),
+    Spec(Counter, "layercheck_recovery_captured_ranks_total", "Survivors whose capture their writer holds."),
+    Spec(
+        Counter,
+        "layercheck_recovery_capture_missed_ranks_total",
+        "Survivors that did not capture in time (stuck in a collective, gone, or over capture_timeout_s).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_recovery_capture_window_seconds",
+        "The last broken group: seconds from a survivor's step raising to Ray Train's teardown (what "
+        "survivors would have had without LayerCheck's hold).",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_recovery_capture_hold_seconds",
+        "The last broken group: seconds its teardown was held for the survivors' captures.",
+    ),
+    Spec(
+        Gauge,
+        "layercheck_recovery_capture_seconds",
+        "The last broken group: the slowest survivor's capture (step raised to the writer holding it).",
     ),
     Spec(
         Counter,
@@ -431,7 +459,19 @@ class RunMetrics:
         self._advance("layercheck_stalls_total", account["stalls"])
         self._advance("layercheck_stall_seconds_total", account["stall_s"])
 
+    def _refresh_capture(self, status: Mapping[str, Any]) -> None:
+        groups = capture_figures(status["account"].get("capture", {}))
+        self._advance("layercheck_recovery_capture_bytes_total", sum(g["bytes"] for g in groups))
+        self._advance("layercheck_recovery_captured_ranks_total", sum(len(g["captured"]) for g in groups))
+        self._advance("layercheck_recovery_capture_missed_ranks_total", sum(len(g["missed"]) for g in groups))
+        if groups:
+            last = groups[-1]
+            self._set("layercheck_recovery_capture_window_seconds", last["window_s"])
+            self._set("layercheck_recovery_capture_hold_seconds", last["hold_s"])
+            self._set("layercheck_recovery_capture_seconds", last["capture_s"])
+
     def _refresh_recovery(self, status: Mapping[str, Any]) -> None:
+        self._refresh_capture(status)
         account = status["account"]
         recoveries = account["recoveries"]
         self._advance("layercheck_failures_total", account["failures"])

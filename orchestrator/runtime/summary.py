@@ -8,6 +8,7 @@ import logging
 import math
 from typing import Any
 
+from orchestrator.core.capture_window import capture_figures
 from orchestrator.runtime.driver import RunResult
 from orchestrator.store.uri import redact_uri
 from orchestrator.table import format_table, human_bytes
@@ -36,6 +37,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "final_loss": status["loss"],
         "failures": account["failures"],
         "recoveries": account["recoveries"],
+        "capture": capture_figures(account.get("capture", {})),
         "bytes_written": status["bytes_committed"],
         "versions_written": status["versions_committed"],
         "full_checkpoint_bytes": full_bytes,
@@ -75,6 +77,21 @@ def summarize(result: RunResult) -> dict[str, Any]:
                 f"policy_{mean}": getattr(comparison.result, mean),
             }
     return summary
+
+
+def _capture_rows(summary: dict[str, Any]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for c in summary.get("capture", []):
+        missed = f"; missed ranks {c['missed']}" if c["missed"] else ""
+        window = "" if c["window_s"] is None else f"; teardown began {c['window_s']:.2f}s after the step raised"
+        rows.append(
+            [
+                f"  survivors' capture (group {c['attempt']})",
+                f"ranks {c['captured']} at step {', '.join(map(str, c['steps'])) or '-'}: "
+                f"{human_bytes(c['bytes'])} in {c['capture_s']:.2f}s{window}, held {c['hold_s']:.2f}s{missed}",
+            ]
+        )
+    return rows
 
 
 def _schedule_figures(schedule: dict[str, Any], full_bytes: int) -> dict[str, Any]:
@@ -121,6 +138,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
             ]
         )
+    rows += _capture_rows(summary)
     rows += [
         [
             "bytes written",
