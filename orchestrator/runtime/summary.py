@@ -83,6 +83,11 @@ def _capture_rows(summary: dict[str, Any]) -> list[list[object]]:
     rows: list[list[object]] = []
     for c in summary.get("capture", []):
         missed = f"; missed ranks {c['missed']}" if c["missed"] else ""
+        recoveries = summary.get("recoveries", [])
+        t_fail = recoveries[c["attempt"] - 1]["t_fail"] if len(recoveries) >= c["attempt"] else None
+        if t_fail is not None and any(step > t_fail for step in c["steps"]):
+            # the survivor had finished its local update of t_fail + 1: re-training it would apply it twice
+            missed += f"; a capture past t_fail {t_fail} is not used"
         window = "" if c["window_s"] is None else f"; teardown began {c['window_s']:.2f}s after the step raised"
         rows.append(
             [
