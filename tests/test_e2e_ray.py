@@ -134,6 +134,24 @@ def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(demo, clea
                     )
 
 
+def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_schedule(demo, tmp_path):
+    """ZeRO-0 (every rank holds everything): rank 0 survives rank 1's death holding the whole
+    state at t_fail and captures it, so recovery loses nothing although the stored versions are
+    stale: every loss after recovery equals the failure-free run's."""
+    sparse, zero0 = IntervalConfig(interval=4), {"engine.zero_stage": 0}
+    clean = run(demo, tmp_path, "clean0", sparse, **{"fault.kill_at_step": 0, **zero0})
+    failed = run(demo, tmp_path, "failed0", sparse, **{"fault.kill_at_step": 6, **zero0})
+    (recovery,) = failed.status["account"]["recoveries"]
+    assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
+    stored = [v for v in LayerStore.open(failed.config.storage_uri).versions() if not v.partial and v.step <= 6]
+    assert max(v.step for v in stored) < 6  # what storage alone would give is stale
+    history = {int(k): v[0] for k, v in failed.status["account"]["history"].items()}
+    reference = {int(k): v[0] for k, v in clean.status["account"]["history"].items()}
+    assert sorted(history) == sorted(reference) == list(range(1, 13))
+    for step in range(7, 13):
+        assert history[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
 def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp_path):
     result = run(
         demo,
