@@ -30,9 +30,10 @@ import torch
 from orchestrator.core.composite import CompositeMismatchError, check_fits
 from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
 from orchestrator.local.spawn import RanksFailedError, spawn_ranks
+from orchestrator.store.composite_reader import CompositeReader
 from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
+from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from policies.layer_map import LayerMap
 from policies.plan import NoUsableVersionError, newest_recoverable_step
 from workers.engine import layer_map_for
