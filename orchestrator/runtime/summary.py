@@ -8,6 +8,7 @@ import logging
 import math
 from typing import Any
 
+from orchestrator.core.accounting import format_sources
 from orchestrator.runtime.driver import RunResult
 from orchestrator.store.uri import redact_uri
 from orchestrator.table import format_table, human_bytes
@@ -36,6 +37,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "final_loss": status["loss"],
         "failures": account["failures"],
         "recoveries": account["recoveries"],
+        "recovered_elements": account.get("recovered_elements", {"capture": 0, "stored": 0}),
         "bytes_written": status["bytes_committed"],
         "versions_written": status["versions_committed"],
         "full_checkpoint_bytes": full_bytes,
@@ -120,6 +122,13 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
                 f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
             ]
+        )
+        if r.get("sources"):
+            rows.append(["    elements from", format_sources(r["sources"])])
+    if summary["recoveries"] and summary.get("recovered_elements", {}).get("capture"):
+        elements = summary["recovered_elements"]
+        rows.append(
+            ["recovered elements", f"{elements['capture']:,} from survivors' captures, {elements['stored']:,} stored"]
         )
     rows += [
         [
