@@ -155,7 +155,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     resume = ray.get(supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}"))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     if resume.records is not None:
-        recover(attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank)
+        recover(attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank, overlays=resume.overlays)
         seek_engine(attached.engine, resume.start_step - 1)
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
     coordinator = RayCoordinator(

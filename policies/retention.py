@@ -8,7 +8,11 @@ and still be the one every recovery uses. Instead a version is kept while
   ``[newest - window, newest]`` (``newest`` = the newest recoverable step), the version
   :func:`~policies.plan.plan_recovery` would choose for each layer at ``t`` — which includes the
   newest version of every layer (``t = newest``); or
-* it is part of the base checkpoint and some layer has no version newer than its base yet.
+* it is part of the base checkpoint and some layer has no version newer than its base yet; or
+* it is a partial version (a survivor's capture: only some ranks' slices) and no whole version
+  of its layer at or after its step exists yet — recovery overlays it on the whole version
+  under it. Partial versions never count as a layer's version for the rules above, so they
+  never make an older whole version deletable.
 
 Versions at ``t`` are chosen like ``plan_recovery`` does (newest step, a non-base version
 before a base one at the same step); versions that tie exactly are all kept.
@@ -79,6 +83,17 @@ def _base_needs(by_layer: dict[str, list[VersionRef]]) -> dict[str, str]:
     return {base.version_id: reason for base in newest_base.values()}
 
 
+def _partial_needs(refs: list[VersionRef], by_layer: dict[str, list[VersionRef]]) -> dict[str, str]:
+    """Partial versions no whole version of their layer has caught up with yet."""
+    needed = {}
+    for v in refs:
+        if v.partial and not any(w.step >= v.step for w in by_layer.get(v.layer, ())):
+            needed[v.version_id] = (
+                f"partial version ({v.origin}) at step {v.step}: no whole version of {v.layer} at or after it yet"
+            )
+    return needed
+
+
 def plan_retention(
     versions: Iterable[VersionRef],
     *,
@@ -108,8 +123,10 @@ def plan_retention(
         )
     by_layer: dict[str, list[VersionRef]] = {}
     for v in refs:
-        by_layer.setdefault(v.layer, []).append(v)
+        if not v.partial:
+            by_layer.setdefault(v.layer, []).append(v)
     keep: dict[str, str] = dict(damaged)
+    keep.update(_partial_needs(refs, by_layer))
     for candidates in by_layer.values():
         keep.update(_window_needs(candidates, newest - config.window, newest))
     for version_id, reason in _base_needs(by_layer).items():

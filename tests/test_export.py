@@ -180,3 +180,27 @@ def test_a_failing_export_rank_is_an_error_naming_the_version_and_stops_its_peer
     assert "failed on rank" in message and record.version_id in message and "missing" in message
     assert "Traceback" not in message  # logged, not in the one-line error
     assert not (tmp_path / "ds" / "latest").exists()
+
+
+def test_hf_export_takes_a_survivors_capture_over_the_whole_version(run, tmp_path):
+    """A capture at 20 of rank 0's half of block.0 (whole at 10): the export's block.0 weights
+    are the capture's where it holds them, the whole version's elsewhere."""
+    uri, at20, _ = run
+    store = LayerStore.open(uri, fsync=False)
+    layer = layer_map_of(build_model(jobs.run_config().model))["block.0"]
+    params = {p.name: p.shape for p in layer.params}
+    gen = torch.Generator().manual_seed(7)
+    state = {key: {n: torch.randn(math.prod(s), generator=gen) for n, s in params.items()} for key in STATE_KEYS}
+    rank0 = cut_shards("block.0", 20, params, state, even_cuts(layer.numel, 2))[0]
+    store.commit([store.write_shard(rank0, origin="capture")], partial=True)
+    out = tmp_path / "hf"
+    assert main(["export", uri, "--format", "hf", "--out", str(out)]) == 0
+    loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(str(out)).named_parameters())
+    held = {s.name: (s.offset, s.offset + s.length) for s in rank0.slices}
+    for name in params:
+        expected = at20[name].clone()
+        if name in held:
+            lo, hi = held[name]
+            expected[lo:hi] = state["fp32"][name][lo:hi]
+        assert torch.equal(loaded[name].detach().reshape(-1), expected), name
+    assert held and sum(hi - lo for lo, hi in held.values()) < layer.numel

@@ -100,3 +100,23 @@ def test_the_drivers_progress_lines_come_every_log_every_steps_with_loss_stalene
         "[running] step 10  loss 2.1  lr 1.00e-03  written 1.17 KiB (3 versions)  max staleness 5  ETTR 1.00"
     )
     assert shown[-1].startswith("[recovering] step 31 ")
+
+
+def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_versions():
+    from orchestrator.core.accounting import RunAccount
+
+    account = RunAccount(started=0.0)
+    recovery = account.failed(t_fail=14, resumed_at=15, now=1.0)
+    recovery.sources = {
+        "norm": [
+            {"origin": "capture", "version_id": "c", "step": 14, "ranks": [0], "elements": 21, "partial": True},
+            {"origin": "policy", "version_id": "w", "step": 10, "ranks": [0, 1], "elements": 21, "partial": False},
+        ]
+    }
+    result = result_of(policy_config("staggered"))
+    result.status["account"] = {**result.status["account"], **account.summary(2.0)}
+    summary = summarize(result)
+    assert summary["recovered_elements"] == {"capture": 21, "stored": 21}
+    text = format_summary(summary)
+    assert "elements from" in text and "capture@14 21 (1 layer); policy@10 21 (1 layer)" in text
+    assert "21 from survivors' captures, 21 stored" in text

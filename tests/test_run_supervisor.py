@@ -157,3 +157,44 @@ def test_a_recovery_that_breaks_fails_the_join_instead_of_hanging_it(store):
         run.join(1, 2, "b1")  # its group-mate is told at once, not left waiting
     writers.drain = lambda deadline_s: ()
     assert run.join(0, 2, "c0").attempt == 3  # the restarted group recovers
+
+
+def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element_came_from(store):
+    from orchestrator.core.accounting import format_sources
+
+    writers = Writers()
+    run, service = make(store, writers)
+    run.join(0, 2, "a0"), run.join(1, 2, "a1")
+    train(service, range(1, 6))
+    persist_all(run, store, 3)
+    captures = {}
+    for layer in LAYERS:  # rank 0 survived step 5 and handed its slices over; rank 1 died
+        state = layer_state(PARAMS, seed=50)
+        shard = cut_shards(layer, 5, PARAMS, state, even_cuts(42, 2))[0]
+        captures[layer] = store.commit([store.write_shard(shard, origin="capture")], partial=True)
+    resume = run.join(1, 2, "b1")
+    assert resume.start_step == 6 and {r.step for r in resume.records.values()} == {3}
+    assert resume.overlays == {layer: (captures[layer],) for layer in LAYERS}
+    account = run.status()["account"]
+    (recovery,) = account["recoveries"]
+    assert recovery["sources"]["norm"] == [
+        {
+            "origin": "capture",
+            "version_id": captures["norm"].version_id,
+            "step": 5,
+            "ranks": [0],
+            "elements": 21,
+            "partial": True,
+        },
+        {
+            "origin": "policy",
+            "version_id": resume.records["norm"].version_id,
+            "step": 3,
+            "ranks": [0, 1],
+            "elements": 21,
+            "partial": False,
+        },
+    ]
+    assert (recovery["max_staleness"], recovery["weighted_staleness"]) == (2, 1.0)
+    assert recovery["elements"] == account["recovered_elements"] == {"capture": 63, "stored": 63}
+    assert format_sources(recovery["sources"]) == "capture@5 63 (3 layers); policy@3 63 (3 layers)"

@@ -77,3 +77,21 @@ def test_gc_rejects_a_bad_window(run, capsys):
 def test_a_missing_run_is_an_error_not_an_empty_store(tmp_path, capsys, command):
     assert main([command, str(tmp_path / "no-such-run")]) == 2
     assert "no store at" in capsys.readouterr().out
+
+
+def test_inspect_shows_a_capture_newer_than_the_whole_version(run, capsys):
+    from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+
+    shard = cut_shards("norm", 205, PARAMS, layer_state(PARAMS, seed=3), even_cuts(42, 2))[0]
+    capture = run.commit([run.write_shard(shard, origin="capture")], partial=True)
+    assert main(["inspect", run.uri]) == 0
+    out = capsys.readouterr().out
+    assert "newest recoverable step 200" in out  # a capture alone is no layer's recovery point
+    norm = next(line for line in out.splitlines() if line.startswith("norm "))
+    assert norm.split()[1] == "180" and "205 capture (ranks 0)" in norm
+    assert main(["inspect", run.uri, "--json"]) == 0
+    layers = {row["layer"]: row for row in json.loads(capsys.readouterr().out)["layers"]}
+    assert layers["norm"]["partial"] == [
+        {"version_id": capture.version_id, "step": 205, "origin": "capture", "ranks": [0]}
+    ]
+    assert layers["norm"]["staleness"] == 20 and layers["embed"]["partial"] == []

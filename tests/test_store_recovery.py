@@ -193,7 +193,7 @@ def test_no_recovery_point_without_every_layer(tmp_path):
 
 
 def test_composite_reader_serves_every_layer(history):
-    from orchestrator.store.recovery_source import CompositeReader
+    from orchestrator.store.composite_reader import CompositeReader
 
     store, written = history
     params = {layer: {f"{layer}.{n}": s for n, s in PARAMS.items()} for layer in LAYERS}

@@ -149,3 +149,39 @@ def test_gc_failures_are_reported_not_raised_and_lose_nothing(tmp_path):
     report = collect_garbage(store, GcConfig())
     assert report.deleted_versions and report.errors and "Permission denied" in report.errors[0]
     assert len(store.versions()) == 2
+
+
+def _p(layer, step):
+    return VersionRef(step=step, layer=layer, version_id=f"{layer}@{step}p", partial=True, origin="capture")
+
+
+@pytest.mark.parametrize(
+    "versions,kept",
+    [
+        # a capture newer than every whole version: kept, and so is the whole one under it
+        (HISTORY + [_p("B", 520)], {"A@500", "B@450", "B@520p"}),
+        # a capture never makes an older whole version deletable, nor counts as B's newer version
+        # (B has nothing newer than its base but the capture: the whole base stays)
+        ([_v("A", 200, True), _v("B", 200, True), _v("A", 300), _p("B", 300)], {"A@200b", "A@300", "B@200b", "B@300p"}),
+        # once a whole version at or after its step is committed, the capture goes
+        (HISTORY + [_p("B", 450), _p("A", 450)], {"A@500", "B@450"}),
+    ],
+)
+def test_partial_versions_are_kept_until_a_whole_version_catches_up(versions, kept):
+    decision = plan_retention(versions, config=RetentionConfig(window=0))
+    assert set(decision.keep) == kept
+    assert decision.delete == {v.version_id for v in versions} - kept
+
+
+def test_gc_keeps_a_capture_and_the_whole_version_under_it_and_recovery_still_overlays_it(store):
+    state = layer_state(PARAMS, seed=9)
+    shard = cut_shards("norm", 190, PARAMS, state, even_cuts(42, 2))[0]
+    capture = store.commit([store.write_shard(shard, origin="capture")], partial=True)
+    collect_garbage(store, GcConfig())
+    assert _ids(store) == {("block.0", 200), ("embed", 170), ("norm", 180), ("norm", 190)}
+    resolved = resolve_plan(store, LAYERS, t_fail=200)
+    assert resolved.records["norm"].step == 180 and resolved.overlays["norm"] == (capture,)
+    write_layer(store, "norm", 190)
+    collect_garbage(store, GcConfig())
+    assert capture.version_id not in {r.version_id for r in store.versions()}
+    assert ("norm", 190) in _ids(store) and ("norm", 180) not in _ids(store)

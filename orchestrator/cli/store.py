@@ -62,13 +62,16 @@ def model_order(layer: str) -> tuple[int, int, str]:
 
 
 def summarize(manifest: Manifest) -> dict[str, Any]:
-    """Per layer: newest version, its staleness, bytes, number of versions; and totals."""
+    """Per layer: newest whole version, its staleness, the partial versions (survivors' captures)
+    newer than it that recovery would overlay, bytes, number of versions; and totals."""
     layers = sorted(manifest.layers(), key=model_order)
     newest_step = newest_recoverable_step(layers, manifest.refs())
     rows = []
     for layer in layers:
         versions = [r for r in manifest.records if r.layer == layer]
-        newest = max(versions, key=lambda r: (r.step, not r.base))
+        whole = [r for r in versions if not r.partial] or versions
+        newest = max(whole, key=lambda r: (r.step, not r.base))
+        partial = sorted((r for r in versions if r.partial and r.step > newest.step), key=lambda r: -r.step)
         rows.append(
             {
                 "layer": layer,
@@ -77,6 +80,15 @@ def summarize(manifest: Manifest) -> dict[str, Any]:
                 "base": newest.base,
                 "staleness": None if newest_step is None else newest_step - newest.step,
                 "newest_bytes": newest.nbytes,
+                "partial": [
+                    {
+                        "version_id": r.version_id,
+                        "step": r.step,
+                        "origin": r.origin,
+                        "ranks": [e.rank for e in r.shards],
+                    }
+                    for r in partial
+                ],
                 "versions": len(versions),
                 "bytes": sum(r.nbytes for r in versions),
             }
@@ -111,6 +123,15 @@ def _open(run: str) -> LayerStore | None:
     return store
 
 
+def _partial_cell(partial: list[dict[str, Any]]) -> str:
+    """The newest partial version newer than the whole one, e.g. ``190 capture (ranks 0)``, and how many more."""
+    if not partial:
+        return ""
+    p = partial[0]
+    more = f" +{len(partial) - 1}" if len(partial) > 1 else ""
+    return f"{p['step']} {p['origin']} (ranks {','.join(map(str, p['ranks']))}){more}"
+
+
 def run_inspect(args: argparse.Namespace) -> int:
     store = _open(args.run)
     if store is None:
@@ -130,14 +151,18 @@ def run_inspect(args: argparse.Namespace) -> int:
             "yes" if r["base"] else "",
             "-" if r["staleness"] is None else r["staleness"],
             human_bytes(r["newest_bytes"]),
+            _partial_cell(r["partial"]),
             r["versions"],
             human_bytes(r["bytes"]),
         ]
         for r in summary["layers"]
     ]
     totals = summary["totals"]
-    rows.append(["total/max", "", "", totals["max_staleness"], "", totals["versions"], human_bytes(totals["bytes"])])
-    print(format_table(["layer", "newest", "base", "staleness", "newest size", "versions", "all versions"], rows))
+    rows.append(
+        ["total/max", "", "", totals["max_staleness"], "", "", totals["versions"], human_bytes(totals["bytes"])]
+    )
+    headers = ["layer", "newest", "base", "staleness", "newest size", "newer partial", "versions", "all versions"]
+    print(format_table(headers, rows))
     for problem in summary["problems"]:
         print(f"warning: {problem}")
     return 0

@@ -5,6 +5,7 @@ and recovery broken out. Pure bookkeeping over timestamps the supervisor is give
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -23,6 +24,19 @@ class Recovery:
     max_staleness: int = 0
     steps_redone: int = 0
     """Steps trained again because no composite was usable (0 when LayerCheck recovers)."""
+    sources: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Per layer, where the composite's elements came from: ``origin`` (``capture``: a
+    survivor's hand-over; ``policy``: a scheduled snapshot), ``version_id``, ``step``, ``ranks``,
+    ``elements`` (``LayerSource.to_json``), newest first."""
+
+    @property
+    def elements(self) -> dict[str, int]:
+        """Elements recovered from survivors' captures and from stored (scheduled) versions."""
+        out = {"capture": 0, "stored": 0}
+        for layer_sources in self.sources.values():
+            for s in layer_sources:
+                out["capture" if s["origin"] == "capture" else "stored"] += s["elements"]
+        return out
 
     @property
     def total_s(self) -> float:
@@ -105,7 +119,10 @@ class RunAccount:
             "stalls": self.stalls,
             "lost_step_s": self.lost_step_seconds,
             "failures": self.failures,
-            "recoveries": [asdict(r) | {"total_s": r.total_s} for r in self.recoveries],
+            "recoveries": [asdict(r) | {"total_s": r.total_s, "elements": r.elements} for r in self.recoveries],
+            "recovered_elements": {
+                kind: sum(r.elements[kind] for r in self.recoveries) for kind in ("capture", "stored")
+            },
             "ettr": self.ettr(now),
             "coordination_s_per_step": _percentiles(self.coordination_seconds),
             "step_s_per_step": _percentiles(list(self.step_seconds.values())),
@@ -123,3 +140,19 @@ def _percentiles(values: list[float]) -> dict[str, float]:
         "p90": ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))],
         "max": ordered[-1],
     }
+
+
+def format_sources(sources: dict[str, list[dict[str, Any]]]) -> str:
+    """Where a recovery's elements came from, by origin and step: ``capture@14 21,000 (3 layers);
+    policy@10 63,000 (4 layers)`` — newest first."""
+    shares: dict[tuple[str, int], list[int]] = {}
+    for layer_sources in sources.values():
+        for source in layer_sources:
+            if source["elements"]:
+                share = shares.setdefault((source["origin"], source["step"]), [0, 0])
+                share[0] += source["elements"]
+                share[1] += 1
+    ordered = sorted(shares.items(), key=lambda item: (-item[0][1], item[0][0]))
+    return "; ".join(
+        f"{origin}@{step} {n:,} ({layers} layer{'s' if layers != 1 else ''})" for (origin, step), (n, layers) in ordered
+    )

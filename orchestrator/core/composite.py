@@ -1,5 +1,7 @@
 """Loading a composite into a live engine: each rank reads only its own slices of the chosen
-versions, straight from the store, whatever world size they were written at."""
+versions, straight from the store, whatever world size they were written at — each element from
+the newest partial version overlaid on its layer that holds it (a survivor's capture), else
+from the layer's whole version."""
 
 from __future__ import annotations
 
@@ -11,10 +13,10 @@ from typing import Protocol
 
 import torch
 
+from orchestrator.store.composite_reader import CompositeReader
 from orchestrator.store.errors import CorruptShardError
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import CompositeReader
 from policies.layer_map import LayerMap
 from workers.layer_state import restore_layers
 from workers.layout import StateLayout
@@ -33,8 +35,16 @@ def check_fits(reader: CompositeReader, records: Mapping[str, VersionRecord], la
     for layer in layer_map.layers:
         if layer.name not in records:
             continue
-        stored = reader.reader(layer.name).param_shapes
         wanted = {p.name: tuple(p.shape) for p in layer.params}
+        for partial in reader.overlay_readers(layer.name):
+            # a partial version holds only some parameters' slices: each must be the model's
+            odd = sorted(n for n, shape in partial.param_shapes.items() if wanted.get(n) != shape)
+            if odd:
+                raise CompositeMismatchError(
+                    f"partial version {partial.record.version_id} of layer {layer.name} does not fit the run "
+                    f"config's model ({'; '.join(f'{n}: stored {partial.param_shapes[n]}, model {wanted.get(n)}' for n in odd)})"
+                )
+        stored = reader.reader(layer.name).param_shapes
         if stored != wanted:
             diff = sorted(
                 f"{name}: stored {stored.get(name)}, model {wanted.get(name)}"
@@ -54,8 +64,15 @@ class Restorable(Protocol):
     layout: StateLayout
 
 
-def load_composite(train_engine: Restorable, store: LayerStore, records: Mapping[str, VersionRecord]) -> float:
-    """Restore every layer in ``records`` from its version (collective at ZeRO 1-3); seconds taken.
+def load_composite(
+    train_engine: Restorable,
+    store: LayerStore,
+    records: Mapping[str, VersionRecord],
+    *,
+    overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
+) -> float:
+    """Restore every layer in ``records`` from its version (collective at ZeRO 1-3), with the
+    partial ``overlays`` of each layer (newest first) taking the elements they hold; seconds taken.
 
     Raises :class:`CompositeMismatchError` (before touching the engine) if a version does not fit
     the model, and :class:`~orchestrator.store.errors.CorruptShardError` naming the version if a
@@ -63,7 +80,7 @@ def load_composite(train_engine: Restorable, store: LayerStore, records: Mapping
     its peers (whose slices may be sound) are waiting in; the engine then holds garbage.
     """
     started = time.monotonic()
-    with CompositeReader(store, records) as reader:
+    with CompositeReader(store, records, overlays=overlays) as reader:
         check_fits(reader, records, train_engine.layer_map)
         guarded = _UntilCorrupt(reader)
         restore_layers(train_engine.layout, reader.metas(), guarded)
@@ -73,7 +90,12 @@ def load_composite(train_engine: Restorable, store: LayerStore, records: Mapping
     if probe is not None and hasattr(probe, "reset"):
         probe.reset()  # the restore moved the weights: that is no step's drift
     elapsed = time.monotonic() - started
-    logger.info("loaded a composite of %d layers in %.2fs", len(records), elapsed)
+    logger.info(
+        "loaded a composite of %d layers (%d with partial versions overlaid) in %.2fs",
+        len(records),
+        sum(1 for layer in records if (overlays or {}).get(layer)),
+        elapsed,
+    )
     return elapsed
 
 

@@ -38,4 +38,6 @@ def plan_composite(
         max_staleness=resolved.plan.max_staleness,
         weighted_staleness=resolved.plan.weighted_staleness,
         now=clock(),
+        overlays=dict(resolved.overlays),
+        sources=resolved.sources,
     )

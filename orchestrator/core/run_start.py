@@ -144,5 +144,12 @@ def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunC
             f"{config.steps} would train nothing; raise steps above {step} "
             f"(e.g. --set steps={step + config.steps})"
         )
-    logger.info("--resume: every layer has a usable version; continuing at step %d of %d", step + 1, config.steps)
+    logger.info(
+        "--resume: every layer has a usable version (%d with partial versions overlaid, %d partial passed over); "
+        "continuing at step %d of %d",
+        len(resolved.overlays),
+        len(resolved.plan.passed_over),
+        step + 1,
+        config.steps,
+    )
     return resolved

@@ -50,6 +50,7 @@ class RunView:
         recovery.plan_s = action.plan_s
         recovery.max_staleness = action.max_staleness
         recovery.weighted_staleness = action.weighted_staleness
+        recovery.sources = {layer: [s.to_json() for s in sources] for layer, sources in action.sources.items()}
 
     def loaded(self, load_s: float) -> None:
         """A rank loaded the composite; recovery load time is the slowest rank's."""

@@ -300,20 +300,23 @@ class Supervision:
         if state is None:
             return []
         if isinstance(event, CompositePlanned):
-            resume_after, records = event.t_fail, dict(event.records)
+            resume_after, records, overlays = event.t_fail, dict(event.records), dict(event.overlays)
+            # the policy's last persisted step stays the whole version's: a capture holds only
+            # the survivors' slices, so a layer's next scheduled save is still due as before
             persisted = {layer: record.step for layer, record in records.items()}
             why = (
                 f"resuming at step {resume_after + 1} from a composite at step {event.t_fail}: max staleness "
                 f"{event.max_staleness}, weighted {event.weighted_staleness:.1f}"
+                + (f"; partial versions overlaid on {len(overlays)} layer(s)" if overlays else "")
             )
         else:
-            resume_after, records, persisted = 0, None, {}
+            resume_after, records, overlays, persisted = 0, None, {}, {}
             why = (
                 f"no composite at step {event.t_fail} ({event.reason}): training restarts from the "
                 "initial weights at step 1"
             )
             logger.warning("supervision: %s", why)
-        info = ResumeInfo(state.attempt, resume_after + 1, records)
+        info = ResumeInfo(state.attempt, resume_after + 1, records, overlays)
         record = RecordRecovery(
             t_fail=event.t_fail,
             resumed_at=resume_after + 1,
@@ -323,6 +326,7 @@ class Supervision:
             groups_lost=state.groups_lost if state.lost_group else 0,
             max_staleness=getattr(event, "max_staleness", 0),
             weighted_staleness=getattr(event, "weighted_staleness", 0.0),
+            sources=dict(getattr(event, "sources", {})),
         )
         self._move(Running(attempt=state.attempt, world_size=state.world_size, members=state.members, resume=info), why)
         return [

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.store.manifest import VersionRecord
+from policies.overlay import LayerSource
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +49,9 @@ class ResumeInfo:
     """The first step to train (1 on a fresh start, t_fail + 1 after a recovery)."""
     records: Mapping[str, VersionRecord] | None = None
     """Per layer, the committed version to load; ``None``: start from the initial weights."""
+    overlays: Mapping[str, tuple[VersionRecord, ...]] = field(default_factory=dict)
+    """Per layer, partial versions (survivors' captures) whose elements replace ``records``'
+    ones, newest first; layers without any are absent."""
 
 
 # ---- events: what the shell observed ---------------------------------------------------------
@@ -80,7 +84,12 @@ class CompositePlanned:
     records: Mapping[str, VersionRecord]
     max_staleness: int
     weighted_staleness: float
+    """Element-weighted: elements from a partial version at step s are ``t_fail - s`` stale."""
     now: float
+    overlays: Mapping[str, tuple[VersionRecord, ...]] = field(default_factory=dict)
+    """Per layer, the partial versions overlaid on its whole version, newest first."""
+    sources: Mapping[str, tuple[LayerSource, ...]] = field(default_factory=dict)
+    """Per layer, where its elements come from (origin, version, step, ranks, elements)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,6 +182,8 @@ class RecordRecovery:
     """Worker groups lost since training last ran (0 when a stopped run resumes)."""
     max_staleness: int = 0
     weighted_staleness: float = 0.0
+    sources: Mapping[str, tuple[LayerSource, ...]] = field(default_factory=dict)
+    """Per layer, where the composite's elements came from (empty without a composite)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,7 +21,7 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,10 @@ import torch
 from orchestrator.core.composite import CompositeMismatchError, check_fits
 from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
 from orchestrator.local.spawn import RanksFailedError, spawn_ranks
+from orchestrator.store.composite_reader import CompositeReader
 from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import CompositeReader, ResolvedPlan, resolve_plan
+from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from policies.layer_map import LayerMap
 from policies.plan import NoUsableVersionError, newest_recoverable_step
 from workers.engine import layer_map_for
@@ -101,20 +102,28 @@ def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | N
         raise ExportError(f"run {store.uri}: no usable version of every layer at {at}: {error}") from error
     plan = resolved.plan
     logger.info(
-        "composite of %s at step %d: %d layers, max staleness %d, %d version(s) skipped as unusable",
+        "composite of %s at step %d: %d layers (%d with survivors' captures or other partial versions "
+        "overlaid), max staleness %d, %d version(s) skipped as unusable",
         store.uri,
         plan.t_fail,
         len(plan.choices),
+        len(resolved.overlays),
         plan.max_staleness,
         len(resolved.skipped),
     )
     return resolved
 
 
-def check_composite_fits(store: LayerStore, records: Mapping[str, VersionRecord], layer_map: LayerMap) -> None:
+def check_composite_fits(
+    store: LayerStore,
+    records: Mapping[str, VersionRecord],
+    layer_map: LayerMap,
+    *,
+    overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
+) -> None:
     """:class:`ExportError` unless the composite fits the run config's model (see
     :func:`orchestrator.core.composite.check_fits`)."""
-    with CompositeReader(store, records) as read:
+    with CompositeReader(store, records, overlays=overlays) as read:
         try:
             check_fits(read, records, layer_map)
         except CompositeMismatchError as error:
@@ -127,16 +136,22 @@ def _check_empty_dir(out: Path, what: str) -> None:
 
 
 # ---- Hugging Face -----------------------------------------------------------------------------
-def composite_model(run: RunConfig, store: LayerStore, records: Mapping[str, VersionRecord]) -> torch.nn.Module:
+def composite_model(
+    run: RunConfig,
+    store: LayerStore,
+    records: Mapping[str, VersionRecord],
+    *,
+    overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
+) -> torch.nn.Module:
     """The run's model on the host in fp32, every trainable parameter set to its composite fp32
-    weights. A tied output head shares the embedding's tensor, so it is set with it. A frozen
+    weights (each element from the newest of ``overlays`` holding it, else from ``records``). A tied output head shares the embedding's tensor, so it is set with it. A frozen
     layer (``model.freeze``) keeps the weights the model is built with: they never changed."""
     from workers.engine import build_model
 
     model = build_model(run.model)
     # a tied tensor appears once, under its first name
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    with CompositeReader(store, records) as read, torch.no_grad():
+    with CompositeReader(store, records, overlays=overlays) as read, torch.no_grad():
         for name, param in params.items():
             try:
                 values = read(name, "fp32", 0, param.numel())
@@ -152,7 +167,7 @@ def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Pa
     """Write the composite as a Hugging Face model folder (config + safetensors) at ``out``."""
     _check_empty_dir(out, "a Hugging Face export")
     tokenizer = run_tokenizer(run)  # before anything is written: a missing tokenizer fails the export
-    model = composite_model(run, store, resolved.records)
+    model = composite_model(run, store, resolved.records, overlays=resolved.overlays)
     model.save_pretrained(str(out))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
@@ -191,7 +206,12 @@ def export_deepspeed(
     except OSError as error:
         raise ExportError(f"cannot create the export directory {out}: {error}") from error
     job = _DeepSpeedJob(
-        run_json=run.to_json(), store_uri=store.uri, records=dict(resolved.records), step=step, out=str(out)
+        run_json=run.to_json(),
+        store_uri=store.uri,
+        records=dict(resolved.records),
+        overlays=dict(resolved.overlays),
+        step=step,
+        out=str(out),
     )
     _spawn(job, world_size, timeout_s)
     logger.info("wrote the composite at step %d as a %d-rank DeepSpeed checkpoint to %s", step, world_size, tag_dir)
@@ -207,6 +227,7 @@ class _DeepSpeedJob:
     records: dict[str, VersionRecord]
     step: int
     out: str
+    overlays: dict[str, tuple[VersionRecord, ...]] = field(default_factory=dict)
 
     def provenance(self) -> dict[str, Any]:
         return {
@@ -214,6 +235,7 @@ class _DeepSpeedJob:
             "store": self.store_uri,
             "step": self.step,
             "versions": {layer: r.version_id for layer, r in self.records.items()},
+            "partial_versions": {layer: [r.version_id for r in rs] for layer, rs in self.overlays.items()},
         }
 
 
@@ -235,7 +257,7 @@ def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     run = parse_run_config(job.run_json)
     train_engine = build_engine(run.model, run.optim, run.engine)
     try:
-        load_composite(train_engine, LayerStore.open(job.store_uri, fsync=False), job.records)
+        load_composite(train_engine, LayerStore.open(job.store_uri, fsync=False), job.records, overlays=job.overlays)
         seek_step(train_engine, job.step)
         train_engine.engine.save_checkpoint(
             job.out, tag=deepspeed_tag(job.step), client_state={"layercheck_export": job.provenance()}
@@ -261,7 +283,7 @@ def export(
     run = run_config_of(store, config_path)
     layer_map = layer_map_for(run.model)
     resolved = plan_export(store, layer_map.numel, step)
-    check_composite_fits(store, resolved.records, layer_map)
+    check_composite_fits(store, resolved.records, layer_map, overlays=resolved.overlays)
     out = Path(out)
     if fmt == "hf":
         return export_hf(run, store, resolved, out)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.core.composite import load_composite
 from orchestrator.local.coordinator import LocalCoordinator
@@ -38,7 +38,7 @@ class Recovered:
     start_step: int
     """The first step to train: ``t_fail + 1``, or 1 when there was no composite to load."""
     records: Mapping[str, VersionRecord] | None
-    """Per layer, the version loaded; ``None``: nothing loaded (start from the initial weights)."""
+    """Per layer, the whole version loaded; ``None``: nothing loaded (start from the initial weights)."""
     drained: bool
     """Whether every writer (and the commits of what they wrote) finished within the deadline."""
     drain_s: float
@@ -49,6 +49,8 @@ class Recovered:
     max_staleness: int = 0
     unusable: tuple[str, ...] = ()
     """Versions found corrupt while loading (each cost one replan)."""
+    overlays: Mapping[str, tuple[VersionRecord, ...]] = field(default_factory=dict)
+    """Per layer, the partial versions (survivors' captures) loaded over ``records``, newest first."""
 
     @property
     def versions(self) -> dict[str, int]:
@@ -69,7 +71,7 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
         records = answer.resume.records
         if records is None:
             break
-        seconds, corrupt = _load_agreed(train_engine, coordinator, records)
+        seconds, corrupt = _load_agreed(train_engine, coordinator, records, answer.resume.overlays)
         load_s += seconds
         if not corrupt:
             break
@@ -90,6 +92,7 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
         weighted_staleness=answer.weighted_staleness,
         max_staleness=answer.max_staleness,
         unusable=tuple(unusable),
+        overlays=dict(answer.resume.overlays) if records else {},
     )
     logger.warning(
         "recovered after step %d: resuming at step %d (max staleness %d)", t_fail, start_step, recovered.max_staleness
@@ -98,14 +101,17 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
 
 
 def _load_agreed(
-    train_engine: TrainEngine, coordinator: LocalCoordinator, records: Mapping[str, VersionRecord]
+    train_engine: TrainEngine,
+    coordinator: LocalCoordinator,
+    records: Mapping[str, VersionRecord],
+    overlays: Mapping[str, tuple[VersionRecord, ...]],
 ) -> tuple[float, list[tuple[str, str]]]:
     """Every rank loads its slices; then all agree (collective) on the slowest load and on the
     versions any rank found corrupt (empty: the load succeeded everywhere)."""
     mine: tuple[str, str] | None = None
     seconds = 0.0
     try:
-        seconds = load_composite(train_engine, coordinator.store, records)
+        seconds = load_composite(train_engine, coordinator.store, records, overlays=overlays)
     except CorruptShardError as error:  # load_composite took part in the load's collective first
         mine = (error.version_id, str(error))
         logger.error("rank %d: %s", coordinator.rank, error)

@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from orchestrator.core.accounting import format_sources
 from orchestrator.core.run_config import FaultConfig, RunConfig
 from orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from orchestrator.core.staleness_guard import StalenessLimits
@@ -457,6 +458,7 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
         lines.append(
             f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
             f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
+            + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
         )
     seen.update(state=state, recoveries=len(recoveries))
     for line in lines:

@@ -8,6 +8,7 @@ import logging
 import math
 from typing import Any
 
+from orchestrator.core.accounting import format_sources
 from orchestrator.core.capture_window import capture_figures
 from orchestrator.runtime.driver import RunResult
 from orchestrator.store.uri import redact_uri
@@ -38,6 +39,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "failures": account["failures"],
         "recoveries": account["recoveries"],
         "capture": capture_figures(account.get("capture", {})),
+        "recovered_elements": account.get("recovered_elements", {"capture": 0, "stored": 0}),
         "bytes_written": status["bytes_committed"],
         "versions_written": status["versions_committed"],
         "full_checkpoint_bytes": full_bytes,
@@ -143,7 +145,14 @@ def format_summary(summary: dict[str, Any]) -> str:
                 f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
             ]
         )
+        if r.get("sources"):
+            rows.append(["    elements from", format_sources(r["sources"])])
     rows += _capture_rows(summary)
+    if summary["recoveries"] and summary.get("recovered_elements", {}).get("capture"):
+        elements = summary["recovered_elements"]
+        rows.append(
+            ["recovered elements", f"{elements['capture']:,} from survivors' captures, {elements['stored']:,} stored"]
+        )
     rows += [
         [
             "bytes written",

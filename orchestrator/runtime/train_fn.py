@@ -253,7 +253,15 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     train_engine = build_engine(run.model, run.optim, run.engine)
     resume = ray.get(resume_ref)
     if resume.records is not None:
-        recover(train_engine, run.storage_uri, run.persistence.fsync, resume.records, supervisor, rank)
+        recover(
+            train_engine,
+            run.storage_uri,
+            run.persistence.fsync,
+            resume.records,
+            supervisor,
+            rank,
+            overlays=resume.overlays,
+        )
         seek_step(train_engine, resume.start_step - 1)
     coordinator = RayCoordinator(
         rank=rank,
@@ -289,13 +297,16 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         shutdown(train_engine)
 
 
-def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor: Any, rank: int) -> None:
-    """Load the composite ``records`` names into ``target`` (a built-in ``TrainEngine`` or an
-    attached user engine: anything with ``layout`` and ``layer_map``); a corrupt version is
+def recover(
+    target: Any, storage_uri: str, fsync: bool, records: Any, supervisor: Any, rank: int, *, overlays: Any = None
+) -> None:
+    """Load the composite ``records`` names, with the partial ``overlays`` (survivors' captures)
+    over it, into ``target`` (a built-in ``TrainEngine`` or an attached user engine: anything with
+    ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
     reported to the supervisor, which skips it at the next attempt."""
     store = LayerStore.open(storage_uri, fsync=fsync)
     try:
-        load_s = load_composite(target, store, records)
+        load_s = load_composite(target, store, records, overlays=overlays)
     except CorruptShardError as error:
         ray.get(supervisor.version_unusable.remote(error.version_id, str(error)))
         raise

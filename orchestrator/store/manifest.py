@@ -119,7 +119,12 @@ class VersionRecord:
     @property
     def ref(self) -> VersionRef:
         return VersionRef(
-            step=self.step, layer=self.layer, version_id=self.version_id, base=self.base, partial=self.partial
+            step=self.step,
+            layer=self.layer,
+            version_id=self.version_id,
+            base=self.base,
+            partial=self.partial,
+            origin=self.origin,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -1,19 +1,23 @@
 """Recovery from the store: a plan whose every version is usable, and exact-range reads.
 
-* :func:`resolve_plan` (once, in the supervisor): plan → validate the chosen versions →
-  re-plan skipping any unusable one (missing, truncated or corrupt shard), until every layer's
-  choice is usable; the previous committed version of a layer (or the base) takes over.
+* :func:`resolve_plan` (once, in the supervisor): plan → validate the chosen versions (each
+  layer's whole version and the partial ones overlaid on it) → re-plan skipping any unusable
+  one (missing, truncated or corrupt shard), until every layer's choice is usable; the previous
+  committed version of a layer (or the base) takes over. The plan then says, from the overlays'
+  shard headers, which source supplies how many elements of each layer, and at which step.
 * :class:`VersionReader` (on each rank): ``read(param, key, offset, length)`` returns exactly
   that range of one parameter's flattened state, assembled from whichever stored rank files
   overlap it, whatever world size they were written at. It fetches only the tensor entries it
   needs, and checks each entry's checksum the first time it uses it.
+
+:class:`~orchestrator.store.composite_reader.CompositeReader` reads a whole plan's composite.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +28,8 @@ from orchestrator.store import tensorfile
 from orchestrator.store.errors import CorruptShardError, ShardFormatError
 from orchestrator.store.layer_store import LayerStore
 from orchestrator.store.manifest import Manifest, VersionRecord
-from policies.plan import NoUsableVersionError, RecoveryPlan, newest_recoverable_step, plan_recovery
+from policies.overlay import LayerSource, Span
+from policies.plan import NoUsableVersionError, RecoveryPlan, newest_recoverable_step, plan_recovery, with_sources
 from workers.shard import STATE_KEYS, ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -37,9 +42,16 @@ class ResolvedPlan:
 
     plan: RecoveryPlan
     records: Mapping[str, VersionRecord]
-    """layer → the committed version to load."""
+    """layer → the committed whole version to load."""
     skipped: Mapping[str, str]
     """version id → why it was found unusable."""
+    overlays: Mapping[str, tuple[VersionRecord, ...]] = field(default_factory=dict)
+    """layer → partial versions overlaid on its whole version, newest first (only layers that have some)."""
+
+    @property
+    def sources(self) -> dict[str, tuple[LayerSource, ...]]:
+        """layer → where its elements come from: overlays newest first, then the whole version."""
+        return {c.layer: c.sources for c in self.plan.choices}
 
 
 def resolve_plan(
@@ -70,7 +82,7 @@ def resolve_plan(
                 f"{store.uri}: no recovery point: no committed version of {sorted(set(layer_numel) - have)}"
             )
     skipped: dict[str, str] = dict(skip) if isinstance(skip, Mapping) else dict.fromkeys(skip, "skipped by caller")
-    usable: set[str] = set()
+    usable: dict[str, dict[str, list[Span]]] = {}
     while True:
         try:
             plan = plan_recovery(layer_numel, refs, t_fail, skip=skipped)
@@ -79,34 +91,58 @@ def resolve_plan(
             raise NoUsableVersionError(f"{store.uri}: {error}" + (f". Unusable: {why}" if why else "")) from error
         fresh_problems = False
         for choice in plan.choices:
-            version_id = choice.version.version_id
-            if version_id in usable:
-                continue
-            problems = store.check_version(by_id[version_id], deep=deep)
-            if problems:
-                skipped[version_id] = "; ".join(problems)
-                fresh_problems = True
-                logger.warning(
-                    "recovery: version %s of layer %s is unusable (%s); re-planning without it",
-                    version_id,
-                    choice.layer,
-                    skipped[version_id],
-                )
-            else:
-                usable.add(version_id)
+            for ref in (choice.version, *choice.overlays):
+                if ref.version_id in usable:
+                    continue
+                problem = _problem(store, by_id[ref.version_id], deep=deep, usable=usable)
+                if problem:
+                    skipped[ref.version_id] = problem
+                    fresh_problems = True
+                    logger.warning(
+                        "recovery: %s version %s of layer %s is unusable (%s); re-planning without it",
+                        "partial" if ref.partial else "whole",
+                        ref.version_id,
+                        choice.layer,
+                        problem,
+                    )
         if not fresh_problems:
-            logger.info(
-                "recovery plan at step %d: max staleness %d, weighted %.1f, %d version(s) skipped",
-                plan.t_fail,
-                plan.max_staleness,
-                plan.weighted_staleness,
-                len(skipped),
-            )
-            return ResolvedPlan(
-                plan=plan,
-                records={c.layer: by_id[c.version.version_id] for c in plan.choices},
-                skipped=skipped,
-            )
+            break
+    ranks = {vid: tuple(s.rank for s in by_id[vid].shards) for vid in usable}
+    plan = with_sources(plan, layer_numel, usable, ranks)
+    overlays = {c.layer: tuple(by_id[o.version_id] for o in c.overlays) for c in plan.choices if c.overlays}
+    logger.info(
+        "recovery plan at step %d: max staleness %d, weighted %.1f (element-weighted), %d layer(s) with "
+        "partial versions overlaid, %d version(s) skipped, %d passed over",
+        plan.t_fail,
+        plan.max_staleness,
+        plan.weighted_staleness,
+        len(overlays),
+        len(skipped),
+        len(plan.passed_over),
+    )
+    return ResolvedPlan(
+        plan=plan,
+        records={c.layer: by_id[c.version.version_id] for c in plan.choices},
+        skipped=skipped,
+        overlays=overlays,
+    )
+
+
+def _problem(store: LayerStore, record: VersionRecord, *, deep: bool, usable: dict[str, dict[str, list[Span]]]) -> str:
+    """Why ``record`` is unusable ("" if usable: then it joins ``usable`` with the element spans
+    it holds, read from its shard headers for a partial version)."""
+    problems = store.check_version(record, deep=deep)
+    if problems:
+        return "; ".join(problems)
+    coverage: dict[str, list[Span]] = {}
+    if record.partial:
+        try:
+            with VersionReader(store, record) as reader:
+                coverage = reader.coverage()
+        except CorruptShardError as error:
+            return str(error)
+    usable[record.version_id] = coverage
+    return ""
 
 
 @dataclass(frozen=True)
@@ -182,6 +218,11 @@ class VersionReader:
             self._headers = headers
         return self._headers
 
+    def coverage(self) -> dict[str, list[Span]]:
+        """param → the element spans ``[start, end)`` this version's files hold."""
+        self.headers()
+        return {param: [(p.offset, p.offset + p.length) for p in pieces] for param, pieces in self._index.items()}
+
     @property
     def optimizer_step(self) -> int:
         return self.headers()[0].optimizer_step
@@ -248,49 +289,3 @@ class VersionReader:
 
     def read_slice(self, piece: ParamSlice, key: str) -> torch.Tensor:
         return self.read(piece.name, key, piece.offset, piece.length)
-
-
-@dataclass(frozen=True, kw_only=True)
-class VersionMeta:
-    """The per-layer part of a version (what ``workers.layer_state.LayerMeta`` holds)."""
-
-    optimizer_step: int
-    groups: tuple[dict[str, Any], ...]
-
-
-class CompositeReader:
-    """The composite of a :class:`ResolvedPlan` as one range reader over all its layers:
-    ``reader(param, key, offset, length)`` — the ``RangeReader`` that
-    ``workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``."""
-
-    def __init__(self, store: LayerStore, records: Mapping[str, VersionRecord]) -> None:
-        self._readers = {layer: VersionReader(store, record) for layer, record in records.items()}
-        self._layer_of: dict[str, str] | None = None
-
-    def __enter__(self) -> CompositeReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-
-    def reader(self, layer: str) -> VersionReader:
-        return self._readers[layer]
-
-    def metas(self, layers: Collection[str] | None = None) -> dict[str, VersionMeta]:
-        names = self._readers if layers is None else layers
-        return {
-            name: VersionMeta(optimizer_step=self._readers[name].optimizer_step, groups=self._readers[name].groups)
-            for name in names
-        }
-
-    def __call__(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
-        if self._layer_of is None:
-            self._layer_of = {p: layer for layer, r in self._readers.items() for p in r.param_shapes}
-        layer = self._layer_of.get(param)
-        if layer is None:
-            raise KeyError(f"no layer of the composite holds parameter {param!r}")
-        return self._readers[layer].read(param, key, offset, length)

@@ -1,0 +1,91 @@
+"""Per-rank job of the capture-overlay test (spawned by tests/dist_harness.py).
+
+Two ZeRO-3 ranks train the composite tests' tiny Llama; every layer is persisted whole at step
+``S``; at step ``T`` rank 0 alone hands over its slices of every layer as a *capture* (a partial
+version: what a survivor holds when its peer dies). Recovery at ``t_fail = T`` must then give
+rank 0's slices at their step-``T`` values and rank 1's at their step-``S`` values, bit for bit.
+The expected values are gathered with DeepSpeed's public ``safe_get_full_*`` helpers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from orchestrator.store.layer_store import LayerStore
+from tests.composite_jobs import adam_steps, batches, full_state, make_engine, run_config
+from workers.engine import TrainEngine, shutdown
+from workers.host_buffers import HostBufferPool
+from workers.layer_state import snapshot_layers
+from workers.step import train_step
+
+S, T = 2, 4
+
+
+def _write(train_engine: TrainEngine, store: LayerStore, pool: HostBufferPool, *, capture: bool) -> list[tuple]:
+    """Every rank snapshots every layer; all ranks' shards (``capture``: rank 0's only) are
+    committed, by rank 0. Returns the (param, offset, length) slices this rank wrote."""
+    names = list(train_engine.layer_map.names)
+    rank = torch.distributed.get_rank()
+    shards = snapshot_layers(train_engine.layout, names, pool)
+    mine = [(s.name, s.offset, s.length) for shard in shards for s in shard.slices]
+    send = not capture or rank == 0
+    receipts = [store.write_shard(s, base=not capture, origin="capture" if capture else "policy") for s in shards]
+    for shard in shards:
+        pool.release(shard)
+    everyone: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, receipts if send else None)
+    if rank == 0:
+        for i in range(len(names)):
+            store.commit([r[i] for r in everyone if r is not None], partial=capture)
+    torch.distributed.barrier()
+    return mine if send else []
+
+
+def capture_overlay_job(rank: int, world_size: int, store_uri: str) -> dict[str, Any]:
+    from orchestrator.core.composite import load_composite
+    from orchestrator.store.recovery_source import resolve_plan
+
+    train_engine = make_engine(run_config())
+    names = list(train_engine.layer_map.names)
+    store, pool = LayerStore.open(store_uri, fsync=False), HostBufferPool()
+    for t in range(1, T + 2):
+        train_step(train_engine, batches(t, rank))
+        if t == S:
+            _write(train_engine, store, pool, capture=False)
+            at_s = full_state(train_engine, names)
+        if t == T:
+            captured = _write(train_engine, store, pool, capture=True)
+            at_t = full_state(train_engine, names)
+    # the engine is now at T + 1: it holds neither state, as a fresh group's would not
+    resolved = resolve_plan(store, train_engine.layer_map.numel, T)
+    load_composite(train_engine, store, resolved.records, overlays=resolved.overlays)
+    got = full_state(train_engine, names)
+    out: dict[str, Any] = {
+        "adam_steps": adam_steps(train_engine),
+        "sources": {layer: [s.to_json() for s in sources] for layer, sources in resolved.sources.items()},
+        "max_staleness": resolved.plan.max_staleness,
+        "captured_elements": sum(length for _, _, length in captured),
+    }
+    shutdown(train_engine)
+    if rank == 0:
+        out.update(_compare(at_s, at_t, got, captured))
+    return out
+
+
+def _compare(at_s: dict, at_t: dict, got: dict, captured: list[tuple]) -> dict[str, Any]:
+    """Rank 0's slices (``captured``) must hold their values at T, every other element its value at S."""
+    expected = {k: v.clone() for k, v in at_s.items()}
+    in_capture = {k: torch.zeros_like(v, dtype=torch.bool) for k, v in at_s.items()}
+    for name, offset, length in captured:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            expected[f"{key}/{name}"][offset : offset + length] = at_t[f"{key}/{name}"][offset : offset + length]
+            in_capture[f"{key}/{name}"][offset : offset + length] = True
+    return {
+        "mismatches": sorted(k for k in expected if not torch.equal(got[k], expected[k])),
+        # the check means something only if both parts moved between S and T
+        "captured_moved": sum(int((at_t[k] != at_s[k])[in_capture[k]].sum()) for k in at_s),
+        "rest_moved": sum(int((at_t[k] != at_s[k])[~in_capture[k]].sum()) for k in at_s),
+        "rest_elements": sum(int((~in_capture[k]).sum()) for k in at_s if k.startswith("fp32/")),
+    }
