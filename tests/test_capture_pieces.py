@@ -29,7 +29,7 @@ def test_a_survivor_captures_its_state_and_any_single_death_is_covered(zero_stag
     numel = {name.removeprefix("fp32/"): n for name, n in results[0]["numel"].items()}
     for survivor in results:
         covered = _coverage(survivor)
-        if zero_stage == 0:  # every rank holds everything: it captures its own slice and its successor's
+        if zero_stage == 0:  # every rank holds everything: it captures its own slice and its neighbours'
             assert covered == {name: [[0, n]] for name, n in numel.items()}  # with 2 ranks: all of it
     if zero_stage == 3:  # each rank its own partition: together, everything, once
         total = sum(length for r in results for pieces in r["covered"].values() for _, length in pieces)

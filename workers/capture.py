@@ -11,9 +11,10 @@ slices on the layers' whole versions, so only the dead ranks' slices come back s
 What a rank captures:
 
 * ZeRO 1-3: its own partition (the only copy of those elements anywhere);
-* ZeRO-0 (every rank holds everything): the slice it owns and its successor's (rank
-  ``r + 1 mod W``), so any single death is covered by its predecessor at ``2/W`` of the model
-  per survivor, not a whole copy from each.
+* ZeRO-0 (every rank holds everything): the slice it owns and its neighbours' (ranks ``r - 1``
+  and ``r + 1``: one contiguous run of each parameter, as a shard lists a parameter once), so any
+  single death is covered by either neighbour at ``3/W`` of the model per survivor, not a whole
+  copy from each.
 
 The capture is labelled with the step its state is at. A rank may stand one step past its last
 reported step (it finished its local optimizer step ``t + 1`` before the collective that broke):
@@ -64,17 +65,16 @@ def capture_pieces(layout: StateLayout) -> dict[str, tuple[Piece, ...]]:
     """For each layer, the pieces this rank captures (see the module docstring)."""
     if layout.stage != 0:
         return {name: layout[name].owned for name in layout.layer_map.names}
-    successor = (layout.rank + 1) % layout.world_size
-    ranks = [layout.rank] if successor == layout.rank else [layout.rank, successor]
+    first, last = max(0, layout.rank - 1), min(layout.world_size - 1, layout.rank + 1)
     out: dict[str, tuple[Piece, ...]] = {}
     for name in layout.layer_map.names:
         pieces: list[Piece] = []
         for whole in layout[name].needed:  # ZeRO-0: whole parameters
-            for rank in ranks:
-                offset, length = zero0_owned_range(whole.slice.length, rank, layout.world_size)
-                if length:
-                    s = whole.slice
-                    pieces.append(Piece(ParamSlice(s.name, s.shape, offset, length), whole.master, offset))
+            s = whole.slice
+            start = zero0_owned_range(s.length, first, layout.world_size)[0]
+            end = sum(zero0_owned_range(s.length, last, layout.world_size))
+            if end > start:
+                pieces.append(Piece(ParamSlice(s.name, s.shape, start, end - start), whole.master, start))
         out[name] = tuple(pieces)
     return out
 
