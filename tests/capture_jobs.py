@@ -28,7 +28,9 @@ def capture_job(rank: int, world_size: int, zero_stage: int) -> dict[str, Any]:
                     want = state[f"{key}/{piece.name}"][piece.offset : piece.offset + piece.length]
                     equal = equal and bool(shard.view(key, index).equal(want))
         numel = {name: int(t.numel()) for name, t in state.items() if name.startswith("fp32/")}
-        return {"step": shards[0].step, "covered": covered, "equal": equal, "numel": numel}
+        train_step(train_engine, batches(3, rank))  # the optimizer stepped again, never reported
+        ahead = state_step(train_engine.layout, last)
+        return {"step": shards[0].step, "covered": covered, "equal": equal, "numel": numel, "ahead": ahead}
     finally:
         shutdown(train_engine)
 

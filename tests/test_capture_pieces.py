@@ -26,6 +26,7 @@ def _coverage(result):
 def test_a_survivor_captures_its_state_and_any_single_death_is_covered(zero_stage):
     results = run_ranks(capture_job, 2, zero_stage)
     assert all(r["step"] == 2 and r["equal"] for r in results)  # the state at the last step, exactly
+    assert all(r["ahead"] == 3 for r in results)  # a state one update past the last report says so
     numel = {name.removeprefix("fp32/"): n for name, n in results[0]["numel"].items()}
     for survivor in results:
         covered = _coverage(survivor)
