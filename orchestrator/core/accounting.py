@@ -23,6 +23,10 @@ class Recovery:
     max_staleness: int = 0
     steps_redone: int = 0
     """Steps trained again because no composite was usable (0 when LayerCheck recovers)."""
+    world_size: int = 0
+    """The workers training resumed with (0: not known)."""
+    grown_from: int = 0
+    """Ray Train grew the elastic group from this many workers (a restart, not a failure); 0: not a grow."""
 
     @property
     def total_s(self) -> float:
