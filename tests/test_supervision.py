@@ -222,7 +222,7 @@ def test_a_writer_that_never_answers_the_drain_is_written_off():
     sup.handle(joined(0, "b0", last=6))
     actions = sup.handle(WritersDrained(attempt=2, unanswered=("writer-1@node",)))
     assert actions[0] == ReplaceWriters(writers=("writer-1@node",))
-    assert actions[1].lost and "did not answer the drain within 5s" in actions[1].reason
+    assert actions[1].lost and "silent for 5s" in actions[1].reason
     assert of(PlanComposite, actions).t_fail == 6  # recovery goes on from what is committed
     commits = CommitPath(layers=LAYERS, config=CONFIG)
     commits.handle(ShardWritten(receipt=receipt("embed", 6, 0)))  # rank 1's shard sat in the hung writer

@@ -293,8 +293,8 @@ class Supervision:
         actions: list[Action] = []
         if event.unanswered:
             reason = (
-                f"writer(s) {', '.join(event.unanswered)} did not answer the drain within "
-                f"{self.config.drain_deadline_s:g}s (config drain_deadline_s)"
+                f"writer(s) {', '.join(event.unanswered)} did not answer the drain (gone with their node, "
+                f"or silent for {self.config.drain_deadline_s:g}s: config drain_deadline_s)"
             )
             logger.error("supervision: %s: their versions are lost; recovering from what is committed", reason)
             actions += [ReplaceWriters(writers=tuple(event.unanswered)), AbandonIncomplete(reason=reason, lost=True)]

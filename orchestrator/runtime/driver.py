@@ -463,7 +463,7 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
             )
             continue
         lost = "" if announced else f"worker group lost after step {r['t_fail']}{note}; "
-        size = f" with {r['world_size']} workers" if r.get("world_size") else ""
+        size = f" with {r['world_size']} worker{'s' if r['world_size'] > 1 else ''}" if r.get("world_size") else ""
         lines.append(
             f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']}{size} (lost after step "
             f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
