@@ -52,12 +52,9 @@ class WriterPool:
         """Wait up to ``deadline_s`` (``None``: for ever) until every writer has written and handed
         over what it holds; the names of those that did not answer (hung, or dead)."""
         writers = self._all()
-        lost = self._on_lost_nodes()
-        if lost:  # a dead node's writers can never answer: not waited for (their calls may hang to the deadline)
-            logger.warning("writer(s) %s were on a lost node: what they held is lost", ", ".join(sorted(lost)))
-        refs = {w.drain.remote(): name for name, w in writers.items() if name not in lost}
+        refs = {w.drain.remote(): name for name, w in writers.items()}
         if not refs:
-            return tuple(sorted(lost))
+            return ()
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=deadline_s)
         answered = set()
         for ref in ready:
@@ -67,16 +64,6 @@ class WriterPool:
             except Exception as error:  # a dead writer answers with its death
                 logger.error("writer %s failed its drain: %s", refs[ref], error)
         return tuple(sorted(set(writers) - answered))
-
-    def _on_lost_nodes(self) -> set[str]:
-        """The writers on nodes Ray counts dead (none if Ray cannot say)."""
-        try:
-            alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
-        except Exception as error:  # noqa: BLE001 - then every writer is waited for, up to the deadline
-            logger.info("cannot list the cluster's nodes: %s", error)
-            return set()
-        with self._lock:
-            return {name for node, names in self._by_node.items() if node not in alive for name in names}
 
     def replace(self, names: tuple[str, ...]) -> None:
         """Forget (and kill) these writers; their nodes get new ones on next use."""
