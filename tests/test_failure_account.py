@@ -92,3 +92,13 @@ def test_a_recovery_over_between_two_polls_is_announced_in_one_line():
     recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
     (line,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen, "rank 1")
     assert line.startswith("LAYERCHECK: worker group lost after step 8 (rank 1); recovered: training resumes at step 9")
+
+
+def test_a_grown_group_is_announced_as_a_grow_not_a_loss():
+    seen = {"state": "running", "recoveries": 1}
+    grown = {"resumed_at": 124, "t_fail": 123, "max_staleness": 3, "steps_redone": 0, "world_size": 2, "grown_from": 1}
+    recovering = {"state": "recovering", "step": 123, "world_size": 2, "grown_from": 1, "account": {"recoveries": [{}]}}
+    (growing,) = announce_failures(recovering, seen)
+    (resumed,) = announce_failures({"state": "running", "step": 124, "account": {"recoveries": [{}, grown]}}, seen)
+    assert growing.startswith("LAYERCHECK: Ray Train grows the worker group from 1 to 2 workers after step 123")
+    assert resumed.startswith("LAYERCHECK: resumed with 2 workers (was 1): training resumes at step 124")

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from orchestrator.core.policy_service import DECISION_HISTORY
 from orchestrator.core.write_budget import WriteBudgetConfig
 from orchestrator.runtime import policy_actor
 from policies.configs import IntervalConfig, StaggeredConfig
@@ -86,3 +87,15 @@ def test_the_peak_is_the_most_bytes_one_decision_handed_over(clock):
     assert view["handed_bytes"] == 2 * sum(NUMEL.values()) * 12
     step(a, clock, 4, at=9.0)  # a late duplicate of a completed step counts nothing again
     assert a.schedule_view()["peak_step"] == 2
+
+
+def test_a_rank_reporting_a_step_long_past_fails_instead_of_waiting_for_ever(clock):
+    """A rank that resumed at another step than its group (once: a grown group's new rank got the
+    old attempt's resume step) must fail its group, not wait for a decision no one will make."""
+    a = actor(StaggeredConfig(period=4))
+    last = DECISION_HISTORY + 2
+    for t in range(1, last + 1):
+        step(a, clock, t, at=float(t))
+    assert step(a, clock, last, at=float(last)) is not None  # a retried call still gets its decision
+    with pytest.raises(RuntimeError, match=f"reported step 1, but the run completed step {last}"):
+        step(a, clock, 1, at=float(last))

@@ -110,6 +110,26 @@ def test_a_lost_group_resumes_after_t_fail_with_what_the_writers_committed_while
     assert run.status()["state"] == "finished"
 
 
+def test_a_group_grown_back_resumes_every_rank_at_the_same_step(store):
+    """Shrunk to one worker after a loss, then grown back to two by Ray Train, whose new rank 1 may
+    join before rank 0: both ranks get the new attempt's answer, at t_fail + 1."""
+    writers = Writers()
+    run, service = make(store, writers)
+    run.join(0, 2, "a0")
+    run.join(1, 2, "a1")
+    train(service, range(1, 5))
+    persist_all(run, store, 4)
+    shrunk = run.join(0, 1, "b0")
+    assert (shrunk.attempt, shrunk.start_step) == (2, 5)
+    for step in range(5, 9):  # one rank now
+        service.report(step=step, rank=0, lr=1e-3, abs_sums={n: 0.0 for n in LAYERS}, counts={n: 10 for n in LAYERS})
+    grown = run.join(1, 2, "c1")
+    assert (grown.attempt, grown.start_step) == (3, 9)
+    assert run.join(0, 2, "c0") == grown
+    recoveries = run.status()["account"]["recoveries"]
+    assert [(r["t_fail"], r["resumed_at"]) for r in recoveries] == [(4, 5), (8, 9)]
+
+
 def test_a_hung_writer_does_not_hang_recovery_and_its_versions_count_lost(store):
     writers = Writers(hung=("writer-0@node",))
     run, service = make(store, writers)

@@ -168,6 +168,38 @@ def test_a_second_loss_before_recovery_ends_overtakes_it():
     assert view.account.failures == 2 and len(view.account.recoveries) == 1
 
 
+def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):
+    """Ray Train grew an elastic group (1 -> 2 workers): its rank 1 was no member of the old group,
+    yet it must not join the old attempt (it would be answered with that attempt's resume step while
+    rank 0 resumes at t_fail + 1, and the ranks would train different steps: the run stalled)."""
+    sup = Supervision(config=CONFIG)
+    sup.handle(joined(0, "a0", world_size=1))  # training alone (the other node lost)
+    caplog.set_level(logging.WARNING, logger="orchestrator.core.supervision")
+    actions = sup.handle(joined(1, "b1", world_size=2, last=12, now=5.0))
+    assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
+    assert isinstance(sup.state, Recovering) and (sup.state.world_size, sup.state.t_fail) == (2, 12)
+    assert "grew the group of attempt 1 (1 -> 2 workers) after step 12" in caplog.text
+    assert sup.handle(joined(0, "b0", world_size=2, last=12)) == []  # its group-mate waits for the recovery
+    assert sup.state.members == {0: "b0", 1: "b1"}
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
+    actions = sup.handle(NoComposite(attempt=plan.attempt, t_fail=12, reason="none", now=6.0))
+    assert of(RebasePolicy, actions).world_size == 2 and sup.state.world_size == 2
+    record = of(RecordRecovery, actions)  # a restart, not a failure
+    assert (record.world_size, record.grown_from, record.groups_lost) == (2, 1, 0)
+    view = RunView(run_id="r", layer_numel=NUMEL, account=RunAccount(started=0.0))
+    view.record_recovery(record)
+    assert view.account.failures == 0 and view.account.recoveries[0].grown_from == 1
+
+
+def test_a_resized_group_during_a_recovery_overtakes_it():
+    sup = Supervision(config=CONFIG)
+    sup.handle(joined(0, "a0", world_size=2))
+    sup.handle(joined(0, "b0", world_size=1, last=8))  # shrunk after a loss: recovering alone
+    actions = sup.handle(joined(1, "c1", world_size=2, last=8))  # grown back before that ended
+    assert actions == [DismissJoins(attempt=2, reason="attempt 3 replaced it"), DrainWriters(attempt=3, deadline_s=5.0)]
+    assert sup.state.world_size == 2 and sup.state.t_fail == 8 and sup.state.members == {1: "c1"}
+
+
 def test_a_resumed_run_starts_at_the_stores_newest_recoverable_step(store):
     commit_all(store, 5, base=True)
     write_layer(store, "embed", 9)

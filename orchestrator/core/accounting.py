@@ -38,6 +38,11 @@ class Recovery:
                 out["capture" if s["origin"] == "capture" else "stored"] += s["elements"]
         return out
 
+    world_size: int = 0
+    """The workers training resumed with (0: not known)."""
+    grown_from: int = 0
+    """Ray Train grew the elastic group from this many workers (a restart, not a failure); 0: not a grow."""
+
     @property
     def total_s(self) -> float:
         return self.detect_restart_s + self.plan_s + self.load_s

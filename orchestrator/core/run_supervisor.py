@@ -247,13 +247,14 @@ class RunSupervisor:
     def status(self, metrics_url: str | None = None) -> dict[str, Any]:
         """Everything the driver's progress line, the summary and the metrics show."""
         with self._lock:
+            state = self.supervision.state
             return self.view.status(
-                state=self.supervision.state.name,
+                state=state.name,
                 attempt=self.supervision.attempt,
                 commits=self.commits,
                 metrics_url=metrics_url,
                 now=self.clock(),
-            )
+            ) | {"world_size": getattr(state, "world_size", 0), "grown_from": getattr(state, "grown_from", 0)}
 
     # ---- carrying out actions -----------------------------------------------------------
     def _feed(self, event: Event) -> list[Any]:

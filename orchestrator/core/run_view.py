@@ -44,9 +44,14 @@ class RunView:
 
     def record_recovery(self, action: RecordRecovery) -> None:
         recovery = self.account.failed(
-            t_fail=action.t_fail, resumed_at=action.resumed_at, now=action.detected_at, lost_group=action.lost_group
+            t_fail=action.t_fail,
+            resumed_at=action.resumed_at,
+            now=action.detected_at,
+            lost_group=action.lost_group and action.groups_lost > 0,  # a grow restarts, it is no failure
         )
         self.account.failures += max(0, action.groups_lost - 1)  # groups lost again during the recovery
+        recovery.world_size = action.world_size
+        recovery.grown_from = action.grown_from
         recovery.plan_s = action.plan_s
         recovery.max_staleness = action.max_staleness
         recovery.weighted_staleness = action.weighted_staleness

@@ -26,8 +26,9 @@ DismissJoins          fails the joins still waiting on an attempt a newer group 
 
 The machine: the first join starts attempt 1, fresh (``Running`` at step 1) or, resuming a
 stopped run, through ``Recovering``. A join whose rank is already a member under another worker
-id is the first of a new group: the old one was lost after ``t_fail`` (the policy's last complete
-step, carried by the join), and recovery drains the writers, plans the composite at ``t_fail`` and
+id, or whose group has another size (an elastic group Ray Train shrank or grew: its first join may
+be any rank), is the first of a new group: the old one was lost after ``t_fail`` (the policy's last
+complete step, carried by the join), and recovery drains the writers, plans the composite at ``t_fail`` and
 rebases the policy before the ranks are answered with ``t_fail + 1`` — or step 1 from the initial
 weights when no composite exists (a failure in warm-up). A new group during a recovery overtakes
 it: the recovery restarts under the new attempt and the stale results of the old one are dropped.
@@ -91,6 +92,8 @@ class Recovering:
     """``draining`` the writers, then ``planning`` the composite."""
     groups_lost: int = 1
     """Groups lost since training last ran: more than 1 when a group was lost during recovery."""
+    grown_from: int = 0
+    """Ray Train grew the elastic group (room came back): the old group's size; 0: not a grow."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -190,7 +193,9 @@ class Supervision:
         if known == event.worker_id:
             logger.info("rank %d (%s) joined again: a retried call, same answer", event.rank, event.worker_id)
             return []
-        if known is not None:
+        if known is not None or event.world_size != state.world_size:
+            # a group of another size is new whichever rank joins first (Ray Train resized it): a
+            # rank the old group never had would otherwise join the old attempt and get its answer
             return self._group_lost(state, event)
         self.state = replace(state, members={**state.members, event.rank: event.worker_id})
         logger.info("rank %d of %d joined attempt %d", event.rank, state.world_size, state.attempt)
@@ -225,12 +230,20 @@ class Supervision:
     def _group_lost(self, state: Running | Recovering, event: RankJoined) -> list[Action]:
         attempt = state.attempt + 1
         actions: list[Action] = []
+        grown_from = state.world_size if event.world_size > state.world_size else 0
         if isinstance(state, Running):
             t_fail, lost_group, groups = event.last_complete_step, True, 1
             why = (
                 f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
                 f"{state.attempt} was lost after step {t_fail}; recovering with {event.world_size} workers"
             )
+            if grown_from:
+                groups = 0  # a planned restart (Ray Train's elastic policy found room), not a failure
+                why = (
+                    f"rank {event.rank} joined a group of {event.world_size} workers ({event.worker_id}): "
+                    f"Ray Train grew the group of attempt {state.attempt} ({state.world_size} -> "
+                    f"{event.world_size} workers) after step {t_fail}; resuming it like a recovery"
+                )
         else:  # lost again before recovery ended: nothing trained since, so the same t_fail
             t_fail, lost_group, groups = state.t_fail, state.lost_group, state.groups_lost + 1
             actions.append(DismissJoins(attempt=state.attempt, reason=f"attempt {attempt} replaced it"))
@@ -250,6 +263,7 @@ class Supervision:
                 detected_at=event.now,
                 phase=phase,
                 groups_lost=groups,
+                grown_from=grown_from,
             ),
             why,
         )
@@ -324,6 +338,8 @@ class Supervision:
             detected_at=state.detected_at,
             plan_s=max(0.0, event.now - state.detected_at),
             groups_lost=state.groups_lost if state.lost_group else 0,
+            world_size=state.world_size,
+            grown_from=state.grown_from,
             max_staleness=getattr(event, "max_staleness", 0),
             weighted_staleness=getattr(event, "weighted_staleness", 0.0),
             sources=dict(getattr(event, "sources", {})),

@@ -179,11 +179,16 @@ class RecordRecovery:
     detected_at: float
     plan_s: float
     groups_lost: int = 1
-    """Worker groups lost since training last ran (0 when a stopped run resumes)."""
+    """Worker groups lost since training last ran (0 when a stopped run resumes, or when Ray Train
+    grew the group and none was lost meanwhile)."""
     max_staleness: int = 0
     weighted_staleness: float = 0.0
     sources: Mapping[str, tuple[LayerSource, ...]] = field(default_factory=dict)
     """Per layer, where the composite's elements came from (empty without a composite)."""
+    world_size: int = 0
+    """The workers training resumes with."""
+    grown_from: int = 0
+    """Ray Train grew the elastic group from this many workers (0: not a grow)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -445,7 +445,14 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
     lines = []
     note = f" ({fault_note})" if fault_note else ""
     state = status.get("state", "")
-    if state == "recovering" and seen["state"] != "recovering":
+    if state == "recovering" and seen["state"] != "recovering" and status.get("grown_from"):
+        lines.append(
+            f"LAYERCHECK: Ray Train grows the worker group from {status['grown_from']} to "
+            f"{status.get('world_size')} workers after step {status.get('step')} (room came back): it "
+            "restarts the workers, and LayerCheck resumes them like a recovery, after the last complete step"
+        )
+        seen["announced"] = True
+    elif state == "recovering" and seen["state"] != "recovering":
         lines.append(
             f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
             "workers, LayerCheck loads each layer's newest committed version and training resumes after "
@@ -454,9 +461,18 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
         seen["announced"] = True
     recoveries = status.get("account", {}).get("recoveries", [])
     for r in recoveries[seen["recoveries"] :]:
-        lost = "" if seen.pop("announced", False) else f"worker group lost after step {r['t_fail']}{note}; "
+        announced = seen.pop("announced", False)
+        if r.get("grown_from"):
+            grown = "" if announced else f"Ray Train grew the worker group after step {r['t_fail']}; "
+            lines.append(
+                f"LAYERCHECK: {grown}resumed with {r['world_size']} workers (was {r['grown_from']}): "
+                f"training resumes at step {r['resumed_at']}; composite staleness max {r['max_staleness']}"
+            )
+            continue
+        lost = "" if announced else f"worker group lost after step {r['t_fail']}{note}; "
+        size = f" with {r['world_size']} worker{'s' if r['world_size'] > 1 else ''}" if r.get("world_size") else ""
         lines.append(
-            f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']} (lost after step "
+            f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']}{size} (lost after step "
             f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
             + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
         )

@@ -65,6 +65,14 @@ class PolicyActor:
         """This rank's drift for ``step``; returns the step's decision (as JSON) once all ranks
         are in, or ``None`` if the worker group was restarted before they were."""
         completed = step > self.service.last_complete_step
+        if not completed and self.service.decision(step) is None:
+            # no rank will ever complete this step again, so waiting would hang this rank for good
+            # (and its group-mates at the next collective): fail the group loudly instead
+            raise RuntimeError(
+                f"rank {rank} reported step {step}, but the run completed step "
+                f"{self.service.last_complete_step} already and step {step}'s decision is gone: this rank "
+                "is not on the run's steps (its group's ranks resumed at different steps?)"
+            )
         decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts)
         event = self._ready.setdefault(step, asyncio.Event())
         if decision is not None:

@@ -139,7 +139,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for r in summary["recoveries"]:
         rows.append(
             [
-                f"  recovery after step {r['t_fail']}",
+                f"  {_recovery_kind(r)} after step {r['t_fail']}",
                 f"resumed at {r['resumed_at']}; detect+restart {r['detect_restart_s']:.1f}s, plan "
                 f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
                 f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
@@ -232,6 +232,13 @@ def _state(summary: dict[str, Any]) -> str:
     if summary.get("stop_reason"):
         return f"stopped after step {summary['steps']} ({summary['stop_reason']})"
     return summary["state"] + (f" ({summary['error']})" if summary["error"] else "")
+
+
+def _recovery_kind(recovery: dict[str, Any]) -> str:
+    """A grown elastic group is a restart LayerCheck resumes like a recovery, not a failure."""
+    if recovery.get("grown_from"):
+        return f"group grown {recovery['grown_from']} -> {recovery['world_size']} workers"
+    return "recovery"
 
 
 def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
