@@ -124,7 +124,9 @@ def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]
     try:
         import pyarrow.fs as pafs
 
-        pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http").create_dir(BUCKET)
+        pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True).create_dir(
+            BUCKET
+        )
         uri = f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": S3_ENV}, log_to_driver=False)
         sink = _Receipts.remote()
@@ -140,7 +142,9 @@ def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]
         storage_s, memory_s, sources = [], [], None
         for _ in range(repeats):
             storage_s.append(_load_all(LayerStore.open(uri, fsync=False), records, params))
-            opener = MemoryFirstOpener(candidates=WriterCopies(index), open_storage=store.fs.open_input)
+            paths = [e.path for record in records.values() for e in record.shards]
+            copies = WriterCopies(index, prefetch=paths)
+            opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input)
             memory_s.append(_load_all(LayerStore(store.fs, opener=opener), records, params))
             sources = opener.sources
         nbytes = sum(r.nbytes for r in receipts)

@@ -295,7 +295,8 @@ def recover(target: Any, storage_uri: str, fsync: bool, records: Any, supervisor
     reported to the supervisor, which skips it at the next attempt. Shard files come from the
     writers' memory where one holds them (its own node's first), else from storage."""
     node_id = ray.get_runtime_context().get_node_id()
-    store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id)
+    paths = [entry.path for record in records.values() for entry in record.shards]
+    store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id, prefetch=paths)
     try:
         load_s = load_composite(target, store, records)
     except CorruptShardError as error:
