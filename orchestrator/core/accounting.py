@@ -4,6 +4,7 @@ and recovery broken out. Pure bookkeeping over timestamps the supervisor is give
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,10 +43,39 @@ class Recovery:
     """The workers training resumed with (0: not known)."""
     grown_from: int = 0
     """Ray Train grew the elastic group from this many workers (a restart, not a failure); 0: not a grow."""
+    memory_local_bytes: int = 0
+    """Shard-file bytes the ranks loaded from a writer's memory on their own node (all ranks)."""
+    memory_local_shards: int = 0
+    memory_remote_bytes: int = 0
+    """… from a writer's memory on another node (a mirror copy, or a rank that moved)."""
+    memory_remote_shards: int = 0
+    storage_bytes: int = 0
+    """… from storage: files no writer held (bytes of the files opened; a re-slicing rank reads
+    only the ranges it needs of them)."""
+    storage_shards: int = 0
+    memory_rejected: int = 0
+    """Copies in memory that failed their checksum (read from the next copy or storage instead)."""
 
     @property
     def total_s(self) -> float:
         return self.detect_restart_s + self.plan_s + self.load_s
+
+    def add_sources(self, sources: Mapping[str, float]) -> None:
+        """Add one rank's ``LoadSources`` (``orchestrator/core/memory_reads.py``) to the totals."""
+        for name in LOAD_SOURCE_FIELDS:
+            setattr(self, name, getattr(self, name) + int(sources.get(name, 0)))
+
+
+#: The per-source counts a rank's load reports (see ``Recovery.add_sources``).
+LOAD_SOURCE_FIELDS = (
+    "memory_local_bytes",
+    "memory_local_shards",
+    "memory_remote_bytes",
+    "memory_remote_shards",
+    "storage_bytes",
+    "storage_shards",
+    "memory_rejected",
+)
 
 
 @dataclass

@@ -118,6 +118,15 @@ class PersistenceConfig:
     collective never does: its slices come from stored versions)."""
     capture_timeout_s: float = 30.0
     """The longest the teardown of a broken group is held for the survivors' captures."""
+    memory_bytes: int = 2 * 2**30
+    """Per writer: bytes of shard files kept in host memory after they are written (the newest
+    version of each layer's shards; past the budget the oldest steps go first), so a recovery loads
+    them from memory and reads storage only for what no writer holds. 0: off (recovery reads
+    storage). Storage stays the source of truth: what is evicted is still recoverable from it."""
+    memory_mirror: bool = True
+    """Where the cluster has more than one node, each writer also sends its shard files to a writer
+    on another node, which keeps them within its own ``memory_bytes``: a lost node's shards still
+    load from memory. Costs one network copy of every byte written."""
     write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
     """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
     measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
@@ -136,6 +145,7 @@ class PersistenceConfig:
         require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
         require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
+        require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -205,9 +205,9 @@ class RunSupervisor:
     def version_unusable(self, version_id: str, reason: str) -> None:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
 
-    def loaded(self, load_s: float) -> None:
+    def loaded(self, load_s: float, sources: Mapping[str, float] | None = None) -> None:
         with self._lock:
-            self.view.loaded(load_s)
+            self.view.loaded(load_s, sources)
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float = 0.0

@@ -57,11 +57,13 @@ class RunView:
         recovery.weighted_staleness = action.weighted_staleness
         recovery.sources = {layer: [s.to_json() for s in sources] for layer, sources in action.sources.items()}
 
-    def loaded(self, load_s: float) -> None:
-        """A rank loaded the composite; recovery load time is the slowest rank's."""
+    def loaded(self, load_s: float, sources: Mapping[str, float] | None = None) -> None:
+        """A rank loaded the composite; recovery load time is the slowest rank's, and where its
+        shard files came from (memory on its node, on another node, storage) adds up over ranks."""
         if self.account.recoveries:
             last = self.account.recoveries[-1]
             last.load_s = max(last.load_s, load_s)
+            last.add_sources(sources or {})
 
     def storage_failures(self, commits: CommitPath) -> int:
         """Failed writes, failed commits and dead writers so far (lost worker groups are not storage's)."""

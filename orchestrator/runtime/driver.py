@@ -198,6 +198,8 @@ def start_run(
         capture_grace_s=persistence.capture_grace_s,
         capture_timeout_s=persistence.capture_timeout_s,
         fault=fault,
+        memory_bytes=persistence.memory_bytes,
+        memory_mirror=persistence.memory_mirror,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
@@ -339,6 +341,13 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         lambda: ray.get(supervisor.status.remote(), timeout=60),
         default=status,
     )
+    memory = _at_end(
+        "reading what the writers hold in memory",
+        end_errors,
+        lambda: ray.get(supervisor.memory_view.remote(), timeout=60),
+        default={},
+    )
+    status = {**status, "memory": memory} if memory else status
     train_reports = _at_end(
         "reading the Ray Train reports",
         end_errors,

@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 from orchestrator.core.capture_window import capture_figures
+from orchestrator.core.memory_reads import SOURCES
 from orchestrator.core.supervision import STATE_NAMES
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,18 @@ SPECS: tuple[Spec, ...] = (
         "1 once storage failures let a layer's staleness pass Smax plus the pipeline lag (the run's bound is "
         "broken; persistence.on_staleness_breach says whether it stops), else 0.",
     ),
+    Spec(
+        Gauge,
+        "layercheck_writer_memory_bytes",
+        "Shard-file bytes a persistence writer holds in host memory for recovery, within persistence.memory_bytes "
+        "(copy: own, the files it wrote; mirror, another node's writer's).",
+        ("writer", "copy"),
+    ),
+    Spec(
+        Counter,
+        "layercheck_memory_evicted_shards_total",
+        "Shard files the writers let go of to stay within persistence.memory_bytes (still recoverable from storage).",
+    ),
     Spec(Counter, "layercheck_stalls_total", "Steps in which the training loop waited to hand snapshots over."),
     Spec(Counter, "layercheck_stall_seconds_total", "Seconds the training loop waited to hand snapshots over."),
     # ---- failures and recovery ---------------------------------------------------------
@@ -223,6 +236,13 @@ SPECS: tuple[Spec, ...] = (
         Counter,
         "layercheck_lost_compute_seconds_total",
         "Compute of steps a lost worker group finished that did not count (after t_fail).",
+    ),
+    Spec(
+        Counter,
+        "layercheck_recovery_loaded_bytes_total",
+        "Shard-file bytes recovering ranks loaded, by source: memory_local (a writer on the rank's node), "
+        "memory_remote (a writer on another node), storage.",
+        ("source",),
     ),
     Spec(
         Gauge,
@@ -308,6 +328,8 @@ class RunMetrics:
         self._seen: dict[tuple[str, ...], float] = {}  # per counter series: the total already counted
         self._latencies_seen = 0
         self._recoveries_seen = 0
+        self._loaded = dict.fromkeys(SOURCES, 0)  # bytes, recoveries seen
+        self._memory_writers: set[str] = set()  # writers whose memory gauges are exported
         self._weighted: dict[int, float] = {}  # per step since the base: weighted staleness
         self._weighted_sum = 0.0
         self._samples: deque[tuple[float, float, float]] = deque()  # (now, productive_s, written bytes)
@@ -451,6 +473,7 @@ class RunMetrics:
         self._advance("layercheck_lost_versions_total", status["lost_versions"])
         self._advance("layercheck_writers_replaced_total", status.get("writers_replaced", 0))
         self._set("layercheck_staleness_breach", 1.0 if status.get("staleness_breach") else 0.0)
+        self._refresh_memory(writers)
         latencies = status["write_latencies"]
         for seconds in latencies[self._latencies_seen :]:
             self._child("layercheck_write_latency_seconds").observe(seconds)
@@ -470,6 +493,21 @@ class RunMetrics:
             self._set("layercheck_recovery_capture_hold_seconds", last["hold_s"])
             self._set("layercheck_recovery_capture_seconds", last["capture_s"])
 
+    def _refresh_memory(self, writers: Sequence[Any]) -> None:
+        """The in-memory tier: what each live writer holds (a replaced writer's series go)."""
+        held = set()
+        for w in writers:
+            name = getattr(w, "name", "")
+            memory, mirror = getattr(w, "memory_bytes", 0), getattr(w, "mirror_bytes", 0)
+            self._set("layercheck_writer_memory_bytes", memory - mirror, name, "own")
+            self._set("layercheck_writer_memory_bytes", mirror, name, "mirror")
+            held.add(name)
+        for name in self._memory_writers - held:
+            for copy in ("own", "mirror"):
+                self.m["layercheck_writer_memory_bytes"].remove(self.run_id, name, copy)
+        self._memory_writers = held
+        self._advance("layercheck_memory_evicted_shards_total", sum(getattr(w, "memory_evicted", 0) for w in writers))
+
     def _refresh_recovery(self, status: Mapping[str, Any]) -> None:
         self._refresh_capture(status)
         account = status["account"]
@@ -486,6 +524,9 @@ class RunMetrics:
                 break
             for phase, key in zip(RECOVERY_PHASES, ("detect_restart_s", "plan_s", "load_s", "total_s")):
                 self._child("layercheck_recovery_seconds", phase).observe(recovery[key])
+            for source in SOURCES:
+                self._loaded[source] += recovery.get(f"{source}_bytes", 0)
+                self._advance("layercheck_recovery_loaded_bytes_total", self._loaded[source], source)
             self._set("layercheck_recovery_composite_staleness_steps", recovery["max_staleness"], "max")
             self._set("layercheck_recovery_composite_staleness_steps", recovery["weighted_staleness"], "weighted")
             self._recoveries_seen += 1

@@ -11,6 +11,11 @@ Writers are pinned to nodes (the supervisor starts them on demand, ``writers_per
 node), so a snapshot crosses the node's shared-memory object store, not the network. After each
 write a writer tells the policy actor its running totals (bytes, seconds spent writing), without
 waiting: the drain bandwidth behind the schedule's write budget.
+
+Each writer also keeps the newest shard files it wrote in memory, within
+``persistence.memory_bytes`` (:mod:`orchestrator.core.memory_tier`), and sends a copy to a peer
+writer on another node where the cluster has one: a recovering rank opens its shards from there
+(:mod:`orchestrator.runtime.memory_fetch`) and reads storage only for what no memory holds.
 """
 
 from __future__ import annotations
@@ -19,22 +24,27 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import ray
 
+from orchestrator.core.memory_tier import HeldShard, ShardCache
 from orchestrator.core.run_config import FaultConfig
 from orchestrator.core.write_queue import SupersedingQueue
 from orchestrator.logs import configure_process_logging
 from orchestrator.runtime.wire import WireShard, from_wire
 from orchestrator.store.layer_store import LayerStore
+from orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 
 WRITTEN = "written"
 SUPERSEDED = "superseded"
+#: Mirror copies a writer may have on their way to its peer before it waits for the oldest.
+MIRRORS_IN_FLIGHT = 4
 
 
 @dataclass
@@ -51,6 +61,16 @@ class WriterStats:
     """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
     stalled: int = 0
     """Writes stalled by fault injection (``fault.stall_writes_s``)."""
+    name: str = ""
+    memory_bytes: int = 0
+    """Shard bytes held in memory for recovery (own and mirror copies; see ``core/memory_tier``)."""
+    memory_shards: int = 0
+    mirror_bytes: int = 0
+    """Of ``memory_bytes``: copies of files another node's writer wrote."""
+    memory_evicted: int = 0
+    """Shards let go to stay within ``persistence.memory_bytes``."""
+    mirrors_sent: int = 0
+    mirror_failures: int = 0
 
 
 @ray.remote(num_cpus=0)
@@ -63,6 +83,7 @@ class PersistenceWriter:
         name: str = "",
         policy: Any = None,
         fault: FaultConfig | None = None,
+        memory_bytes: int = 0,
     ) -> None:
         configure_process_logging()  # the actor process has no main of ours
         self.fault = fault if fault is not None and fault.stall_writes_s > 0 else None
@@ -75,7 +96,12 @@ class PersistenceWriter:
         self.name = name
         self.policy = policy
         """The policy actor, told this writer's totals after each write (``None``: nobody)."""
-        self.stats = WriterStats()
+        self.stats = WriterStats(name=name)
+        self.memory = ShardCache(memory_bytes)
+        """The newest shard files this writer wrote (and mirror copies), for recovery from memory."""
+        self._peer: Any = None
+        """A writer on another node that keeps mirror copies of what this one writes (``None``: none)."""
+        self._mirrors: deque[Any] = deque()  # mirror calls in flight, oldest first
         self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -153,10 +179,17 @@ class PersistenceWriter:
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()
         self._stall_s = self._stall_for(wire)
+        prepared = None
         try:
-            receipt = await loop.run_in_executor(
-                None, lambda: self.store.write_shard(from_wire(wire), base=wire.base, origin=wire.origin)
-            )
+            if self.memory.enabled:  # serialised once: the same bytes go to storage and stay in memory
+                prepared = await loop.run_in_executor(
+                    None, lambda: self.store.prepare_shard(from_wire(wire), base=wire.base, origin=wire.origin)
+                )
+                receipt = await loop.run_in_executor(None, self.store.write_prepared, prepared)
+            else:
+                receipt = await loop.run_in_executor(
+                    None, lambda: self.store.write_shard(from_wire(wire), base=wire.base, origin=wire.origin)
+                )
         except Exception as error:  # a full or read-only store must not kill the writer
             self.stats.failures += 1
             logger.error("writing %s step %d rank %d failed: %s", wire.layer, wire.step, wire.rank, error)
@@ -168,8 +201,56 @@ class PersistenceWriter:
         self.stats.write_s += elapsed
         if self.policy is not None:  # fire-and-forget: the budget is a hint, never worth a wait
             self.policy.writer_totals.remote(self.name, self.stats.written_bytes, self.stats.write_s)
+        if prepared is not None:  # written: only now may recovery take it from memory
+            await self._keep(receipt, prepared.encoded.data)
         await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
         return WRITTEN
+
+    # ---- the in-memory tier ----------------------------------------------------------------
+    async def _keep(self, receipt: ShardReceipt, data: Any) -> None:
+        held = HeldShard(
+            path=receipt.path,
+            layer=receipt.layer,
+            rank=receipt.rank,
+            step=receipt.step,
+            origin=receipt.origin,
+            checksum=receipt.checksum,
+            data=memoryview(data),
+        )
+        self.memory.put(held)
+        if self._peer is not None:
+            await self._send_mirror(held)
+
+    async def _send_mirror(self, held: HeldShard) -> None:
+        """Hand a copy to the peer without waiting for it, but with at most
+        :data:`MIRRORS_IN_FLIGHT` copies on their way (a slow network must not pile them up)."""
+        while len(self._mirrors) >= MIRRORS_IN_FLIGHT:
+            try:
+                await self._mirrors.popleft()
+            except Exception as error:  # the peer died: its node's writers are replaced, peers reassigned
+                self.stats.mirror_failures += 1
+                logger.warning("writer %s: a mirror copy was lost (%s)", self.name, str(error).splitlines()[0][:200])
+        meta = {f: getattr(held, f) for f in ("path", "layer", "rank", "step", "origin", "checksum")}
+        self._mirrors.append(self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)))
+        self.stats.mirrors_sent += 1
+
+    def set_peer(self, peer: Any) -> None:
+        """The writer (on another node) that keeps mirror copies of this one's shards; ``None``: none."""
+        self._peer = peer
+
+    def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:
+        """Keep a copy of a shard file another node's writer wrote; True if it is held."""
+        owned = memoryview(np.array(data, dtype=np.uint8, copy=True))  # not a view into the object store
+        return self.memory.put(HeldShard(**meta, data=owned, mirror=True))
+
+    def held(self) -> list[tuple[str, bool]]:
+        """``(path, mirror)`` of every shard file held in memory."""
+        return list(self.memory.paths())
+
+    def fetch(self, path: str) -> np.ndarray | None:
+        """The bytes of shard file ``path`` if held in memory, else ``None``."""
+        held = self.memory.get(path)
+        return None if held is None else np.frombuffer(held.data, dtype=np.uint8)
 
     async def drain(self) -> None:
         """Returns once everything queued so far is written and handed to the supervisor."""
@@ -177,4 +258,11 @@ class PersistenceWriter:
             await self._idle.wait()
 
     def get_stats(self) -> WriterStats:
-        return dataclasses.replace(self.stats)
+        memory = self.memory.stats()
+        return dataclasses.replace(
+            self.stats,
+            memory_bytes=memory.held_bytes,
+            memory_shards=memory.held_shards,
+            mirror_bytes=memory.mirror_bytes,
+            memory_evicted=memory.evicted,
+        )

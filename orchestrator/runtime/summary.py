@@ -56,6 +56,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "lost_versions": status.get("lost_versions", 0),
         "lost": list(status.get("lost", [])),
         "writers_replaced": status.get("writers_replaced", 0),
+        "memory": status.get("memory") or {},
         "staleness_breach": status.get("staleness_breach"),
         "stop_reason": status.get("stop_reason"),
         "interrupted": result.interrupted,
@@ -153,6 +154,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(
             ["recovered elements", f"{elements['capture']:,} from survivors' captures, {elements['stored']:,} stored"]
         )
+        if "storage_shards" in r:
+            rows.append(["    composite loaded from", _load_sources(r)])
     rows += [
         [
             "bytes written",
@@ -161,6 +164,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ],
     ]
     rows += _schedule_rows(summary)
+    rows += _memory_rows(summary)
     rows += _matched_rows(summary)
     rows += [
         ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
@@ -202,6 +206,37 @@ def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
             ]
         )
     return rows
+
+
+def _load_sources(recovery: dict[str, Any]) -> str:
+    """Where a recovery's shard files came from (all ranks together)."""
+    parts = [
+        f"{what} {recovery[f'{key}_shards']} files / {human_bytes(recovery[f'{key}_bytes'])}"
+        for key, what in (
+            ("memory_local", "memory on the rank's node"),
+            ("memory_remote", "memory on another node"),
+            ("storage", "storage"),
+        )
+    ]
+    rejected = recovery.get("memory_rejected", 0)
+    return "; ".join(parts) + (f" ({rejected} copies in memory failed their checksum)" if rejected else "")
+
+
+def _memory_rows(summary: dict[str, Any]) -> list[list[object]]:
+    memory = summary.get("memory") or {}
+    if not memory:
+        return []
+    if not memory.get("budget_bytes_per_writer"):
+        return [["recovery memory", "off (persistence.memory_bytes = 0): recovery reads storage"]]
+    return [
+        [
+            "recovery memory (writers)",
+            f"{human_bytes(memory['held_bytes'])} in {memory['held_shards']} shard files over {memory['writers']} "
+            f"writer(s) (budget {human_bytes(memory['budget_bytes_per_writer'])} each; "
+            f"{human_bytes(memory['mirror_bytes'])} mirror copies"
+            f"{'' if memory.get('mirror') else ', mirroring off'}); {memory['evicted_shards']} evicted",
+        ]
+    ]
 
 
 def _schedule_rows(summary: dict[str, Any]) -> list[list[object]]:

@@ -20,11 +20,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from orchestrator.core.composite import load_composite
 from orchestrator.core.run_config import FaultConfig, parse_run_config
 from orchestrator.logs import configure_process_logging
+from orchestrator.runtime.memory_fetch import memory_first_store
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.runtime.train_report import TrainReporter
 from orchestrator.runtime.wire import to_wire
 from orchestrator.store.errors import CorruptShardError
-from orchestrator.store.layer_store import LayerStore
 from policies.decision import PersistDecision
 from workers.data import load_dataset
 from workers.drift import LayerDrift
@@ -303,14 +303,28 @@ def recover(
     """Load the composite ``records`` names, with the partial ``overlays`` (survivors' captures)
     over it, into ``target`` (a built-in ``TrainEngine`` or an attached user engine: anything with
     ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
-    reported to the supervisor, which skips it at the next attempt."""
-    store = LayerStore.open(storage_uri, fsync=fsync)
+    reported to the supervisor, which skips it at the next attempt. Shard files come from the
+    writers' memory where one holds them (its own node's first), else from storage."""
+    node_id = ray.get_runtime_context().get_node_id()
+    versions = [*records.values(), *(v for layer in (overlays or {}).values() for v in layer)]
+    paths = [entry.path for record in versions for entry in record.shards]
+    store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id, prefetch=paths)
     try:
         load_s = load_composite(target, store, records, overlays=overlays)
     except CorruptShardError as error:
         ray.get(supervisor.version_unusable.remote(error.version_id, str(error)))
         raise
-    supervisor.loaded.remote(rank, load_s)
+    sources = opener.sources
+    logger.warning(
+        "rank %d loaded the composite in %.2fs: %d shard file(s) from memory on its node, %d from another "
+        "node's, %d from storage",
+        rank,
+        load_s,
+        sources.memory_local_shards,
+        sources.memory_remote_shards,
+        sources.storage_shards,
+    )
+    supervisor.loaded.remote(rank, load_s, sources.to_json())
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:

@@ -18,7 +18,16 @@ logger = logging.getLogger(__name__)
 
 class WriterPool:
     def __init__(
-        self, *, store_uri: str, fsync: bool, per_node: int, supervisor: Any, policy: Any = None, fault: Any = None
+        self,
+        *,
+        store_uri: str,
+        fsync: bool,
+        per_node: int,
+        supervisor: Any,
+        policy: Any = None,
+        fault: Any = None,
+        memory_bytes: int = 0,
+        memory_mirror: bool = False,
     ) -> None:
         self.store_uri = store_uri
         self.fsync = fsync
@@ -28,6 +37,10 @@ class WriterPool:
         """The policy actor: writers report their totals to it (the write budget), and hears of replacements."""
         self.fault = fault
         """The run's ``FaultConfig`` (injected write stalls), handed to every writer; ``None``: none."""
+        self.memory_bytes = memory_bytes
+        """Each writer's budget for shard files kept in memory (``persistence.memory_bytes``)."""
+        self.memory_mirror = memory_mirror and memory_bytes > 0
+        """Each writer sends its shards to a writer on another node (``persistence.memory_mirror``)."""
         self._lock = threading.Lock()  # the dicts below; never held across a Ray call that waits
         self._by_node: dict[str, list[str]] = {}
         self._handles: dict[str, Any] = {}
@@ -46,11 +59,59 @@ class WriterPool:
                     # rank is), and a writer off it would cross the network and die with another node
                     self._handles[name] = PersistenceWriter.options(
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                    ).remote(self.store_uri, self.fsync, self.supervisor, name, self.policy, self.fault)
+                    ).remote(
+                        self.store_uri, self.fsync, self.supervisor, name, self.policy, self.fault, self.memory_bytes
+                    )
                     names.append(name)
                 self._by_node[node_id] = names
                 logger.info("started %d writer(s) on node %s", self.per_node, node_id[:12])
-            return [self._handles[n] for n in names]
+                started = True
+            else:
+                started = False
+            handles = [self._handles[n] for n in names]
+        if started:
+            self._assign_peers()
+        return handles
+
+    def _assign_peers(self) -> None:
+        """Give each writer a peer on the next node (in node-id order) for its mirror copies; with one
+        node, none. Called whenever the writers change, so a replaced peer is replaced here too."""
+        if not self.memory_mirror:
+            return
+        with self._lock:
+            nodes = sorted(n for n, names in self._by_node.items() if names)
+            plan = {}
+            for i, node in enumerate(nodes):
+                peers = self._by_node[nodes[(i + 1) % len(nodes)]] if len(nodes) > 1 else []
+                for j, name in enumerate(self._by_node[node]):
+                    plan[name] = self._handles[peers[j % len(peers)]] if peers else None
+            handles = {name: self._handles[name] for name in plan}
+        for name, peer in plan.items():
+            handles[name].set_peer.remote(peer)  # no wait: until it lands, a write is simply not mirrored
+
+    def memory_index(self, node_id: str, timeout_s: float = 10.0) -> dict[str, list[tuple[str, Any]]]:
+        """Which writers hold which shard files in memory, for a rank on ``node_id``: path →
+        ``[(source, writer)]``, the node's own writers first (``memory_local``), then the others
+        (``memory_remote``). A writer that does not answer within ``timeout_s`` is left out."""
+        with self._lock:
+            where = {name: node for node, names in self._by_node.items() for name in names}
+            handles = dict(self._handles)
+        refs = {handles[name].held.remote(): name for name in handles}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        index: dict[str, list[tuple[str, Any]]] = {}
+        for ref in ready:
+            name = refs[ref]
+            try:
+                held = ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - a dead writer holds nothing
+                logger.info("writer %s cannot say what it holds: %s", name, error)
+                continue
+            source = "memory_local" if where.get(name) == node_id else "memory_remote"
+            for path, _mirror in held:
+                index.setdefault(path, []).append((source, handles[name]))
+        for holders in index.values():
+            holders.sort(key=lambda h: h[0] != "memory_local")
+        return index
 
     def _all(self) -> dict[str, Any]:
         with self._lock:
@@ -84,6 +145,7 @@ class WriterPool:
                 ray.kill(handle)
             except Exception as error:  # already gone
                 logger.info("killing a replaced writer: %s", error)
+        self._assign_peers()  # writers that mirrored to a replaced one get a live peer
         if self.policy is not None:
             self.policy.forget_writers.remote(list(names))  # their rates no longer count in the budget
         logger.warning("replaced writer(s) %s", ", ".join(names))

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
 
@@ -58,11 +59,44 @@ def _version_id(layer: str, step: int, *, base: bool, partial: bool = False) -> 
     return f"{layer}@{step:010d}{'-base' if base else ''}{'-partial' if partial else ''}-{new_token()}"
 
 
+@dataclass(frozen=True, kw_only=True)
+class PreparedShard:
+    """A shard file serialised in memory and the receipt it will have once written."""
+
+    encoded: tensorfile.EncodedShard
+    receipt: ShardReceipt
+
+
+def _checked_path(shard: LayerShard, *, base: bool, origin: str) -> str:
+    check_layer_name(shard.layer)
+    if not 0 <= shard.rank < shard.world_size:
+        raise ValueError(f"shard rank {shard.rank} is outside world size {shard.world_size}")
+    if origin not in ORIGINS:
+        raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
+    return shard_path(shard, base=base, token=new_token(), origin=origin)
+
+
+def _receipt(shard: LayerShard, rel: str, digest: tensorfile.FileDigest, *, base: bool, origin: str) -> ShardReceipt:
+    return ShardReceipt(
+        layer=shard.layer,
+        step=shard.step,
+        rank=shard.rank,
+        world_size=shard.world_size,
+        base=base,
+        path=rel,
+        nbytes=digest.nbytes,
+        checksum=digest.checksum,
+        origin=origin,
+    )
+
+
 class LayerStore:
     """A run's layer versions in one directory of any pyarrow filesystem."""
 
-    def __init__(self, fs: StoreFS) -> None:
+    def __init__(self, fs: StoreFS, *, opener: Callable[[str], pa.NativeFile] | None = None) -> None:
         self.fs = fs
+        self.opener = opener
+        """Opens a shard file for reading (a recovery's memory-first opener); ``None``: storage."""
 
     @classmethod
     def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> LayerStore:
@@ -80,12 +114,7 @@ class LayerStore:
     def write_shard(self, shard: LayerShard, *, base: bool = False, origin: str = "policy") -> ShardReceipt:
         """Write one rank's shard of a version; visible to readers only after :meth:`commit`.
         ``origin="capture"``: a survivor's hand-over at a failure (see :data:`ORIGINS`)."""
-        check_layer_name(shard.layer)
-        if not 0 <= shard.rank < shard.world_size:
-            raise ValueError(f"shard rank {shard.rank} is outside world size {shard.world_size}")
-        if origin not in ORIGINS:
-            raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
-        rel = shard_path(shard, base=base, token=new_token(), origin=origin)
+        rel = _checked_path(shard, base=base, origin=origin)
         started = time.monotonic()
         digest = self.fs.write_atomic(
             rel,
@@ -94,17 +123,29 @@ class LayerStore:
             ),
         )
         logger.debug("wrote %s (%d bytes) in %.3fs", self.fs.uri(rel), digest.nbytes, time.monotonic() - started)
-        return ShardReceipt(
-            layer=shard.layer,
-            step=shard.step,
-            rank=shard.rank,
-            world_size=shard.world_size,
-            base=base,
-            path=rel,
-            nbytes=digest.nbytes,
-            checksum=digest.checksum,
-            origin=origin,
-        )
+        return _receipt(shard, rel, digest, base=base, origin=origin)
+
+    @staticmethod
+    def prepare_shard(shard: LayerShard, *, base: bool = False, origin: str = "policy") -> PreparedShard:
+        """``shard``'s file serialised in memory, with its receipt: :meth:`write_prepared` writes it,
+        and the writer keeps the bytes for recovery from memory."""
+        rel = _checked_path(shard, base=base, origin=origin)
+        encoded = tensorfile.encode_shard(shard, base=base)
+        return PreparedShard(encoded=encoded, receipt=_receipt(shard, rel, encoded.digest, base=base, origin=origin))
+
+    def write_prepared(self, prepared: PreparedShard) -> ShardReceipt:
+        """Write a prepared shard file, as :meth:`write_shard` would (atomic, fsynced, same hook points)."""
+        rel, data, split = prepared.receipt.path, prepared.encoded.data, prepared.encoded.header_nbytes
+        started = time.monotonic()
+
+        def write(stream: pa.NativeFile) -> None:
+            stream.write(data.slice(0, split))
+            self.fs.fire("partial", rel)
+            stream.write(data.slice(split))
+
+        self.fs.write_atomic(rel, write)
+        logger.debug("wrote %s (%d bytes) in %.3fs", self.fs.uri(rel), data.size, time.monotonic() - started)
+        return prepared.receipt
 
     def commit(
         self, receipts: Sequence[ShardReceipt], *, check_files: bool = True, partial: bool = False
@@ -173,7 +214,7 @@ class LayerStore:
         return self.manifest().records
 
     def open_file(self, rel: str) -> pa.NativeFile:
-        return self.fs.open_input(rel)
+        return self.opener(rel) if self.opener is not None else self.fs.open_input(rel)
 
     def check_version(self, record: VersionRecord, *, deep: bool = True) -> list[str]:
         """Problems that make ``record`` unusable (empty if none). Always: every file exists,

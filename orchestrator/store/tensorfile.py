@@ -152,6 +152,25 @@ def write_shard(
     return FileDigest(nbytes=nbytes, checksum=format_checksum(zlib.crc32(block)))
 
 
+@dataclass(frozen=True, kw_only=True)
+class EncodedShard:
+    """A shard file serialised in memory: written to storage as is, and kept by the in-memory
+    tier of recovery (``orchestrator/core/memory_tier.py``)."""
+
+    data: pa.Buffer
+    digest: FileDigest
+    header_nbytes: int
+    """Where the tensor data begins (a write's ``partial`` point)."""
+
+
+def encode_shard(shard: LayerShard, *, base: bool = False) -> EncodedShard:
+    """``shard`` as the bytes :func:`write_shard` would write (one copy of its state)."""
+    sink = pa.BufferOutputStream()
+    header: list[int] = []
+    digest = write_shard(sink, shard, base=base, after_header=lambda: header.append(sink.tell()))
+    return EncodedShard(data=sink.getvalue(), digest=digest, header_nbytes=header[0])
+
+
 def _meta_int(meta: Mapping[str, str], field: str, path: str) -> int:
     try:
         return int(meta[field])

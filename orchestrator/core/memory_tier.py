@@ -1,0 +1,151 @@
+"""The in-memory tier of recovery: a writer's bounded cache of the shard files it wrote.
+
+A writer keeps the exact bytes of each shard file it wrote (and, as a mirror, those a writer on
+another node wrote), keyed by the file's store-relative path — unique, it carries a random token —
+so a recovering rank can open a shard from memory and every reader, checksum check and
+corrupt-shard path of the store works on it unchanged. Storage stays the source of truth: the
+cache only ever holds copies of files written there, so evicting one never makes a layer
+unrecoverable, it only makes its load slower.
+
+What it holds, and why:
+
+* **the newest shard per (layer, rank, origin)**: a newer one supersedes it at once (recovery
+  loads a layer's newest committed version; an older one would only take budget). Captures
+  (``origin="capture"``) are kept apart from policy versions, since recovery overlays a capture
+  on the whole version below it and needs both;
+* **within a byte budget**: past it, the shard taken at the oldest step goes first (mirror copies
+  before own ones at equal steps). Under the staggered schedule the oldest layer is the next to be
+  persisted again, so its copy had the least time left to serve; a shard larger than the whole
+  budget is not held at all.
+
+Ray-free; the writer actor (``orchestrator/runtime/persistence_pool.py``) owns one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldShard:
+    """One shard file's bytes and what identifies the version it belongs to."""
+
+    path: str
+    """Store-relative path of the file (as in its receipt and the version record)."""
+    layer: str
+    rank: int
+    step: int
+    origin: str = "policy"
+    """``policy`` (a version the schedule chose, or the base) or ``capture`` (a survivor's hand-over)."""
+    checksum: str = ""
+    """The receipt's checksum of the file's header block."""
+    data: memoryview
+    """The file, byte for byte."""
+    mirror: bool = False
+    """A copy of a file another node's writer wrote (held here so a loss of that node still
+    recovers from memory)."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return (self.layer, self.rank, self.origin)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheStats:
+    """What a cache holds now, and what it has let go."""
+
+    budget_bytes: int
+    held_bytes: int
+    held_shards: int
+    mirror_bytes: int
+    mirror_shards: int
+    evicted: int
+    """Shards dropped to stay within the budget (or never taken: larger than the whole budget)."""
+    superseded: int
+    """Shards dropped because a newer one of the same (layer, rank, origin) arrived."""
+
+
+class ShardCache:
+    """A byte-bounded map path → :class:`HeldShard` holding the newest shard per
+    (layer, rank, origin). ``budget_bytes == 0`` turns it off (it holds nothing). Not thread-safe:
+    the writer actor calls it from its event loop only."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget_bytes = budget_bytes
+        self._by_path: dict[str, HeldShard] = {}
+        self._by_key: dict[tuple[str, int, str], str] = {}
+        self._held = 0
+        self._evicted = 0
+        self._superseded = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_bytes > 0
+
+    def put(self, shard: HeldShard) -> bool:
+        """Hold ``shard`` unless a newer one of its (layer, rank, origin) is held already; drops
+        the older one it supersedes, then the oldest shards until it fits. True if it is held."""
+        if not self.enabled:
+            return False
+        current = self._by_path.get(self._by_key.get(shard.key, ""))
+        if current is not None and current.step > shard.step:
+            self._superseded += 1  # an old version arriving late (a mirror overtaken by a write)
+            return False
+        if shard.nbytes > self.budget_bytes:
+            self._evicted += 1
+            logger.info(
+                "%s (%d bytes) is larger than the memory budget of %d bytes: not held",
+                shard.path,
+                shard.nbytes,
+                self.budget_bytes,
+            )
+            return False
+        if current is not None:
+            self._superseded += 1
+            self._drop(current.path)
+        self._drop(shard.path)  # the same file again (a retried mirror): replaced, not counted twice
+        while self._held + shard.nbytes > self.budget_bytes:
+            victim = min(self._by_path.values(), key=lambda s: (s.step, not s.mirror))
+            self._evicted += 1
+            self._drop(victim.path)
+            logger.debug("evicted %s (step %d) to hold %s", victim.path, victim.step, shard.path)
+        self._by_path[shard.path] = shard
+        self._by_key[shard.key] = shard.path
+        self._held += shard.nbytes
+        return True
+
+    def get(self, path: str) -> HeldShard | None:
+        return self._by_path.get(path)
+
+    def paths(self) -> Iterator[tuple[str, bool]]:
+        """``(path, mirror)`` of every shard held."""
+        return ((s.path, s.mirror) for s in self._by_path.values())
+
+    def _drop(self, path: str) -> None:
+        shard = self._by_path.pop(path, None)
+        if shard is not None:
+            self._held -= shard.nbytes
+            if self._by_key.get(shard.key) == path:
+                del self._by_key[shard.key]
+
+    def stats(self) -> CacheStats:
+        mirrors = [s for s in self._by_path.values() if s.mirror]
+        return CacheStats(
+            budget_bytes=self.budget_bytes,
+            held_bytes=self._held,
+            held_shards=len(self._by_path),
+            mirror_bytes=sum(s.nbytes for s in mirrors),
+            mirror_shards=len(mirrors),
+            evicted=self._evicted,
+            superseded=self._superseded,
+        )
