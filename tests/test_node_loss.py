@@ -194,6 +194,13 @@ def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_
     seen: dict = {}
     result = train(config, on_progress=_lose_a_node(head, second, config, seen), poll_s=0.2)
     _check_recovered_from_the_loss(result, config, seen, STEPS)
+    # recovery from memory: the survivor (rank 0, on the head) captured its slices at t_fail, and the
+    # lost node's shard files came from the copies its writer mirrored to the head's writer
+    account = result.status["account"]
+    lost = _since_the_loss(result.status, seen)[0]
+    assert lost["elements"]["capture"] > 0, lost["elements"]
+    assert [c["rank"] for c in account["capture"]["captures"] if c["held"]] == [0], account["capture"]
+    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] == 0, lost
 
 
 def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_on(cluster, tmp_path):
