@@ -148,14 +148,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
         if r.get("sources"):
             rows.append(["    elements from", format_sources(r["sources"])])
+        if "storage_shards" in r:
+            rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
     if summary["recoveries"] and summary.get("recovered_elements", {}).get("capture"):
         elements = summary["recovered_elements"]
         rows.append(
             ["recovered elements", f"{elements['capture']:,} from survivors' captures, {elements['stored']:,} stored"]
         )
-        if "storage_shards" in r:
-            rows.append(["    composite loaded from", _load_sources(r)])
     rows += [
         [
             "bytes written",
