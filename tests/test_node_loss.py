@@ -200,7 +200,8 @@ def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_
     lost = _since_the_loss(result.status, seen)[0]
     assert lost["elements"]["capture"] > 0, lost["elements"]
     assert [c["rank"] for c in account["capture"]["captures"] if c["held"]] == [0], account["capture"]
-    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] == 0, lost
+    # (a file the lost node wrote just before it vanished may not have reached its mirror yet)
+    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] < lost["memory_local_shards"], lost
 
 
 def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_on(cluster, tmp_path):
@@ -232,10 +233,12 @@ def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_o
     assert any(f"@{second.node_id[:8]}" in reason for reason in status["lost"]), (second.node_id, status["lost"])
     assert summarize(result)["lost_versions"] == status["lost_versions"]
     # no half-written version in the manifest: the stalled writer finished no version taken after
-    # STALL_AFTER_STEP in the two-node group, and every record is whole
+    # STALL_AFTER_STEP in the two-node group; what the surviving rank wrote of those versions (and
+    # its capture) is committed as partial versions of its own slices only, and every record is whole
     store = LayerStore.open(config.storage_uri)
     versions = store.versions()
-    assert not [v.version_id for v in versions if v.world_size == 2 and v.step > STALL_AFTER_STEP]
+    late = [v for v in versions if v.world_size == 2 and v.step > STALL_AFTER_STEP]
+    assert all(v.partial and [s.rank for s in v.shards] == [0] for v in late), [v.version_id for v in late]
     for version in versions:
         assert store.check_version(version, deep=True) == [], version.version_id
     # the lost writer's temporaries are still there (it died mid-write); recovery planned past them
