@@ -125,9 +125,10 @@ class Runner:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.dataset = SequenceDataset.from_config(DataConfig(seq_len=workload.seq_len, seed=0))
-        initial = snapshot_layers(
-            self.train_engine.layout, self.train_engine.layer_map.names, HostBufferPool(pin=False), step=0
-        )
+        layout, names = self.train_engine.layout, self.train_engine.layer_map.names
+        # every element this rank restores (ZeRO-0: whole parameters, more than it owns)
+        needed = {name: layout[name].needed for name in names}
+        initial = snapshot_layers(layout, names, HostBufferPool(pin=False), step=0, pieces=needed)
         self.initial = [_clone_shard(s) for s in initial]
 
     def batches(self, step: int) -> list[torch.Tensor]:
