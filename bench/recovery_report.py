@@ -30,6 +30,7 @@ def recovery_figures(raw: Mapping[str, Any]) -> dict[str, Any]:
     return {
         **out,
         "unsaved_at_recovery": _mean([u["mean_abs"] for u in measured]),
+        "unsaved_per_failure": [u["mean_abs"] for u in measured],
         "unsaved_survivors": _mean([u["survivors_mean_abs"] for u in measured]),
         "unsaved_lost_rank": _mean([u["lost_mean_abs"] for u in measured]),
         "unsaved_layers": {name: _mean([u["layers"][name]["mean_abs"] for u in measured]) for name in layers},
@@ -66,6 +67,7 @@ COLUMNS = [
     "bytes/LC",
     "unsaved@rec",
     "/LC",
+    "per failure",
     "survivors",
     "lost rank",
     "dev mean",
@@ -88,6 +90,7 @@ def recovery_table(report: Mapping[str, Any]) -> str:
                 _times(r.get("bytes_vs_layercheck")),
                 f"{r['unsaved_at_recovery']:.3e}",
                 _times(r.get("unsaved_at_recovery_vs_layercheck")),
+                ", ".join(f"{u:.2e}" for u in r.get("unsaved_per_failure", ())),
                 f"{r['unsaved_survivors']:.3e}",
                 f"{r['unsaved_lost_rank']:.3e}",
                 r["loss_dev_mean"],

@@ -318,7 +318,8 @@ def recovery_section(report: Mapping[str, Any]) -> list[str]:
         "slices of every layer at t_fail to their writers before the group restarts (the product's "
         "`StepProtocol.on_failure`; persisted as partial versions and overlaid on the composite at recovery). "
         "`unsaved@rec`: the unsaved drift at recovery measured on the state — per element, |recovered fp32 weight "
-        "− its true value at t_fail|, averaged over all parameters (then over the failures); `survivors` and "
+        "− its true value at t_fail|, averaged over all parameters (then over the failures; `per failure`: each "
+        "failure's, in order); `survivors` and "
         f"`lost rank`: the same over the elements the surviving ranks and rank {lost} own. A rollback re-runs the "
         "lost steps, so its figure is 0 at the price of the replay time. `capture`: the bytes the captures wrote "
         "(in `written` too). `/LC`: over `layercheck`'s (the same policy without capture).",
