@@ -38,6 +38,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layercheck-warmup", type=int, help="LayerCheck warm-up W (override)")
     p.add_argument("--delta-density", type=float, help="diff: fraction of elements sent per step (override)")
     p.add_argument("--world-size", type=int, help="ranks (override; GPU presets use one GPU per rank)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (override)")
     p.add_argument("--strategies", help="comma-separated subset (none is always run: it is the reference)")
     p.add_argument("--no-matched", action="store_true", help="skip the matched-freshness runs")
     p.add_argument("--repeats", type=int, default=1, help="run every strategy this many times (times: median)")
@@ -75,6 +76,7 @@ def workload_from_args(args: argparse.Namespace) -> Any:
         layercheck_warmup=args.layercheck_warmup,
         delta_density=args.delta_density,
         world_size=args.world_size,
+        zero_stage=getattr(args, "zero_stage", None),
     )
     return variant(base, getattr(args, "workload", "default"))
 

@@ -11,10 +11,13 @@ in-flight byte bound, rank 0's run supervisor with the Ray runtime's commit and 
 baselines run a ``never`` (or ``interval``) policy with their own checkpointing in the loop's
 ``after_step`` hook (:mod:`bench.baselines`).
 
-A failure after step F: the in-memory training state is wiped (every layer NaN, step 0; a
-layer a recovery misses shows up as a NaN loss) and the strategy recovers its way — LayerCheck's
-through the product's recovery (:func:`orchestrator.local.recovery.recover`), rollbacks by
-re-running the lost steps (timed) — and the loop continues at F + 1.
+A failure after step F is a fail-stop of the last rank: the survivors' step raises (with the
+``capture`` tier, they hand their slices of every layer to their writers first), then the whole
+group's in-memory training state is wiped (every layer NaN, step 0; a layer a recovery misses
+shows up as a NaN loss) and the strategy recovers its way — LayerCheck's through the product's
+recovery (:func:`orchestrator.local.recovery.recover`), rollbacks by re-running the lost steps
+(timed) — and the loop continues at F + 1. Around it, every rank's owned fp32 weights at F are
+compared with what the recovery loaded (:mod:`bench.unsaved`): the unsaved drift at recovery.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from bench.baselines import make_baseline
 from bench.metrics import FreshnessTracker, matched_intervals, trace_of
 from bench.presets import Workload
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
+from bench.unsaved import owned_weights, unsaved_at_recovery
 from orchestrator.core.run_config import PersistenceConfig
 from orchestrator.local.coordinator import LocalCoordinator
 from orchestrator.local.recovery import recover
@@ -121,9 +125,10 @@ class Runner:
         self.rank = torch.distributed.get_rank()
         self.world_size = torch.distributed.get_world_size()
         self.dataset = SequenceDataset.from_config(DataConfig(seq_len=workload.seq_len, seed=0))
-        initial = snapshot_layers(
-            self.train_engine.layout, self.train_engine.layer_map.names, HostBufferPool(pin=False), step=0
-        )
+        layout, names = self.train_engine.layout, self.train_engine.layer_map.names
+        # every element this rank restores (ZeRO-0: whole parameters, more than it owns)
+        needed = {name: layout[name].needed for name in names}
+        initial = snapshot_layers(layout, names, HostBufferPool(pin=False), step=0, pieces=needed)
         self.initial = [_clone_shard(s) for s in initial]
 
     def batches(self, step: int) -> list[torch.Tensor]:
@@ -158,6 +163,7 @@ class Runner:
             max_inflight_bytes=persistence.max_inflight_bytes,
             max_versions_in_flight=persistence.max_versions_in_flight,
             write_budget=persistence.write_budget,  # the product's default: on
+            **coordinator_options(strategy),
         )
 
         def losses() -> dict[int, float]:  # rank 0's: only it hears the loop's progress
@@ -177,11 +183,13 @@ class Runner:
 
         def on_failure(t_fail: int) -> int:
             nonlocal recovering_s
+            truth = owned_weights(train_engine.layout)  # ground truth at t_fail, outside the timings
             started = time.monotonic()
             wipe_training_state(train_engine)
             recovered = baseline.recover(t_fail) if baseline is not None else self._recover(coordinator)
-            recoveries.append({"t_fail": t_fail, **recovered})
             recovering_s += time.monotonic() - started
+            unsaved = unsaved_at_recovery(train_engine.layout, truth, lost_rank=self.world_size - 1)
+            recoveries.append({"t_fail": t_fail, **recovered, "unsaved": unsaved})
             return recovered["start_step"]
 
         probe_before = self.probe.seconds
@@ -204,6 +212,7 @@ class Runner:
         coordinator.close()
         written = coordinator.writer.stats.written_bytes
         total_bytes = _sum_all(float(written + baseline_bytes))
+        capture_bytes = _sum_all(float(coordinator.writer.stats.capture_bytes))  # in total_bytes too
         recoveries = [_max_timings(r) for r in recoveries]
         # read the manifest before the store goes: after it, every version would look uncommitted
         persisted = _persisted(coordinator, baseline) if self.rank == 0 else {}
@@ -222,6 +231,7 @@ class Runner:
             "stall_s": sum(p.stall_s for p in progress) + (baseline.stall_s if baseline is not None else 0.0),
             "probe_s": self.probe.seconds - probe_before + sum(p.coordination_s for p in progress),
             "bytes_written": total_bytes,
+            "capture_bytes": capture_bytes,
             "events": len(coordinator.handed) + baseline_events,
             "freshness": freshness,
             "recoveries": recoveries,
@@ -250,6 +260,12 @@ class Runner:
             "max_staleness": recovered.max_staleness,
             "versions": recovered.versions,
         }
+
+
+def coordinator_options(strategy: Strategy) -> dict[str, Any]:
+    """The :class:`LocalCoordinator` options of the strategy's recovery tiers (the memory tier's
+    go here too)."""
+    return {"capture": strategy.capture}
 
 
 def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:

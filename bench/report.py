@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import schedule_report
+from bench import recovery_report, schedule_report
 from bench.metrics import loss_deviation, matched_intervals, measured_ettr, post_failure_windows
 from orchestrator.table import format_table, human_bytes
 
@@ -114,6 +114,7 @@ def strategy_row(
             restart_s=restart_s,
             failures=len(failures),
         ),
+        **recovery_report.recovery_figures(raw),
         "recoveries": recoveries,
     }
 
@@ -128,6 +129,7 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
         for name, r in results.items()
     }
     add_window_bytes(rows, since=workload["strategy"]["layercheck_warmup"], steps=steps)
+    recovery_report.add_ratios(rows)
     add_matched_estimates(rows, results, steps=steps, eval_from=workload["strategy"]["layercheck_warmup"])
     frozen = int(raw.get("frozen_params", 0))
     schedule_report.add_peak_bytes(
@@ -154,7 +156,7 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
         "loss_curves": {name: r["losses"] for name, r in results.items()},
         "raw": dict(raw),  # everything measured, so the report can be rebuilt without a rerun
     }
-    report["headline"] = {**headline(report), **schedule_report.headline(rows)}
+    report["headline"] = {**headline(report), **schedule_report.headline(rows), **recovery_report.headline(rows)}
     return report
 
 
@@ -412,6 +414,17 @@ def text(report: Mapping[str, Any]) -> str:
         main_table(report),
         "",
     ]
+    recovered = recovery_report.recovery_table(report)
+    if recovered:
+        lines += [
+            f"at recovery: unsaved drift = mean |θ_recovered - θ_true| per element at t_fail (all, the survivors' "
+            f"slices, the lost rank {w['world_size'] - 1}'s); /LC: over layercheck's",
+            recovered,
+            "",
+            "unsaved drift at recovery per layer:",
+            recovery_report.layer_table(report),
+            "",
+        ]
     if any("at_matched_drift" in r for r in report["strategies"].values()):
         lines += [
             "layer-wise policies at their own mean unsaved drift (state bytes, 12 B/param; full counts "

@@ -16,9 +16,14 @@ staggered       the default schedule: every layer every ~N,   composite, resume 
                 phases spread, drift-aware periods, a byte
                 budget of (changing bytes)/N per step
 layercheck      the paper's policy (LayerStore, async)       composite, resume at ``t_fail + 1``
+layercheck      the same, and the survivors' capture at a    composite with the survivors'
++capture        failure (partial versions)                   slices overlaid, ``t_fail + 1``
 drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume at ``t_fail + 1``
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
+
+A failure is a fail-stop of the last rank (:func:`orchestrator.local.run.train_with_failures`);
+the recovery tiers above storage a resuming strategy uses are its :class:`Tier` s (``+capture``).
 """
 
 from __future__ import annotations
@@ -64,6 +69,16 @@ class Recovery(str, enum.Enum):
     REPLAY_DELTAS = "replay-deltas"  # load the last full, apply the deltas up to t_fail
 
 
+class Tier(str, enum.Enum):
+    """A recovery tier above storage (DESIGN.md, "Recovery tiers") that a resuming strategy uses."""
+
+    CAPTURE = "capture"
+    """The survivors' own slices at ``t_fail`` (:mod:`workers.capture`), persisted as partial
+    versions and overlaid on the composite: ``LocalCoordinator(capture=True)``."""
+    # The writers' host memory (the memory tier) goes here: MEMORY = "memory", with its
+    # LocalCoordinator option in ``bench.harness.coordinator_options`` and a ``+memory`` strategy.
+
+
 RECOVERY_OF: Mapping[Kind, Recovery] = {
     Kind.NONE: Recovery.RESTART,
     Kind.DEEPSPEED_SYNC: Recovery.ROLLBACK,
@@ -90,6 +105,8 @@ class Strategy:
     """``differential``: fraction of each state tensor's elements sent per step (top-k with error feedback)."""
     matched: str = ""
     """For a matched-freshness variant: ``staleness`` or ``drift`` (what it was matched on)."""
+    tiers: tuple[Tier, ...] = ()
+    """Recovery tiers above storage (resuming strategies only): ``capture``."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -113,10 +130,18 @@ class Strategy:
             raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
         if self.matched not in ("", "staleness", "drift"):
             raise ValueError(f"Strategy {self.name}: matched must be '', 'staleness' or 'drift', got {self.matched!r}")
+        if self.tiers and self.recovery is not Recovery.RESUME:
+            raise ValueError(f"Strategy {self.name}: tiers need a resuming strategy, not {self.recovery.value}")
+        if len(set(self.tiers)) != len(self.tiers) or not all(isinstance(t, Tier) for t in self.tiers):
+            raise ValueError(f"Strategy {self.name}: tiers must be distinct of {[t.value for t in Tier]}")
 
     @property
     def recovery(self) -> Recovery:
         return RECOVERY_OF[self.kind]
+
+    @property
+    def capture(self) -> bool:
+        return Tier.CAPTURE in self.tiers
 
     @property
     def loop_policy(self) -> PolicyConfig:
@@ -142,6 +167,7 @@ class Strategy:
             "delta_density": self.delta_density,
             "matched": self.matched,
             "policy": _policy_json(self.policy),
+            "tiers": [t.value for t in self.tiers],
         }
 
     @classmethod
@@ -154,6 +180,7 @@ class Strategy:
             policy=policy,
             delta_density=float(data["delta_density"]),
             matched=data.get("matched", ""),
+            tiers=tuple(Tier(t) for t in data.get("tiers", ())),
         )
 
 
@@ -208,9 +235,12 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
             policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup),
         )
     )
-    out += [
-        Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in layercheck_configs(options).items()
-    ]
+    configs = layercheck_configs(options)
+    out += [Strategy(name=name, kind=Kind.LAYER_POLICY, policy=cfg) for name, cfg in configs.items()]
+    # the paper's policy again with the survivors' capture: same writes, fresher slices at recovery
+    out.append(
+        Strategy(name="layercheck+capture", kind=Kind.LAYER_POLICY, policy=configs["layercheck"], tiers=(Tier.CAPTURE,))
+    )
     out.append(
         Strategy(
             name="drift-optimal",

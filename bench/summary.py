@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import schedule_report
+from bench import recovery_report, schedule_report
 from bench.report import main_table, pairs_table
 from orchestrator.table import format_table
 
@@ -104,6 +104,7 @@ def summary_markdown(
         "all strategies, dominates a run this short). `ettr_wall` in the JSON uses the noisy whole-run time instead.",
         "",
     ]
+    out += recovery_section(report)
     if any("at_matched_drift" in r for r in report["strategies"].values()):
         out += [
             "## Bytes at matched unsaved drift: full checkpoints and the oracle",
@@ -298,3 +299,33 @@ def ettr_table(ettr: Mapping[str, Any]) -> str:
         + f"per-GPU MTBF {ettr['per_gpu_mtbf_hours']:g} h\n"
         + format_table(["GPUs", *names], rows2)
     )
+
+
+def recovery_section(report: Mapping[str, Any]) -> list[str]:
+    """What each recovery brought back, measured on the state (``bench.recovery_report``)."""
+    table = recovery_report.recovery_table(report)
+    if not table:
+        return []
+    lost = report["workload"]["world_size"] - 1
+    return [
+        "## What a recovery brings back",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        f"A failure is a fail-stop of rank {lost}: the other ranks survive it and, with `+capture`, hand their "
+        "slices of every layer at t_fail to their writers before the group restarts (the product's "
+        "`StepProtocol.on_failure`; persisted as partial versions and overlaid on the composite at recovery). "
+        "`unsaved@rec`: the unsaved drift at recovery measured on the state — per element, |recovered fp32 weight "
+        "− its true value at t_fail|, averaged over all parameters (then over the failures; `per failure`: each "
+        "failure's, in order); `survivors` and "
+        f"`lost rank`: the same over the elements the surviving ranks and rank {lost} own. A rollback re-runs the "
+        "lost steps, so its figure is 0 at the price of the replay time. `capture`: the bytes the captures wrote "
+        "(in `written` too). `/LC`: over `layercheck`'s (the same policy without capture).",
+        "",
+        "```",
+        recovery_report.layer_table(report),
+        "```",
+        "",
+    ]

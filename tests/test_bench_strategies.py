@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from bench.presets import PRESETS, Workload, preset, variant
-from bench.strategies import Kind, Recovery, Strategy, StrategyOptions, default_strategies, matched_variants, select
+from bench.strategies import (
+    Kind,
+    Recovery,
+    Strategy,
+    StrategyOptions,
+    Tier,
+    default_strategies,
+    matched_variants,
+    select,
+)
 from policies.configs import LayerCheckConfig, StaggeredConfig
 
 
@@ -20,6 +29,7 @@ def test_default_set_has_every_strategy_the_issue_names_none_first():
         "staggered",
         "layercheck",
         "layercheck-const",
+        "layercheck+capture",
         "drift-optimal",
         "diff",
     }
@@ -107,3 +117,15 @@ def test_presets_round_trip_and_validate():
         preset("tiny", failures=(500,))
     with pytest.raises(ValueError, match="unknown preset"):
         preset("nope")
+
+
+def test_capture_is_a_tier_of_the_paper_policy_and_only_of_resuming_strategies():
+    by_name = {s.name: s for s in default_strategies(StrategyOptions())}
+    captured, plain = by_name["layercheck+capture"], by_name["layercheck"]
+    assert captured.capture and not plain.capture
+    assert captured.policy == plain.policy and captured.tiers == (Tier.CAPTURE,)
+    assert Strategy.from_json(captured.to_json()) == captured
+    with pytest.raises(ValueError, match="tiers need a resuming strategy"):
+        Strategy(name="full+capture", kind=Kind.DEEPSPEED_SYNC, interval=5, tiers=(Tier.CAPTURE,))
+    with pytest.raises(ValueError, match="distinct"):
+        Strategy(name="x", kind=Kind.LAYER_INTERVAL, interval=5, tiers=(Tier.CAPTURE, Tier.CAPTURE))

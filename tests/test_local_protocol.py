@@ -77,6 +77,28 @@ def test_every_version_handed_over_is_written_and_the_byte_bound_waits(tmp_path,
     assert mailbox.posted() == 4
 
 
+def test_a_capture_is_written_next_and_never_supersedes_the_same_step_scheduled_shard(tmp_path, mailbox):
+    gate = Gate()
+    store = LayerStore.open(str(tmp_path), fsync=False, hook=gate)
+    writer = LocalWriter(store, mailbox, max_inflight_bytes=2**30)
+    writer.submit(shards("block.0", 1)[0], base=False)
+    assert gate.entered.wait(timeout=60)  # the writer is inside step 1's write
+    writer.submit(shards("block.1", 2)[0], base=False)
+    writer.submit(shards("block.1", 3)[0], base=False)
+    writer.submit(shards("block.1", 3)[0], base=False, origin="capture")  # the survivor's, same step
+    gate.release.set()
+    assert writer.drain(timeout_s=60)
+    writer.close()
+    taken = [mailbox.take()["receipt"] for _ in range(4)]
+    assert [(r["layer"], r["step"], r["origin"]) for r in taken] == [
+        ("block.0", 1, "policy"),
+        ("block.1", 3, "capture"),  # ahead of what was queued before it
+        ("block.1", 2, "policy"),
+        ("block.1", 3, "policy"),
+    ]
+    assert writer.stats.superseded == 0 and 0 < writer.stats.capture_bytes < writer.stats.written_bytes
+
+
 class NoPolicy:
     def last_complete_step(self) -> int:
         return 0

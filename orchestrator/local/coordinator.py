@@ -26,6 +26,11 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   (:mod:`orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
   newest settled version of each layer to its next drift report, so every replica applies the
   same settlements at the same step and the replicas never diverge.
+* **survivor capture** (``capture=True``, as the run config's ``persistence.capture``): when a
+  step raises under a rank, :meth:`workers.loop.StepProtocol.on_failure` hands the rank's slices
+  of every layer at its last step to :meth:`capture`, which queues them on the rank's writer
+  ahead of everything else as ``origin="capture"`` shards; the recovery commits the lost group's
+  incomplete versions up to ``t_fail`` as partial versions and overlays them on the composite.
 
 Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
 """
@@ -125,6 +130,7 @@ class LocalCoordinator:
         config: SupervisionConfig | None = None,
         run_id: str = "local",
         write_budget: WriteBudgetConfig | None = None,
+        capture: bool = False,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -147,6 +153,10 @@ class LocalCoordinator:
         self.handed: list[tuple[int, tuple[str, ...]]] = []
         """(step, layers) of every snapshot handed to the writer, in order."""
         self.progress_log: list[StepProgress] = []
+        self.captures: list[tuple[int, tuple[str, ...], int]] = []
+        """(step, layers, bytes) of every survivor's capture this rank handed to its writer."""
+        self.capture = self._capture if capture else None
+        """``StepProtocol.on_failure`` hands a survivor's capture to this (``None``: capture is off)."""
         self.run: RunSupervisor | None = None
         """Rank 0: the run's supervisor; ``None`` on the other ranks."""
         self._pump: ReceiptPump | None = None
@@ -211,6 +221,26 @@ class LocalCoordinator:
             self.writer.submit(owned, base=base)
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
+
+    def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
+        """A survivor's capture (:mod:`workers.capture`): to this rank's writer, ahead of what it
+        holds, as ``origin="capture"`` shards. The writer outlives the failure here (as a Ray
+        persistence writer outlives its trainer), so no hold is needed: the recovery's drain
+        writes them, their receipts reach rank 0's supervisor like any shard's, and it commits
+        them as partial versions (overlaid on the whole versions at the recovery)."""
+        for shard in shards:
+            owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
+            self.writer.submit(owned, base=False, origin="capture")
+        nbytes = sum(s.nbytes for s in shards)
+        self.captures.append((step, tuple(s.layer for s in shards), nbytes))
+        logger.warning(
+            "rank %d: step raised (%s); handed the state at step %d of %d layers (%d bytes) to the writer",
+            self.rank,
+            type(error).__name__,
+            step,
+            len(shards),
+            nbytes,
+        )
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float

@@ -31,12 +31,15 @@ class WriterStats:
     """Time the training thread waited for the byte bound."""
     write_s: float = 0.0
     """Time spent in successful writes (with ``written_bytes``: the drain bandwidth)."""
+    capture_bytes: int = 0
+    """Of ``written_bytes``, survivors' captures (``origin="capture"``)."""
 
 
 @dataclass(frozen=True)
 class _Entry:
     shard: LayerShard
     base: bool
+    origin: str = "policy"
 
 
 class LocalWriter:
@@ -56,10 +59,14 @@ class LocalWriter:
     def inflight_bytes(self) -> int:
         return self._queue.nbytes + self._writing_bytes
 
-    def submit(self, shard: LayerShard, *, base: bool) -> None:
-        """Queue ``shard`` (the writer owns it now); waits while the bytes in flight exceed the bound."""
+    def submit(self, shard: LayerShard, *, base: bool, origin: str = "policy") -> None:
+        """Queue ``shard`` (the writer owns it now); waits while the bytes in flight exceed the bound.
+        ``origin="capture"``: a survivor's capture, written next (ahead of the scheduled snapshots
+        queued) and never superseding a scheduled snapshot of the same step."""
         with self._changed:
-            older = self._queue.put((shard.layer, shard.rank, shard.step), _Entry(shard, base))
+            capture = origin == "capture"
+            key = (shard.layer, shard.rank, shard.step, origin)
+            older = self._queue.put(key, _Entry(shard, base, origin), front=capture)
             if older is not None:
                 self.stats.superseded += 1
                 logger.info(
@@ -130,7 +137,7 @@ class LocalWriter:
         shard = entry.shard
         started = time.monotonic()
         try:
-            receipt = self.store.write_shard(shard, base=entry.base)
+            receipt = self.store.write_shard(shard, base=entry.base, origin=entry.origin)
         except Exception as error:  # a full or read-only store must not kill the writer
             self.stats.failures += 1
             what = f"writing {shard.layer} step {shard.step} rank {shard.rank} failed: {error}"
@@ -141,5 +148,7 @@ class LocalWriter:
         with self._changed:  # read together by the coordinator's budget (snapshot_stats)
             self.stats.written_versions += 1
             self.stats.written_bytes += receipt.nbytes
+            if entry.origin == "capture":
+                self.stats.capture_bytes += receipt.nbytes
             self.stats.write_s += elapsed
         mailbox.post(receipt.to_json(), elapsed)

@@ -1,0 +1,44 @@
+"""The benchmark's survivor-capture strategy: a tiny 2-rank ZeRO-3 run, the last rank lost after
+step 6; the survivors' slices come back exact, the lost rank's as stale as without capture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench import report as reports
+from bench.harness import run_benchmark
+from bench.presets import preset
+from bench.strategies import default_strategies, select
+
+
+@pytest.mark.slow
+def test_capture_recovers_the_survivors_slices_exactly():
+    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
+    strategies = select(default_strategies(workload.strategy), ["layercheck", "layercheck+capture", "full"])
+    raw = run_benchmark(workload, strategies, matched=False)
+    results = raw["results"]
+    (plain,) = results["layercheck"]["recoveries"]
+    (captured,) = results["layercheck+capture"]["recoveries"]
+    (rollback,) = results["full"]["recoveries"]
+    lost = workload.world_size - 1
+    assert plain["unsaved"]["lost_rank"] == captured["unsaved"]["lost_rank"] == lost
+    # without capture every rank's slices are as old as the composite's versions
+    assert plain["unsaved"]["survivors_mean_abs"] > 0
+    # with it the survivor's own slices are the state at t_fail, bit for bit
+    assert captured["unsaved"]["survivors_mean_abs"] == 0.0
+    assert captured["unsaved"]["ranks"][0]["l1"] == 0.0
+    # the lost rank's slices come from the same stored versions either way
+    assert captured["unsaved"]["lost_mean_abs"] == pytest.approx(plain["unsaved"]["lost_mean_abs"], rel=1e-6)
+    assert 0 < captured["unsaved"]["mean_abs"] < plain["unsaved"]["mean_abs"]
+    assert rollback["unsaved"]["l1"] == 0.0  # a rollback re-runs the lost steps exactly
+    assert results["layercheck+capture"]["capture_bytes"] > 0 == results["layercheck"]["capture_bytes"]
+    losses = results["layercheck+capture"]["losses"]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values())
+    report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
+    row = report["strategies"]["layercheck+capture"]
+    assert row["unsaved_at_recovery_vs_layercheck"] == pytest.approx(
+        captured["unsaved"]["mean_abs"] / plain["unsaved"]["mean_abs"]
+    )
+    assert "layercheck+capture" in reports.text(report)

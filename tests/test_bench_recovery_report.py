@@ -1,0 +1,63 @@
+"""The unsaved drift at recovery: from each rank's L1 to the report's figures, ratios and tables."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import recovery_report, report, summary
+from bench.presets import preset
+from bench.unsaved import summarize
+from tests.test_bench_report import FAILURES, STEPS, _raw, _recovery
+
+
+def test_summarize_splits_the_survivors_from_the_lost_rank():
+    # rank 0 (survivor) exact, rank 1 (lost) off by 2 over 4 elements of block.0 and 1 over 2 of embed
+    u = summarize([{"embed": (0.0, 2), "block.0": (0.0, 4)}, {"embed": (1.0, 2), "block.0": (2.0, 4)}], lost_rank=1)
+    assert u["l1"] == 3.0 and u["mean_abs"] == pytest.approx(3 / 12)
+    assert u["survivors_mean_abs"] == 0.0 and u["lost_mean_abs"] == pytest.approx(3 / 6)
+    assert u["layers"]["embed"] == {"l1": 1.0, "mean_abs": 0.25, "numel": 4}
+    assert [r["numel"] for r in u["ranks"]] == [6, 6]
+
+
+def _unsaved(survivor: float, lost: float) -> dict:
+    return summarize([{"embed": (survivor, 10)}, {"embed": (lost, 10)}], lost_rank=1)
+
+
+@pytest.fixture()
+def built() -> dict:
+    lc = _raw("layercheck", "layer-policy", "resume", bytes_written=1000, events=4, shift=0.02)
+    lc["recoveries"] = [_recovery(unsaved=_unsaved(1.0, 1.0))]
+    cap = _raw("layercheck+capture", "layer-policy", "resume", bytes_written=1500, events=4, shift=0.01)
+    cap["recoveries"] = [_recovery(unsaved=_unsaved(0.0, 1.0))]
+    cap["capture_bytes"] = 500.0
+    raw = {
+        "restart_s": 1.0,
+        "params": 20,
+        "frozen_params": 0,
+        "layers": {"embed": 20},
+        "results": {"none": _raw("none", "none", "restart"), "layercheck": lc, "layercheck+capture": cap},
+    }
+    workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
+    return report.build_report(raw, workload, {"nproc": 2})
+
+
+def test_ratios_against_layercheck(built):
+    row = built["strategies"]["layercheck+capture"]
+    assert row["unsaved_at_recovery"] == pytest.approx(1 / 20)
+    assert row["unsaved_survivors"] == 0.0 and row["unsaved_lost_rank"] == pytest.approx(0.1)
+    assert row["unsaved_at_recovery_vs_layercheck"] == pytest.approx(0.5)
+    assert row["loss_dev_mean_vs_layercheck"] == pytest.approx(0.5)
+    assert row["bytes_vs_layercheck"] == pytest.approx(1.5) and row["capture_bytes"] == 500.0
+    assert built["strategies"]["none"]["unsaved_at_recovery"] is None  # modelled, not measured
+    assert built["headline"]["unsaved_at_recovery_vs_layercheck"] == {
+        "layercheck": 1.0,
+        "layercheck+capture": pytest.approx(0.5),
+    }
+
+
+def test_tables_show_the_measured_strategies_only(built):
+    table = recovery_report.recovery_table(built)
+    assert "layercheck+capture" in table and "none" not in table and "0.50x" in table
+    assert "embed" in recovery_report.layer_table(built)
+    assert "What a recovery brings back" in summary.summary_markdown(built)
+    assert "unsaved drift at recovery per layer" in report.text(built)
