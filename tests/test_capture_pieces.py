@@ -22,7 +22,7 @@ def _coverage(result):
     return out
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("zero_stage", [0])  # ZeRO-3: tests/test_e2e_ray.py checks a real capture bit for bit
 def test_a_survivor_captures_its_state_and_any_single_death_is_covered(zero_stage):
     results = run_ranks(capture_job, 2, zero_stage)
     assert all(r["step"] == 2 and r["equal"] for r in results)  # the state at the last step, exactly

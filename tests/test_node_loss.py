@@ -188,27 +188,14 @@ def _check_recovered_from_the_loss(result, config, seen, steps):
     return recoveries, sizes
 
 
-def test_losing_a_node_resumes_on_the_rest_at_t_fail_plus_one_and_loses_nothing_committed(cluster, tmp_path):
-    head, second = cluster, _second_node(cluster)
-    config = _config(head, tmp_path, "nodeloss", **{"cluster.shared_storage": True})
-    seen: dict = {}
-    result = train(config, on_progress=_lose_a_node(head, second, config, seen), poll_s=0.2)
-    _check_recovered_from_the_loss(result, config, seen, STEPS)
-    # recovery from memory: the survivor (rank 0, on the head) captured its slices at t_fail, and the
-    # lost node's shard files came from the copies its writer mirrored to the head's writer
-    account = result.status["account"]
-    lost = _since_the_loss(result.status, seen)[0]
-    assert lost["elements"]["capture"] > 0, lost["elements"]
-    assert [c["rank"] for c in account["capture"]["captures"] if c["held"]] == [0], account["capture"]
-    # (a file the lost node wrote just before it vanished may not have reached its mirror yet)
-    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] < lost["memory_local_shards"], lost
-
-
-def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_on(cluster, tmp_path):
-    """The second node's storage hangs (``fault.stall_writes_*``: each write of a version taken
-    after STALL_AFTER_STEP pauses STALL_S mid-file), so at the loss its writer holds versions it
-    has not written: recovery writes them off with the dead writer at once (no wait for them, nor
-    for the drain deadline), counts them lost, and the temporary files it left are no obstacle."""
+def test_losing_a_node_resumes_at_t_fail_plus_one_from_memory_and_loses_nothing_committed(cluster, tmp_path):
+    """The second node is lost mid-run, and its storage hangs before that (``fault.stall_writes_*``:
+    each write of a version taken after STALL_AFTER_STEP pauses STALL_S mid-file), so at the loss
+    its writer holds versions it has not written: the elastic group resumes at ``t_fail + 1`` on the
+    head; nothing committed is lost; the dead writer's versions are written off at once (no wait for
+    them, nor for the drain deadline) and counted lost, and its temporary files are no obstacle; the
+    survivor's capture and the writers' memory (the lost node's files mirrored to the head) serve the
+    recovery."""
     head, second = cluster, _second_node(cluster)
     config = _config(
         head,
@@ -232,6 +219,13 @@ def test_versions_the_lost_nodes_writer_still_held_are_counted_lost_not_waited_o
     assert status["lost_versions"] >= 1, status["lost"]
     assert any(f"@{second.node_id[:8]}" in reason for reason in status["lost"]), (second.node_id, status["lost"])
     assert summarize(result)["lost_versions"] == status["lost_versions"]
+    # recovery from memory: the survivor (rank 0, on the head) captured its slices at t_fail, and the
+    # lost node's shard files came from the copies its writer mirrored to the head's writer
+    account = status["account"]
+    assert lost["elements"]["capture"] > 0, lost["elements"]
+    assert [c["rank"] for c in account["capture"]["captures"] if c["held"]] == [0], account["capture"]
+    # (a file the lost node wrote just before it vanished may not have reached its mirror yet)
+    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] < lost["memory_local_shards"], lost
     # no half-written version in the manifest: the stalled writer finished no version taken after
     # STALL_AFTER_STEP in the two-node group; what the surviving rank wrote of those versions (and
     # its capture) is committed as partial versions of its own slices only, and every record is whole
