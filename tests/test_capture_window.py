@@ -3,6 +3,7 @@
 import threading
 
 from orchestrator.core.capture_window import CaptureReport, CaptureWindow, capture_figures
+from orchestrator.core.run_supervisor import recovery_step
 
 
 def _report(rank, *, held=True, attempt=1):
@@ -47,3 +48,13 @@ def test_the_figures_say_how_long_survivors_had_and_how_fast_they_captured():
     (group,) = capture_figures(window.status())
     assert group["captured"] == [0] and group["steps"] == [6] and group["bytes"] == 2_000_000
     assert group["window_s"] == 0.25 and group["capture_gb_per_s"] == 0.004
+
+
+def test_a_survivor_one_step_past_the_last_reported_step_moves_the_recovery_there():
+    window = CaptureWindow()
+    window.ended(_report(0))  # step 6
+    window.ended(CaptureReport(rank=2, attempt=1, step=7, held=False))  # not held: does not count
+    assert window.held_step(1) == 6 and window.held_step(2) is None
+    assert recovery_step(5, window.held_step(1)) == 6  # rank 0 finished step 6; a dead rank's report of it was lost
+    assert recovery_step(6, 6) == 6 and recovery_step(6, None) == 6
+    assert recovery_step(4, 6) == 4  # never more than one step past what every rank reported

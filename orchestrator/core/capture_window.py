@@ -141,6 +141,12 @@ class CaptureWindow:
             logger.info("teardown of attempt %d held %.2fs for ranks %s' captures", attempt, outcome.hold_s, captured)
         return outcome
 
+    def held_step(self, attempt: int) -> int | None:
+        """The newest step a survivor of ``attempt`` holds a whole capture of (``None``: none)."""
+        with self._changed:
+            steps = [r.step for (a, _), r in self._ended.items() if a == attempt and r.held]
+        return max(steps, default=None)
+
     def status(self) -> dict[str, Any]:
         """For the run's status and summary: every capture and every hold, in order."""
         with self._changed:

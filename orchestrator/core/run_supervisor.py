@@ -104,6 +104,24 @@ class LocalPolicy:
         self.service.request_stop(reason)
 
 
+def recovery_step(last_complete: int, captured_step: int | None) -> int:
+    """The step a lost group is recovered at: the last step every rank reported or, when a
+    survivor's captured state is one step past it, that step. A survivor stands there when it
+    finished its optimizer step ``t + 1`` (its gradients reduced with every rank's, the dead ones'
+    included) before the group broke, while a dead rank's report of ``t + 1`` was lost with it.
+    Recovering at ``t + 1`` uses that exact state; the dead ranks' slices miss ``t + 1``'s update
+    as any stale slice misses updates. Recovering at ``t`` would have to drop the capture (resuming
+    at ``t + 1`` would apply its update twice)."""
+    if captured_step is not None and captured_step == last_complete + 1:
+        logger.warning(
+            "a survivor's state is at step %d, one past the last step every rank reported (%d): recovering there",
+            captured_step,
+            last_complete,
+        )
+        return captured_step
+    return last_complete
+
+
 class JoinDismissed(RuntimeError):
     """A rank's group was replaced by a newer one, or its recovery failed, before it was answered."""
 
@@ -143,14 +161,15 @@ class RunSupervisor:
         self.not_draining.set()
 
     # ---- events from the runtime --------------------------------------------------------
-    def join(self, rank: int, world_size: int, worker_id: str) -> ResumeInfo:
+    def join(self, rank: int, world_size: int, worker_id: str, *, captured_step: int | None = None) -> ResumeInfo:
         """A rank of a (new) worker group starts; returns, once its group's recovery (if any) is
-        done, the :class:`ResumeInfo` every rank of the group gets. Raises :class:`JoinDismissed`."""
+        done, the :class:`ResumeInfo` every rank of the group gets. Raises :class:`JoinDismissed`.
+        ``captured_step``: the newest step a survivor of the current group captured its state at."""
         event = RankJoined(
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
-            last_complete_step=self.policy.last_complete_step(),
+            last_complete_step=recovery_step(self.policy.last_complete_step(), captured_step),
             now=self.clock(),
         )
         with self._lock:
