@@ -58,3 +58,10 @@ def test_a_survivor_one_step_past_the_last_reported_step_moves_the_recovery_ther
     assert recovery_step(5, window.held_step(1)) == 6  # rank 0 finished step 6; a dead rank's report of it was lost
     assert recovery_step(6, 6) == 6 and recovery_step(6, None) == 6
     assert recovery_step(4, 6) == 4  # never more than one step past what every rank reported
+
+
+def test_a_failed_rank_is_waited_for_only_if_it_began_a_capture():
+    window = CaptureWindow(grace_s=30.0, timeout_s=60.0)
+    window.ended(_report(1))  # rank 1 captured, then raised: Ray Train counts it failed
+    outcome = window.await_survivors(1, [], teardown_at=0.0, failed=[0, 1])  # rank 0 died: never began
+    assert outcome.captured == (1,) and outcome.survivors == (1,) and outcome.missed == ()

@@ -103,27 +103,36 @@ class CaptureWindow:
             "" if report.held else f" (incomplete: {report.error})",
         )
 
-    def await_survivors(self, attempt: int, survivors: Collection[int], *, teardown_at: float) -> HoldOutcome:
+    def await_survivors(
+        self, attempt: int, survivors: Collection[int], *, teardown_at: float, failed: Collection[int] = ()
+    ) -> HoldOutcome:
         """Block until each of ``survivors`` (ranks of ``attempt``) has ended its capture, or did
-        not begin within ``grace_s``, or ``timeout_s`` passed since the wait began."""
+        not begin within ``grace_s``, or ``timeout_s`` passed since the wait began. ``failed``: ranks
+        Ray Train saw fail; one that began a capture (it raised after handing it over) is waited for
+        too, one that did not is dead and not waited for."""
         started = self.clock()
-        keys = [(attempt, rank) for rank in sorted(survivors)]
+        keys = [(attempt, rank) for rank in sorted(set(survivors) | set(failed))]
+        dead = {(attempt, rank) for rank in failed}
 
         def settled() -> bool:
             now = self.clock()
             if now - started >= self.timeout_s:
                 return True
-            return all(key in self._ended or (key not in self._began and now - started >= self.grace_s) for key in keys)
+            return all(
+                key in self._ended or (key not in self._began and (key in dead or now - started >= self.grace_s))
+                for key in keys
+            )
 
         with self._changed:
             while not settled():
                 self._changed.wait(timeout=0.05)
             captured = tuple(r for a, r in keys if (a, r) in self._ended and self._ended[(a, r)].held)
+            alive = tuple(r for key in keys if key not in dead or key in self._began for r in (key[1],))
             outcome = HoldOutcome(
                 attempt=attempt,
-                survivors=tuple(r for _, r in keys),
+                survivors=alive,
                 captured=captured,
-                missed=tuple(r for _, r in keys if r not in captured),
+                missed=tuple(r for r in alive if r not in captured),
                 teardown_at=teardown_at,
                 hold_s=self.clock() - started,
             )

@@ -46,13 +46,13 @@ class CaptureHold(WorkerGroupCallback):
         failed = set(status.errors)
         if not failed:
             return  # a normal end, or a resize: nothing broke under anyone
-        survivors = sorted(rank for rank, worker in status.worker_statuses.items() if rank not in failed)
-        if not survivors:
-            return
+        # a survivor that handed its capture over raises afterwards, so it may already count as failed:
+        # the supervisor waits for every rank that began a capture, failed or not
+        survivors = sorted(rank for rank in status.worker_statuses if rank not in failed)
         teardown_at = time.time()
         attempt = ray.get(self.supervisor.current_attempt.remote(), timeout=ANSWER_SLACK_S)
         outcome = ray.get(
-            self.supervisor.await_captures.remote(attempt, survivors, teardown_at),
+            self.supervisor.await_captures.remote(attempt, survivors, teardown_at, sorted(failed)),
             timeout=self.bound_s + ANSWER_SLACK_S,
         )
         logger.info(
