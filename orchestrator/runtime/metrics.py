@@ -358,15 +358,17 @@ class RunMetrics:
             self._scrape_seen.notify_all()
 
     def await_scrape(self, cap_s: float = 30.0) -> bool:
-        """Wait until the values as they are now have been scraped once, so a run's final values
-        reach Prometheus before the exporter ends. Only when something is scraping (two scrapes
-        seen), and for at most twice its interval (``cap_s`` at most). True if it was scraped."""
+        """Wait until the values as they are now have been scraped, so a run's final values reach
+        Prometheus before the exporter ends. Two scrapes: the first to end may have begun before
+        the values changed (seen under load: the final staleness never reached Prometheus). Only
+        when something is scraping (two scrapes seen), and for at most three of its intervals
+        plus 2 s (``cap_s`` at most). True if it was scraped."""
         with self._scrape_seen:
             if len(self._scrape_times) < 2:
                 return False
             interval = self._scrape_times[1] - self._scrape_times[0]
             seen = self._scrapes
-            return self._scrape_seen.wait_for(lambda: self._scrapes > seen, timeout=min(cap_s, 2 * interval + 1))
+            return self._scrape_seen.wait_for(lambda: self._scrapes > seen + 1, timeout=min(cap_s, 3 * interval + 2))
 
     def exposition(self) -> str:
         """The text Prometheus scrapes."""
