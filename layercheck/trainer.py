@@ -148,7 +148,7 @@ class LayerCheckTrainer:
             layer_map=cfg.layer_map,
             layer_numel=layers.numel,
             save_final=cfg.persistence.save_final,
-            capture_timeout_s=cfg.persistence.capture_timeout_s if cfg.persistence.capture else None,
+            capture_timeout_s=cfg.persistence.capture_hand_over_s,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None

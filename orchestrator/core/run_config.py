@@ -147,6 +147,16 @@ class PersistenceConfig:
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
         require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)
 
+    @property
+    def capture_hand_over_s(self) -> float | None:
+        """How long a survivor waits for its writer to hold its capture (``None``: capture is off)."""
+        return self.capture_timeout_s if self.capture else None
+
+    @property
+    def capture_hold_s(self) -> float | None:
+        """The longest Ray Train's teardown is held for captures (``None``: capture is off)."""
+        return self.capture_grace_s + self.capture_timeout_s if self.capture else None
+
 
 @dataclass(frozen=True, kw_only=True)
 class FaultConfig:

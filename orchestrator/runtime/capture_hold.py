@@ -50,9 +50,8 @@ class CaptureHold(WorkerGroupCallback):
         # the supervisor waits for every rank that began a capture, failed or not
         survivors = sorted(rank for rank in status.worker_statuses if rank not in failed)
         teardown_at = time.time()
-        attempt = ray.get(self.supervisor.current_attempt.remote(), timeout=ANSWER_SLACK_S)
         outcome = ray.get(
-            self.supervisor.await_captures.remote(attempt, survivors, teardown_at, sorted(failed)),
+            self.supervisor.await_captures.remote(survivors, teardown_at, sorted(failed)),
             timeout=self.bound_s + ANSWER_SLACK_S,
         )
         logger.info(

@@ -270,7 +270,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         supervisor=supervisor,
         max_inflight_bytes=run.persistence.max_inflight_bytes,
         attempt=resume.attempt,
-        capture_timeout_s=run.persistence.capture_timeout_s if run.persistence.capture else None,
+        capture_timeout_s=run.persistence.capture_hand_over_s,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)

@@ -106,6 +106,5 @@ def with_callbacks(run_config: Any, supervisor: Any, persistence: Any) -> Any:
     added after the user's own."""
     import dataclasses
 
-    timeout = persistence.capture_grace_s + persistence.capture_timeout_s if persistence.capture else None
-    ours = supervisor_callbacks(supervisor, capture_timeout_s=timeout)
+    ours = supervisor_callbacks(supervisor, capture_timeout_s=persistence.capture_hold_s)
     return dataclasses.replace(run_config, callbacks=[*(run_config.callbacks or []), *ours])
