@@ -1,27 +1,46 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 16 in one command, for one GPU machine (sized for ~12 minutes of an H200):
-#   1. bench.drift_probe on CUDA: the small model, then the Qwen2.5-0.5B shape (bf16, 4x1024)
-#   2. the exactness tests on CUDA: the fused step (Triton) against torch's fused AdamW and
-#      snapshot-and-diff, in real DeepSpeed on one NCCL rank; snapshots copied on a side stream
-#   3. the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
-# Figures and test reports go to bench/results/gpu-<date>-<gpu>/ (JSON, JUnit XML, logs) with a
-# summary.json naming each check's outcome. Exit status: 0 all passed; 1 a check failed; 2 a check
-# could not run here (named in summary.json). Never 0 with a check silently skipped.
+# Every GPU check in one command, for one GPU machine. In order of value, so a short lease spends
+# its minutes on what matters most:
+#   exactness     the fused drift step (Triton) against torch's fused AdamW and snapshot-and-diff,
+#                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; survivors'
+#                 captures of GPU-resident optimizer state (every test file below, CUDA cases on)
+#   bench_0.5b    bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
+#   snapshot_stall bench.snapshot_stall on the same shape: the training stream's stall per persisted
+#                 layer, side-stream copy vs the joined host copy, against the pinned copy time
+#   e2e_nccl_bf16 the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
+#   bench_small   bench.drift_probe on the small model
+#   bench_preset  layercheck bench --preset qwen2.5-0.5b (every strategy, side by side)
+# Results go to $GPU_CHECKS_OUT (default bench/results/gpu-<date>-<gpu>/): JSON, JUnit XML, logs,
+# machine.json and a summary.json naming each check's outcome. Exit status: 0 all passed; 1 a check
+# failed; 2 a check could not run here (named in summary.json). Never 0 with a check silently skipped.
 #
-#   bash scripts/gpu_checks.sh              # on the GPU machine, from the repository root
-#   bash scripts/gpu_checks.sh --dry-run    # here, on CPU: the plumbing only (a temporary folder)
+#   bash scripts/gpu_checks.sh                      # on the GPU machine, from the repository root
+#   bash scripts/gpu_checks.sh --only exactness,bench_0.5b
+#   GPU_CHECKS_BUDGET_S=420 bash scripts/gpu_checks.sh   # stop starting checks past 420 s in all
+#   bash scripts/gpu_checks.sh --dry-run            # here, on CPU: the plumbing only (a temporary folder)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DRY=0
-[[ "${1:-}" == "--dry-run" ]] && DRY=1
+ONLY="exactness,bench_0.5b,snapshot_stall,e2e_nccl_bf16,bench_small"
+while (( $# )); do
+    case $1 in
+        --dry-run) DRY=1 ;;
+        --only) ONLY=$2; shift ;;
+        *) echo "gpu_checks: unknown argument $1" >&2; exit 64 ;;
+    esac
+    shift
+done
+BUDGET=${GPU_CHECKS_BUDGET_S:-3600}
+START=$SECONDS
+EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py"
+for extra in tests/test_capture_cuda.py; do [[ -f $extra ]] && EXACTNESS_TESTS+=" $extra"; done
 
 die() { echo "gpu_checks: $*" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if (( DRY )); then
-    OUT=$(mktemp -d -t gpu-checks-dryrun.XXXX)
-    DEVICE=cpu
+    RESULTS=${GPU_CHECKS_OUT:-$(mktemp -d -t gpu-checks-dryrun.XXXX)}
     export DS_ACCELERATOR=cpu
 else
     command -v nvidia-smi >/dev/null || die "no nvidia-smi: not a GPU machine"
@@ -29,59 +48,98 @@ else
         || die "torch.cuda.is_available() is False"
     $PY -c "import triton" 2>/dev/null || die "triton does not import: the fused drift kernel cannot run"
     GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' '-' | tr -cd 'A-Za-z0-9-')
-    OUT=bench/results/gpu-$(date -u +%Y-%m-%d)-${GPU}
-    DEVICE=cuda
+    RESULTS=${GPU_CHECKS_OUT:-bench/results/gpu-$(date -u +%Y-%m-%d)-${GPU}}
     export LAYERCHECK_TEST_DEVICE=cuda
     unset DS_ACCELERATOR
 fi
-mkdir -p "$OUT"
-echo "gpu_checks: results in $OUT"
+mkdir -p "$RESULTS"
+echo "gpu_checks: results in $RESULTS"
+$PY -c "import json, bench.machine as m; print(json.dumps(m.describe(), indent=2))" >"$RESULTS/machine.json" 2>/dev/null
 declare -A OUTCOME
 
-check() {  # check NAME TIMEOUT_S COMMAND...: run it, log it, record passed/failed
+wanted() { [[ ",$ONLY," == *",$1,"* ]]; }
+
+check() {  # check NAME TIMEOUT_S COMMAND...: run it within the budget, log it, record the outcome
     local name=$1 limit=$2; shift 2
-    echo "== $name: $*"
-    if timeout "$limit" "$@" >"$OUT/$name.log" 2>&1; then
+    local left=$(( BUDGET - (SECONDS - START) ))
+    if (( left < 30 )); then
+        OUTCOME[$name]="not run (the ${BUDGET}s budget was spent)"
+        echo "== $name: ${OUTCOME[$name]}"
+        return
+    fi
+    (( limit > left )) && limit=$left
+    echo "== $name (at most ${limit}s): $*"
+    local t0=$SECONDS
+    if timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1; then
         OUTCOME[$name]=passed
     else
         OUTCOME[$name]="failed (exit $?; see $name.log)"
-        tail -20 "$OUT/$name.log" >&2
+        tail -25 "$RESULTS/$name.log" >&2
     fi
-    echo "   ${OUTCOME[$name]}"
+    echo "   ${OUTCOME[$name]} in $(( SECONDS - t0 ))s"
 }
 
-if (( DRY )); then
-    check bench_small 600 $PY -m bench.drift_probe --device cpu --steps 3 --out "$OUT/drift_probe-small.json"
-else
-    check bench_small 240 $PY -m bench.drift_probe --device cuda --out "$OUT/drift_probe-small.json"
-    check bench_0.5b 360 $PY -m bench.drift_probe --preset h200-0.5b --out "$OUT/drift_probe-qwen0.5b.json"
+if wanted exactness; then
+    check exactness 420 $PY -m pytest -q -p no:cacheprovider -m "" -rs --junitxml="$RESULTS/exactness.xml" \
+        $EXACTNESS_TESTS
 fi
 
-check exactness 420 $PY -m pytest -q -p no:cacheprovider -m "" -rs --junitxml="$OUT/exactness.xml" \
-    tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py
-
-if (( DRY )); then
-    OUTCOME[e2e_nccl_bf16]="not run (dry run: needs the GPU machine)"
-else
-    gpus=$(nvidia-smi --list-gpus | wc -l)
-    if (( gpus >= 2 )); then
-        e2e='{"cluster.use_gpu": true, "engine.precision": "bf16"}'
-    else  # NCCL takes one rank per GPU: one worker, and it is the one killed
-        e2e='{"cluster.use_gpu": true, "engine.precision": "bf16", "cluster.num_workers": 1, "fault.kill_rank": 0}'
+if wanted bench_0.5b; then
+    if (( DRY )); then
+        OUTCOME[bench_0.5b]="not run (dry run: needs the GPU machine)"
+    else
+        check bench_0.5b 300 $PY -m bench.drift_probe --preset h200-0.5b --out "$RESULTS/drift_probe-qwen0.5b.json"
     fi
-    echo "$e2e" >"$OUT/e2e_overrides.json"
-    export LAYERCHECK_E2E_OVERRIDES=$e2e
-    check e2e_nccl_bf16 420 $PY -m pytest -q -p no:cacheprovider -m "" -rs \
-        --junitxml="$OUT/e2e.xml" tests/test_e2e_ray.py -k per_step_versions
+fi
+
+if wanted snapshot_stall; then
+    if (( DRY )); then
+        check snapshot_stall 300 $PY -m bench.snapshot_stall --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
+    else
+        check snapshot_stall 240 $PY -m bench.snapshot_stall --preset h200-0.5b --out "$RESULTS/snapshot_stall-qwen0.5b.json"
+    fi
+fi
+
+if wanted e2e_nccl_bf16; then
+    if (( DRY )); then
+        OUTCOME[e2e_nccl_bf16]="not run (dry run: needs the GPU machine)"
+    else
+        gpus=$(nvidia-smi --list-gpus | wc -l)
+        if (( gpus >= 2 )); then
+            e2e='{"cluster.use_gpu": true, "engine.precision": "bf16"}'
+        else  # NCCL takes one rank per GPU: one worker, and it is the one killed
+            e2e='{"cluster.use_gpu": true, "engine.precision": "bf16", "cluster.num_workers": 1, "fault.kill_rank": 0}'
+        fi
+        echo "$e2e" >"$RESULTS/e2e_overrides.json"
+        LAYERCHECK_E2E_OVERRIDES=$e2e check e2e_nccl_bf16 360 $PY -m pytest -q -p no:cacheprovider -m "" -rs \
+            --junitxml="$RESULTS/e2e.xml" tests/test_e2e_ray.py -k per_step_versions
+    fi
+fi
+
+if wanted bench_small; then
+    if (( DRY )); then
+        check bench_small 600 $PY -m bench.drift_probe --device cpu --steps 3 --out "$RESULTS/drift_probe-small.json"
+    else
+        check bench_small 180 $PY -m bench.drift_probe --device cuda --out "$RESULTS/drift_probe-small.json"
+    fi
+fi
+
+if wanted bench_preset; then
+    if (( DRY )); then
+        OUTCOME[bench_preset]="not run (dry run: needs the GPU machine)"
+    else
+        check bench_preset 600 $PY -c "import sys; from orchestrator.cli import main; sys.exit(main())" \
+            bench --preset "${GPU_BENCH_PRESET:-qwen2.5-0.5b}" ${GPU_BENCH_ARGS:-} --out "$RESULTS/bench"
+    fi
 fi
 
 # A CUDA case skipped under LAYERCHECK_TEST_DEVICE=cuda would be a check that did not run: count them.
 summary=$(for k in "${!OUTCOME[@]}"; do printf '%s\t%s\n' "$k" "${OUTCOME[$k]}"; done)
-SUMMARY="$summary" OUT="$OUT" DRY=$DRY $PY - <<'PYEOF'
+SUMMARY="$summary" RESULTS="$RESULTS" DRY=$DRY $PY - <<'PYEOF'
 import glob, json, os, sys
 import xml.etree.ElementTree as ET
 
-out, dry = os.environ["OUT"], os.environ["DRY"] == "1"
+out, dry = os.environ["RESULTS"], os.environ["DRY"] == "1"
 outcome = dict(line.split("\t", 1) for line in os.environ["SUMMARY"].splitlines() if line)
 skipped_cuda = []
 for report in glob.glob(os.path.join(out, "*.xml")):
@@ -98,5 +156,5 @@ not_run = any(v.startswith("not run") for v in outcome.values())
 sys.exit(1 if failed else 2 if not_run else 0)
 PYEOF
 status=$?
-echo "gpu_checks: exit $status (0 all passed, 1 a check failed, 2 a check not run); $OUT/summary.json"
+echo "gpu_checks: exit $status (0 all passed, 1 a check failed, 2 a check not run); $RESULTS/summary.json"
 exit $status

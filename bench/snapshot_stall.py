@@ -1,0 +1,171 @@
+"""How long the training stream stalls for a persisted layer's snapshot: the side-stream copier
+(:class:`workers.snapshot_copy.SideStreamCopier`, CUDA) against the joined host copy it replaced,
+side by side in one run, on a real DeepSpeed engine (one rank).
+
+For each measured layer, interleaved (the machine drifts):
+
+* ``step_s``     a training step (forward, backward, optimizer step) with no snapshot
+* ``copy_s``     the layer's state (fp32 master, both Adam moments) copied device → pinned host
+                 memory, joined: what a persisted layer costs to copy at all
+* ``stall_side`` (snapshot on the side stream + the next training step) − ``step_s``
+* ``stall_host`` (joined host copy + the next training step) − ``step_s``: the old path
+
+Target (issue 16): ``stall_side`` ≤ 1.2 × ``copy_s`` per persisted layer. On CPU the copier is
+the host one (nothing to overlap with), so a CPU run only checks the plumbing.
+
+    python -m bench.snapshot_stall --preset h200-0.5b --out stall.json   # on a GPU machine
+    python -m bench.snapshot_stall --preset cpu-small --steps 3           # the plumbing, on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from bench.drift_probe import PRESETS
+
+logger = logging.getLogger(__name__)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    _sync()
+    start = time.perf_counter()
+    fn()
+    _sync()
+    return time.perf_counter() - start
+
+
+def _layers_to_measure(names: list[str]) -> list[str]:
+    """The embedding (the largest layer), the first and middle blocks and the final norm."""
+    blocks = [n for n in names if n.startswith("block.")]
+    picked = [n for n in ("embed", blocks[0] if blocks else "", blocks[len(blocks) // 2] if blocks else "", "norm")]
+    return list(dict.fromkeys(n for n in picked if n in names))
+
+
+def stall_job(rank: int, world_size: int, preset_name: str, steps: int, zero_stage: int) -> dict[str, Any]:
+    """Rank 0 of a one-rank group: build the preset's engine and time the three paths per layer."""
+    from workers.config import EngineConfig, ModelConfig, OptimConfig
+    from workers.engine import build_engine, shutdown
+    from workers.host_buffers import HostBufferPool
+    from workers.snapshot_copy import Handover, HostCopier, copier_for
+    from workers.step import train_step
+
+    preset = PRESETS[preset_name]
+    train_engine = build_engine(
+        ModelConfig(hf_config=preset.model, seed=0),
+        OptimConfig(lr=1e-5, warmup_steps=1, total_steps=10_000),
+        EngineConfig(zero_stage=zero_stage, precision=preset.precision, micro_batch=preset.micro_batch, grad_clip=1.0),
+    )
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, int(preset.model["vocab_size"]), (preset.micro_batch, preset.seq), generator=g)
+
+    def step() -> None:
+        train_step(train_engine, [batch])
+
+    layout = train_engine.layout
+    pool = HostBufferPool()
+    side = copier_for(layout)
+    host = HostCopier(layout)
+    sides = Handover(side, lambda shards, base: None, pool, max_in_flight=1)
+    hosts = Handover(host, lambda shards, base: None, pool, max_in_flight=1)
+
+    def copy_only(layer: str) -> None:
+        for shard in host.copy([layer], train_engine.step, pool)[0]:
+            pool.release(shard)
+
+    def snapshot_then_step(handover: Handover, layer: str) -> None:
+        handover.take([layer], train_engine.step, base=False)
+        step()
+
+    for _ in range(3):
+        step()
+
+    rows = []
+    for name in _layers_to_measure(list(train_engine.layer_map.names)):
+        numel = layout[name].owned_numel
+        samples: dict[str, list[float]] = {"step": [], "copy": [], "side": [], "host": []}
+        for i in range(steps + 1):  # the first round warms the pinned buffers up; not counted
+            copy_s = _timed(partial(copy_only, name))
+            step_s = _timed(step)
+            side_s = _timed(partial(snapshot_then_step, sides, name))
+            sides.flush(wait=True)
+            host_s = _timed(partial(snapshot_then_step, hosts, name))
+            hosts.flush(wait=True)
+            if i:
+                for key, value in (("copy", copy_s), ("step", step_s), ("side", side_s), ("host", host_s)):
+                    samples[key].append(value)
+        median = {key: statistics.median(values) for key, values in samples.items()}
+        rows.append(
+            {
+                "layer": name,
+                "bytes": numel * 12,
+                "copy_s": median["copy"],
+                "copy_gbps": numel * 12 / median["copy"] / 1e9,
+                "step_s": median["step"],
+                "stall_side_s": max(0.0, median["side"] - median["step"]),
+                "stall_host_s": max(0.0, median["host"] - median["step"]),
+            }
+        )
+    side.close()
+    out = {
+        "preset": preset_name,
+        "zero_stage": zero_stage,
+        "copier": type(side).__name__,
+        "device": str(train_engine.engine.device),
+        "steps": steps,
+        "layers": rows,
+    }
+    shutdown(train_engine)
+    return out
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [
+        f"snapshot stall, {result['preset']} ZeRO-{result['zero_stage']} on {result['device']} ({result['copier']}); "
+        f"medians of {result['steps']}",
+        f"{'layer':<10} {'MB':>8} {'copy ms':>8} {'GB/s':>6} {'step ms':>8} {'side stall':>11} {'host stall':>11} "
+        f"{'side/copy':>9}",
+    ]
+    for r in result["layers"]:
+        ratio = r["stall_side_s"] / r["copy_s"] if r["copy_s"] else float("nan")
+        lines.append(
+            f"{r['layer']:<10} {r['bytes'] / 1e6:>8.1f} {r['copy_s'] * 1e3:>8.2f} {r['copy_gbps']:>6.1f} "
+            f"{r['step_s'] * 1e3:>8.2f} {r['stall_side_s'] * 1e3:>9.2f}ms {r['stall_host_s'] * 1e3:>9.2f}ms "
+            f"{ratio:>9.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    parser.add_argument("--steps", type=int, default=8, help="timed rounds per layer (medians)")
+    parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3)
+    parser.add_argument("--out", help="write the JSON here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from orchestrator.local.spawn import spawn_ranks
+
+    (result,) = spawn_ranks(stall_job, 1, args.preset, args.steps, args.zero_stage, what="snapshot stall")
+    print(json.dumps(result, indent=2))
+    print(_table(result))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
