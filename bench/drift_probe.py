@@ -216,6 +216,92 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     }
 
 
+#: Kernel configurations ``--sweep`` times on CUDA: (BLOCK, NUM_WARPS, TRITON_CHUNK) of
+#: :mod:`workers.drift_triton`; the first is the default.
+SWEEP: tuple[tuple[int, int, int], ...] = (
+    (1024, 4, 1 << 14),
+    (1024, 4, 1 << 16),
+    (2048, 8, 1 << 16),
+    (4096, 8, 1 << 16),
+    (2048, 4, 1 << 15),
+    (512, 4, 1 << 13),
+)
+
+
+def _issue_seconds(fn: Callable[[], None], device: str, steps: int) -> float:
+    """Median host seconds until ``fn`` returns, the device idle before each call: how long the
+    CPU takes to issue the step (a step whose issue time is its whole time is CPU-bound)."""
+    samples = []
+    for _ in range(steps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    _sync(device)
+    return statistics.median(samples)
+
+
+def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[str, Any]]:
+    """The fused step under each :data:`SWEEP` configuration beside torch's fused AdamW: time per
+    step, host issue time, and whether one step from the same state gives bit-equal parameters
+    to the default configuration's (the configurations only change how work is split)."""
+    from workers import drift_fused, drift_triton
+    from workers.drift_adamw import DriftAdamW
+
+    def configure(config: tuple[int, int, int]) -> None:
+        drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused.TRITON_CHUNK = config
+
+    default = (drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused.TRITON_CHUNK)
+    fns: dict[str, Callable[[], None]] = {}
+    issue: dict[str, Callable[[], None]] = {}
+    equal: dict[str, bool] = {}
+    first: list[torch.Tensor] = []
+    try:
+        torch.manual_seed(0)
+        groups = _groups(model, device)
+        adamw = torch.optim.AdamW(
+            [{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups], lr=1e-5, fused=True
+        )
+        fns["adamw_fused"] = issue["adamw_fused"] = adamw.step
+        for config in SWEEP:
+            torch.manual_seed(0)
+            optimizer = DriftAdamW(_groups(model, device), lr=1e-5, drift_step="fused")
+            configure(config)
+            optimizer.step()
+            optimizer.take_drift()
+            params = [p.detach() for g in optimizer.param_groups for p in g["params"]]
+            if not first:
+                first = [p.clone() for p in params]
+            name = "x".join(map(str, config))
+            equal[name] = all(torch.equal(a, b) for a, b in zip(first, params))
+
+            def step(optimizer: DriftAdamW = optimizer, config: tuple[int, int, int] = config) -> None:
+                configure(config)
+                optimizer.step()
+                torch.stack(list(optimizer.take_drift().values())).cpu()
+
+            def issue_only(optimizer: DriftAdamW = optimizer, config: tuple[int, int, int] = config) -> None:
+                configure(config)
+                optimizer.step()
+
+            fns[name], issue[name] = step, issue_only
+        seconds = _time_interleaved(fns, device, steps)
+        issued = {name: _issue_seconds(fn, device, steps) for name, fn in issue.items()}
+    finally:
+        configure(default)
+    base = seconds["adamw_fused"]
+    return [
+        {
+            "config": name,
+            "seconds": seconds[name],
+            "x_adamw_fused": seconds[name] / base,
+            "issue_s": issued[name],
+            "bit_equal_to_default": equal.get(name, None),
+        }
+        for name in fns
+    ]
+
+
 def training_step_seconds(preset: Preset) -> dict[str, float]:
     """Median seconds of one whole training step through the DeepSpeed engine (1 rank, ZeRO-0),
     per DriftAdamW ``drift_step``, interleaved on one engine (DeepSpeed builds one per process)."""
@@ -243,7 +329,7 @@ def training_step_seconds(preset: Preset) -> dict[str, float]:
     return seconds
 
 
-def run(preset_name: str, steps: int | None, device: str | None = None) -> dict[str, Any]:
+def run(preset_name: str, steps: int | None, device: str | None = None, sweep: bool = False) -> dict[str, Any]:
     from workers.config import ModelConfig
     from workers.engine import build_model
 
@@ -257,6 +343,7 @@ def run(preset_name: str, steps: int | None, device: str | None = None) -> dict[
     model = build_model(ModelConfig(hf_config=preset.model))
     numel = sum(p.numel() for p in model.parameters())
     optimizer = _time_interleaved(optimizer_variants(model, preset.device), preset.device, preset.steps)
+    swept = kernel_sweep(model, preset.device, preset.steps) if sweep and preset.device == "cuda" else []
     del model
     wholes = training_step_seconds(preset)
     whole, whole_fused = wholes["foreach"], wholes["fused"]
@@ -285,6 +372,7 @@ def run(preset_name: str, steps: int | None, device: str | None = None) -> dict[
         "training_step_s": whole,
         "training_step_fused_s": whole_fused,
         "probes": rows,
+        "kernel_sweep": swept,
         "machine": describe(),
     }
 
@@ -302,6 +390,15 @@ def table(result: dict[str, Any]) -> str:
             f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['x_adamw']:8.3f} {row['overhead_s'] * 1e3:10.3f} "
             f"{row['vs_training_step']:17.4f}"
         )
+    if result.get("kernel_sweep"):
+        lines.append(
+            f"{'kernel (BLOCKxWARPSxCHUNK)':<26} {'step ms':>9} {'x fused':>8} {'issue ms':>9} {'bit-equal':>9}"
+        )
+        for row in result["kernel_sweep"]:
+            lines.append(
+                f"{row['config']:<26} {row['seconds'] * 1e3:9.3f} {row['x_adamw_fused']:8.3f} "
+                f"{row['issue_s'] * 1e3:9.3f} {row['bit_equal_to_default']!s:>9}"
+            )
     return "\n".join(lines)
 
 
@@ -310,10 +407,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (after 3 warm-up)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override the preset's device")
+    parser.add_argument(
+        "--sweep", action="store_true", help="CUDA: also time the fused kernel's configurations (workers.drift_triton)"
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")
     args = parser.parse_args(argv)
-    result = run(args.preset, args.steps, args.device)
+    result = run(args.preset, args.steps, args.device, sweep=args.sweep)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)

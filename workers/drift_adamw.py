@@ -129,10 +129,11 @@ class DriftAdamW(torch.optim.AdamW):
 
     def _fused_step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         states = [self.init_state(p) for p in params]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)  # one op for the group: per-tensor ops cost more than the GPU's update
         by_count: dict[float, list[int]] = {}
-        for i, state in enumerate(states):
-            state["step"] += 1
-            by_count.setdefault(float(state["step"].item()), []).append(i)
+        for i, count in enumerate(torch.stack(steps).tolist()):
+            by_count.setdefault(float(count), []).append(i)
         beta1, beta2 = group["betas"]
         for count, members in by_count.items():  # one launch per step count (normally one)
             scalars = AdamWScalars(

@@ -23,12 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from workers.drift_fused import TRITON_CHUNK, AdamWScalars, Windows, work_rows
+from workers import drift_fused
+from workers.drift_fused import AdamWScalars, Windows, work_rows
 
 logger = logging.getLogger(__name__)
 
-#: Elements per loop iteration of a program (a power of two; 8 per thread at 4 warps).
+#: Elements per loop iteration of a program (a power of two; 8 per thread at 4 warps), and the
+#: warps of a program. Read at each launch (``bench.drift_probe --sweep`` varies them, with
+#: ``drift_fused.TRITON_CHUNK``); none of the three changes any element's arithmetic.
 BLOCK = 1024
+NUM_WARPS = 4
 _ROW = 5  # (tensor, start, stop, count_lo, count_hi)
 
 
@@ -86,8 +90,10 @@ def _adamw_l1_kernel(
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_on(numels: tuple[int, ...], windows: tuple[Windows | None, ...], device: torch.device) -> torch.Tensor:
-    rows = work_rows(numels, windows, TRITON_CHUNK)
+def _rows_on(
+    numels: tuple[int, ...], windows: tuple[Windows | None, ...], device: torch.device, chunk: int
+) -> torch.Tensor:
+    rows = work_rows(numels, windows, chunk)
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, _ROW).to(device)
 
 
@@ -107,7 +113,7 @@ def adamw_l1_triton(
     """One launch: update every tensor in place; the count as a float64 scalar on the device."""
     device = params[0].device
     acc = torch.zeros(1, dtype=torch.float64, device=device)
-    rows = _rows_on(tuple(p.numel() for p in params), tuple(windows), device)
+    rows = _rows_on(tuple(p.numel() for p in params), tuple(windows), device, drift_fused.TRITON_CHUNK)
     if rows.numel() == 0:
         return acc[0]
     addrs = tuple(t.data_ptr() for quad in zip(params, grads, exp_avgs, exp_avg_sqs) for t in quad)
@@ -126,5 +132,6 @@ def adamw_l1_triton(
         DECAY=scalars.weight_decay != 0,
         LERP_LOW=(1 - scalars.beta1) < 0.5,
         BLOCK=BLOCK,
+        num_warps=NUM_WARPS,
     )
     return acc[0]
