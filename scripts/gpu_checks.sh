@@ -2,7 +2,8 @@
 # Every GPU check of issue 16 in one command, for one GPU machine (sized for ~12 minutes of an H200):
 #   1. bench.drift_probe on CUDA: the small model, then the Qwen2.5-0.5B shape (bf16, 4x1024)
 #   2. the exactness tests on CUDA: the fused step (Triton) against torch's fused AdamW and
-#      snapshot-and-diff, in real DeepSpeed on one NCCL rank; snapshots copied on a side stream
+#      snapshot-and-diff, in real DeepSpeed on one NCCL rank; snapshots copied on a side stream;
+#      a survivor's capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
 #   3. the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
 # Figures and test reports go to bench/results/gpu-<date>-<gpu>/ (JSON, JUnit XML, logs) with a
 # summary.json naming each check's outcome. Exit status: 0 all passed; 1 a check failed; 2 a check
@@ -58,7 +59,7 @@ else
 fi
 
 check exactness 420 $PY -m pytest -q -p no:cacheprovider -m "" -rs --junitxml="$OUT/exactness.xml" \
-    tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py
+    tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py
 
 if (( DRY )); then
     OUTCOME[e2e_nccl_bf16]="not run (dry run: needs the GPU machine)"

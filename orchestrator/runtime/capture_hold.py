@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 #: Slack over the supervisor's own bound before the controller stops waiting for its answer.
 ANSWER_SLACK_S = 10.0
+#: How long the hold waits for the survivors' answers to the abort request before it waits for captures.
+ANSWER_WAIT_S = 2.0
 
 
 class CaptureHold(WorkerGroupCallback):
@@ -55,24 +57,24 @@ class CaptureHold(WorkerGroupCallback):
         # the supervisor waits for every rank that began a capture, failed or not
         survivors = sorted(rank for rank in status.worker_statuses if rank not in failed)
         teardown_at = time.time()
-        released = self._release(worker_group, survivors, failed)
+        released = _answers(self._release(worker_group, survivors, failed))
         outcome = ray.get(
-            self.supervisor.await_captures.remote(survivors, teardown_at, sorted(failed)),
+            self.supervisor.await_captures.remote(survivors, teardown_at, sorted(failed), released),
             timeout=self.bound_s + ANSWER_SLACK_S,
         )
         logger.info(
-            "LayerCheck held the teardown %.2fs: ranks %s captured, %s did not; asked to abort their "
-            "collectives, ranks answered %s",
+            "LayerCheck held the teardown %.2fs: ranks %s captured, %s did not; asked to abort a blocked "
+            "collective, ranks answered %s",
             outcome["hold_s"],
             outcome["captured"],
             outcome["missed"],
-            _answers(released),
+            released,
         )
 
     @staticmethod
     def _release(worker_group: Any, survivors: list[int], failed: set[int]) -> dict[int, Any]:
-        """Ask each survivor to abort a collective blocked on the failed ranks (not waited for:
-        the captures it lets begin are what the hold waits for). Per rank, the answer's reference."""
+        """Ask each survivor to abort a collective blocked on the failed ranks; per rank, the
+        reference of its answer."""
         reason = f"Ray Train saw rank(s) {sorted(failed)} fail"
         asked = {}
         for rank in survivors:
@@ -84,8 +86,10 @@ class CaptureHold(WorkerGroupCallback):
 
 
 def _answers(asked: dict[int, Any]) -> dict[int, str]:
-    """The survivors' answers that have arrived (by now, after the hold, normally all of them)."""
-    ready = set(ray.wait(list(asked.values()), num_returns=len(asked), timeout=0)[0]) if asked else set()
+    """The survivors' answers (each a quick call beside the training thread), waited for at most
+    ``ANSWER_WAIT_S``: an unanswered one is ``"no answer"``, and its capture is waited for all the same."""
+    refs = list(asked.values())
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=ANSWER_WAIT_S)[0]) if refs else set()
     out = {}
     for rank, ref in asked.items():
         try:
