@@ -27,6 +27,7 @@ from orchestrator.runtime import context
 from orchestrator.runtime.names import NAMESPACE, RunNames
 from orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
 from policies.layer_map import LayerMap, LayerMapSpec
+from workers import collective_abort
 from workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
 from workers.loop import LoopResult, StepProtocol
 
@@ -167,7 +168,9 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         attempt=resume.attempt,
         capture_timeout_s=ctx.capture_timeout_s,
     )
-    protocol = StepProtocol(attached.layout, coordinator, rank=rank)
+    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
+    abort = None if ctx.capture_timeout_s is None else collective_abort.install(collective_abort.for_current_group())
+    protocol = StepProtocol(attached.layout, coordinator, rank=rank, abort=abort)
     context.on_failure(protocol.on_failure)  # the loop raised (a peer died): hand over what this rank holds
     return Attachment(
         attached,

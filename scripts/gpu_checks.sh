@@ -2,8 +2,8 @@
 # Every GPU check in one command, for one GPU machine. In order of value, so a short lease spends
 # its minutes on what matters most:
 #   exactness     the fused drift step (Triton) against torch's fused AdamW and snapshot-and-diff,
-#                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; survivors'
-#                 captures of GPU-resident optimizer state (every test file below, CUDA cases on)
+#                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; a survivor's
+#                 capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
 #   bench_0.5b    bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
 #   snapshot_stall bench.snapshot_stall on the same shape: the training stream's stall per persisted
 #                 layer, side-stream copy vs the joined host copy, against the pinned copy time
@@ -33,8 +33,7 @@ while (( $# )); do
 done
 BUDGET=${GPU_CHECKS_BUDGET_S:-3600}
 START=$SECONDS
-EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py"
-for extra in tests/test_capture_cuda.py; do [[ -f $extra ]] && EXACTNESS_TESTS+=" $extra"; done
+EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py"
 
 die() { echo "gpu_checks: $*" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -88,7 +87,7 @@ if wanted bench_0.5b; then
     if (( DRY )); then
         OUTCOME[bench_0.5b]="not run (dry run: needs the GPU machine)"
     else
-        check bench_0.5b 300 $PY -m bench.drift_probe --preset h200-0.5b --out "$RESULTS/drift_probe-qwen0.5b.json"
+        check bench_0.5b 300 $PY -m bench.drift_probe --preset h200-0.5b --sweep --out "$RESULTS/drift_probe-qwen0.5b.json"
     fi
 fi
 

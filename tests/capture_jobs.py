@@ -46,3 +46,118 @@ def _state(train_engine: Any) -> dict[str, Any]:
         for piece in layout[name].needed
         for key in ("fp32", "exp_avg", "exp_avg_sq")
     }
+
+
+class _Recorder:
+    """The coordinator as far as a capture goes: no policy, no writers; keeps what is handed over."""
+
+    def __init__(self) -> None:
+        self.captured: list[tuple[int, list[Any]]] = []
+
+    def report(self, drift: Any, lr: float) -> None:
+        return None
+
+    def decision(self, handle: Any) -> None:
+        return None
+
+    def persist(self, shards: Any, *, base: bool) -> None:
+        pass
+
+    def progress(self, **_: Any) -> None:
+        pass
+
+    def capture(self, shards: list[Any], *, step: int, error: BaseException) -> None:
+        self.captured.append((step, shards))
+
+
+def released_capture_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
+    """A survivor blocked in a collective is released by an abort asked from another thread (as
+    Ray Train's controller asks, through ``request_abort``), its step raises, and it captures.
+
+    On NCCL (CUDA, one rank) the abort is torch's own and the collective after it raises; a
+    one-rank group never blocks, so the abort comes first. On gloo (CPU) the real abort is not
+    needed (gloo raises by itself) and leaves the group working; the block and the release are
+    then scripted (a collective that waits until an abort labelled NCCL sets it free). Either way
+    the capture must equal the optimizer's state at the last completed step, bit for bit."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from tests.worker_jobs import batches as worker_batches
+    from tests.worker_jobs import make_engine as make_worker_engine
+    from workers import collective_abort
+    from workers.capture import capture_pieces
+    from workers.loop import StepProtocol
+    from workers.shard import STATE_KEYS
+
+    train_engine = make_worker_engine(stage, precision)
+    layout = train_engine.layout
+    out: dict[str, Any] = {"backend": str(dist.get_backend())}
+    real = collective_abort.CollectiveAbort(backend=out["backend"])
+    if collective_abort.raises_by_itself(out["backend"]):
+        real.arm()
+        out["real_answer"] = real.request("a peer is gone (test)").value
+        probe = torch.ones(1)
+        dist.all_reduce(probe)  # the group still works
+        out["group_works"] = probe.item() == world_size
+        released = threading.Event()
+        abort = collective_abort.CollectiveAbort(backend="nccl", abort=released.set)  # stands for ncclCommAbort
+
+        def collective() -> None:  # stands for a kernel spinning on a lost peer
+            released.wait()
+            raise RuntimeError("NCCL communicator was aborted (scripted)")
+    else:
+        abort = real
+
+        def collective() -> None:
+            dist.all_reduce(torch.ones(1, device=torch.device("cuda", torch.cuda.current_device())))
+
+    collective_abort.install(abort)
+    recorder = _Recorder()
+    protocol = StepProtocol(layout, recorder, rank=rank, abort=abort)
+    for step in (1, 2):
+        loss, drift = train_step(train_engine, worker_batches(train_engine, step, rank))
+        protocol.after_step(step, drift, loss=loss, lr=0.0, compute_s=0.0)
+    pieces = capture_pieces(layout)
+    reference = {
+        (name, index, key): state_view(layout.optimizer, piece, key).detach().cpu().clone()
+        for name, taken in pieces.items()
+        for index, piece in enumerate(taken)
+        for key in STATE_KEYS
+    }
+    answers: list[str] = []
+    controller = threading.Thread(target=lambda: answers.append(collective_abort.request_abort("rank 1 died (test)")))
+    controller.start()
+    if not collective_abort.raises_by_itself(out["backend"]):
+        controller.join()  # a one-rank NCCL group never blocks: the abort comes first
+    try:
+        collective()
+        out["raised"] = ""
+    except Exception as error:  # noqa: BLE001 - what the test is about
+        out["raised"] = f"{type(error).__name__}: {error}"[:200]
+        protocol.on_failure(error)
+    controller.join()
+    collective_abort.install(None)
+    out["answers"] = answers
+    out["answer_after"] = abort.request("asked again (test)").value
+    out["copier"] = type(protocol._handover.copier).__name__
+    out["captured_steps"] = [step for step, _ in recorder.captured]
+    equal, compared = True, 0
+    for _, shards in recorder.captured:
+        for shard in shards:
+            for index, _piece in enumerate(shard.slices):
+                for key in STATE_KEYS:
+                    got = shard.view(key, index)
+                    want = reference[(shard.layer, index, key)]
+                    equal = equal and got.device.type == "cpu" and torch.equal(got, want.to(got.dtype))
+                    compared += got.numel()
+    out["equal"], out["compared"] = equal, compared
+    out["pinned"] = all(
+        shard.tensors[key].is_pinned() for _, shards in recorder.captured for shard in shards for key in STATE_KEYS
+    )
+    try:
+        shutdown(train_engine)  # after an abort the default group is gone: only the engine is released
+    except Exception as error:  # noqa: BLE001 - reported, not the point of the test
+        out["shutdown_error"] = repr(error)[:200]
+    return out

@@ -153,6 +153,11 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
     failed = run(demo, tmp_path, "failed0", sparse, **{"fault.kill_at_step": 6, **zero0})
     (recovery,) = failed.status["account"]["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
+    (hold,) = failed.status["account"]["capture"]["holds"]
+    # a survivor Ray Train has not yet seen fail is asked to abort a blocked collective: on gloo it
+    # raised (or raises) by itself (one it has seen fail already raised, and is not asked)
+    answers = {"already_raised", "not_needed"} | ({"abort"} if failed.config.cluster.use_gpu else set())
+    assert set(hold["released"].values()) <= answers, hold
     stored = [v for v in LayerStore.open(failed.config.storage_uri).versions() if not v.partial and v.step <= 6]
     assert max(v.step for v in stored) < 6  # what storage alone would give is stale
     history = {int(k): v[0] for k, v in failed.status["account"]["history"].items()}

@@ -20,6 +20,15 @@ The capture is labelled with the step its state is at. A rank may stand one step
 reported step (it finished its local optimizer step ``t + 1`` before the collective that broke):
 :func:`state_step` reads that from the optimizer's own step count, and the recovery plan decides
 what such a slice is good for (``policies.plan``).
+
+On a GPU the state is on the device. A survivor blocked in an NCCL collective gets control back
+only once the collective is aborted (:mod:`workers.collective_abort`); the work queued behind the
+aborted kernel then runs, so the capture first waits (bounded) for the training stream to settle,
+then copies into pinned host buffers on the side stream of :mod:`workers.snapshot_copy`, waiting
+for that copy bounded too. A failed NCCL collective hands back whatever the aborted kernel left
+instead of raising, so there a state the optimizer updated after the last completed step may
+hold such garbage: :func:`refusal` turns it down. A GPU whose state is lost (a sticky CUDA error)
+raises in the first of these calls: the rank contributes nothing, as when it cannot capture in time.
 """
 
 from __future__ import annotations
@@ -29,9 +38,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from workers.host_buffers import HostBufferPool
-from workers.layer_state import optimizer_step_of, snapshot_layers
+from workers.layer_state import optimizer_step_of
 from workers.layout import Piece, StateLayout, zero0_owned_range
 from workers.shard import LayerShard, ParamSlice
+from workers.snapshot_copy import HostCopier, SnapshotCopier, wait_done
+
+#: The longest a capture waits for its device: the training stream to settle, then its own copy.
+DEVICE_WAIT_S = 20.0
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +67,19 @@ def state_step(layout: StateLayout, last: StepMark) -> int:
     """The loop step this rank's optimizer state is at now: ``last.step``, or one more if the
     optimizer has stepped since (a failure after the local update, before the step was reported)."""
     return last.step + (_optimizer_step(layout) - last.optimizer_step)
+
+
+def refusal(last: StepMark, step: int, *, synchronous_errors: bool) -> str:
+    """Why a capture at ``step`` (:func:`state_step`) must not be handed over, or ``""``. Where a
+    failed collective raises where it ran (gloo), an update after the last completed step used
+    whole gradients: the capture is exact at ``step``. Where it does not (NCCL), that update may
+    have consumed an aborted collective's output: only the state of the last completed step is sure."""
+    if step == last.step or synchronous_errors:
+        return ""
+    return (
+        f"the optimizer stepped past step {last.step} (to {step}) and a failed collective on this "
+        "backend returns without raising: that update may hold an aborted collective's output"
+    )
 
 
 def _optimizer_step(layout: StateLayout) -> int:
@@ -79,11 +105,22 @@ def capture_pieces(layout: StateLayout) -> dict[str, tuple[Piece, ...]]:
     return out
 
 
-def capture_shards(layout: StateLayout, step: int, pool: HostBufferPool | None = None) -> list[LayerShard]:
+def capture_shards(
+    layout: StateLayout,
+    step: int,
+    pool: HostBufferPool | None = None,
+    *,
+    copier: SnapshotCopier | None = None,
+    timeout_s: float = DEVICE_WAIT_S,
+) -> list[LayerShard]:
     """This rank's capture of every layer at ``step`` (its state's step, see :func:`state_step`),
-    copied out of the optimizer into host buffers."""
+    copied out of the optimizer into host buffers by ``copier`` (the rank's snapshot copier: on a
+    GPU its side stream into pinned memory); raises ``TimeoutError`` if that copy has not landed
+    within ``timeout_s``."""
     pieces = capture_pieces(layout)
-    shards = snapshot_layers(layout, list(pieces), pool or HostBufferPool(), step, pieces=pieces)
+    shards, done = (copier or HostCopier(layout)).copy(list(pieces), step, pool or HostBufferPool(), pieces=pieces)
+    if not wait_done(done, timeout_s):
+        raise TimeoutError(f"the capture's device-to-host copy did not land within {timeout_s:g}s")
     logger.info(
         "rank %d: captured %d layers at step %d (%d bytes)",
         layout.rank,

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from policies.decision import PersistDecision
-from workers.capture import StepMark, capture_shards, mark, state_step
+from workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
+from workers.collective_abort import CollectiveAbort
 from workers.data import SequenceDataset
 from workers.drift import LayerDrift
 from workers.engine import TrainEngine
@@ -29,7 +30,7 @@ from workers.host_buffers import HostBufferPool
 from workers.layout import StateLayout
 from workers.schedule import lr_at
 from workers.shard import LayerShard
-from workers.snapshot_copy import Handover, copier_for
+from workers.snapshot_copy import Handover, copier_for, settle
 from workers.step import train_step
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,11 @@ class StepProtocol:
     the built-in :func:`run_loop` and a user's own loop (``layercheck.attach``) both call
     :meth:`after_step` once after each optimizer step and :meth:`finish` once at the end."""
 
-    def __init__(self, layout: StateLayout, coordinator: Coordinator, *, rank: int) -> None:
+    def __init__(
+        self, layout: StateLayout, coordinator: Coordinator, *, rank: int, abort: CollectiveAbort | None = None
+    ) -> None:
+        """``abort``: how this rank is released from a collective blocked on a lost peer
+        (:mod:`workers.collective_abort`), armed while the protocol runs; ``None``: never released."""
         self.layout = layout
         self.coordinator = coordinator
         self.rank = rank
@@ -88,6 +93,9 @@ class StepProtocol:
         self._last_step: int | None = None
         self._mark: StepMark | None = None
         self._captured = False
+        self.abort = abort
+        if abort is not None:
+            abort.arm()
 
     def after_step(self, step: int, drift: LayerDrift, *, loss: float, lr: float, compute_s: float) -> float:
         """Report step ``step``'s drift (not waiting), carry out step ``step - 1``'s decision,
@@ -119,14 +127,26 @@ class StepProtocol:
         capture of every layer before the error ends the rank (best effort, once; see
         :mod:`workers.capture`). Nothing is captured before the first completed step of this
         worker group (the state is then the composite just loaded, nothing fresher)."""
+        released = self.abort.raised() if self.abort is not None else False
         handover = getattr(self.coordinator, "capture", None)
         if self._captured or handover is None or self._mark is None:
             return
         self._captured = True
         try:
+            if not settle(self.layout, DEVICE_WAIT_S):  # what was queued behind an aborted collective runs first
+                logger.error("rank %d: the GPU did not settle within %gs: nothing captured", self.rank, DEVICE_WAIT_S)
+                return
             self._handover.flush(wait=True)  # scheduled snapshots already copied go first
             step = state_step(self.layout, self._mark)
-            handover(capture_shards(self.layout, step, self._buffers), step=step, error=error)
+            refused = refusal(self._mark, step, synchronous_errors=self.abort is None or self.abort.synchronous_errors)
+            if refused:
+                logger.error("rank %d: no capture (%s)", self.rank, refused)
+                return
+            shards = capture_shards(self.layout, step, self._buffers, copier=self._handover.copier)
+            logger.info(
+                "rank %d: captured at step %d%s", self.rank, step, " (released by an abort)" if released else ""
+            )
+            handover(shards, step=step, error=error)
         except Exception:  # best effort: the error that ended the step is the one to raise
             logger.exception("rank %d: capture after %r failed", self.rank, error)
 
@@ -149,6 +169,8 @@ class StepProtocol:
                 self.result.stall_s += self._snapshot(rest, step, base=False)
                 self.result.persisted[step] = tuple(done) + rest
                 logger.info("step %d: final state of %d layer(s) handed over", step, len(rest))
+        if self.abort is not None:
+            self.abort.disarm()  # a normal end: nothing to release any more
         started = time.monotonic()
         self._handover.flush(wait=True)
         self._handover.copier.close()
@@ -187,11 +209,13 @@ def run_loop(
     after_step: Callable[[int], None] = lambda step: None,
     save_final: bool = False,
     report_step: Callable[[int, float], None] | None = None,
+    abort: CollectiveAbort | None = None,
 ) -> LoopResult:
     """Train steps ``start_step..end_step`` (inclusive, counted from 1), fewer if the run asks
     to stop; ``save_final``: the last step's state of every layer is handed over at the end.
-    ``report_step(step, loss)`` runs after each step, before ``after_step`` (progress reporting)."""
-    protocol = StepProtocol(train_engine.layout, coordinator, rank=rank)
+    ``report_step(step, loss)`` runs after each step, before ``after_step`` (progress reporting).
+    ``abort``: see :class:`StepProtocol`."""
+    protocol = StepProtocol(train_engine.layout, coordinator, rank=rank, abort=abort)
     try:
         _train(train_engine, dataset, protocol, start_step, end_step, rank, world_size, after_step, report_step)
     except Exception as error:

@@ -16,8 +16,9 @@ when more than ``max_in_flight`` are outstanding.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ import torch
 
 from workers.host_buffers import HostBufferPool
 from workers.layer_state import snapshot_layers
-from workers.layout import StateLayout
+from workers.layout import Piece, StateLayout
 from workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,15 @@ class CopyQueue:
         return out
 
 
+#: ``snapshot_layers``' ``pieces``: what to copy of each layer where not its owned pieces (a capture).
+Pieces = Mapping[str, Sequence[Piece]] | None
+
+
 class SnapshotCopier(Protocol):
-    def copy(self, names: Sequence[str], step: int, pool: HostBufferPool) -> tuple[list[LayerShard], CopyDone | None]:
-        """Issue the copies of ``names``' shards at ``step``; the shards and their completion."""
+    def copy(
+        self, names: Sequence[str], step: int, pool: HostBufferPool, pieces: Pieces = None
+    ) -> tuple[list[LayerShard], CopyDone | None]:
+        """Issue the copies of ``names``' shards (or ``pieces``) at ``step``; the shards and their completion."""
 
     def close(self) -> None:
         """Stop guarding the optimizer (the copier is no longer used)."""
@@ -94,8 +101,10 @@ class HostCopier:
     def __init__(self, layout: StateLayout) -> None:
         self.layout = layout
 
-    def copy(self, names: Sequence[str], step: int, pool: HostBufferPool) -> tuple[list[LayerShard], CopyDone | None]:
-        return snapshot_layers(self.layout, names, pool, step=step), None
+    def copy(
+        self, names: Sequence[str], step: int, pool: HostBufferPool, pieces: Pieces = None
+    ) -> tuple[list[LayerShard], CopyDone | None]:
+        return snapshot_layers(self.layout, names, pool, step=step, pieces=pieces), None
 
     def close(self) -> None:
         pass
@@ -112,13 +121,15 @@ class SideStreamCopier:
         self._unguarded: list[Any] = []  # copy events the training stream has not yet waited for
         self._hook = layout.optimizer.register_step_pre_hook(self._before_optimizer_step)
 
-    def copy(self, names: Sequence[str], step: int, pool: HostBufferPool) -> tuple[list[LayerShard], CopyDone | None]:
+    def copy(
+        self, names: Sequence[str], step: int, pool: HostBufferPool, pieces: Pieces = None
+    ) -> tuple[list[LayerShard], CopyDone | None]:
         training = torch.cuda.current_stream(self.device)
         taken = torch.cuda.Event()
         taken.record(training)  # the state after step ``step``: everything queued so far
         self.stream.wait_event(taken)
         with torch.cuda.stream(self.stream):
-            shards = snapshot_layers(self.layout, names, pool, step=step, join=False)
+            shards = snapshot_layers(self.layout, names, pool, step=step, join=False, pieces=pieces)
         done = torch.cuda.Event()
         done.record(self.stream)
         self._unguarded.append(done)
@@ -135,10 +146,41 @@ class SideStreamCopier:
         self._hook.remove()
 
 
+def state_device(layout: StateLayout) -> torch.device | None:
+    """The CUDA device this rank's layer state lives on (``None``: on the host)."""
+    masters = (p.master for entry in layout.layers.values() for p in entry.owned)
+    return next((m.device for m in masters if m.is_cuda), None)
+
+
+def wait_done(done: CopyDone | None, timeout_s: float, poll_s: float = 0.002) -> bool:
+    """Wait at most ``timeout_s`` for ``done`` (a copy, or queued work); True once it completed.
+    Polled, never ``synchronize()``: a GPU that hangs must not hang the caller with it. A sticky
+    CUDA error (the device's state is lost) raises here."""
+    if done is None:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while not done.query():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
+def settle(layout: StateLayout, timeout_s: float) -> bool:
+    """Wait (bounded, see :func:`wait_done`) until the work queued so far on the training stream
+    of this rank's device has run (at once on the host). After a collective was aborted its
+    kernel returns and what was queued behind it runs: only then is the state what it will stay."""
+    device = state_device(layout)
+    if device is None:
+        return True
+    queued = torch.cuda.Event()
+    queued.record(torch.cuda.current_stream(device))
+    return wait_done(queued, timeout_s)
+
+
 def copier_for(layout: StateLayout) -> SnapshotCopier:
     """The side-stream copier where this rank's layer state is on a CUDA device, else the host one."""
-    masters = [p.master for entry in layout.layers.values() for p in entry.owned]
-    device = next((m.device for m in masters if m.is_cuda), None)
+    device = state_device(layout)
     if device is None or not hasattr(layout.optimizer, "register_step_pre_hook"):
         return HostCopier(layout)
     logger.info("layer snapshots copy to pinned host memory on a side stream of %s", device)

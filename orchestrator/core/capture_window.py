@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ class HoldOutcome:
     """Unix time the controller began the teardown (entered the hold)."""
     hold_s: float
     """How long the teardown was held back."""
+    released: dict[str, str] = field(default_factory=dict)
+    """Per survivor (rank as a string), its answer to the controller's request to abort a collective
+    blocked on the lost ranks (``workers.collective_abort.AbortDecision`` values: ``abort`` on NCCL)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -104,7 +107,13 @@ class CaptureWindow:
         )
 
     def await_survivors(
-        self, attempt: int, survivors: Collection[int], *, teardown_at: float, failed: Collection[int] = ()
+        self,
+        attempt: int,
+        survivors: Collection[int],
+        *,
+        teardown_at: float,
+        failed: Collection[int] = (),
+        released: Mapping[int, str] | None = None,
     ) -> HoldOutcome:
         """Block until each of ``survivors`` (ranks of ``attempt``) has ended its capture, or did
         not begin within ``grace_s``, or ``timeout_s`` passed since the wait began. ``failed``: ranks
@@ -135,6 +144,7 @@ class CaptureWindow:
                 missed=tuple(r for r in alive if r not in captured),
                 teardown_at=teardown_at,
                 hold_s=self.clock() - started,
+                released={str(rank): answer for rank, answer in (released or {}).items()},
             )
             self.holds.append(outcome)
         if outcome.missed:

@@ -114,8 +114,9 @@ class PersistenceConfig:
     over the stored versions: under ZeRO-3 only the dead ranks' slices come back stale, under
     ZeRO-0 nothing does. Ray Train's teardown of the broken group is held back for it (below)."""
     capture_grace_s: float = 2.0
-    """How long the teardown waits for a survivor to begin its capture (a survivor stuck in a
-    collective never does: its slices come from stored versions)."""
+    """How long the teardown waits for a survivor to begin its capture. An NCCL survivor blocked
+    in a collective is released first (its process groups aborted, README "GPU/NCCL"); one that
+    still never begins contributes nothing: its slices come from stored versions."""
     capture_timeout_s: float = 30.0
     """The longest the teardown of a broken group is held for the survivors' captures."""
     memory_bytes: int = 2 * 2**30

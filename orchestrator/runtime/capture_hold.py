@@ -8,9 +8,12 @@ controller: when the group's last poll shows failed ranks, it asks the superviso
 other ranks' captures (bounded by ``persistence.capture_grace_s`` / ``capture_timeout_s``) before
 the teardown goes on. A group that ends normally (no failed rank) is not held.
 
-With NCCL a survivor may sit in a collective that never returns instead of raising: it never
-begins a capture, so the hold gives up on it after the grace period. (Aborting its communicator
-from here, so that it raises and captures, is the GPU path the design describes; not built yet.)
+With NCCL a survivor sits in a collective that returns only at its timeout instead of raising,
+and would never begin a capture. So before it waits, the hold asks every survivor's process to
+release itself (:func:`workers.collective_abort.request_abort`, run in the worker actor beside its
+training thread): an NCCL rank aborts its process groups, its collective returns, its step raises
+and it captures; a gloo rank has raised already or will by itself, and does nothing. What each
+survivor decided is logged. A survivor that still never begins is given up on after the grace period.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
+from workers.collective_abort import request_abort
+
 logger = logging.getLogger(__name__)
 
 #: Slack over the supervisor's own bound before the controller stops waiting for its answer.
 ANSWER_SLACK_S = 10.0
+#: How long the hold waits for the survivors' answers to the abort request before it waits for captures.
+ANSWER_WAIT_S = 2.0
 
 
 class CaptureHold(WorkerGroupCallback):
@@ -50,13 +57,43 @@ class CaptureHold(WorkerGroupCallback):
         # the supervisor waits for every rank that began a capture, failed or not
         survivors = sorted(rank for rank in status.worker_statuses if rank not in failed)
         teardown_at = time.time()
+        released = _answers(self._release(worker_group, survivors, failed))
         outcome = ray.get(
-            self.supervisor.await_captures.remote(survivors, teardown_at, sorted(failed)),
+            self.supervisor.await_captures.remote(survivors, teardown_at, sorted(failed), released),
             timeout=self.bound_s + ANSWER_SLACK_S,
         )
         logger.info(
-            "LayerCheck held the teardown %.2fs: ranks %s captured, %s did not",
+            "LayerCheck held the teardown %.2fs: ranks %s captured, %s did not; asked to abort a blocked "
+            "collective, ranks answered %s",
             outcome["hold_s"],
             outcome["captured"],
             outcome["missed"],
+            released,
         )
+
+    @staticmethod
+    def _release(worker_group: Any, survivors: list[int], failed: set[int]) -> dict[int, Any]:
+        """Ask each survivor to abort a collective blocked on the failed ranks; per rank, the
+        reference of its answer."""
+        reason = f"Ray Train saw rank(s) {sorted(failed)} fail"
+        asked = {}
+        for rank in survivors:
+            try:
+                asked[rank] = worker_group.execute_single_async(rank, request_abort, reason)
+            except Exception as error:  # noqa: BLE001 - that rank simply is not released
+                logger.warning("LayerCheck: could not ask rank %d to abort its collectives: %r", rank, error)
+        return asked
+
+
+def _answers(asked: dict[int, Any]) -> dict[int, str]:
+    """The survivors' answers (each a quick call beside the training thread), waited for at most
+    ``ANSWER_WAIT_S``: an unanswered one is ``"no answer"``, and its capture is waited for all the same."""
+    refs = list(asked.values())
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=ANSWER_WAIT_S)[0]) if refs else set()
+    out = {}
+    for rank, ref in asked.items():
+        try:
+            out[rank] = ray.get(ref) if ref in ready else "no answer"
+        except Exception as error:  # noqa: BLE001 - a survivor that died meanwhile
+            out[rank] = f"failed: {type(error).__name__}"
+    return out

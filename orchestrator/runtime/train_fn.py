@@ -26,6 +26,7 @@ from orchestrator.runtime.train_report import TrainReporter
 from orchestrator.runtime.wire import to_wire
 from orchestrator.store.errors import CorruptShardError
 from policies.decision import PersistDecision
+from workers import collective_abort
 from workers.data import load_dataset
 from workers.drift import LayerDrift
 from workers.engine import build_engine, seek_step, shutdown
@@ -274,6 +275,8 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)
+    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
+    abort = collective_abort.install(collective_abort.for_current_group()) if run.persistence.capture else None
     try:
         result = None
         if resume.start_step <= run.steps:
@@ -288,12 +291,14 @@ def train_fn(loop_config: dict[str, Any]) -> None:
                 after_step=kill,
                 save_final=run.persistence.save_final,
                 report_step=reporter,
+                abort=abort,
             )
             coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
         last = max(result.losses) if result is not None and result.losses else run.steps
         loss = result.losses.get(last) if result is not None else None
         reporter.final(last, loss, blocked_s=coordinator.blocked_s)
     finally:
+        collective_abort.install(None)
         shutdown(train_engine)
 
 
