@@ -100,3 +100,4 @@ def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over
     table = recovery_report.load_table(built)
     assert "0.25x of layercheck+capture" in table and "100%" in table
     assert "recovery loads (store s3-loopback)" in report.text(built)
+    assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
