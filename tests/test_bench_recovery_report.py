@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import recovery_report, report, summary
+from bench import recovery_report, render_readme, report, summary
 from bench.presets import preset
 from bench.unsaved import summarize
 from tests.test_bench_report import FAILURES, STEPS, _raw, _recovery
@@ -101,3 +101,5 @@ def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over
     assert "0.25x of layercheck+capture" in table and "100%" in table
     assert "recovery loads (store s3-loopback)" in report.text(built)
     assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
+    (line,) = render_readme.memory_lines(built, "b")
+    assert "store `s3-loopback`" in line and "**0.25x**" in line and "100% of the bytes from memory" in line
