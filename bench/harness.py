@@ -15,7 +15,8 @@ A failure after step F is a fail-stop of the last rank: the survivors' step rais
 ``capture`` tier, they hand their slices of every layer to their writers first), then the whole
 group's in-memory training state is wiped (every layer NaN, step 0; a layer a recovery misses
 shows up as a NaN loss) and the strategy recovers its way — LayerCheck's through the product's
-recovery (:func:`orchestrator.local.recovery.recover`), rollbacks by re-running the lost steps
+recovery (:func:`orchestrator.local.recovery.recover`; with the ``memory`` tier its shard files
+come from the writers' memory first), rollbacks by re-running the lost steps
 (timed) — and the loop continues at F + 1. Around it, every rank's owned fp32 weights at F are
 compared with what the recovery loaded (:mod:`bench.unsaved`): the unsaved drift at recovery.
 """

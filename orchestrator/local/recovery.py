@@ -9,7 +9,9 @@ Every rank calls :func:`recover` at the same point (it is collective):
    deadline; writers that miss it are named and replaced), commits or abandons what the lost
    group left, plans the composite at ``t_fail`` — or none: restart from the initial weights at
    step 1 — rebases rank 0's policy replica, and every rank gets the same answer;
-3. every rank loads its slices of the composite (:func:`load_composite`) and the ranks agree on
+3. every rank loads its slices of the composite (:func:`load_composite`; shard files from the
+   writers' memory where they hold them, :mod:`orchestrator.local.memory`, counted in
+   ``Recovered.sources`` and the supervisor's account as under Ray) and the ranks agree on
    the outcome before any goes on: a version a rank found corrupt is reported to the supervisor
    (``version_unusable``) and the group rejoins, so the next plan skips it — as a Ray worker
    group that dies on a corrupt shard is restarted and replanned;
