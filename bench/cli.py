@@ -13,6 +13,7 @@ from bench import ettr as ettr_model
 from bench import report as reports
 from bench import summary
 from bench.presets import PRESETS, VARIANTS, preset, variant
+from bench.s3_loopback import STORES
 from bench.strategies import default_strategies, select
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", help="comma-separated subset (none is always run: it is the reference)")
     p.add_argument("--no-matched", action="store_true", help="skip the matched-freshness runs")
     p.add_argument("--repeats", type=int, default=1, help="run every strategy this many times (times: median)")
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default="local",
+        help="where the layer stores go: local disk (under --work-dir) or s3-loopback (an S3-compatible "
+        "moto server the benchmark starts on 127.0.0.1; DeepSpeed's own checkpoints stay local): compares "
+        "recovery loads from the writers' memory with loads from remote-like storage",
+    )
     p.add_argument("--work-dir", type=Path, help="keep checkpoints here (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="write bench.json, summary.md, ettr.json and plots here")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
@@ -99,7 +108,14 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"layercheck bench: {error}") from None
     machine = describe()
-    raw = run_benchmark(workload, strategies, root=args.work_dir, matched=not args.no_matched, repeats=args.repeats)
+    raw = run_benchmark(
+        workload,
+        strategies,
+        root=args.work_dir,
+        matched=not args.no_matched,
+        repeats=args.repeats,
+        store=getattr(args, "store", "local"),
+    )
     report = reports.build_report(raw, workload.to_json(), machine)
     if args.out:
         write_outputs(report, args.out)

@@ -15,7 +15,8 @@ A failure after step F is a fail-stop of the last rank: the survivors' step rais
 ``capture`` tier, they hand their slices of every layer to their writers first), then the whole
 group's in-memory training state is wiped (every layer NaN, step 0; a layer a recovery misses
 shows up as a NaN loss) and the strategy recovers its way — LayerCheck's through the product's
-recovery (:func:`orchestrator.local.recovery.recover`), rollbacks by re-running the lost steps
+recovery (:func:`orchestrator.local.recovery.recover`; with the ``memory`` tier its shard files
+come from the writers' memory first), rollbacks by re-running the lost steps
 (timed) — and the loop continues at F + 1. Around it, every rank's owned fp32 weights at F are
 compared with what the recovery loaded (:mod:`bench.unsaved`): the unsaved drift at recovery.
 """
@@ -38,6 +39,7 @@ import torch
 from bench.baselines import make_baseline
 from bench.metrics import FreshnessTracker, matched_intervals, trace_of
 from bench.presets import Workload
+from bench.s3_loopback import STORES, LoopbackBucket, loopback_s3
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
 from bench.unsaved import owned_weights, unsaved_at_recovery
 from orchestrator.core.run_config import PersistenceConfig
@@ -102,7 +104,7 @@ def _reset(train_engine: Any, initial: list[Any]) -> None:
 class Runner:
     """One rank's benchmark: the engine, the data, and one method per strategy run."""
 
-    def __init__(self, workload: Workload, root: Path, *, keep: bool = False) -> None:
+    def __init__(self, workload: Workload, root: Path, *, keep: bool = False, s3: LoopbackBucket | None = None) -> None:
         import deepspeed  # noqa: F401 — imported before timing the engine build
         import transformers  # noqa: F401
 
@@ -115,6 +117,9 @@ class Runner:
         self.workload = workload
         self.root = root
         self.keep = keep
+        self.s3 = s3
+        """Where the layer stores go (``--store s3-loopback``); ``None``: under ``root``."""
+        self._runs = 0  # strategy runs so far (alike on every rank): a fresh S3 prefix per run
         model_cfg, optim_cfg, engine_cfg = _configs(workload)
         init_distributed()  # outside the timed build: a one-off JIT of DeepSpeed's shm op on CPU
         started = time.monotonic()
@@ -153,7 +158,9 @@ class Runner:
             shutil.rmtree(directory)
         torch.distributed.barrier()
         directory.mkdir(parents=True, exist_ok=True)
-        store = LayerStore.open(str(directory / "store"), fsync=True)
+        self._runs += 1
+        where = self.s3.uri(f"{self.root.name}/{self._runs}-{strategy.name}") if self.s3 else str(directory / "store")
+        store = LayerStore.open(where, fsync=True)
         persistence = PersistenceConfig()
         coordinator = LocalCoordinator(
             policy=build_policy(strategy.loop_policy, train_engine.layer_map.numel),
@@ -256,6 +263,7 @@ class Runner:
             "load_s": recovered.load_s,
             "replay_s": 0.0,
             "drain_s": recovered.drain_s,
+            "sources": dict(recovered.sources),
             "weighted_staleness": recovered.weighted_staleness,
             "max_staleness": recovered.max_staleness,
             "versions": recovered.versions,
@@ -263,9 +271,9 @@ class Runner:
 
 
 def coordinator_options(strategy: Strategy) -> dict[str, Any]:
-    """The :class:`LocalCoordinator` options of the strategy's recovery tiers (the memory tier's
-    go here too)."""
-    return {"capture": strategy.capture}
+    """The :class:`LocalCoordinator` options of the strategy's recovery tiers: the survivors'
+    capture, and the writers' memory tier at the product's default budget."""
+    return {"capture": strategy.capture, "memory_bytes": PersistenceConfig().memory_bytes if strategy.memory else 0}
 
 
 def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
@@ -386,7 +394,8 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         logging.getLogger(name).setLevel(logging.WARNING)
     workload = Workload.from_json(payload["workload"])
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]
-    runner = Runner(workload, Path(payload["root"]), keep=bool(payload.get("keep")))
+    s3 = LoopbackBucket(**payload["s3"]) if payload.get("s3") else None
+    runner = Runner(workload, Path(payload["root"]), keep=bool(payload.get("keep")), s3=s3)
     results: dict[str, Any] = {}
     order = list(strategies)
     ran_matched = not payload.get("matched", True)
@@ -476,11 +485,34 @@ def run_benchmark(
     matched: bool = True,
     repeats: int = 1,
     timeout_s: float = 3600.0,
+    store: str = "local",
 ) -> dict[str, Any]:
-    """Spawn the ranks and run every strategy; rank 0's raw measurements."""
+    """Spawn the ranks and run every strategy; rank 0's raw measurements. ``store``: where the
+    layer stores go: ``local`` (under ``root``) or ``s3-loopback`` (a moto server this call starts
+    on loopback; the DeepSpeed baselines' own checkpoints stay under ``root``)."""
+    if store not in STORES:
+        raise ValueError(f"store must be one of {STORES}, got {store!r}")
+    if store == "s3-loopback":
+        with loopback_s3() as s3:
+            raw = _run(workload, strategies, root, matched, repeats, timeout_s, s3=s3)
+        return {**raw, "store": f"{store} (moto at {s3.endpoint})"}
+    return {**_run(workload, strategies, root, matched, repeats, timeout_s), "store": store}
+
+
+def _run(
+    workload: Workload,
+    strategies: list[Strategy],
+    root: Path | None,
+    matched: bool,
+    repeats: int,
+    timeout_s: float,
+    *,
+    s3: LoopbackBucket | None = None,
+) -> dict[str, Any]:
     keep = root is not None
     root = root or Path(tempfile.mkdtemp(prefix="layercheck-bench-"))
     payload = {
+        "s3": {"port": s3.port, "bucket": s3.bucket} if s3 is not None else None,
         "workload": workload.to_json(),
         "strategies": [s.to_json() for s in strategies],
         "root": str(root.resolve()),

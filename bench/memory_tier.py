@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -30,6 +27,7 @@ from typing import Any
 import ray
 import torch
 
+from bench.s3_loopback import S3_ENV, loopback_s3
 from orchestrator.core.memory_reads import MemoryFirstOpener
 from orchestrator.runtime.memory_fetch import WriterCopies
 from orchestrator.runtime.persistence_pool import PersistenceWriter
@@ -40,12 +38,6 @@ from orchestrator.store.manifest import ShardReceipt
 from orchestrator.table import format_table, human_bytes
 from workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
-S3_ENV = {
-    "AWS_ACCESS_KEY_ID": "bench-key",
-    "AWS_SECRET_ACCESS_KEY": "bench-secret",
-    "AWS_REGION": "us-east-1",
-    "AWS_EC2_METADATA_DISABLED": "true",
-}
 BUCKET = "layercheck-bench"
 
 
@@ -64,29 +56,6 @@ class _Receipts:
 
     def get(self) -> list[dict[str, Any]]:
         return self.receipts
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto(port: int) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server
-        except OSError:
-            time.sleep(0.2)
-    server.kill()
-    raise RuntimeError(f"moto server did not start on port {port}")
 
 
 def _shards(layer: str, params: int, world: int) -> list[LayerShard]:
@@ -118,51 +87,46 @@ def _load_all(store: LayerStore, records: dict[str, Any], params: int) -> float:
 
 
 def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]:
-    os.environ.update(S3_ENV)
-    port = _free_port()
-    server = start_moto(port)
-    try:
-        import pyarrow.fs as pafs
+    with loopback_s3(BUCKET) as s3:
+        uri = s3.uri("run")
+        try:
+            ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": S3_ENV}, log_to_driver=False)
+            return _measure(uri, layers=layers, params=params, world=world, repeats=repeats)
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
 
-        pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", allow_bucket_creation=True).create_dir(
-            BUCKET
-        )
-        uri = f"s3://{BUCKET}/run?endpoint_override=127.0.0.1:{port}&scheme=http"
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": S3_ENV}, log_to_driver=False)
-        sink = _Receipts.remote()
-        writer = PersistenceWriter.remote(uri, False, sink, "bench-writer", None, None, 8 * 2**30)
-        names = [f"block.{i}" for i in range(layers)]
-        ray.get([writer.submit.remote(to_wire(s, base=False)) for name in names for s in _shards(name, params, world)])
-        store = LayerStore.open(uri, fsync=False)
-        receipts = [ShardReceipt.from_json(r) for r in ray.get(sink.get.remote())]
-        records = {
-            name: store.commit(sorted((r for r in receipts if r.layer == name), key=lambda r: r.rank)) for name in names
-        }
-        index = {path: [("memory_local", writer)] for path, _ in ray.get(writer.held.remote())}
-        storage_s, memory_s, sources = [], [], None
-        for _ in range(repeats):
-            storage_s.append(_load_all(LayerStore.open(uri, fsync=False), records, params))
-            paths = [e.path for record in records.values() for e in record.shards]
-            copies = WriterCopies(index, prefetch=paths)
-            opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input)
-            memory_s.append(_load_all(LayerStore(store.fs, opener=opener), records, params))
-            sources = opener.sources
-        nbytes = sum(r.nbytes for r in receipts)
-        return {
-            "layers": layers,
-            "params_per_layer": params,
-            "world_size": world,
-            "composite_bytes": nbytes,
-            "storage_s": storage_s,
-            "memory_s": memory_s,
-            "ratio": statistics.median(memory_s) / statistics.median(storage_s),
-            "memory_sources": sources.to_json() if sources is not None else {},
-        }
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        server.kill()
-        server.wait()
+
+def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]:
+    sink = _Receipts.remote()
+    writer = PersistenceWriter.remote(uri, False, sink, "bench-writer", None, None, 8 * 2**30)
+    names = [f"block.{i}" for i in range(layers)]
+    ray.get([writer.submit.remote(to_wire(s, base=False)) for name in names for s in _shards(name, params, world)])
+    store = LayerStore.open(uri, fsync=False)
+    receipts = [ShardReceipt.from_json(r) for r in ray.get(sink.get.remote())]
+    records = {
+        name: store.commit(sorted((r for r in receipts if r.layer == name), key=lambda r: r.rank)) for name in names
+    }
+    index = {path: [("memory_local", writer)] for path, _ in ray.get(writer.held.remote())}
+    storage_s, memory_s, sources = [], [], None
+    for _ in range(repeats):
+        storage_s.append(_load_all(LayerStore.open(uri, fsync=False), records, params))
+        paths = [e.path for record in records.values() for e in record.shards]
+        copies = WriterCopies(index, prefetch=paths)
+        opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input)
+        memory_s.append(_load_all(LayerStore(store.fs, opener=opener), records, params))
+        sources = opener.sources
+    nbytes = sum(r.nbytes for r in receipts)
+    return {
+        "layers": layers,
+        "params_per_layer": params,
+        "world_size": world,
+        "composite_bytes": nbytes,
+        "storage_s": storage_s,
+        "memory_s": memory_s,
+        "ratio": statistics.median(memory_s) / statistics.median(storage_s),
+        "memory_sources": sources.to_json() if sources is not None else {},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,10 @@
 """What a recovery brought back, per strategy: the unsaved drift at recovery measured on the state
 (:mod:`bench.unsaved`), split into the survivors' and the lost rank's slices and per layer, next
 to the loss deviation after the failures and the bytes written, as ratios to ``layercheck``
-(the paper's policy without a recovery tier): what the survivors' capture (and later the memory
-tier) adds, at the writes it costs.
+(the paper's policy without a recovery tier): what the survivors' capture adds, at the writes it
+costs. And where each recovery's shard files came from (the writers' memory or storage) with its
+load time, against the same strategy without the memory tier (its ``storage twin``): what the
+memory tier saves.
 
 Pure: the report's rows and raw results in, figures and tables out.
 """
@@ -19,11 +21,19 @@ from orchestrator.table import format_table, human_bytes
 REFERENCE = "layercheck"
 
 
+#: A recovery's loaded bytes by source (``orchestrator.core.memory_reads.LoadSources``, summed over ranks).
+MEMORY_SOURCES = ("memory_local", "memory_remote")
+
+
 def recovery_figures(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A strategy's unsaved drift at recovery (mean over its failures; ``None`` where none was
-    measured) and its capture bytes."""
+    measured), its capture bytes, its recovery tiers and where its recoveries' bytes came from."""
     measured = [r["unsaved"] for r in raw.get("recoveries", ()) if "unsaved" in r]
-    out: dict[str, Any] = {"capture_bytes": float(raw.get("capture_bytes", 0.0))}
+    out: dict[str, Any] = {
+        "capture_bytes": float(raw.get("capture_bytes", 0.0)),
+        "tiers": list(raw["strategy"].get("tiers", ())),
+        **load_sources(raw.get("recoveries", ())),
+    }
     if not measured:
         return {**out, "unsaved_at_recovery": None}
     layers = measured[0]["layers"]
@@ -37,8 +47,44 @@ def recovery_figures(raw: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def load_sources(recoveries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Bytes (and shard files) the recoveries loaded from the writers' memory and from storage,
+    summed over failures and ranks; empty where no recovery reported them (rollbacks, ``none``)."""
+    reported = [r["sources"] for r in recoveries if r.get("sources")]
+    if not reported:
+        return {}
+
+    def total(field: str) -> float:
+        return float(sum(s.get(field, 0) for s in reported))
+
+    memory = sum(total(f"{m}_bytes") for m in MEMORY_SOURCES)
+    storage = total("storage_bytes")
+    return {
+        "loaded_from_memory_bytes": memory,
+        "loaded_from_memory_shards": sum(total(f"{m}_shards") for m in MEMORY_SOURCES),
+        "loaded_from_storage_bytes": storage,
+        "loaded_from_storage_shards": total("storage_shards"),
+        "loaded_memory_share": memory / (memory + storage) if memory + storage else 0.0,
+    }
+
+
+def storage_twin(rows: Mapping[str, Mapping[str, Any]], name: str) -> str | None:
+    """The row of the same strategy without the memory tier (``a+memory`` → ``a``), if run."""
+    row = rows[name]
+    if "memory" not in row.get("tiers", ()):
+        return None
+    twin = name.replace("+memory", "")
+    return twin if twin in rows and "memory" not in rows[twin].get("tiers", ()) else None
+
+
 def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
-    """Each measured row's unsaved drift, loss deviation and bytes over ``layercheck``'s."""
+    """Each measured row's unsaved drift, loss deviation and bytes over ``layercheck``'s; a
+    memory-tier row's recovery load time over its storage twin's."""
+    for name, row in rows.items():
+        twin = storage_twin(rows, name)
+        if twin is not None:
+            row["load_vs_storage"] = _ratio(row["load_s"], rows[twin]["load_s"])
+            row["load_storage_twin"] = twin
     ref = rows.get(REFERENCE)
     if ref is None or ref.get("unsaved_at_recovery") is None:
         return
@@ -56,6 +102,9 @@ def headline(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
             name: row["unsaved_at_recovery_vs_layercheck"]
             for name, row in rows.items()
             if "unsaved_at_recovery_vs_layercheck" in row
+        },
+        "recovery_load_memory_vs_storage": {
+            name: row["load_vs_storage"] for name, row in rows.items() if "load_vs_storage" in row
         },
     }
 
@@ -99,6 +148,32 @@ def recovery_table(report: Mapping[str, Any]) -> str:
             ]
         )
     return format_table(COLUMNS, rows) if rows else ""
+
+
+LOAD_COLUMNS = ["strategy", "tiers", "load s", "from memory", "from storage", "memory share", "load/storage twin"]
+
+
+def load_table(report: Mapping[str, Any]) -> str:
+    """One row per strategy whose recoveries said where their bytes came from: the mean load time
+    per failure, the bytes from memory and from storage (all failures, all ranks), and a memory
+    tier's load time over its storage twin's."""
+    rows = []
+    for r in report["strategies"].values():
+        if "loaded_memory_share" not in r:
+            continue
+        twin = r.get("load_storage_twin")
+        rows.append(
+            [
+                r["name"],
+                "+".join(r.get("tiers", ())) or "-",
+                f"{r['load_s']:.4f}",
+                f"{human_bytes(r['loaded_from_memory_bytes'])} ({r['loaded_from_memory_shards']:.0f} files)",
+                f"{human_bytes(r['loaded_from_storage_bytes'])} ({r['loaded_from_storage_shards']:.0f} files)",
+                f"{r['loaded_memory_share']:.0%}",
+                f"{_times(r.get('load_vs_storage'))} of {twin}" if twin else "-",
+            ]
+        )
+    return format_table(LOAD_COLUMNS, rows) if rows else ""
 
 
 def layer_table(report: Mapping[str, Any], names: Sequence[str] | None = None) -> str:

@@ -126,6 +126,7 @@ def section(
             + ", ".join(f"`{n}` {r['ettr_no_restart']:.3f}" for n, r in rows.items() if "@" not in n)
             + ".",
         ]
+    lines += memory_lines(report, bench_link)
     by_mtbf = grid.get("by_mtbf", {})
     by_gpus = grid.get("by_gpus", {})
     if by_mtbf:
@@ -203,6 +204,23 @@ def write_into(readme: Path, text: str) -> None:
     else:
         content = content.rstrip("\n") + "\n\n" + block + "\n"
     readme.write_text(content)
+
+
+def memory_lines(report: Mapping[str, Any], bench_link: str) -> list[str]:
+    """The memory tier's recovery loads against its storage twin's; nothing when not run."""
+    rows = report["strategies"]
+    lines = []
+    for name, row in rows.items():
+        twin = row.get("load_storage_twin")
+        if twin is None:
+            continue
+        store = report.get("raw", {}).get("store", "local").split(" (")[0]
+        lines.append(
+            f"- **Recovery load from the writers' memory** ({bench_link}, store `{store}`): `{name}` "
+            f"{row['load_s']:.3f} s per failure ({row['loaded_memory_share']:.0%} of the bytes from memory) versus "
+            f"`{twin}` {rows[twin]['load_s']:.3f} s from storage: **{_x(row['load_vs_storage'])}**."
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

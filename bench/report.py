@@ -425,6 +425,14 @@ def text(report: Mapping[str, Any]) -> str:
             recovery_report.layer_table(report),
             "",
         ]
+    loads = recovery_report.load_table(report)
+    if loads:
+        lines += [
+            f"recovery loads (store {report['raw'].get('store', 'local')}): mean load time per failure, bytes by "
+            "source over all failures and ranks; load/storage twin: over the same strategy without +memory",
+            loads,
+            "",
+        ]
     if any("at_matched_drift" in r for r in report["strategies"].values()):
         lines += [
             "layer-wise policies at their own mean unsaved drift (state bytes, 12 B/param; full counts "

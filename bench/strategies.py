@@ -18,12 +18,16 @@ staggered       the default schedule: every layer every ~N,   composite, resume 
 layercheck      the paper's policy (LayerStore, async)       composite, resume at ``t_fail + 1``
 layercheck      the same, and the survivors' capture at a    composite with the survivors'
 +capture        failure (partial versions)                   slices overlaid, ``t_fail + 1``
+layercheck      the same, and the writers keep the newest    the same composite, its shard files
++capture        shard files in host memory (memory tier)     opened from the writers' memory
++memory                                                      before storage
 drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume at ``t_fail + 1``
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
 
 A failure is a fail-stop of the last rank (:func:`orchestrator.local.run.train_with_failures`);
-the recovery tiers above storage a resuming strategy uses are its :class:`Tier` s (``+capture``).
+the recovery tiers above storage a resuming strategy uses are its :class:`Tier` s (``+capture``,
+``+memory``).
 """
 
 from __future__ import annotations
@@ -75,8 +79,12 @@ class Tier(str, enum.Enum):
     CAPTURE = "capture"
     """The survivors' own slices at ``t_fail`` (:mod:`workers.capture`), persisted as partial
     versions and overlaid on the composite: ``LocalCoordinator(capture=True)``."""
-    # The writers' host memory (the memory tier) goes here: MEMORY = "memory", with its
-    # LocalCoordinator option in ``bench.harness.coordinator_options`` and a ``+memory`` strategy.
+    MEMORY = "memory"
+    """The writers' host memory: each rank's writer keeps the newest shard files it wrote
+    (``persistence.memory_bytes``, the product's default budget) and the recovery opens them from
+    there before storage (:mod:`orchestrator.local.memory`): ``LocalCoordinator(memory_bytes=...)``.
+    It changes where the recovery's bytes come from and how long the load takes, never what is
+    loaded."""
 
 
 RECOVERY_OF: Mapping[Kind, Recovery] = {
@@ -106,7 +114,7 @@ class Strategy:
     matched: str = ""
     """For a matched-freshness variant: ``staleness`` or ``drift`` (what it was matched on)."""
     tiers: tuple[Tier, ...] = ()
-    """Recovery tiers above storage (resuming strategies only): ``capture``."""
+    """Recovery tiers above storage (resuming strategies only): ``capture``, ``memory``."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -142,6 +150,10 @@ class Strategy:
     @property
     def capture(self) -> bool:
         return Tier.CAPTURE in self.tiers
+
+    @property
+    def memory(self) -> bool:
+        return Tier.MEMORY in self.tiers
 
     @property
     def loop_policy(self) -> PolicyConfig:
@@ -240,6 +252,15 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
     # the paper's policy again with the survivors' capture: same writes, fresher slices at recovery
     out.append(
         Strategy(name="layercheck+capture", kind=Kind.LAYER_POLICY, policy=configs["layercheck"], tiers=(Tier.CAPTURE,))
+    )
+    # and with the memory tier: the same state recovered, its files from the writers' memory
+    out.append(
+        Strategy(
+            name="layercheck+capture+memory",
+            kind=Kind.LAYER_POLICY,
+            policy=configs["layercheck"],
+            tiers=(Tier.CAPTURE, Tier.MEMORY),
+        )
     )
     out.append(
         Strategy(

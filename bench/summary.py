@@ -328,4 +328,26 @@ def recovery_section(report: Mapping[str, Any]) -> list[str]:
         recovery_report.layer_table(report),
         "```",
         "",
+        *load_section(report),
+    ]
+
+
+def load_section(report: Mapping[str, Any]) -> list[str]:
+    """Where the recoveries' bytes came from, and the memory tier's load time over storage's."""
+    table = recovery_report.load_table(report)
+    if not table:
+        return []
+    store = report.get("raw", {}).get("store", "local")
+    return [
+        "### Recovery loads: the writers' memory against storage",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        f"Store: {store}. `load s`: the slowest rank's load of the composite per failure (mean), with `+memory` "
+        "the ranks' exchange of their writers' copies included; `from memory` / `from storage`: shard-file bytes "
+        "over all failures and ranks. `load/storage twin`: over the same strategy without `+memory` (same writes, "
+        "same recovered state).",
+        "",
     ]

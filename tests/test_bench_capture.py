@@ -1,5 +1,8 @@
-"""The benchmark's survivor-capture strategy: a tiny 2-rank ZeRO-3 run, the last rank lost after
-step 6; the survivors' slices come back exact, the lost rank's as stale as without capture."""
+"""The benchmark's survivor-capture and memory-tier strategies: a tiny 2-rank ZeRO-3 run, the last
+rank lost after step 6; the survivors' slices come back exact, the lost rank's as stale as without
+capture; with the memory tier every shard file of the recovery comes from the writers' memory and
+the run is the storage-recovered one exactly. (Local stores: ``--store s3-loopback`` costs the
+suite a moto server and slower writes, and loads the same files.)"""
 
 from __future__ import annotations
 
@@ -16,8 +19,10 @@ from bench.strategies import default_strategies, select
 @pytest.mark.slow
 def test_capture_recovers_the_survivors_slices_exactly():
     workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
-    strategies = select(default_strategies(workload.strategy), ["layercheck", "layercheck+capture", "full"])
+    names = ["layercheck", "layercheck+capture", "layercheck+capture+memory", "full"]
+    strategies = select(default_strategies(workload.strategy), names)
     raw = run_benchmark(workload, strategies, matched=False)
+    assert raw["store"] == "local"
     results = raw["results"]
     (plain,) = results["layercheck"]["recoveries"]
     (captured,) = results["layercheck+capture"]["recoveries"]
@@ -36,7 +41,17 @@ def test_capture_recovers_the_survivors_slices_exactly():
     assert results["layercheck+capture"]["capture_bytes"] > 0 == results["layercheck"]["capture_bytes"]
     losses = results["layercheck+capture"]["losses"]
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses.values())
+    # the memory tier: the same state, every byte of it from the writers' memory, none from storage
+    (from_memory,) = results["layercheck+capture+memory"]["recoveries"]
+    assert from_memory["unsaved"] == captured["unsaved"]
+    assert results["layercheck+capture+memory"]["losses"] == losses
+    assert captured["sources"]["storage_shards"] > 0 and captured["sources"]["memory_local_shards"] == 0
+    assert from_memory["sources"]["storage_shards"] == 0 and from_memory["sources"]["memory_rejected"] == 0
+    assert from_memory["sources"]["memory_local_bytes"] == captured["sources"]["storage_bytes"]
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
+    memory_row = report["strategies"]["layercheck+capture+memory"]
+    assert memory_row["loaded_memory_share"] == 1.0 and memory_row["load_storage_twin"] == "layercheck+capture"
+    assert "layercheck+capture+memory" in reports.text(report)
     row = report["strategies"]["layercheck+capture"]
     assert row["unsaved_at_recovery_vs_layercheck"] == pytest.approx(
         captured["unsaved"]["mean_abs"] / plain["unsaved"]["mean_abs"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import recovery_report, report, summary
+from bench import recovery_report, render_readme, report, summary
 from bench.presets import preset
 from bench.unsaved import summarize
 from tests.test_bench_report import FAILURES, STEPS, _raw, _recovery
@@ -61,3 +61,45 @@ def test_tables_show_the_measured_strategies_only(built):
     assert "embed" in recovery_report.layer_table(built)
     assert "What a recovery brings back" in summary.summary_markdown(built)
     assert "unsaved drift at recovery per layer" in report.text(built)
+
+
+def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over_its_storage_twin():
+    lc = _raw("layercheck", "layer-policy", "resume")
+    lc["recoveries"] = [_recovery(unsaved=_unsaved(1.0, 1.0), sources={"storage_bytes": 400, "storage_shards": 4})]
+    cap = _raw("layercheck+capture", "layer-policy", "resume")
+    cap["strategy"]["tiers"] = ["capture"]
+    cap["recoveries"] = [_recovery(load_s=0.2, sources={"storage_bytes": 600, "storage_shards": 6})]
+    mem = _raw("layercheck+capture+memory", "layer-policy", "resume")
+    mem["strategy"]["tiers"] = ["capture", "memory"]
+    mem["recoveries"] = [
+        _recovery(load_s=0.05, sources={"memory_local_bytes": 600, "memory_local_shards": 6, "storage_shards": 0})
+    ]
+    raw = {
+        "restart_s": 1.0,
+        "params": 20,
+        "frozen_params": 0,
+        "layers": {"embed": 20},
+        "store": "s3-loopback",
+        "results": {
+            "none": _raw("none", "none", "restart"),
+            "layercheck": lc,
+            "layercheck+capture": cap,
+            "layercheck+capture+memory": mem,
+        },
+    }
+    workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
+    built = report.build_report(raw, workload, {"nproc": 2})
+    row = built["strategies"]["layercheck+capture+memory"]
+    assert row["loaded_from_memory_bytes"] == 600 and row["loaded_from_storage_bytes"] == 0
+    assert row["loaded_memory_share"] == 1.0 and row["load_storage_twin"] == "layercheck+capture"
+    assert row["load_vs_storage"] == pytest.approx(0.25)
+    assert "load_vs_storage" not in built["strategies"]["layercheck+capture"]  # no memory tier: no twin
+    assert built["strategies"]["layercheck+capture"]["loaded_memory_share"] == 0.0
+    assert "loaded_memory_share" not in built["strategies"]["none"]  # nothing reported
+    assert built["headline"]["recovery_load_memory_vs_storage"] == {"layercheck+capture+memory": pytest.approx(0.25)}
+    table = recovery_report.load_table(built)
+    assert "0.25x of layercheck+capture" in table and "100%" in table
+    assert "recovery loads (store s3-loopback)" in report.text(built)
+    assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
+    (line,) = render_readme.memory_lines(built, "b")
+    assert "store `s3-loopback`" in line and "**0.25x**" in line and "100% of the bytes from memory" in line

@@ -30,6 +30,7 @@ def test_default_set_has_every_strategy_the_issue_names_none_first():
         "layercheck",
         "layercheck-const",
         "layercheck+capture",
+        "layercheck+capture+memory",
         "drift-optimal",
         "diff",
     }
@@ -129,3 +130,16 @@ def test_capture_is_a_tier_of_the_paper_policy_and_only_of_resuming_strategies()
         Strategy(name="full+capture", kind=Kind.DEEPSPEED_SYNC, interval=5, tiers=(Tier.CAPTURE,))
     with pytest.raises(ValueError, match="distinct"):
         Strategy(name="x", kind=Kind.LAYER_INTERVAL, interval=5, tiers=(Tier.CAPTURE, Tier.CAPTURE))
+
+
+def test_the_memory_tier_rides_on_capture_and_sets_the_writers_budget():
+    from bench.harness import coordinator_options
+    from orchestrator.core.run_config import PersistenceConfig
+
+    by_name = {s.name: s for s in default_strategies(StrategyOptions())}
+    memory, captured = by_name["layercheck+capture+memory"], by_name["layercheck+capture"]
+    assert memory.memory and memory.capture and not captured.memory
+    assert memory.policy == captured.policy and memory.tiers == (Tier.CAPTURE, Tier.MEMORY)
+    assert Strategy.from_json(memory.to_json()) == memory
+    assert coordinator_options(memory) == {"capture": True, "memory_bytes": PersistenceConfig().memory_bytes}
+    assert coordinator_options(captured) == {"capture": True, "memory_bytes": 0}

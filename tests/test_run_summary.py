@@ -120,3 +120,31 @@ def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_ve
     text = format_summary(summary)
     assert "elements from" in text and "capture@14 21 (1 layer); policy@10 21 (1 layer)" in text
     assert "21 from survivors' captures, 21 stored" in text
+
+
+def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_position():
+    """Group 1 broke after step 10 and the group that replaced it (2) was lost during the recovery,
+    so the run resumed under attempt 3; group 3 broke after step 20 with a survivor one step ahead.
+    Its capture belongs to the second recovery (attempt 4), which ``recoveries[attempt - 1]``
+    (there is no third) missed."""
+    from orchestrator.core.accounting import RunAccount
+    from orchestrator.runtime.summary import recovery_of_capture
+
+    account = RunAccount(started=0.0)
+    account.failed(t_fail=10, resumed_at=11, now=1.0).attempt = 3
+    account.failed(t_fail=20, resumed_at=21, now=2.0).attempt = 4
+    capture = {
+        "captures": [
+            {"attempt": 3, "rank": 0, "step": 21, "nbytes": 1024, "seconds": 0.1, "raised_at": 1.5, "held": True}
+        ],
+        "holds": [{"attempt": 3, "survivors": [0], "captured": [0], "missed": [], "teardown_at": 1.7, "hold_s": 0.2}],
+    }
+    result = result_of(policy_config("staggered"))
+    result.status["account"] = {**result.status["account"], **account.summary(3.0), "capture": capture}
+    summary = summarize(result)
+    recoveries = summary["recoveries"]
+    assert recovery_of_capture(recoveries, 3)["t_fail"] == 20
+    assert recovery_of_capture(recoveries, 1)["t_fail"] == 10
+    assert recovery_of_capture(recoveries, 2)["t_fail"] == 10  # lost during the first recovery, which it joined
+    assert recovery_of_capture(recoveries, 4) is None
+    assert "a capture past t_fail 20 is not used" in format_summary(summary)

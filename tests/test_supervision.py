@@ -163,9 +163,11 @@ def test_a_second_loss_before_recovery_ends_overtakes_it():
     actions = sup.handle(NoComposite(attempt=plan.attempt, t_fail=6, reason="none", now=4.0))
     record = of(RecordRecovery, actions)
     assert record.groups_lost == 2 and record.detected_at == 3.0
+    assert record.attempt == 3  # the attempt it resumed under, not the count of recoveries
     view = RunView(run_id="r", layer_numel=NUMEL, account=RunAccount(started=0.0))
     view.record_recovery(record)
     assert view.account.failures == 2 and len(view.account.recoveries) == 1
+    assert view.account.recoveries[0].attempt == 3
 
 
 def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):

@@ -43,6 +43,9 @@ class Recovery:
     """The workers training resumed with (0: not known)."""
     grown_from: int = 0
     """Ray Train grew the elastic group from this many workers (a restart, not a failure); 0: not a grow."""
+    attempt: int = 0
+    """The worker group attempt training resumed under (0: not known). A survivors' capture of
+    group ``a`` serves the first recovery with ``attempt > a``."""
     memory_local_bytes: int = 0
     """Shard-file bytes the ranks loaded from a writer's memory on their own node (all ranks)."""
     memory_local_shards: int = 0

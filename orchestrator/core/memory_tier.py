@@ -18,7 +18,8 @@ What it holds, and why:
   persisted again, so its copy had the least time left to serve; a shard larger than the whole
   budget is not held at all.
 
-Ray-free; the writer actor (``orchestrator/runtime/persistence_pool.py``) owns one.
+Ray-free; the writer actor (``orchestrator/runtime/persistence_pool.py``) owns one, and so does
+each rank's writer thread of the local runtime (``orchestrator/local/writer.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,19 @@ class HeldShard:
     mirror: bool = False
     """A copy of a file another node's writer wrote (held here so a loss of that node still
     recovers from memory)."""
+
+    @classmethod
+    def written(cls, receipt: ShardReceipt, data: Any) -> HeldShard:
+        """The shard file ``receipt`` describes, with its bytes ``data`` (what was written)."""
+        return cls(
+            path=receipt.path,
+            layer=receipt.layer,
+            rank=receipt.rank,
+            step=receipt.step,
+            origin=receipt.origin,
+            checksum=receipt.checksum,
+            data=memoryview(data),
+        )
 
     @property
     def nbytes(self) -> int:

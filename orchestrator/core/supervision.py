@@ -340,6 +340,7 @@ class Supervision:
             groups_lost=state.groups_lost if state.lost_group else 0,
             world_size=state.world_size,
             grown_from=state.grown_from,
+            attempt=state.attempt,
             max_staleness=getattr(event, "max_staleness", 0),
             weighted_staleness=getattr(event, "weighted_staleness", 0.0),
             sources=dict(getattr(event, "sources", {})),

@@ -189,6 +189,9 @@ class RecordRecovery:
     """The workers training resumes with."""
     grown_from: int = 0
     """Ray Train grew the elastic group from this many workers (0: not a grow)."""
+    attempt: int = 0
+    """The worker group attempt training resumes under (the broken group's, and any lost during
+    the recovery, are lower)."""
 
 
 @dataclass(frozen=True, kw_only=True)

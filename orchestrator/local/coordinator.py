@@ -31,6 +31,9 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   of every layer at its last step to :meth:`capture`, which queues them on the rank's writer
   ahead of everything else as ``origin="capture"`` shards; the recovery commits the lost group's
   incomplete versions up to ``t_fail`` as partial versions and overlays them on the composite.
+* **memory tier** (``memory_bytes > 0``, as the run config's ``persistence.memory_bytes``): each
+  rank's writer keeps the newest shard files it wrote in memory, and the recovery opens the
+  composite's files from there before storage (:mod:`orchestrator.local.memory`).
 
 Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
 """
@@ -131,6 +134,7 @@ class LocalCoordinator:
         run_id: str = "local",
         write_budget: WriteBudgetConfig | None = None,
         capture: bool = False,
+        memory_bytes: int = 0,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -144,7 +148,8 @@ class LocalCoordinator:
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
         self.mailbox = Mailbox.create()
         self.max_inflight_bytes = max_inflight_bytes
-        self.writer = LocalWriter(store, self.mailbox, max_inflight_bytes=max_inflight_bytes)
+        self.memory_bytes = memory_bytes
+        self.writer = self._new_writer()
         self._gathers: dict[int, _Gather] = {}
         self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
         self._last_step_s = 0.0
@@ -313,8 +318,13 @@ class LocalCoordinator:
         if writer_name(self.rank) in answer.replaced:
             logger.warning("rank %d: replacing a writer that did not answer the drain", self.rank)
             self.writer.abandon()
-            self.writer = LocalWriter(self.store, self.mailbox, max_inflight_bytes=self.max_inflight_bytes)
+            self.writer = self._new_writer()  # what the old one held in memory is written off with it
         return answer
+
+    def _new_writer(self) -> LocalWriter:
+        return LocalWriter(
+            self.store, self.mailbox, max_inflight_bytes=self.max_inflight_bytes, memory_bytes=self.memory_bytes
+        )
 
     def _join_all(self) -> GroupAnswer:
         """Rank 0: every rank of the group joins the supervisor (rank 0's join carries out the recovery)."""
@@ -340,13 +350,14 @@ class LocalCoordinator:
     def _worker_id(self, rank: int) -> str:
         return f"rank{rank}-group{self._generation}"
 
-    def resumed(self, answer: GroupAnswer, load_s: float) -> None:
-        """Every rank loaded the group's composite (``load_s``: the slowest rank's): the replicas
-        restart as rank 0's did under the supervisor's ``RebasePolicy``."""
+    def resumed(self, answer: GroupAnswer, load_s: float, sources: Mapping[str, float] | None = None) -> None:
+        """Every rank loaded the group's composite (``load_s``: the slowest rank's; ``sources``:
+        where all ranks' shard files came from, a ``LoadSources`` summed): the replicas restart as
+        rank 0's did under the supervisor's ``RebasePolicy``."""
         self._gathers.clear()
         records = answer.resume.records or {}
         if self.run is not None:
-            self.run.loaded(load_s)
+            self.run.loaded(load_s, sources)
         else:
             self.service.restart(
                 world_size=self.world_size,
@@ -390,6 +401,12 @@ class LocalCoordinator:
         """Each value's maximum over the ranks (collective, on the side group)."""
         tensor = torch.tensor(list(values), dtype=torch.float64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return tensor.tolist()
+
+    def all_sum(self, values: Sequence[float]) -> list[float]:
+        """Each value's sum over the ranks (collective, on the side group)."""
+        tensor = torch.tensor(list(values), dtype=torch.float64)
+        dist.all_reduce(tensor, group=self._group)
         return tensor.tolist()
 
     def all_gather(self, value: Any) -> list[Any]:

@@ -9,7 +9,9 @@ Every rank calls :func:`recover` at the same point (it is collective):
    deadline; writers that miss it are named and replaced), commits or abandons what the lost
    group left, plans the composite at ``t_fail`` — or none: restart from the initial weights at
    step 1 — rebases rank 0's policy replica, and every rank gets the same answer;
-3. every rank loads its slices of the composite (:func:`load_composite`) and the ranks agree on
+3. every rank loads its slices of the composite (:func:`load_composite`; shard files from the
+   writers' memory where they hold them, :mod:`orchestrator.local.memory`, counted in
+   ``Recovered.sources`` and the supervisor's account as under Ray) and the ranks agree on
    the outcome before any goes on: a version a rank found corrupt is reported to the supervisor
    (``version_unusable``) and the group rejoins, so the next plan skips it — as a Ray worker
    group that dies on a corrupt shard is restarted and replanned;
@@ -20,11 +22,14 @@ Every rank calls :func:`recover` at the same point (it is collective):
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from orchestrator.core.composite import load_composite
+from orchestrator.core.memory_reads import LoadSources
 from orchestrator.local.coordinator import LocalCoordinator
+from orchestrator.local.memory import memory_first_store
 from orchestrator.store.errors import CorruptShardError
 from orchestrator.store.manifest import VersionRecord
 from workers.engine import TrainEngine, seek_step
@@ -44,7 +49,11 @@ class Recovered:
     drain_s: float
     plan_s: float
     load_s: float
-    """The slowest rank's loads, failed ones included."""
+    """The slowest rank's loads, failed ones included (with the memory tier: the exchange of the
+    writers' copies too)."""
+    sources: Mapping[str, float] = field(default_factory=dict)
+    """Where every rank's shard files came from (a ``LoadSources`` as JSON, summed over ranks
+    and loads): the writers' memory or storage."""
     weighted_staleness: float = 0.0
     max_staleness: int = 0
     unusable: tuple[str, ...] = ()
@@ -64,6 +73,7 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
     t_fail = coordinator.last_complete_step()
     drain_s = plan_s = load_s = 0.0
     drained, unusable = True, []
+    sources = LoadSources()
     while True:
         answer = coordinator.rejoin()
         drain_s, plan_s = drain_s + answer.drain_s, plan_s + answer.plan_s
@@ -71,7 +81,7 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
         records = answer.resume.records
         if records is None:
             break
-        seconds, corrupt = _load_agreed(train_engine, coordinator, records, answer.resume.overlays)
+        seconds, corrupt = _load_agreed(train_engine, coordinator, records, answer.resume.overlays, sources)
         load_s += seconds
         if not corrupt:
             break
@@ -80,7 +90,8 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
         logger.error("recovery: %s unusable; replanning without", ", ".join(v for v, _ in corrupt))
     start_step = answer.resume.start_step
     seek_step(train_engine, start_step - 1)
-    coordinator.resumed(answer, load_s)
+    summed = _summed(coordinator, sources)
+    coordinator.resumed(answer, load_s, summed)
     recovered = Recovered(
         t_fail=t_fail,
         start_step=start_step,
@@ -93,6 +104,7 @@ def recover(train_engine: TrainEngine, coordinator: LocalCoordinator) -> Recover
         max_staleness=answer.max_staleness,
         unusable=tuple(unusable),
         overlays=dict(answer.resume.overlays) if records else {},
+        sources=summed,
     )
     logger.warning(
         "recovered after step %d: resuming at step %d (max staleness %d)", t_fail, start_step, recovered.max_staleness
@@ -105,16 +117,22 @@ def _load_agreed(
     coordinator: LocalCoordinator,
     records: Mapping[str, VersionRecord],
     overlays: Mapping[str, tuple[VersionRecord, ...]],
+    sources: LoadSources,
 ) -> tuple[float, list[tuple[str, str]]]:
-    """Every rank loads its slices; then all agree (collective) on the slowest load and on the
-    versions any rank found corrupt (empty: the load succeeded everywhere)."""
+    """Every rank loads its slices, shard files from the writers' memory first (counted into
+    ``sources``); then all agree (collective) on the slowest load and on the versions any rank
+    found corrupt (empty: the load succeeded everywhere)."""
     mine: tuple[str, str] | None = None
-    seconds = 0.0
+    started = time.monotonic()
+    store, opened = memory_first_store(coordinator, records, overlays)
     try:
-        seconds = load_composite(train_engine, coordinator.store, records, overlays=overlays)
+        load_composite(train_engine, store, records, overlays=overlays)
     except CorruptShardError as error:  # load_composite took part in the load's collective first
         mine = (error.version_id, str(error))
         logger.error("rank %d: %s", coordinator.rank, error)
+    seconds = time.monotonic() - started
+    for name, value in opened.to_json().items():
+        setattr(sources, name, getattr(sources, name) + value)
     failed, slowest = coordinator.all_max([float(mine is not None), seconds])
     if not failed:
         return slowest, []
@@ -122,3 +140,10 @@ def _load_agreed(
         version_id: why for entry in coordinator.all_gather(mine) if entry is not None for version_id, why in [entry]
     }
     return slowest, sorted(found.items())
+
+
+def _summed(coordinator: LocalCoordinator, sources: LoadSources) -> dict[str, float]:
+    """Every rank's ``sources``, summed (collective, on the side group)."""
+    names = list(sources.to_json())
+    totals = coordinator.all_sum([float(getattr(sources, n)) for n in names])
+    return dict(zip(names, totals))

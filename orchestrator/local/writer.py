@@ -4,6 +4,11 @@ is written; see :mod:`orchestrator.core.write_queue`) and the same in-flight byt
 ``max_inflight_bytes`` (queued plus being written) the training thread waits, and says so.
 Each written shard's receipt (or the news that it failed) goes through the :class:`Mailbox` to
 rank 0, whose :class:`~orchestrator.core.run_supervisor.RunSupervisor` commits whole versions.
+
+With ``memory_bytes > 0`` the writer also keeps the newest shard files it wrote in a
+:class:`~orchestrator.core.memory_tier.ShardCache` (the Ray writer actor's in-memory tier): each
+file is serialised once, written, then held, so a recovery opens it from memory
+(:mod:`orchestrator.local.memory`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from orchestrator.core.memory_tier import CacheStats, HeldShard, ShardCache
 from orchestrator.core.write_queue import SupersedingQueue
 from orchestrator.local.mailbox import Mailbox
 from orchestrator.store.layer_store import LayerStore
@@ -43,11 +49,12 @@ class _Entry:
 
 
 class LocalWriter:
-    def __init__(self, store: LayerStore, mailbox: Mailbox, *, max_inflight_bytes: int) -> None:
+    def __init__(self, store: LayerStore, mailbox: Mailbox, *, max_inflight_bytes: int, memory_bytes: int = 0) -> None:
         self.store = store
         self.mailbox = mailbox
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = WriterStats()
+        self._memory = ShardCache(memory_bytes)  # guarded by _changed: the recovery reads it from another thread
         self._queue: SupersedingQueue[_Entry] = SupersedingQueue(lambda e: e.shard.nbytes)
         self._writing_bytes = 0
         self._closed = False
@@ -117,6 +124,21 @@ class LocalWriter:
         with self._changed:
             return replace(self.stats)
 
+    @property
+    def memory_bytes(self) -> int:
+        """The in-memory tier's budget (0: off)."""
+        return self._memory.budget_bytes
+
+    def held(self, path: str) -> bytes | None:
+        """A copy of shard file ``path`` if this writer holds it in memory, else ``None``."""
+        with self._changed:
+            shard = self._memory.get(path)
+            return None if shard is None else bytes(shard.data)
+
+    def memory_stats(self) -> CacheStats:
+        with self._changed:
+            return self._memory.stats()
+
     def _run(self) -> None:
         mailbox = self.mailbox.client()
         while True:
@@ -136,8 +158,13 @@ class LocalWriter:
     def _write(self, entry: _Entry, mailbox: Mailbox) -> None:
         shard = entry.shard
         started = time.monotonic()
+        prepared = None
         try:
-            receipt = self.store.write_shard(shard, base=entry.base, origin=entry.origin)
+            if self._memory.enabled:  # serialised once: the same bytes go to storage and stay in memory
+                prepared = self.store.prepare_shard(shard, base=entry.base, origin=entry.origin)
+                receipt = self.store.write_prepared(prepared)
+            else:
+                receipt = self.store.write_shard(shard, base=entry.base, origin=entry.origin)
         except Exception as error:  # a full or read-only store must not kill the writer
             self.stats.failures += 1
             what = f"writing {shard.layer} step {shard.step} rank {shard.rank} failed: {error}"
@@ -151,4 +178,6 @@ class LocalWriter:
             if entry.origin == "capture":
                 self.stats.capture_bytes += receipt.nbytes
             self.stats.write_s += elapsed
+            if prepared is not None:  # written: only now may a recovery take it from memory
+                self._memory.put(HeldShard.written(receipt, prepared.encoded.data))
         mailbox.post(receipt.to_json(), elapsed)

@@ -208,15 +208,7 @@ class PersistenceWriter:
 
     # ---- the in-memory tier ----------------------------------------------------------------
     async def _keep(self, receipt: ShardReceipt, data: Any) -> None:
-        held = HeldShard(
-            path=receipt.path,
-            layer=receipt.layer,
-            rank=receipt.rank,
-            step=receipt.step,
-            origin=receipt.origin,
-            checksum=receipt.checksum,
-            data=memoryview(data),
-        )
+        held = HeldShard.written(receipt, data)
         self.memory.put(held)
         if self._peer is not None:
             await self._send_mirror(held)

@@ -86,8 +86,8 @@ def _capture_rows(summary: dict[str, Any]) -> list[list[object]]:
     rows: list[list[object]] = []
     for c in summary.get("capture", []):
         missed = f"; missed ranks {c['missed']}" if c["missed"] else ""
-        recoveries = summary.get("recoveries", [])
-        t_fail = recoveries[c["attempt"] - 1]["t_fail"] if len(recoveries) >= c["attempt"] else None
+        recovery = recovery_of_capture(summary.get("recoveries", []), c["attempt"])
+        t_fail = recovery["t_fail"] if recovery is not None else None
         if t_fail is not None and any(step > t_fail for step in c["steps"]):
             # the survivor had finished its local update of t_fail + 1: re-training it would apply it twice
             missed += f"; a capture past t_fail {t_fail} is not used"
@@ -100,6 +100,15 @@ def _capture_rows(summary: dict[str, Any]) -> list[list[object]]:
             ]
         )
     return rows
+
+
+def recovery_of_capture(recoveries: list[dict[str, Any]], attempt: int) -> dict[str, Any] | None:
+    """The recovery a capture of worker group ``attempt`` served: the first that resumed under a
+    later attempt. Not ``recoveries[attempt - 1]``: a grow (a recovery without a failure) or a
+    group lost during a recovery (attempts skipped) shifts the list against the attempts. A
+    recovery without its attempt (0: a summary from before it was recorded) matches none."""
+    later = [r for r in recoveries if r.get("attempt", 0) > attempt]
+    return min(later, key=lambda r: r["attempt"], default=None)
 
 
 def _schedule_figures(schedule: dict[str, Any], full_bytes: int) -> dict[str, Any]:
