@@ -113,7 +113,7 @@ def test_handover_persists_landed_snapshots_then_frees_their_buffers():
         ),
     ],
 )
-def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device):
+def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device, monkeypatch):
     """A real engine (1 rank; NCCL on CUDA): a snapshot handed over after the next step has run
     still equals the state at the step it was taken, bit for bit."""
     from tests import worker_jobs
@@ -121,6 +121,8 @@ def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device):
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.fail("LAYERCHECK_TEST_DEVICE=cuda but no CUDA device")
+    if device == "cpu":
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # on a GPU machine too: the spawned rank sees none
     (result,) = run_ranks(worker_jobs.snapshot_copy_job, 1)
     assert result["copier"] == ("SideStreamCopier" if device == "cuda" else "HostCopier")
     if device == "cpu":
