@@ -156,7 +156,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3)
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
     from orchestrator.local.spawn import spawn_ranks
 
     (result,) = spawn_ranks(stall_job, 1, args.preset, args.steps, args.zero_stage, what="snapshot stall")
