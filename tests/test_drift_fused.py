@@ -135,27 +135,47 @@ def test_work_rows_partition_each_tensor_with_one_counted_run_per_row():
 
 
 def test_triton_kernel_under_the_interpreter():
-    """The CUDA kernel's arithmetic and work table, run by Triton's CPU interpreter (Triton is not
-    a dependency: ``pip install triton`` and run with ``TRITON_INTERPRET=1``)."""
+    """The CUDA kernel's arithmetic, work table and slots, run by Triton's CPU interpreter (Triton
+    is not a dependency: ``pip install triton`` and run with ``TRITON_INTERPRET=1``): one launch
+    for three groups with their own learning rate, weight decay (none for one), beta1 (both lerp
+    forms) and step count, each group's count in its own slot."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from workers.drift_triton import adamw_l1_triton
+    from workers.drift_fused import FusedGroup
+    from workers.drift_triton import adamw_l1_triton_groups
 
     torch.manual_seed(4)
-    shapes = [(64, 100), (5000,), (7,)]
-    ours = [[torch.randn(s) for s in shapes] for _ in range(4)]
-    for v in ours[3]:
-        v.abs_()
-    ref = [[t.clone() for t in ts] for ts in ours]
-    windows = (((0, 2000), (2500, 3000)), None, ())  # two runs in one chunk: a split row
-    scalars = AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=2)
-    l1 = adamw_l1_triton(*ours, windows, scalars)
-    expected = sum(adamw_l1_torch(*quad, w, scalars).item() for *quad, w in zip(*ref, windows))
-    for got, want in zip(ours, ref):
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    assert l1.dtype == torch.float64 and l1.item() == pytest.approx(expected, rel=1e-5)
+    specs = [
+        ([(64, 100), (5000,), (7,)], (((0, 2000), (2500, 3000)), None, ()), dict(lr=1e-2, weight_decay=0.1, step=2)),
+        ([(300,)], (None,), dict(lr=3e-3, weight_decay=0.0, step=1)),
+        ([(129,), (40000,)], (((5, 10),), None), dict(lr=5e-4, weight_decay=0.05, step=7, beta1=0.3)),
+    ]
+    groups, references = [], []
+    for shapes, windows, kw in specs:
+        tensors = [[torch.randn(s) for s in shapes] for _ in range(4)]
+        for v in tensors[3]:
+            v.abs_()
+        scalars = AdamWScalars(beta1=kw.pop("beta1", 0.9), beta2=0.999, eps=1e-8, **kw)
+        groups.append(
+            FusedGroup(
+                params=tensors[0],
+                grads=tensors[1],
+                exp_avgs=tensors[2],
+                exp_avg_sqs=tensors[3],
+                windows=windows,
+                scalars=scalars,
+            )
+        )
+        references.append(([[t.clone() for t in ts] for ts in tensors], windows, scalars))
+    l1 = adamw_l1_triton_groups(groups)
+    assert l1.dtype == torch.float64 and l1.shape == (3,)
+    for group, (ref, windows, scalars), got in zip(groups, references, l1):
+        expected = sum(adamw_l1_torch(*quad, w, scalars).item() for *quad, w in zip(*ref, windows))
+        for mine, want in zip((group.params, group.grads, group.exp_avgs, group.exp_avg_sqs), ref):
+            for a, b in zip(mine, want):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32 rounding may differ by an ulp
+        assert got.item() == pytest.approx(expected, rel=1e-5)
 
 
 def test_bad_drift_step_is_rejected():

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from workers.config import DRIFT_STEPS
-from workers.drift_fused import AdamWScalars, Windows, adamw_l1
+from workers.drift_fused import AdamWScalars, FusedGroup, Windows, adamw_l1_groups
 
 logger = logging.getLogger(__name__)
 
@@ -94,16 +94,16 @@ class DriftAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if params:
+        stepped = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
+        stepped = [(g, params) for g, params in stepped if params]
+        if self.drift_step == "fused":
+            self._fused_step(stepped)
+        else:
+            for group, params in stepped:
                 self._step_group(group, params)
         return loss
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        if self.drift_step == "fused":
-            self._fused_step_group(group, params)
-            return
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         grads = [p.grad for p in params]
@@ -127,34 +127,46 @@ class DriftAdamW(torch.optim.AdamW):
         self._accumulate_l1(group["name"], params, update)
         torch._foreach_add_(params, update)
 
-    def _fused_step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        states = [self.init_state(p) for p in params]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)  # one op for the group: per-tensor ops cost more than the GPU's update
-        by_count: dict[float, list[int]] = {}
-        for i, count in enumerate(torch.stack(steps).tolist()):
-            by_count.setdefault(float(count), []).append(i)
-        beta1, beta2 = group["betas"]
-        for count, members in by_count.items():  # one launch per step count (normally one)
-            scalars = AdamWScalars(
-                lr=group["lr"],
-                beta1=beta1,
-                beta2=beta2,
-                eps=group["eps"],
-                weight_decay=group["weight_decay"],
-                step=count,
-            )
-            windows = [self._windows_of(params[i]) for i in members]
-            l1 = adamw_l1(
-                [params[i] for i in members],
-                [params[i].grad for i in members],
-                [states[i]["exp_avg"] for i in members],
-                [states[i]["exp_avg_sq"] for i in members],
-                windows,
-                scalars,
-            )
-            if any(w is None or w for w in windows):  # as the foreach step: no owned element, no entry
-                self._add_l1(group["name"], l1)
+    def _fused_step(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> None:
+        """Every group's update in one :func:`adamw_l1_groups` call (one kernel launch on CUDA):
+        per-tensor work is kept to what the launch needs, since on a GPU the step is otherwise
+        bound by issuing it, not by the update."""
+        states = [[self.init_state(p) for p in params] for _, params in stepped]
+        steps = [s["step"] for group_states in states for s in group_states]
+        if not steps:
+            return
+        torch._foreach_add_(steps, 1)
+        counts = iter(torch.stack(steps).tolist())
+        work: list[tuple[str, FusedGroup]] = []
+        for (group, params), group_states in zip(stepped, states):
+            by_count: dict[float, list[int]] = {}
+            for i in range(len(params)):
+                by_count.setdefault(float(next(counts)), []).append(i)
+            beta1, beta2 = group["betas"]
+            for count, members in by_count.items():  # one slot per step count (normally one)
+                work.append(
+                    (
+                        group["name"],
+                        FusedGroup(
+                            params=[params[i] for i in members],
+                            grads=[params[i].grad for i in members],
+                            exp_avgs=[group_states[i]["exp_avg"] for i in members],
+                            exp_avg_sqs=[group_states[i]["exp_avg_sq"] for i in members],
+                            windows=[self._windows_of(params[i]) for i in members],
+                            scalars=AdamWScalars(
+                                lr=group["lr"],
+                                beta1=beta1,
+                                beta2=beta2,
+                                eps=group["eps"],
+                                weight_decay=group["weight_decay"],
+                                step=count,
+                            ),
+                        ),
+                    )
+                )
+        for (name, fused), l1 in zip(work, adamw_l1_groups([f for _, f in work])):
+            if any(w is None or w for w in fused.windows):  # as the foreach step: no owned element, no entry
+                self._add_l1(name, l1)
 
     def _windows_of(self, tensor: torch.Tensor) -> Windows | None:
         entry = self._windows.get(id(tensor))

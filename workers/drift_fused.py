@@ -4,9 +4,9 @@ The ``foreach`` step (:meth:`workers.drift_adamw.DriftAdamW._step_group`) materi
 parameter's update and reads it again for its L1. Here the count rides along with the update:
 
 * on CUDA, with Triton importable and every tensor contiguous fp32, one kernel launch per
-  (param group, step count) reads ``param, grad, exp_avg, exp_avg_sq`` once, writes them once,
-  and adds ``|new - old|`` of the owned elements into a float64 accumulator on the device
-  (:mod:`workers.drift_triton`, imported only then);
+  optimizer step (every param group and step count a slot) reads ``param, grad, exp_avg,
+  exp_avg_sq`` once, writes them once, and adds ``|new - old|`` of the owned elements into the
+  slot's float64 accumulator on the device (:mod:`workers.drift_triton`, imported only then);
 * everywhere else (CPU; CUDA without Triton, where it is slower than the ``foreach`` step),
   torch ops over cache-sized chunks of each tensor, in the order torch's
   single-tensor AdamW uses, so the parameters and moments are bit-equal to
@@ -126,7 +126,45 @@ def _triton_available() -> bool:
     return True
 
 
+@dataclass(frozen=True, kw_only=True)
+class FusedGroup:
+    """Tensors stepped together at one step count with one set of scalars (a param group, or
+    the part of one at a given step count), and each tensor's counted windows."""
+
+    params: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    exp_avgs: Sequence[torch.Tensor]
+    exp_avg_sqs: Sequence[torch.Tensor]
+    windows: Sequence[Windows | None]
+    scalars: AdamWScalars
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.params, *self.grads, *self.exp_avgs, *self.exp_avg_sqs]
+
+
 @torch.no_grad()
+def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
+    """One AdamW update of every group's params, in place; returns each group's
+    ``sum |new - old|`` over its counted elements as a float64 scalar on the params' device.
+    On CUDA with Triton, one kernel launch for all of them."""
+    if not groups:
+        return []
+    device = groups[0].params[0].device
+    if all(g.params[0].device == device for g in groups) and triton_eligible([t for g in groups for t in g.tensors()]):
+        from workers.drift_triton import adamw_l1_triton_groups
+
+        return list(adamw_l1_triton_groups(groups).unbind())
+    if device.type == "cuda":
+        _warn_torch_path_on_cuda()
+    out = []
+    for group in groups:
+        total = torch.zeros((), dtype=torch.float64, device=group.params[0].device)
+        for p, g, m, v, w in zip(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs, group.windows):
+            total += adamw_l1_torch(p, g, m, v, w, group.scalars)
+        out.append(total)
+    return out
+
+
 def adamw_l1(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],
@@ -135,19 +173,15 @@ def adamw_l1(
     windows: Sequence[Windows | None],
     scalars: AdamWScalars,
 ) -> torch.Tensor:
-    """One AdamW update of ``params`` (all at step count ``scalars.step``), in place; returns
-    ``sum |new - old|`` over the counted elements as a float64 scalar on the params' device."""
-    device = params[0].device
-    if triton_eligible([*params, *grads, *exp_avgs, *exp_avg_sqs]):
-        from workers.drift_triton import adamw_l1_triton
-
-        return adamw_l1_triton(params, grads, exp_avgs, exp_avg_sqs, windows, scalars)
-    if device.type == "cuda":
-        _warn_torch_path_on_cuda()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p, g, m, v, w in zip(params, grads, exp_avgs, exp_avg_sqs, windows):
-        total += adamw_l1_torch(p, g, m, v, w, scalars)
-    return total
+    """:func:`adamw_l1_groups` for one group: its count."""
+    (l1,) = adamw_l1_groups(
+        [
+            FusedGroup(
+                params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, windows=windows, scalars=scalars
+            )
+        ]
+    )
+    return l1
 
 
 def adamw_l1_torch(

@@ -1,16 +1,23 @@
 """The Triton kernel of DriftAdamW's fused step (CUDA): AdamW and the drift count in one pass.
 
-Imported only by :func:`workers.drift_fused.adamw_l1` once it has seen CUDA tensors and an
+Imported only by :func:`workers.drift_fused.adamw_l1_groups` once it has seen CUDA tensors and an
 importable Triton, so a CPU machine never imports Triton. Under ``TRITON_INTERPRET=1`` the same
 kernel runs on CPU tensors (Triton's interpreter), which is how its arithmetic is tested
 without a GPU (``tests/test_drift_fused.py``).
 
-One launch covers every tensor of a param group at one step count: a work table (see
-:func:`workers.drift_fused.work_rows`) gives each program a chunk of one tensor, and an address
-table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointers. Each program reads the
-four once, writes three, and adds ``sum |new - old|`` of its counted elements to a float64
-accumulator with one atomic add. Both tables are cached: after the first step a group's launch
-copies nothing to the device.
+One launch covers a whole optimizer step: every param group and step count is a *slot* with its
+own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see
+:func:`workers.drift_fused.work_rows`) gives each program a chunk of one tensor and its slot, and
+an address table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointers. Each program
+reads the four once, writes three, and adds ``sum |new - old|`` of its counted elements to its
+slot's accumulator with one atomic add. Measured on an H200 (``bench.drift_probe --sweep``), a
+launch per group left the step CPU-bound on issuing 50 launches; one launch per step is issued
+once. The work table is cached by the tensors' sizes and windows, the address table by the
+addresses; the scalar table changes with the learning rate and is copied each step.
+
+Scalars are read from the tables as small vectors and picked out with a reduction, and a program
+loops over a fixed ``CHUNK`` (masked past its row's end) rather than to a loaded bound: Triton's
+interpreter gives every scalar a shape of ``[1]``, which a loop bound cannot take.
 """
 
 # no ``from __future__ import annotations``: Triton reads ``tl.constexpr`` annotations as objects
@@ -24,7 +31,7 @@ import triton
 import triton.language as tl
 
 from workers import drift_fused
-from workers.drift_fused import AdamWScalars, Windows, work_rows
+from workers.drift_fused import AdamWScalars, FusedGroup, Windows, work_rows
 
 logger = logging.getLogger(__name__)
 
@@ -33,51 +40,61 @@ logger = logging.getLogger(__name__)
 #: ``drift_fused.TRITON_CHUNK``); none of the three changes any element's arithmetic.
 BLOCK = 1024
 NUM_WARPS = 4
-_ROW = 5  # (tensor, start, stop, count_lo, count_hi)
+
+ROW = 8  # (tensor, start, stop, count_lo, count_hi, slot, -, -): a power of two for tl.arange
+SCALARS = 16  # decay, beta1, 1 - beta1, beta2, 1 - beta2, eps, -step_size, sqrt(bias corr. 2), lerp_low
 
 
 @triton.jit
-def _adamw_l1_kernel(
-    rows_ptr,
-    addrs_ptr,
-    acc_ptr,
-    decay,
-    beta1,
-    one_minus_beta1,
-    beta2,
-    one_minus_beta2,
-    eps,
-    neg_step_size,
-    bias_correction2_sqrt,
-    DECAY: tl.constexpr,
-    LERP_LOW: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = rows_ptr + tl.program_id(0).to(tl.int64) * 5
-    tensor = tl.load(row)
-    start = tl.load(row + 1)
-    stop = tl.load(row + 2)
-    count_lo = tl.load(row + 3)
-    count_hi = tl.load(row + 4)
-    base = addrs_ptr + tensor * 4
-    p_ptr = tl.load(base).to(tl.pointer_type(tl.float32))
-    g_ptr = tl.load(base + 1).to(tl.pointer_type(tl.float32))
-    m_ptr = tl.load(base + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(base + 3).to(tl.pointer_type(tl.float32))
+def _pick_int(values, index, k):
+    return tl.sum(tl.where(index == k, values, 0), axis=0)
+
+
+@triton.jit
+def _pick_float(values, index, k):
+    # min, not sum: a -0.0 must stay -0.0 (-0.0 + 0.0 is +0.0)
+    return tl.min(tl.where(index == k, values, float("inf")), axis=0)
+
+
+@triton.jit
+def _adamw_l1_kernel(rows_ptr, addrs_ptr, scalars_ptr, acc_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    row_index = tl.arange(0, 8)
+    row = tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * 8 + row_index)
+    tensor = _pick_int(row, row_index, 0)
+    start = _pick_int(row, row_index, 1)
+    stop = _pick_int(row, row_index, 2)
+    count_lo = _pick_int(row, row_index, 3)
+    count_hi = _pick_int(row, row_index, 4)
+    slot = _pick_int(row, row_index, 5)
+    addr_index = tl.arange(0, 4)
+    addrs = tl.load(addrs_ptr + tensor * 4 + addr_index)
+    p_ptr = _pick_int(addrs, addr_index, 0).to(tl.pointer_type(tl.float32))
+    g_ptr = _pick_int(addrs, addr_index, 1).to(tl.pointer_type(tl.float32))
+    m_ptr = _pick_int(addrs, addr_index, 2).to(tl.pointer_type(tl.float32))
+    v_ptr = _pick_int(addrs, addr_index, 3).to(tl.pointer_type(tl.float32))
+    scalar_index = tl.arange(0, 16)
+    scalars = tl.load(scalars_ptr + slot * 16 + scalar_index)
+    decay = _pick_float(scalars, scalar_index, 0)
+    beta1 = _pick_float(scalars, scalar_index, 1)
+    one_minus_beta1 = _pick_float(scalars, scalar_index, 2)
+    beta2 = _pick_float(scalars, scalar_index, 3)
+    one_minus_beta2 = _pick_float(scalars, scalar_index, 4)
+    eps = _pick_float(scalars, scalar_index, 5)
+    neg_step_size = _pick_float(scalars, scalar_index, 6)
+    bias_correction2_sqrt = _pick_float(scalars, scalar_index, 7)
+    lerp_low = _pick_float(scalars, scalar_index, 8) != 0.0
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for offset in range(start, stop, BLOCK):
-        offs = offset + tl.arange(0, BLOCK)
+    for offset in range(0, CHUNK, BLOCK):  # a row holds at most CHUNK elements; the rest is masked
+        offs = start + offset + tl.arange(0, BLOCK)
         inside = offs < stop
         p = tl.load(p_ptr + offs, mask=inside, other=0.0)
         g = tl.load(g_ptr + offs, mask=inside, other=0.0)
         m = tl.load(m_ptr + offs, mask=inside, other=0.0)
         v = tl.load(v_ptr + offs, mask=inside, other=0.0)
-        # torch's single-tensor AdamW, op for op (lerp as ATen computes it for the weight's side)
-        new = p * decay if DECAY else p
-        if LERP_LOW:
-            m = m + one_minus_beta1 * (g - m)
-        else:
-            m = g - (g - m) * beta1
+        # torch's single-tensor AdamW, op for op (lerp as ATen computes it for the weight's side);
+        # a group without weight decay has decay 1.0, and p * 1.0 is p exactly
+        new = p * decay
+        m = tl.where(lerp_low, m + one_minus_beta1 * (g - m), g - (g - m) * beta1)
         v = v * beta2 + one_minus_beta2 * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
         new = new + neg_step_size * tl.div_rn(m, denom)
@@ -86,52 +103,55 @@ def _adamw_l1_kernel(
         tl.store(v_ptr + offs, v, mask=inside)
         counted = inside & (offs >= count_lo) & (offs < count_hi)
         total += tl.where(counted, tl.abs(new - p), 0.0)
-    tl.atomic_add(acc_ptr, tl.sum(total, axis=0).to(tl.float64))
+    tl.atomic_add(acc_ptr + slot, tl.sum(total, axis=0).to(tl.float64))
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_on(
+    numels: tuple[int, ...],
+    windows: tuple[Windows | None, ...],
+    slots: tuple[int, ...],
+    device: torch.device,
+    chunk: int,
+) -> torch.Tensor:
+    rows = [(*row, slots[row[0]], 0, 0) for row in work_rows(numels, windows, chunk)]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, ROW).to(device)
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_on(
-    numels: tuple[int, ...], windows: tuple[Windows | None, ...], device: torch.device, chunk: int
-) -> torch.Tensor:
-    rows = work_rows(numels, windows, chunk)
-    return torch.tensor(rows, dtype=torch.int64).reshape(-1, _ROW).to(device)
-
-
-@functools.lru_cache(maxsize=4096)
 def _addrs_on(addrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(addrs, dtype=torch.int64).to(device)
 
 
-def adamw_l1_triton(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    windows: Sequence[Windows | None],
-    scalars: AdamWScalars,
-) -> torch.Tensor:
-    """One launch: update every tensor in place; the count as a float64 scalar on the device."""
-    device = params[0].device
-    acc = torch.zeros(1, dtype=torch.float64, device=device)
-    rows = _rows_on(tuple(p.numel() for p in params), tuple(windows), device, drift_fused.TRITON_CHUNK)
+def scalar_row(s: AdamWScalars) -> list[float]:
+    """One slot's row of the scalar table (float32 on the device, as Triton takes a float argument)."""
+    decay = s.decay if s.weight_decay != 0 else 1.0
+    lerp_low = 1.0 if (1 - s.beta1) < 0.5 else 0.0
+    row = [decay, s.beta1, 1 - s.beta1, s.beta2, 1 - s.beta2, s.eps, -s.step_size, s.bias_correction2_sqrt, lerp_low]
+    return row + [0.0] * (SCALARS - len(row))
+
+
+def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
+    """One launch for every group: update each tensor in place; each group's count as a float64
+    on the device (a vector, one entry per group)."""
+    device = groups[0].params[0].device
+    acc = torch.zeros(len(groups), dtype=torch.float64, device=device)
+    numels: list[int] = []
+    windows: list[Windows | None] = []
+    slots: list[int] = []
+    addrs: list[int] = []
+    for slot, group in enumerate(groups):
+        for quad in zip(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs):
+            numels.append(quad[0].numel())
+            addrs.extend(t.data_ptr() for t in quad)
+            slots.append(slot)
+        windows.extend(group.windows)
+    chunk = drift_fused.TRITON_CHUNK
+    rows = _rows_on(tuple(numels), tuple(windows), tuple(slots), device, chunk)
     if rows.numel() == 0:
-        return acc[0]
-    addrs = tuple(t.data_ptr() for quad in zip(params, grads, exp_avgs, exp_avg_sqs) for t in quad)
+        return acc
+    scalars = torch.tensor([scalar_row(g.scalars) for g in groups], dtype=torch.float32).to(device)
     _adamw_l1_kernel[(rows.shape[0],)](
-        rows,
-        _addrs_on(addrs, device),
-        acc,
-        scalars.decay,
-        scalars.beta1,
-        1 - scalars.beta1,
-        scalars.beta2,
-        1 - scalars.beta2,
-        scalars.eps,
-        -scalars.step_size,
-        scalars.bias_correction2_sqrt,
-        DECAY=scalars.weight_decay != 0,
-        LERP_LOW=(1 - scalars.beta1) < 0.5,
-        BLOCK=BLOCK,
-        num_warps=NUM_WARPS,
+        rows, _addrs_on(tuple(addrs), device), scalars, acc, CHUNK=chunk, BLOCK=BLOCK, num_warps=NUM_WARPS
     )
-    return acc[0]
+    return acc
