@@ -338,7 +338,8 @@ def recovery_section(report: Mapping[str, Any]) -> list[str]:
         "baseline's interval; `lost`: steps re-run per failure (a rollback's price). The `@bytes` rows are the "
         'interval baselines at the bytes LayerCheck wrote (see "Matched freshness and bytes"): '
         "`/FR@bytes` is a layer-wise policy's unsaved drift over `full-resume@bytes`'s, the same writes spent "
-        "on whole-model checkpoints; `full@bytes` rolls back, so its drift is 0 and its price is `lost`.",
+        "on whole-model checkpoints; `full@bytes` rolls back, so its drift is 0 and its price is `lost` (which "
+        "depends on where the failures fall against its interval: 0 when they fall on checkpoint steps).",
         "",
         "```",
         recovery_report.layer_table(report),
