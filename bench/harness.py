@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from bench.baselines import make_baseline
-from bench.metrics import FreshnessTracker, matched_intervals, trace_of
+from bench.matched import matched_settings
+from bench.metrics import FreshnessTracker, trace_of
 from bench.presets import Workload
 from bench.s3_loopback import STORES, LoopbackBucket, loopback_s3
 from bench.strategies import Kind, Recovery, Strategy, matched_variants
@@ -409,11 +410,14 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         if not ran_matched and i == len(order) and "layercheck" in results and "none" in results:
             matched = None
             if rank == 0:
-                matched = _matched(results["none"], results["layercheck"], workload)
+                matched = matched_settings(results, workload, strategies)
             matched = _broadcast(matched)
             results["_matched"] = matched
             order += matched_variants(
-                strategies, staleness_interval=matched["staleness"], drift_interval=matched["drift"]
+                strategies,
+                staleness_interval=matched["staleness"],
+                drift_interval=matched["drift"],
+                bytes_intervals=matched["bytes"],
             )
             ran_matched = True
     for repeat in range(1, int(payload.get("repeats", 1))):
@@ -440,28 +444,6 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         "params": sum(runner.train_engine.layer_map.numel.values()),
         "layers": dict(runner.train_engine.layer_map.numel),
         "frozen_params": model_params - sum(runner.train_engine.layer_map.numel.values()),
-    }
-
-
-def _matched(none: Mapping[str, Any], layercheck: Mapping[str, Any], workload: Workload) -> dict[str, Any]:
-    from policies.trace import DriftTrace
-
-    trace = DriftTrace.from_json(none["trace"])
-    m = matched_intervals(
-        trace,
-        target_staleness=layercheck["freshness"]["mean_weighted_staleness"],
-        target_drift=layercheck["freshness"]["mean_unsaved_drift"],
-        eval_from=workload.strategy.layercheck_warmup,
-    )
-    floor = workload.strategy.min_matched_interval
-    return {
-        "staleness": max(m.staleness, floor),
-        "drift": max(m.drift, floor),
-        "clipped_to_min_interval": floor if min(m.staleness, m.drift) < floor else None,
-        "target_staleness": m.target_staleness,
-        "target_drift": m.target_drift,
-        "interval_staleness": m.interval_staleness,
-        "interval_drift": m.interval_drift,
     }
 
 

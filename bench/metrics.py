@@ -1,5 +1,5 @@
 """Metric formulas of the benchmark: staleness and unsaved drift along a run, loss deviation
-after a recovery, measured ETTR, and the intervals that match LayerCheck's freshness.
+after a recovery, measured ETTR, and the intervals that match LayerCheck's freshness or its bytes.
 
 Pure: values in, values out. The definitions follow ``policies/simulate.py`` so that a
 measured run and a replayed trace are comparable: from ``eval_from`` on, per step, the
@@ -146,6 +146,45 @@ def matched_intervals(
         interval_staleness=by_stal.mean_weighted_staleness,
         interval_drift=by_drift.mean_unsaved_drift,
     )
+
+
+def checkpoints_in(n: int, since: int, until: int) -> int:
+    """How many multiples of ``n`` lie in ``[since, until]``: the checkpoint steps of an interval
+    ``n`` (its saves fall at every multiple of ``n``) in that window."""
+    return until // n - (since - 1) // n if n >= 1 else 0
+
+
+@dataclass(frozen=True)
+class BytesMatch:
+    interval: int | None
+    """The interval whose full checkpoints come closest to the target bytes; ``None``: no interval
+    does (``reason`` says why)."""
+    checkpoints: int
+    """Its full checkpoints in the window (0 where ``interval`` is ``None``)."""
+    reason: str = ""
+
+
+def bytes_matched_interval(*, per_checkpoint: float, target: float, since: int, steps: int) -> BytesMatch:
+    """The interval N whose full checkpoints of ``per_checkpoint`` bytes each, counted from step
+    ``since`` to ``steps`` (as :func:`checkpoints_in`: LayerCheck writes nothing before its warm-up
+    W, so the window starts there), write the closest to ``target`` bytes; of equally close ones the
+    shortest (the freshest baseline at those bytes). More than one checkpoint a step's worth gives
+    N = 1; less than one checkpoint gives no interval: the only one left (a single save at the end
+    of the run) protects nothing."""
+    if per_checkpoint <= 0:
+        return BytesMatch(interval=None, checkpoints=0, reason="no full checkpoint size was measured")
+    if target < per_checkpoint:
+        return BytesMatch(
+            interval=None,
+            checkpoints=0,
+            reason=f"the target ({target:.0f} B) is less than one full checkpoint ({per_checkpoint:.0f} B)",
+        )
+    # the count is not monotonic in N (a multiple may fall just before ``since``): scan every N
+    best = min(
+        range(1, steps + 1),
+        key=lambda n: (abs(per_checkpoint * checkpoints_in(n, since, steps) - target), n),
+    )
+    return BytesMatch(interval=best, checkpoints=checkpoints_in(best, since, steps))
 
 
 def _mean(values: Sequence[float]) -> float:

@@ -2,9 +2,10 @@
 (:mod:`bench.unsaved`), split into the survivors' and the lost rank's slices and per layer, next
 to the loss deviation after the failures and the bytes written, as ratios to ``layercheck``
 (the paper's policy without a recovery tier): what the survivors' capture adds, at the writes it
-costs. And where each recovery's shard files came from (the writers' memory or storage) with its
-load time, against the same strategy without the memory tier (its ``storage twin``): what the
-memory tier saves.
+costs; and the layer-wise policies over ``full-resume@bytes``, the resuming interval baseline
+writing LayerCheck's bytes (:mod:`bench.matched`). And where each recovery's shard files came
+from (the writers' memory or storage) with its load time, against the same strategy without the
+memory tier (its ``storage twin``): what the memory tier saves.
 
 Pure: the report's rows and raw results in, figures and tables out.
 """
@@ -19,6 +20,9 @@ from orchestrator.table import format_table, human_bytes
 
 #: The row the ratios are taken against.
 REFERENCE = "layercheck"
+#: The resuming interval baseline at LayerCheck's bytes (``bench.matched``): what a layer-wise
+#: policy's unsaved drift and loss deviation are held against at the same writes.
+AT_BYTES = "full-resume@bytes"
 
 
 #: A recovery's loaded bytes by source (``orchestrator.core.memory_reads.LoadSources``, summed over ranks).
@@ -85,6 +89,14 @@ def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
         if twin is not None:
             row["load_vs_storage"] = _ratio(row["load_s"], rows[twin]["load_s"])
             row["load_storage_twin"] = twin
+    at_bytes = rows.get(AT_BYTES)
+    if at_bytes is not None and at_bytes.get("unsaved_at_recovery") is not None:
+        for row in rows.values():
+            if row["kind"] == "layer-policy" and row.get("unsaved_at_recovery") is not None:
+                row["unsaved_vs_full_resume_at_bytes"] = _ratio(
+                    row["unsaved_at_recovery"], at_bytes["unsaved_at_recovery"]
+                )
+                row["loss_dev_mean_vs_full_resume_at_bytes"] = _ratio(row["loss_dev_mean"], at_bytes["loss_dev_mean"])
     ref = rows.get(REFERENCE)
     if ref is None or ref.get("unsaved_at_recovery") is None:
         return
@@ -106,16 +118,32 @@ def headline(rows: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
         "recovery_load_memory_vs_storage": {
             name: row["load_vs_storage"] for name, row in rows.items() if "load_vs_storage" in row
         },
+        # at the same bytes written: the layer-wise policies over full-resume there, and what
+        # the rollback there re-runs per failure (its unsaved drift is 0: it replays)
+        "unsaved_vs_full_resume_at_bytes": {
+            name: row["unsaved_vs_full_resume_at_bytes"]
+            for name, row in rows.items()
+            if "unsaved_vs_full_resume_at_bytes" in row
+        },
+        "loss_dev_vs_full_resume_at_bytes": {
+            name: row["loss_dev_mean_vs_full_resume_at_bytes"]
+            for name, row in rows.items()
+            if "loss_dev_mean_vs_full_resume_at_bytes" in row
+        },
+        "steps_lost_full_at_bytes": rows["full@bytes"]["steps_lost"] if "full@bytes" in rows else None,
     }
 
 
 COLUMNS = [
     "strategy",
+    "N",
+    "lost",
     "written",
     "capture",
     "bytes/LC",
     "unsaved@rec",
     "/LC",
+    "/FR@bytes",
     "per failure",
     "survivors",
     "lost rank",
@@ -134,11 +162,14 @@ def recovery_table(report: Mapping[str, Any]) -> str:
         rows.append(
             [
                 r["name"],
+                r["interval"] or "-",
+                r["steps_lost"],
                 human_bytes(r["bytes_written"]),
                 human_bytes(r["capture_bytes"]),
                 _times(r.get("bytes_vs_layercheck")),
                 f"{r['unsaved_at_recovery']:.3e}",
                 _times(r.get("unsaved_at_recovery_vs_layercheck")),
+                _times(r.get("unsaved_vs_full_resume_at_bytes")),
                 ", ".join(f"{u:.2e}" for u in r.get("unsaved_per_failure", ())),
                 f"{r['unsaved_survivors']:.3e}",
                 f"{r['unsaved_lost_rank']:.3e}",

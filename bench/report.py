@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench import recovery_report, schedule_report
-from bench.metrics import loss_deviation, matched_intervals, measured_ettr, post_failure_windows
+from bench.matched import describe_bytes_match
+from bench.metrics import checkpoints_in, loss_deviation, matched_intervals, measured_ettr, post_failure_windows
 from orchestrator.table import format_table, human_bytes
 
 
@@ -160,11 +161,6 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
     return report
 
 
-def _multiples(n: int, since: int, until: int) -> int:
-    """How many multiples of ``n`` lie in ``[since, until]`` (checkpoint steps of an interval)."""
-    return until // n - (since - 1) // n if n >= 1 else 0
-
-
 def bytes_from(row: Mapping[str, Any], *, since: int, steps: int, per_full_event: float | None) -> float | None:
     """The bytes a strategy wrote at steps ``>= since`` (LayerCheck's warm-up W: before it,
     LayerCheck writes nothing and protects nothing, so the fair comparison starts there).
@@ -176,13 +172,13 @@ def bytes_from(row: Mapping[str, Any], *, since: int, steps: int, per_full_event
     if kind == "layer-policy":
         return row["bytes_written"]  # nothing before the base at W
     if kind in ("deepspeed-sync", "deepspeed-async", "layer-interval"):
-        return row["bytes_per_event"] * _multiples(n, since, steps)
+        return row["bytes_per_event"] * checkpoints_in(n, since, steps)
     if kind == "differential" and per_full_event:
         fulls = steps // n
         deltas = row["events"] - fulls
         per_delta = (row["bytes_written"] - fulls * per_full_event) / deltas if deltas else 0.0
         delta_steps_from = sum(1 for t in range(max(n + 1, since), steps + 1) if t % n)
-        return per_full_event * _multiples(n, since, steps) + per_delta * delta_steps_from
+        return per_full_event * checkpoints_in(n, since, steps) + per_delta * delta_steps_from
     return None
 
 
@@ -216,8 +212,8 @@ def add_matched_estimates(
             target_drift=row["mean_unsaved_drift"],
             eval_from=eval_from,
         )
-        by_stal = source["bytes_per_event"] * _multiples(m.staleness, eval_from, steps)
-        by_drift = source["bytes_per_event"] * _multiples(m.drift, eval_from, steps)
+        by_stal = source["bytes_per_event"] * checkpoints_in(m.staleness, eval_from, steps)
+        by_drift = source["bytes_per_event"] * checkpoints_in(m.drift, eval_from, steps)
         row["matched_estimate"] = {
             "per_checkpoint_bytes_from": source["name"],
             "interval_staleness": m.staleness,
@@ -445,5 +441,7 @@ def text(report: Mapping[str, Any]) -> str:
             f"matched freshness: LayerCheck mean weighted staleness {m['target_staleness']:.3g} -> N={m['staleness']}"
             f"; mean unsaved drift {m['target_drift']:.3g} -> N={m['drift']}"
         )
+        if describe_bytes_match(m):
+            lines.append(describe_bytes_match(m).replace("`", "").replace("**", ""))
         lines.append(pairs_table(report))
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bench.metrics import matched_intervals
+from bench.metrics import checkpoints_in, matched_intervals
 from orchestrator.table import format_table, human_bytes
 from policies.staggered import BYTES_PER_PARAM
 
@@ -79,7 +79,7 @@ def add_drift_matched(
         interval = matched_intervals(
             trace, target_staleness=row["mean_weighted_staleness"], target_drift=target, eval_from=eval_from
         ).drift
-        full_bytes = full * _multiples(interval, eval_from, steps)
+        full_bytes = full * checkpoints_in(interval, eval_from, steps)
         oracle = oracle_at_drift(trace, target, warmup_steps=eval_from, eval_from=eval_from)
         row["at_matched_drift"] = {
             "state_bytes": handed["total"],
@@ -148,10 +148,6 @@ def _bytes(value: float | None) -> str:
 
 def _fraction(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
-
-
-def _multiples(n: int, since: int, until: int) -> int:
-    return until // n - (since - 1) // n if n >= 1 else 0
 
 
 def _ratio(a: float, b: float) -> float:

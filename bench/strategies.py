@@ -98,6 +98,11 @@ RECOVERY_OF: Mapping[Kind, Recovery] = {
 
 #: Strategies whose recovery state is an interval of full checkpoints, run again at matched freshness.
 MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL)
+#: Of those, the ones that write nothing but full checkpoints, run again at matched bytes (``diff``'s
+#: per-step deltas make its bytes no multiple of one checkpoint).
+BYTES_MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.LAYER_INTERVAL)
+#: What a matched variant was matched on, and its name suffix.
+MATCHED_ON: Mapping[str, str] = {"staleness": "stal", "drift": "drift", "bytes": "bytes"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +117,8 @@ class Strategy:
     delta_density: float = 0.01
     """``differential``: fraction of each state tensor's elements sent per step (top-k with error feedback)."""
     matched: str = ""
-    """For a matched-freshness variant: ``staleness`` or ``drift`` (what it was matched on)."""
+    """For a matched variant: ``staleness`` or ``drift`` (LayerCheck's freshness), or ``bytes``
+    (the bytes LayerCheck wrote): what its interval was matched on."""
     tiers: tuple[Tier, ...] = ()
     """Recovery tiers above storage (resuming strategies only): ``capture``, ``memory``."""
 
@@ -136,8 +142,10 @@ class Strategy:
             )
         if not 0 < self.delta_density <= 1:
             raise ValueError(f"Strategy {self.name}: delta_density must be in (0, 1], got {self.delta_density}")
-        if self.matched not in ("", "staleness", "drift"):
-            raise ValueError(f"Strategy {self.name}: matched must be '', 'staleness' or 'drift', got {self.matched!r}")
+        if self.matched and self.matched not in MATCHED_ON:
+            raise ValueError(
+                f"Strategy {self.name}: matched must be '' or one of {list(MATCHED_ON)}, got {self.matched!r}"
+            )
         if self.tiers and self.recovery is not Recovery.RESUME:
             raise ValueError(f"Strategy {self.name}: tiers need a resuming strategy, not {self.recovery.value}")
         if len(set(self.tiers)) != len(self.tiers) or not all(isinstance(t, Tier) for t in self.tiers):
@@ -273,14 +281,26 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
     return out
 
 
-def matched_variants(strategies: list[Strategy], *, staleness_interval: int, drift_interval: int) -> list[Strategy]:
+def matched_variants(
+    strategies: list[Strategy],
+    *,
+    staleness_interval: int,
+    drift_interval: int,
+    bytes_intervals: Mapping[str, int] | None = None,
+) -> list[Strategy]:
     """The matchable baselines again, at the interval matching LayerCheck's weighted staleness
-    and at the one matching its mean unsaved drift (``name@stal``, ``name@drift``)."""
+    and at the one matching its mean unsaved drift (``name@stal``, ``name@drift``); and each one
+    named in ``bytes_intervals`` at its own interval writing LayerCheck's bytes (``name@bytes``;
+    :mod:`bench.matched`)."""
+    bytes_intervals = bytes_intervals or {}
     out = []
     for s in strategies:
-        if s.kind in MATCHABLE and not s.matched:
-            out.append(replace(s, name=f"{s.name}@stal", interval=staleness_interval, matched="staleness"))
-            out.append(replace(s, name=f"{s.name}@drift", interval=drift_interval, matched="drift"))
+        if s.kind not in MATCHABLE or s.matched:
+            continue
+        at = {"staleness": staleness_interval, "drift": drift_interval}
+        if s.kind in BYTES_MATCHABLE and s.name in bytes_intervals:
+            at["bytes"] = bytes_intervals[s.name]
+        out += [replace(s, name=f"{s.name}@{MATCHED_ON[on]}", interval=n, matched=on) for on, n in at.items()]
     return out
 
 

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench import recovery_report, schedule_report
+from bench.matched import describe_bytes_match
 from bench.report import main_table, pairs_table
 from orchestrator.table import format_table
 
@@ -124,12 +125,18 @@ def summary_markdown(
         ]
     if m:
         out += [
-            "## Matched freshness",
+            "## Matched freshness and bytes",
             "",
             f"LayerCheck's measured mean weighted staleness {m['target_staleness']:.3g} steps is matched by full "
             f"checkpoints every **{m['staleness']}** steps; its mean unsaved drift {m['target_drift']:.3g} by every "
-            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `policies.simulate.match_interval`).",
+            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `policies.simulate.match_interval`)"
+            + (
+                f"; both floored at `min_matched_interval` = {m['clipped_to_min_interval']}."
+                if m.get("clipped_to_min_interval")
+                else "."
+            ),
             "",
+            *([describe_bytes_match(m), ""] if describe_bytes_match(m) else []),
             "```",
             pairs_table(report),
             "```",
@@ -153,6 +160,11 @@ def summary_markdown(
     ):
         if h.get(key) is not None:
             out.append(f"- {key.replace('_', ' ')}: **{h[key]:.2f}x**")
+    for key in ("unsaved_vs_full_resume_at_bytes", "loss_dev_vs_full_resume_at_bytes"):
+        if h.get(key):
+            out.append(f"- {key.replace('_', ' ')}: " + ", ".join(f"`{n}` **{v:.2f}x**" for n, v in h[key].items()))
+    if h.get("steps_lost_full_at_bytes") is not None:
+        out.append(f"- steps lost full at bytes (re-run per failure): **{h['steps_lost_full_at_bytes']:.1f}**")
     estimates = [(n, r["matched_estimate"]) for n, r in report["strategies"].items() if "matched_estimate" in r]
     if estimates:
         out += [
@@ -322,7 +334,12 @@ def recovery_section(report: Mapping[str, Any]) -> list[str]:
         "failure's, in order); `survivors` and "
         f"`lost rank`: the same over the elements the surviving ranks and rank {lost} own. A rollback re-runs the "
         "lost steps, so its figure is 0 at the price of the replay time. `capture`: the bytes the captures wrote "
-        "(in `written` too). `/LC`: over `layercheck`'s (the same policy without capture).",
+        "(in `written` too). `/LC`: over `layercheck`'s (the same policy without capture). `N`: an interval "
+        "baseline's interval; `lost`: steps re-run per failure (a rollback's price). The `@bytes` rows are the "
+        'interval baselines at the bytes LayerCheck wrote (see "Matched freshness and bytes"): '
+        "`/FR@bytes` is a layer-wise policy's unsaved drift over `full-resume@bytes`'s, the same writes spent "
+        "on whole-model checkpoints; `full@bytes` rolls back, so its drift is 0 and its price is `lost` (which "
+        "depends on where the failures fall against its interval: 0 when they fall on checkpoint steps).",
         "",
         "```",
         recovery_report.layer_table(report),

@@ -103,3 +103,65 @@ def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over
     assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
     (line,) = render_readme.memory_lines(built, "b")
     assert "store `s3-loopback`" in line and "**0.25x**" in line and "100% of the bytes from memory" in line
+
+
+def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_headline():
+    lc = _raw("layercheck", "layer-policy", "resume", bytes_written=1000, events=4, shift=0.02)
+    lc["recoveries"] = [_recovery(unsaved=_unsaved(1.0, 1.0))]
+    cap = _raw("layercheck+capture", "layer-policy", "resume", bytes_written=1500, events=4, shift=0.01)
+    cap["recoveries"] = [_recovery(unsaved=_unsaved(0.0, 1.0))]
+    resume = _raw(
+        "full-resume@bytes", "layer-interval", "resume", interval=3, matched="bytes", bytes_written=1500, shift=0.04
+    )
+    resume["events"] = 3
+    resume["recoveries"] = [_recovery(unsaved=_unsaved(4.0, 4.0))]
+    rollback = _raw("full@bytes", "deepspeed-sync", "rollback", interval=4, matched="bytes", bytes_written=1600)
+    rollback["events"] = 2
+    rollback["recoveries"] = [_recovery(resume_after=4, steps_lost=2, unsaved=_unsaved(0.0, 0.0))]
+    matched = {
+        "staleness": 3,
+        "drift": 2,
+        "target_staleness": 2.0,
+        "target_drift": 0.1,
+        "interval_staleness": 1.0,
+        "interval_drift": 0.1,
+        "bytes": {"full": 4, "full-resume": 3},
+        "bytes_skipped": {},
+        "bytes_clipped_to_min_interval": 4,
+        "bytes_unfloored": {"full": 2},
+        "bytes_target": "layercheck+capture",
+        "target_bytes": 1500.0,
+        "bytes_per_checkpoint": {"full": 800.0, "full-resume": 500.0},
+    }
+    raw = {
+        "restart_s": 1.0,
+        "params": 20,
+        "frozen_params": 0,
+        "layers": {"embed": 20},
+        "results": {
+            "none": _raw("none", "none", "restart"),
+            "layercheck": lc,
+            "layercheck+capture": cap,
+            "full-resume@bytes": resume,
+            "full@bytes": rollback,
+            "_matched": matched,
+        },
+    }
+    workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
+    built = report.build_report(raw, workload, {"nproc": 2})
+    rows = built["strategies"]
+    assert rows["layercheck+capture"]["unsaved_vs_full_resume_at_bytes"] == pytest.approx(0.125)
+    assert rows["layercheck"]["loss_dev_mean_vs_full_resume_at_bytes"] == pytest.approx(0.5)
+    assert "unsaved_vs_full_resume_at_bytes" not in rows["full@bytes"]  # only the layer-wise policies
+    h = built["headline"]
+    assert h["unsaved_vs_full_resume_at_bytes"] == {"layercheck": 0.25, "layercheck+capture": pytest.approx(0.125)}
+    assert h["loss_dev_vs_full_resume_at_bytes"]["layercheck+capture"] == pytest.approx(0.25)
+    assert h["steps_lost_full_at_bytes"] == 2
+    table = recovery_report.recovery_table(built)
+    assert "full-resume@bytes" in table and "full@bytes" in table and "0.12x" in table
+    md = summary.summary_markdown(built)
+    assert "`full-resume@bytes` every **3** steps" in md and "`layercheck+capture` wrote" in md
+    assert "2 floored at `min_matched_interval` = 4" in md and "`/FR@bytes`" in md
+    assert "unsaved vs full resume at bytes: `layercheck` **0.25x**" in md
+    assert "full@bytes every 4 steps" in report.text(built)
+    assert any(p["matched_on"] == "bytes" for p in built["pairs"])

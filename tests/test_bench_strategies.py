@@ -103,6 +103,22 @@ def test_matched_variants_cover_full_full_resume_and_diff_at_both_intervals():
     }
 
 
+def test_byte_matched_variants_are_the_full_checkpoint_baselines_at_their_own_interval():
+    variants = matched_variants(
+        default_strategies(StrategyOptions()),
+        staleness_interval=7,
+        drift_interval=3,
+        bytes_intervals={"full": 9, "full-resume": 4, "diff": 2},
+    )
+    at_bytes = {(v.name, v.kind, v.interval) for v in variants if v.matched == "bytes"}
+    # diff writes per-step deltas: its bytes are no multiple of one checkpoint, it has no @bytes
+    assert at_bytes == {("full@bytes", Kind.DEEPSPEED_SYNC, 9), ("full-resume@bytes", Kind.LAYER_INTERVAL, 4)}
+    assert len(variants) == 8  # and the six freshness-matched ones
+    assert Strategy.from_json(variants[2].to_json()) == variants[2]
+    with pytest.raises(ValueError, match="matched"):
+        Strategy(name="f", kind=Kind.DEEPSPEED_SYNC, interval=3, matched="time")
+
+
 def test_select_keeps_none_first_and_rejects_unknown_names():
     chosen = select(default_strategies(StrategyOptions()), ["layercheck", "full"])
     assert [s.name for s in chosen] == ["none", "layercheck", "full"]
