@@ -267,7 +267,8 @@ class StaggeredPolicy:
             )
         self.cap = self._cap(weights)
         if changed:
-            logger.info(
+            logger.log(
+                logging.INFO if self.fixed_rates is None else logging.DEBUG,  # the oracle's sweep replans often
                 "step %d: planned %d B/step (mean period %.1f steps); periods of %d layer(s) changed",
                 t,
                 round(budget),

@@ -103,6 +103,8 @@ def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over
     assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
     (line,) = render_readme.memory_lines(built, "b")
     assert "store `s3-loopback`" in line and "**0.25x**" in line and "100% of the bytes from memory" in line
+    text = render_readme.section(built, {}, "r", remote=(built, "r-s3"))  # a second run on remote-like storage
+    assert text.count("Recovery load from the writers' memory") == 2 and "(r-s3/bench.json)" in text
 
 
 def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_headline():
@@ -165,3 +167,6 @@ def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_
     assert "unsaved vs full resume at bytes: `layercheck` **0.25x**" in md
     assert "full@bytes every 4 steps" in report.text(built)
     assert any(p["matched_on"] == "bytes" for p in built["pairs"])
+    (line,) = render_readme.recovery_lines(built, "b")
+    assert "**0.12x** that of `full-resume` writing the same bytes (every 3 steps)" in line
+    assert "re-ran 2.0 steps per failure" in line and "0.25x `full-resume@bytes`'s" in line
