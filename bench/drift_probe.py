@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from bench.timing import issue_seconds, time_interleaved
 from workers.config import DRIFT_STEPS
 
 logger = logging.getLogger(__name__)
@@ -90,39 +89,6 @@ PRESETS: dict[str, Preset] = {
         steps=30,
     ),
 }
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time(fn: Callable[[], None], device: str, steps: int, warmup: int = 3) -> float:
-    """Median seconds per call."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    samples = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
-
-
-def _time_interleaved(fns: dict[str, Callable[[], None]], device: str, steps: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds per call of each function, run in turn so that load drifts hit all alike."""
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for i in range(warmup + steps):
-        for name, fn in fns.items():
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            if i >= warmup:
-                samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
@@ -228,19 +194,6 @@ SWEEP: tuple[tuple[int, int, int], ...] = (
 )
 
 
-def _issue_seconds(fn: Callable[[], None], device: str, steps: int) -> float:
-    """Median host seconds until ``fn`` returns, the device idle before each call: how long the
-    CPU takes to issue the step (a step whose issue time is its whole time is CPU-bound)."""
-    samples = []
-    for _ in range(steps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    _sync(device)
-    return statistics.median(samples)
-
-
 def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[str, Any]]:
     """The fused step under each :data:`SWEEP` configuration beside torch's fused AdamW: time per
     step, host issue time, and whether one step from the same state gives bit-equal parameters
@@ -285,8 +238,8 @@ def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[s
                 optimizer.step()
 
             fns[name], issue[name] = step, issue_only
-        seconds = _time_interleaved(fns, device, steps)
-        issued = {name: _issue_seconds(fn, device, steps) for name, fn in issue.items()}
+        seconds = time_interleaved(fns, device, steps)
+        issued = {name: issue_seconds(fn, device, steps) for name, fn in issue.items()}
     finally:
         configure(default)
     base = seconds["adamw_fused"]
@@ -324,7 +277,7 @@ def training_step_seconds(preset: Preset) -> dict[str, float]:
 
         return step
 
-    seconds = _time_interleaved({mode: step_with(mode) for mode in DRIFT_STEPS}, preset.device, preset.steps)
+    seconds = time_interleaved({mode: step_with(mode) for mode in DRIFT_STEPS}, preset.device, preset.steps)
     shutdown(train_engine)
     return seconds
 
@@ -342,7 +295,7 @@ def run(preset_name: str, steps: int | None, device: str | None = None, sweep: b
         raise SystemExit(f"preset {preset_name} on cuda: torch.cuda.is_available() is False")
     model = build_model(ModelConfig(hf_config=preset.model))
     numel = sum(p.numel() for p in model.parameters())
-    optimizer = _time_interleaved(optimizer_variants(model, preset.device), preset.device, preset.steps)
+    optimizer = time_interleaved(optimizer_variants(model, preset.device), preset.device, preset.steps)
     swept = kernel_sweep(model, preset.device, preset.steps) if sweep and preset.device == "cuda" else []
     del model
     wholes = training_step_seconds(preset)

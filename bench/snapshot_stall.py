@@ -23,29 +23,15 @@ import argparse
 import json
 import logging
 import statistics
-import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import torch
 
 from bench.drift_probe import PRESETS
+from bench.timing import timed
 
 logger = logging.getLogger(__name__)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _timed(fn: Callable[[], None]) -> float:
-    _sync()
-    start = time.perf_counter()
-    fn()
-    _sync()
-    return time.perf_counter() - start
 
 
 def _layers_to_measure(names: list[str]) -> list[str]:
@@ -93,16 +79,17 @@ def stall_job(rank: int, world_size: int, preset_name: str, steps: int, zero_sta
     for _ in range(3):
         step()
 
+    device = str(train_engine.engine.device)
     rows = []
     for name in _layers_to_measure(list(train_engine.layer_map.names)):
         numel = layout[name].owned_numel
         samples: dict[str, list[float]] = {"step": [], "copy": [], "side": [], "host": []}
         for i in range(steps + 1):  # the first round warms the pinned buffers up; not counted
-            copy_s = _timed(partial(copy_only, name))
-            step_s = _timed(step)
-            side_s = _timed(partial(snapshot_then_step, sides, name))
+            copy_s = timed(partial(copy_only, name), device)
+            step_s = timed(step, device)
+            side_s = timed(partial(snapshot_then_step, sides, name), device)
             sides.flush(wait=True)
-            host_s = _timed(partial(snapshot_then_step, hosts, name))
+            host_s = timed(partial(snapshot_then_step, hosts, name), device)
             hosts.flush(wait=True)
             if i:
                 for key, value in (("copy", copy_s), ("step", step_s), ("side", side_s), ("host", host_s)):
@@ -124,7 +111,7 @@ def stall_job(rank: int, world_size: int, preset_name: str, steps: int, zero_sta
         "preset": preset_name,
         "zero_stage": zero_stage,
         "copier": type(side).__name__,
-        "device": str(train_engine.engine.device),
+        "device": device,
         "steps": steps,
         "layers": rows,
     }

@@ -1,0 +1,48 @@
+"""The micro-benchmarks (`bench.drift_probe`, `bench.snapshot_stall`) run end to end on CPU and
+report every figure they promise; the timing helpers they share count what they say."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import drift_probe, snapshot_stall, timing
+
+
+def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():
+    calls: list[str] = []
+    seconds = timing.time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", steps=3, warmup=2
+    )
+    assert calls == ["a", "b"] * 5  # in turn, warm-up included
+    assert set(seconds) == {"a", "b"} and all(s >= 0 for s in seconds.values())
+    assert timing.issue_seconds(lambda: None, "cpu", steps=2) >= 0
+
+
+@pytest.mark.slow
+def test_drift_probe_times_every_variant_and_the_training_step(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    drift_probe.main(["--steps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["preset"] == "cpu-small" and result["device"] == "cpu" and result["params"] > 0
+    assert {"drift_adamw", "drift_fused", "snapshot_diff", "l1_params"} <= set(result["probes"])
+    for row in result["probes"].values():
+        assert row["seconds"] > 0 and row["x_adamw"] > 0
+    assert result["optimizer_step_s"] > 0 and result["training_step_s"] > 0 and result["training_step_fused_s"] > 0
+    assert result["kernel_sweep"] == []  # the sweep is CUDA-only
+    assert "drift_fused" in capsys.readouterr().out  # the table
+
+
+@pytest.mark.slow
+def test_snapshot_stall_measures_the_largest_layer_and_blocks(tmp_path, capsys):
+    out = tmp_path / "stall.json"
+    snapshot_stall.main(["--steps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["zero_stage"] == 3
+    layers = {row["layer"]: row for row in result["layers"]}
+    assert "embed" in layers and any(name.startswith("block.") for name in layers)
+    for row in layers.values():
+        assert row["bytes"] > 0 and row["copy_s"] > 0 and row["step_s"] > 0
+        assert row["stall_side_s"] >= 0 and row["stall_host_s"] >= 0
+    assert "side stall" in capsys.readouterr().out
