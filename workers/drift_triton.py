@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 BLOCK = 1024
 NUM_WARPS = 4
 
-ROW = 8  # (tensor, start, stop, count_lo, count_hi, slot, -, -): a power of two for tl.arange
+# The widths of the kernel's tables, each a power of two for tl.arange (passed in as constexprs)
+ROW = 8  # (tensor, start, stop, count_lo, count_hi, slot, -, -)
+ADDRS = 4  # param, grad, exp_avg, exp_avg_sq
 SCALARS = 16  # decay, beta1, 1 - beta1, beta2, 1 - beta2, eps, -step_size, sqrt(bias corr. 2), lerp_low
 
 
@@ -57,23 +59,33 @@ def _pick_float(values, index, k):
 
 
 @triton.jit
-def _adamw_l1_kernel(rows_ptr, addrs_ptr, scalars_ptr, acc_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    row_index = tl.arange(0, 8)
-    row = tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * 8 + row_index)
+def _adamw_l1_kernel(
+    rows_ptr,
+    addrs_ptr,
+    scalars_ptr,
+    acc_ptr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROW: tl.constexpr,
+    ADDRS: tl.constexpr,
+    SCALARS: tl.constexpr,
+):
+    row_index = tl.arange(0, ROW)
+    row = tl.load(rows_ptr + tl.program_id(0).to(tl.int64) * ROW + row_index)
     tensor = _pick_int(row, row_index, 0)
     start = _pick_int(row, row_index, 1)
     stop = _pick_int(row, row_index, 2)
     count_lo = _pick_int(row, row_index, 3)
     count_hi = _pick_int(row, row_index, 4)
     slot = _pick_int(row, row_index, 5)
-    addr_index = tl.arange(0, 4)
-    addrs = tl.load(addrs_ptr + tensor * 4 + addr_index)
+    addr_index = tl.arange(0, ADDRS)
+    addrs = tl.load(addrs_ptr + tensor * ADDRS + addr_index)
     p_ptr = _pick_int(addrs, addr_index, 0).to(tl.pointer_type(tl.float32))
     g_ptr = _pick_int(addrs, addr_index, 1).to(tl.pointer_type(tl.float32))
     m_ptr = _pick_int(addrs, addr_index, 2).to(tl.pointer_type(tl.float32))
     v_ptr = _pick_int(addrs, addr_index, 3).to(tl.pointer_type(tl.float32))
-    scalar_index = tl.arange(0, 16)
-    scalars = tl.load(scalars_ptr + slot * 16 + scalar_index)
+    scalar_index = tl.arange(0, SCALARS)
+    scalars = tl.load(scalars_ptr + slot * SCALARS + scalar_index)
     decay = _pick_float(scalars, scalar_index, 0)
     beta1 = _pick_float(scalars, scalar_index, 1)
     one_minus_beta1 = _pick_float(scalars, scalar_index, 2)
@@ -152,6 +164,15 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
         return acc
     scalars = torch.tensor([scalar_row(g.scalars) for g in groups], dtype=torch.float32).to(device)
     _adamw_l1_kernel[(rows.shape[0],)](
-        rows, _addrs_on(tuple(addrs), device), scalars, acc, CHUNK=chunk, BLOCK=BLOCK, num_warps=NUM_WARPS
+        rows,
+        _addrs_on(tuple(addrs), device),
+        scalars,
+        acc,
+        CHUNK=chunk,
+        BLOCK=BLOCK,
+        ROW=ROW,
+        ADDRS=ADDRS,
+        SCALARS=SCALARS,
+        num_warps=NUM_WARPS,
     )
     return acc
