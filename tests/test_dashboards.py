@@ -1,5 +1,5 @@
 """The dashboard, scrape config and alert rules in dashboards/ against the code: every metric a
-panel or a rule references is one orchestrator.runtime.metrics exports, and every PromQL expression
+panel or a rule references is one orchestrator.runtime.metric_specs declares, and every PromQL expression
 parses (promtool, from Debian's ``prometheus`` package, which CI installs)."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.runtime.metrics import series_names
+from orchestrator.runtime.metric_specs import series_names
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD = DASHBOARDS / "layercheck-dashboard.json"

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.runtime.metrics import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, RunMetrics, series_names
+from orchestrator.runtime.metric_specs import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, series_names
+from orchestrator.runtime.metrics import RunMetrics
 from orchestrator.runtime.persistence_pool import WriterStats
 from workers.env import free_port
 

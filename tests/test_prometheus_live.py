@@ -18,7 +18,7 @@ import yaml
 from orchestrator.core.run_config import load_run_config
 from orchestrator.runtime.cluster import connect
 from orchestrator.runtime.driver import train
-from orchestrator.runtime.metrics import BYTES_PER_PARAM
+from orchestrator.runtime.metric_specs import BYTES_PER_PARAM
 from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
 from workers.env import free_port
 from workers.loop import DECISION_LAG
