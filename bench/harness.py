@@ -38,10 +38,20 @@ import torch
 
 from bench.baselines import make_baseline
 from bench.matched import matched_settings
-from bench.metrics import FreshnessTracker, trace_of
+from bench.metrics import trace_of
 from bench.presets import Workload
+from bench.run_record import (
+    broadcast,
+    commits,
+    handed_bytes,
+    max_all,
+    persisted_steps,
+    replay_freshness,
+    slowest_timings,
+    sum_all,
+)
 from bench.s3_loopback import STORES, LoopbackBucket, loopback_s3
-from bench.strategies import Kind, Recovery, Strategy, matched_variants
+from bench.strategies import Kind, Strategy, matched_variants
 from bench.unsaved import owned_weights, unsaved_at_recovery
 from orchestrator.core.run_config import PersistenceConfig
 from orchestrator.local.coordinator import LocalCoordinator
@@ -51,7 +61,6 @@ from orchestrator.local.spawn import spawn_ranks
 from orchestrator.logs import configure_process_logging
 from orchestrator.store.layer_store import LayerStore
 from policies.checkpoint_policy import build_policy
-from policies.staggered import BYTES_PER_PARAM
 
 logger = logging.getLogger(__name__)
 
@@ -219,11 +228,11 @@ class Runner:
         baseline_bytes, baseline_events = baseline.finish() if baseline is not None else (0, 0)
         coordinator.close()
         written = coordinator.writer.stats.written_bytes
-        total_bytes = _sum_all(float(written + baseline_bytes))
-        capture_bytes = _sum_all(float(coordinator.writer.stats.capture_bytes))  # in total_bytes too
-        recoveries = [_max_timings(r) for r in recoveries]
+        total_bytes = sum_all(float(written + baseline_bytes))
+        capture_bytes = sum_all(float(coordinator.writer.stats.capture_bytes))  # in total_bytes too
+        recoveries = [slowest_timings(r) for r in recoveries]
         # read the manifest before the store goes: after it, every version would look uncommitted
-        persisted = _persisted(coordinator, baseline) if self.rank == 0 else {}
+        persisted = persisted_steps(coordinator, baseline) if self.rank == 0 else {}
         torch.distributed.barrier()
         if self.rank == 0 and not self.keep:  # a large model's checkpoints would fill the disk
             shutil.rmtree(directory, ignore_errors=True)
@@ -231,7 +240,7 @@ class Runner:
             return {}
         progress = coordinator.progress_log
         trace = {o.step: o for o in coordinator.service.trace}
-        freshness = _freshness(train_engine.layer_map.numel, trace, persisted, recoveries, strategy, w)
+        freshness = replay_freshness(train_engine.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
             "strategy": strategy.to_json(),
             "train_s": train_s,
@@ -244,7 +253,7 @@ class Runner:
             "freshness": freshness,
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
-            "commits": _commits(coordinator),
+            "commits": commits(coordinator),
             "handed_state_bytes": handed_bytes(coordinator.handed, train_engine.layer_map.numel),
         }
         if strategy.kind is Kind.NONE:
@@ -287,103 +296,10 @@ def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
     return run
 
 
-def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, int]) -> dict[str, int]:
-    """What the loop handed to the writers (all ranks together): total and the most at one
-    step, as layer state (fp32 weights and both Adam moments, 12 bytes a parameter) — the
-    unit the schedule plans in and the oracle counts."""
-    per_step: dict[int, int] = {}
-    for step, layers in handed:
-        per_step[step] = per_step.get(step, 0) + sum(numel[n] for n in layers) * BYTES_PER_PARAM
-    return {"total": sum(per_step.values()), "peak_step": max(per_step.values(), default=0)}
-
-
-def _commits(coordinator: LocalCoordinator) -> dict[str, int]:
-    """Rank 0: what the run's supervisor committed, retried and lost (its ``RunView`` status)."""
-    status = coordinator.status() or {}
-    return {
-        key: status.get(key, 0) for key in ("versions_committed", "commit_retries", "lost_versions", "write_failures")
-    }
-
-
-def _persisted(coordinator: LocalCoordinator, baseline: Any) -> dict[int, set[str]]:
-    """Per step, the layers whose state taken at that step was saved: LayerCheck's committed
-    versions (rank 0), and the baseline's own checkpoints."""
-    out: dict[int, set[str]] = {}
-    if coordinator.run is not None:
-        for layer, step in coordinator.committed():
-            out.setdefault(step, set()).add(layer)
-    for step, names in (baseline.persisted if baseline is not None else {}).items():
-        out.setdefault(step, set()).update(names)
-    return out
-
-
-def _freshness(
-    numel: Mapping[str, int],
-    trace: Mapping[int, Any],
-    persisted: Mapping[int, set[str]],
-    recoveries: list[dict[str, Any]],
-    strategy: Strategy,
-    w: Workload,
-) -> dict[str, float]:
-    """Replay the run's freshness: per step its drift and what was saved, and each recovery.
-    A rollback's staleness at the failure is the tracker's (its recovery reports none)."""
-    tracker = FreshnessTracker(numel=numel, eval_from=w.strategy.layercheck_warmup)
-    by_fail = {r["t_fail"]: r for r in recoveries}
-    for step in range(1, w.steps + 1):
-        tracker.observe(step, trace[step].drift if step in trace else {}, persisted.get(step, ()))
-        recovery = by_fail.get(step)
-        if recovery is None:
-            continue
-        if strategy.recovery is not Recovery.RESUME:
-            recovery["weighted_staleness"] = tracker.weighted_staleness_now(step)
-            recovery["max_staleness"] = tracker.max_staleness_now(step)
-        if recovery.get("versions"):
-            tracker.recovered(recovery["versions"])
-    for recovery in recoveries:
-        recovery.pop("versions", None)
-    return tracker.summary()
-
-
-def _max_timings(recovery: dict[str, Any]) -> dict[str, Any]:
-    """A recovery's timings as the slowest rank's (collective); its step counts and the rest as they are."""
-    keys = ("plan_s", "load_s", "replay_s", "drain_s")
-    timings = _max_all([float(recovery.get(k, 0.0)) for k in keys])
-    out = {**recovery, **dict(zip(keys, timings))}
-    out.pop("start_step", None)
-    out["steps_lost"] = out["t_fail"] - out["resume_after"]
-    out["recovery_s"] = out["plan_s"] + out["load_s"] + out["replay_s"]
-    out.setdefault("replay_max_loss_diff", 0.0)
-    out.setdefault("weighted_staleness", 0.0)
-    out.setdefault("max_staleness", 0)
-    return out
-
-
 def _clone_shard(shard: Any) -> Any:
     from dataclasses import replace
 
     return replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
-
-
-def _sum_all(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t)
-    return float(t.item())
-
-
-def _max_all(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.cpu().tolist()
-
-
-def _broadcast(value: Any) -> Any:
-    box = [value]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
@@ -411,7 +327,7 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
             matched = None
             if rank == 0:
                 matched = matched_settings(results, workload, strategies)
-            matched = _broadcast(matched)
+            matched = broadcast(matched)
             results["_matched"] = matched
             order += matched_variants(
                 strategies,
@@ -431,7 +347,7 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         for key in ("train_s", "stall_s", "probe_s"):
             if isinstance(result, dict) and f"{key}_repeats" in result:
                 result[key] = statistics.median(result[f"{key}_repeats"])
-    restart_s = _max_all([runner.build_s])[0]
+    restart_s = max_all([runner.build_s])[0]
     shutdown(runner.train_engine)
     if rank != 0:
         return {}
