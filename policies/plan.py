@@ -179,13 +179,23 @@ def _source(v: VersionRef, elements: int, ranks: Mapping[str, tuple[int, ...]]) 
 
 
 def newest_recoverable_step(layer_names: Collection[str], versions: Iterable[VersionRef]) -> int | None:
-    """The newest step at which every layer has some version (the default ``t_fail``): the
-    step of the newest version, provided every layer has at least one version at all."""
-    seen: dict[str, int] = {}
+    """The newest step at which every layer has some version (the default ``t_fail``, where a
+    ``--resume`` or a restarted driver continues): the step of the newest version, whole or
+    partial, provided every layer has a whole version at all (a partial one holds only some
+    ranks' slices). A partial version is committed only at or before the ``t_fail`` of the
+    failure that left it (``CommitTracker.take_incomplete``), so its step is one the run
+    reached; counting it keeps the survivors' captures of a failure whose recovery never
+    finished (the driver lost during it), as the recovery itself would have."""
+    whole: dict[str, int] = {}
+    newest_partial = None
+    names = set(layer_names)
     for v in versions:
+        if v.layer not in names:
+            continue
         if v.partial:
-            continue  # only some ranks' slices: a layer needs a whole version to be recoverable
-        seen[v.layer] = max(seen.get(v.layer, v.step), v.step)
-    if not layer_names or any(name not in seen for name in layer_names):
+            newest_partial = max(newest_partial or v.step, v.step)
+        else:
+            whole[v.layer] = max(whole.get(v.layer, v.step), v.step)
+    if not names or any(name not in whole for name in names):
         return None
-    return max(seen[name] for name in layer_names)
+    return max(max(whole.values()), newest_partial or 0)

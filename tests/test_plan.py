@@ -67,6 +67,23 @@ def test_a_partial_version_is_never_a_layers_whole_choice():
     partial = VersionRef(step=7, layer="a", version_id="a7p", partial=True)
     plan = plan_recovery({"a": 10}, [whole, partial], t_fail=8)
     assert plan.version_of("a") == whole and plan.max_staleness == 4
-    assert newest_recoverable_step(["a"], [whole, partial]) == 4
     with pytest.raises(NoUsableVersionError):
         plan_recovery({"a": 10}, [partial], t_fail=8)
+    assert newest_recoverable_step(["a"], [partial]) is None  # no whole version: no recovery point
+
+
+def test_the_newest_recoverable_step_counts_the_survivors_partial_versions():
+    """A failure's captures, committed at its t_fail, whose recovery never finished (the driver
+    lost during it): --resume plans at their step and overlays them, as the recovery would have."""
+    refs = [
+        VersionRef(step=100, layer="a", version_id="a100"),
+        VersionRef(step=104, layer="b", version_id="b104"),
+        VersionRef(step=110, layer="a", version_id="a110c", partial=True, origin="capture"),
+        VersionRef(step=120, layer="c", version_id="c120p", partial=True),  # a layer not in the run
+    ]
+    t = newest_recoverable_step(["a", "b"], refs)
+    assert t == 110
+    plan = plan_recovery({"a": 10, "b": 10}, refs, t_fail=t)
+    assert plan.version_of("a").version_id == "a100"
+    assert [o.version_id for o in next(c for c in plan.choices if c.layer == "a").overlays] == ["a110c"]
+    assert not plan.passed_over

@@ -86,7 +86,7 @@ def test_inspect_shows_a_capture_newer_than_the_whole_version(run, capsys):
     capture = run.commit([run.write_shard(shard, origin="capture")], partial=True)
     assert main(["inspect", run.uri]) == 0
     out = capsys.readouterr().out
-    assert "newest recoverable step 200" in out  # a capture alone is no layer's recovery point
+    assert "newest recoverable step 205" in out  # a failure's capture counts; the whole versions stay the bases
     norm = next(line for line in out.splitlines() if line.startswith("norm "))
     assert norm.split()[1] == "180" and "205 capture (ranks 0)" in norm
     assert main(["inspect", run.uri, "--json"]) == 0
@@ -94,4 +94,4 @@ def test_inspect_shows_a_capture_newer_than_the_whole_version(run, capsys):
     assert layers["norm"]["partial"] == [
         {"version_id": capture.version_id, "step": 205, "origin": "capture", "ranks": [0]}
     ]
-    assert layers["norm"]["staleness"] == 20 and layers["embed"]["partial"] == []
+    assert layers["norm"]["staleness"] == 25 and layers["embed"]["partial"] == []  # of the whole versions
