@@ -147,8 +147,10 @@ def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(demo, clea
 def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_schedule(demo, tmp_path):
     """ZeRO-0 (every rank holds everything): rank 0 survives rank 1's death holding the whole
     state at t_fail and captures it, so recovery loses nothing although the stored versions are
-    stale: every loss after recovery equals the failure-free run's."""
-    sparse, zero0 = IntervalConfig(interval=4), {"engine.zero_stage": 0, "steps": 9, "optim.total_steps": 9}
+    stale: every loss after recovery equals the failure-free run's — with dropout on, since each
+    step's RNG seed is a function of the run's seed and the step's rows (``workers.order.step_seed``)."""
+    sparse = IntervalConfig(interval=4)
+    zero0 = {"engine.zero_stage": 0, "steps": 9, "optim.total_steps": 9, "model.hf_config.attention_dropout": 0.1}
     clean = run(demo, tmp_path, "clean0", sparse, **{"fault.kill_at_step": 0, **zero0})
     failed = run(demo, tmp_path, "failed0", sparse, **{"fault.kill_at_step": 6, **zero0})
     (recovery,) = failed.status["account"]["recoveries"]

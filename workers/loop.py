@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from policies.decision import PersistDecision
 from workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
 from workers.collective_abort import CollectiveAbort
@@ -28,6 +30,7 @@ from workers.drift import LayerDrift
 from workers.engine import TrainEngine
 from workers.host_buffers import HostBufferPool
 from workers.layout import StateLayout
+from workers.order import first_index, step_seed
 from workers.schedule import lr_at
 from workers.shard import LayerShard
 from workers.snapshot_copy import Handover, copier_for, settle
@@ -249,6 +252,15 @@ def _train(
             )
             for m in range(engine_cfg.grad_accum)
         ]
+        first = first_index(
+            step=step,
+            micro=0,
+            rank=rank,
+            world_size=world_size,
+            micro_batch=engine_cfg.micro_batch,
+            grad_accum=engine_cfg.grad_accum,
+        )
+        torch.manual_seed(step_seed(train_engine.model_cfg.seed, first))  # dropout as the failure-free run's
         loss, drift = train_step(train_engine, batches)
         protocol.after_step(
             step, drift, loss=loss, lr=lr_at(step - 1, train_engine.optim_cfg), compute_s=time.monotonic() - started

@@ -3,7 +3,8 @@
 Item ``index`` of the endless stream is a pure function of (seed, index): each epoch is a fresh
 seeded permutation of the items. Which stream index a rank trains on is a pure function of
 (step, micro-step, rank, world size, batch shape), so a recovered run resumes with exactly the
-batches it would have seen, with no iterator state to save.
+batches it would have seen, with no iterator state to save; the step's RNG seed is one of its
+first row (:func:`step_seed`), so it resumes with the same dropout masks too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,14 @@ def first_index(*, step: int, micro: int, rank: int, world_size: int, micro_batc
     so the rows of one step are the same at any world size with the same global batch."""
     global_batch = world_size * micro_batch * grad_accum
     return (step - 1) * global_batch + (micro * world_size + rank) * micro_batch
+
+
+def step_seed(seed: int, index: int) -> int:
+    """The RNG seed of the step whose first row is stream index ``index`` (from
+    :func:`first_index`): dropout and any other sampling in a step are a pure function of the
+    run's seed and the rows it trains, so a step re-run after a recovery draws what the
+    failure-free run drew."""
+    return (seed * 1_000_003 + index) % (1 << 63)
 
 
 class EpochOrder:
