@@ -7,7 +7,7 @@ import pytest
 from bench import recovery_report, render_readme, report, summary
 from bench.presets import preset
 from bench.unsaved import summarize
-from tests.test_bench_report import FAILURES, STEPS, _raw, _recovery
+from tests.test_bench_report import FAILURES, MATCHED, STEPS, _raw, _recovery
 
 
 def test_summarize_splits_the_survivors_from_the_lost_rank():
@@ -121,12 +121,7 @@ def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_
     rollback["events"] = 2
     rollback["recoveries"] = [_recovery(resume_after=4, steps_lost=2, unsaved=_unsaved(0.0, 0.0))]
     matched = {
-        "staleness": 3,
-        "drift": 2,
-        "target_staleness": 2.0,
-        "target_drift": 0.1,
-        "interval_staleness": 1.0,
-        "interval_drift": 0.1,
+        **MATCHED,
         "bytes": {"full": 4, "full-resume": 3},
         "bytes_skipped": {},
         "bytes_clipped_to_min_interval": 4,

@@ -11,6 +11,17 @@ from bench.presets import preset
 STEPS, FAILURES = 10, (6,)
 
 
+#: The first pass's matched intervals (``bench.matched``) at staleness and drift.
+MATCHED = {
+    "staleness": 3,
+    "drift": 2,
+    "target_staleness": 2.0,
+    "target_drift": 0.1,
+    "interval_staleness": 1.0,
+    "interval_drift": 0.1,
+}
+
+
 def _raw(
     name: str,
     kind: str,
@@ -120,14 +131,7 @@ def built() -> dict:
                 events=3,
                 recoveries=[_recovery(resume_after=6, steps_lost=0, recovery_s=0.3)],
             ),
-            "_matched": {
-                "staleness": 3,
-                "drift": 2,
-                "target_staleness": 2.0,
-                "target_drift": 0.1,
-                "interval_staleness": 1.0,
-                "interval_drift": 0.1,
-            },
+            "_matched": dict(MATCHED),
         },
     }
     workload = preset("tiny", steps=STEPS, failures=FAILURES, layercheck_warmup=2).to_json()
