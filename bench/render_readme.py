@@ -226,14 +226,19 @@ def recovery_lines(report: Mapping[str, Any], bench_link: str) -> list[str]:
     if name not in vs_lc or name not in vs_fr:
         return []
     resume_at_bytes = rows.get("full-resume@bytes", {})
+    lost = h.get("steps_lost_full_at_bytes")  # None where full@bytes did not run
     return [
         f"- **Unsaved drift at recovery** ({bench_link}; mean |θ_recovered − θ_true| per element at t_fail): "
         f"`{name}` (the survivors' own slices at t_fail, the lost rank's from storage) "
         f"**{_x(vs_lc[name])}** `layercheck`'s and **{_x(vs_fr[name])}** that of `full-resume` writing the same "
         f"bytes (every {resume_at_bytes.get('interval', '?')} steps); loss deviation after recovery {_x(dev_fr.get(name))} "
-        f"`full-resume@bytes`'s. A rollback at those bytes (`full@bytes`) has no unsaved drift but re-ran "
-        f"{h.get('steps_lost_full_at_bytes', 0):.1f} steps per failure here, which depends on where the failures "
-        "fall against its interval."
+        "`full-resume@bytes`'s."
+        + (
+            ""
+            if lost is None
+            else f" A rollback at those bytes (`full@bytes`) has no unsaved drift but re-ran {lost:.1f} steps per "
+            "failure here, which depends on where the failures fall against its interval."
+        )
     ]
 
 

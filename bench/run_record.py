@@ -87,20 +87,20 @@ def slowest_timings(recovery: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def sum_all(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t)
-    return float(t.item())
-
-
-def max_all(values: list[float]) -> list[float]:
+def _all_reduce(values: list[float], op: Any) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     if torch.distributed.get_backend() == "nccl":
         t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    torch.distributed.all_reduce(t, op=op)
     return t.cpu().tolist()
+
+
+def sum_all(value: float) -> float:
+    return _all_reduce([value], torch.distributed.ReduceOp.SUM)[0]
+
+
+def max_all(values: list[float]) -> list[float]:
+    return _all_reduce(values, torch.distributed.ReduceOp.MAX)
 
 
 def broadcast(value: Any) -> Any:

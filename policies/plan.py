@@ -186,16 +186,8 @@ def newest_recoverable_step(layer_names: Collection[str], versions: Iterable[Ver
     failure that left it (``CommitTracker.take_incomplete``), so its step is one the run
     reached; counting it keeps the survivors' captures of a failure whose recovery never
     finished (the driver lost during it), as the recovery itself would have."""
-    whole: dict[str, int] = {}
-    newest_partial = None
     names = set(layer_names)
-    for v in versions:
-        if v.layer not in names:
-            continue
-        if v.partial:
-            newest_partial = max(newest_partial or v.step, v.step)
-        else:
-            whole[v.layer] = max(whole.get(v.layer, v.step), v.step)
-    if not names or any(name not in whole for name in names):
+    ours = [v for v in versions if v.layer in names]
+    if not names or {v.layer for v in ours if not v.partial} != names:
         return None
-    return max(max(whole.values()), newest_partial or 0)
+    return max(v.step for v in ours)

@@ -165,3 +165,6 @@ def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_
     (line,) = render_readme.recovery_lines(built, "b")
     assert "**0.12x** that of `full-resume` writing the same bytes (every 3 steps)" in line
     assert "re-ran 2.0 steps per failure" in line and "0.25x `full-resume@bytes`'s" in line
+    without_rollback = {**built, "headline": {**h, "steps_lost_full_at_bytes": None}}  # full@bytes not run
+    (line,) = render_readme.recovery_lines(without_rollback, "b")
+    assert "**0.12x**" in line and "full@bytes`)" not in line

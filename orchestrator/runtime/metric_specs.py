@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from prometheus_client import Counter, Gauge, Histogram
 
 from orchestrator.core.supervision import STATE_NAMES
+from policies.staggered import BYTES_PER_PARAM  # fp32 weight + Adam exp_avg + exp_avg_sq: a full checkpoint's
 
-#: Bytes persisted per parameter by a full checkpoint: fp32 weight + Adam exp_avg + exp_avg_sq.
-BYTES_PER_PARAM = 12
 #: The window of the "recent" gauges (ETTR, bytes per second).
 RECENT_WINDOW_S = 60.0
 #: The supervisor's states, exported as one 0/1 series each (see :mod:`orchestrator.core.supervision`).
