@@ -139,12 +139,15 @@ def with_sources(
 ) -> RecoveryPlan:
     """``plan`` with each layer's :class:`LayerSource` shares and element-weighted staleness:
     ``coverage`` (overlay version id → the element spans it holds per parameter) says what each
-    overlay supplies once the newer ones took theirs; the whole version supplies the rest.
+    overlay supplies once the newer ones took theirs; the whole version supplies the rest. An
+    overlay left with no element (every one it holds is in a newer one) is dropped from the
+    choice and passed over, so that recovery does not read its files.
     ``ranks``: version id → the ranks whose files it holds (for the account only).
 
     Raises :class:`ValueError` if a layer's overlays cover more elements than the layer has."""
     ranks = ranks or {}
     choices = []
+    passed_over = dict(plan.passed_over)
     for c in plan.choices:
         counts = claimed_elements(claim([coverage[o.version_id] for o in c.overlays]), len(c.overlays))
         rest = layer_numel[c.layer] - sum(counts)
@@ -153,10 +156,12 @@ def with_sources(
                 f"layer {c.layer}: overlays {[o.version_id for o in c.overlays]} cover {sum(counts)} elements, "
                 f"the layer has {layer_numel[c.layer]}"
             )
-        sources = tuple(_source(o, n, ranks) for o, n in zip(c.overlays, counts, strict=True)) + (
-            _source(c.version, rest, ranks),
-        )
-        choices.append(replace(c, sources=sources))
+        supplying = [(o, n) for o, n in zip(c.overlays, counts, strict=True) if n > 0]
+        for o, n in zip(c.overlays, counts, strict=True):
+            if n == 0:  # shadowed: reading its files would load nothing
+                passed_over[o.version_id] = "newer partial versions hold every element it holds"
+        sources = tuple(_source(o, n, ranks) for o, n in supplying) + (_source(c.version, rest, ranks),)
+        choices.append(replace(c, overlays=tuple(o for o, _ in supplying), sources=sources))
     per_layer, weighted = element_staleness(layer_numel, {c.layer: c.sources for c in choices}, plan.t_fail)
     choices = [replace(c, staleness=per_layer[c.layer]) for c in choices]
     return replace(
@@ -164,6 +169,7 @@ def with_sources(
         choices=tuple(choices),
         max_staleness=max(per_layer.values(), default=0),
         weighted_staleness=weighted,
+        passed_over=passed_over,
     )
 
 

@@ -67,6 +67,18 @@ def test_sources_count_elements_after_newer_overlays_took_theirs():
     assert plan.weighted_staleness == pytest.approx((30 * 0 + 30 * 3 + 40 * 5 + 40 * 5) / 140)
 
 
+def test_an_overlay_shadowed_by_newer_ones_is_dropped_and_passed_over():
+    """A survivor's capture at t_fail holds every element its earlier partial versions hold:
+    recovery reads the capture's files, not theirs."""
+    partials = [v("a", 12, partial=True, vid="a12p"), v("a", 15, partial=True, origin="capture", vid="a15c")]
+    plan = plan_recovery(NUMEL, WHOLE + partials, t_fail=15)
+    plan = with_sources(plan, NUMEL, {"a15c": {"w": [(0, 30)]}, "a12p": {"w": [(10, 20)]}})
+    a = plan.choices[0]
+    assert [o.version_id for o in a.overlays] == ["a15c"]
+    assert [(s.version_id, s.elements) for s in a.sources] == [("a15c", 30), ("a@10", 70)]
+    assert "newer partial versions hold every element" in plan.passed_over["a12p"]
+
+
 def test_a_layer_wholly_covered_by_a_capture_is_as_fresh_as_the_capture():
     plan = plan_recovery({"a": 10}, [v("a", 4, base=True), v("a", 9, partial=True, origin="capture")], t_fail=9)
     plan = with_sources(plan, {"a": 10}, {"a@9": {"w": [(0, 6)], "b": [(0, 4)]}})
