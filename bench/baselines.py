@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from bench import delta as deltas
-from bench.strategies import Kind, Strategy
-from orchestrator.local.coordinator import LocalCoordinator
-from orchestrator.local.recovery import recover
-from workers.engine import TrainEngine, seek_step
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import restore_from_shards, snapshot_layers
-from workers.layout import state_view
-from workers.shard import STATE_KEYS
-from workers.step import train_step
+from layercheck.bench import delta as deltas
+from layercheck.bench.strategies import Kind, Strategy
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.recovery import recover
+from layercheck.workers.engine import TrainEngine, seek_step
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
+from layercheck.workers.layout import state_view
+from layercheck.workers.shard import STATE_KEYS
+from layercheck.workers.step import train_step
 
 logger = logging.getLogger(__name__)
 

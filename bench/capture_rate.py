@@ -1,18 +1,18 @@
 """Micro-benchmark: how long a survivor's capture takes per GB, the figure the capture window
-(``persistence.capture_timeout_s``, :mod:`orchestrator.core.capture_window`) must cover.
+(``persistence.capture_timeout_s``, :mod:`layercheck.orchestrator.core.capture_window`) must cover.
 
 One rank (gloo, world size 1, ZeRO-0 so it holds the whole model) trains a step of a model built
 from a transformers config, then, ``--repeats`` times:
 
-* ``copy``      ``workers.capture.capture_shards``: every layer's fp32 weights and both Adam
+* ``copy``      ``layercheck.workers.capture.capture_shards``: every layer's fp32 weights and both Adam
                 moments copied out of the optimizer into host buffers;
 * ``handover``  what ``RayCoordinator._capture`` does next: ``ray.put`` of each layer's shard and a
                 writer actor's ``hold`` (the writer copies it into its own memory and answers; the
                 write to storage happens after, off the clock), against a real local Ray.
 
-    python -m bench.capture_rate                    # ~0.5 GB of state
-    python -m bench.capture_rate --hidden 1536      # bigger
-    python -m bench.capture_rate --json
+    python -m layercheck.bench.capture_rate                    # ~0.5 GB of state
+    python -m layercheck.bench.capture_rate --hidden 1536      # bigger
+    python -m layercheck.bench.capture_rate --json
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import tempfile
 import time
 from typing import Any
 
-from orchestrator.local.spawn import spawn_ranks
-from orchestrator.table import format_table
+from layercheck.orchestrator.local.spawn import spawn_ranks
+from layercheck.orchestrator.table import format_table
 
 
 def _config(hidden: int, layers: int) -> Any:
-    from orchestrator.core.run_config import ClusterConfig, RunConfig
-    from workers.config import EngineConfig, ModelConfig, OptimConfig
+    from layercheck.orchestrator.core.run_config import ClusterConfig, RunConfig
+    from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 
     hf = {
         "model_type": "llama",
@@ -71,12 +71,12 @@ def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) ->
     import ray
     import torch
 
-    from orchestrator.runtime.persistence_pool import PersistenceWriter
-    from orchestrator.runtime.wire import to_wire
-    from workers.capture import capture_shards
-    from workers.engine import build_engine, shutdown
-    from workers.host_buffers import HostBufferPool
-    from workers.step import train_step
+    from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter
+    from layercheck.orchestrator.runtime.wire import to_wire
+    from layercheck.workers.capture import capture_shards
+    from layercheck.workers.engine import build_engine, shutdown
+    from layercheck.workers.host_buffers import HostBufferPool
+    from layercheck.workers.step import train_step
 
     config = _config(hidden, layers)
     train_engine = build_engine(config.model, config.optim, config.engine)

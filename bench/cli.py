@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import ettr as ettr_model
-from bench import report as reports
-from bench import summary
-from bench.presets import PRESETS, VARIANTS, preset, variant
-from bench.s3_loopback import STORES
-from bench.strategies import default_strategies, select
+from layercheck.bench import ettr as ettr_model
+from layercheck.bench import report as reports
+from layercheck.bench import summary
+from layercheck.bench.presets import PRESETS, VARIANTS, preset, variant
+from layercheck.bench.s3_loopback import STORES
+from layercheck.bench.strategies import default_strategies, select
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,8 @@ def workload_from_args(args: argparse.Namespace) -> Any:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from bench.harness import run_benchmark
-    from bench.machine import describe
+    from layercheck.bench.harness import run_benchmark
+    from layercheck.bench.machine import describe
 
     if args.rebuild:
         previous = json.loads(args.rebuild.read_text())
@@ -125,7 +125,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) -> None:
     """bench.json, ettr.json, the plots and summary.md into ``out``."""
-    from bench import plots
+    from layercheck.bench import plots
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
@@ -160,7 +160,7 @@ def run_ettr(args: argparse.Namespace) -> int:
         storage_bytes_per_s=args.storage_gbps * 1e9 if args.storage_gbps else None,
     )
     if args.out:
-        from bench import plots
+        from layercheck.bench import plots
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "ettr.json").write_text(json.dumps(grid, indent=1))

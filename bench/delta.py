@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from workers.shard import STATE_KEYS, LayerShard
+from layercheck.workers.shard import STATE_KEYS, LayerShard
 
 
 def top_k_count(numel: int, density: float) -> int:

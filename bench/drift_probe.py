@@ -11,18 +11,18 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``drift_fused``    DriftAdamW with ``drift_step="fused"`` (drift counted inside the update; a
                      Triton kernel on CUDA), plus the same read
 * ``snapshot_diff``  baseline step + |theta_t - reference| per layer, then the reference refreshed
-                     (``workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
+                     (``layercheck.workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
                      per layer (an alternative for Adam-family optimizers; not shipped, see README)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.
 
-    python -m bench.drift_probe                       # small model on CPU
-    python -m bench.drift_probe --preset h200-0.5b    # Qwen2.5-0.5B-shaped, batch 4x1024, on CUDA
-    python -m bench.drift_probe --device cuda         # the small model on a GPU
-    python -m bench.drift_probe --json                # JSON instead of the table
-    python -m bench.drift_probe --out result.json     # the table, and the JSON written to a file
+    python -m layercheck.bench.drift_probe                       # small model on CPU
+    python -m layercheck.bench.drift_probe --preset h200-0.5b    # Qwen2.5-0.5B-shaped, batch 4x1024, on CUDA
+    python -m layercheck.bench.drift_probe --device cuda         # the small model on a GPU
+    python -m layercheck.bench.drift_probe --json                # JSON instead of the table
+    python -m layercheck.bench.drift_probe --out result.json     # the table, and the JSON written to a file
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from bench.timing import issue_seconds, time_interleaved
-from workers.config import DRIFT_STEPS
+from layercheck.bench.timing import issue_seconds, time_interleaved
+from layercheck.workers.config import DRIFT_STEPS
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,9 @@ PRESETS: dict[str, Preset] = {
 
 def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
     """Fresh fp32 copies of the model's layer-aligned groups, with fixed random gradients."""
-    from policies.layer_map import layer_map_of
-    from workers.config import OptimConfig
-    from workers.engine import param_groups
+    from layercheck.policies.layer_map import layer_map_of
+    from layercheck.workers.config import OptimConfig
+    from layercheck.workers.engine import param_groups
 
     groups = param_groups(model, layer_map_of(model), OptimConfig(lr=1e-5, weight_decay=0.1))
     out = []
@@ -110,8 +110,8 @@ def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
 
 
 def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
-    from workers.drift_adamw import DriftAdamW
-    from workers.drift_fused import triton_eligible
+    from layercheck.workers.drift_adamw import DriftAdamW
+    from layercheck.workers.drift_fused import triton_eligible
 
     fast = {"fused": True} if device == "cuda" else {"foreach": True}
 
@@ -183,7 +183,7 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
 
 
 #: Kernel configurations ``--sweep`` times on CUDA: (BLOCK, NUM_WARPS, TRITON_CHUNK) of
-#: :mod:`workers.drift_triton`; the first is the default.
+#: :mod:`layercheck.workers.drift_triton`; the first is the default.
 SWEEP: tuple[tuple[int, int, int], ...] = (
     (1024, 4, 1 << 14),
     (1024, 4, 1 << 16),
@@ -198,8 +198,8 @@ def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[s
     """The fused step under each :data:`SWEEP` configuration beside torch's fused AdamW: time per
     step, host issue time, and whether one step from the same state gives bit-equal parameters
     to the default configuration's (the configurations only change how work is split)."""
-    from workers import drift_fused, drift_triton
-    from workers.drift_adamw import DriftAdamW
+    from layercheck.workers import drift_fused, drift_triton
+    from layercheck.workers.drift_adamw import DriftAdamW
 
     def configure(config: tuple[int, int, int]) -> None:
         drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused.TRITON_CHUNK = config
@@ -258,9 +258,9 @@ def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[s
 def training_step_seconds(preset: Preset) -> dict[str, float]:
     """Median seconds of one whole training step through the DeepSpeed engine (1 rank, ZeRO-0),
     per DriftAdamW ``drift_step``, interleaved on one engine (DeepSpeed builds one per process)."""
-    from workers.config import EngineConfig, ModelConfig, OptimConfig
-    from workers.engine import build_engine, shutdown
-    from workers.step import train_step
+    from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+    from layercheck.workers.engine import build_engine, shutdown
+    from layercheck.workers.step import train_step
 
     train_engine = build_engine(
         ModelConfig(hf_config=preset.model),
@@ -283,8 +283,8 @@ def training_step_seconds(preset: Preset) -> dict[str, float]:
 
 
 def run(preset_name: str, steps: int | None, device: str | None = None, sweep: bool = False) -> dict[str, Any]:
-    from workers.config import ModelConfig
-    from workers.engine import build_model
+    from layercheck.workers.config import ModelConfig
+    from layercheck.workers.engine import build_model
 
     preset = PRESETS[preset_name]
     if steps:
@@ -312,7 +312,7 @@ def run(preset_name: str, steps: int | None, device: str | None = None, sweep: b
         for name, s in optimizer.items()
         if name != "adamw"
     }
-    from bench.machine import describe
+    from layercheck.bench.machine import describe
 
     return {
         "preset": preset_name,
@@ -361,7 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per variant (after 3 warm-up)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="override the preset's device")
     parser.add_argument(
-        "--sweep", action="store_true", help="CUDA: also time the fused kernel's configurations (workers.drift_triton)"
+        "--sweep",
+        action="store_true",
+        help="CUDA: also time the fused kernel's configurations (layercheck.workers.drift_triton)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")

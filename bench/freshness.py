@@ -1,8 +1,8 @@
 """Which freshness predicts the damage: many failure points per strategy, cheaply.
 
-    python -m bench.freshness [--preset tiny] [--workload default] [--points 12] [--horizon 20] [--json]
+    python -m layercheck.bench.freshness [--preset tiny] [--workload default] [--points 12] [--horizon 20] [--json]
 
-On one spawn of the ranks (as :mod:`bench.harness`): the reference (``none``) trains the workload
+On one spawn of the ranks (as :mod:`layercheck.bench.harness`): the reference (``none``) trains the workload
 failure-free, recording its losses, its drift trace and, at every failure point, each layer's
 fp32 weights. Every strategy then trains the same run failure-free through the product's loop
 and writers, keeping its store. For each failure point ``t`` and each strategy, the engine is
@@ -10,7 +10,7 @@ wiped, the composite at ``t`` (the newest committed version of every layer at or
 what a drained recovery loads) is loaded by the product's ``load_composite``, and ``horizon``
 steps are trained from ``t + 1`` on the same batches: the loss deviation is
 ``|loss - reference loss|`` over those steps. All runs are failure-free, so every point starts
-from the same history and costs ``horizon`` steps. The measures (:mod:`bench.correlation`) are
+from the same history and costs ``horizon`` steps. The measures (:mod:`layercheck.bench.correlation`) are
 taken at each point, and each one's Pearson and Spearman correlation with the loss deviation is
 reported, pooled over strategies and per strategy.
 """
@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from bench import correlation
-from bench.presets import PRESETS, VARIANTS, Workload, preset, variant
-from bench.strategies import Kind, Strategy, default_strategies, select
-from orchestrator.logs import configure_process_logging
-from orchestrator.table import format_table
+from layercheck.bench import correlation
+from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
+from layercheck.bench.strategies import Kind, Strategy, default_strategies, select
+from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.orchestrator.table import format_table
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ def failure_points(w: Workload, count: int, horizon: int) -> list[int]:
 
 def _owned_fp32(train_engine: Any) -> dict[str, torch.Tensor]:
     """This rank's owned fp32 weights of every layer, flat (cloned)."""
-    from workers.host_buffers import HostBufferPool
-    from workers.layer_state import snapshot_layers
+    from layercheck.workers.host_buffers import HostBufferPool
+    from layercheck.workers.layer_state import snapshot_layers
 
     shards = snapshot_layers(train_engine.layout, list(train_engine.layer_map.names), HostBufferPool(pin=False))
     return {s.layer: s.tensors["fp32"].clone() for s in shards}
@@ -81,12 +81,12 @@ def _mean_abs(train_engine: Any, weights: Mapping[str, torch.Tensor]) -> dict[st
 def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
     """Load the composite at ``t`` from ``store``, train ``horizon`` steps; this rank's losses,
     the versions loaded and the exact per-layer distance to the lost state (all ranks)."""
-    from orchestrator.core.composite import load_composite
-    from orchestrator.local.run import wipe_training_state
-    from orchestrator.store.recovery_source import resolve_plan
-    from policies.plan import NoUsableVersionError
-    from workers.engine import seek_step
-    from workers.step import train_step
+    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.local.run import wipe_training_state
+    from layercheck.orchestrator.store.recovery_source import resolve_plan
+    from layercheck.policies.plan import NoUsableVersionError
+    from layercheck.workers.engine import seek_step
+    from layercheck.workers.step import train_step
 
     train_engine = runner.train_engine
     try:
@@ -108,12 +108,19 @@ def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, to
 
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-    from bench.harness import Runner
-    from orchestrator.store.layer_store import LayerStore
-    from workers.engine import shutdown
+    from layercheck.bench.harness import Runner
+    from layercheck.orchestrator.store.layer_store import LayerStore
+    from layercheck.workers.engine import shutdown
 
     warnings.filterwarnings("ignore")
-    for name in ("workers", "orchestrator", "policies", "DeepSpeed", "deepspeed", "torch"):
+    for name in (
+        "layercheck.workers",
+        "layercheck.orchestrator",
+        "layercheck.policies",
+        "DeepSpeed",
+        "deepspeed",
+        "torch",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     w = Workload.from_json(payload["workload"])
     points, horizon = list(payload["points"]), int(payload["horizon"])
@@ -231,7 +238,7 @@ def run_sweep(
     w: Workload, strategies: Sequence[Strategy], *, points: int, horizon: int, timeout_s: float = 3600.0
 ) -> dict[str, Any]:
     """Spawn the ranks, run the sweep, analyse it (rank 0's raw measurements under ``raw``)."""
-    from orchestrator.local.spawn import spawn_ranks
+    from layercheck.orchestrator.local.spawn import spawn_ranks
 
     w = replace(w, failures=())
     steps = failure_points(w, points, horizon)
@@ -254,7 +261,7 @@ def run_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.freshness", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m layercheck.bench.freshness", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--workload", choices=VARIANTS, default="default")
     p.add_argument(

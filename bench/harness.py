@@ -1,24 +1,24 @@
 """The benchmark's process code: spawn the ranks, train every strategy on LayerCheck's own loop.
 
 One spawn of ``world_size`` processes (gloo on CPU / NCCL on CUDA,
-:func:`orchestrator.local.spawn.spawn_ranks`) trains all strategies one after another on one
+:func:`layercheck.orchestrator.local.spawn.spawn_ranks`) trains all strategies one after another on one
 DeepSpeed engine, reset to the same initial state before each, so every strategy sees the same
 model, data, seed, steps and failures, in one invocation on one machine state.
 
-Every strategy runs the product's protocol: :func:`workers.loop.run_loop` with the local
+Every strategy runs the product's protocol: :func:`layercheck.workers.loop.run_loop` with the local
 runtime's :class:`LocalCoordinator` (the policy service, the superseding writers under the
 in-flight byte bound, rank 0's run supervisor with the Ray runtime's commit and recovery cores). LayerCheck's strategies are their policy; the
 baselines run a ``never`` (or ``interval``) policy with their own checkpointing in the loop's
-``after_step`` hook (:mod:`bench.baselines`).
+``after_step`` hook (:mod:`layercheck.bench.baselines`).
 
 A failure after step F is a fail-stop of the last rank: the survivors' step raises (with the
 ``capture`` tier, they hand their slices of every layer to their writers first), then the whole
 group's in-memory training state is wiped (every layer NaN, step 0; a layer a recovery misses
 shows up as a NaN loss) and the strategy recovers its way — LayerCheck's through the product's
-recovery (:func:`orchestrator.local.recovery.recover`; with the ``memory`` tier its shard files
+recovery (:func:`layercheck.orchestrator.local.recovery.recover`; with the ``memory`` tier its shard files
 come from the writers' memory first), rollbacks by re-running the lost steps
 (timed) — and the loop continues at F + 1. Around it, every rank's owned fp32 weights at F are
-compared with what the recovery loaded (:mod:`bench.unsaved`): the unsaved drift at recovery.
+compared with what the recovery loaded (:mod:`layercheck.bench.unsaved`): the unsaved drift at recovery.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any
 
 import torch
 
-from bench.baselines import make_baseline
-from bench.matched import matched_settings
-from bench.metrics import trace_of
-from bench.presets import Workload
-from bench.run_record import (
+from layercheck.bench.baselines import make_baseline
+from layercheck.bench.matched import matched_settings
+from layercheck.bench.metrics import trace_of
+from layercheck.bench.presets import Workload
+from layercheck.bench.run_record import (
     broadcast,
     commits,
     handed_bytes,
@@ -50,17 +50,17 @@ from bench.run_record import (
     slowest_timings,
     sum_all,
 )
-from bench.s3_loopback import STORES, LoopbackBucket, loopback_s3
-from bench.strategies import Kind, Strategy, matched_variants
-from bench.unsaved import owned_weights, unsaved_at_recovery
-from orchestrator.core.run_config import PersistenceConfig
-from orchestrator.local.coordinator import LocalCoordinator
-from orchestrator.local.recovery import recover
-from orchestrator.local.run import train_with_failures, wipe_training_state
-from orchestrator.local.spawn import spawn_ranks
-from orchestrator.logs import configure_process_logging
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import build_policy
+from layercheck.bench.s3_loopback import STORES, LoopbackBucket, loopback_s3
+from layercheck.bench.strategies import Kind, Strategy, matched_variants
+from layercheck.bench.unsaved import owned_weights, unsaved_at_recovery
+from layercheck.orchestrator.core.run_config import PersistenceConfig
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.recovery import recover
+from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state
+from layercheck.orchestrator.local.spawn import spawn_ranks
+from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import build_policy
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TimedProbe:
 
 
 def _configs(w: Workload) -> tuple[Any, Any, Any]:
-    from workers.config import EngineConfig, ModelConfig, OptimConfig
+    from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 
     return (
         ModelConfig(hf_config=dict(w.model), seed=0, freeze=tuple(w.freeze)),
@@ -103,8 +103,8 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
 
 
 def _reset(train_engine: Any, initial: list[Any]) -> None:
-    from workers.engine import seek_step
-    from workers.layer_state import restore_from_shards
+    from layercheck.workers.engine import seek_step
+    from layercheck.workers.layer_state import restore_from_shards
 
     restore_from_shards(train_engine.layout, initial)
     seek_step(train_engine, 0)
@@ -118,11 +118,11 @@ class Runner:
         import deepspeed  # noqa: F401 — imported before timing the engine build
         import transformers  # noqa: F401
 
-        from workers.data import DataConfig, SequenceDataset
-        from workers.engine import build_engine
-        from workers.env import init_distributed
-        from workers.host_buffers import HostBufferPool
-        from workers.layer_state import snapshot_layers
+        from layercheck.workers.data import DataConfig, SequenceDataset
+        from layercheck.workers.engine import build_engine
+        from layercheck.workers.env import init_distributed
+        from layercheck.workers.host_buffers import HostBufferPool
+        from layercheck.workers.layer_state import snapshot_layers
 
         self.workload = workload
         self.root = root
@@ -304,10 +304,17 @@ def _clone_shard(shard: Any) -> Any:
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
     """Everything one rank does: build, run each strategy (plus the matched variants), report."""
-    from workers.engine import shutdown
+    from layercheck.workers.engine import shutdown
 
     warnings.filterwarnings("ignore")
-    for name in ("workers", "orchestrator", "policies", "DeepSpeed", "deepspeed", "torch"):
+    for name in (
+        "layercheck.workers",
+        "layercheck.orchestrator",
+        "layercheck.policies",
+        "DeepSpeed",
+        "deepspeed",
+        "torch",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     workload = Workload.from_json(payload["workload"])
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]

@@ -1,14 +1,14 @@
 """The intervals the matched variants of the interval baselines run at, from the first pass.
 
-After every strategy has run once, the interval baselines run again (``bench.strategies.
+After every strategy has run once, the interval baselines run again (``layercheck.bench.strategies.
 matched_variants``) at the interval of full checkpoints that matches ``layercheck``:
 
 - ``@stal`` / ``@drift``: its measured mean weighted staleness / mean unsaved drift, on the
-  ``none`` run's drift trace (``policies.simulate.match_interval``);
+  ``none`` run's drift trace (``layercheck.policies.simulate.match_interval``);
 - ``@bytes``: the bytes LayerCheck wrote (``layercheck+capture``'s, which include the
   survivors' captures, else ``layercheck``'s), per baseline from the measured size of one of its
-  own full checkpoints, counted from the warm-up step W on as ``bench.report.bytes_from`` counts
-  (:func:`bench.metrics.bytes_matched_interval`).
+  own full checkpoints, counted from the warm-up step W on as ``layercheck.bench.report.bytes_from`` counts
+  (:func:`layercheck.bench.metrics.bytes_matched_interval`).
 
 Every interval is floored at ``min_matched_interval``; the result says where the floor bound.
 Pure: the first pass's results in, the intervals and their reasons out.
@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench.metrics import bytes_matched_interval, matched_intervals
-from bench.presets import Workload
-from bench.strategies import BYTES_MATCHABLE, Strategy
-from orchestrator.table import human_bytes
+from layercheck.bench.metrics import bytes_matched_interval, matched_intervals
+from layercheck.bench.presets import Workload
+from layercheck.bench.strategies import BYTES_MATCHABLE, Strategy
+from layercheck.orchestrator.table import human_bytes
 
 #: Whose bytes ``@bytes`` matches, the first one run.
 BYTES_TARGETS = ("layercheck+capture", "layercheck")
@@ -33,7 +33,7 @@ def matched_settings(
 ) -> dict[str, Any]:
     """The matched intervals (``staleness``, ``drift``, ``bytes`` per baseline) and what they were
     matched to; ``results`` must hold ``none`` (with its trace) and ``layercheck``."""
-    from policies.trace import DriftTrace
+    from layercheck.policies.trace import DriftTrace
 
     layercheck = results["layercheck"]
     m = matched_intervals(

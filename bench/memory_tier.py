@@ -1,6 +1,6 @@
 """Recovery load time from the writers' memory against from storage, on an S3-compatible server.
 
-    python -m bench.memory_tier [--layers 6] [--params 2000000] [--world 2] [--repeats 3] [--json]
+    python -m layercheck.bench.memory_tier [--layers 6] [--params 2000000] [--world 2] [--repeats 3] [--json]
 
 A real persistence writer actor (local Ray) writes every rank's shard of one version of each
 layer to an S3 bucket on a moto server on loopback (a separate process), keeping the files in
@@ -27,16 +27,16 @@ from typing import Any
 import ray
 import torch
 
-from bench.s3_loopback import S3_ENV, loopback_s3
-from orchestrator.core.memory_reads import MemoryFirstOpener
-from orchestrator.runtime.memory_fetch import WriterCopies
-from orchestrator.runtime.persistence_pool import PersistenceWriter
-from orchestrator.runtime.wire import to_wire
-from orchestrator.store.composite_reader import CompositeReader
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import ShardReceipt
-from orchestrator.table import format_table, human_bytes
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.bench.s3_loopback import S3_ENV, loopback_s3
+from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener
+from layercheck.orchestrator.runtime.memory_fetch import WriterCopies
+from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter
+from layercheck.orchestrator.runtime.wire import to_wire
+from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.table import format_table, human_bytes
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 BUCKET = "layercheck-bench"
 
@@ -130,7 +130,7 @@ def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.memory_tier", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m layercheck.bench.memory_tier", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--params", type=int, default=2_000_000, help="parameters per layer")
     parser.add_argument("--world", type=int, default=2, help="ranks the shards were written by")

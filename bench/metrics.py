@@ -13,9 +13,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from policies.decision import StepObservation
-from policies.simulate import match_interval
-from policies.trace import DriftTrace
+from layercheck.policies.decision import StepObservation
+from layercheck.policies.simulate import match_interval
+from layercheck.policies.trace import DriftTrace
 
 
 @dataclass
@@ -115,7 +115,7 @@ def measured_ettr(*, productive_s: float, train_s: float, recovery_s: float, res
 def trace_of(
     numel: Mapping[str, int], drifts: Mapping[int, Mapping[str, float]], lrs: Mapping[int, float]
 ) -> DriftTrace:
-    """The run's drift trace (``policies.trace`` format) from per-step global drift and LR."""
+    """The run's drift trace (``layercheck.policies.trace`` format) from per-step global drift and LR."""
     steps = tuple(StepObservation(step=s, lr=lrs[s], drift=dict(drifts[s])) for s in sorted(drifts))
     return DriftTrace(layers=tuple(numel), numel=dict(numel), steps=steps)
 
@@ -135,7 +135,7 @@ def matched_intervals(
     trace: DriftTrace, *, target_staleness: float, target_drift: float, eval_from: int
 ) -> MatchedIntervals:
     """Fixed intervals whose full checkpoints give, on ``trace``, the mean weighted staleness and
-    the mean unsaved drift LayerCheck was measured at (``policies.simulate.match_interval``)."""
+    the mean unsaved drift LayerCheck was measured at (``layercheck.policies.simulate.match_interval``)."""
     by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
     by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
     return MatchedIntervals(

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from bench.strategies import StrategyOptions
+from layercheck.bench.strategies import StrategyOptions
 
 DEMO_LLAMA: dict[str, Any] = {
     "model_type": "llama",

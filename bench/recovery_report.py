@@ -1,9 +1,9 @@
 """What a recovery brought back, per strategy: the unsaved drift at recovery measured on the state
-(:mod:`bench.unsaved`), split into the survivors' and the lost rank's slices and per layer, next
+(:mod:`layercheck.bench.unsaved`), split into the survivors' and the lost rank's slices and per layer, next
 to the loss deviation after the failures and the bytes written, as ratios to ``layercheck``
 (the paper's policy without a recovery tier): what the survivors' capture adds, at the writes it
 costs; and the layer-wise policies over ``full-resume@bytes``, the resuming interval baseline
-writing LayerCheck's bytes (:mod:`bench.matched`). And where each recovery's shard files came
+writing LayerCheck's bytes (:mod:`layercheck.bench.matched`). And where each recovery's shard files came
 from (the writers' memory or storage) with its load time, against the same strategy without the
 memory tier (its ``storage twin``): what the memory tier saves.
 
@@ -16,16 +16,16 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from orchestrator.table import format_table, human_bytes
+from layercheck.orchestrator.table import format_table, human_bytes
 
 #: The row the ratios are taken against.
 REFERENCE = "layercheck"
-#: The resuming interval baseline at LayerCheck's bytes (``bench.matched``): what a layer-wise
+#: The resuming interval baseline at LayerCheck's bytes (``layercheck.bench.matched``): what a layer-wise
 #: policy's unsaved drift and loss deviation are held against at the same writes.
 AT_BYTES = "full-resume@bytes"
 
 
-#: A recovery's loaded bytes by source (``orchestrator.core.memory_reads.LoadSources``, summed over ranks).
+#: A recovery's loaded bytes by source (``layercheck.orchestrator.core.memory_reads.LoadSources``, summed over ranks).
 MEMORY_SOURCES = ("memory_local", "memory_remote")
 
 

@@ -10,10 +10,16 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import recovery_report, schedule_report
-from bench.matched import describe_bytes_match
-from bench.metrics import checkpoints_in, loss_deviation, matched_intervals, measured_ettr, post_failure_windows
-from orchestrator.table import format_table, human_bytes
+from layercheck.bench import recovery_report, schedule_report
+from layercheck.bench.matched import describe_bytes_match
+from layercheck.bench.metrics import (
+    checkpoints_in,
+    loss_deviation,
+    matched_intervals,
+    measured_ettr,
+    post_failure_windows,
+)
+from layercheck.orchestrator.table import format_table, human_bytes
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -197,7 +203,7 @@ def add_matched_estimates(
     the measured bytes of one such checkpoint (``full-resume``, same format; else ``full``) times
     the number of checkpoints from step W on (as :func:`bytes_from` counts). An estimate, for the
     variants that are not run at matched freshness."""
-    from policies.trace import DriftTrace
+    from layercheck.policies.trace import DriftTrace
 
     source = rows.get("full-resume") or rows.get("full")
     if source is None or "trace" not in results.get("none", {}):

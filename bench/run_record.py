@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from bench.metrics import FreshnessTracker
-from bench.presets import Workload
-from bench.strategies import Recovery, Strategy
-from orchestrator.local.coordinator import LocalCoordinator
-from policies.staggered import BYTES_PER_PARAM
+from layercheck.bench.metrics import FreshnessTracker
+from layercheck.bench.presets import Workload
+from layercheck.bench.strategies import Recovery, Strategy
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.policies.staggered import BYTES_PER_PARAM
 
 
 def handed_bytes(handed: list[tuple[int, tuple[str, ...]]], numel: Mapping[str, int]) -> dict[str, int]:

@@ -1,5 +1,5 @@
 """How long the training stream stalls for a persisted layer's snapshot: the side-stream copier
-(:class:`workers.snapshot_copy.SideStreamCopier`, CUDA) against the joined host copy it replaced,
+(:class:`layercheck.workers.snapshot_copy.SideStreamCopier`, CUDA) against the joined host copy it replaced,
 side by side in one run, on a real DeepSpeed engine (one rank).
 
 For each measured layer, interleaved (the machine drifts):
@@ -13,8 +13,8 @@ For each measured layer, interleaved (the machine drifts):
 Target (issue 16): ``stall_side`` ≤ 1.2 × ``copy_s`` per persisted layer. On CPU the copier is
 the host one (nothing to overlap with), so a CPU run only checks the plumbing.
 
-    python -m bench.snapshot_stall --preset h200-0.5b --out stall.json   # on a GPU machine
-    python -m bench.snapshot_stall --preset cpu-small --steps 3           # the plumbing, on CPU
+    python -m layercheck.bench.snapshot_stall --preset h200-0.5b --out stall.json   # on a GPU machine
+    python -m layercheck.bench.snapshot_stall --preset cpu-small --steps 3           # the plumbing, on CPU
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from bench.drift_probe import PRESETS
-from bench.timing import timed
+from layercheck.bench.drift_probe import PRESETS
+from layercheck.bench.timing import timed
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,11 @@ def _layers_to_measure(names: list[str]) -> list[str]:
 
 def stall_job(rank: int, world_size: int, preset_name: str, steps: int, zero_stage: int) -> dict[str, Any]:
     """Rank 0 of a one-rank group: build the preset's engine and time the three paths per layer."""
-    from workers.config import EngineConfig, ModelConfig, OptimConfig
-    from workers.engine import build_engine, shutdown
-    from workers.host_buffers import HostBufferPool
-    from workers.snapshot_copy import Handover, HostCopier, copier_for
-    from workers.step import train_step
+    from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+    from layercheck.workers.engine import build_engine, shutdown
+    from layercheck.workers.host_buffers import HostBufferPool
+    from layercheck.workers.snapshot_copy import Handover, HostCopier, copier_for
+    from layercheck.workers.step import train_step
 
     preset = PRESETS[preset_name]
     train_engine = build_engine(
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3)
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
-    from orchestrator.local.spawn import spawn_ranks
+    from layercheck.orchestrator.local.spawn import spawn_ranks
 
     (result,) = spawn_ranks(stall_job, 1, args.preset, args.steps, args.zero_stage, what="snapshot stall")
     print(json.dumps(result, indent=2))

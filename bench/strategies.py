@@ -1,8 +1,8 @@
 """The checkpointing strategies the benchmark compares, as values.
 
 A strategy says *what* is persisted and *how a failure is recovered*; the harness
-(:mod:`bench.harness`) carries it out on LayerCheck's own loop and local runtime
-(:mod:`orchestrator.local`), the baselines' own checkpointing in :mod:`bench.baselines`. Every strategy trains the same workload with the same
+(:mod:`layercheck.bench.harness`) carries it out on LayerCheck's own loop and local runtime
+(:mod:`layercheck.orchestrator.local`), the baselines' own checkpointing in :mod:`layercheck.bench.baselines`. Every strategy trains the same workload with the same
 failure schedule, so their rows differ only in checkpointing.
 
 =============== ============================================ =====================================
@@ -25,7 +25,7 @@ drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume a
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
 
-A failure is a fail-stop of the last rank (:func:`orchestrator.local.run.train_with_failures`);
+A failure is a fail-stop of the last rank (:func:`layercheck.orchestrator.local.run.train_with_failures`);
 the recovery tiers above storage a resuming strategy uses are its :class:`Tier` s (``+capture``,
 ``+memory``).
 """
@@ -37,8 +37,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from policies.config_loader import to_mapping
-from policies.configs import (
+from layercheck.policies.config_loader import to_mapping
+from layercheck.policies.configs import (
     DriftOptimalConfig,
     IntervalConfig,
     LayerCheckConfig,
@@ -77,12 +77,12 @@ class Tier(str, enum.Enum):
     """A recovery tier above storage (DESIGN.md, "Recovery tiers") that a resuming strategy uses."""
 
     CAPTURE = "capture"
-    """The survivors' own slices at ``t_fail`` (:mod:`workers.capture`), persisted as partial
+    """The survivors' own slices at ``t_fail`` (:mod:`layercheck.workers.capture`), persisted as partial
     versions and overlaid on the composite: ``LocalCoordinator(capture=True)``."""
     MEMORY = "memory"
     """The writers' host memory: each rank's writer keeps the newest shard files it wrote
     (``persistence.memory_bytes``, the product's default budget) and the recovery opens them from
-    there before storage (:mod:`orchestrator.local.memory`): ``LocalCoordinator(memory_bytes=...)``.
+    there before storage (:mod:`layercheck.orchestrator.local.memory`): ``LocalCoordinator(memory_bytes=...)``.
     It changes where the recovery's bytes come from and how long the load takes, never what is
     loaded."""
 
@@ -291,7 +291,7 @@ def matched_variants(
     """The matchable baselines again, at the interval matching LayerCheck's weighted staleness
     and at the one matching its mean unsaved drift (``name@stal``, ``name@drift``); and each one
     named in ``bytes_intervals`` at its own interval writing LayerCheck's bytes (``name@bytes``;
-    :mod:`bench.matched`)."""
+    :mod:`layercheck.bench.matched`)."""
     bytes_intervals = bytes_intervals or {}
     out = []
     for s in strategies:

@@ -1,4 +1,4 @@
-"""The benchmark's markdown summary (``summary.md``): the tables of :mod:`bench.report` with
+"""The benchmark's markdown summary (``summary.md``): the tables of :mod:`layercheck.bench.report` with
 what each column means, the reading of the numbers and the ETTR table.
 
 Pure: a report dict in, markdown out. Every figure comes from the report.
@@ -10,10 +10,10 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import recovery_report, schedule_report
-from bench.matched import describe_bytes_match
-from bench.report import main_table, pairs_table
-from orchestrator.table import format_table
+from layercheck.bench import recovery_report, schedule_report
+from layercheck.bench.matched import describe_bytes_match
+from layercheck.bench.report import main_table, pairs_table
+from layercheck.orchestrator.table import format_table
 
 
 def summary_markdown(
@@ -63,7 +63,7 @@ def summary_markdown(
         "checkpoint engine that copies the state dict to host memory and `torch.save`s it from a thread. Both roll "
         "back with `engine.load_checkpoint` and re-run the lost steps (timed). DeepSpeed's files are not fsynced; "
         "the LayerStore's are (the project's default), which favours the DeepSpeed baselines.",
-        "- Every strategy runs the product's loop (`workers.loop.run_loop`) and protocol through the local "
+        "- Every strategy runs the product's loop (`layercheck.workers.loop.run_loop`) and protocol through the local "
         "runtime (`orchestrator/local/`): each rank keeps a replica of the policy service, fed by an asynchronous "
         "all_gather of every rank's drift report, so the decision for step t is carried out after step t+1 as under "
         "Ray; `snapshot_layers` copies the chosen layers to host buffers, a writer thread per rank writes them with "
@@ -118,7 +118,7 @@ def summary_markdown(
             "parameter: fp32 weight and both Adam moments, all ranks), full checkpoints at the interval with the "
             "same unsaved drift on the `none` run's trace (`full N`; counted from step W, each holding every "
             "trainable parameter's state and the frozen parameters' fp32 weights), and the offline oracle "
-            "(`policies.simulate.oracle_at_drift`: per-layer periods ~ 1/sqrt(mean drift rate over the whole "
+            "(`layercheck.policies.simulate.oracle_at_drift`: per-layer periods ~ 1/sqrt(mean drift rate over the whole "
             "trace), staggered, swept over its byte budget to the same drift). `peak/step`: the most bytes handed "
             "over at one step; `peak/full`: that over one full checkpoint.",
             "",
@@ -129,7 +129,7 @@ def summary_markdown(
             "",
             f"LayerCheck's measured mean weighted staleness {m['target_staleness']:.3g} steps is matched by full "
             f"checkpoints every **{m['staleness']}** steps; its mean unsaved drift {m['target_drift']:.3g} by every "
-            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `policies.simulate.match_interval`)"
+            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `layercheck.policies.simulate.match_interval`)"
             + (
                 f"; both floored at `min_matched_interval` = {m['clipped_to_min_interval']}."
                 if m.get("clipped_to_min_interval")
@@ -314,7 +314,7 @@ def ettr_table(ettr: Mapping[str, Any]) -> str:
 
 
 def recovery_section(report: Mapping[str, Any]) -> list[str]:
-    """What each recovery brought back, measured on the state (``bench.recovery_report``)."""
+    """What each recovery brought back, measured on the state (``layercheck.bench.recovery_report``)."""
     table = recovery_report.recovery_table(report)
     if not table:
         return []

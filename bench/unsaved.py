@@ -7,7 +7,7 @@ The distance is the design's drift unit: per layer ``sum |θ_recovered − θ_tr
 mean absolute difference per element), and over the model the parameter-weighted mean (total L1
 over total elements). Unlike the freshness tracker's unsaved drift (the per-step drifts summed
 since a layer's last save, an upper bound), this is the distance itself, and it sees what the
-tracker cannot: the slices a survivor's capture brought back (:mod:`workers.capture`).
+tracker cannot: the slices a survivor's capture brought back (:mod:`layercheck.workers.capture`).
 
 Collective: every rank calls :func:`unsaved_at_recovery` at the same point.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from workers.layout import StateLayout, state_view
+from layercheck.workers.layout import StateLayout, state_view
 
 
 @torch.no_grad()

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig, WriteBudgetConfig
     from layercheck.hf import LayerCheckCallback, TrainerSetupError
+    from layercheck.policies.layer_map import UnplacedParameterError
     from layercheck.trainer import FitResult, LayerCheckTrainer
     from layercheck.worker import Attachment, LayerMismatchError, attach
-    from policies.layer_map import UnplacedParameterError
-    from workers.optim_state import UnsupportedOptimizerError
+    from layercheck.workers.optim_state import UnsupportedOptimizerError
 
 _EXPORTS = {
     "attach": "layercheck.worker",
@@ -50,8 +50,8 @@ _EXPORTS = {
     "FitResult": "layercheck.trainer",
     "LayerCheckCallback": "layercheck.hf",
     "TrainerSetupError": "layercheck.hf",
-    "UnplacedParameterError": "policies.layer_map",
-    "UnsupportedOptimizerError": "workers.optim_state",
+    "UnplacedParameterError": "layercheck.policies.layer_map",
+    "UnsupportedOptimizerError": "layercheck.workers.optim_state",
 }
 
 __all__ = sorted(_EXPORTS)

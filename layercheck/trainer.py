@@ -22,19 +22,19 @@ from typing import Any
 import torch
 
 from layercheck.config import CheckpointConfig
-from orchestrator.core.run_config import check_relative_storage
-from orchestrator.core.run_start import StartOptions, claim_store
-from orchestrator.runtime.cluster import check_shared_storage, connect_to
-from orchestrator.runtime.context import WorkerContext, with_context
-from orchestrator.runtime.driver import (
+from layercheck.orchestrator.core.run_config import check_relative_storage
+from layercheck.orchestrator.core.run_start import StartOptions, claim_store
+from layercheck.orchestrator.runtime.cluster import check_shared_storage, connect_to
+from layercheck.orchestrator.runtime.context import WorkerContext, with_context
+from layercheck.orchestrator.runtime.driver import (
     RunResult,
     finish_run,
     fit_watched,
     start_run,
 )
-from orchestrator.runtime.summary import format_summary, summarize
-from orchestrator.runtime.train_report import with_callbacks
-from policies.layer_map import LayerMap, model_layer_map
+from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.runtime.train_report import with_callbacks
+from layercheck.policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
 

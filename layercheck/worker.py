@@ -10,7 +10,7 @@ Inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
     lc.finish()
 
 Steps count from 1: ``after_step(t)`` follows the ``t``-th optimizer step. The per-step protocol
-is :class:`workers.loop.StepProtocol`, the one ``layercheck train`` runs.
+is :class:`layercheck.workers.loop.StepProtocol`, the one ``layercheck train`` runs.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any
 import ray
 import torch
 
-from orchestrator.runtime import context
-from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
-from policies.layer_map import LayerMap, LayerMapSpec
-from workers import collective_abort
-from workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
-from workers.loop import LoopResult, StepProtocol
+from layercheck.orchestrator.runtime import context
+from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
+from layercheck.policies.layer_map import LayerMap, LayerMapSpec
+from layercheck.workers import collective_abort
+from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
+from layercheck.workers.loop import LoopResult, StepProtocol
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """Checkpoint policies: after each optimizer step, which layers to persist.
 
 A policy is a small state machine over values: :meth:`observe` takes a
-:class:`~policies.decision.StepObservation` and returns a
-:class:`~policies.decision.PersistDecision`. It never blocks, talks to other ranks or touches
+:class:`~layercheck.policies.decision.StepObservation` and returns a
+:class:`~layercheck.policies.decision.PersistDecision`. It never blocks, talks to other ranks or touches
 storage; the caller agrees the observation across ranks first and carries the decision out.
 Its state is plain JSON (:meth:`state_dict`), so a recovered run continues the same policy, and
 :meth:`rebase` points it at the versions a recovery actually loaded.
@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
-from policies.config_loader import require
-from policies.configs import (
+from layercheck.policies.config_loader import require
+from layercheck.policies.configs import (
     POLICY_CONFIGS,
     DriftOptimalConfig,
     IntervalConfig,
@@ -25,9 +25,9 @@ from policies.configs import (
     PolicyConfig,
     policy_name,
 )
-from policies.decision import PersistDecision, Reason, StepObservation
-from policies.layer_map import EMBED
-from policies.staggered import StaggeredPolicy
+from layercheck.policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.policies.layer_map import EMBED
+from layercheck.policies.staggered import StaggeredPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class NeverPolicy:
 
 
 #: The second half of the registry: config class → policy class (``POLICY_CONFIGS`` in
-#: :mod:`policies.configs` is the first, name → config class). A new policy adds its config there
+#: :mod:`layercheck.policies.configs` is the first, name → config class). A new policy adds its config there
 #: and its class here, with ``config_type`` and ``from_config``; nothing else switches on the type.
 POLICY_TYPES: dict[type, type] = {
     cls.config_type: cls for cls in (StaggeredPolicy, LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)

@@ -1,9 +1,9 @@
 """The checkpoint policies' configs and their registry by name.
 
 Every config is a frozen ``kw_only`` dataclass validated in ``__post_init__``; a bad value
-raises :class:`~policies.config_loader.ConfigError` naming the field and what is allowed.
+raises :class:`~layercheck.policies.config_loader.ConfigError` naming the field and what is allowed.
 ``POLICY_CONFIGS`` (name → config class) is one half of the policy registry; the other half,
-config class → policy class, is ``POLICY_TYPES`` in :mod:`policies.checkpoint_policy`. What the
+config class → policy class, is ``POLICY_TYPES`` in :mod:`layercheck.policies.checkpoint_policy`. What the
 callers need to know about a policy (is it selective? what is its label?) is asked of the config,
 never switched on its type.
 """
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from policies.config_loader import from_mapping, require, require_finite
+from layercheck.policies.config_loader import from_mapping, require, require_finite
 
 ThresholdSchedule = Literal["lr", "constant"]
 THRESHOLD_SCHEDULES: tuple[str, ...] = typing.get_args(ThresholdSchedule)
@@ -66,7 +66,7 @@ class LayerCheckConfig:
 class DriftOptimalConfig:
     """Per-layer save periods proportional to 1/sqrt(drift rate): for a given write rate, the
     schedule that minimises the parameter-weighted drift a failure loses (see
-    :class:`policies.checkpoint_policy.DriftOptimalPolicy`)."""
+    :class:`layercheck.policies.checkpoint_policy.DriftOptimalPolicy`)."""
 
     selective: ClassVar[bool] = True
 
@@ -94,7 +94,7 @@ class DriftOptimalConfig:
 class StaggeredConfig:
     """The default schedule: every layer saved periodically, the layers' phases spread over the
     steps so each step hands over a slice of the model, periods drift-aware (``1/sqrt(drift
-    rate)``) under a byte budget (see :mod:`policies.staggered`). Never writes more than full
+    rate)``) under a byte budget (see :mod:`layercheck.policies.staggered`). Never writes more than full
     checkpoints at the same unsaved drift where layers drift alike; fewer where they differ."""
 
     selective: ClassVar[bool] = True

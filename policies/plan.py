@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
-from policies.overlay import Coverage, LayerSource, claim, claimed_elements, element_staleness
+from layercheck.policies.overlay import Coverage, LayerSource, claim, claimed_elements, element_staleness
 
 
 class NoUsableVersionError(RuntimeError):

@@ -6,7 +6,7 @@ and still be the one every recovery uses. Instead a version is kept while
 
 * some recovery point in the window needs it: for every step ``t`` in
   ``[newest - window, newest]`` (``newest`` = the newest recoverable step), the version
-  :func:`~policies.plan.plan_recovery` would choose for each layer at ``t`` — which includes the
+  :func:`~layercheck.policies.plan.plan_recovery` would choose for each layer at ``t`` — which includes the
   newest version of every layer (``t = newest``); or
 * it is part of the base checkpoint and some layer has no version newer than its base yet; or
 * it is a partial version (a survivor's capture: only some ranks' slices) and no whole version
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from policies.plan import VersionRef, newest_recoverable_step
+from layercheck.policies.plan import VersionRef, newest_recoverable_step
 
 
 @dataclass(frozen=True, kw_only=True)

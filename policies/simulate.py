@@ -12,10 +12,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from policies.checkpoint_policy import CheckpointPolicy, IntervalPolicy, build_policy
-from policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig
-from policies.staggered import BYTES_PER_PARAM, StaggeredPolicy  # bytes counted as the schedule plans them
-from policies.trace import DriftTrace
+from layercheck.policies.checkpoint_policy import CheckpointPolicy, IntervalPolicy, build_policy
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig
+from layercheck.policies.staggered import BYTES_PER_PARAM, StaggeredPolicy  # bytes counted as the schedule plans them
+from layercheck.policies.trace import DriftTrace
 
 
 @dataclass(frozen=True)

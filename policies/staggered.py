@@ -1,7 +1,7 @@
 """The default checkpoint schedule: staggered, byte-budgeted, drift-aware periodic saves.
 
 Every layer is saved periodically; the layers' phases are spread over the steps (largest first
-into the least-loaded step, :mod:`policies.schedule_phases`), so each step hands over a slice of
+into the least-loaded step, :mod:`layercheck.policies.schedule_phases`), so each step hands over a slice of
 the model instead of a whole checkpoint every ``N`` steps.
 
 **Periods.** Layer ``l`` has ``n_l`` parameters, ``b_l = 12 n_l`` bytes (fp32 weight and two Adam
@@ -15,7 +15,7 @@ parameter-weighted drift (a sawtooth). For a byte budget ``B`` per step, minimis
 is convex, so this stationary point is the minimum). The budget is the changing layers' bytes /
 ``period`` (what "a full checkpoint every ``period`` steps" writes), lowered by
 ``max_bytes_per_step`` and by the writers' drain rate when the runtime passes it in
-(:attr:`~policies.decision.StepObservation.write_budget_bytes`; logged when it binds).
+(:attr:`~layercheck.policies.decision.StepObservation.write_budget_bytes`; logged when it binds).
 
 **Never worse than full checkpoints.** Full checkpoints every ``P`` steps are one point of the
 problem above (every ``P_l = P``) at the same bytes, so the optimum loses no more drift at those
@@ -47,9 +47,9 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from policies.configs import StaggeredConfig
-from policies.decision import PersistDecision, Reason, StepObservation
-from policies.schedule_phases import Item, Recurring, horizon_for, load_table, place
+from layercheck.policies.configs import StaggeredConfig
+from layercheck.policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.policies.schedule_phases import Item, Recurring, horizon_for, load_table, place
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def predicted_gain(weights: Mapping[str, float], size: Mapping[str, int]) -> flo
 
 class StaggeredPolicy:
     """Staggered periodic saves (see the module docstring). ``rates`` fixes each layer's drift
-    rate instead of estimating it online: the offline oracle (:mod:`policies.simulate`)."""
+    rate instead of estimating it online: the offline oracle (:mod:`layercheck.policies.simulate`)."""
 
     config_type: ClassVar[type] = StaggeredConfig
 

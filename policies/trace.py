@@ -19,8 +19,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from policies.decision import StepObservation
-from policies.layer_map import EMBED, LM_HEAD, NORM, block_name
+from layercheck.policies.decision import StepObservation
+from layercheck.policies.layer_map import EMBED, LM_HEAD, NORM, block_name
 
 
 class TraceFormatError(ValueError):

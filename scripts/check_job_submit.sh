@@ -23,18 +23,18 @@ SHORT=(--set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --s
 
 echo "== 1. ray job submit: layercheck train (demo)"
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
-  "$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
+  "$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
   --set fault.kill_at_step=8 --set "storage=$STORAGE/demo"
-"$PY" -m orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
+"$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
 
 echo "== 2. ray job submit: your own loop (examples/own_loop.py)"
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
   "$PY" examples/own_loop.py --steps 12 --kill-at-step 6 --storage "$STORAGE/own-loop"
-"$PY" -m orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
+"$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
 
 echo "== 3. layercheck train with a cluster running and RAY_ADDRESS unset"
-"$PY" -m orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
+"$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
   --set fault.kill_at_step=0 --set "storage=$STORAGE/joined"
-"$PY" -m orchestrator.cli.main inspect "$STORAGE/joined" >/dev/null
+"$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/joined" >/dev/null
 
 echo "ray job submit and joining a running cluster: OK (checkpoints in $STORAGE)"

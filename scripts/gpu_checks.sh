@@ -4,11 +4,11 @@
 #   exactness     the fused drift step (Triton) against torch's fused AdamW and snapshot-and-diff,
 #                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; a survivor's
 #                 capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
-#   bench_0.5b    bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
-#   snapshot_stall bench.snapshot_stall on the same shape: the training stream's stall per persisted
+#   bench_0.5b    layercheck.bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
+#   snapshot_stall layercheck.bench.snapshot_stall on the same shape: the training stream's stall per persisted
 #                 layer, side-stream copy vs the joined host copy, against the pinned copy time
 #   e2e_nccl_bf16 the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
-#   bench_small   bench.drift_probe on the small model
+#   bench_small   layercheck.bench.drift_probe on the small model
 #   bench_preset  layercheck bench --preset qwen2.5-0.5b (every strategy, side by side)
 # Results go to $GPU_CHECKS_OUT (default bench/results/gpu-<date>-<gpu>/): JSON, JUnit XML, logs,
 # machine.json and a summary.json naming each check's outcome. Exit status: 0 all passed; 1 a check
@@ -53,7 +53,7 @@ else
 fi
 mkdir -p "$RESULTS"
 echo "gpu_checks: results in $RESULTS"
-$PY -c "import json, bench.machine as m; print(json.dumps(m.describe(), indent=2))" >"$RESULTS/machine.json" 2>/dev/null
+$PY -c "import json, layercheck.bench.machine as m; print(json.dumps(m.describe(), indent=2))" >"$RESULTS/machine.json" 2>/dev/null
 declare -A OUTCOME
 
 wanted() { [[ ",$ONLY," == *",$1,"* ]]; }
@@ -87,15 +87,15 @@ if wanted bench_0.5b; then
     if (( DRY )); then
         OUTCOME[bench_0.5b]="not run (dry run: needs the GPU machine)"
     else
-        check bench_0.5b 300 $PY -m bench.drift_probe --preset h200-0.5b --sweep --out "$RESULTS/drift_probe-qwen0.5b.json"
+        check bench_0.5b 300 $PY -m layercheck.bench.drift_probe --preset h200-0.5b --sweep --out "$RESULTS/drift_probe-qwen0.5b.json"
     fi
 fi
 
 if wanted snapshot_stall; then
     if (( DRY )); then
-        check snapshot_stall 300 $PY -m bench.snapshot_stall --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
+        check snapshot_stall 300 $PY -m layercheck.bench.snapshot_stall --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
     else
-        check snapshot_stall 240 $PY -m bench.snapshot_stall --preset h200-0.5b --out "$RESULTS/snapshot_stall-qwen0.5b.json"
+        check snapshot_stall 240 $PY -m layercheck.bench.snapshot_stall --preset h200-0.5b --out "$RESULTS/snapshot_stall-qwen0.5b.json"
     fi
 fi
 
@@ -117,9 +117,9 @@ fi
 
 if wanted bench_small; then
     if (( DRY )); then
-        check bench_small 600 $PY -m bench.drift_probe --device cpu --steps 3 --out "$RESULTS/drift_probe-small.json"
+        check bench_small 600 $PY -m layercheck.bench.drift_probe --device cpu --steps 3 --out "$RESULTS/drift_probe-small.json"
     else
-        check bench_small 180 $PY -m bench.drift_probe --device cuda --out "$RESULTS/drift_probe-small.json"
+        check bench_small 180 $PY -m layercheck.bench.drift_probe --device cuda --out "$RESULTS/drift_probe-small.json"
     fi
 fi
 
@@ -127,7 +127,7 @@ if wanted bench_preset; then
     if (( DRY )); then
         OUTCOME[bench_preset]="not run (dry run: needs the GPU machine)"
     else
-        check bench_preset 600 $PY -c "import sys; from orchestrator.cli import main; sys.exit(main())" \
+        check bench_preset 600 $PY -c "import sys; from layercheck.orchestrator.cli import main; sys.exit(main())" \
             bench --preset "${GPU_BENCH_PRESET:-qwen2.5-0.5b}" ${GPU_BENCH_ARGS:-} --out "$RESULTS/bench"
     fi
 fi

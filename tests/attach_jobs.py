@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from layercheck.workers import env
+from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
+from layercheck.workers.drift import global_drift
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from tests.worker_jobs import SEQ, TINY_LLAMA, gather_shards, same, shard_values
-from workers import env
-from workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
-from workers.drift import global_drift
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import restore_from_shards, snapshot_layers
 
 LR = 3e-3
 
@@ -87,7 +87,7 @@ def _step(engine: Any, step: int, rank: int) -> float:
 def _full(att: AttachedEngine, name: str, stage: int) -> torch.Tensor:
     import deepspeed
 
-    from workers import ds_internals
+    from layercheck.workers import ds_internals
 
     param = dict(att.engine.module.named_parameters())[name]
     if stage == 0:
@@ -159,8 +159,8 @@ def bad_input_job(rank: int, world_size: int) -> dict[str, Any]:
     env.init_distributed()
     import deepspeed
 
-    from policies.layer_map import UnplacedParameterError
-    from workers.optim_state import UnsupportedOptimizerError
+    from layercheck.policies.layer_map import UnplacedParameterError
+    from layercheck.workers.optim_state import UnsupportedOptimizerError
 
     out: dict[str, Any] = {}
     config = {

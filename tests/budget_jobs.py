@@ -5,19 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.supervision_events import SupervisionConfig
-from orchestrator.core.write_budget import WriteBudgetConfig
-from orchestrator.local.coordinator import LocalCoordinator
-from orchestrator.local.run import train_with_failures
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import build_policy
-from policies.configs import StaggeredConfig
+from layercheck.orchestrator.core.supervision_events import SupervisionConfig
+from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.run import train_with_failures
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.configs import StaggeredConfig
+from layercheck.workers.data import DataConfig, SequenceDataset
+from layercheck.workers.engine import seek_step, shutdown
+from layercheck.workers.env import init_distributed
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from tests.worker_jobs import make_engine
-from workers.data import DataConfig, SequenceDataset
-from workers.engine import seek_step, shutdown
-from workers.env import init_distributed
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import restore_from_shards, snapshot_layers
 
 STEPS = 16
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from layercheck.workers.capture import capture_shards, mark, state_step
+from layercheck.workers.engine import shutdown
+from layercheck.workers.layout import state_view
+from layercheck.workers.step import train_step
 from tests.composite_jobs import batches, full_state, make_engine, run_config
-from workers.capture import capture_shards, mark, state_step
-from workers.engine import shutdown
-from workers.layout import state_view
-from workers.step import train_step
 
 
 def capture_job(rank: int, world_size: int, zero_stage: int) -> dict[str, Any]:
@@ -84,12 +84,12 @@ def released_capture_job(rank: int, world_size: int, stage: int, precision: str)
     import torch
     import torch.distributed as dist
 
+    from layercheck.workers import collective_abort
+    from layercheck.workers.capture import capture_pieces
+    from layercheck.workers.loop import StepProtocol
+    from layercheck.workers.shard import STATE_KEYS
     from tests.worker_jobs import batches as worker_batches
     from tests.worker_jobs import make_engine as make_worker_engine
-    from workers import collective_abort
-    from workers.capture import capture_pieces
-    from workers.loop import StepProtocol
-    from workers.shard import STATE_KEYS
 
     train_engine = make_worker_engine(stage, precision)
     layout = train_engine.layout

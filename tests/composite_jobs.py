@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from orchestrator.core.run_config import ClusterConfig, RunConfig
-from orchestrator.store.layer_store import LayerStore
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.engine import TrainEngine, build_engine, build_model, seek_step, shutdown
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import optimizer_step_of, snapshot_layers
-from workers.step import eval_loss, train_step
+from layercheck.orchestrator.core.run_config import ClusterConfig, RunConfig
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.engine import TrainEngine, build_engine, build_model, seek_step, shutdown
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import optimizer_step_of, snapshot_layers
+from layercheck.workers.step import eval_loss, train_step
 
 TIED_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -58,7 +58,7 @@ def run_config(zero_stage: int = 3, num_workers: int = 2) -> RunConfig:
 
 
 def write_run_json(store_uri: str, config: RunConfig) -> None:
-    from orchestrator.store.layer_store import RUN_CONFIG_FILE
+    from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
 
     LayerStore.open(store_uri, fsync=False).fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json()).encode())
 
@@ -193,8 +193,8 @@ def adam_steps(train_engine: TrainEngine) -> dict[str, int]:
 def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expect_dir: str) -> dict[str, Any]:
     """A fresh ZeRO-3 engine at this world size loads the composite at ``t`` from the store:
     its state against the expected values, the probe loss, and two more training steps."""
-    from orchestrator.core.composite import load_composite
-    from orchestrator.store.recovery_source import resolve_plan
+    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())
     store = LayerStore.open(store_uri, fsync=False)
@@ -221,8 +221,8 @@ def check_export_job(
     """Resume from the exported DeepSpeed checkpoint with ``load_checkpoint`` and train; then put
     the composite in place in the same engine (``load_composite`` + ``seek_step``) and train the
     same steps again. Both runs, and the state ``load_checkpoint`` gave."""
-    from orchestrator.core.composite import load_composite
-    from orchestrator.store.recovery_source import resolve_plan
+    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())
     load_path, client_state = train_engine.engine.load_checkpoint(ds_dir)

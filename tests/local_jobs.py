@@ -1,6 +1,6 @@
-"""Per-rank jobs for the local runtime's tests (spawned through orchestrator.local.spawn; importable).
+"""Per-rank jobs for the local runtime's tests (spawned through layercheck.orchestrator.local.spawn; importable).
 
-One job trains a tiny Llama on 2 gloo ranks through ``workers.loop.run_loop`` and the
+One job trains a tiny Llama on 2 gloo ranks through ``layercheck.workers.loop.run_loop`` and the
 :class:`LocalCoordinator` in several scenarios, and returns plain values to assert on.
 """
 
@@ -10,20 +10,20 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.core.supervision_events import SupervisionConfig
-from orchestrator.local.coordinator import LocalCoordinator
-from orchestrator.local.recovery import recover
-from orchestrator.local.run import train_with_failures, wipe_training_state
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import build_policy
-from policies.configs import IntervalConfig, StaggeredConfig
-from policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.orchestrator.core.supervision_events import SupervisionConfig
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.recovery import recover
+from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.configs import IntervalConfig, StaggeredConfig
+from layercheck.policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.workers.data import DataConfig, SequenceDataset
+from layercheck.workers.engine import TrainEngine, seek_step, shutdown
+from layercheck.workers.env import init_distributed
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from tests.worker_jobs import make_engine
-from workers.data import DataConfig, SequenceDataset
-from workers.engine import TrainEngine, seek_step, shutdown
-from workers.env import init_distributed
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import restore_from_shards, snapshot_layers
 
 STEPS = 7
 #: The tests persist every layer every step: nothing may be held back waiting for a commit.

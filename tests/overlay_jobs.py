@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.workers.engine import TrainEngine, shutdown
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import snapshot_layers
+from layercheck.workers.step import train_step
 from tests.composite_jobs import adam_steps, batches, full_state, make_engine, run_config
-from workers.engine import TrainEngine, shutdown
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import snapshot_layers
-from workers.step import train_step
 
 S, T = 2, 4
 
@@ -44,8 +44,8 @@ def _write(train_engine: TrainEngine, store: LayerStore, pool: HostBufferPool, *
 
 
 def capture_overlay_job(rank: int, world_size: int, store_uri: str) -> dict[str, Any]:
-    from orchestrator.core.composite import load_composite
-    from orchestrator.store.recovery_source import resolve_plan
+    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())
     names = list(train_engine.layer_map.names)

@@ -7,12 +7,12 @@ from typing import Any
 
 import torch
 
-from workers.batch import Batch
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.data import DataConfig, load_dataset
-from workers.engine import build_engine, shutdown
-from workers.loop import run_loop
-from workers.step import eval_loss
+from layercheck.workers.batch import Batch
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.data import DataConfig, load_dataset
+from layercheck.workers.engine import build_engine, shutdown
+from layercheck.workers.loop import run_loop
+from layercheck.workers.step import eval_loss
 
 SFT_LLAMA: dict[str, Any] = {
     "model_type": "llama",

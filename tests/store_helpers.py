@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import torch
 
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.lease import LEASE_FILE, LeaseInfo
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.lease import LEASE_FILE, LeaseInfo
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
 

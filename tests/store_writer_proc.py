@@ -11,7 +11,7 @@ import argparse
 import os
 import signal
 
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import write_layer
 
 

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from policies.layer_map import UnplacedParameterError, layer_map_from
+from layercheck.policies.layer_map import UnplacedParameterError, layer_map_from
 from tests import attach_jobs
 from tests.dist_harness import run_ranks
 

@@ -10,10 +10,10 @@ import math
 
 import pytest
 
-from bench import report as reports
-from bench.harness import run_benchmark
-from bench.presets import preset
-from bench.strategies import default_strategies, select
+from layercheck.bench import report as reports
+from layercheck.bench.harness import run_benchmark
+from layercheck.bench.presets import preset
+from layercheck.bench.strategies import default_strategies, select
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench import correlation as c
+from layercheck.bench import correlation as c
 
 
 def test_pearson_and_spearman_on_known_series():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from bench import delta
-from workers.shard import LayerShard, ParamSlice
+from layercheck.bench import delta
+from layercheck.workers.shard import LayerShard, ParamSlice
 
 
 def _shard(values: torch.Tensor, layer: str = "block.0") -> LayerShard:

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from bench import ettr
-from bench.ettr import Costs
+from layercheck.bench import ettr
+from layercheck.bench.ettr import Costs
 
 
 def _rollback(**kw) -> Costs:

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from bench.freshness import failure_points, run_sweep, table
-from bench.presets import preset
-from bench.strategies import default_strategies, select
+from layercheck.bench.freshness import failure_points, run_sweep, table
+from layercheck.bench.presets import preset
+from layercheck.bench.strategies import default_strategies, select
 
 
 def test_failure_points_start_after_a_full_period_and_leave_the_horizon():

@@ -1,4 +1,4 @@
-"""The matched variants' intervals (``bench.matched``): at LayerCheck's freshness and at its bytes."""
+"""The matched variants' intervals (``layercheck.bench.matched``): at LayerCheck's freshness and at its bytes."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from bench.matched import bytes_settings, describe_bytes_match, matched_settings
-from bench.metrics import bytes_matched_interval, checkpoints_in, trace_of
-from bench.presets import preset
-from bench.strategies import default_strategies, select
+from layercheck.bench.matched import bytes_settings, describe_bytes_match, matched_settings
+from layercheck.bench.metrics import bytes_matched_interval, checkpoints_in, trace_of
+from layercheck.bench.presets import preset
+from layercheck.bench.strategies import default_strategies, select
 
 # a 30-step run whose warm-up W = 10: full checkpoints count from step 10 on
 SINCE, STEPS = 10, 30

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.metrics import (
+from layercheck.bench.metrics import (
     FreshnessTracker,
     loss_deviation,
     matched_intervals,
@@ -12,8 +12,8 @@ from bench.metrics import (
     post_failure_windows,
     trace_of,
 )
-from policies.configs import IntervalConfig
-from policies.simulate import simulate_config
+from layercheck.policies.configs import IntervalConfig
+from layercheck.policies.simulate import simulate_config
 
 
 def test_tracker_weights_staleness_by_parameters():

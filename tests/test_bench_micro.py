@@ -1,4 +1,4 @@
-"""The micro-benchmarks (`bench.drift_probe`, `bench.snapshot_stall`) run end to end on CPU and
+"""The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`) run end to end on CPU and
 report every figure they promise; the timing helpers they share count what they say."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import drift_probe, snapshot_stall, timing
+from layercheck.bench import drift_probe, snapshot_stall, timing
 
 
 def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench import recovery_report, render_readme, report, summary
-from bench.presets import preset
-from bench.unsaved import summarize
+from layercheck.bench import recovery_report, render_readme, report, summary
+from layercheck.bench.presets import preset
+from layercheck.bench.unsaved import summarize
 from tests.test_bench_report import FAILURES, MATCHED, STEPS, _raw, _recovery
 
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from bench import ettr, render_readme, report, summary
-from bench.metrics import trace_of
-from bench.presets import preset
+from layercheck.bench import ettr, render_readme, report, summary
+from layercheck.bench.metrics import trace_of
+from layercheck.bench.presets import preset
 
 STEPS, FAILURES = 10, (6,)
 
 
-#: The first pass's matched intervals (``bench.matched``) at staleness and drift.
+#: The first pass's matched intervals (``layercheck.bench.matched``) at staleness and drift.
 MATCHED = {
     "staleness": 3,
     "drift": 2,
@@ -241,6 +241,6 @@ def test_readme_section_quotes_the_schedule_figures(built):
 
 
 def test_reports_without_the_schedule_figures_still_build():
-    from bench.schedule_report import peak_step_bytes
+    from layercheck.bench.schedule_report import peak_step_bytes
 
     assert peak_step_bytes({"kind": "layer-policy"}, {}) is None

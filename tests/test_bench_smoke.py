@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench import report as reports
-from bench.cli import write_outputs
-from bench.harness import run_benchmark
-from bench.presets import preset
-from bench.strategies import default_strategies, select
+from layercheck.bench import report as reports
+from layercheck.bench.cli import write_outputs
+from layercheck.bench.harness import run_benchmark
+from layercheck.bench.presets import preset
+from layercheck.bench.strategies import default_strategies, select
 
 
 @pytest.mark.slow

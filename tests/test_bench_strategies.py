@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.presets import PRESETS, Workload, preset, variant
-from bench.strategies import (
+from layercheck.bench.presets import PRESETS, Workload, preset, variant
+from layercheck.bench.strategies import (
     Kind,
     Recovery,
     Strategy,
@@ -15,7 +15,7 @@ from bench.strategies import (
     matched_variants,
     select,
 )
-from policies.configs import LayerCheckConfig, StaggeredConfig
+from layercheck.policies.configs import LayerCheckConfig, StaggeredConfig
 
 
 def test_default_set_has_every_strategy_the_issue_names_none_first():
@@ -149,8 +149,8 @@ def test_capture_is_a_tier_of_the_paper_policy_and_only_of_resuming_strategies()
 
 
 def test_the_memory_tier_rides_on_capture_and_sets_the_writers_budget():
-    from bench.harness import coordinator_options
-    from orchestrator.core.run_config import PersistenceConfig
+    from layercheck.bench.harness import coordinator_options
+    from layercheck.orchestrator.core.run_config import PersistenceConfig
 
     by_name = {s.name: s for s in default_strategies(StrategyOptions())}
     memory, captured = by_name["layercheck+capture+memory"], by_name["layercheck+capture"]

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from workers.env import check_build_locks, extension_locks
+from layercheck.workers.env import check_build_locks, extension_locks
 
 
 def _lock(root, age_s):

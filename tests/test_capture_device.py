@@ -1,6 +1,6 @@
 """A survivor's capture on a real one-rank DeepSpeed engine (ZeRO 1, 2, 3; bf16 with fp32 masters),
 released from its collective by an abort asked from another thread as Ray Train's controller asks
-(:mod:`workers.collective_abort`): the capture, copied to host memory, equals the optimizer's
+(:mod:`layercheck.workers.collective_abort`): the capture, copied to host memory, equals the optimizer's
 state at the last completed step bit for bit.
 
 ``cpu``: gloo; the real abort is not needed and leaves the group working, the block and its

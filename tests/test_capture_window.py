@@ -2,8 +2,8 @@
 
 import threading
 
-from orchestrator.core.capture_window import CaptureReport, CaptureWindow, capture_figures
-from orchestrator.core.run_supervisor import recovery_step
+from layercheck.orchestrator.core.capture_window import CaptureReport, CaptureWindow, capture_figures
+from layercheck.orchestrator.core.run_supervisor import recovery_step
 
 
 def _report(rank, *, held=True, attempt=1):

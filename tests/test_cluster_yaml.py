@@ -9,7 +9,7 @@ import ray
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.run_config import load_run_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = yaml.safe_load((ROOT / "cluster.yaml").read_text())

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from workers import collective_abort
-from workers.capture import StepMark, refusal
-from workers.collective_abort import AbortDecision, CollectiveAbort, decide, raises_by_itself
+from layercheck.workers import collective_abort
+from layercheck.workers.capture import StepMark, refusal
+from layercheck.workers.collective_abort import AbortDecision, CollectiveAbort, decide, raises_by_itself
 
 
 @pytest.mark.parametrize(

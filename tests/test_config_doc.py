@@ -2,8 +2,8 @@ import dataclasses
 
 import pytest
 
-from orchestrator.cli.config import SECTIONS, field_docs
-from orchestrator.cli.main import main
+from layercheck.orchestrator.cli.config import SECTIONS, field_docs
+from layercheck.orchestrator.cli.main import main
 
 
 @pytest.mark.parametrize("table,cls", SECTIONS, ids=[cls.__name__ for _, cls in SECTIONS])

@@ -1,5 +1,5 @@
 """The dashboard, scrape config and alert rules in dashboards/ against the code: every metric a
-panel or a rule references is one orchestrator.runtime.metric_specs declares, and every PromQL expression
+panel or a rule references is one layercheck.orchestrator.runtime.metric_specs declares, and every PromQL expression
 parses (promtool, from Debian's ``prometheus`` package, which CI installs)."""
 
 import json
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.runtime.metric_specs import series_names
+from layercheck.orchestrator.runtime.metric_specs import series_names
 
 DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
 DASHBOARD = DASHBOARDS / "layercheck-dashboard.json"
@@ -130,8 +130,8 @@ def test_the_scrape_config_finds_runs_through_their_discovery_files():
     """Local or on a cluster, a run is found the same way: the file_sd file its driver writes."""
     import fnmatch
 
-    from orchestrator.core.run_config import load_run_config
-    from orchestrator.runtime.metrics_discovery import discovery_entry, discovery_path
+    from layercheck.orchestrator.core.run_config import load_run_config
+    from layercheck.orchestrator.runtime.metrics_discovery import discovery_entry, discovery_path
 
     demo = load_run_config(DASHBOARDS.parent / "examples" / "demo.toml").metrics
     config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())

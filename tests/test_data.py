@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from policies.config_loader import ConfigError, from_mapping
-from workers.data import BYTE_VOCAB, DataConfig, SequenceDataset, tokenize
+from layercheck.policies.config_loader import ConfigError, from_mapping
+from layercheck.workers.data import BYTE_VOCAB, DataConfig, SequenceDataset, tokenize
 
 
 def dataset(n_tokens=640, seq_len=8, seed=0):

@@ -1,7 +1,7 @@
 """``layercheck demo`` (the README's first command) finds and validates its embedded config."""
 
-from orchestrator.cli.demo import DEMO_CONFIG
-from orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.cli.demo import DEMO_CONFIG
+from layercheck.orchestrator.core.run_config import load_run_config
 
 
 def test_the_demo_runs_the_bundled_config():

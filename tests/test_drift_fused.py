@@ -13,10 +13,10 @@ import os
 import pytest
 import torch
 
+from layercheck.workers import drift_fused
+from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift_fused import AdamWScalars, adamw_l1_torch, triton_eligible, work_rows
 from tests.devices import devices, require
-from workers import drift_fused
-from workers.drift_adamw import DriftAdamW
-from workers.drift_fused import AdamWScalars, adamw_l1_torch, triton_eligible, work_rows
 
 SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-7}
@@ -142,8 +142,8 @@ def test_triton_kernel_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from workers.drift_fused import FusedGroup
-    from workers.drift_triton import adamw_l1_triton_groups
+    from layercheck.workers.drift_fused import FusedGroup
+    from layercheck.workers.drift_triton import adamw_l1_triton_groups
 
     torch.manual_seed(4)
     specs = [
@@ -188,7 +188,7 @@ def test_triton_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from workers import drift_fused, drift_triton
+    from layercheck.workers import drift_fused, drift_triton
 
     signature = {"rows_ptr": "*i64", "addrs_ptr": "*i64", "scalars_ptr": "*fp32", "acc_ptr": "*fp64"}
     constexprs = {

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from policies.checkpoint_policy import DriftOptimalPolicy, build_policy
-from policies.config_loader import ConfigError
-from policies.configs import DriftOptimalConfig, policy_config, policy_name
-from policies.decision import StepObservation
+from layercheck.policies.checkpoint_policy import DriftOptimalPolicy, build_policy
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import DriftOptimalConfig, policy_config, policy_name
+from layercheck.policies.decision import StepObservation
 
 
 def _run(policy: DriftOptimalPolicy, drift: dict[str, float], steps: int) -> dict[str, list[int]]:

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from orchestrator.store.layer_store import LayerStore
-from policies.plan import newest_recoverable_step
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.plan import newest_recoverable_step
 from tests.train_proc import kill_run, start_train
 
 pytestmark = pytest.mark.slow

@@ -14,16 +14,16 @@ import pytest
 import ray
 import torch
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.runtime.cluster import connect
-from orchestrator.runtime.driver import train
-from orchestrator.runtime.summary import format_summary, summarize
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
-from orchestrator.store.recovery_source import VersionReader
-from policies.configs import IntervalConfig, LayerCheckConfig
-from policies.trace import DriftTrace
-from workers.schedule import lr_at
-from workers.shard import STATE_KEYS
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.runtime.cluster import connect
+from layercheck.orchestrator.runtime.driver import train
+from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from layercheck.orchestrator.store.recovery_source import VersionReader
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.policies.trace import DriftTrace
+from layercheck.workers.schedule import lr_at
+from layercheck.workers.shard import STATE_KEYS
 
 pytestmark = pytest.mark.slow
 
@@ -148,7 +148,7 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
     """ZeRO-0 (every rank holds everything): rank 0 survives rank 1's death holding the whole
     state at t_fail and captures it, so recovery loses nothing although the stored versions are
     stale: every loss after recovery equals the failure-free run's — with dropout on, since each
-    step's RNG seed is a function of the run's seed and the step's rows (``workers.order.step_seed``)."""
+    step's RNG seed is a function of the run's seed and the step's rows (``layercheck.workers.order.step_seed``)."""
     sparse = IntervalConfig(interval=4)
     zero0 = {"engine.zero_stage": 0, "steps": 9, "optim.total_steps": 9, "model.hf_config.attention_dropout": 0.1}
     clean = run(demo, tmp_path, "clean0", sparse, **{"fault.kill_at_step": 0, **zero0})

@@ -13,15 +13,22 @@ import pytest
 import torch
 import transformers
 
-from orchestrator.cli.main import main
-from orchestrator.local.export import ExportError, composite_model, export, export_deepspeed, plan_export, run_config_of
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
-from orchestrator.store.retention import GcConfig, collect_garbage
-from policies.layer_map import layer_map_of
+from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.local.export import (
+    ExportError,
+    composite_model,
+    export,
+    export_deepspeed,
+    plan_export,
+    run_config_of,
+)
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
+from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
+from layercheck.policies.layer_map import layer_map_of
+from layercheck.workers.engine import build_model
+from layercheck.workers.shard import STATE_KEYS
 from tests import composite_jobs as jobs
 from tests.store_helpers import cut_shards, even_cuts
-from workers.engine import build_model
-from workers.shard import STATE_KEYS
 
 NEWER = ("embed", "block.1")  # persisted again at step 20
 

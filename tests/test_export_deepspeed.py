@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.cli.main import main
+from layercheck.orchestrator.cli.main import main
 from tests import composite_jobs as jobs
 from tests.dist_harness import run_ranks
 

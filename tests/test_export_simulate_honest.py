@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import transformers
 
-from orchestrator.cli.main import main
-from orchestrator.store.layer_store import RUN_CONFIG_FILE
-from policies.configs import policy_config
-from policies.trace import synthetic_trace
+from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
+from layercheck.policies.configs import policy_config
+from layercheck.policies.trace import synthetic_trace
 from tests import composite_jobs as jobs
 from tests.test_export import run  # noqa: F401 - the fixture: a store of a tiny model at steps 10 and 20
 

@@ -4,8 +4,8 @@ to their last line (no Ray needed: the filter and the announcement are pure)."""
 
 import logging
 
-from orchestrator.runtime.driver import announce_failures
-from orchestrator.runtime.ray_noise import LogFilter
+from layercheck.orchestrator.runtime.driver import announce_failures
+from layercheck.orchestrator.runtime.ray_noise import LogFilter
 
 RAY_TRACEBACK = """Traceback (most recent call last):
   File "/x/ray/train/v2/_internal/execution/controller/controller.py", line 1, in _run
@@ -63,8 +63,8 @@ def test_ray_trains_worker_repr_and_truncated_snippets_are_cut():
 def test_other_lines_pass_untouched_and_sources_are_kept_apart():
     f = LogFilter()
     assert f.filter(1, ["Traceback (most recent call last):", '  File "a.py"']) == []
-    assert f.filter(2, ["WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]) == [
-        "WARNING orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"
+    assert f.filter(2, ["WARNING layercheck.orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"]) == [
+        "WARNING layercheck.orchestrator.runtime.train_fn: fault injection: rank 1 kills itself"
     ]
     assert f.filter(1, ["ValueError: x"])[0].startswith("ValueError: x")
 

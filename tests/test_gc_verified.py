@@ -4,12 +4,12 @@ recoverable."""
 
 import pytest
 
-from orchestrator.cli.main import main
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.recovery_source import resolve_plan
-from orchestrator.store.retention import GcConfig, collect_garbage
-from policies.plan import VersionRef
-from policies.retention import RetentionConfig, plan_retention
+from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.recovery_source import resolve_plan
+from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
+from layercheck.policies.plan import VersionRef
+from layercheck.policies.retention import RetentionConfig, plan_retention
 from tests.store_helpers import write_layer
 
 

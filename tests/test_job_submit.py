@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.layer_store import LayerStore
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.checkpoint_policy import IntervalPolicy, LayerCheckPolicy, NeverPolicy, build_policy
-from policies.config_loader import ConfigError
-from policies.configs import IntervalConfig, LayerCheckConfig, NeverConfig, policy_config
-from policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.policies.checkpoint_policy import IntervalPolicy, LayerCheckPolicy, NeverPolicy, build_policy
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig, NeverConfig, policy_config
+from layercheck.policies.decision import PersistDecision, Reason, StepObservation
 
 LAYERS = ("embed", "block.0", "block.1", "norm", "lm_head")
 

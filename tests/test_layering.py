@@ -13,7 +13,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("policies", "workers", "orchestrator", "bench", "layercheck")
+#: Every installed module lives under ``layercheck.``: each folder of the repository is one
+#: subpackage (pyproject's ``package-dir``), the API is the ``layercheck/`` folder itself.
+FOLDERS = {
+    "layercheck": "layercheck",
+    "layercheck.policies": "policies",
+    "layercheck.workers": "workers",
+    "layercheck.orchestrator": "orchestrator",
+    "layercheck.bench": "bench",
+    "layercheck.examples": "examples",
+    "layercheck.dashboards": "dashboards",
+}
+#: The public API's own modules (the ``layercheck/`` folder), which nothing below it may import;
+#: nor may it import the root itself (``import layercheck``, checked apart: a prefix would cover all).
+API = tuple(f"layercheck.{p.stem}" for p in (ROOT / "layercheck").glob("*.py") if p.stem != "__init__")
 POLICIES_FORBIDDEN = {
     "ray",
     "pyarrow",
@@ -30,43 +43,36 @@ POLICIES_FORBIDDEN = {
     "requests",
 }
 FORBIDDEN_CALLS = {"open", "print", "input"}
+_ORCH = "layercheck.orchestrator"
+_BENCH = "layercheck.bench"
 
 #: For each part (longest prefix wins): the imports it must not make (module prefixes).
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "policies": tuple(POLICIES_FORBIDDEN) + ("workers", "orchestrator", "bench", "layercheck"),
-    "workers": ("ray", "orchestrator", "bench", "layercheck"),
-    "orchestrator.store": (
-        "ray",
-        "orchestrator.core",
-        "orchestrator.runtime",
-        "orchestrator.local",
-        "orchestrator.cli",
-        "bench",
-        "layercheck",
-    ),
-    "orchestrator.core": (
-        "ray",
-        "orchestrator.runtime",
-        "orchestrator.local",
-        "orchestrator.cli",
-        "bench",
-        "layercheck",
-    ),
-    "orchestrator.local": ("ray", "orchestrator.runtime", "orchestrator.cli", "bench", "layercheck"),
-    "orchestrator.runtime": ("orchestrator.local", "orchestrator.cli", "bench", "layercheck"),
-    "orchestrator.cli": ("layercheck",),
-    "orchestrator": ("orchestrator.cli", "bench", "layercheck"),  # modules at the package root
-    "bench": ("orchestrator.cli", "layercheck"),
-    "layercheck": ("orchestrator.cli", "bench", "trl"),  # TRL is a test dependency: the HF callback works without it
+    "layercheck.policies": tuple(POLICIES_FORBIDDEN) + ("layercheck.workers", _ORCH, _BENCH) + API,
+    "layercheck.workers": ("ray", _ORCH, _BENCH) + API,
+    f"{_ORCH}.store": ("ray", f"{_ORCH}.core", f"{_ORCH}.runtime", f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.core": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.local": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.runtime": (f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.cli": API,
+    _ORCH: (f"{_ORCH}.cli", _BENCH) + API,  # modules at the package root
+    _BENCH: (f"{_ORCH}.cli",) + API,
+    # TRL is a test dependency: the HF callback works without it
+    "layercheck": (f"{_ORCH}.cli", _BENCH, "trl"),
+    # what a user writes: only the public API and the libraries it runs on
+    "layercheck.examples": ("layercheck.workers", _ORCH, _BENCH),
+    "layercheck.dashboards": ("layercheck",),
 }
 
 
 def _modules() -> list[Path]:
-    return sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py"))
+    return sorted(p for folder in FOLDERS.values() for p in (ROOT / folder).rglob("*.py"))
 
 
 def _dotted(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
+    package = next(name for name, f in FOLDERS.items() if f == folder)
+    return ".".join([package, *rest]).removesuffix(".__init__")
 
 
 def _part(module: str) -> str:
@@ -93,6 +99,8 @@ def test_module_imports_only_what_its_layer_allows(path):
     part = _part(module)
     tree = ast.parse(path.read_text(), filename=str(path))
     for name in _imports(tree):
+        if part not in ("layercheck", "layercheck.examples"):
+            assert name != "layercheck", f"{module} ({part}) imports the public API's root, which {part} must not"
         if _matches(name, part):
             continue  # inside its own part
         for prefix in FORBIDDEN[part]:
@@ -112,29 +120,33 @@ def test_the_rules_see_every_module():
     modules = [_dotted(p) for p in _modules()]
     assert len(modules) > 60
     assert {_part(m) for m in modules} >= {
-        "policies",
-        "workers",
-        "orchestrator.store",
-        "orchestrator.core",
-        "orchestrator.runtime",
-        "orchestrator.cli",
-        "bench",
+        "layercheck.policies",
+        "layercheck.workers",
+        "layercheck.orchestrator.store",
+        "layercheck.orchestrator.core",
+        "layercheck.orchestrator.runtime",
+        "layercheck.orchestrator.cli",
+        "layercheck.bench",
     }
 
 
+#: Scripts a user runs as they are (``python examples/own_loop.py``): entry points of their own.
+USER_SCRIPTS = ("layercheck.examples", "layercheck.dashboards")
+
 #: The only modules that configure logging: the CLI's ``main`` and the helper that process entry
 #: points without a ``main`` of ours (Ray actors, the train function, spawned ranks) call.
-LOGGING_CONFIGURED_IN = {"orchestrator.cli.main", "orchestrator.logs"}
+LOGGING_CONFIGURED_IN = {"layercheck.orchestrator.cli.main", "layercheck.orchestrator.logs"}
 
 
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_only_entry_points_configure_logging(path):
-    if _dotted(path) in LOGGING_CONFIGURED_IN:
+    module = _dotted(path)
+    if module in LOGGING_CONFIGURED_IN or _part(module) in USER_SCRIPTS:
         return
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in ("basicConfig", "dictConfig", "fileConfig"):
             pytest.fail(
                 f"{_dotted(path)} configures logging ({node.attr}); call "
-                "orchestrator.logs.configure_process_logging() from the process entry point instead"
+                "layercheck.orchestrator.logs.configure_process_logging() from the process entry point instead"
             )

@@ -1,4 +1,4 @@
-"""``workers.loop.run_loop`` through the local (no Ray) coordinator, on 2 real gloo ranks:
+"""``layercheck.workers.loop.run_loop`` through the local (no Ray) coordinator, on 2 real gloo ranks:
 decisions carried out one step late on every rank alike, only whole versions committed, the
 layers a decision names are the ones persisted, and a failure + recovery resumes at
 ``t_fail + 1`` with the losses of a failure-free run when every layer is persisted every step.
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from orchestrator.local.spawn import spawn_ranks
+from layercheck.orchestrator.local.spawn import spawn_ranks
 from tests.local_jobs import STEPS, loop_scenarios
 
 pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)

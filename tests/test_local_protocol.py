@@ -12,13 +12,13 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from orchestrator.core.run_supervisor import RunSupervisor
-from orchestrator.local.mailbox import Mailbox
-from orchestrator.local.receipts import ReceiptPump
-from orchestrator.local.spawn import RanksFailedError, spawn_ranks
-from orchestrator.local.writer import LocalWriter
-from orchestrator.local.writers_port import LocalWriters
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
+from layercheck.orchestrator.local.mailbox import Mailbox
+from layercheck.orchestrator.local.receipts import ReceiptPump
+from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
+from layercheck.orchestrator.local.writer import LocalWriter
+from layercheck.orchestrator.local.writers_port import LocalWriters
+from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 TOTAL = sum(math.prod(s) for s in PARAMS.values())

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.core.accounting import Recovery
-from orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
-from orchestrator.core.memory_tier import HeldShard, ShardCache
-from orchestrator.store.composite_reader import CompositeReader
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.core.accounting import Recovery
+from layercheck.orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
+from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
+from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 

@@ -2,8 +2,8 @@
 
 import json
 
-from orchestrator.core.run_config import MetricsConfig
-from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
+from layercheck.orchestrator.core.run_config import MetricsConfig
+from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 
 
 def test_auto_binds_loopback_on_one_node_and_the_node_ip_on_a_cluster():

@@ -15,16 +15,16 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.core.supervision_events import SupervisionConfig
-from orchestrator.runtime.cluster import connect
-from orchestrator.runtime.driver import train
-from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.runtime.summary import summarize
-from orchestrator.store.errors import UnsafeStoreError
-from orchestrator.store.fs import TMP_SUFFIX
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import LAYERS_DIR
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.supervision_events import SupervisionConfig
+from layercheck.orchestrator.runtime.cluster import connect
+from layercheck.orchestrator.runtime.driver import train
+from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.summary import summarize
+from layercheck.orchestrator.store.errors import UnsafeStoreError
+from layercheck.orchestrator.store.fs import TMP_SUFFIX
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import LAYERS_DIR
 
 pytestmark = pytest.mark.slow
 

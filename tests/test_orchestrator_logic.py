@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.core.accounting import RunAccount
-from orchestrator.core.commit_path import CommitPath, ShardWritten
-from orchestrator.core.commit_tracker import CommitTracker
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.run_config import load_run_config, parse_run_config
-from orchestrator.core.supervision_events import AbandonIncomplete
-from orchestrator.runtime.wire import from_wire, to_wire
-from orchestrator.store.manifest import ShardReceipt
-from policies.checkpoint_policy import LayerCheckPolicy
-from policies.config_loader import ConfigError
-from policies.configs import LayerCheckConfig
-from policies.decision import Reason
-from workers.shard import LayerShard, ParamSlice
+from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.commit_path import CommitPath, ShardWritten
+from layercheck.orchestrator.core.commit_tracker import CommitTracker
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.run_config import load_run_config, parse_run_config
+from layercheck.orchestrator.core.supervision_events import AbandonIncomplete
+from layercheck.orchestrator.runtime.wire import from_wire, to_wire
+from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.policies.checkpoint_policy import LayerCheckPolicy
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import LayerCheckConfig
+from layercheck.policies.decision import Reason
+from layercheck.workers.shard import LayerShard, ParamSlice
 
 LAYERS = ("embed", "block.0", "norm")
 
@@ -214,14 +214,14 @@ def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch
 def test_corrupt_shard_error_survives_pickling():
     import pickle
 
-    from orchestrator.store.errors import CorruptShardError
+    from layercheck.orchestrator.store.errors import CorruptShardError
 
     error = pickle.loads(pickle.dumps(CorruptShardError(version_id="v", path="p", reason="missing")))
     assert (error.version_id, error.path, error.reason) == ("v", "p", "missing") and "missing" in str(error)
 
 
 def test_superseding_queue_keeps_one_pending_shard_per_layer_and_rank():
-    from orchestrator.core.write_queue import SupersedingQueue
+    from layercheck.orchestrator.core.write_queue import SupersedingQueue
 
     queue = SupersedingQueue(lambda item: item[1])
     assert queue.put(("embed", 0), ("embed@5", 100)) is None

@@ -1,10 +1,10 @@
 """One version of a layer in flight at a time: the gate between the policy and the writers."""
 
-from orchestrator.core.persist_gate import PersistGate
-from orchestrator.core.policy_service import PolicyService
-from policies.checkpoint_policy import build_policy
-from policies.configs import IntervalConfig
-from policies.decision import PersistDecision, Reason
+from layercheck.orchestrator.core.persist_gate import PersistGate
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.configs import IntervalConfig
+from layercheck.policies.decision import PersistDecision, Reason
 
 LAYERS = {"embed": 10, "block.0": 20, "lm_head": 10}
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
+from layercheck.policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
 
 NUMEL = {"embed": 100, "block.0": 50, "block.1": 50}
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.overlay import claim, element_staleness, merge_spans
-from policies.plan import VersionRef, plan_recovery, with_sources
+from layercheck.policies.overlay import claim, element_staleness, merge_spans
+from layercheck.policies.plan import VersionRef, plan_recovery, with_sources
 
 NUMEL = {"a": 100, "b": 40}
 
@@ -123,7 +123,7 @@ def test_merged_spans_cover_the_same_elements(raw):
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 10)), min_size=1, max_size=4), st.integers(20, 30))
 def test_element_staleness_is_the_element_weighted_mean_and_the_stalest_supplied_element(shares, t_fail):
-    from policies.overlay import LayerSource
+    from layercheck.policies.overlay import LayerSource
 
     sources = tuple(
         LayerSource(origin="policy", version_id=f"v{i}", step=step, ranks=(), elements=n)

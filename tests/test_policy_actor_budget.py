@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from orchestrator.core.policy_service import DECISION_HISTORY
-from orchestrator.core.write_budget import WriteBudgetConfig
-from orchestrator.runtime import policy_actor
-from policies.configs import IntervalConfig, StaggeredConfig
+from layercheck.orchestrator.core.policy_service import DECISION_HISTORY
+from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.orchestrator.runtime import policy_actor
+from layercheck.policies.configs import IntervalConfig, StaggeredConfig
 
 NUMEL = {"embed": 100, "block.0": 50, "norm": 10}
 

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from policies.checkpoint_policy import POLICY_TYPES, build_policy, policy_type
-from policies.config_loader import ConfigError
-from policies.configs import POLICY_CONFIGS, policy_config, policy_name
-from policies.decision import StepObservation
+from layercheck.policies.checkpoint_policy import POLICY_TYPES, build_policy, policy_type
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import POLICY_CONFIGS, policy_config, policy_name
+from layercheck.policies.decision import StepObservation
 
 NUMEL = {"embed": 40, "block.0": 10, "block.1": 10, "norm": 1, "lm_head": 40}
 

@@ -24,7 +24,7 @@ def run_python(code: str) -> str:
 def test_a_fresh_process_shows_level_and_logger():
     err = run_python(
         "import logging\n"
-        "from orchestrator.logs import configure_process_logging\n"
+        "from layercheck.orchestrator.logs import configure_process_logging\n"
         "configure_process_logging()\n"
         "logging.getLogger('orchestrator.x').info('not shown')\n"
         "logging.getLogger('orchestrator.x').warning('shown')\n"
@@ -36,7 +36,7 @@ def test_a_handler_configured_first_wins():
     err = run_python(
         "import logging\n"
         "logging.basicConfig(level=logging.INFO, format='mine %(message)s')\n"
-        "from orchestrator.logs import configure_process_logging\n"
+        "from layercheck.orchestrator.logs import configure_process_logging\n"
         "configure_process_logging()\n"
         "logging.getLogger('orchestrator.x').info('kept')\n"
     )

@@ -15,13 +15,13 @@ import pytest
 import ray
 import yaml
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.runtime.cluster import connect
-from orchestrator.runtime.driver import train
-from orchestrator.runtime.metric_specs import BYTES_PER_PARAM
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.runtime.cluster import connect
+from layercheck.orchestrator.runtime.driver import train
+from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM
+from layercheck.workers.env import free_port
+from layercheck.workers.loop import DECISION_LAG
 from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
-from workers.env import free_port
-from workers.loop import DECISION_LAG
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +134,7 @@ def test_the_run_summary_names_its_endpoint(scraped):
     assert result.error is None, result.error
     port = result.config.metrics.port
     assert result.metrics_url == f"http://127.0.0.1:{port}/metrics"
-    from orchestrator.runtime.summary import format_summary, summarize
+    from layercheck.orchestrator.runtime.summary import format_summary, summarize
 
     assert result.metrics_url in format_summary(summarize(result))
 

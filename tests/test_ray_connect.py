@@ -6,7 +6,7 @@ import socket
 
 import ray._private.services as services
 
-from orchestrator.runtime.cluster import _local_cluster
+from layercheck.orchestrator.runtime.cluster import _local_cluster
 
 
 def closed_port() -> int:

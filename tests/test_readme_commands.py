@@ -8,7 +8,7 @@ names a path the repository does not have (a run's output such as ``runs/demo/dr
 which only a training run makes) is reported as skipped, with the path.
 ``train``, ``export``, ``ray job submit`` and the like need a cluster or a run: the end-to-end
 tests cover them. ``.venv/bin/layercheck`` is run as this checkout's ``python -m
-orchestrator.cli.main`` (the same entry point), in the repository root, with a timeout.
+layercheck.orchestrator.cli.main`` (the same entry point), in the repository root, with a timeout.
 """
 
 import os
@@ -71,7 +71,7 @@ def test_a_readme_command_runs_as_written(words):
         pytest.skip(f"names {missing_paths(words)}, which a run makes (not in the repository)")
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu"}
     done = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli.main", *words[1:]],
+        [sys.executable, "-m", "layercheck.orchestrator.cli.main", *words[1:]],
         cwd=REPO,
         env=env,
         capture_output=True,

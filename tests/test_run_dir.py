@@ -4,10 +4,10 @@ import os
 
 import pytest
 
-from orchestrator.store.errors import UnsafeStoreError
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.run_dir import check_run_location, clear_run, location_problem, run_dir_contents
+from layercheck.orchestrator.store.errors import UnsafeStoreError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.run_dir import check_run_location, clear_run, location_problem, run_dir_contents
 from tests.store_helpers import write_layer
 
 

@@ -15,14 +15,14 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.local.export import export
-from orchestrator.runtime.cluster import connect
-from orchestrator.runtime.driver import train
-from orchestrator.runtime.summary import format_summary, summarize
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
-from orchestrator.store.manifest import LAYERS_DIR
-from policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.local.export import export
+from layercheck.orchestrator.runtime.cluster import connect
+from layercheck.orchestrator.runtime.driver import train
+from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from layercheck.orchestrator.store.manifest import LAYERS_DIR
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 from tests.train_proc import start_train
 
 pytestmark = pytest.mark.slow

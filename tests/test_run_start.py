@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import main
-from orchestrator.core.run_config import load_run_config
-from orchestrator.core.run_start import ResumeError, StartOptions, check_resumable, open_run_store
-from orchestrator.store.errors import StoreBusyError, UnsafeStoreError
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.lease import read_lease
-from policies.config_loader import ConfigError
+from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.run_start import ResumeError, StartOptions, check_resumable, open_run_store
+from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.lease import read_lease
+from layercheck.policies.config_loader import ConfigError
 from tests.store_helpers import write_layer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
@@ -176,7 +176,7 @@ def test_steps_past_the_schedule_warn(tmp_path, caplog):
 
 
 def test_restart_into_starts_a_fresh_run_in_the_new_store(tmp_path, monkeypatch):
-    import orchestrator.runtime.driver as driver
+    import layercheck.orchestrator.runtime.driver as driver
 
     seen = {}
 

@@ -4,13 +4,13 @@ the baselines get no comparison."""
 
 import pytest
 
-from orchestrator.core.run_config import RunConfig
-from orchestrator.runtime.driver import RunResult
-from orchestrator.runtime.summary import ProgressLines, format_summary, summarize
-from policies.configs import policy_config
-from policies.simulate import compare
-from policies.trace import synthetic_trace
-from workers.config import ModelConfig
+from layercheck.orchestrator.core.run_config import RunConfig
+from layercheck.orchestrator.runtime.driver import RunResult
+from layercheck.orchestrator.runtime.summary import ProgressLines, format_summary, summarize
+from layercheck.policies.configs import policy_config
+from layercheck.policies.simulate import compare
+from layercheck.policies.trace import synthetic_trace
+from layercheck.workers.config import ModelConfig
 
 TRACE = synthetic_trace(blocks=2, steps=300, warmup=30, seed=1)
 COST = {"mean": 0.001, "p90": 0.002}
@@ -103,7 +103,7 @@ def test_the_drivers_progress_lines_come_every_log_every_steps_with_loss_stalene
 
 
 def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_versions():
-    from orchestrator.core.accounting import RunAccount
+    from layercheck.orchestrator.core.accounting import RunAccount
 
     account = RunAccount(started=0.0)
     recovery = account.failed(t_fail=14, resumed_at=15, now=1.0)
@@ -127,8 +127,8 @@ def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_pos
     so the run resumed under attempt 3; group 3 broke after step 20 with a survivor one step ahead.
     Its capture belongs to the second recovery (attempt 4), which ``recoveries[attempt - 1]``
     (there is no third) missed."""
-    from orchestrator.core.accounting import RunAccount
-    from orchestrator.runtime.summary import recovery_of_capture
+    from layercheck.orchestrator.core.accounting import RunAccount
+    from layercheck.orchestrator.runtime.summary import recovery_of_capture
 
     account = RunAccount(started=0.0)
     account.failed(t_fail=10, resumed_at=11, now=1.0).attempt = 3

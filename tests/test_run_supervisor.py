@@ -5,12 +5,12 @@ import threading
 
 import pytest
 
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
-from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import LayerCheckPolicy
-from policies.configs import LayerCheckConfig
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import LayerCheckPolicy
+from layercheck.policies.configs import LayerCheckConfig
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state
 
 LAYERS = ("embed", "block.0", "norm")
@@ -180,7 +180,7 @@ def test_a_recovery_that_breaks_fails_the_join_instead_of_hanging_it(store):
 
 
 def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element_came_from(store):
-    from orchestrator.core.accounting import format_sources
+    from layercheck.orchestrator.core.accounting import format_sources
 
     writers = Writers()
     run, service = make(store, writers)

@@ -5,9 +5,9 @@ over, ``--resume`` continues the run to its end."""
 
 import pytest
 
-from orchestrator.core.run_config import check_model, load_run_config
-from orchestrator.store.layer_store import LayerStore
-from policies.plan import newest_recoverable_step
+from layercheck.orchestrator.core.run_config import check_model, load_run_config
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.plan import newest_recoverable_step
 from tests.s3_server import FAST_FAIL
 from tests.train_proc import start_train
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from orchestrator.core.run_config import ClusterConfig
-from orchestrator.core.shared_storage import shared_storage_problem, storage_scheme
+from layercheck.orchestrator.core.run_config import ClusterConfig
+from layercheck.orchestrator.core.shared_storage import shared_storage_problem, storage_scheme
 
 
 @pytest.mark.parametrize("uri", ["/data/runs/x", "runs/x", "file:///data/runs/x"])

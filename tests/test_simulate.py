@@ -2,11 +2,18 @@ import json
 
 import pytest
 
-from orchestrator.cli.main import main
-from policies.configs import LayerCheckConfig, NeverConfig
-from policies.decision import StepObservation
-from policies.simulate import BYTES_PER_PARAM, compare, match_interval, simulate_config, simulate_interval, sweep_k0
-from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
+from layercheck.orchestrator.cli.main import main
+from layercheck.policies.configs import LayerCheckConfig, NeverConfig
+from layercheck.policies.decision import StepObservation
+from layercheck.policies.simulate import (
+    BYTES_PER_PARAM,
+    compare,
+    match_interval,
+    simulate_config,
+    simulate_interval,
+    sweep_k0,
+)
+from layercheck.policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 
 
 def constant_trace(steps=100, drift=1.0):

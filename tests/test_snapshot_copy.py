@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
 from tests.devices import cuda_requested
-from workers.host_buffers import HostBufferPool
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
-from workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
 
 
 class ScriptedCopy:

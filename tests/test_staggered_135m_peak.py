@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from policies.configs import StaggeredConfig
-from policies.decision import StepObservation
-from policies.simulate import BYTES_PER_PARAM, simulate_config, simulate_interval
-from policies.trace import DriftTrace
-from workers.config import ModelConfig
-from workers.engine import layer_map_for
+from layercheck.policies.configs import StaggeredConfig
+from layercheck.policies.decision import StepObservation
+from layercheck.policies.simulate import BYTES_PER_PARAM, simulate_config, simulate_interval
+from layercheck.policies.trace import DriftTrace
+from layercheck.workers.config import ModelConfig
+from layercheck.workers.engine import layer_map_for
 
 SMOLLM_135M = {
     "model_type": "llama",

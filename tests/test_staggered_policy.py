@@ -11,14 +11,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from policies.checkpoint_policy import build_policy
-from policies.config_loader import ConfigError
-from policies.configs import StaggeredConfig, policy_config, policy_name
-from policies.decision import Reason, StepObservation
-from policies.schedule_phases import lpt_phases
-from policies.simulate import BYTES_PER_PARAM, compare, full_bytes_at, oracle_at_drift, simulate
-from policies.staggered import StaggeredPolicy, predicted_gain
-from policies.trace import DriftTrace
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import StaggeredConfig, policy_config, policy_name
+from layercheck.policies.decision import Reason, StepObservation
+from layercheck.policies.schedule_phases import lpt_phases
+from layercheck.policies.simulate import BYTES_PER_PARAM, compare, full_bytes_at, oracle_at_drift, simulate
+from layercheck.policies.staggered import StaggeredPolicy, predicted_gain
+from layercheck.policies.trace import DriftTrace
 
 FRESHNESS = {"drift": lambda r: r.mean_unsaved_drift, "staleness": lambda r: r.mean_weighted_staleness}
 
@@ -158,7 +158,7 @@ def test_a_lower_write_budget_in_the_observation_stretches_the_periods(caplog):
         return out
 
     assert written(range(1, 51), None) == pytest.approx(total * 10, rel=0.1)
-    with caplog.at_level("INFO", logger="policies.staggered"):
+    with caplog.at_level("INFO", logger="layercheck.policies.staggered"):
         assert written(range(51, 151), total // 20) <= total * 100 / 20 * 1.1 + total // 4
     assert "drain rate" in caplog.text
 
@@ -208,7 +208,7 @@ def test_config_validation_names_the_field_and_it_is_the_default():
             policy_config("staggered", params)
     config = policy_config("staggered", {"max_bytes_per_step": 10**6, "period": None})
     assert policy_name(config) == "staggered" and isinstance(build_policy(config, {"a": 1}), StaggeredPolicy)
-    from orchestrator.core.run_config import RunConfig, parse_run_config
+    from layercheck.orchestrator.core.run_config import RunConfig, parse_run_config
 
     assert parse_run_config({"model": {"hf_config": {"model_type": "llama"}}}).policy_name == "staggered"
     assert RunConfig.__dataclass_fields__["policy"].default_factory() == StaggeredConfig()

@@ -4,14 +4,14 @@ the config's new fields and the Ray-job storage check name what to do."""
 
 import pytest
 
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.run_config import RAY_JOB_ENV, check_relative_storage, load_run_config
-from orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
-from orchestrator.core.staleness_guard import PIPELINE_LAG, StalenessGuard, StalenessLimits
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import LayerCheckPolicy
-from policies.config_loader import ConfigError
-from policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.run_config import RAY_JOB_ENV, check_relative_storage, load_run_config
+from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.staleness_guard import PIPELINE_LAG, StalenessGuard, StalenessLimits
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import LayerCheckPolicy
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 
 LAYERS = ("embed", "block.0", "norm")
 SMAX = 5

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import main
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import write_layer
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 
-from orchestrator.store.errors import ManifestError, StoreWriteError
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import ShardReceipt, manifest_table
-from orchestrator.store.recovery_source import VersionReader
+from layercheck.orchestrator.store.errors import ManifestError, StoreWriteError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import ShardReceipt, manifest_table
+from layercheck.orchestrator.store.recovery_source import VersionReader
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from orchestrator.store.errors import StoreBusyError
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.lease import LEASE_FILE, LeaseInfo, StoreLease, read_lease, stale_reason
+from layercheck.orchestrator.store.errors import StoreBusyError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.lease import LEASE_FILE, LeaseInfo, StoreLease, read_lease, stale_reason
 from tests.store_helpers import foreign_lease
 
 
@@ -74,9 +74,9 @@ def test_staleness_is_decided_from_the_lease_alone():
 
 _CONTENDER = """
 import sys, time
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.lease import StoreLease
-from orchestrator.store.errors import StoreBusyError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.lease import StoreLease
+from layercheck.orchestrator.store.errors import StoreBusyError
 fs = StoreFS.open(sys.argv[1], fsync=False)
 while time.time() < float(sys.argv[2]):
     pass

@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.store.composite_reader import CompositeReader
-from orchestrator.store.errors import CorruptShardError
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.recovery_source import resolve_plan
+from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.recovery_source import resolve_plan
+from layercheck.workers.shard import STATE_KEYS
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
-from workers.shard import STATE_KEYS
 
 TOTAL = sum(math.prod(s) for s in PARAMS.values())  # 42
 NUMEL = {"norm": TOTAL}

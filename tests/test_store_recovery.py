@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.store.errors import CorruptShardError
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.recovery_source import VersionReader, resolve_plan
-from policies.plan import NoUsableVersionError
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
+from layercheck.policies.plan import NoUsableVersionError
+from layercheck.workers.shard import STATE_KEYS, LayerShard
 from tests.store_helpers import PARAMS, cut_shards, layer_state, write_layer
-from workers.shard import STATE_KEYS, LayerShard
 
 LAYERS = {"embed": 48, "block.0": 48, "norm": 48}
 
@@ -193,7 +193,7 @@ def test_no_recovery_point_without_every_layer(tmp_path):
 
 
 def test_composite_reader_serves_every_layer(history):
-    from orchestrator.store.composite_reader import CompositeReader
+    from layercheck.orchestrator.store.composite_reader import CompositeReader
 
     store, written = history
     params = {layer: {f"{layer}.{n}": s for n, s in PARAMS.items()} for layer in LAYERS}

@@ -9,16 +9,16 @@ import threading
 
 import pytest
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.core.run_start import StartOptions, claim_store, open_run_store
-from orchestrator.store.errors import StoreBusyError, StoreWriteError, UnsafeStoreError
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
-from orchestrator.store.lease import StoreLease, read_lease
-from orchestrator.store.recovery_source import VersionReader, resolve_plan
-from orchestrator.store.run_dir import check_run_location, clear_run
-from orchestrator.store.uri import open_uri, redact_uri
-from policies.config_loader import ConfigError
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.run_start import StartOptions, claim_store, open_run_store
+from layercheck.orchestrator.store.errors import StoreBusyError, StoreWriteError, UnsafeStoreError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from layercheck.orchestrator.store.lease import StoreLease, read_lease
+from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
+from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
+from layercheck.orchestrator.store.uri import open_uri, redact_uri
+from layercheck.policies.config_loader import ConfigError
 from tests.s3_server import FAST_FAIL
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, foreign_lease, layer_state, seed_of, write_layer
 

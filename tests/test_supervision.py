@@ -6,12 +6,18 @@ import logging
 
 import pytest
 
-from orchestrator.core.accounting import RunAccount
-from orchestrator.core.commit_path import CommitFailed, CommitPath, CommitSucceeded, CommitVersion, ShardWritten
-from orchestrator.core.recovery_plan import plan_composite
-from orchestrator.core.run_view import RunView
-from orchestrator.core.supervision import Failed, Finished, Recovering, Running, Starting, Supervision
-from orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.commit_path import (
+    CommitFailed,
+    CommitPath,
+    CommitSucceeded,
+    CommitVersion,
+    ShardWritten,
+)
+from layercheck.orchestrator.core.recovery_plan import plan_composite
+from layercheck.orchestrator.core.run_view import RunView
+from layercheck.orchestrator.core.supervision import Failed, Finished, Recovering, Running, Starting, Supervision
+from layercheck.orchestrator.core.supervision_events import (
     AbandonIncomplete,
     CompositePlanned,
     DismissJoins,
@@ -29,7 +35,7 @@ from orchestrator.core.supervision_events import (
     VersionUnusable,
     WritersDrained,
 )
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 LAYERS = ("embed", "block.0", "norm")
@@ -92,7 +98,7 @@ def test_a_lost_group_recovers_at_t_fail_plus_one(store, caplog):
     commit_all(store, 3, base=True)
     commit_all(store, 6)
     sup = running()
-    caplog.set_level(logging.INFO, logger="orchestrator.core.supervision")
+    caplog.set_level(logging.INFO, logger="layercheck.orchestrator.core.supervision")
     actions = sup.handle(joined(1, "b1", last=6, now=10.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and sup.state.t_fail == 6 and sup.state.phase == "draining"
@@ -123,7 +129,7 @@ def test_a_failure_in_warm_up_restarts_from_the_initial_weights(store, caplog):
     plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
     planned = plan_composite(store, NUMEL, plan)  # nothing committed yet: no base
     assert isinstance(planned, NoComposite) and planned.t_fail == 2
-    caplog.set_level(logging.WARNING, logger="orchestrator.core.supervision")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.supervision")
     actions = sup.handle(planned)
     assert "restarts from the initial weights" in caplog.text
     assert of(PublishResume, actions).resume == ResumeInfo(2, 1, None)
@@ -176,7 +182,7 @@ def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):
     rank 0 resumes at t_fail + 1, and the ranks would train different steps: the run stalled)."""
     sup = Supervision(config=CONFIG)
     sup.handle(joined(0, "a0", world_size=1))  # training alone (the other node lost)
-    caplog.set_level(logging.WARNING, logger="orchestrator.core.supervision")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.supervision")
     actions = sup.handle(joined(1, "b1", world_size=2, last=12, now=5.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and (sup.state.world_size, sup.state.t_fail) == (2, 12)
@@ -256,7 +262,7 @@ def test_config_errors_name_the_field():
 
 # ---- the commit path -------------------------------------------------------------------------
 def receipt(layer, step, rank, world_size=2):
-    from orchestrator.store.manifest import ShardReceipt
+    from layercheck.orchestrator.store.manifest import ShardReceipt
 
     return ShardReceipt(
         layer=layer,
@@ -302,7 +308,7 @@ def test_a_commit_that_fails_for_good_is_counted_lost_with_its_reason(caplog):
     commits = CommitPath(layers=LAYERS, config=CONFIG)
     commits.handle(ShardWritten(receipt=receipt("norm", 7, 0)))
     (action,) = commits.handle(ShardWritten(receipt=receipt("norm", 7, 1)))
-    caplog.set_level(logging.ERROR, logger="orchestrator.core.commit_path")
+    caplog.set_level(logging.ERROR, logger="layercheck.orchestrator.core.commit_path")
     delays = []
     while action is not None:
         retries = commits.handle(CommitFailed(action=action, error="StoreWriteError: disk full"))

@@ -9,11 +9,11 @@ import transformers
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policies.layer_map import layer_map_of
+from layercheck.policies.layer_map import layer_map_of
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.engine import build_model, deepspeed_config, param_groups
+from layercheck.workers.schedule import lr_at, lr_factor
 from tests.worker_jobs import TINY_LLAMA
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.engine import build_model, deepspeed_config, param_groups
-from workers.schedule import lr_at, lr_factor
 
 
 @pytest.mark.parametrize(

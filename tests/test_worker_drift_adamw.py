@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift_adamw import DriftAdamW
 
 
 def _pair(seed: int = 0):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from layercheck.workers import ds_internals
 from tests import worker_jobs
 from tests.dist_harness import run_ranks
-from workers import ds_internals
 
 
 def test_missing_attribute_is_a_loud_named_error():
@@ -66,7 +66,7 @@ def test_an_unverified_deepspeed_is_refused_unless_the_user_opts_in(monkeypatch,
     ):
         ds_internals.check_deepspeed_version("0.21.0")
     monkeypatch.setenv(ds_internals.ALLOW_UNVERIFIED_ENV, "1")
-    with caplog.at_level(logging.ERROR, logger="workers.ds_internals"):
+    with caplog.at_level(logging.ERROR, logger="layercheck.workers.ds_internals"):
         ds_internals.check_deepspeed_version("0.21.0")
     assert "DeepSpeed 0.21.0 is outside" in caplog.text
 

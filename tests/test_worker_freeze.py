@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from policies.config_loader import ConfigError, from_mapping
-from policies.layer_map import layer_map_of
+from layercheck.policies.config_loader import ConfigError, from_mapping
+from layercheck.policies.layer_map import layer_map_of
+from layercheck.workers.config import ModelConfig, OptimConfig
+from layercheck.workers.engine import build_model, layer_map_for, param_groups
+from layercheck.workers.freeze import lr_scale
 from tests.freeze_jobs import FOUR_BLOCKS
-from workers.config import ModelConfig, OptimConfig
-from workers.engine import build_model, layer_map_for, param_groups
-from workers.freeze import lr_scale
 
 
 def test_freeze_keeps_the_other_blocks_numbers():

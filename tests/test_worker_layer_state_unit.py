@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import ShardReader, metas_of
-from workers.layout import zero0_owned_range
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import ShardReader, metas_of
+from layercheck.workers.layout import zero0_owned_range
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 SHAPES = {"a.weight": (7, 3), "a.bias": (5,)}
 

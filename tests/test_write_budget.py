@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
-from policies.config_loader import ConfigError
-from policies.decision import PersistDecision, StepObservation
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.decision import PersistDecision, StepObservation
 
 
 def test_no_budget_until_every_writer_has_a_measurement():
@@ -90,7 +90,7 @@ def test_policy_service_puts_the_budget_on_the_next_observations():
 
 
 def test_the_run_config_carries_the_budget_on_by_default_and_names_a_bad_field():
-    from orchestrator.core.run_config import load_run_config
+    from layercheck.orchestrator.core.run_config import load_run_config
 
     assert load_run_config("examples/demo.toml").persistence.write_budget == WriteBudgetConfig()
     assert WriteBudgetConfig().enabled

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import ray
 
-from orchestrator.core.run_config import load_run_config
-from orchestrator.runtime.cluster import connect
-from orchestrator.runtime.driver import train
-from orchestrator.runtime.summary import format_summary, summarize
-from orchestrator.store.layer_store import LayerStore
-from policies.configs import StaggeredConfig
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.runtime.cluster import connect
+from layercheck.orchestrator.runtime.driver import train
+from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.configs import StaggeredConfig
 
 pytestmark = pytest.mark.slow
 STEPS = 16

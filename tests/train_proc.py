@@ -55,7 +55,7 @@ def start_train(
     env = {**os.environ, "PYTHONPATH": str(REPO), "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     env["RAY_TMPDIR"] = str(ray_tmp)
-    command = [sys.executable, "-m", "orchestrator.cli.main", "train", config]
+    command = [sys.executable, "-m", "layercheck.orchestrator.cli.main", "train", config]
     for assignment in sets:
         command += ["--set", assignment]
     stderr_path = tmp_path / f"train-{time.monotonic_ns()}.stderr"

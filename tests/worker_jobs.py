@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.drift import global_drift
-from workers.engine import TrainEngine, build_engine, seek_step, shutdown
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
-from workers.shard import STATE_KEYS, LayerShard
-from workers.step import eval_loss, train_step
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.drift import global_drift
+from layercheck.workers.engine import TrainEngine, build_engine, seek_step, shutdown
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
+from layercheck.workers.shard import STATE_KEYS, LayerShard
+from layercheck.workers.step import eval_loss, train_step
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -71,7 +71,7 @@ def full_fp32(train_engine: TrainEngine, name: str) -> torch.Tensor:
     they exist (collective at ZeRO-3): an independent reference for the layout code."""
     import deepspeed
 
-    from workers import ds_internals
+    from layercheck.workers import ds_internals
 
     param = dict(train_engine.engine.module.named_parameters())[name]
     if train_engine.engine_cfg.zero_stage == 0:
@@ -175,8 +175,8 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
     """Each ds_internals wrapper against DeepSpeed's public helpers or the model itself."""
     import deepspeed
 
-    from workers import ds_internals
-    from workers.drift_adamw import DriftAdamW
+    from layercheck.workers import ds_internals
+    from layercheck.workers.drift_adamw import DriftAdamW
 
     train_engine = make_engine(stage, precision)
     train_step(train_engine, batches(train_engine, 0, rank))
@@ -273,8 +273,8 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
 
     from safetensors.torch import load_file
 
-    from workers.layer_state import ShardReader, metas_of, restore_layers
-    from workers.shard import ParamSlice
+    from layercheck.workers.layer_state import ShardReader, metas_of, restore_layers
+    from layercheck.workers.shard import ParamSlice
 
     train_engine = make_engine(stage, "fp32")
     shards = []
@@ -327,7 +327,7 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
 
 def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
     """The fused step's per-layer drift next to snapshot-and-diff over the same layout, per step."""
-    from workers.drift_diff import SnapshotDiffProbe
+    from layercheck.workers.drift_diff import SnapshotDiffProbe
 
     train_engine = make_engine(stage, precision, drift_step="fused")
     reference = SnapshotDiffProbe(train_engine.layout)
@@ -345,7 +345,7 @@ def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> d
 def snapshot_copy_job(rank: int, world_size: int) -> dict[str, Any]:
     """Snapshot every layer at step 2 through the copier, train step 3 at once, then hand over:
     the handed shards must equal a joined snapshot taken at step 2."""
-    from workers.snapshot_copy import Handover, copier_for
+    from layercheck.workers.snapshot_copy import Handover, copier_for
 
     precision = "bf16" if torch.cuda.is_available() else "fp32"
     train_engine = make_engine(0, precision)

@@ -1,7 +1,7 @@
 """A DeepSpeed engine the user built, made known to LayerCheck: its layer map, state layout and
 drift probe, and the few things LayerCheck does to it (restore to a step, read its learning rate).
 
-The built-in loop builds its engine itself (:mod:`workers.engine`); a user's own loop calls
+The built-in loop builds its engine itself (:mod:`layercheck.workers.engine`); a user's own loop calls
 ``deepspeed.initialize`` with their own model, optimizer, param groups and DeepSpeed config, and
 :func:`attach_engine` maps whatever came out. Nothing here talks to Ray.
 """
@@ -13,11 +13,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
-from workers import ds_internals
-from workers.drift import DriftProbe
-from workers.drift_diff import SnapshotDiffProbe, probe_for
-from workers.layout import StateLayout, build_layout
+from layercheck.policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
+from layercheck.workers import ds_internals
+from layercheck.workers.drift import DriftProbe
+from layercheck.workers.drift_diff import SnapshotDiffProbe, probe_for
+from layercheck.workers.layout import StateLayout, build_layout
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ def unwrap_engine(engine: Any) -> Any:
 def attach_engine(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: str = "auto") -> AttachedEngine:
     """Map ``engine``'s model onto layers (by name, or by ``layer_map``) and its optimizer state
     onto those layers, and choose the drift probe. Raises before any training step:
-    :class:`~policies.layer_map.UnplacedParameterError` for parameters no layer holds,
-    :class:`~workers.optim_state.UnsupportedOptimizerError` for a non-Adam optimizer."""
+    :class:`~layercheck.policies.layer_map.UnplacedParameterError` for parameters no layer holds,
+    :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for a non-Adam optimizer."""
     engine = unwrap_engine(engine)
     if ds_internals.client_optimizer(engine) is None:
         raise ValueError(

@@ -4,7 +4,7 @@ When a peer dies, a surviving rank's next collective raises (gloo: tens of milli
 the death) while its own optimizer state still stands at its last completed step. That state is
 fresher than anything persisted, so before the rank exits it copies the slices it holds of every
 layer out of the optimizer (fp32 masters and both Adam moments, the same
-:class:`~workers.shard.LayerShard` a scheduled snapshot makes) and hands them to its writer,
+:class:`~layercheck.workers.shard.LayerShard` a scheduled snapshot makes) and hands them to its writer,
 which persists them as a *partial* version (``origin="capture"``). Recovery overlays those
 slices on the layers' whole versions, so only the dead ranks' slices come back stale.
 
@@ -19,12 +19,12 @@ What a rank captures:
 The capture is labelled with the step its state is at. A rank may stand one step past its last
 reported step (it finished its local optimizer step ``t + 1`` before the collective that broke):
 :func:`state_step` reads that from the optimizer's own step count, and the recovery plan decides
-what such a slice is good for (``policies.plan``).
+what such a slice is good for (``layercheck.policies.plan``).
 
 On a GPU the state is on the device. A survivor blocked in an NCCL collective gets control back
-only once the collective is aborted (:mod:`workers.collective_abort`); the work queued behind the
+only once the collective is aborted (:mod:`layercheck.workers.collective_abort`); the work queued behind the
 aborted kernel then runs, so the capture first waits (bounded) for the training stream to settle,
-then copies into pinned host buffers on the side stream of :mod:`workers.snapshot_copy`, waiting
+then copies into pinned host buffers on the side stream of :mod:`layercheck.workers.snapshot_copy`, waiting
 for that copy bounded too. A failed NCCL collective hands back whatever the aborted kernel left
 instead of raising, so there a state the optimizer updated after the last completed step may
 hold such garbage: :func:`refusal` turns it down. A GPU whose state is lost (a sticky CUDA error)
@@ -37,11 +37,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import optimizer_step_of
-from workers.layout import Piece, StateLayout, zero0_owned_range
-from workers.shard import LayerShard, ParamSlice
-from workers.snapshot_copy import HostCopier, SnapshotCopier, wait_done
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import optimizer_step_of
+from layercheck.workers.layout import Piece, StateLayout, zero0_owned_range
+from layercheck.workers.shard import LayerShard, ParamSlice
+from layercheck.workers.snapshot_copy import HostCopier, SnapshotCopier, wait_done
 
 #: The longest a capture waits for its device: the training stream to settle, then its own copy.
 DEVICE_WAIT_S = 20.0

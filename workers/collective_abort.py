@@ -1,12 +1,12 @@
 """Releasing a survivor blocked in a collective, so that it can hand over its capture.
 
 When a peer dies, a gloo survivor's next collective raises on its own (the peer's connection
-closes: 50-80 ms after the death), and :meth:`workers.loop.StepProtocol.on_failure` captures.
+closes: 50-80 ms after the death), and :meth:`layercheck.workers.loop.StepProtocol.on_failure` captures.
 An NCCL survivor does not: its collective is a kernel spinning on the GPU, waiting for a peer
 that will never send, and the host thread waits behind it until NCCL's watchdog times out (the
 process group's timeout: Ray Train's ``TorchConfig.timeout_s``, 1800 s by default) — long after
 Ray Train has torn the group down. Whoever knows of the death first (Ray Train's controller,
-through :mod:`orchestrator.runtime.capture_hold`) asks this process to :meth:`CollectiveAbort.request`
+through :mod:`layercheck.orchestrator.runtime.capture_hold`) asks this process to :meth:`CollectiveAbort.request`
 an abort: every process group is aborted (``ncclCommAbort`` under torch's
 ``_abort_process_group``), the spinning kernels return, the training thread's next collective
 raises, and the capture runs as on gloo.
@@ -19,7 +19,7 @@ group's ``abort()`` does not release a collective in flight anyway (measured: a 
 A failed NCCL collective does not raise where it ran: its output is whatever the aborted kernel
 left, and work queued after it (an optimizer update) may consume that. So on such a backend a
 capture is trusted only where the optimizer has not stepped since the rank's last completed step
-(:attr:`CollectiveAbort.synchronous_errors`, used by :func:`workers.capture.refusal`).
+(:attr:`CollectiveAbort.synchronous_errors`, used by :func:`layercheck.workers.capture.refusal`).
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def for_current_group() -> CollectiveAbort:
 
 def request_abort(reason: str) -> str:
     """What Ray Train's controller runs inside a survivor's process when a peer died
-    (:mod:`orchestrator.runtime.capture_hold`): the :class:`AbortDecision` taken, by value."""
+    (:mod:`layercheck.orchestrator.runtime.capture_hold`): the :class:`AbortDecision` taken, by value."""
     abort = _installed
     if abort is None:
         return AbortDecision.NO_WATCHER.value

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from policies.config_loader import ConfigError, require, require_finite
+from layercheck.policies.config_loader import ConfigError, require, require_finite
 
 logger = logging.getLogger(__name__)
 

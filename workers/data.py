@@ -4,16 +4,17 @@ Two kinds (``data.format``). ``text``: one UTF-8 file cut into non-overlapping `
 windows, causal-LM loss on every token; tokenized byte-level (vocabulary 256) by default, so the
 bundled corpus trains with no tokenizer download, or with a local Hugging Face tokenizer. ``sft``:
 a JSONL file of prompt/completion pairs and chats, loss on the answers only, padded or packed to
-``seq_len`` (:mod:`workers.sft_data`).
+``seq_len`` (:mod:`layercheck.workers.sft_data`).
 
 The row a rank trains on at step ``t`` is a pure function of (seed, step, rank, world size,
-batch shape) for both (:mod:`workers.order`): no iterator state to save, so a recovered run
+batch shape) for both (:mod:`layercheck.workers.order`): no iterator state to save, so a recovered run
 continues with exactly the batches it would have seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import logging
 import os
 from dataclasses import dataclass
@@ -22,11 +23,11 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from policies.config_loader import require
-from workers.batch import MicroBatch
-from workers.order import EpochOrder, first_index
-from workers.sft_data import FitReport, SftDataset, build_rows, load_tokenizer
-from workers.sft_jsonl import DataError
+from layercheck.policies.config_loader import require
+from layercheck.workers.batch import MicroBatch
+from layercheck.workers.order import EpochOrder, first_index
+from layercheck.workers.sft_data import FitReport, SftDataset, build_rows, load_tokenizer
+from layercheck.workers.sft_jsonl import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ FORMATS: tuple[str, ...] = ("text", "sft")
 
 def bundled_corpus() -> Path:
     """The small text corpus shipped with the project (``examples/data/corpus.txt``)."""
-    return Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"
+    return Path(str(importlib.resources.files("layercheck.examples"))) / "data" / "corpus.txt"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,9 +1,9 @@
 """The drift probe: per layer, how far the last optimizer step moved this rank's shard.
 
-:class:`workers.drift_adamw.DriftAdamW` accumulates ``sum |update|`` per param group while it
+:class:`layercheck.workers.drift_adamw.DriftAdamW` accumulates ``sum |update|`` per param group while it
 steps; param groups are layer-aligned, so summing a layer's groups gives the layer's
 ``sum |theta_t - theta_{t-1}|`` on this rank. The probe restricts the optimizer's count to
-the elements this rank owns (see :mod:`workers.layout`), pairs each sum with that element
+the elements this rank owns (see :mod:`layercheck.workers.layout`), pairs each sum with that element
 count, and reads every layer with one device-to-host transfer per step.
 """
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.drift_adamw import DriftAdamW
-from workers.layout import StateLayout
+from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.layout import StateLayout
 
 logger = logging.getLogger(__name__)
 

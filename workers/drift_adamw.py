@@ -4,7 +4,7 @@ The drift probe needs ``sum |theta_t - theta_{t-1}|`` per layer after every step
 of the parameters and diffing costs a full pass over them (and the memory of a copy); this
 optimizer instead materialises the update it is about to apply, takes its L1 norm over the
 elements this rank owns (one ``_foreach_norm``), and adds it to a per-group accumulator kept
-on the device. No host synchronisation happens here; :class:`workers.drift.DriftProbe` reads
+on the device. No host synchronisation happens here; :class:`layercheck.workers.drift.DriftProbe` reads
 all groups at once, one sync per training step.
 
 DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeRO-0 bf16) or
@@ -13,7 +13,7 @@ the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily tri
 keyed by each group's unique ``name``, never by list position.
 
 ``drift_step="fused"`` counts the drift inside the update instead, with no update tensor and no
-second pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`workers.drift_fused`);
+second pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift_fused`);
 its parameters and moments are those of ``torch.optim.AdamW`` op for op.
 """
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from workers.config import DRIFT_STEPS
-from workers.drift_fused import AdamWScalars, FusedGroup, Windows, adamw_l1_groups
+from layercheck.workers.config import DRIFT_STEPS
+from layercheck.workers.drift_fused import AdamWScalars, FusedGroup, Windows, adamw_l1_groups
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The drift probe for any optimizer: keep a copy of each layer's owned fp32 elements and, after
 each step, take the L1 of the difference, then refresh the copy.
 
-:class:`workers.drift.DriftProbe` reads the drift off :class:`~workers.drift_adamw.DriftAdamW`
+:class:`layercheck.workers.drift.DriftProbe` reads the drift off :class:`~layercheck.workers.drift_adamw.DriftAdamW`
 almost for free, but needs that optimizer and layer-aligned param groups. A user's optimizer
 (torch AdamW, DeepSpeed FusedAdam / CPUAdam, any param groups) gives no such hook; comparing the
 master weights before and after is exact whatever it does. It costs one extra fp32 copy of this
@@ -15,9 +15,9 @@ from collections.abc import Mapping
 
 import torch
 
-from workers.drift import DriftProbe, LayerDrift
-from workers.drift_adamw import DriftAdamW
-from workers.layout import StateLayout, state_view
+from layercheck.workers.drift import DriftProbe, LayerDrift
+from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.layout import StateLayout, state_view
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """DriftAdamW's fused step: update each tensor and count ``sum |theta_t - theta_{t-1}|`` in one pass.
 
-The ``foreach`` step (:meth:`workers.drift_adamw.DriftAdamW._step_group`) materialises every
+The ``foreach`` step (:meth:`layercheck.workers.drift_adamw.DriftAdamW._step_group`) materialises every
 parameter's update and reads it again for its L1. Here the count rides along with the update:
 
 * on CUDA, with Triton importable and every tensor contiguous fp32, one kernel launch per
   optimizer step (every param group and step count a slot) reads ``param, grad, exp_avg,
   exp_avg_sq`` once, writes them once, and adds ``|new - old|`` of the owned elements into the
-  slot's float64 accumulator on the device (:mod:`workers.drift_triton`, imported only then);
+  slot's float64 accumulator on the device (:mod:`layercheck.workers.drift_triton`, imported only then);
 * everywhere else (CPU; CUDA without Triton, where it is slower than the ``foreach`` step),
   torch ops over cache-sized chunks of each tensor, in the order torch's
   single-tensor AdamW uses, so the parameters and moments are bit-equal to
@@ -151,7 +151,7 @@ def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
         return []
     device = groups[0].params[0].device
     if all(g.params[0].device == device for g in groups) and triton_eligible([t for g in groups for t in g.tensors()]):
-        from workers.drift_triton import adamw_l1_triton_groups
+        from layercheck.workers.drift_triton import adamw_l1_triton_groups
 
         return list(adamw_l1_triton_groups(groups).unbind())
     if device.type == "cuda":

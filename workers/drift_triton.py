@@ -1,16 +1,16 @@
 """The Triton kernel of DriftAdamW's fused step (CUDA): AdamW and the drift count in one pass.
 
-Imported only by :func:`workers.drift_fused.adamw_l1_groups` once it has seen CUDA tensors and an
+Imported only by :func:`layercheck.workers.drift_fused.adamw_l1_groups` once it has seen CUDA tensors and an
 importable Triton, so a CPU machine never imports Triton. Under ``TRITON_INTERPRET=1`` the same
 kernel runs on CPU tensors (Triton's interpreter), which is how its arithmetic is tested
 without a GPU (``tests/test_drift_fused.py``).
 
 One launch covers a whole optimizer step: every param group and step count is a *slot* with its
 own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see
-:func:`workers.drift_fused.work_rows`) gives each program a chunk of one tensor and its slot, and
+:func:`layercheck.workers.drift_fused.work_rows`) gives each program a chunk of one tensor and its slot, and
 an address table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointers. Each program
 reads the four once, writes three, and adds ``sum |new - old|`` of its counted elements to its
-slot's accumulator with one atomic add. Measured on an H200 (``bench.drift_probe --sweep``), a
+slot's accumulator with one atomic add. Measured on an H200 (``layercheck.bench.drift_probe --sweep``), a
 launch per group left the step CPU-bound on issuing 50 launches; one launch per step is issued
 once. The work table is cached by the tensors' sizes and windows, the address table by the
 addresses; the scalar table changes with the learning rate and is copied each step.
@@ -30,13 +30,13 @@ import torch
 import triton
 import triton.language as tl
 
-from workers import drift_fused
-from workers.drift_fused import AdamWScalars, FusedGroup, Windows, work_rows
+from layercheck.workers import drift_fused
+from layercheck.workers.drift_fused import AdamWScalars, FusedGroup, Windows, work_rows
 
 logger = logging.getLogger(__name__)
 
 #: Elements per loop iteration of a program (a power of two; 8 per thread at 4 warps), and the
-#: warps of a program. Read at each launch (``bench.drift_probe --sweep`` varies them, with
+#: warps of a program. Read at each launch (``layercheck.bench.drift_probe --sweep`` varies them, with
 #: ``drift_fused.TRITON_CHUNK``); none of the three changes any element's arithmetic.
 BLOCK = 1024
 NUM_WARPS = 4

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from policies.layer_map import LayerMap, build_layer_map, layer_map_of
-from workers import ds_internals, env
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.drift import DriftProbe
-from workers.drift_adamw import DriftAdamW
-from workers.freeze import apply_freeze, lr_scale
-from workers.layout import StateLayout, build_layout
-from workers.schedule import make_scheduler, seek_scheduler
+from layercheck.policies.layer_map import LayerMap, build_layer_map, layer_map_of
+from layercheck.workers import ds_internals, env
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.drift import DriftProbe
+from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.freeze import apply_freeze, lr_scale
+from layercheck.workers.layout import StateLayout, build_layout
+from layercheck.workers.schedule import make_scheduler, seek_scheduler
 
 logger = logging.getLogger(__name__)
 

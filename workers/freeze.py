@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from policies.config_loader import ConfigError
-from policies.layer_map import EMBED, LayerMap, build_layer_map
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.layer_map import EMBED, LayerMap, build_layer_map
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from workers.shard import LayerShard
+from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Snapshot chosen layers' state into host memory, and put such state back into a live engine.
 
-A snapshot is this rank's :class:`~workers.shard.LayerShard` of each chosen layer: the owned
-elements (see :mod:`workers.layout`) of the fp32 master weights and both Adam moments, copied
+A snapshot is this rank's :class:`~layercheck.workers.shard.LayerShard` of each chosen layer: the owned
+elements (see :mod:`layercheck.workers.layout`) of the fp32 master weights and both Adam moments, copied
 once from the optimizer's own tensors into reused host buffers, plus the Adam step count and
 the layer's group hyper-parameters.
 
@@ -21,19 +21,19 @@ from typing import Any
 
 import torch
 
-from workers import optim_state
-from workers.host_buffers import HostBufferPool
-from workers.layout import LayerLayout, Piece, StateLayout, refresh_forward_weights, state_view
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.workers import optim_state
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layout import LayerLayout, Piece, StateLayout, refresh_forward_weights, state_view
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 logger = logging.getLogger(__name__)
 
 #: ``read(param_name, key, offset, length)`` → 1-D float32 tensor of ``length`` elements of
-#: state ``key`` (one of :data:`~workers.shard.STATE_KEYS`), starting at ``offset`` of the flattened parameter.
+#: state ``key`` (one of :data:`~layercheck.workers.shard.STATE_KEYS`), starting at ``offset`` of the flattened parameter.
 RangeReader = Callable[[str, str, int, int], torch.Tensor]
 
 #: Group hyper-parameters a restore puts back. ``lr`` is not among them: it belongs to the
-#: schedule, which continues at the recovery step (see ``workers.engine.seek_step``).
+#: schedule, which continues at the recovery step (see ``layercheck.workers.engine.seek_step``).
 RESTORED_HYPERPARAMETERS: tuple[str, ...] = ("betas", "eps", "weight_decay")
 
 
@@ -88,12 +88,12 @@ def snapshot_layers(
     pieces: Mapping[str, Sequence[Piece]] | None = None,
 ) -> list[LayerShard]:
     """This rank's shard of each of ``layers``, copied into buffers from ``pool``: its owned
-    pieces, or ``pieces[layer]`` where given (a survivor's capture, :mod:`workers.capture`).
+    pieces, or ``pieces[layer]`` where given (a survivor's capture, :mod:`layercheck.workers.capture`).
 
     One copy per owned piece and state key, straight from the optimizer's tensors into the
     host buffer; where those live on a GPU the copies are asynchronous into pinned memory and
     joined once at the end (``join=False``: not joined; the caller orders them by an event, see
-    :mod:`workers.snapshot_copy`). Release the shards to ``pool`` when they are written.
+    :mod:`layercheck.workers.snapshot_copy`). Release the shards to ``pool`` when they are written.
     """
     step = int(layout.engine.global_steps) if step is None else step
     shards = []

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from policies.layer_map import LayerMap
-from workers import ds_internals, optim_state
-from workers.shard import ParamSlice
+from layercheck.policies.layer_map import LayerMap
+from layercheck.workers import ds_internals, optim_state
+from layercheck.workers.shard import ParamSlice
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class StateLayout:
     layer_map: LayerMap
     engine: Any
     optimizer: Any
-    """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`workers.optim_state`."""
+    """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`layercheck.workers.optim_state`."""
 
     def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
         """The client optimizer's current param groups holding ``layer``."""
@@ -102,7 +102,7 @@ def zero0_owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int]
 def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
     """Map every layer of ``layer_map`` onto ``engine``'s optimizer state on this rank.
 
-    Raises :class:`~workers.optim_state.UnsupportedOptimizerError` for an optimizer whose state
+    Raises :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for an optimizer whose state
     is not Adam's, and ``KeyError`` for a layer-map parameter the engine's model does not have.
     """
     stage = int(engine.zero_optimization_stage())

@@ -22,19 +22,19 @@ from typing import Any, Protocol
 
 import torch
 
-from policies.decision import PersistDecision
-from workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
-from workers.collective_abort import CollectiveAbort
-from workers.data import SequenceDataset
-from workers.drift import LayerDrift
-from workers.engine import TrainEngine
-from workers.host_buffers import HostBufferPool
-from workers.layout import StateLayout
-from workers.order import first_index, step_seed
-from workers.schedule import lr_at
-from workers.shard import LayerShard
-from workers.snapshot_copy import Handover, copier_for, settle
-from workers.step import train_step
+from layercheck.policies.decision import PersistDecision
+from layercheck.workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
+from layercheck.workers.collective_abort import CollectiveAbort
+from layercheck.workers.data import SequenceDataset
+from layercheck.workers.drift import LayerDrift
+from layercheck.workers.engine import TrainEngine
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layout import StateLayout
+from layercheck.workers.order import first_index, step_seed
+from layercheck.workers.schedule import lr_at
+from layercheck.workers.shard import LayerShard
+from layercheck.workers.snapshot_copy import Handover, copier_for, settle
+from layercheck.workers.step import train_step
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Coordinator(Protocol):
 
     # Optional: ``stop_requested() -> bool``, true once the last decision carried a stop request.
     # Optional: ``capture(shards, *, step, error) -> None``: hand a survivor's capture over (see
-    # :mod:`workers.capture`) before the rank exits; without it a failure captures nothing.
+    # :mod:`layercheck.workers.capture`) before the rank exits; without it a failure captures nothing.
 
 
 @dataclass
@@ -83,7 +83,7 @@ class StepProtocol:
         self, layout: StateLayout, coordinator: Coordinator, *, rank: int, abort: CollectiveAbort | None = None
     ) -> None:
         """``abort``: how this rank is released from a collective blocked on a lost peer
-        (:mod:`workers.collective_abort`), armed while the protocol runs; ``None``: never released."""
+        (:mod:`layercheck.workers.collective_abort`), armed while the protocol runs; ``None``: never released."""
         self.layout = layout
         self.coordinator = coordinator
         self.rank = rank
@@ -128,7 +128,7 @@ class StepProtocol:
     def on_failure(self, error: BaseException) -> None:
         """The training step raised (a peer died under a collective, say): hand over this rank's
         capture of every layer before the error ends the rank (best effort, once; see
-        :mod:`workers.capture`). Nothing is captured before the first completed step of this
+        :mod:`layercheck.workers.capture`). Nothing is captured before the first completed step of this
         worker group (the state is then the composite just loaded, nothing fresher)."""
         released = self.abort.raised() if self.abort is not None else False
         handover = getattr(self.coordinator, "capture", None)
@@ -194,7 +194,7 @@ class StepProtocol:
 
     def _snapshot(self, names: Sequence[str], step: int, *, base: bool) -> float:
         """Take the snapshot; it is handed over at once where the copy is synchronous (CPU), else
-        once its copy has landed (see :mod:`workers.snapshot_copy`)."""
+        once its copy has landed (see :mod:`layercheck.workers.snapshot_copy`)."""
         started = time.monotonic()
         self._handover.take(names, step, base=base)
         return time.monotonic() - started

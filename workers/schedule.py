@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from workers.config import OptimConfig
+from layercheck.workers.config import OptimConfig
 
 logger = logging.getLogger(__name__)
 

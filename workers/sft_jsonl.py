@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from policies.config_loader import ConfigError
+from layercheck.policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 

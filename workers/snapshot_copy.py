@@ -2,7 +2,7 @@
 over in order once their copies have landed.
 
 On CPU (and for any layout whose state is on the host) a snapshot is the plain copy of
-:func:`workers.layer_state.snapshot_layers`, complete when it returns: it is handed over at once,
+:func:`layercheck.workers.layer_state.snapshot_layers`, complete when it returns: it is handed over at once,
 as before. On CUDA the :class:`SideStreamCopier` issues the copies into pinned buffers on a side
 stream that first waits (on the device) for the training stream's work so far, so the snapshot is
 the state after the step it is taken at; it records an event and returns without any host wait.
@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
-from workers.host_buffers import HostBufferPool
-from workers.layer_state import snapshot_layers
-from workers.layout import Piece, StateLayout
-from workers.shard import LayerShard
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import snapshot_layers
+from layercheck.workers.layout import Piece, StateLayout
+from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 

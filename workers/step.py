@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from workers.batch import MicroBatch, model_inputs
-from workers.drift import LayerDrift
-from workers.engine import TrainEngine
+from layercheck.workers.batch import MicroBatch, model_inputs
+from layercheck.workers.drift import LayerDrift
+from layercheck.workers.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench import cli
+from layercheck.bench import cli
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

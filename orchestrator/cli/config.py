@@ -10,11 +10,17 @@ import inspect
 import textwrap
 import typing
 
-from orchestrator.core.run_config import ClusterConfig, FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
-from orchestrator.core.write_budget import WriteBudgetConfig
-from policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.data import DataConfig
+from layercheck.orchestrator.core.run_config import (
+    ClusterConfig,
+    FaultConfig,
+    MetricsConfig,
+    PersistenceConfig,
+    RunConfig,
+)
+from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.data import DataConfig
 
 #: (TOML table, config class), in the order a run file reads.
 SECTIONS: tuple[tuple[str, type], ...] = (

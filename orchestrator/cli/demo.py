@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from orchestrator.cli import train as train_cmd
+from layercheck.orchestrator.cli import train as train_cmd
 
 DEMO_CONFIG = train_cmd.EXAMPLES / "demo.toml"
 

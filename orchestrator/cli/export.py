@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from orchestrator.local.export import FORMATS, ExportError, export
-from policies.config_loader import ConfigError
+from layercheck.orchestrator.local.export import FORMATS, ExportError, export
+from layercheck.policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 

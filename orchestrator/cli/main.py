@@ -10,13 +10,13 @@ import sys
 
 #: Modules that contribute subcommands, in the order they are listed in ``--help``.
 COMMAND_MODULES: tuple[str, ...] = (
-    "orchestrator.cli.demo",
-    "orchestrator.cli.train",
-    "orchestrator.cli.config",
-    "orchestrator.cli.simulate",
-    "orchestrator.cli.store",
-    "orchestrator.cli.bench",
-    "orchestrator.cli.export",
+    "layercheck.orchestrator.cli.demo",
+    "layercheck.orchestrator.cli.train",
+    "layercheck.orchestrator.cli.config",
+    "layercheck.orchestrator.cli.simulate",
+    "layercheck.orchestrator.cli.store",
+    "layercheck.orchestrator.cli.bench",
+    "layercheck.orchestrator.cli.export",
 )
 
 

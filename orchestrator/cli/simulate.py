@@ -12,11 +12,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from orchestrator.store.layer_store import RUN_CONFIG_FILE
-from orchestrator.table import format_table, human_bytes
-from policies.config_loader import ConfigError
-from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
-from policies.simulate import (
+from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
+from layercheck.orchestrator.table import format_table, human_bytes
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from layercheck.policies.simulate import (
     BYTES_PER_PARAM,
     Comparison,
     OracleMatch,
@@ -25,7 +25,7 @@ from policies.simulate import (
     simulate_config,
     sweep_k0,
 )
-from policies.trace import DriftTrace, TraceFormatError, synthetic_trace
+from layercheck.policies.trace import DriftTrace, TraceFormatError, synthetic_trace
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if not args.verbose:  # thousands of replayed decisions are not news
-        logging.getLogger("policies").setLevel(logging.WARNING)
+        logging.getLogger("layercheck.policies").setLevel(logging.WARNING)
     try:
         trace = load_trace(args)
         config = _policy_config(args)

@@ -12,12 +12,12 @@ from typing import Any
 
 import pyarrow.fs as pafs
 
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import Manifest
-from orchestrator.store.retention import GcConfig, collect_garbage
-from orchestrator.table import format_table, human_bytes
-from policies.plan import newest_recoverable_step
-from policies.retention import RetentionConfig
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import Manifest
+from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
+from layercheck.orchestrator.table import format_table, human_bytes
+from layercheck.policies.plan import newest_recoverable_step
+from layercheck.policies.retention import RetentionConfig
 
 logger = logging.getLogger(__name__)
 

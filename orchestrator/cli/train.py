@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.resources
 import json
 import logging
 import shlex
@@ -13,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from orchestrator.store.errors import StoreBusyError, UnsafeStoreError
-from policies.config_loader import ConfigError
+from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+#: The example configs and bundled data, shipped as package data (``layercheck.examples``).
+EXAMPLES = Path(str(importlib.resources.files("layercheck.examples")))
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -58,7 +60,7 @@ def add_run_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.core.run_config import load_run_config
+    from layercheck.orchestrator.core.run_config import load_run_config
 
     overrides = dict(_override(item) for item in args.set)
     resume = args.resume
@@ -108,9 +110,9 @@ def train_and_report(
     take_over: bool = False,
     resume_command: str = "",
 ) -> int:
-    from orchestrator.core.run_start import ResumeError
-    from orchestrator.runtime.driver import train
-    from orchestrator.runtime.summary import ProgressLines, format_summary, summarize
+    from layercheck.orchestrator.core.run_start import ResumeError
+    from layercheck.orchestrator.runtime.driver import train
+    from layercheck.orchestrator.runtime.summary import ProgressLines, format_summary, summarize
 
     progress = ProgressLines(config.log_every)
     # Ctrl-C stops the run cleanly (driver.fit_watched); a shell that starts us in the background

@@ -1,11 +1,11 @@
 """The capture window: how long a broken worker group's survivors are given to hand over their
-state (:mod:`workers.capture`) before Ray Train tears the group down, and what they handed over.
+state (:mod:`layercheck.workers.capture`) before Ray Train tears the group down, and what they handed over.
 
 Ray Train tears a group down about 0.06 s after a worker dies (health checks every 0.2 s), while
 a gloo survivor learns of the death only when its next collective raises, ~0.05-0.08 s after it:
 without help it would be killed mid-capture. So LayerCheck widens the window by design: Ray
 Train's controller calls a LayerCheck callback before it shuts a failed group down
-(``orchestrator.runtime.capture_hold``), which waits here — bounded — until every survivor has
+(``layercheck.orchestrator.runtime.capture_hold``), which waits here — bounded — until every survivor has
 finished or given up:
 
 * a survivor says :meth:`began` when its step raised, and :meth:`ended` once its writer holds the
@@ -67,7 +67,7 @@ class HoldOutcome:
     """How long the teardown was held back."""
     released: dict[str, str] = field(default_factory=dict)
     """Per survivor (rank as a string), its answer to the controller's request to abort a collective
-    blocked on the lost ranks (``workers.collective_abort.AbortDecision`` values: ``abort`` on NCCL)."""
+    blocked on the lost ranks (``layercheck.workers.collective_abort.AbortDecision`` values: ``abort`` on NCCL)."""
 
     def to_json(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}

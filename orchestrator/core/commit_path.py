@@ -22,9 +22,9 @@ import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from orchestrator.core.commit_tracker import CommitTracker
-from orchestrator.core.supervision_events import AbandonIncomplete, SupervisionConfig
-from orchestrator.store.manifest import ShardReceipt, VersionRecord
+from layercheck.orchestrator.core.commit_tracker import CommitTracker
+from layercheck.orchestrator.core.supervision_events import AbandonIncomplete, SupervisionConfig
+from layercheck.orchestrator.store.manifest import ShardReceipt, VersionRecord
 
 logger = logging.getLogger(__name__)
 

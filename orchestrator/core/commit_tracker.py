@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 

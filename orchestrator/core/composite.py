@@ -13,13 +13,13 @@ from typing import Protocol
 
 import torch
 
-from orchestrator.store.composite_reader import CompositeReader
-from orchestrator.store.errors import CorruptShardError
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import VersionRecord
-from policies.layer_map import LayerMap
-from workers.layer_state import restore_layers
-from workers.layout import StateLayout
+from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import VersionRecord
+from layercheck.policies.layer_map import LayerMap
+from layercheck.workers.layer_state import restore_layers
+from layercheck.workers.layout import StateLayout
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def load_composite(
     partial ``overlays`` of each layer (newest first) taking the elements they hold; seconds taken.
 
     Raises :class:`CompositeMismatchError` (before touching the engine) if a version does not fit
-    the model, and :class:`~orchestrator.store.errors.CorruptShardError` naming the version if a
+    the model, and :class:`~layercheck.orchestrator.store.errors.CorruptShardError` naming the version if a
     tensor fails its checksum — only after this rank took part in the load's collective, which
     its peers (whose slices may be sound) are waiting in; the engine then holds garbage.
     """

@@ -1,7 +1,7 @@
 """Opening shard files for a recovery: from a writer's memory when one holds the file, else from
 storage; and counting where each file came from.
 
-:class:`MemoryFirstOpener` is the ``opener`` of a :class:`~orchestrator.store.layer_store.LayerStore`:
+:class:`MemoryFirstOpener` is the ``opener`` of a :class:`~layercheck.orchestrator.store.layer_store.LayerStore`:
 ``opener(path)`` returns a readable file. It asks ``candidates(path)`` for copies held in memory
 (the rank's own node first, then other nodes: the caller orders them), takes the first that is a
 whole, self-consistent shard file (its header parses and every tensor matches its checksum) and
@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 
-from orchestrator.store import tensorfile
-from orchestrator.store.errors import ShardFormatError
+from layercheck.orchestrator.store import tensorfile
+from layercheck.orchestrator.store.errors import ShardFormatError
 
 logger = logging.getLogger(__name__)
 

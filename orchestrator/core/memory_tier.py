@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from policies.decision import PersistDecision, Reason
+from layercheck.policies.decision import PersistDecision, Reason
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The central policy view, without Ray: gathers every rank's drift report for a step, runs the
 checkpoint policy once all ranks are in, and keeps the one decision every rank then follows.
 
-The Ray actor (:mod:`orchestrator.runtime.policy_actor`) is a thin asynchronous shell around this, so
+The Ray actor (:mod:`layercheck.orchestrator.runtime.policy_actor`) is a thin asynchronous shell around this, so
 the aggregation and bookkeeping are unit-tested with plain values.
 """
 
@@ -11,9 +11,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from orchestrator.core.persist_gate import PersistGate
-from policies.checkpoint_policy import CheckpointPolicy
-from policies.decision import PersistDecision, StepObservation
+from layercheck.orchestrator.core.persist_gate import PersistGate
+from layercheck.policies.checkpoint_policy import CheckpointPolicy
+from layercheck.policies.decision import PersistDecision, StepObservation
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class PolicyService:
         """The writers' drain budget (bytes per step) the next observations carry; ``None``: unknown."""
 
     def set_write_budget(self, budget_bytes: int | None) -> None:
-        """The runtime's measured write budget (:mod:`orchestrator.core.write_budget`), put on
+        """The runtime's measured write budget (:mod:`layercheck.orchestrator.core.write_budget`), put on
         every step completed from now on."""
         self.write_budget_bytes = budget_bytes
 

@@ -1,4 +1,4 @@
-"""Carrying out a :class:`~orchestrator.core.supervision_events.PlanComposite` against a store:
+"""Carrying out a :class:`~layercheck.orchestrator.core.supervision_events.PlanComposite` against a store:
 the one piece of recovery that reads storage, shared by every runtime shell."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from orchestrator.core.supervision_events import CompositePlanned, NoComposite, PlanComposite
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.recovery_source import resolve_plan
-from policies.plan import NoUsableVersionError, newest_recoverable_step
+from layercheck.orchestrator.core.supervision_events import CompositePlanned, NoComposite, PlanComposite
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.recovery_source import resolve_plan
+from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
 
 logger = logging.getLogger(__name__)
 

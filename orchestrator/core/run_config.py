@@ -19,13 +19,13 @@ from typing import Any
 
 import yaml
 
-from orchestrator.core.staleness_guard import BREACH_ACTIONS
-from orchestrator.core.write_budget import WriteBudgetConfig
-from policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
-from policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
-from policies.layer_map import LayerMap
-from workers.config import EngineConfig, ModelConfig, OptimConfig
-from workers.data import DataConfig, DataSummary, load_data
+from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS
+from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
+from layercheck.policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from layercheck.policies.layer_map import LayerMap
+from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
+from layercheck.workers.data import DataConfig, DataSummary, load_data
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -323,7 +323,7 @@ def check_model(model: ModelConfig) -> LayerMap:
                 "knows e.g. llama, qwen2, mistral, gpt2 (see transformers.CONFIG_MAPPING)"
             )
         field = "model.hf_config"
-    from workers.engine import layer_map_for  # torch and transformers: only when a run starts
+    from layercheck.workers.engine import layer_map_for  # torch and transformers: only when a run starts
 
     try:
         return layer_map_for(model)

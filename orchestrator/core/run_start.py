@@ -20,14 +20,14 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
-from orchestrator.store.fs import StoreFS
-from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
-from orchestrator.store.lease import LEASE_FILE, StoreLease
-from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
-from orchestrator.store.run_dir import check_run_location, clear_run
-from policies.config_loader import ConfigError
-from policies.plan import NoUsableVersionError
+from layercheck.orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from layercheck.orchestrator.store.lease import LEASE_FILE, StoreLease
+from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
+from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
+from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.plan import NoUsableVersionError
 
 logger = logging.getLogger(__name__)
 

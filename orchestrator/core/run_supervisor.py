@@ -30,8 +30,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from orchestrator.core.accounting import RunAccount
-from orchestrator.core.commit_path import (
+from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.commit_path import (
     CommitFailed,
     CommitPath,
     CommitSucceeded,
@@ -39,12 +39,12 @@ from orchestrator.core.commit_path import (
     ShardWritten,
     VersionsLost,
 )
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.recovery_plan import plan_composite
-from orchestrator.core.run_view import RunView
-from orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
-from orchestrator.core.supervision import Supervision
-from orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.recovery_plan import plan_composite
+from layercheck.orchestrator.core.run_view import RunView
+from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
+from layercheck.orchestrator.core.supervision import Supervision
+from layercheck.orchestrator.core.supervision_events import (
     AbandonIncomplete,
     DismissJoins,
     DrainWriters,
@@ -61,8 +61,8 @@ from orchestrator.core.supervision_events import (
     VersionUnusable,
     WritersDrained,
 )
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 

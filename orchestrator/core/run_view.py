@@ -7,9 +7,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.core.accounting import RunAccount
-from orchestrator.core.commit_path import CommitPath
-from orchestrator.core.supervision_events import RecordRecovery
+from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.commit_path import CommitPath
+from layercheck.orchestrator.core.supervision_events import RecordRecovery
 
 
 @dataclass

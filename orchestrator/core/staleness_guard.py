@@ -23,7 +23,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-#: Steps between a decision and the state it persists (``workers.loop.DECISION_LAG``), allowed on top of ``smax``.
+#: Steps between a decision and the state it persists (``layercheck.workers.loop.DECISION_LAG``), allowed on top of ``smax``.
 PIPELINE_LAG = 1
 BREACH_ACTIONS = ("stop", "warn")
 

@@ -1,6 +1,6 @@
 """Membership and recovery of a run's worker groups, as an explicit state machine without Ray.
 
-API (for a runtime shell; :class:`~orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
+API (for a runtime shell; :class:`~layercheck.orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
 thread-safe, that any runtime can host)::
 
     sup = Supervision(config=SupervisionConfig(), resume=False)
@@ -8,7 +8,7 @@ thread-safe, that any runtime can host)::
     sup.state                        # Starting | Recovering | Running | Finished | Failed
     sup.state.name, sup.attempt      # "running", ...; the newest worker group's attempt
 
-The shell feeds events (:mod:`orchestrator.core.supervision_events`) and carries out the actions
+The shell feeds events (:mod:`layercheck.orchestrator.core.supervision_events`) and carries out the actions
 it gets back, in order, feeding the result of each one that has one back in:
 
 ====================  =========================================================================
@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.supervision_events import (
     AbandonIncomplete,
     Action,
     CompositePlanned,

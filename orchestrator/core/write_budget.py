@@ -3,7 +3,7 @@
 Every report round carries each writer's running totals (bytes written, seconds spent writing)
 and the step time; :class:`DrainBudget` turns them into ``budget = headroom × drain bandwidth ×
 step time`` (capped), which the policy service puts on the step's
-:class:`~policies.decision.StepObservation` as ``write_budget_bytes``. A budget-aware schedule
+:class:`~layercheck.policies.decision.StepObservation` as ``write_budget_bytes``. A budget-aware schedule
 (``staggered``) stretches its periods when storage is slower than its plan, so the queue of
 snapshots cannot grow without bound; policies without a budget ignore it.
 
@@ -21,7 +21,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from policies.config_loader import require, require_finite
+from layercheck.policies.config_loader import require, require_finite
 
 logger = logging.getLogger(__name__)
 

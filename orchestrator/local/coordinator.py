@@ -1,4 +1,4 @@
-"""The :class:`workers.loop.Coordinator` of a run under plain torch.distributed, no Ray.
+"""The :class:`layercheck.workers.loop.Coordinator` of a run under plain torch.distributed, no Ray.
 It runs the Ray runtime's protocol with the same cores, spread over the ranks instead of actors:
 
 * **decisions**: every rank keeps a replica of the :class:`PolicyService`. ``report`` launches an
@@ -6,7 +6,7 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   so it never waits on the training stream) and returns at once; ``decision`` waits for that
   gather, feeds every rank's report to the replica and returns its decision. The policy is pure,
   so every replica decides the same, and as in the Ray runtime the loop collects step ``t``'s
-  decision after step ``t + 1`` (:data:`workers.loop.DECISION_LAG`).
+  decision after step ``t + 1`` (:data:`layercheck.workers.loop.DECISION_LAG`).
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
 * **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
@@ -19,23 +19,23 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
 * **write budget** (``write_budget``, the run config's ``persistence.write_budget``; off when
   ``None`` or not ``enabled``): each drift report also carries the rank's writer
   totals (bytes, write seconds) and its step time; every replica turns the gathered totals into
-  the same budget (:class:`~orchestrator.core.write_budget.DrainBudget`) and the policy service
+  the same budget (:class:`~layercheck.orchestrator.core.write_budget.DrainBudget`) and the policy service
   puts it on the step's observation, so a budget-aware schedule stretches its periods when
   storage is slower than its plan.
 * **settlements**: a layer is persisted again only once its previous version has committed
-  (:mod:`orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
+  (:mod:`layercheck.orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
   newest settled version of each layer to its next drift report, so every replica applies the
   same settlements at the same step and the replicas never diverge.
 * **survivor capture** (``capture=True``, as the run config's ``persistence.capture``): when a
-  step raises under a rank, :meth:`workers.loop.StepProtocol.on_failure` hands the rank's slices
+  step raises under a rank, :meth:`layercheck.workers.loop.StepProtocol.on_failure` hands the rank's slices
   of every layer at its last step to :meth:`capture`, which queues them on the rank's writer
   ahead of everything else as ``origin="capture"`` shards; the recovery commits the lost group's
   incomplete versions up to ``t_fail`` as partial versions and overlays them on the composite.
 * **memory tier** (``memory_bytes > 0``, as the run config's ``persistence.memory_bytes``): each
   rank's writer keeps the newest shard files it wrote in memory, and the recovery opens the
-  composite's files from there before storage (:mod:`orchestrator.local.memory`).
+  composite's files from there before storage (:mod:`layercheck.orchestrator.local.memory`).
 
-Recovery after a failure: :func:`orchestrator.local.recovery.recover`.
+Recovery after a failure: :func:`layercheck.orchestrator.local.recovery.recover`.
 """
 
 from __future__ import annotations
@@ -49,19 +49,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
-from orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
-from orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
-from orchestrator.local.mailbox import Mailbox
-from orchestrator.local.receipts import ReceiptPump
-from orchestrator.local.writer import LocalWriter
-from orchestrator.local.writers_port import LocalWriters, drain_mine, writer_name
-from orchestrator.store.layer_store import LayerStore
-from policies.checkpoint_policy import CheckpointPolicy
-from policies.decision import PersistDecision
-from workers.drift import LayerDrift
-from workers.shard import LayerShard
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
+from layercheck.orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
+from layercheck.orchestrator.local.mailbox import Mailbox
+from layercheck.orchestrator.local.receipts import ReceiptPump
+from layercheck.orchestrator.local.writer import LocalWriter
+from layercheck.orchestrator.local.writers_port import LocalWriters, drain_mine, writer_name
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import CheckpointPolicy
+from layercheck.policies.decision import PersistDecision
+from layercheck.workers.drift import LayerDrift
+from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class LocalCoordinator:
         pump = ReceiptPump(self.mailbox, run)
         return pump, port, run
 
-    # ---- workers.loop.Coordinator ----------------------------------------------------------
+    # ---- layercheck.workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
         settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
         stats = self.writer.snapshot_stats()
@@ -228,7 +228,7 @@ class LocalCoordinator:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
 
     def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
-        """A survivor's capture (:mod:`workers.capture`): to this rank's writer, ahead of what it
+        """A survivor's capture (:mod:`layercheck.workers.capture`): to this rank's writer, ahead of what it
         holds, as ``origin="capture"`` shards. The writer outlives the failure here (as a Ray
         persistence writer outlives its trainer), so no hold is needed: the recovery's drain
         writes them, their receipts reach rank 0's supervisor like any shard's, and it commits

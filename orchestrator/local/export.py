@@ -2,7 +2,7 @@
 
 * **DeepSpeed** (:func:`export_deepspeed`): ``world_size`` local ranks (torch.multiprocessing,
   gloo on CPU; no Ray) each build the run's engine, load the composite straight from the store
-  (:func:`orchestrator.core.composite.load_composite`), move to step ``T`` and call DeepSpeed's own
+  (:func:`layercheck.orchestrator.core.composite.load_composite`), move to step ``T`` and call DeepSpeed's own
   ``save_checkpoint``. The result is an ordinary DeepSpeed checkpoint directory: the same
   engine config resumes from it with ``engine.load_checkpoint(DIR)``, and DeepSpeed's
   ``zero_to_fp32`` reads it. It is DeepSpeed's format, pickle included: load it only where you
@@ -27,16 +27,16 @@ from typing import Any
 
 import torch
 
-from orchestrator.core.composite import CompositeMismatchError, check_fits
-from orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
-from orchestrator.local.spawn import RanksFailedError, spawn_ranks
-from orchestrator.store.composite_reader import CompositeReader
-from orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
-from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
-from policies.layer_map import LayerMap
-from policies.plan import NoUsableVersionError, newest_recoverable_step
-from workers.engine import layer_map_for
+from layercheck.orchestrator.core.composite import CompositeMismatchError, check_fits
+from layercheck.orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
+from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
+from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from layercheck.orchestrator.store.manifest import VersionRecord
+from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
+from layercheck.policies.layer_map import LayerMap
+from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
+from layercheck.workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def check_composite_fits(
     overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
 ) -> None:
     """:class:`ExportError` unless the composite fits the run config's model (see
-    :func:`orchestrator.core.composite.check_fits`)."""
+    :func:`layercheck.orchestrator.core.composite.check_fits`)."""
     with CompositeReader(store, records, overlays=overlays) as read:
         try:
             check_fits(read, records, layer_map)
@@ -146,7 +146,7 @@ def composite_model(
     """The run's model on the host in fp32, every trainable parameter set to its composite fp32
     weights (each element from the newest of ``overlays`` holding it, else from ``records``). A tied output head shares the embedding's tensor, so it is set with it. A frozen
     layer (``model.freeze``) keeps the weights the model is built with: they never changed."""
-    from workers.engine import build_model
+    from layercheck.workers.engine import build_model
 
     model = build_model(run.model)
     # a tied tensor appears once, under its first name
@@ -178,7 +178,7 @@ def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Pa
 def run_tokenizer(run: RunConfig) -> Any:
     """The tokenizer the run trained with (``data.tokenizer``), to ship beside the model so that
     ``AutoTokenizer.from_pretrained(OUT)`` works; None for byte tokens (there is none)."""
-    from workers.sft_data import load_tokenizer
+    from layercheck.workers.sft_data import load_tokenizer
 
     if run.data.tokenizer == "bytes":
         logger.info("the run trained on byte tokens (data.tokenizer = 'bytes'): no tokenizer to export")
@@ -251,8 +251,8 @@ def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
 
 def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     """One export rank: build the engine, load the composite, seek to ``T``, save."""
-    from orchestrator.core.composite import load_composite
-    from workers.engine import build_engine, seek_step, shutdown
+    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.workers.engine import build_engine, seek_step, shutdown
 
     run = parse_run_config(job.run_json)
     train_engine = build_engine(run.model, run.optim, run.engine)

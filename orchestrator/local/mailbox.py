@@ -4,7 +4,7 @@
 Two things travel through it:
 
 * **messages** (a queue): each written shard's receipt with its write time, and each failed
-  write; rank 0's :class:`~orchestrator.local.receipts.ReceiptPump` takes them. ``posted``
+  write; rank 0's :class:`~layercheck.orchestrator.local.receipts.ReceiptPump` takes them. ``posted``
   counts the messages sent, so rank 0 can tell when it has taken them all.
 * **drain answers** (one key per rank and drain round): a rank whose writer finished what it
   held (or ran out of time) says so; rank 0's writers port waits for every rank's answer.

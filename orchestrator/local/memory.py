@@ -1,9 +1,9 @@
 """A recovering rank's shard files from the writers' memory: the local runtime's side of
-:class:`~orchestrator.core.memory_reads.MemoryFirstOpener` (the Ray runtime's is
-:mod:`orchestrator.runtime.memory_fetch`).
+:class:`~layercheck.orchestrator.core.memory_reads.MemoryFirstOpener` (the Ray runtime's is
+:mod:`layercheck.orchestrator.runtime.memory_fetch`).
 
 Each rank's writer thread keeps the newest shard files it wrote (``memory_bytes``, see
-:mod:`orchestrator.local.writer`). A failure under the local runtime ends the training step, not
+:mod:`layercheck.orchestrator.local.writer`). A failure under the local runtime ends the training step, not
 the rank's process, so the writers keep what they hold — as a Ray writer actor outlives its
 trainer on the node. Before the load the ranks exchange, in one gather on the side group, the
 files of the plan's versions their writers hold (a rank reads the header of every rank file of
@@ -19,16 +19,16 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Protocol
 
-from orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
-from orchestrator.local.writer import LocalWriter
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import VersionRecord
+from layercheck.orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
+from layercheck.orchestrator.local.writer import LocalWriter
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import VersionRecord
 
 logger = logging.getLogger(__name__)
 
 
 class _Group(Protocol):
-    """What the exchange needs of a :class:`~orchestrator.local.coordinator.LocalCoordinator`."""
+    """What the exchange needs of a :class:`~layercheck.orchestrator.local.coordinator.LocalCoordinator`."""
 
     writer: LocalWriter
     store: LayerStore

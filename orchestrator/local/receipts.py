@@ -11,9 +11,9 @@ import logging
 import threading
 import time
 
-from orchestrator.core.run_supervisor import RunSupervisor
-from orchestrator.local.mailbox import RECEIPT, WRITE_FAILED, Mailbox
-from orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
+from layercheck.orchestrator.local.mailbox import RECEIPT, WRITE_FAILED, Mailbox
+from layercheck.orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
 

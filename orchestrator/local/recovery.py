@@ -1,5 +1,5 @@
 """Recovery of a local run after a failure: a thin shell over the run's supervisor, which
-decides it as it does under Ray (:mod:`orchestrator.core.supervision`).
+decides it as it does under Ray (:mod:`layercheck.orchestrator.core.supervision`).
 
 Every rank calls :func:`recover` at the same point (it is collective):
 
@@ -10,7 +10,7 @@ Every rank calls :func:`recover` at the same point (it is collective):
    group left, plans the composite at ``t_fail`` — or none: restart from the initial weights at
    step 1 — rebases rank 0's policy replica, and every rank gets the same answer;
 3. every rank loads its slices of the composite (:func:`load_composite`; shard files from the
-   writers' memory where they hold them, :mod:`orchestrator.local.memory`, counted in
+   writers' memory where they hold them, :mod:`layercheck.orchestrator.local.memory`, counted in
    ``Recovered.sources`` and the supervisor's account as under Ray) and the ranks agree on
    the outcome before any goes on: a version a rank found corrupt is reported to the supervisor
    (``version_unusable``) and the group rejoins, so the next plan skips it — as a Ray worker
@@ -26,13 +26,13 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from orchestrator.core.composite import load_composite
-from orchestrator.core.memory_reads import LoadSources
-from orchestrator.local.coordinator import LocalCoordinator
-from orchestrator.local.memory import memory_first_store
-from orchestrator.store.errors import CorruptShardError
-from orchestrator.store.manifest import VersionRecord
-from workers.engine import TrainEngine, seek_step
+from layercheck.orchestrator.core.composite import load_composite
+from layercheck.orchestrator.core.memory_reads import LoadSources
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.memory import memory_first_store
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.manifest import VersionRecord
+from layercheck.workers.engine import TrainEngine, seek_step
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Training steps ``start..end`` through :func:`workers.loop.run_loop`, with failures injected
+"""Training steps ``start..end`` through :func:`layercheck.workers.loop.run_loop`, with failures injected
 after chosen steps: the loop is interrupted right after the failing step (its drift report
 sent, its decision not yet carried out — as when the process dies there), ``on_failure``
 recovers and says where to resume, and the loop goes on from there. Each failure fires once.
@@ -6,7 +6,7 @@ recovers and says where to resume, and the loop goes on from there. Each failure
 A failure is a fail-stop of one rank (``lost_rank``, by default the last): that rank's own code
 runs nothing more (:class:`RankLost`), while on the survivors the step raises as a collective
 does when a peer dies (:class:`InjectedFailure`), so the loop's failure path runs there — a
-survivor's capture, where the coordinator has one (:meth:`workers.loop.StepProtocol.on_failure`).
+survivor's capture, where the coordinator has one (:meth:`layercheck.workers.loop.StepProtocol.on_failure`).
 Then, as Ray Train does, the whole group restarts: ``on_failure`` runs on every rank.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from workers.data import SequenceDataset
-from workers.engine import TrainEngine
-from workers.loop import Coordinator, run_loop
+from layercheck.workers.data import SequenceDataset
+from layercheck.workers.engine import TrainEngine
+from layercheck.workers.loop import Coordinator, run_loop
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ def wipe_training_state(train_engine: TrainEngine) -> None:
 
     import torch
 
-    from workers.engine import seek_step
-    from workers.layer_state import LayerMeta, restore_layers
+    from layercheck.workers.engine import seek_step
+    from layercheck.workers.layer_state import LayerMeta, restore_layers
 
     metas = {name: LayerMeta(optimizer_step=0) for name in train_engine.layer_map.names}
     restore_layers(train_engine.layout, metas, lambda name, key, offset, length: torch.full((length,), math.nan))

@@ -1,4 +1,4 @@
-"""Every rank's writer thread as the :class:`~orchestrator.core.run_supervisor.WritersPort` of
+"""Every rank's writer thread as the :class:`~layercheck.orchestrator.core.run_supervisor.WritersPort` of
 rank 0's :class:`RunSupervisor`.
 
 A drain is a round all ranks take part in: each rank drains its own writer with the deadline
@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from orchestrator.local.mailbox import Mailbox
-from orchestrator.local.writer import LocalWriter
+from layercheck.orchestrator.local.mailbox import Mailbox
+from layercheck.orchestrator.local.writer import LocalWriter
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Holding Ray Train's teardown of a broken worker group until its survivors have handed over
-their state (:mod:`workers.capture`, :mod:`orchestrator.core.capture_window`).
+their state (:mod:`layercheck.workers.capture`, :mod:`layercheck.orchestrator.core.capture_window`).
 
 Ray Train v2 restarts a group whose worker died by shutting the whole group down
 (``WorkerGroup.shutdown``: its callbacks' ``before_worker_group_shutdown``, then each worker's
@@ -10,7 +10,7 @@ the teardown goes on. A group that ends normally (no failed rank) is not held.
 
 With NCCL a survivor sits in a collective that returns only at its timeout instead of raising,
 and would never begin a capture. So before it waits, the hold asks every survivor's process to
-release itself (:func:`workers.collective_abort.request_abort`, run in the worker actor beside its
+release itself (:func:`layercheck.workers.collective_abort.request_abort`, run in the worker actor beside its
 training thread): an NCCL rank aborts its process groups, its collective returns, its step raises
 and it captures; a gloo rank has raised already or will by itself, and does nothing. What each
 survivor decided is logged. A survivor that still never begins is given up on after the grace period.
@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-from workers.collective_abort import request_abort
+from layercheck.workers.collective_abort import request_abort
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The driver and the Ray cluster: joining one (or starting a local Ray), and what the driver
 reads of it: its alive nodes, and whether the run's storage suits them (the decision is
-:mod:`orchestrator.core.shared_storage`'s)."""
+:mod:`layercheck.orchestrator.core.shared_storage`'s)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import socket
 
 import ray
 
-from orchestrator.core.run_config import RunConfig
-from orchestrator.core.shared_storage import shared_storage_problem
-from orchestrator.runtime import ray_noise
-from orchestrator.runtime.names import NAMESPACE
-from orchestrator.store.errors import UnsafeStoreError
-from workers.ds_internals import ALLOW_UNVERIFIED_ENV
+from layercheck.orchestrator.core.run_config import RunConfig
+from layercheck.orchestrator.core.shared_storage import shared_storage_problem
+from layercheck.orchestrator.runtime import ray_noise
+from layercheck.orchestrator.runtime.names import NAMESPACE
+from layercheck.orchestrator.store.errors import UnsafeStoreError
+from layercheck.workers.ds_internals import ALLOW_UNVERIFIED_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def alive_nodes() -> int:
 
 def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.shared_storage = true") -> None:
     """Refuse (:class:`UnsafeStoreError`) node-local storage on a multi-node cluster; Ray must be
-    connected. See :mod:`orchestrator.core.shared_storage`."""
+    connected. See :mod:`layercheck.orchestrator.core.shared_storage`."""
     problem = shared_storage_problem(uri, alive_nodes=alive_nodes(), shared_storage=shared, opt_in=opt_in)
     if problem:
         raise UnsafeStoreError(problem)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.core.run_config import FaultConfig
+from layercheck.orchestrator.core.run_config import FaultConfig
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, kw_only=True)
 class WorkerContext:
     run_id: str
-    """Names the run's actors (see :class:`orchestrator.runtime.names.RunNames`)."""
+    """Names the run's actors (see :class:`layercheck.orchestrator.runtime.names.RunNames`)."""
     storage_uri: str
     fsync: bool
     max_inflight_bytes: int

@@ -23,17 +23,17 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.core.accounting import format_sources
-from orchestrator.core.run_config import FaultConfig, RunConfig
-from orchestrator.core.run_start import StartOptions, check_config, open_run_store
-from orchestrator.core.staleness_guard import StalenessLimits
-from orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
-from orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
-from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.runtime.train_report import with_callbacks
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
-from policies.configs import PolicyConfig
-from policies.trace import DriftTrace
+from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.orchestrator.core.run_config import FaultConfig, RunConfig
+from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
+from layercheck.orchestrator.core.staleness_guard import StalenessLimits
+from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
+from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
+from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.train_report import with_callbacks
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from layercheck.policies.configs import PolicyConfig
+from layercheck.policies.trace import DriftTrace
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class RunResult:
     """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
     shown in the summary, never raised, so the summary is always printed."""
     schedule: dict[str, Any] = field(default_factory=dict)
-    """The policy actor's :meth:`~orchestrator.runtime.policy_actor.PolicyActor.schedule_view`
+    """The policy actor's :meth:`~layercheck.orchestrator.runtime.policy_actor.PolicyActor.schedule_view`
     at the end: peak bytes per step, the write budget and the drain bandwidth (empty if unread)."""
 
     def __post_init__(self) -> None:
@@ -107,7 +107,7 @@ def train(
     from ray.train import RunConfig as TrainRunConfig
     from ray.train.torch import TorchTrainer
 
-    from orchestrator.runtime.train_fn import train_fn
+    from layercheck.orchestrator.runtime.train_fn import train_fn
 
     config = config.with_absolute_storage()
     # config checks, the store's read-only checks, the cluster (is the storage shared by its
@@ -175,8 +175,8 @@ def start_run(
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
     write stalls for the writers (the built-in loop's ``[fault]``)."""
-    from orchestrator.runtime.policy_actor import PolicyActor
-    from orchestrator.runtime.supervisor import Supervisor
+    from layercheck.orchestrator.runtime.policy_actor import PolicyActor
+    from layercheck.orchestrator.runtime.supervisor import Supervisor
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)

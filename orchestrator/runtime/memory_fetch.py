@@ -1,5 +1,5 @@
 """A recovering rank's shard files from the writers' memory: the Ray side of
-:class:`~orchestrator.core.memory_reads.MemoryFirstOpener`.
+:class:`~layercheck.orchestrator.core.memory_reads.MemoryFirstOpener`.
 
 The supervisor says once which writers hold which files (:meth:`Supervisor.memory_index`, the
 rank's own node first); each file is then asked of its holders in that order, and a writer that
@@ -14,8 +14,8 @@ from typing import Any
 
 import ray
 
-from orchestrator.core.memory_reads import MemoryFirstOpener
-from orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener
+from layercheck.orchestrator.store.layer_store import LayerStore
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Every metric a LayerCheck run exports, in one table (:data:`SPECS`): name, kind, help text
-and labels. :class:`~orchestrator.runtime.metrics.RunMetrics` builds and sets them; the
+and labels. :class:`~layercheck.orchestrator.runtime.metrics.RunMetrics` builds and sets them; the
 dashboards and alert rules may use only these names (``tests/test_dashboards.py``)."""
 
 from __future__ import annotations
@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from orchestrator.core.supervision import STATE_NAMES
-from policies.staggered import BYTES_PER_PARAM  # fp32 weight + Adam exp_avg + exp_avg_sq: a full checkpoint's
+from layercheck.orchestrator.core.supervision import STATE_NAMES
+from layercheck.policies.staggered import (
+    BYTES_PER_PARAM,
+)  # fp32 weight + Adam exp_avg + exp_avg_sq: a full checkpoint's
 
 #: The window of the "recent" gauges (ETTR, bytes per second).
 RECENT_WINDOW_S = 60.0
-#: The supervisor's states, exported as one 0/1 series each (see :mod:`orchestrator.core.supervision`).
+#: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.supervision`).
 STATES = STATE_NAMES
 RECOVERY_PHASES = ("detect", "plan", "load", "total")
 

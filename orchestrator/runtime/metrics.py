@@ -1,5 +1,5 @@
 """The run's Prometheus metrics: :class:`RunMetrics` projects the supervisor's central view onto
-the metrics :mod:`orchestrator.runtime.metric_specs` declares.
+the metrics :mod:`layercheck.orchestrator.runtime.metric_specs` declares.
 
 The supervisor owns a :class:`RunMetrics` and outlives worker-group restarts, so counters stay
 monotonic across them: each counter follows a monotonic total the supervisor (or a writer actor)
@@ -21,9 +21,16 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
-from orchestrator.core.capture_window import capture_figures
-from orchestrator.core.memory_reads import SOURCES
-from orchestrator.runtime.metric_specs import BYTES_PER_PARAM, RECENT_WINDOW_S, RECOVERY_PHASES, SPECS, STATES, Spec
+from layercheck.orchestrator.core.capture_window import capture_figures
+from layercheck.orchestrator.core.memory_reads import SOURCES
+from layercheck.orchestrator.runtime.metric_specs import (
+    BYTES_PER_PARAM,
+    RECENT_WINDOW_S,
+    RECOVERY_PHASES,
+    SPECS,
+    STATES,
+    Spec,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +157,7 @@ class RunMetrics:
     # ---- refresh ------------------------------------------------------------------------
     def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
         """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
-        :class:`~orchestrator.runtime.persistence_pool.WriterStats` of every writer; ``policy``:
+        :class:`~layercheck.orchestrator.runtime.persistence_pool.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
         with self._lock:
             self._refresh_layers(status, policy)

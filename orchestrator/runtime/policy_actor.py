@@ -3,13 +3,13 @@
 Every rank calls :meth:`PolicyActor.report` after each optimizer step without waiting for the
 answer; the call resolves once all ranks have reported that step, with the one decision they
 all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
-:data:`workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
+:data:`layercheck.workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
 does not wait on the actor.
 
 The write budget (``persistence.write_budget``): each writer actor pushes its running totals
 (bytes written, seconds spent writing) here after every write, fire-and-forget, and the actor
 times the steps itself (the interval between completed steps), so nothing is added to the ranks'
-per-step path; :class:`~orchestrator.core.write_budget.DrainBudget` turns them into the budget
+per-step path; :class:`~layercheck.orchestrator.core.write_budget.DrainBudget` turns them into the budget
 the next steps' observations carry. The actor also keeps the most bytes one step's decision
 handed over (the run's peak), for the summary and the metrics.
 """
@@ -24,13 +24,13 @@ from typing import Any
 
 import ray
 
-from orchestrator.core.policy_service import PolicyService
-from orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
-from orchestrator.logs import configure_process_logging
-from policies.checkpoint_policy import build_policy
-from policies.configs import PolicyConfig
-from policies.decision import PersistDecision
-from policies.staggered import BYTES_PER_PARAM
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
+from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.configs import PolicyConfig
+from layercheck.policies.decision import PersistDecision
+from layercheck.policies.staggered import BYTES_PER_PARAM
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ import logging
 import math
 from typing import Any
 
-from orchestrator.core.accounting import format_sources
-from orchestrator.core.capture_window import capture_figures
-from orchestrator.runtime.driver import RunResult
-from orchestrator.store.uri import redact_uri
-from orchestrator.table import format_table, human_bytes
-from policies.configs import policy_name
-from policies.simulate import BYTES_PER_PARAM, compare
+from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.orchestrator.core.capture_window import capture_figures
+from layercheck.orchestrator.runtime.driver import RunResult
+from layercheck.orchestrator.store.uri import redact_uri
+from layercheck.orchestrator.table import format_table, human_bytes
+from layercheck.policies.configs import policy_name
+from layercheck.policies.simulate import BYTES_PER_PARAM, compare
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
     summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
     if policy.selective and result.trace.steps:
-        logging.getLogger("policies").setLevel(logging.WARNING)  # the replay's decisions are not news
+        logging.getLogger("layercheck.policies").setLevel(logging.WARNING)  # the replay's decisions are not news
         comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)
         for key, matched, mean in (
             ("full_at_same_staleness", comparison.matched_staleness, "mean_weighted_staleness"),

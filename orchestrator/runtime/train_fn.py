@@ -17,21 +17,21 @@ import ray
 import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from orchestrator.core.composite import load_composite
-from orchestrator.core.run_config import FaultConfig, parse_run_config
-from orchestrator.logs import configure_process_logging
-from orchestrator.runtime.memory_fetch import memory_first_store
-from orchestrator.runtime.names import NAMESPACE, RunNames
-from orchestrator.runtime.train_report import TrainReporter
-from orchestrator.runtime.wire import to_wire
-from orchestrator.store.errors import CorruptShardError
-from policies.decision import PersistDecision
-from workers import collective_abort
-from workers.data import load_dataset
-from workers.drift import LayerDrift
-from workers.engine import build_engine, seek_step, shutdown
-from workers.loop import run_loop
-from workers.shard import LayerShard
+from layercheck.orchestrator.core.composite import load_composite
+from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
+from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
+from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.train_report import TrainReporter
+from layercheck.orchestrator.runtime.wire import to_wire
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.policies.decision import PersistDecision
+from layercheck.workers import collective_abort
+from layercheck.workers.data import load_dataset
+from layercheck.workers.drift import LayerDrift
+from layercheck.workers.engine import build_engine, seek_step, shutdown
+from layercheck.workers.loop import run_loop
+from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ FINAL_FLUSH_S = 300.0
 
 
 class RayCoordinator:
-    """The :class:`workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
+    """The :class:`layercheck.workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
     writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
     past ``max_inflight_bytes`` the rank waits for writes to finish, and says so.
 
@@ -239,7 +239,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     """The ``train_loop_per_worker`` of the run's ``TorchTrainer``."""
     configure_process_logging()  # an actor/worker process has no main of ours
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ZeRO collective renames
-    for name in ("workers", "orchestrator"):
+    for name in ("layercheck.workers", "layercheck.orchestrator"):
         logging.getLogger(name).setLevel(logging.WARNING)
     run = parse_run_config(loop_config["run"])
     names = RunNames(loop_config["run_id"])

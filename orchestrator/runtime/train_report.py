@@ -70,12 +70,12 @@ def supervisor_callbacks(supervisor: Any, *, capture_timeout_s: float | None = N
     """The run's Ray Train callbacks (Train v2 only; v1 keeps report metrics in
     ``Result.metrics_dataframe`` itself, and has no hook before a group's teardown): rank 0's
     report metrics to the supervisor and, with ``capture_timeout_s`` (``persistence.capture`` on),
-    the teardown hold for survivors' captures (:mod:`orchestrator.runtime.capture_hold`)."""
+    the teardown hold for survivors' captures (:mod:`layercheck.orchestrator.runtime.capture_hold`)."""
     from ray.train.v2._internal.constants import is_v2_enabled
 
     if not is_v2_enabled():
         return []
-    from orchestrator.runtime.capture_hold import CaptureHold
+    from layercheck.orchestrator.runtime.capture_hold import CaptureHold
 
     hold = [] if capture_timeout_s is None else [CaptureHold(supervisor, bound_s=capture_timeout_s)]
     return [ReportsToSupervisor(supervisor), *hold]

@@ -1,4 +1,4 @@
-"""A :class:`~workers.shard.LayerShard` as it travels between Ray processes: metadata plus
+"""A :class:`~layercheck.workers.shard.LayerShard` as it travels between Ray processes: metadata plus
 numpy arrays, which Ray's object store carries without pickling the tensors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from orchestrator.runtime.persistence_pool import PersistenceWriter, WriterStats
+from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter, WriterStats
 
 logger = logging.getLogger(__name__)
 

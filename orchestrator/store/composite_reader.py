@@ -13,15 +13,15 @@ from typing import Any
 
 import torch
 
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import VersionRecord
-from orchestrator.store.recovery_source import VersionReader
-from policies.overlay import Claim, claim, claimed_elements
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import VersionRecord
+from layercheck.orchestrator.store.recovery_source import VersionReader
+from layercheck.policies.overlay import Claim, claim, claimed_elements
 
 
 @dataclass(frozen=True, kw_only=True)
 class VersionMeta:
-    """The per-layer part of a version (what ``workers.layer_state.LayerMeta`` holds)."""
+    """The per-layer part of a version (what ``layercheck.workers.layer_state.LayerMeta`` holds)."""
 
     optimizer_step: int
     groups: tuple[dict[str, Any], ...]
@@ -29,10 +29,10 @@ class VersionMeta:
 
 class CompositeReader:
     """``reader(param, key, offset, length)`` — the ``RangeReader`` that
-    ``workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``.
+    ``layercheck.workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``.
 
     A tensor that fails its checksum raises
-    :class:`~orchestrator.store.errors.CorruptShardError` naming the version it belongs to,
+    :class:`~layercheck.orchestrator.store.errors.CorruptShardError` naming the version it belongs to,
     whole or overlaid, so the next plan can skip exactly that one."""
 
     def __init__(

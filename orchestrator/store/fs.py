@@ -23,8 +23,8 @@ from typing import TypeVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from orchestrator.store.errors import StoreWriteError
-from orchestrator.store.uri import open_uri
+from layercheck.orchestrator.store.errors import StoreWriteError
+from layercheck.orchestrator.store.uri import open_uri
 
 logger = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from orchestrator.store import tensorfile
-from orchestrator.store.errors import ManifestError, ShardFormatError
-from orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
-from orchestrator.store.manifest import (
+from layercheck.orchestrator.store import tensorfile
+from layercheck.orchestrator.store.errors import ManifestError, ShardFormatError
+from layercheck.orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
+from layercheck.orchestrator.store.manifest import (
     LAYERS_DIR,
     ORIGINS,
     Manifest,
@@ -37,7 +37,7 @@ from orchestrator.store.manifest import (
     read_manifest,
     record_path,
 )
-from workers.shard import LayerShard
+from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
 

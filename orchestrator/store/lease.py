@@ -29,8 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.store.errors import StoreBusyError
-from orchestrator.store.fs import StoreFS, new_token
+from layercheck.orchestrator.store.errors import StoreBusyError
+from layercheck.orchestrator.store.fs import StoreFS, new_token
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from orchestrator.store.errors import ManifestError
-from orchestrator.store.fs import TMP_SUFFIX, StoreFS
-from policies.plan import VersionRef
+from layercheck.orchestrator.store.errors import ManifestError
+from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS
+from layercheck.policies.plan import VersionRef
 
 logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "layercheck.version/1"
 #: Where a version's data came from: a snapshot the policy scheduled, or a survivor's hand-over of
-#: what it held when its worker group broke (see ``orchestrator.core.capture``).
+#: what it held when its worker group broke (see ``layercheck.orchestrator.core.capture``).
 ORIGINS = ("policy", "capture")
 MANIFEST_DIR = "manifest"
 LAYERS_DIR = "layers"

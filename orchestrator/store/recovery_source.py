@@ -10,7 +10,7 @@
   overlap it, whatever world size they were written at. It fetches only the tensor entries it
   needs, and checks each entry's checksum the first time it uses it.
 
-:class:`~orchestrator.store.composite_reader.CompositeReader` reads a whole plan's composite.
+:class:`~layercheck.orchestrator.store.composite_reader.CompositeReader` reads a whole plan's composite.
 """
 
 from __future__ import annotations
@@ -24,13 +24,19 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from orchestrator.store import tensorfile
-from orchestrator.store.errors import CorruptShardError, ShardFormatError
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import Manifest, VersionRecord
-from policies.overlay import LayerSource, Span
-from policies.plan import NoUsableVersionError, RecoveryPlan, newest_recoverable_step, plan_recovery, with_sources
-from workers.shard import STATE_KEYS, ParamSlice
+from layercheck.orchestrator.store import tensorfile
+from layercheck.orchestrator.store.errors import CorruptShardError, ShardFormatError
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import Manifest, VersionRecord
+from layercheck.policies.overlay import LayerSource, Span
+from layercheck.policies.plan import (
+    NoUsableVersionError,
+    RecoveryPlan,
+    newest_recoverable_step,
+    plan_recovery,
+    with_sources,
+)
+from layercheck.workers.shard import STATE_KEYS, ParamSlice
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Garbage collection of a layer store: carries out :func:`policies.retention.plan_retention`
+"""Garbage collection of a layer store: carries out :func:`layercheck.policies.retention.plan_retention`
 and collects orphans.
 
 Never deletes the newest verified fallback of a layer: before deleting any version of a layer
@@ -22,10 +22,10 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from orchestrator.store.fs import TMP_SUFFIX
-from orchestrator.store.layer_store import LayerStore
-from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
-from policies.retention import RetentionConfig, RetentionDecision, plan_retention
+from layercheck.orchestrator.store.fs import TMP_SUFFIX
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
+from layercheck.policies.retention import RetentionConfig, RetentionDecision, plan_retention
 
 logger = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from orchestrator.store.errors import UnsafeStoreError
-from orchestrator.store.fs import OBJECT_STORES, StoreFS
-from orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
-from orchestrator.store.lease import LEASE_FILE
-from orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
+from layercheck.orchestrator.store.errors import UnsafeStoreError
+from layercheck.orchestrator.store.fs import OBJECT_STORES, StoreFS
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
+from layercheck.orchestrator.store.lease import LEASE_FILE
+from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The file is plain safetensors — ``u64-LE header length`` + JSON header + raw bytes — so the
 official ``safetensors.safe_open`` reads it, but it is written here so that:
 
-* the three flat state buffers of a :class:`~workers.shard.LayerShard` go to the stream
+* the three flat state buffers of a :class:`~layercheck.workers.shard.LayerShard` go to the stream
   zero-copy, in order, with one tensor entry per (state key, parameter slice) pointing into
   them (entry ``"{key}/{param}"``, 1-D F32 of the slice's length);
 * a reader fetches only the byte range of the entries it needs (one random-access read each:
@@ -29,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from orchestrator.store.errors import ShardFormatError
-from workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from layercheck.orchestrator.store.errors import ShardFormatError
+from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 FORMAT = "layercheck.shard/1"
 _DTYPE = "F32"

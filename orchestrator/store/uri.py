@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
 import pyarrow.fs as pafs
 
-from policies.config_loader import ConfigError
+from layercheck.policies.config_loader import ConfigError
 
 #: LayerCheck's own query options of an ``s3://`` URI (see the module docstring).
 S3_CLIENT_OPTIONS: frozenset[str] = frozenset({"connect_timeout", "request_timeout", "retry_max_attempts"})
