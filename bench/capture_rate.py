@@ -71,8 +71,8 @@ def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) ->
     import ray
     import torch
 
-    from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter
     from layercheck.orchestrator.runtime.wire import to_wire
+    from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
     from layercheck.workers.capture import capture_shards
     from layercheck.workers.engine import build_engine, shutdown
     from layercheck.workers.host_buffers import HostBufferPool

@@ -198,13 +198,13 @@ def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[s
     """The fused step under each :data:`SWEEP` configuration beside torch's fused AdamW: time per
     step, host issue time, and whether one step from the same state gives bit-equal parameters
     to the default configuration's (the configurations only change how work is split)."""
-    from layercheck.workers import drift_fused, drift_triton
+    from layercheck.workers import drift_fused_work, drift_triton
     from layercheck.workers.drift_adamw import DriftAdamW
 
     def configure(config: tuple[int, int, int]) -> None:
-        drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused.TRITON_CHUNK = config
+        drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused_work.TRITON_CHUNK = config
 
-    default = (drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused.TRITON_CHUNK)
+    default = (drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused_work.TRITON_CHUNK)
     fns: dict[str, Callable[[], None]] = {}
     issue: dict[str, Callable[[], None]] = {}
     equal: dict[str, bool] = {}

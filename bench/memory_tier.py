@@ -30,8 +30,8 @@ import torch
 from layercheck.bench.s3_loopback import S3_ENV, loopback_s3
 from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener
 from layercheck.orchestrator.runtime.memory_fetch import WriterCopies
-from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter
 from layercheck.orchestrator.runtime.wire import to_wire
+from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import ShardReceipt

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from layercheck.orchestrator.core.supervision_events import SupervisionConfig
+from layercheck.orchestrator.core.recovery_events import SupervisionConfig
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.run import train_with_failures

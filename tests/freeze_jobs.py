@@ -10,7 +10,7 @@ from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.engine import build_engine, build_model, layer_map_for, seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
-from layercheck.workers.schedule import lr_at
+from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.step import eval_loss, train_step
 from tests.worker_jobs import SEQ, batches, gather_shards, probe_batch, same, shard_values
 

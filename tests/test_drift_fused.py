@@ -15,7 +15,8 @@ import torch
 
 from layercheck.workers import drift_fused
 from layercheck.workers.drift_adamw import DriftAdamW
-from layercheck.workers.drift_fused import AdamWScalars, adamw_l1_torch, triton_eligible, work_rows
+from layercheck.workers.drift_fused import adamw_l1_torch, triton_eligible
+from layercheck.workers.drift_fused_work import AdamWScalars, work_rows
 from tests.devices import devices, require
 
 SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
@@ -142,7 +143,7 @@ def test_triton_kernel_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from layercheck.workers.drift_fused import FusedGroup
+    from layercheck.workers.drift_fused_work import FusedGroup
     from layercheck.workers.drift_triton import adamw_l1_triton_groups
 
     torch.manual_seed(4)
@@ -188,11 +189,11 @@ def test_triton_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from layercheck.workers import drift_fused, drift_triton
+    from layercheck.workers import drift_fused_work, drift_triton
 
     signature = {"rows_ptr": "*i64", "addrs_ptr": "*i64", "scalars_ptr": "*fp32", "acc_ptr": "*fp64"}
     constexprs = {
-        "CHUNK": drift_fused.TRITON_CHUNK,
+        "CHUNK": drift_fused_work.TRITON_CHUNK,
         "BLOCK": drift_triton.BLOCK,
         "ROW": drift_triton.ROW,
         "ADDRS": drift_triton.ADDRS,

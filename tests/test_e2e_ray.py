@@ -22,7 +22,7 @@ from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerSto
 from layercheck.orchestrator.store.recovery_source import VersionReader
 from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 from layercheck.policies.trace import DriftTrace
-from layercheck.workers.schedule import lr_at
+from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
 
 pytestmark = pytest.mark.slow

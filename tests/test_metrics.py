@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, series_names
 from layercheck.orchestrator.runtime.metrics import RunMetrics
-from layercheck.orchestrator.runtime.persistence_pool import WriterStats
 from layercheck.workers.env import free_port
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}

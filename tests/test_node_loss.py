@@ -15,8 +15,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from layercheck.orchestrator.core.recovery_events import SupervisionConfig
 from layercheck.orchestrator.core.run_config import load_run_config
-from layercheck.orchestrator.core.supervision_events import SupervisionConfig
 from layercheck.orchestrator.runtime.cluster import connect
 from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames

@@ -12,8 +12,8 @@ from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath, ShardWritten
 from layercheck.orchestrator.core.commit_tracker import CommitTracker
 from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.recovery_events import AbandonIncomplete
 from layercheck.orchestrator.core.run_config import load_run_config, parse_run_config
-from layercheck.orchestrator.core.supervision_events import AbandonIncomplete
 from layercheck.orchestrator.runtime.wire import from_wire, to_wire
 from layercheck.orchestrator.store.manifest import ShardReceipt
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy

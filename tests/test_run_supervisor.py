@@ -6,8 +6,8 @@ import threading
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
-from layercheck.orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig

@@ -14,10 +14,7 @@ from layercheck.orchestrator.core.commit_path import (
     CommitVersion,
     ShardWritten,
 )
-from layercheck.orchestrator.core.recovery_plan import plan_composite
-from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.core.supervision import Failed, Finished, Recovering, Running, Starting, Supervision
-from layercheck.orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.recovery_events import (
     AbandonIncomplete,
     CompositePlanned,
     DismissJoins,
@@ -35,6 +32,16 @@ from layercheck.orchestrator.core.supervision_events import (
     VersionUnusable,
     WritersDrained,
 )
+from layercheck.orchestrator.core.recovery_machine import (
+    Failed,
+    Finished,
+    Recovering,
+    RecoveryMachine,
+    Running,
+    Starting,
+)
+from layercheck.orchestrator.core.recovery_plan import plan_composite
+from layercheck.orchestrator.core.run_view import RunView
 from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
@@ -49,7 +56,7 @@ def joined(rank, worker, *, world_size=2, last=0, now=0.0):
 
 def running(sup=None):
     """A supervision whose attempt-1 group of two ranks (a0, a1) is training."""
-    sup = sup or Supervision(config=CONFIG)
+    sup = sup or RecoveryMachine(config=CONFIG)
     sup.handle(joined(0, "a0"))
     sup.handle(joined(1, "a1"))
     return sup
@@ -72,7 +79,7 @@ def commit_all(store, step, *, base=False):
 
 # ---- membership ------------------------------------------------------------------------------
 def test_a_fresh_start_rebases_the_policy_and_answers_step_one():
-    sup = Supervision(config=CONFIG)
+    sup = RecoveryMachine(config=CONFIG)
     assert isinstance(sup.state, Starting) and sup.attempt == 0 and not sup.state.terminal
     actions = sup.handle(joined(0, "a0"))
     assert actions == [
@@ -98,7 +105,7 @@ def test_a_lost_group_recovers_at_t_fail_plus_one(store, caplog):
     commit_all(store, 3, base=True)
     commit_all(store, 6)
     sup = running()
-    caplog.set_level(logging.INFO, logger="layercheck.orchestrator.core.supervision")
+    caplog.set_level(logging.INFO, logger="layercheck.orchestrator.core.recovery_machine")
     actions = sup.handle(joined(1, "b1", last=6, now=10.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and sup.state.t_fail == 6 and sup.state.phase == "draining"
@@ -129,7 +136,7 @@ def test_a_failure_in_warm_up_restarts_from_the_initial_weights(store, caplog):
     plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
     planned = plan_composite(store, NUMEL, plan)  # nothing committed yet: no base
     assert isinstance(planned, NoComposite) and planned.t_fail == 2
-    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.supervision")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery_machine")
     actions = sup.handle(planned)
     assert "restarts from the initial weights" in caplog.text
     assert of(PublishResume, actions).resume == ResumeInfo(2, 1, None)
@@ -180,9 +187,9 @@ def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):
     """Ray Train grew an elastic group (1 -> 2 workers): its rank 1 was no member of the old group,
     yet it must not join the old attempt (it would be answered with that attempt's resume step while
     rank 0 resumes at t_fail + 1, and the ranks would train different steps: the run stalled)."""
-    sup = Supervision(config=CONFIG)
+    sup = RecoveryMachine(config=CONFIG)
     sup.handle(joined(0, "a0", world_size=1))  # training alone (the other node lost)
-    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.supervision")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery_machine")
     actions = sup.handle(joined(1, "b1", world_size=2, last=12, now=5.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and (sup.state.world_size, sup.state.t_fail) == (2, 12)
@@ -200,7 +207,7 @@ def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):
 
 
 def test_a_resized_group_during_a_recovery_overtakes_it():
-    sup = Supervision(config=CONFIG)
+    sup = RecoveryMachine(config=CONFIG)
     sup.handle(joined(0, "a0", world_size=2))
     sup.handle(joined(0, "b0", world_size=1, last=8))  # shrunk after a loss: recovering alone
     actions = sup.handle(joined(1, "c1", world_size=2, last=8))  # grown back before that ended
@@ -211,7 +218,7 @@ def test_a_resized_group_during_a_recovery_overtakes_it():
 def test_a_resumed_run_starts_at_the_stores_newest_recoverable_step(store):
     commit_all(store, 5, base=True)
     write_layer(store, "embed", 9)
-    sup = Supervision(config=CONFIG, resume=True)
+    sup = RecoveryMachine(config=CONFIG, resume=True)
     actions = sup.handle(joined(0, "a0", world_size=1))
     assert actions == [PlanComposite(attempt=1, t_fail=None, skip={})]
     assert isinstance(sup.state, Recovering) and not sup.state.lost_group

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from layercheck.workers.config import DRIFT_STEPS
-from layercheck.workers.drift_fused import AdamWScalars, FusedGroup, Windows, adamw_l1_groups
+from layercheck.workers.drift_fused import adamw_l1_groups
+from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows
 
 logger = logging.getLogger(__name__)
 

@@ -22,81 +22,23 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from layercheck.workers.drift_fused_work import (
+    AdamWScalars,
+    FusedGroup,
+    Windows,
+    counted_runs,
+)
 
-#: (start, length) runs of a tensor's flattened elements that count towards drift.
-Windows = tuple[tuple[int, int], ...]
+logger = logging.getLogger(__name__)
 
 #: Elements per chunk of the torch path on CPU: the four state chunks and two temporaries (6 MiB)
 #: stay in the last-level cache; smaller chunks pay more in per-op overhead than they win
 #: (bench model cpu-small, 2 cores: 2^15 18 ms, 2^18 10 ms, 2^20 9.9 ms, whole tensors 10.3 ms).
 #: On CUDA (no Triton) each tensor is one chunk: every op there is a kernel launch.
 TORCH_CHUNK = 1 << 18
-
-#: Elements one Triton program updates (a row of the work table; it loops over them in blocks).
-TRITON_CHUNK = 1 << 14
-
-
-@dataclass(frozen=True, kw_only=True)
-class AdamWScalars:
-    """The per-step scalars of one AdamW update at step count ``step`` (1 for the first step)."""
-
-    lr: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    step: float
-
-    @property
-    def decay(self) -> float:
-        """What decoupled weight decay multiplies the parameter by."""
-        return 1 - self.lr * self.weight_decay
-
-    @property
-    def step_size(self) -> float:
-        return self.lr / (1 - self.beta1**self.step)
-
-    @property
-    def bias_correction2_sqrt(self) -> float:
-        return (1 - self.beta2**self.step) ** 0.5
-
-
-def counted_runs(numel: int, windows: Windows | None) -> Windows:
-    """The runs of a tensor that count: ``windows``, or all of it when it has none."""
-    return ((0, numel),) if windows is None else windows
-
-
-def work_rows(
-    numels: Sequence[int], windows: Sequence[Windows | None], chunk: int
-) -> list[tuple[int, int, int, int, int]]:
-    """The Triton kernel's work table: rows ``(tensor, start, stop, count_lo, count_hi)``.
-
-    Each row updates elements ``[start, stop)`` of one tensor (at most ``chunk`` of them) and
-    counts those in ``[count_lo, count_hi)``. The rows of a tensor partition it, so every element
-    is updated exactly once; a chunk that meets several counted runs is split at their edges so
-    that each row meets at most one.
-    """
-    if chunk <= 0:
-        raise ValueError(f"chunk must be positive, got {chunk}")
-    rows: list[tuple[int, int, int, int, int]] = []
-    for index, (numel, runs) in enumerate(zip(numels, windows)):
-        runs = sorted((s, s + n) for s, n in counted_runs(numel, runs) if n > 0)
-        for start in range(0, numel, chunk):
-            stop = min(start + chunk, numel)
-            inside = [(max(lo, start), min(hi, stop)) for lo, hi in runs if lo < stop and hi > start]
-            if len(inside) <= 1:
-                lo, hi = inside[0] if inside else (start, start)
-                rows.append((index, start, stop, lo, hi))
-                continue
-            edges = [start] + [lo for lo, _ in inside[1:]] + [stop]
-            for (a, b), (lo, hi) in zip(zip(edges, edges[1:]), inside):
-                rows.append((index, a, b, lo, hi))
-    return rows
 
 
 def triton_eligible(tensors: Sequence[torch.Tensor]) -> bool:
@@ -124,22 +66,6 @@ def _triton_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-@dataclass(frozen=True, kw_only=True)
-class FusedGroup:
-    """Tensors stepped together at one step count with one set of scalars (a param group, or
-    the part of one at a given step count), and each tensor's counted windows."""
-
-    params: Sequence[torch.Tensor]
-    grads: Sequence[torch.Tensor]
-    exp_avgs: Sequence[torch.Tensor]
-    exp_avg_sqs: Sequence[torch.Tensor]
-    windows: Sequence[Windows | None]
-    scalars: AdamWScalars
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [*self.params, *self.grads, *self.exp_avgs, *self.exp_avg_sqs]
 
 
 @torch.no_grad()

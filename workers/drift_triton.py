@@ -7,7 +7,7 @@ without a GPU (``tests/test_drift_fused.py``).
 
 One launch covers a whole optimizer step: every param group and step count is a *slot* with its
 own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see
-:func:`layercheck.workers.drift_fused.work_rows`) gives each program a chunk of one tensor and its slot, and
+:func:`layercheck.workers.drift_fused_work.work_rows`) gives each program a chunk of one tensor and its slot, and
 an address table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointers. Each program
 reads the four once, writes three, and adds ``sum |new - old|`` of its counted elements to its
 slot's accumulator with one atomic add. Measured on an H200 (``layercheck.bench.drift_probe --sweep``), a
@@ -30,14 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-from layercheck.workers import drift_fused
-from layercheck.workers.drift_fused import AdamWScalars, FusedGroup, Windows, work_rows
+from layercheck.workers import drift_fused_work
+from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows, work_rows
 
 logger = logging.getLogger(__name__)
 
 #: Elements per loop iteration of a program (a power of two; 8 per thread at 4 warps), and the
 #: warps of a program. Read at each launch (``layercheck.bench.drift_probe --sweep`` varies them, with
-#: ``drift_fused.TRITON_CHUNK``); none of the three changes any element's arithmetic.
+#: ``drift_fused_work.TRITON_CHUNK``); none of the three changes any element's arithmetic.
 BLOCK = 1024
 NUM_WARPS = 4
 
@@ -158,7 +158,7 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
             addrs.extend(t.data_ptr() for t in quad)
             slots.append(slot)
         windows.extend(group.windows)
-    chunk = drift_fused.TRITON_CHUNK
+    chunk = drift_fused_work.TRITON_CHUNK
     rows = _rows_on(tuple(numels), tuple(windows), tuple(slots), device, chunk)
     if rows.numel() == 0:
         return acc

@@ -22,7 +22,7 @@ from layercheck.workers.drift import DriftProbe
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.freeze import apply_freeze, lr_scale
 from layercheck.workers.layout import StateLayout, build_layout
-from layercheck.workers.schedule import make_scheduler, seek_scheduler
+from layercheck.workers.lr_schedule import make_scheduler, seek_scheduler
 
 logger = logging.getLogger(__name__)
 

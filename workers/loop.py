@@ -30,8 +30,8 @@ from layercheck.workers.drift import LayerDrift
 from layercheck.workers.engine import TrainEngine
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layout import StateLayout
+from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.order import first_index, step_seed
-from layercheck.workers.schedule import lr_at
 from layercheck.workers.shard import LayerShard
 from layercheck.workers.snapshot_copy import Handover, copier_for, settle
 from layercheck.workers.step import train_step

@@ -8,7 +8,7 @@ API (for a runtime shell)::
         # after action.delay_s: record = store.commit(action.receipts)
         commits.handle(CommitSucceeded(record=record))          # -> []
         # or, if it raised: more = commits.handle(CommitFailed(action=action, error=str(e)))
-    commits.handle(AbandonIncomplete(reason=..., lost=...))     # from Supervision, after a drain
+    commits.handle(AbandonIncomplete(reason=..., lost=...))     # from RecoveryMachine, after a drain
 
 A whole version's commit is tried ``config.commit_tries`` times, the retries after
 ``commit_backoff_s``, doubling; then the version is counted lost and logged with the last error.
@@ -23,7 +23,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from layercheck.orchestrator.core.commit_tracker import CommitTracker
-from layercheck.orchestrator.core.supervision_events import AbandonIncomplete, SupervisionConfig
+from layercheck.orchestrator.core.recovery_events import AbandonIncomplete, SupervisionConfig
 from layercheck.orchestrator.store.manifest import ShardReceipt, VersionRecord
 
 logger = logging.getLogger(__name__)

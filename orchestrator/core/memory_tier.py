@@ -18,7 +18,7 @@ What it holds, and why:
   persisted again, so its copy had the least time left to serve; a shard larger than the whole
   budget is not held at all.
 
-Ray-free; the writer actor (``orchestrator/runtime/persistence_pool.py``) owns one, and so does
+Ray-free; the writer actor (``orchestrator/runtime/writer_actor.py``) owns one, and so does
 each rank's writer thread of the local runtime (``orchestrator/local/writer.py``).
 """
 

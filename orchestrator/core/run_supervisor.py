@@ -1,4 +1,4 @@
-"""The run's supervision, carried out: feeds the Ray-free cores (:class:`Supervision`,
+"""The run's supervision, carried out: feeds the Ray-free cores (:class:`RecoveryMachine`,
 :class:`CommitPath`, :class:`RunView`) their events and executes the actions they return,
 against a store, a policy and a set of writers behind two small protocols. Any runtime hosts it:
 the Ray ``Supervisor`` actor wraps one (with Ray-backed ports); an in-process torch.distributed
@@ -40,11 +40,7 @@ from layercheck.orchestrator.core.commit_path import (
     VersionsLost,
 )
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery_plan import plan_composite
-from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
-from layercheck.orchestrator.core.supervision import Supervision
-from layercheck.orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.recovery_events import (
     AbandonIncomplete,
     DismissJoins,
     DrainWriters,
@@ -61,6 +57,10 @@ from layercheck.orchestrator.core.supervision_events import (
     VersionUnusable,
     WritersDrained,
 )
+from layercheck.orchestrator.core.recovery_machine import RecoveryMachine
+from layercheck.orchestrator.core.recovery_plan import plan_composite
+from layercheck.orchestrator.core.run_view import RunView
+from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import ShardReceipt
 
@@ -150,7 +150,7 @@ class RunSupervisor:
         self.sleep = sleep
         self._lock = threading.Lock()  # the cores and the answers; held only while they decide
         self._answered = threading.Condition(self._lock)
-        self.supervision = Supervision(config=config, resume=resume)
+        self.supervision = RecoveryMachine(config=config, resume=resume)
         self.commits = CommitPath(layers=list(layer_numel), config=config)
         self.view = RunView(run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()))
         self.guard = StalenessGuard(limits=limits or StalenessLimits(smax=None))

@@ -9,7 +9,7 @@ from typing import Any
 
 from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath
-from layercheck.orchestrator.core.supervision_events import RecordRecovery
+from layercheck.orchestrator.core.recovery_events import RecordRecovery
 
 
 @dataclass

@@ -13,7 +13,7 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   actor wraps — with :class:`LocalPolicy` over its policy replica and :class:`LocalWriters` over
   every rank's writer. Receipts reach it through the :class:`Mailbox` (:class:`ReceiptPump`), so
   commits get :class:`CommitPath`'s retries and lost-version accounting; a new worker group
-  (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`Supervision` decides
+  (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`RecoveryMachine` decides
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
 * **write budget** (``write_budget``, the run config's ``persistence.write_budget``; off when
@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
-from layercheck.orchestrator.core.supervision_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.local.receipts import ReceiptPump

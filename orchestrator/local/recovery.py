@@ -1,5 +1,5 @@
 """Recovery of a local run after a failure: a thin shell over the run's supervisor, which
-decides it as it does under Ray (:mod:`layercheck.orchestrator.core.supervision`).
+decides it as it does under Ray (:mod:`layercheck.orchestrator.core.recovery_machine`).
 
 Every rank calls :func:`recover` at the same point (it is collective):
 

@@ -20,25 +20,12 @@ from dataclasses import dataclass, replace
 
 from layercheck.orchestrator.core.memory_tier import CacheStats, HeldShard, ShardCache
 from layercheck.orchestrator.core.write_queue import SupersedingQueue
+from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class WriterStats:
-    written_versions: int = 0
-    written_bytes: int = 0
-    superseded: int = 0
-    failures: int = 0
-    blocked_s: float = 0.0
-    """Time the training thread waited for the byte bound."""
-    write_s: float = 0.0
-    """Time spent in successful writes (with ``written_bytes``: the drain bandwidth)."""
-    capture_bytes: int = 0
-    """Of ``written_bytes``, survivors' captures (``origin="capture"``)."""
 
 
 @dataclass(frozen=True)

@@ -176,7 +176,7 @@ def start_run(
     metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
     write stalls for the writers (the built-in loop's ``[fault]``)."""
     from layercheck.orchestrator.runtime.policy_actor import PolicyActor
-    from layercheck.orchestrator.runtime.supervisor import Supervisor
+    from layercheck.orchestrator.runtime.supervisor_actor import Supervisor
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from layercheck.orchestrator.core.supervision import STATE_NAMES
+from layercheck.orchestrator.core.recovery_machine import STATE_NAMES
 from layercheck.policies.staggered import (
     BYTES_PER_PARAM,
 )  # fp32 weight + Adam exp_avg + exp_avg_sq: a full checkpoint's
 
 #: The window of the "recent" gauges (ETTR, bytes per second).
 RECENT_WINDOW_S = 60.0
-#: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.supervision`).
+#: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.recovery_machine`).
 STATES = STATE_NAMES
 RECOVERY_PHASES = ("detect", "plan", "load", "total")
 

@@ -157,7 +157,7 @@ class RunMetrics:
     # ---- refresh ------------------------------------------------------------------------
     def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
         """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
-        :class:`~layercheck.orchestrator.runtime.persistence_pool.WriterStats` of every writer; ``policy``:
+        :class:`~layercheck.orchestrator.core.writer_stats.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
         with self._lock:
             self._refresh_layers(status, policy)

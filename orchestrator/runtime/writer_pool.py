@@ -11,7 +11,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from layercheck.orchestrator.runtime.persistence_pool import PersistenceWriter, WriterStats
+from layercheck.orchestrator.core.writer_stats import WriterStats
+from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
 
 logger = logging.getLogger(__name__)
 

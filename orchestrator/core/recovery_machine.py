@@ -3,12 +3,12 @@
 API (for a runtime shell; :class:`~layercheck.orchestrator.core.run_supervisor.RunSupervisor` is a ready one,
 thread-safe, that any runtime can host)::
 
-    sup = Supervision(config=SupervisionConfig(), resume=False)
+    sup = RecoveryMachine(config=SupervisionConfig(), resume=False)
     actions = sup.handle(event)      # one event in, the actions to carry out out; never blocks
     sup.state                        # Starting | Recovering | Running | Finished | Failed
     sup.state.name, sup.attempt      # "running", ...; the newest worker group's attempt
 
-The shell feeds events (:mod:`layercheck.orchestrator.core.supervision_events`) and carries out the actions
+The shell feeds events (:mod:`layercheck.orchestrator.core.recovery_events`) and carries out the actions
 it gets back, in order, feeding the result of each one that has one back in:
 
 ====================  =========================================================================
@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from layercheck.orchestrator.core.supervision_events import (
+from layercheck.orchestrator.core.recovery_events import (
     AbandonIncomplete,
     Action,
     CompositePlanned,
@@ -125,7 +125,7 @@ STATE_NAMES = tuple(s.name for s in (Starting, Running, Recovering, Finished, Fa
 
 # ---- the machine -----------------------------------------------------------------------------
 @dataclass(kw_only=True)
-class Supervision:
+class RecoveryMachine:
     """The membership and recovery machine: :meth:`handle` one event at a time."""
 
     config: SupervisionConfig = field(default_factory=SupervisionConfig)

@@ -25,7 +25,6 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ import ray
 from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
 from layercheck.orchestrator.core.run_config import FaultConfig
 from layercheck.orchestrator.core.write_queue import SupersedingQueue
+from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
@@ -45,32 +45,6 @@ WRITTEN = "written"
 SUPERSEDED = "superseded"
 #: Mirror copies a writer may have on their way to its peer before it waits for the oldest.
 MIRRORS_IN_FLIGHT = 4
-
-
-@dataclass
-class WriterStats:
-    written_versions: int = 0
-    written_bytes: int = 0
-    superseded: int = 0
-    failures: int = 0
-    queued: int = 0
-    queued_bytes: int = 0
-    captures_held: int = 0
-    """Survivors' capture shards taken into this writer's memory (see :meth:`PersistenceWriter.hold`)."""
-    write_s: float = 0.0
-    """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
-    stalled: int = 0
-    """Writes stalled by fault injection (``fault.stall_writes_s``)."""
-    name: str = ""
-    memory_bytes: int = 0
-    """Shard bytes held in memory for recovery (own and mirror copies; see ``core/memory_tier``)."""
-    memory_shards: int = 0
-    mirror_bytes: int = 0
-    """Of ``memory_bytes``: copies of files another node's writer wrote."""
-    memory_evicted: int = 0
-    """Shards let go to stay within ``persistence.memory_bytes``."""
-    mirrors_sent: int = 0
-    mirror_failures: int = 0
 
 
 @ray.remote(num_cpus=0)

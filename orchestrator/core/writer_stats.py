@@ -1,0 +1,38 @@
+"""What a writer has done so far: the counters both writers keep (the Ray writer actor and the
+in-process writer of the plain torch.distributed runtime) and the metrics, the summary and the
+write budget read. A writer fills the fields that apply to it; the rest stay zero."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WriterStats:
+    name: str = ""
+    """The writer's name (the Ray actor's; empty in-process)."""
+    written_versions: int = 0
+    written_bytes: int = 0
+    superseded: int = 0
+    failures: int = 0
+    queued: int = 0
+    queued_bytes: int = 0
+    write_s: float = 0.0
+    """Seconds spent in successful writes (with ``written_bytes``: this writer's drain bandwidth)."""
+    blocked_s: float = 0.0
+    """Time the training thread waited for the byte bound (in-process writer)."""
+    capture_bytes: int = 0
+    """Of ``written_bytes``, survivors' captures (``origin="capture"``)."""
+    captures_held: int = 0
+    """Survivors' capture shards taken into this writer's memory (the writer actor's ``hold``)."""
+    stalled: int = 0
+    """Writes stalled by fault injection (``fault.stall_writes_s``)."""
+    memory_bytes: int = 0
+    """Shard bytes held in memory for recovery (own and mirror copies; see ``core/memory_tier``)."""
+    memory_shards: int = 0
+    mirror_bytes: int = 0
+    """Of ``memory_bytes``: copies of files another node's writer wrote."""
+    memory_evicted: int = 0
+    """Shards let go to stay within ``persistence.memory_bytes``."""
+    mirrors_sent: int = 0
+    mirror_failures: int = 0
