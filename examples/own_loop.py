@@ -26,7 +26,7 @@ import transformers
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 
 import layercheck  # LayerCheck
-from layercheck.policies import IntervalConfig, LayerCheckConfig  # LayerCheck
+from layercheck.policies import IntervalConfig, StaggeredConfig  # LayerCheck
 
 SEQ = 48
 IGNORE = -100
@@ -128,10 +128,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=["layercheck", "every-step"],
-        default="layercheck",
-        help="every-step: every layer persisted after every step (exact recovery)",
+        choices=["staggered", "every-step"],
+        default="staggered",
+        help="staggered: the default schedule, each layer saved every --period steps, the saves spread "
+        "over the steps; every-step: every layer persisted after every step (exact recovery)",
     )
+    parser.add_argument("--period", type=int, default=5, help="staggered: steps between a layer's saves")
     parser.add_argument(
         "--kill-at-step",
         type=int,
@@ -144,7 +146,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     every_step = args.policy == "every-step"
-    policy = IntervalConfig(interval=1) if every_step else LayerCheckConfig(warmup_steps=4, smax=8)
+    # the default schedule with a period that fits a run of a few dozen steps (its default: 100)
+    policy = IntervalConfig(interval=1) if every_step else StaggeredConfig(period=args.period)
     # every step: let each layer's versions queue up rather than be held back until the last one commits
     persistence = layercheck.PersistenceConfig(max_versions_in_flight=64 if every_step else 2)
     trainer = layercheck.LayerCheckTrainer(

@@ -22,14 +22,15 @@ Hugging Face ``Trainer`` / TRL ``SFTTrainer`` with DeepSpeed (in ``train_loop_pe
     trainer.add_callback(layercheck.LayerCheckCallback(trainer))
     trainer.train()
 
-Importing this package starts nothing; the heavier parts load on first use.
+Importing this package starts nothing; the heavier parts load on first use. The checkpoint
+policies' configs are in :mod:`layercheck.policies` (``StaggeredConfig`` is the default).
 """
 
-from __future__ import annotations
+import importlib
+import typing
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
+    from layercheck import policies
     from layercheck.config import CheckpointConfig, FaultConfig, MetricsConfig, PersistenceConfig, WriteBudgetConfig
     from layercheck.hf import LayerCheckCallback, TrainerSetupError
     from layercheck.policies.layer_map import UnplacedParameterError
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from layercheck.worker import Attachment, LayerMismatchError, attach
     from layercheck.workers.optim_state import UnsupportedOptimizerError
 
+#: Each public name and the module it lives in, imported on first use.
 _EXPORTS = {
     "attach": "layercheck.worker",
     "Attachment": "layercheck.worker",
@@ -54,15 +56,20 @@ _EXPORTS = {
     "UnsupportedOptimizerError": "layercheck.workers.optim_state",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "policies"])
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
+    if name == "policies":
+        return importlib.import_module("layercheck.policies")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'layercheck' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The public API only (``dir(layercheck)``, ``help(layercheck)``), not this module's helpers."""
+    return list(__all__)

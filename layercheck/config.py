@@ -11,7 +11,7 @@ from typing import Any
 from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, require
-from layercheck.policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config
+from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config
 from layercheck.workers.drift_diff import PROBES
 
 __all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig", "WriteBudgetConfig"]
@@ -27,9 +27,10 @@ class CheckpointConfig:
     """Store URI: a path (made absolute on the driver), ``file://``, ``s3://``, ``gs://``."""
     name: str = "layercheck"
     """The run's name: the actors and the Ray Train run are named after it."""
-    policy: PolicyConfig | str = "layercheck"
+    policy: PolicyConfig | str = DEFAULT_POLICY
     """The checkpoint policy: a config from :mod:`layercheck.policies`, or the name of one with its
-    defaults (``layercheck``, ``drift-optimal``, ``interval``, ``never``)."""
+    defaults (``staggered``, the default, as in ``layercheck train``; ``layercheck``, the paper's
+    thresholds; ``drift-optimal``, ``interval``, ``never``)."""
     persistence: PersistenceConfig = field(default_factory=PersistenceConfig)
     """The asynchronous writers (per node, bytes in flight, fsync, the write budget)."""
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -22,7 +22,7 @@ import yaml
 from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
-from layercheck.policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
 from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.data import DataConfig, DataSummary, load_data
@@ -231,7 +231,7 @@ class RunConfig:
     """AdamW and the learning-rate schedule."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """How DeepSpeed runs the model."""
-    policy: PolicyConfig = field(default_factory=lambda: policy_config("staggered"))
+    policy: PolicyConfig = field(default_factory=lambda: policy_config(DEFAULT_POLICY))
     """The checkpoint policy: ``name`` = ``staggered`` (default: staggered, byte-budgeted,
     drift-aware periodic saves), ``layercheck`` (the paper's thresholds), ``drift-optimal``,
     ``interval`` or ``never``, and its parameters."""
@@ -366,7 +366,7 @@ def _model_vocab_size(config: RunConfig) -> int | None:
 def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     """A validated :class:`RunConfig` from parsed TOML/YAML/JSON."""
     data = dict(data)
-    policy = data.pop("policy", {"name": "staggered"})
+    policy = data.pop("policy", {"name": DEFAULT_POLICY})
     if not isinstance(policy, Mapping) or "name" not in policy:
         raise ConfigError(f"policy: must be a table with a 'name' ({', '.join(POLICY_CONFIGS)})")
     if "model" not in data:
