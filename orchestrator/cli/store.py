@@ -213,6 +213,11 @@ def run_gc(args: argparse.Namespace) -> int:
         print(f"warning: damaged version {version_id} kept, and the versions a recovery falls back to instead: {why}")
     if report.damaged:
         print(f"warning: {len(report.damaged)} damaged version(s); run layercheck verify {args.run}")
+    if report.kept_files:
+        print(
+            f"warning: kept {len(report.kept_files)} uncommitted file(s) that a damaged commit record may name; "
+            f"run layercheck verify {args.run}, then move or repair the record it names"
+        )
     for error in report.errors:
         print(f"error: {error}")
     return 1 if report.errors else 0

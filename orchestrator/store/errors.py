@@ -40,5 +40,11 @@ class UnsafeStoreError(ValueError):
     home or working directory, a directory holding files LayerCheck did not write)."""
 
 
+class PathOutsideStoreError(UnsafeStoreError):
+    """A path that would leave the store's root (absolute, with a ``..`` component, or through a
+    symbolic link that points outside it): never read, written or deleted. A commit record that
+    names one is damaged."""
+
+
 class StoreBusyError(RuntimeError):
     """Another process owns the store (its lease is live): two runs must not write one store."""

@@ -13,8 +13,10 @@ sees a half-written file under a final name.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import posixpath
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +25,7 @@ from typing import TypeVar
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from layercheck.orchestrator.store.errors import StoreWriteError
+from layercheck.orchestrator.store.errors import PathOutsideStoreError, StoreWriteError
 from layercheck.orchestrator.store.uri import open_uri
 
 logger = logging.getLogger(__name__)
@@ -54,6 +56,15 @@ def write_error(location: str, error: BaseException) -> StoreWriteError:
     message = f"cannot write {location}: {_cause(error)}"
     errno = getattr(error, "errno", None)
     return StoreWriteError(errno, message) if errno else StoreWriteError(message)
+
+
+def check_relative(rel: str) -> str:
+    """``rel`` if it names a place inside a store's root (relative, no ``..`` component), else
+    :class:`PathOutsideStoreError`. Paths come from commit records too, which a damaged or hostile
+    store controls: every path the store reads, writes or deletes passes here first."""
+    if rel.startswith("/") or "\\" in rel or ".." in rel.split("/"):
+        raise PathOutsideStoreError(f"{rel!r} leaves the store (absolute, '..' or a backslash): refused")
+    return rel
 
 
 def _cause(error: BaseException) -> str:
@@ -105,13 +116,26 @@ class StoreFS:
 
     # ---- naming ---------------------------------------------------------------------------
     def path(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
+        """The full path of ``rel`` inside the root; :class:`PathOutsideStoreError` if it would
+        leave it, by its name or (on a local filesystem) through a symbolic link."""
+        if not rel:
+            return self.root
+        full = f"{self.root}/{check_relative(rel)}"
+        if self.fs.type_name == "local":
+            real = os.path.realpath(full)
+            if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
+                raise PathOutsideStoreError(f"{rel!r} leads to {real}, outside the store {self._real_root}: refused")
+        return full
+
+    @functools.cached_property
+    def _real_root(self) -> str:
+        return posixpath.normpath(os.path.realpath(self.root))
 
     def uri(self, rel: str = "") -> str:
         """The full location, for messages: with the URI's query (an S3-compatible server's
         endpoint), never with credentials."""
         scheme = _SCHEMES.get(self.fs.type_name)
-        full = self.path(rel)
+        full = f"{self.root}/{rel}" if rel else self.root  # a name for a message, even of a refused path
         where = f"{scheme}://{full.lstrip('/')}" if scheme else full
         return f"{where}?{self.query}" if self.query else where
 

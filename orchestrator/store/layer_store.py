@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from layercheck.orchestrator.store import tensorfile
-from layercheck.orchestrator.store.errors import ManifestError, ShardFormatError
+from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError, ShardFormatError
 from layercheck.orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
 from layercheck.orchestrator.store.manifest import (
     LAYERS_DIR,
@@ -240,14 +240,17 @@ class LayerStore:
                         tensorfile.read_entry(file, item, path=where, count=0)
         except FileNotFoundError:
             return f"{where}: missing"
-        except (OSError, ShardFormatError) as error:
+        except (OSError, ShardFormatError, PathOutsideStoreError) as error:
             return str(error)
         return ""
 
     # ---- deleting -------------------------------------------------------------------------
     def delete_version(self, record: VersionRecord) -> int:
         """Uncommit ``record`` (its commit record goes first, so no reader can pick it up half
-        deleted), then delete its files. Returns the bytes freed."""
+        deleted), then delete its files. Returns the bytes freed. Every path is checked first: a
+        record naming a file outside the store (:class:`PathOutsideStoreError`) deletes nothing."""
+        for entry in record.shards:
+            self.fs.path(entry.path)
         self.fs.delete(record_path(record.version_id))
         freed = 0
         for entry in record.shards:

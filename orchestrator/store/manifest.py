@@ -19,8 +19,8 @@ from typing import Any
 
 import pyarrow as pa
 
-from layercheck.orchestrator.store.errors import ManifestError
-from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS
+from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError
+from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS, check_relative
 from layercheck.policies.plan import VersionRef
 
 logger = logging.getLogger(__name__)
@@ -76,8 +76,17 @@ class ShardEntry:
 
     rank: int
     path: str
+    """Relative to the store's root, under ``layers/``; anything else makes the record damaged."""
     nbytes: int
     checksum: str
+
+    def __post_init__(self) -> None:
+        try:
+            check_relative(self.path)
+        except PathOutsideStoreError as error:
+            raise ManifestError(f"shard path {error}") from error
+        if not self.path.startswith(LAYERS_DIR + "/"):
+            raise ManifestError(f"shard path {self.path!r} is not under {LAYERS_DIR}/: refused")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,6 +170,10 @@ class Manifest:
 
     records: tuple[VersionRecord, ...]
     problems: tuple[str, ...] = ()
+    claimed: frozenset[str] = frozenset()
+    """Paths named by the records in ``problems``: not the manifest's, not orphans either."""
+    claims_unknown: bool = False
+    """A record in ``problems`` is not even JSON: any uncommitted file may be one it names."""
 
     def by_id(self) -> dict[str, VersionRecord]:
         return {r.version_id: r for r in self.records}
@@ -177,21 +190,46 @@ def encode_record(record: VersionRecord) -> bytes:
     return json.dumps(record.to_json(), indent=1).encode()
 
 
-def _read_record(store: StoreFS, rel: str) -> VersionRecord | str:
+@dataclass(frozen=True)
+class _Unreadable:
+    """A commit record that cannot be used, and the shard paths it names where they can be told."""
+
+    problem: str
+    claims: tuple[str, ...] | None
+    """The ``shards[].path`` strings of its JSON; None: not JSON, so what it names is unknown."""
+
+
+def _claims(raw: bytes) -> tuple[str, ...] | None:
     try:
-        record = VersionRecord.from_json(json.loads(store.read_bytes(rel)), source=store.uri(rel))
+        shards = json.loads(raw).get("shards")
+    except (ValueError, AttributeError):
+        return None
+    if not isinstance(shards, list):
+        return None
+    return tuple(s["path"] for s in shards if isinstance(s, dict) and isinstance(s.get("path"), str))
+
+
+def _read_record(store: StoreFS, rel: str) -> VersionRecord | _Unreadable | None:
+    try:
+        raw = store.read_bytes(rel)
     except FileNotFoundError:
-        return ""  # deleted by GC between listing and reading: not committed any more
-    except (OSError, ValueError) as error:
-        return f"{store.uri(rel)}: unreadable commit record ({error})"
+        return None  # deleted by GC between listing and reading: not committed any more
+    except OSError as error:
+        return _Unreadable(f"{store.uri(rel)}: unreadable commit record ({error})", None)
+    try:
+        record = VersionRecord.from_json(json.loads(raw), source=store.uri(rel))
+    except ValueError as error:
+        return _Unreadable(f"{store.uri(rel)}: unreadable commit record ({error})", _claims(raw))
     if record_path(record.version_id) != rel:
-        return f"{store.uri(rel)}: record names version {record.version_id!r}, not its file name"
+        problem = f"{store.uri(rel)}: record names version {record.version_id!r}, not its file name"
+        return _Unreadable(problem, tuple(s.path for s in record.shards))
     return record
 
 
 def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
     """List and read every commit record. A malformed record (torn by a crash on a filesystem
-    without fsync, say) is reported in ``problems`` and left out, never trusted."""
+    without fsync, a newer format, a path leaving the store) is reported in ``problems`` and left
+    out, never trusted; the files it names are never taken for orphans (``claimed``)."""
     names = [rel for rel, _ in store.list_files(MANIFEST_DIR) if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
     if len(names) > 1 and threads > 1:
         with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
@@ -199,11 +237,16 @@ def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
     else:
         results = [_read_record(store, rel) for rel in names]
     records = [r for r in results if isinstance(r, VersionRecord)]
-    problems = [r for r in results if isinstance(r, str) and r]
-    for problem in problems:
-        logger.warning("manifest: %s; ignoring it", problem)
+    unreadable = [r for r in results if isinstance(r, _Unreadable)]
+    for bad in unreadable:
+        logger.warning("manifest: %s; ignoring it", bad.problem)
     records.sort(key=lambda r: (r.step, r.layer, r.version_id))
-    return Manifest(records=tuple(records), problems=tuple(problems))
+    return Manifest(
+        records=tuple(records),
+        problems=tuple(bad.problem for bad in unreadable),
+        claimed=frozenset(path for bad in unreadable for path in bad.claims or ()),
+        claims_unknown=any(bad.claims is None for bad in unreadable),
+    )
 
 
 _SCHEMA = pa.schema(

@@ -12,7 +12,11 @@ Safe against a concurrent commit:
 * a file no commit record names (an orphan: its writer crashed, or its commit never came) and
   a leftover ``*.tmp`` are deleted only once older than ``grace_s``: a version being written
   right now is younger than that. The shard files are listed *before* the manifest is read,
-  so a version committed in between is still seen as committed.
+  so a version committed in between is still seen as committed;
+* a file a damaged commit record names (a newer format, a record damaged after its commit) is
+  not an orphan: it is kept and reported, and while a record is not even readable JSON no
+  uncommitted file is deleted (what it names cannot be told);
+* nothing outside the store is ever deleted: every path passes :meth:`StoreFS.path`'s check.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from layercheck.orchestrator.store.errors import PathOutsideStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
@@ -54,6 +59,8 @@ class GcReport:
     errors: tuple[str, ...] = ()
     damaged: dict[str, str] = field(default_factory=dict)
     """Versions found damaged (version id → why): kept, and their fallbacks kept in their place."""
+    kept_files: tuple[str, ...] = ()
+    """Uncommitted files kept because a damaged commit record may name them (``Manifest.claimed``)."""
 
 
 def _orphans(
@@ -122,7 +129,17 @@ def collect_garbage(
     )
     doomed = [r for r in manifest.records if r.version_id in decision.delete]
     referenced = {s.path for r in manifest.records for s in r.shards}
-    orphans = _orphans(store, listed, referenced, config.grace_s, now)
+    kept_files = tuple(
+        rel for rel, _ in listed if rel not in referenced and (manifest.claims_unknown or rel in manifest.claimed)
+    )
+    if kept_files:
+        logger.warning(
+            "gc: keeping %d uncommitted file(s) that a damaged commit record %s: %s",
+            len(kept_files),
+            "may name (one is not readable JSON)" if manifest.claims_unknown else "names",
+            "; ".join(manifest.problems),
+        )
+    orphans = _orphans(store, listed, referenced | set(kept_files), config.grace_s, now)
     freed, errors = 0, []
     for record in doomed:
         logger.info(
@@ -137,7 +154,7 @@ def collect_garbage(
             continue
         try:
             freed += store.delete_version(record)
-        except OSError as error:  # keep going: a failed deletion is retried by the next GC
+        except (OSError, PathOutsideStoreError) as error:  # keep going: the next GC retries a failed deletion
             errors.append(f"{record.version_id}: {error}")
             logger.warning("gc: could not delete version %s: %s", record.version_id, error)
     for rel, size in orphans:
@@ -153,7 +170,7 @@ def collect_garbage(
         try:
             if store.fs.delete(rel):
                 freed += size
-        except OSError as error:
+        except (OSError, PathOutsideStoreError) as error:
             errors.append(f"{rel}: {error}")
             logger.warning("gc: could not delete orphan %s: %s", store.fs.uri(rel), error)
     return GcReport(
@@ -165,4 +182,5 @@ def collect_garbage(
         freed_bytes=freed,
         errors=tuple(errors),
         damaged=unusable,
+        kept_files=kept_files,
     )
