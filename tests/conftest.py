@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
+from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 
 
 @pytest.fixture(scope="session")

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from layercheck.policies.layer_map import UnplacedParameterError, layer_map_from
-from tests import attach_jobs
-from tests.dist_harness import run_ranks
+from tests.support import attach_jobs
+from tests.support.dist_harness import run_ranks
 
 CASES = [(0, "decay_groups"), (1, "ds_config"), (2, "decay_groups"), (3, "decay_groups"), (3, "ds_config")]
 

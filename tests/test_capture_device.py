@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.capture_jobs import released_capture_job
-from tests.devices import cuda_requested, devices, require
-from tests.dist_harness import run_ranks
+from tests.support.capture_jobs import released_capture_job
+from tests.support.devices import cuda_requested, devices, require
+from tests.support.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

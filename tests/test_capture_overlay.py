@@ -5,8 +5,8 @@ step-S values, bit for bit, and the plan's account says which elements came from
 
 import pytest
 
-from tests import overlay_jobs as jobs
-from tests.dist_harness import run_ranks
+from tests.support import overlay_jobs as jobs
+from tests.support.dist_harness import run_ranks
 
 
 @pytest.mark.slow

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.capture_jobs import capture_job
-from tests.dist_harness import run_ranks
+from tests.support.capture_jobs import capture_job
+from tests.support.dist_harness import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from tests import composite_jobs as jobs
-from tests.dist_harness import run_ranks
+from tests.support import composite_jobs as jobs
+from tests.support.dist_harness import run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import sft_jobs
-from tests.dist_harness import run_ranks
+from tests.support import sft_jobs
+from tests.support.dist_harness import run_ranks
 
 DATA = Path(__file__).resolve().parent.parent / "examples" / "data"
 

@@ -17,7 +17,7 @@ from layercheck.workers import drift_fused
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.drift_fused import adamw_l1_torch, triton_eligible
 from layercheck.workers.drift_fused_work import AdamWScalars, work_rows
-from tests.devices import devices, require
+from tests.support.devices import devices, require
 
 SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
 HYPER = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-7}

@@ -9,9 +9,9 @@ import math
 
 import pytest
 
-from tests import worker_jobs
-from tests.devices import cuda_requested
-from tests.dist_harness import run_ranks
+from tests.support import worker_jobs
+from tests.support.devices import cuda_requested
+from tests.support.dist_harness import run_ranks
 
 CONFIGS = [(0, "fp32"), (1, "bf16"), (2, "fp32"), (3, "bf16")]
 WORLD = 1 if cuda_requested() else 2  # NCCL takes one rank per GPU; the GPU check has one

@@ -8,7 +8,7 @@ import pytest
 
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.plan import newest_recoverable_step
-from tests.train_proc import kill_run, start_train
+from tests.support.train_proc import kill_run, start_train
 
 pytestmark = pytest.mark.slow
 STEPS = 40

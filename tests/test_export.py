@@ -27,8 +27,8 @@ from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.engine import build_model
 from layercheck.workers.shard import STATE_KEYS
-from tests import composite_jobs as jobs
-from tests.store_helpers import cut_shards, even_cuts
+from tests.support import composite_jobs as jobs
+from tests.support.store_helpers import cut_shards, even_cuts
 
 NEWER = ("embed", "block.1")  # persisted again at step 20
 

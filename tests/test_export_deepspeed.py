@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from layercheck.orchestrator.cli.main import main
-from tests import composite_jobs as jobs
-from tests.dist_harness import run_ranks
+from tests.support import composite_jobs as jobs
+from tests.support.dist_harness import run_ranks
 
 T = 5  # embed@4, block.0@4, block.1@5, norm@5
 

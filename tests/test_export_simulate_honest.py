@@ -15,7 +15,7 @@ from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
 from layercheck.policies.configs import policy_config
 from layercheck.policies.trace import synthetic_trace
-from tests import composite_jobs as jobs
+from tests.support import composite_jobs as jobs
 from tests.test_export import run  # noqa: F401 - the fixture: a store of a tiny model at steps 10 and 20
 
 TOKENIZER = Path(__file__).resolve().parent.parent / "examples" / "data" / "sft-tokenizer"

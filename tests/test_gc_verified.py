@@ -10,7 +10,7 @@ from layercheck.orchestrator.store.recovery_source import resolve_plan
 from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.plan import VersionRef
 from layercheck.policies.retention import RetentionConfig, plan_retention
-from tests.store_helpers import write_layer
+from tests.support.store_helpers import write_layer
 
 
 def _history(store):

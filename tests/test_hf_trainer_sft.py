@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.example_runs import assert_exact_recovery, run_example
+from tests.support.example_runs import assert_exact_recovery, run_example
 
 STEPS = 12
 KILL_AT = 8  # step 9 is epoch 1's third step

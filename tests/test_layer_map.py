@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from layercheck.policies.layer_map import LayerMap, UnplacedParameterError, build_layer_map, layer_map_of
-from tests.models import tiny_model
+from tests.support.models import tiny_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "gpt2", "gpt_neox", "opt", "falcon", "phi"]
 

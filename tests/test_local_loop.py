@@ -12,7 +12,7 @@ import math
 import pytest
 
 from layercheck.orchestrator.local.spawn import spawn_ranks
-from tests.local_jobs import STEPS, loop_scenarios
+from tests.support.local_jobs import STEPS, loop_scenarios
 
 pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)
 

@@ -19,7 +19,7 @@ from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from layercheck.orchestrator.local.writer import LocalWriter
 from layercheck.orchestrator.local.writers_port import LocalWriters
 from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 TOTAL = sum(math.prod(s) for s in PARAMS.values())
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import budget_jobs
-from tests.dist_harness import run_ranks
+from tests.support import budget_jobs
+from tests.support.dist_harness import run_ranks
 
 CAP = 20_000  # bytes per step: a fraction of the tiny model's state (~0.9 MB) per period of 2
 

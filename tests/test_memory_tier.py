@@ -12,7 +12,7 @@ from layercheck.orchestrator.core.memory_reads import LoadSources, MemoryFirstOp
 from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 
 def held(layer: str, rank: int, step: int, nbytes: int = 100, *, origin: str = "policy", mirror: bool = False):

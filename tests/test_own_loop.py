@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.example_runs import assert_exact_recovery, run_example
+from tests.support.example_runs import assert_exact_recovery, run_example
 
 STEPS = 10
 KILL_AT = 6

@@ -8,7 +8,7 @@ from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run, location_problem, run_dir_contents
-from tests.store_helpers import write_layer
+from tests.support.store_helpers import write_layer
 
 
 def _run(root):

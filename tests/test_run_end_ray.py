@@ -23,7 +23,7 @@ from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
 from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
-from tests.train_proc import start_train
+from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
 

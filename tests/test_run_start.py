@@ -15,7 +15,7 @@ from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreErro
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import read_lease
 from layercheck.policies.config_loader import ConfigError
-from tests.store_helpers import write_layer
+from tests.support.store_helpers import write_layer
 
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "demo.toml"
 LAYERS = ("embed", "block.0", "block.1", "block.2", "block.3", "norm", "lm_head")

@@ -11,7 +11,7 @@ from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPoli
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer

@@ -8,8 +8,8 @@ import pytest
 from layercheck.orchestrator.core.run_config import check_model, load_run_config
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.plan import newest_recoverable_step
-from tests.s3_server import FAST_FAIL
-from tests.train_proc import start_train
+from tests.support.s3_server import FAST_FAIL
+from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
 STEPS = 150

@@ -10,7 +10,7 @@ import torch
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 from layercheck.workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
-from tests.devices import cuda_requested
+from tests.support.devices import cuda_requested
 
 
 class ScriptedCopy:
@@ -116,8 +116,8 @@ def test_handover_persists_landed_snapshots_then_frees_their_buffers():
 def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device, monkeypatch):
     """A real engine (1 rank; NCCL on CUDA): a snapshot handed over after the next step has run
     still equals the state at the step it was taken, bit for bit."""
-    from tests import worker_jobs
-    from tests.dist_harness import run_ranks
+    from tests.support import worker_jobs
+    from tests.support.dist_harness import run_ranks
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.fail("LAYERCHECK_TEST_DEVICE=cuda but no CUDA device")

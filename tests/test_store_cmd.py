@@ -7,7 +7,7 @@ import pytest
 
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.store_helpers import write_layer
+from tests.support.store_helpers import write_layer
 
 
 @pytest.fixture
@@ -80,7 +80,7 @@ def test_a_missing_run_is_an_error_not_an_empty_store(tmp_path, capsys, command)
 
 
 def test_inspect_shows_a_capture_newer_than_the_whole_version(run, capsys):
-    from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+    from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
     shard = cut_shards("norm", 205, PARAMS, layer_state(PARAMS, seed=3), even_cuts(42, 2))[0]
     capture = run.commit([run.write_shard(shard, origin="capture")], partial=True)

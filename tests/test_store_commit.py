@@ -13,7 +13,7 @@ from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import ShardReceipt, manifest_table
 from layercheck.orchestrator.store.recovery_source import VersionReader
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -158,7 +158,16 @@ def test_processes_committing_different_layers_lose_nothing(tmp_path):
     steps = ",".join(str(s) for s in range(1, 7))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.store_writer_proc", str(tmp_path), "--layers", layers, "--steps", steps],
+            [
+                sys.executable,
+                "-m",
+                "tests.support.store_writer_proc",
+                str(tmp_path),
+                "--layers",
+                layers,
+                "--steps",
+                steps,
+            ],
             cwd=REPO,
         )
         for layers in ("embed,block.0", "block.1,norm")

@@ -12,7 +12,7 @@ import pytest
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
 from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
-from tests.store_helpers import PARAMS, layer_state, seed_of, write_layer
+from tests.support.store_helpers import PARAMS, layer_state, seed_of, write_layer
 
 REPO = Path(__file__).resolve().parent.parent
 LAYERS = {"block.0": 48, "norm": 48}
@@ -32,7 +32,7 @@ POINTS = [
 def _crash_writer(root, point):
     env = {**os.environ, "LAYERCHECK_TEST_KILL_AT": point}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.store_writer_proc", str(root), "--layers", "block.0", "--steps", "20"],
+        [sys.executable, "-m", "tests.support.store_writer_proc", str(root), "--layers", "block.0", "--steps", "20"],
         cwd=REPO,
         env=env,
         timeout=120,

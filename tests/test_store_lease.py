@@ -11,7 +11,7 @@ import pytest
 from layercheck.orchestrator.store.errors import StoreBusyError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import LEASE_FILE, LeaseInfo, StoreLease, read_lease, stale_reason
-from tests.store_helpers import foreign_lease
+from tests.support.store_helpers import foreign_lease
 
 
 def test_a_live_lease_refuses_a_second_owner_naming_the_first(tmp_path):

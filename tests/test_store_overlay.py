@@ -15,7 +15,7 @@ from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import resolve_plan
 from layercheck.workers.shard import STATE_KEYS
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 TOTAL = sum(math.prod(s) for s in PARAMS.values())  # 42
 NUMEL = {"norm": TOTAL}

@@ -15,7 +15,7 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
 from layercheck.policies.plan import NoUsableVersionError
 from layercheck.workers.shard import STATE_KEYS, LayerShard
-from tests.store_helpers import PARAMS, cut_shards, layer_state, write_layer
+from tests.support.store_helpers import PARAMS, cut_shards, layer_state, write_layer
 
 LAYERS = {"embed": 48, "block.0": 48, "norm": 48}
 

@@ -11,7 +11,7 @@ from layercheck.orchestrator.store.recovery_source import resolve_plan
 from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
 from layercheck.policies.retention import RetentionConfig, plan_retention
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 
 def _v(layer, step, base=False):

@@ -19,8 +19,8 @@ from layercheck.orchestrator.store.recovery_source import VersionReader, resolve
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
 from layercheck.orchestrator.store.uri import open_uri, redact_uri
 from layercheck.policies.config_loader import ConfigError
-from tests.s3_server import FAST_FAIL
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, foreign_lease, layer_state, seed_of, write_layer
+from tests.support.s3_server import FAST_FAIL
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, foreign_lease, layer_state, seed_of, write_layer
 
 LAYERS = {"embed": 48, "block.0": 48, "norm": 48}
 #: A hang guard, not a performance bound: a write that has not returned by then never will.

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.errors import ShardFormatError
 from layercheck.workers.shard import STATE_KEYS
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
 
 TOTAL = sum(math.prod(s) for s in PARAMS.values())
 

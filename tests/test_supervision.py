@@ -43,7 +43,7 @@ from layercheck.orchestrator.core.recovery_machine import (
 from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
 from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer

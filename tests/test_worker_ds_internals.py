@@ -14,8 +14,8 @@ import pytest
 import tomllib
 
 from layercheck.workers import ds_internals
-from tests import worker_jobs
-from tests.dist_harness import run_ranks
+from tests.support import worker_jobs
+from tests.support.dist_harness import run_ranks
 
 
 def test_missing_attribute_is_a_loud_named_error():

@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from tests import worker_jobs
-from tests.dist_harness import run_ranks
+from tests.support import worker_jobs
+from tests.support.dist_harness import run_ranks
 
 # (zero stage, precision, world size, gradient accumulation)
 CONFIGS = [

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests import freeze_jobs
-from tests.dist_harness import run_ranks
+from tests.support import freeze_jobs
+from tests.support.dist_harness import run_ranks
 
 TRAINED = ["block.2", "block.3", "norm", "lm_head"]
 

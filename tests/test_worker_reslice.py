@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from tests import worker_jobs
-from tests.dist_harness import run_ranks
+from tests.support import worker_jobs
+from tests.support.dist_harness import run_ranks
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ from layercheck.workers.capture import capture_shards, mark, state_step
 from layercheck.workers.engine import shutdown
 from layercheck.workers.layout import state_view
 from layercheck.workers.step import train_step
-from tests.composite_jobs import batches, full_state, make_engine, run_config
+from tests.support.composite_jobs import batches, full_state, make_engine, run_config
 
 
 def capture_job(rank: int, world_size: int, zero_stage: int) -> dict[str, Any]:
@@ -88,8 +88,8 @@ def released_capture_job(rank: int, world_size: int, stage: int, precision: str)
     from layercheck.workers.capture import capture_pieces
     from layercheck.workers.loop import StepProtocol
     from layercheck.workers.shard import STATE_KEYS
-    from tests.worker_jobs import batches as worker_batches
-    from tests.worker_jobs import make_engine as make_worker_engine
+    from tests.support.worker_jobs import batches as worker_batches
+    from tests.support.worker_jobs import make_engine as make_worker_engine
 
     train_engine = make_worker_engine(stage, precision)
     layout = train_engine.layout

@@ -13,7 +13,7 @@ from layercheck.workers.attached import AttachedEngine, attach_engine, current_l
 from layercheck.workers.drift import global_drift
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
-from tests.worker_jobs import SEQ, TINY_LLAMA, gather_shards, same, shard_values
+from tests.support.worker_jobs import SEQ, TINY_LLAMA, gather_shards, same, shard_values
 
 LR = 3e-3
 

@@ -129,7 +129,7 @@ def trained_store(tmp_path_factory: Any) -> tuple[str, str, dict[int, float]]:
     2-rank ZeRO-3 run of ``train_and_store_job`` with its ``run.json``; made once per test
     session (the tests only read it)."""
     if "run" not in _TRAINED:
-        from tests.dist_harness import run_ranks
+        from tests.support.dist_harness import run_ranks
 
         root = tmp_path_factory.mktemp("composite")
         store, expect = root / "store", root / "expected"

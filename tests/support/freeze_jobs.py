@@ -12,7 +12,7 @@ from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.step import eval_loss, train_step
-from tests.worker_jobs import SEQ, batches, gather_shards, probe_batch, same, shard_values
+from tests.support.worker_jobs import SEQ, batches, gather_shards, probe_batch, same, shard_values
 
 FOUR_BLOCKS: dict[str, Any] = {
     "model_type": "llama",

@@ -18,7 +18,7 @@ from layercheck.workers.engine import TrainEngine, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import snapshot_layers
 from layercheck.workers.step import train_step
-from tests.composite_jobs import adam_steps, batches, full_state, make_engine, run_config
+from tests.support.composite_jobs import adam_steps, batches, full_state, make_engine, run_config
 
 S, T = 2, 4
 

@@ -2,7 +2,7 @@
 ``LAYERCHECK_TEST_KILL_AT=event:path-part[#n]``) to SIGKILL itself at an exact point of a write,
 the n-th time (default first) the store reaches it — a crash that leaves what a real one would.
 
-    python -m tests.store_writer_proc RUN --layers a,b --steps 10,20 [--world-size 2]
+    python -m tests.support.store_writer_proc RUN --layers a,b --steps 10,20 [--world-size 2]
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 import signal
 
 from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.store_helpers import write_layer
+from tests.support.store_helpers import write_layer
 
 
 def kill_hook(spec: str):
