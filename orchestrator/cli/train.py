@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -87,14 +88,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def resume_command(args: argparse.Namespace) -> str:
-    """The command that continues this run from its store (what a stopped run prints)."""
+    """The command that continues this run from its store (what a stopped run prints), without
+    the storage URI's credentials: printed, it reaches logs (``ray job logs``); the resume takes
+    them from the environment (``AWS_ACCESS_KEY_ID``, ...) as every run should."""
     words = ["layercheck", "train", str(args.config)]
     for item in args.set:
         if not (args.restart_into is not None and item.startswith("storage=")):
-            words += ["--set", item]
+            words += ["--set", _redacted_storage(item)]
     if args.restart_into is not None:
-        words += ["--set", f"storage={args.restart_into}"]
+        words += ["--set", _redacted_storage(f"storage={args.restart_into}")]
     return shlex.join(words + ["--resume"])
+
+
+def _redacted_storage(item: str) -> str:
+    key, _, value = item.partition("=")
+    return f"storage={redact_uri(value)}" if key == "storage" else item
 
 
 #: Exit status of a run stopped by Ctrl-C (the shell's convention for SIGINT: 128 + 2).

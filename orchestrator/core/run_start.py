@@ -26,6 +26,7 @@ from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStor
 from layercheck.orchestrator.store.lease import LEASE_FILE, StoreLease
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
+from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.plan import NoUsableVersionError
 
@@ -85,8 +86,10 @@ def open_run_store(
     def prepare(store: LayerStore) -> None:
         if options.resume:
             check_resumable(store, layer_numel, config)
-        # the run's config beside its checkpoints: export, inspect and --resume read the model from it
-        store.fs.write_bytes(RUN_CONFIG_FILE, json.dumps(config.to_json(), indent=2).encode())
+        # the run's config beside its checkpoints: export, inspect and --resume read the model from
+        # it; never the storage URI's credentials (a resume takes them from the user's URI again)
+        kept = {**config.to_json(), "storage": redact_uri(config.storage)}
+        store.fs.write_bytes(RUN_CONFIG_FILE, json.dumps(kept, indent=2).encode())
 
     return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare)
 
