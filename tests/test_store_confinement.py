@@ -113,3 +113,24 @@ def test_a_symlinked_layer_directory_is_damaged_and_gc_deletes_nothing_outside(t
     assert sorted(os.listdir(outside)) == before  # nothing outside was deleted
     assert all("outside the store" in why for why in report.damaged.values()) and report.damaged
     assert not report.deleted_versions
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d.update(step=400),  # a step-40 record claiming step 400
+        lambda d: d.update(layer="B"),
+        lambda d: d.update(base=True),
+        lambda d: d["shards"][1].update(rank=0),
+    ],
+    ids=["future-step", "other-layer", "base-flag", "rank"],
+)
+def test_a_record_that_disagrees_with_its_names_is_damaged_never_believed(tmp_path, capsys, edit):
+    store, records = _history(tmp_path)
+    _rewrite_record(store, records[40], edit)
+    manifest = store.manifest()
+    assert records[40].version_id not in manifest.by_id() and len(manifest.problems) == 1
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    assert "newest recoverable step 30" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path / "run")]) == 1
+    assert f"BAD {store.fs.uri(record_path(records[40].version_id))}" in capsys.readouterr().out

@@ -144,7 +144,7 @@ class VersionRecord:
         if data.get("format") != RECORD_FORMAT:
             raise ManifestError(f"{source}: format is {data.get('format')!r}, expected {RECORD_FORMAT!r}")
         try:
-            return cls(
+            record = cls(
                 version_id=str(data["version_id"]),
                 layer=str(data["layer"]),
                 step=int(data["step"]),
@@ -162,6 +162,27 @@ class VersionRecord:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
+        record.check_names(source=source)
+        return record
+
+    def check_names(self, *, source: str) -> None:
+        """The record's fields agree with the names it was committed under: its version id and
+        every shard file name carry the layer, the step, the base/partial flags and the ranks
+        (see ``layer_store.shard_path``). A record edited or damaged after its commit (a step of
+        400 in a step-40 record, say) disagrees, and is damaged, never believed."""
+        flags = ("-base" if self.base else "") + ("-partial" if self.partial else "")
+        if not re.fullmatch(rf"{re.escape(self.layer)}@{self.step:010d}{flags}-\w+", self.version_id):
+            raise ManifestError(
+                f"{source}: version id {self.version_id!r} does not name layer {self.layer!r} step {self.step} "
+                f"({'base' if self.base else 'not base'}, {'partial' if self.partial else 'whole'}): damaged"
+            )
+        prefix = f"{LAYERS_DIR}/{self.layer}/{self.step:010d}"
+        for s in self.shards:
+            if not (s.path.startswith(prefix) and f"-rank{s.rank:05d}of{self.world_size:05d}-" in s.path):
+                raise ManifestError(
+                    f"{source}: shard {s.path!r} does not name layer {self.layer!r} step {self.step} rank {s.rank} "
+                    f"of {self.world_size}: damaged"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
