@@ -7,13 +7,15 @@ S3 client's timeouts and retries, and rejects unknown ones. A run's storage URI 
 every process of a run opens (driver, writer actors, workers, ``export``), so LayerCheck reads
 three options of its own from it and passes the rest to pyarrow:
 
-* ``connect_timeout`` — seconds to wait for a TCP connection (AWS SDK default: 1);
-* ``request_timeout`` — seconds a request may make no progress (AWS SDK default: 3);
-* ``retry_max_attempts`` — attempts per request before a write fails (pyarrow default: 3).
+* ``connect_timeout`` — seconds to wait for a TCP connection (default here: 3);
+* ``request_timeout`` — seconds a request may make no progress (default here: 5);
+* ``retry_max_attempts`` — attempts per request before a write fails (default here: 3).
 
-An outage then fails a write within about ``retry_max_attempts × (timeouts + backoff)``, which
-LayerCheck counts as a write failure (see ``persistence.on_staleness_breach``) instead of a
-writer waiting on a dead endpoint.
+The defaults apply to every ``s3://`` URI that does not set its own: with pyarrow's, one request
+to an endpoint that accepts connections and never answers blocked for over a minute. An outage
+now fails a write within about ``retry_max_attempts × (timeouts + backoff)``, which LayerCheck
+counts as a write failure (see ``persistence.on_staleness_breach``) instead of a writer waiting
+on a dead endpoint.
 """
 
 from __future__ import annotations
@@ -35,42 +37,40 @@ _SECRET_KEY = re.compile(r"key|secret|token|password|passwd|sig|credential", re.
 
 @dataclass(frozen=True, kw_only=True)
 class S3ClientOptions:
-    """The S3 client's timeouts and retries; None keeps pyarrow's default."""
+    """The S3 client's timeouts and retries; each is bounded by default (see the module docstring)."""
 
-    connect_timeout: float | None = None
-    request_timeout: float | None = None
-    retry_max_attempts: int | None = None
+    connect_timeout: float = 3.0
+    request_timeout: float = 5.0
+    retry_max_attempts: int = 3
 
     @classmethod
     def from_query(cls, values: dict[str, str], *, uri: str) -> S3ClientOptions:
-        def number(key: str, kind: type) -> float | int | None:
+        """The options a URI's query sets, the defaults for the rest."""
+
+        def number(key: str, kind: type[float] | type[int], default: float) -> float:
             if key not in values:
-                return None
+                return default
             try:
                 value = kind(values[key])
             except ValueError:
-                value = None
-            if value is None or value <= 0:
+                value = 0
+            if value <= 0:
                 raise ConfigError(f"storage: {key}={values[key]!r} in {redact_uri(uri)} must be a positive number")
             return value
 
+        defaults = cls()
         return cls(
-            connect_timeout=number("connect_timeout", float),
-            request_timeout=number("request_timeout", float),
-            retry_max_attempts=number("retry_max_attempts", int),
+            connect_timeout=number("connect_timeout", float, defaults.connect_timeout),
+            request_timeout=number("request_timeout", float, defaults.request_timeout),
+            retry_max_attempts=int(number("retry_max_attempts", int, defaults.retry_max_attempts)),
         )
 
     def apply(self, fs: pafs.FileSystem) -> pafs.FileSystem:
         """``fs`` (an ``S3FileSystem``) rebuilt with these options."""
-        if self == S3ClientOptions():
-            return fs
         _, (kwargs,) = fs.__reduce__()  # the options pyarrow parsed from the URI, credentials included
-        if self.connect_timeout is not None:
-            kwargs["connect_timeout"] = self.connect_timeout
-        if self.request_timeout is not None:
-            kwargs["request_timeout"] = self.request_timeout
-        if self.retry_max_attempts is not None:
-            kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=self.retry_max_attempts)
+        kwargs["connect_timeout"] = self.connect_timeout
+        kwargs["request_timeout"] = self.request_timeout
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=self.retry_max_attempts)
         return pafs.S3FileSystem(**kwargs)
 
 
@@ -96,7 +96,7 @@ def open_uri(uri: str) -> OpenedURI:
     # the rest goes to pyarrow exactly as written (no re-encoding of its values)
     rest = "&".join(piece for piece in parts.query.split("&") if piece and _key(piece) not in S3_CLIENT_OPTIONS)
     fs, root = pafs.FileSystem.from_uri(urlunsplit(parts._replace(query=rest)))
-    if own:
+    if parts.scheme == "s3":
         fs = S3ClientOptions.from_query(own, uri=uri).apply(fs)
     return OpenedURI(fs=fs, root=root, query=_redact_query(parts.query))
 
