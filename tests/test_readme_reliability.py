@@ -1,20 +1,25 @@
-"""README's Reliability section names the test behind each row: every ``tests/….py`` it names
-exists, and every ``tests/….py::name`` is a test defined in that file (the ``[param]`` part
-aside), so the matrix cannot point at a test that was renamed or never written."""
+"""The reliability page (docs/reliability.md, once README's Reliability section) names the test
+behind each row: every ``tests/….py`` it names exists, and every ``tests/….py::name`` is a test
+defined in that file (the ``[param]`` part aside), so the matrix cannot point at a test that was
+renamed or never written. The same holds for every test any other page names (README.md,
+CONTRIBUTING.md, docs/*.md, bench/README.md, dashboards/README.md)."""
 
 import ast
 import re
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+RELIABILITY = REPO / "docs" / "reliability.md"
 REFERENCE = re.compile(r"`(tests/[\w/]+\.py)(?:::(\w+))?(?:\[[^\]`]*\])?`")
-
-
-def reliability_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Reliability")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
+PAGES = [
+    REPO / "README.md",
+    REPO / "CONTRIBUTING.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "bench" / "README.md",
+    REPO / "dashboards" / "README.md",
+]
 
 
 def defined_tests(path: Path) -> set[str]:
@@ -22,14 +27,26 @@ def defined_tests(path: Path) -> set[str]:
     return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)}
 
 
-def test_every_test_the_reliability_section_names_exists():
-    references = REFERENCE.findall(reliability_section())
-    assert len(references) > 20  # the section and its tables are where this test looks
-    problems = []
-    for file, name in references:
+def problems(text: str) -> list[str]:
+    """Each ``tests/…`` reference of ``text`` that names a missing file or a test its file lacks."""
+    found = []
+    for file, name in REFERENCE.findall(text):
         path = REPO / file
         if not path.is_file():
-            problems.append(f"{file}: no such file")
+            found.append(f"{file}: no such file")
         elif name and name not in defined_tests(path):
-            problems.append(f"{file}::{name}: no such test in the file")
-    assert not problems, "\n".join(problems)
+            found.append(f"{file}::{name}: no such test in the file")
+    return found
+
+
+def test_every_test_the_reliability_page_names_exists():
+    text = RELIABILITY.read_text()
+    assert len(REFERENCE.findall(text)) > 20  # the page and its tables are where this test looks
+    assert not problems(text), "\n".join(problems(text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_every_test_a_page_names_exists(page):
+    assert not problems(page.read_text()), "\n".join(
+        f"{page.relative_to(REPO)}: {p}" for p in problems(page.read_text())
+    )
