@@ -204,7 +204,7 @@ class MetricsConfig:
     """Bind address. ``auto``: 127.0.0.1 on a one-node Ray cluster, the IP of the supervisor's
     node on a multi-node one (so a Prometheus on another node reaches it); ``node``: that IP
     always; or an address (``0.0.0.0``: every interface)."""
-    discovery_dir: str = "/tmp/layercheck/prometheus"
+    discovery_dir: str = "/tmp/layercheck-metrics/prometheus"
     """The driver writes ``<run id>.json`` here, a Prometheus ``file_sd`` file naming the
     endpoint, while the run is live (``dashboards/prometheus.yml`` watches it); empty: none."""
 

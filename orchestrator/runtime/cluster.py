@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 import ray
 
@@ -33,6 +34,25 @@ def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.share
         raise UnsafeStoreError(problem)
 
 
+PRINT_PATCH_ENV = "RAY_TRAIN_ENABLE_PRINT_PATCH"
+
+
+def worker_env(*, use_gpu: bool, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment every Ray process of the run starts with (the job's ``runtime_env``)."""
+    env = {
+        "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+        # Ray Train's print patch routes a worker's print() through its logger; around a TRL run it
+        # dumped dill's bytecode disassembly (3,635 console lines against 181 without). Off unless
+        # the user asks for it.
+        PRINT_PATCH_ENV: environ.get(PRINT_PATCH_ENV, "0"),
+    }
+    if not use_gpu:
+        env["DS_ACCELERATOR"] = "cpu"
+    if ALLOW_UNVERIFIED_ENV in environ:  # the workers check the DeepSpeed version, not the driver
+        env[ALLOW_UNVERIFIED_ENV] = environ[ALLOW_UNVERIFIED_ENV]
+    return env
+
+
 def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
     cluster = config.cluster
@@ -47,11 +67,7 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
-    env_vars = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2"}
-    if not use_gpu:
-        env_vars["DS_ACCELERATOR"] = "cpu"
-    if ALLOW_UNVERIFIED_ENV in os.environ:  # the workers check the DeepSpeed version, not the driver
-        env_vars[ALLOW_UNVERIFIED_ENV] = os.environ[ALLOW_UNVERIFIED_ENV]
+    env_vars = worker_env(use_gpu=use_gpu, environ=os.environ)
     address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
     if address:
         ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
