@@ -287,15 +287,25 @@ class NeverPolicy:
         return {}
 
 
+class PolicyType(Protocol):
+    """A policy class as the registry holds it (the class object itself is one): the config class
+    it is built from and the constructor from that config (``config`` is that class's instance)."""
+
+    @property
+    def config_type(self) -> type: ...
+
+    def from_config(self, config: Any, numel: Mapping[str, int]) -> CheckpointPolicy: ...
+
+
 #: The second half of the registry: config class → policy class (``POLICY_CONFIGS`` in
 #: :mod:`layercheck.policies.configs` is the first, name → config class). A new policy adds its config there
 #: and its class here, with ``config_type`` and ``from_config``; nothing else switches on the type.
-POLICY_TYPES: dict[type, type] = {
+POLICY_TYPES: dict[type, PolicyType] = {
     cls.config_type: cls for cls in (StaggeredPolicy, LayerCheckPolicy, DriftOptimalPolicy, IntervalPolicy, NeverPolicy)
 }
 
 
-def policy_type(name: str) -> type:
+def policy_type(name: str) -> PolicyType:
     """The policy class registered under ``name``; an unknown name is a ConfigError listing the known ones."""
     require(name in POLICY_CONFIGS, "policy.name", f"one of {sorted(POLICY_CONFIGS)}", name)
     return POLICY_TYPES[POLICY_CONFIGS[name]]

@@ -95,7 +95,7 @@ def _convert(hint: Any, value: Any, field: str) -> Any:
     if origin in (dict, Mapping) or hint in (dict, Mapping):
         require(isinstance(value, Mapping), field, "a table/mapping", value)
         return dict(value)
-    if dataclasses.is_dataclass(hint):
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_mapping(hint, value, field=field)
     if hint is bool:
         require(isinstance(value, bool), field, "true or false", value)

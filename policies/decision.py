@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Reason(str, enum.Enum):
@@ -48,7 +49,7 @@ class PersistDecision:
         return {"step": self.step, "layers": {name: reason.value for name, reason in self.layers}}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> PersistDecision:
+    def from_json(cls, data: Mapping[str, Any]) -> PersistDecision:  # Any: parsed JSON
         layers = data["layers"]
         assert isinstance(layers, Mapping)
         return cls.of(int(data["step"]), {name: Reason(value) for name, value in layers.items()})

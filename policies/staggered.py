@@ -206,31 +206,31 @@ class StaggeredPolicy:
         if self.config.max_bytes_per_step is not None:
             limits.append(float(self.config.max_bytes_per_step))
         configured = min(limits)
-        self.external_binding = self.external_budget is not None and self.external_budget < configured
-        if self.external_binding:
+        external = self.external_budget
+        self.external_binding = external is not None and external < configured
+        if external is not None and self.external_binding:
             logger.info(
                 "write budget %d B/step (the writers' drain rate) is below the schedule's %.0f B/step: "
                 "periods stretch %.2fx",
-                self.external_budget,
+                external,
                 configured,
-                configured / self.external_budget,
+                configured / external,
             )
-            return float(max(1, self.external_budget))
+            return float(max(1, external))
         return configured
 
     def _periods(self, weights: Mapping[str, float], budget: float) -> dict[str, int | None]:
         """``P_l = c / w_l`` rounded, ``c`` set so the saves fit ``budget`` (clamped to ``smax``)."""
         active = [n for n in self.layers if weights[n] > 0]
         c = sum(self.size[n] * weights[n] for n in active) / budget
-        periods: dict[str, int | None] = {n: None for n in self.layers}
+        saved: dict[str, int] = {}
         for _ in range(8):  # rounding may overshoot the budget a little: widen until it fits
-            for n in active:
-                periods[n] = min(self.config.smax, max(1, round(c / weights[n])))
-            spent = sum(self.size[n] / periods[n] for n in active)  # type: ignore[operator]
-            if spent <= budget * (1 + 1e-9) or all(periods[n] == self.config.smax for n in active):
+            saved = {n: min(self.config.smax, max(1, round(c / weights[n]))) for n in active}
+            spent = sum(self.size[n] / saved[n] for n in active)
+            if spent <= budget * (1 + 1e-9) or all(saved[n] == self.config.smax for n in active):
                 break
             c *= spent / budget
-        return periods
+        return {n: saved.get(n) for n in self.layers}
 
     def _plan(self, t: int, *, every_layer: bool) -> None:
         weights = self._weights()

@@ -18,6 +18,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from layercheck.policies.decision import StepObservation
 from layercheck.policies.layer_map import EMBED, LM_HEAD, NORM, block_name
@@ -53,16 +54,16 @@ class DriftTrace:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, object]) -> DriftTrace:
+    def from_json(cls, data: Mapping[str, Any]) -> DriftTrace:  # Any: parsed JSON, checked here
         try:
-            layers = [(str(entry["name"]), int(entry["numel"])) for entry in data["layers"]]  # type: ignore[index,union-attr]
+            layers = [(str(entry["name"]), int(entry["numel"])) for entry in data["layers"]]
             steps = tuple(
                 StepObservation(
                     step=int(entry["step"]),
                     lr=float(entry["lr"]),
                     drift={str(k): float(v) for k, v in entry["drift"].items()},
                 )
-                for entry in data["steps"]  # type: ignore[union-attr]
+                for entry in data["steps"]
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise TraceFormatError(f"not a drift trace: {exc!r}") from None
