@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -31,6 +31,11 @@ from layercheck.workers.drift_fused import adamw_l1_groups
 from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows
 
 logger = logging.getLogger(__name__)
+
+
+def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The gradients of ``params``, every one set (:meth:`DriftAdamW.step` steps no other)."""
+    return cast("list[torch.Tensor]", [p.grad for p in params])
 
 
 class DriftAdamW(torch.optim.AdamW):
@@ -107,7 +112,7 @@ class DriftAdamW(torch.optim.AdamW):
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        grads = [p.grad for p in params]
+        grads = _grads(params)
         states = [self.init_state(p) for p in params]
         exp_avgs = [s["exp_avg"] for s in states]
         exp_avg_sqs = [s["exp_avg_sq"] for s in states]
@@ -150,7 +155,7 @@ class DriftAdamW(torch.optim.AdamW):
                         group["name"],
                         FusedGroup(
                             params=[params[i] for i in members],
-                            grads=[params[i].grad for i in members],
+                            grads=_grads(params[i] for i in members),
                             exp_avgs=[group_states[i]["exp_avg"] for i in members],
                             exp_avg_sqs=[group_states[i]["exp_avg_sq"] for i in members],
                             windows=[self._windows_of(params[i]) for i in members],
@@ -177,7 +182,7 @@ class DriftAdamW(torch.optim.AdamW):
         previous = self._drift_l1.get(name)
         self._drift_l1[name] = l1 if previous is None else previous + l1
 
-    def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: list[torch.Tensor]) -> None:
+    def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: Sequence[torch.Tensor]) -> None:
         views: list[torch.Tensor] = []
         for p, u in zip(params, update):
             windows = self._windows_of(p)

@@ -122,7 +122,7 @@ def adamw_l1_torch(
     """The torch path for one tensor: its update chunk by chunk, as torch's single-tensor AdamW
     orders the ops; the count as a float64 scalar. A non-contiguous tensor is one chunk."""
     chunk = chunk or (max(param.numel(), 1) if param.is_cuda else TORCH_CHUNK)
-    tensors = (param, grad, exp_avg, exp_avg_sq)
+    tensors: tuple[torch.Tensor, ...] = (param, grad, exp_avg, exp_avg_sq)
     if not all(t.is_contiguous() for t in tensors):
         chunk = max(param.numel(), 1)
         flats = tensors

@@ -63,8 +63,8 @@ def work_rows(
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
     rows: list[tuple[int, int, int, int, int]] = []
-    for index, (numel, runs) in enumerate(zip(numels, windows)):
-        runs = sorted((s, s + n) for s, n in counted_runs(numel, runs) if n > 0)
+    for index, (numel, tensor_windows) in enumerate(zip(numels, windows)):
+        runs = sorted((s, s + n) for s, n in counted_runs(numel, tensor_windows) if n > 0)
         for start in range(0, numel, chunk):
             stop = min(start + chunk, numel)
             inside = [(max(lo, start), min(hi, stop)) for lo, hi in runs if lo < stop and hi > start]

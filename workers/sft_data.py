@@ -28,6 +28,9 @@ from layercheck.workers.sft_jsonl import DataError, Encoded, check_chat_template
 
 logger = logging.getLogger(__name__)
 
+#: A layout's (input_ids, labels, attention_mask), each ``(rows, seq_len)`` int64.
+RowTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
 
 @dataclass(frozen=True)
 class FitReport:
@@ -85,7 +88,7 @@ def _answer_start(example: Encoded) -> int:
     return next((i for i, trained in enumerate(example.loss) if trained), len(example.loss))
 
 
-def _empty_rows(count: int, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _empty_rows(count: int, seq_len: int, pad_id: int) -> RowTensors:
     return (
         torch.full((count, seq_len), pad_id, dtype=torch.int64),
         torch.full((count, seq_len), IGNORE_INDEX, dtype=torch.int64),
@@ -93,7 +96,7 @@ def _empty_rows(count: int, seq_len: int, pad_id: int) -> tuple[torch.Tensor, to
     )
 
 
-def _place(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row: int, start: int, example: Encoded) -> None:
+def _place(rows: RowTensors, row: int, start: int, example: Encoded) -> None:
     ids, labels, mask = rows
     end = start + len(example.ids)
     token_ids = torch.tensor(example.ids, dtype=torch.int64)
@@ -102,7 +105,7 @@ def _place(rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor], row: int, star
     mask[row, start:end] = 1
 
 
-def pad_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int) -> tuple[torch.Tensor, ...]:
+def pad_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int) -> RowTensors:
     """One example per row, right-padded to ``seq_len``: (input_ids, labels, attention_mask)."""
     rows = _empty_rows(len(examples), seq_len, pad_id)
     for row, example in enumerate(examples):
@@ -110,7 +113,7 @@ def pad_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int) -> tuple
     return rows
 
 
-def pack_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int, seed: int) -> tuple[torch.Tensor, ...]:
+def pack_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int, seed: int) -> RowTensors:
     """Whole examples, in a seeded shuffle, filled greedily into ``seq_len`` rows; each row's
     tail is padded. A pure function of (examples, seq_len, seed)."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
