@@ -1,5 +1,6 @@
 """Shared fixtures: a loopback S3-compatible server (moto) behind a proxy a test can cut; a
-private temporary directory for the local Ray of a `layercheck train` subprocess."""
+private temporary directory for the local Ray of a `layercheck train` subprocess; a local Ray in
+this process for the tests that call ``train()``; an empty layer store."""
 
 import shutil
 import tempfile
@@ -7,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from layercheck.orchestrator.store.layer_store import LayerStore
+from tests.support.ray_runs import device_overrides
 from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 
 
@@ -37,3 +40,23 @@ def ray_tmp():
     path = Path(tempfile.mkdtemp(prefix="lcray-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray in this process, as ``layercheck train`` starts it for the demo config (with
+    the device overrides), for one test module; shut down after it."""
+    import ray
+
+    from layercheck.orchestrator.core.run_config import load_run_config
+    from layercheck.orchestrator.runtime.cluster import connect
+
+    connect(load_run_config("examples/demo.toml", device_overrides()))
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def store(tmp_path) -> LayerStore:
+    """An empty layer store in the test's temporary directory."""
+    return LayerStore.open(str(tmp_path / "store"))

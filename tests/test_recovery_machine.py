@@ -1,19 +1,14 @@
-"""The supervision and commit cores, stepped one event at a time (no Ray, no DeepSpeed): every
-transition of membership and recovery, and every fate of a version on the commit path. Plans are
-made by the real planner against a real store; fakes only script what went wrong."""
+"""The recovery machine (``layercheck.orchestrator.core.recovery_machine``), stepped one event at a
+time (no Ray, no DeepSpeed): every transition of membership and recovery. Plans are made by the
+real planner against a real store; fakes only script what went wrong. (The commit path it drives:
+tests/test_commit_path.py.)"""
 
 import logging
 
 import pytest
 
 from layercheck.orchestrator.core.accounting import RunAccount
-from layercheck.orchestrator.core.commit_path import (
-    CommitFailed,
-    CommitPath,
-    CommitSucceeded,
-    CommitVersion,
-    ShardWritten,
-)
+from layercheck.orchestrator.core.commit_path import CommitPath, ShardWritten
 from layercheck.orchestrator.core.recovery_events import (
     AbandonIncomplete,
     CompositePlanned,
@@ -42,8 +37,7 @@ from layercheck.orchestrator.core.recovery_machine import (
 )
 from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.store.layer_store import LayerStore
-from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer
+from tests.support.store_helpers import receipt, write_layer
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
@@ -65,11 +59,6 @@ def running(sup=None):
 def of(kind, actions):
     (action,) = [a for a in actions if isinstance(a, kind)]
     return action
-
-
-@pytest.fixture
-def store(tmp_path):
-    return LayerStore.open(str(tmp_path / "store"))
 
 
 def commit_all(store, step, *, base=False):
@@ -265,80 +254,3 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="drain_deadline_s"):
         SupervisionConfig(drain_deadline_s=0)
     assert [CONFIG.backoff_s(n) for n in (1, 2, 3)] == [0.5, 1.0, 2.0]
-
-
-# ---- the commit path -------------------------------------------------------------------------
-def receipt(layer, step, rank, world_size=2):
-    from layercheck.orchestrator.store.manifest import ShardReceipt
-
-    return ShardReceipt(
-        layer=layer,
-        step=step,
-        rank=rank,
-        world_size=world_size,
-        base=False,
-        path=f"layers/{layer}/{step}-{rank}",
-        nbytes=10,
-        checksum="0",
-    )
-
-
-def written_shards(store, layer, step):
-    state = layer_state(PARAMS, seed=step)
-    return [store.write_shard(s) for s in cut_shards(layer, step, PARAMS, state, even_cuts(42, 2))]
-
-
-def commit(store, action):
-    try:
-        return CommitSucceeded(record=store.commit(list(action.receipts)))
-    except Exception as error:
-        return CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
-
-
-def test_a_commit_that_fails_is_retried_with_backoff_and_then_succeeds(tmp_path):
-    store, fs = faulty_store(str(tmp_path / "s"))
-    commits = CommitPath(layers=LAYERS, config=CONFIG)
-    first, second = written_shards(store, "embed", 4)
-    assert commits.handle(ShardWritten(receipt=first)) == []
-    (action,) = commits.handle(ShardWritten(receipt=second))
-    assert action == CommitVersion(receipts=(first, second))
-    fs.read_only = True  # the store refuses the record
-    (retry,) = commits.handle(commit(store, action))
-    assert (retry.tries, retry.delay_s) == (2, 0.5) and commits.commit_retries == 1
-    fs.read_only = False
-    assert commits.handle(commit(store, retry)) == []
-    assert commits.stats["embed"].versions == 1 and commits.stats["embed"].last_step == 4
-    assert commits.lost_versions == 0 and [v.step for v in store.versions()] == [4]
-
-
-def test_a_commit_that_fails_for_good_is_counted_lost_with_its_reason(caplog):
-    commits = CommitPath(layers=LAYERS, config=CONFIG)
-    commits.handle(ShardWritten(receipt=receipt("norm", 7, 0)))
-    (action,) = commits.handle(ShardWritten(receipt=receipt("norm", 7, 1)))
-    caplog.set_level(logging.ERROR, logger="layercheck.orchestrator.core.commit_path")
-    delays = []
-    while action is not None:
-        retries = commits.handle(CommitFailed(action=action, error="StoreWriteError: disk full"))
-        action = retries[0] if retries else None
-        delays += [action.delay_s] if action else []
-    assert delays == [0.5, 1.0] and commits.commit_retries == 2
-    assert commits.lost_versions == 1 and "norm step 7 failed 3 time(s), last: StoreWriteError" in commits.lost[0]
-    assert "lost 1 version(s)" in caplog.text
-    assert commits.stats["norm"].versions == 0
-
-
-def test_a_failed_commit_is_not_retried_once_a_newer_version_of_the_layer_committed(store):
-    commits = CommitPath(layers=LAYERS, config=CONFIG)
-    commits.handle(ShardWritten(receipt=receipt("embed", 5, 0)))
-    (old,) = commits.handle(ShardWritten(receipt=receipt("embed", 5, 1)))
-    newer, _ = write_layer(store, "embed", 6)
-    commits.handle(CommitSucceeded(record=newer))
-    assert commits.handle(CommitFailed(action=old, error="timeout")) == []
-    assert commits.lost_versions == 0 and commits.tracker.abandoned == 1
-
-
-def test_a_lost_groups_partial_versions_are_abandoned_not_lost():
-    commits = CommitPath(layers=LAYERS, config=CONFIG)
-    commits.handle(ShardWritten(receipt=receipt("embed", 5, 0)))
-    commits.handle(AbandonIncomplete(reason="the group was lost"))
-    assert commits.tracker.abandoned == 1 and commits.lost_versions == 0 and commits.tracker.incomplete == 0

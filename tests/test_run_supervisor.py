@@ -8,10 +8,9 @@ import pytest
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
-from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig
-from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state
+from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, written_receipts
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
@@ -69,25 +68,15 @@ def train(service, steps):
             )
 
 
-def receipts(store, layer, step):
-    state = layer_state(PARAMS, seed=step)
-    return [store.write_shard(s) for s in cut_shards(layer, step, PARAMS, state, even_cuts(42, 2))]
-
-
 def persist_all(run, store, step, writers=None):
     """Every layer's two shards written; rank 1's still in the writer when ``writers`` is given."""
     for layer in LAYERS:
-        first, second = receipts(store, layer, step)
+        first, second = written_receipts(store, layer, step)
         run.shard_written(first, 0.01)
         if writers is None:
             run.shard_written(second, 0.01)
         else:
             writers.held.append(second)
-
-
-@pytest.fixture
-def store(tmp_path):
-    return LayerStore.open(str(tmp_path / "store"))
 
 
 def test_a_lost_group_resumes_after_t_fail_with_what_the_writers_committed_while_drained(store):
@@ -153,7 +142,7 @@ def test_a_failed_commit_is_retried_after_its_backoff(tmp_path):
         fs.read_only = False
 
     run, _ = make(store, Writers(), sleep=sleep)
-    first, second = receipts(store, "norm", 4)
+    first, second = written_receipts(store, "norm", 4)
     run.shard_written(first, 0.01)
     fs.read_only = True
     run.shard_written(second, 0.01)

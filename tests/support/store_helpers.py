@@ -17,6 +17,7 @@ import torch
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_FILE, LeaseInfo
+from layercheck.orchestrator.store.manifest import ShardReceipt
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
@@ -99,6 +100,28 @@ def write_layer(
     total = sum(math.prod(s) for s in params.values())
     record = store.write_version(cut_shards(layer, step, params, state, even_cuts(total, world_size)), base=base)
     return record, state
+
+
+def written_receipts(store: LayerStore, layer: str, step: int, *, world_size: int = 2) -> list[ShardReceipt]:
+    """Every rank's shard of ``layer`` at ``step`` (the default ``PARAMS``) written, not committed;
+    their receipts."""
+    total = sum(math.prod(s) for s in PARAMS.values())
+    state = layer_state(PARAMS, seed=step)
+    return [store.write_shard(s) for s in cut_shards(layer, step, PARAMS, state, even_cuts(total, world_size))]
+
+
+def receipt(layer: str, step: int, rank: int, world_size: int = 2) -> ShardReceipt:
+    """A receipt for a shard nobody wrote (for the commit bookkeeping, which never reads files)."""
+    return ShardReceipt(
+        layer=layer,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        base=False,
+        path=f"layers/{layer}/{step}-{rank}",
+        nbytes=10,
+        checksum="0",
+    )
 
 
 def foreign_lease(fs: StoreFS, *, expires_in: float = 600.0, host: str = "other-host", pid: int = 4242) -> LeaseInfo:
