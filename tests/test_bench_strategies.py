@@ -18,7 +18,7 @@ from layercheck.bench.strategies import (
 from layercheck.policies.configs import LayerCheckConfig, StaggeredConfig
 
 
-def test_default_set_has_every_strategy_the_issue_names_none_first():
+def test_default_set_has_every_benchmark_strategy_none_first():
     names = [s.name for s in default_strategies(StrategyOptions())]
     assert names[0] == "none"
     assert set(names) == {

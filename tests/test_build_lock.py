@@ -1,4 +1,4 @@
-"""A stale DeepSpeed JIT build lock is named, not waited on forever (issue 14, case 11)."""
+"""A stale DeepSpeed JIT build lock is named, not waited on forever."""
 
 import logging
 import os

@@ -1,4 +1,4 @@
-"""SIGKILL of a live ``layercheck train`` driver mid-run (issue 14's fault matrix): nothing it
+"""SIGKILL of a live ``layercheck train`` driver mid-run: nothing it
 committed is lost, and ``--resume`` on the same store takes over the dead driver's lease and
 continues from the newest recoverable step + 1 to the end."""
 

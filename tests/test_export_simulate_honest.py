@@ -1,4 +1,4 @@
-"""Exports and replays say what they are (issue 14, case 13): an HF export ships the run's
+"""Exports and replays say what they are: an HF export ships the run's
 tokenizer; ``--step`` past the run is refused, not mislabelled; ``simulate --trace`` on a run's
 own trace replays the run's own policy, and refuses a trace that ends before its warm-up."""
 

@@ -1,4 +1,4 @@
-"""Issue 14 case 14: LayerCheck's account of a lost worker stands out — one WARNING line when the
+"""LayerCheck's account of a lost worker stands out — one WARNING line when the
 loss is seen and one when training resumes — and Ray's tracebacks on the driver's console are cut
 to their last line (no Ray needed: the filter and the announcement are pure)."""
 

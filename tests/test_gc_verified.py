@@ -1,4 +1,4 @@
-"""GC never deletes the newest verified fallback of a layer (issue 14, case 2): when a layer's
+"""GC never deletes the newest verified fallback of a layer: when a layer's
 newest version is damaged, the version a recovery falls back to is kept, and the store stays
 recoverable."""
 

@@ -1,4 +1,4 @@
-"""--overwrite deletes only what LayerCheck wrote, and never at a suspicious location (issue 14, case 1)."""
+"""--overwrite deletes only what LayerCheck wrote, and never at a suspicious location."""
 
 import os
 

@@ -1,6 +1,6 @@
-"""What the driver checks before a run writes anything or starts a worker (issue 14, cases 1, 3,
-4, 12 and 15): the config (data, model, non-finite numbers), the storage location, the store's
-lease, an honest --resume, a safe --overwrite. No Ray: every refusal here comes first."""
+"""What the driver checks before a run writes anything or starts a worker: the config (data,
+model, non-finite numbers), the storage location, the store's lease, an honest --resume, a safe
+--overwrite. No Ray: every refusal here comes first."""
 
 import json
 import logging

@@ -1,7 +1,7 @@
-"""Issue 13's bound on a real model's shape, deterministically (no timing, no weights): on a
-SmolLM-135M-shaped model the staggered schedule hands over at most max(1/8 of a full checkpoint,
-the largest layer) in one step, where full checkpoints hand over a whole one at each save, and
-writes no more than they do over the run."""
+"""The staggered schedule's bound on the bytes of one step, on a real model's shape,
+deterministically (no timing, no weights): on a SmolLM-135M-shaped model the staggered schedule
+hands over at most max(1/8 of a full checkpoint, the largest layer) in one step, where full
+checkpoints hand over a whole one at each save, and writes no more than they do over the run."""
 
 import random
 

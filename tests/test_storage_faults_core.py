@@ -1,6 +1,6 @@
-"""Issue 14, without Ray: a dead writer's versions are lost once and free the gate; storage
-failures that break smax are reported once and (by config) stop every rank after the same step;
-the config's new fields and the Ray-job storage check name what to do."""
+"""Storage and writer faults, without Ray: a dead writer's versions are lost once and free the
+gate; storage failures that break smax are reported once and (by config) stop every rank after
+the same step; the config's fields for it and the Ray-job storage check name what to do."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""A store has one owner at a time (issue 14, case 4): a lease file, refused while live, taken
+"""A store has one owner at a time: a lease file, refused while live, taken
 over when stale, released at the end."""
 
 import os

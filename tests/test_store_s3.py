@@ -1,7 +1,7 @@
 """The store on an S3-compatible server (moto on loopback, the real pyarrow S3 client): versions
 written, committed and recovered; the owner lease; an outage mid-run that fails writes and
-commits with the path and the cause, loses nothing committed, and ends with writes working again.
-Issue 14's "S3 outage" row of the fault-injection matrix."""
+commits with the path and the cause, loses nothing committed, and ends with writes working again
+(the "S3 outage" row of the reliability page's fault-injection matrix)."""
 
 import json
 import math
