@@ -13,7 +13,7 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``snapshot_diff``  baseline step + |theta_t - reference| per layer, then the reference refreshed
                      (``layercheck.workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
-                     per layer (an alternative for Adam-family optimizers; not shipped, see README)
+                     per layer (an alternative for Adam-family optimizers; not shipped, see docs/drift-probes.md)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.

@@ -74,7 +74,7 @@ class Recovery(str, enum.Enum):
 
 
 class Tier(str, enum.Enum):
-    """A recovery tier above storage (DESIGN.md, "Recovery tiers") that a resuming strategy uses."""
+    """A recovery tier above storage (docs/recovery.md, "Recovery from memory") that a resuming strategy uses."""
 
     CAPTURE = "capture"
     """The survivors' own slices at ``t_fail`` (:mod:`layercheck.workers.capture`), persisted as partial

@@ -141,7 +141,7 @@ class DriftThresholdPolicy:
 
 
 class LayerCheckPolicy(DriftThresholdPolicy):
-    """The paper's policy (DESIGN.md): threshold ``K0 * s(lr_t)``, ``K0`` of its own for the
+    """The paper's policy (docs/schedules.md): threshold ``K0 * s(lr_t)``, ``K0`` of its own for the
     embedding, ``s`` following the learning-rate schedule or constant."""
 
     config_type: ClassVar[type] = LayerCheckConfig

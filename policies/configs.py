@@ -23,7 +23,7 @@ THRESHOLD_SCHEDULES: tuple[str, ...] = typing.get_args(ThresholdSchedule)
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCheckConfig:
-    """The paper's adaptive policy (DESIGN.md, "The policy, exactly")."""
+    """The paper's adaptive policy (docs/schedules.md, "The paper's policy, exactly")."""
 
     selective: ClassVar[bool] = True
     """Chooses layers by drift after a warm-up: compared with full checkpoints at matched freshness."""
@@ -189,7 +189,7 @@ POLICY_CONFIGS: dict[str, type] = {
 PolicyConfig = StaggeredConfig | LayerCheckConfig | DriftOptimalConfig | IntervalConfig | NeverConfig
 #: The policy every way in uses unless told otherwise (the CLI's run config, the API's
 #: ``CheckpointConfig``): on the benchmark it never writes more than full checkpoints at the
-#: same freshness, where the paper's thresholds write 1.4-2.8x (DESIGN, "Measured since").
+#: same freshness, where the paper's thresholds write 1.4-2.8x (docs/schedules.md, "What it measured").
 DEFAULT_POLICY = "staggered"
 
 

@@ -133,7 +133,7 @@ def synthetic_trace(
     spread: float = 0.3,
     seed: int = 0,
 ) -> DriftTrace:
-    """A drift trace shaped like the ones measured on real fine-tuning (DESIGN.md): per-step
+    """A drift trace shaped like the ones measured on real fine-tuning (docs/schedules.md): per-step
     block drift ≈ 0.2 × lr, embedding ≈ 0.4 × lr in sparse bursts, final norm ≈ 0.1 × lr.
     ``spread`` sets how much blocks differ from each other (0: identical pace; the measured
     runs were close to 0, the paper's Figure 2 suggests more)."""

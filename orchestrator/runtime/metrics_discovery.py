@@ -7,7 +7,7 @@ the endpoint's ``host:port`` while the run is live and removes it at the end;
 ``dashboards/prometheus.yml`` watches that directory. Ray's own metrics pipeline
 (``ray.util.metrics``) was the other way: it renames every metric ``ray_<name>`` (Ray's metrics
 agent namespaces them) and exports at Ray's report interval, so the dashboard, the alerts and
-users' queries would all change; see README "Metrics on a cluster".
+users' queries would all change; see docs/observability.md, "Metrics on a cluster".
 
 Binding: ``metrics.host = "auto"`` serves on 127.0.0.1 on a one-node cluster (nothing else can
 reach it) and on the supervisor's node IP on a multi-node one (Prometheus on another node must).
