@@ -28,6 +28,7 @@ from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.engine import build_model
 from layercheck.workers.shard import STATE_KEYS
 from tests.support import composite_jobs as jobs
+from tests.support.models import tiny_llama
 from tests.support.store_helpers import cut_shards, even_cuts
 
 NEWER = ("embed", "block.1")  # persisted again at step 20
@@ -116,7 +117,7 @@ def test_a_run_without_run_json_asks_for_config(run, tmp_path, capsys):
 def test_a_config_for_another_model_is_refused(run, tmp_path):
     other = jobs.run_config()
     other = dataclasses.replace(
-        other, model=dataclasses.replace(other.model, hf_config={**jobs.TIED_LLAMA, "hidden_size": 32})
+        other, model=dataclasses.replace(other.model, hf_config=tiny_llama(tie_word_embeddings=True, hidden_size=32))
     )
     config_file = tmp_path / "other.json"
     config_file.write_text(json.dumps(other.to_json()))

@@ -13,7 +13,7 @@ from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.engine import build_model, deepspeed_config, param_groups
 from layercheck.workers.lr_schedule import lr_at, lr_factor
-from tests.support.worker_jobs import TINY_LLAMA
+from tests.support.models import TINY_LLAMA
 
 
 @pytest.mark.parametrize(

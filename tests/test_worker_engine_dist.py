@@ -1,6 +1,6 @@
 """Real DeepSpeed (gloo, CPU) on 1-2 ranks: drift probe, snapshot/restore round trip, partial restore.
 
-One spawned job per configuration checks every property (see tests/worker_jobs.py); the
+One spawned job per configuration checks every property (see tests/support/worker_jobs.py); the
 assertions are here.
 """
 

@@ -9,7 +9,7 @@ from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.config import ModelConfig, OptimConfig
 from layercheck.workers.engine import build_model, layer_map_for, param_groups
 from layercheck.workers.freeze import lr_scale
-from tests.support.freeze_jobs import FOUR_BLOCKS
+from tests.support.models import FOUR_BLOCKS
 
 
 def test_freeze_keeps_the_other_blocks_numbers():

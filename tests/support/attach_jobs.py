@@ -1,6 +1,6 @@
 """Per-rank jobs for the attach tests: a user's own DeepSpeed engine (own optimizer, param groups
 that do not follow layers, own DeepSpeed config) with LayerCheck attached, no Ray.
-Spawned by tests/dist_harness.py; must be importable."""
+Spawned by tests/support/dist_harness.py; must be importable."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from layercheck.workers.attached import AttachedEngine, attach_engine, current_l
 from layercheck.workers.drift import global_drift
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
-from tests.support.worker_jobs import SEQ, TINY_LLAMA, gather_shards, same, shard_values
+from tests.support.engines import gather_shards, same, shard_values, token_batch
+from tests.support.models import TINY_LLAMA
 
 LR = 3e-3
 
@@ -71,13 +72,8 @@ def user_engine(stage: int, optimizer: str) -> Any:
     return engine
 
 
-def _batch(step: int, rank: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(100_000 * step + rank)
-    return torch.randint(0, TINY_LLAMA["vocab_size"], (2, SEQ), generator=g)
-
-
 def _step(engine: Any, step: int, rank: int) -> float:
-    ids = _batch(step, rank)
+    ids = token_batch(step, rank)
     loss = engine(input_ids=ids, labels=ids).loss
     engine.backward(loss)
     engine.step()

@@ -8,15 +8,16 @@ from layercheck.workers.capture import capture_shards, mark, state_step
 from layercheck.workers.engine import shutdown
 from layercheck.workers.layout import state_view
 from layercheck.workers.step import train_step
-from tests.support.composite_jobs import batches, full_state, make_engine, run_config
+from tests.support.engines import batches, full_state, make_engine
+from tests.support.models import TIED_LLAMA
 
 
 def capture_job(rank: int, world_size: int, zero_stage: int) -> dict[str, Any]:
     """Train two steps, capture, and return what the capture covers and whether it equals the state."""
-    train_engine = make_engine(run_config(zero_stage=zero_stage, num_workers=world_size))
+    train_engine = make_engine(zero_stage, hf_config=TIED_LLAMA)
     try:
         for step in (1, 2):
-            train_step(train_engine, batches(step, rank))
+            train_step(train_engine, batches(train_engine, step, rank))
         last = mark(train_engine.layout, 2)
         shards = capture_shards(train_engine.layout, state_step(train_engine.layout, last))
         state = _state(train_engine)
@@ -28,7 +29,7 @@ def capture_job(rank: int, world_size: int, zero_stage: int) -> dict[str, Any]:
                     want = state[f"{key}/{piece.name}"][piece.offset : piece.offset + piece.length]
                     equal = equal and bool(shard.view(key, index).equal(want))
         numel = {name: int(t.numel()) for name, t in state.items() if name.startswith("fp32/")}
-        train_step(train_engine, batches(3, rank))  # the optimizer stepped again, never reported
+        train_step(train_engine, batches(train_engine, 3, rank))  # the optimizer stepped again, never reported
         ahead = state_step(train_engine.layout, last)
         return {"step": shards[0].step, "covered": covered, "equal": equal, "numel": numel, "ahead": ahead}
     finally:
@@ -88,10 +89,8 @@ def released_capture_job(rank: int, world_size: int, stage: int, precision: str)
     from layercheck.workers.capture import capture_pieces
     from layercheck.workers.loop import StepProtocol
     from layercheck.workers.shard import STATE_KEYS
-    from tests.support.worker_jobs import batches as worker_batches
-    from tests.support.worker_jobs import make_engine as make_worker_engine
 
-    train_engine = make_worker_engine(stage, precision)
+    train_engine = make_engine(stage, precision)
     layout = train_engine.layout
     out: dict[str, Any] = {"backend": str(dist.get_backend())}
     real = collective_abort.CollectiveAbort(backend=out["backend"])
@@ -117,7 +116,7 @@ def released_capture_job(rank: int, world_size: int, stage: int, precision: str)
     recorder = _Recorder()
     protocol = StepProtocol(layout, recorder, rank=rank, abort=abort)
     for step in (1, 2):
-        loss, drift = train_step(train_engine, worker_batches(train_engine, step, rank))
+        loss, drift = train_step(train_engine, batches(train_engine, step, rank))
         protocol.after_step(step, drift, loss=loss, lr=0.0, compute_s=0.0)
     pieces = capture_pieces(layout)
     reference = {

@@ -1,4 +1,4 @@
-"""Per-rank jobs for the composite and export tests (spawned by tests/dist_harness.py).
+"""Per-rank jobs for the composite and export tests (spawned by tests/support/dist_harness.py).
 
 A tiny Llama with tied embeddings trains at ZeRO-3 and writes versions of its layers to a real
 :class:`LayerStore` at a mix of steps (a base, then some layers newer than others). Beside each
@@ -17,24 +17,13 @@ import torch
 
 from layercheck.orchestrator.core.run_config import ClusterConfig, RunConfig
 from layercheck.orchestrator.store.layer_store import LayerStore
-from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.engine import TrainEngine, build_engine, build_model, seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import optimizer_step_of, snapshot_layers
 from layercheck.workers.step import eval_loss, train_step
+from tests.support.engines import batches, engine_configs, full_state, probe_batch
+from tests.support.models import TIED_LLAMA
 
-TIED_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
-SEQ = 16
 ALL = ("embed", "block.0", "block.1", "norm")
 #: step → (layers persisted after it, base?). Composite at 6: embed@6, block.0@4, block.1@5, norm@5.
 SCHEDULE: dict[int, tuple[tuple[str, ...], bool]] = {
@@ -47,12 +36,13 @@ STEPS = 6
 
 
 def run_config(zero_stage: int = 3, num_workers: int = 2) -> RunConfig:
+    model, optim, engine = engine_configs(zero_stage, hf_config=TIED_LLAMA)
     return RunConfig(
         name="composite-test",
         steps=20,
-        model=ModelConfig(hf_config=TIED_LLAMA, seed=7),
-        optim=OptimConfig(lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1),
-        engine=EngineConfig(zero_stage=zero_stage, precision="fp32", micro_batch=2, grad_clip=1.0),
+        model=model,
+        optim=optim,
+        engine=engine,
         cluster=ClusterConfig(num_workers=num_workers),
     )
 
@@ -64,36 +54,12 @@ def write_run_json(store_uri: str, config: RunConfig) -> None:
 
 
 def make_engine(config: RunConfig) -> TrainEngine:
+    """The engine of ``config`` (:func:`tests.support.engines.make_engine`'s, with tied embeddings)."""
     return build_engine(config.model, config.optim, config.engine)
-
-
-def batches(step: int, rank: int, micro_batch: int = 2) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100_000 * step + rank)
-    return [torch.randint(0, TIED_LLAMA["vocab_size"], (micro_batch, SEQ), generator=g)]
-
-
-def probe_batch() -> torch.Tensor:
-    g = torch.Generator().manual_seed(424242)
-    return torch.randint(0, TIED_LLAMA["vocab_size"], (2, SEQ), generator=g)
 
 
 def expected_file(expect_dir: str | Path, layer: str, step: int) -> Path:
     return Path(expect_dir, f"{layer}@{step}.safetensors")
-
-
-def full_state(train_engine: TrainEngine, layers: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``{"<key>/<param>": flat tensor}`` for every parameter of ``layers`` (collective at ZeRO-3)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    params = dict(train_engine.engine.module.named_parameters())
-    out = {}
-    for layer in layers:
-        for info in train_engine.layer_map[layer].params:
-            p = params[info.name]
-            out[f"fp32/{info.name}"] = safe_get_full_fp32_param(p)
-            for key in ("exp_avg", "exp_avg_sq"):
-                out[f"{key}/{info.name}"] = safe_get_full_optimizer_state(p, key)
-    return {k: v.detach().float().reshape(-1).clone() for k, v in out.items()}
 
 
 def _persist(
@@ -148,7 +114,7 @@ def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: 
     pool = HostBufferPool()
     losses, probe_loss = [], {}
     for t in range(1, STEPS + 1):
-        losses.append(train_step(train_engine, batches(t, rank))[0])
+        losses.append(train_step(train_engine, batches(train_engine, t, rank))[0])
         if t in SCHEDULE:
             layers, base = SCHEDULE[t]
             _persist(train_engine, store, layers, base, pool, expect_dir, rank)
@@ -208,7 +174,7 @@ def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expec
         "loss": eval_loss(train_engine, probe_batch()),
         "lr": train_engine.engine.lr_scheduler.get_last_lr()[0],
     }
-    out["train_losses"] = [train_step(train_engine, batches(t + 1 + i, rank))[0] for i in range(2)]
+    out["train_losses"] = [train_step(train_engine, batches(train_engine, t + 1 + i, rank))[0] for i in range(2)]
     out["step"] = train_engine.step
     out["mismatches_after_training"] = len(compare_state(train_engine, expected_state(expect_dir, t)))
     shutdown(train_engine)
@@ -247,5 +213,5 @@ def _continue(train_engine: TrainEngine, t: int, rank: int) -> dict[str, Any]:
         "lr": train_engine.engine.lr_scheduler.get_last_lr()[0],
         "group_lrs": [g["lr"] for g in train_engine.optimizer.param_groups],
         "loss": eval_loss(train_engine, probe_batch()),
-        "train_losses": [train_step(train_engine, batches(t + 1 + i, rank))[0] for i in range(3)],
+        "train_losses": [train_step(train_engine, batches(train_engine, t + 1 + i, rank))[0] for i in range(3)],
     }

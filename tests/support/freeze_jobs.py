@@ -6,37 +6,22 @@ from typing import Any
 
 import torch
 
-from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.engine import build_engine, build_model, layer_map_for, seek_step, shutdown
+from layercheck.workers.config import ModelConfig
+from layercheck.workers.engine import build_model, layer_map_for, seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.step import eval_loss, train_step
-from tests.support.worker_jobs import SEQ, batches, gather_shards, probe_batch, same, shard_values
+from tests.support.engines import batches, engine_configs, gather_shards, make_engine, probe_batch, same, shard_values
+from tests.support.models import FOUR_BLOCKS, SEQ
 
-FOUR_BLOCKS: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
 FREEZE = ("embed", "block.[01]")
 DECAY = 0.5
+OPTIONS = {"hf_config": FOUR_BLOCKS, "freeze": FREEZE, "layer_lr_decay": DECAY}
 
 
 def model_cfg() -> ModelConfig:
-    return ModelConfig(hf_config=FOUR_BLOCKS, seed=7, freeze=FREEZE)
-
-
-def optim_cfg() -> OptimConfig:
-    return OptimConfig(
-        lr=3e-3, weight_decay=0.1, warmup_steps=2, total_steps=20, min_lr_ratio=0.1, layer_lr_decay=DECAY
-    )
+    return engine_configs(**OPTIONS)[0]
 
 
 def module_weights(train_engine: Any) -> dict[str, torch.Tensor]:
@@ -54,9 +39,7 @@ def frozen_job(rank: int, world_size: int, stage: int, ckpt_dir: str) -> dict[st
     """Frozen layers are absent from the layer map, the groups and the layout; they never change
     and equal a fresh build; snapshot -> train -> restore still reproduces the trajectory; each
     group trains at its layer's decayed lr."""
-    train_engine = build_engine(
-        model_cfg(), optim_cfg(), EngineConfig(zero_stage=stage, precision="fp32", micro_batch=2, grad_clip=1.0)
-    )
+    train_engine = make_engine(stage, **OPTIONS)
     frozen_names = [n for n, p in train_engine.engine.module.named_parameters() if not p.requires_grad]
     fresh = {n: p.detach().clone() for n, p in build_model(model_cfg()).named_parameters()}
     out: dict[str, Any] = {

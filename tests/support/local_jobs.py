@@ -23,7 +23,7 @@ from layercheck.workers.engine import TrainEngine, seek_step, shutdown
 from layercheck.workers.env import init_distributed
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
-from tests.support.worker_jobs import make_engine
+from tests.support.engines import make_engine
 
 STEPS = 7
 #: The tests persist every layer every step: nothing may be held back waiting for a commit.

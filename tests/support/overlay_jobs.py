@@ -1,4 +1,4 @@
-"""Per-rank job of the capture-overlay test (spawned by tests/dist_harness.py).
+"""Per-rank job of the capture-overlay test (spawned by tests/support/dist_harness.py).
 
 Two ZeRO-3 ranks train the composite tests' tiny Llama; every layer is persisted whole at step
 ``S``; at step ``T`` rank 0 alone hands over its slices of every layer as a *capture* (a partial
@@ -18,7 +18,8 @@ from layercheck.workers.engine import TrainEngine, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import snapshot_layers
 from layercheck.workers.step import train_step
-from tests.support.composite_jobs import adam_steps, batches, full_state, make_engine, run_config
+from tests.support.composite_jobs import adam_steps, make_engine, run_config
+from tests.support.engines import batches, full_state
 
 S, T = 2, 4
 
@@ -51,7 +52,7 @@ def capture_overlay_job(rank: int, world_size: int, store_uri: str) -> dict[str,
     names = list(train_engine.layer_map.names)
     store, pool = LayerStore.open(store_uri, fsync=False), HostBufferPool()
     for t in range(1, T + 2):
-        train_step(train_engine, batches(t, rank))
+        train_step(train_engine, batches(train_engine, t, rank))
         if t == S:
             _write(train_engine, store, pool, capture=False)
             at_s = full_state(train_engine, names)

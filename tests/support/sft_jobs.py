@@ -1,4 +1,4 @@
-"""Per-rank job for the SFT loop test (spawned by tests/dist_harness.py; must be importable):
+"""Per-rank job for the SFT loop test (spawned by tests/support/dist_harness.py; must be importable):
 the built-in loop on SFT data with a real DeepSpeed engine."""
 
 from __future__ import annotations
@@ -8,23 +8,12 @@ from typing import Any
 import torch
 
 from layercheck.workers.batch import Batch
-from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.data import DataConfig, load_dataset
-from layercheck.workers.engine import build_engine, shutdown
+from layercheck.workers.engine import shutdown
 from layercheck.workers.loop import run_loop
 from layercheck.workers.step import eval_loss
-
-SFT_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
+from tests.support.engines import make_engine
+from tests.support.models import SFT_LLAMA
 
 
 class NoCheckpoints:
@@ -44,10 +33,17 @@ class NoCheckpoints:
 
 
 def sft_loop_job(rank: int, world_size: int, path: str, tokenizer: str, packing: bool, steps: int) -> dict[str, Any]:
-    train_engine = build_engine(
-        ModelConfig(hf_config=SFT_LLAMA, seed=3),
-        OptimConfig(lr=3e-3, warmup_steps=1, total_steps=steps, schedule="constant"),
-        EngineConfig(zero_stage=3, precision="fp32", micro_batch=2, grad_accum=2, grad_clip=1.0),
+    train_engine = make_engine(
+        3,
+        hf_config=SFT_LLAMA,
+        seed=3,
+        grad_accum=2,
+        lr=3e-3,
+        weight_decay=0.0,
+        warmup_steps=1,
+        total_steps=steps,
+        min_lr_ratio=0.0,
+        schedule="constant",
     )
     dataset = load_dataset(DataConfig(format="sft", path=path, tokenizer=tokenizer, seq_len=64, packing=packing))
     probe = dataset.micro_batch(step=1, micro=0, rank=0, world_size=1, micro_batch=2, grad_accum=1)

@@ -1,7 +1,8 @@
-"""Per-rank jobs for the worker tests (spawned by tests/dist_harness.py; must be importable).
+"""Per-rank jobs for the worker tests (spawned through tests/support/dist_harness.py; must be
+importable).
 
-Each job builds a real DeepSpeed engine on a tiny Llama and checks several properties in one
-process start, returning plain values for the test to assert on.
+Each job builds a real DeepSpeed engine on the tiny Llama (tests/support/engines.py) and checks
+several properties in one process start, returning plain values for the test to assert on.
 """
 
 from __future__ import annotations
@@ -10,93 +11,13 @@ from typing import Any
 
 import torch
 
-from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.drift import global_drift
-from layercheck.workers.engine import TrainEngine, build_engine, seek_step, shutdown
+from layercheck.workers.engine import seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
 from layercheck.workers.shard import STATE_KEYS, LayerShard
 from layercheck.workers.step import eval_loss, train_step
-
-TINY_LLAMA: dict[str, Any] = {
-    "model_type": "llama",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": False,
-}
-SEQ = 16
-
-
-def make_engine(
-    stage: int, precision: str, micro_batch: int = 2, grad_accum: int = 1, drift_step: str = "foreach"
-) -> TrainEngine:
-    return build_engine(
-        ModelConfig(hf_config=TINY_LLAMA, seed=7),
-        OptimConfig(
-            lr=3e-3,
-            weight_decay=0.1,
-            warmup_steps=2,
-            total_steps=20,
-            min_lr_ratio=0.1,
-            schedule="cosine",
-            drift_step=drift_step,
-        ),
-        EngineConfig(
-            zero_stage=stage, precision=precision, micro_batch=micro_batch, grad_accum=grad_accum, grad_clip=1.0
-        ),
-    )
-
-
-def batches(train_engine: TrainEngine, step: int, rank: int) -> list[torch.Tensor]:
-    """The micro-batches rank ``rank`` trains on at ``step`` (a pure function of both)."""
-    out = []
-    for micro in range(train_engine.engine.gradient_accumulation_steps()):
-        g = torch.Generator().manual_seed(100_000 * step + 100 * micro + rank)
-        out.append(torch.randint(0, TINY_LLAMA["vocab_size"], (train_engine.engine_cfg.micro_batch, SEQ), generator=g))
-    return out
-
-
-def probe_batch() -> torch.Tensor:
-    g = torch.Generator().manual_seed(424242)
-    return torch.randint(0, TINY_LLAMA["vocab_size"], (2, SEQ), generator=g)
-
-
-def full_fp32(train_engine: TrainEngine, name: str) -> torch.Tensor:
-    """The whole fp32 master of parameter ``name``, through DeepSpeed's public helpers where
-    they exist (collective at ZeRO-3): an independent reference for the layout code."""
-    import deepspeed
-
-    from layercheck.workers import ds_internals
-
-    param = dict(train_engine.engine.module.named_parameters())[name]
-    if train_engine.engine_cfg.zero_stage == 0:
-        master = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(train_engine.engine)}[id(param)]
-        return master.detach().clone().float().view(-1)
-    return deepspeed.utils.safe_get_full_fp32_param(param).detach().clone().float().view(-1)
-
-
-def all_full_fp32(train_engine: TrainEngine) -> dict[str, torch.Tensor]:
-    return {p.name: full_fp32(train_engine, p.name) for layer in train_engine.layer_map.layers for p in layer.params}
-
-
-def shard_values(shards: list[LayerShard]) -> dict[str, Any]:
-    return {s.layer: {k: s.tensors[k].clone() for k in STATE_KEYS} | {"step": s.optimizer_step} for s in shards}
-
-
-def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
-
-
-def gather_shards(shards: list[LayerShard]) -> list[LayerShard]:
-    """Every rank's shards (ZeRO-0 restore needs whole parameters); in-memory test transport."""
-    everyone: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(everyone, shards)
-    return [s for rank_shards in everyone for s in rank_shards]
+from tests.support.engines import all_full_fp32, batches, gather_shards, make_engine, probe_batch, same, shard_values
 
 
 def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: str, grad_accum: int) -> dict[str, Any]:
