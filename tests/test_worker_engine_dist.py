@@ -1,7 +1,7 @@
 """Real DeepSpeed (gloo, CPU) on 1-2 ranks: drift probe, snapshot/restore round trip, partial restore.
 
-One spawned job per configuration checks every property (see tests/support/worker_jobs.py); the
-assertions are here.
+One job per configuration checks every property (see tests/support/worker_jobs.py), the jobs of
+one world size in one spawn; the assertions are here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tests.support import worker_jobs
-from tests.support.dist_harness import run_ranks
+from tests.support.dist_harness import run_jobs
 
 # (zero stage, precision, world size, gradient accumulation)
 CONFIGS = [
@@ -30,10 +30,22 @@ CONFIGS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def results():
+    """Every configuration's job, those of one world size one after another in one spawn."""
+    out = {}
+    for world in sorted({c[2] for c in CONFIGS}):
+        configs = [c for c in CONFIGS if c[2] == world]
+        jobs = [
+            (worker_jobs.drift_and_roundtrip_job, (stage, precision, accum)) for stage, precision, _, accum in configs
+        ]
+        out.update(zip(configs, run_jobs(world, jobs)))
+    return out
+
+
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda c: f"zero{c[0]}-{c[1]}-w{c[2]}-ga{c[3]}")
-def job(request):
-    stage, precision, world, accum = request.param
-    return request.param, run_ranks(worker_jobs.drift_and_roundtrip_job, world, stage, precision, accum)
+def job(request, results):
+    return request.param, results[request.param]
 
 
 def _close(a: float, b: float) -> bool:
