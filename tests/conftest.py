@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from layercheck.orchestrator.store.layer_store import LayerStore
+from tests.support.bench_runs import tiny_benchmark_run
 from tests.support.ray_runs import device_overrides
 from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 
@@ -60,3 +61,58 @@ def local_ray():
 def store(tmp_path) -> LayerStore:
     """An empty layer store in the test's temporary directory."""
     return LayerStore.open(str(tmp_path / "store"))
+
+
+@pytest.fixture(scope="session")
+def tiny_benchmark():
+    """The tiny benchmark run the harness and capture tests check (tests/support/bench_runs.py),
+    once per session: (workload, raw results)."""
+    return tiny_benchmark_run()
+
+
+@pytest.fixture(scope="session")
+def local_runtime(tmp_path_factory):
+    """The local (no Ray) runtime's 2-rank jobs, one after the other in one spawn: the loop's
+    scenarios (tests/test_local_loop.py) and the write budget's runs
+    (tests/test_local_write_budget.py); ``{"loop": per-rank results, "budget": per-rank results}``."""
+    from tests.support import budget_jobs, local_jobs
+    from tests.support.dist_harness import run_jobs
+
+    root = tmp_path_factory.mktemp("local-runtime")
+    (root / "loop").mkdir()
+    (root / "budget").mkdir()
+    loop, budget = run_jobs(
+        2,
+        [
+            (local_jobs.loop_scenarios, (str(root / "loop"),)),
+            (budget_jobs.budget_job, (str(root / "budget"), budget_jobs.CAP)),
+        ],
+    )
+    return {"loop": loop, "budget": budget}
+
+
+@pytest.fixture(scope="session")
+def tied_llama_jobs(tmp_path_factory):
+    """The 2-rank jobs on the tied-embedding Llama, one after another in one spawn:
+    ``store``: ``train_and_store_job`` at ZeRO-3 (tests/support/composite_jobs.py) wrote
+    ``(store uri, expected-values dir, the saver's probe loss at each persisting step)``, with its
+    ``run.json`` (tests/test_composite_reslice.py and tests/test_export_deepspeed.py only read it);
+    ``overlay``: the capture-overlay job's results (tests/test_capture_overlay.py); ``capture``:
+    ``{zero stage: the capture job's results}``, ZeRO-0 (tests/test_capture_pieces.py)."""
+    from tests.support import capture_jobs, composite_jobs, overlay_jobs
+    from tests.support.dist_harness import run_jobs
+
+    root = tmp_path_factory.mktemp("tied-llama")
+    store, expect = root / "store", root / "expected"
+    expect.mkdir()
+    trained, overlay, capture = run_jobs(
+        2,
+        [
+            (composite_jobs.train_and_store_job, (str(store), str(expect))),
+            (overlay_jobs.capture_overlay_job, (str(root / "overlay-store"),)),
+            (capture_jobs.capture_job, (0,)),
+        ],
+    )
+    composite_jobs.write_run_json(str(store), composite_jobs.run_config())
+    probe_loss = {int(t): loss for t, loss in trained[0]["probe_loss"].items()}
+    return {"store": (str(store), str(expect), probe_loss), "overlay": overlay, "capture": {0: capture}}

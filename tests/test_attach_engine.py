@@ -10,15 +10,20 @@ import pytest
 
 from layercheck.policies.layer_map import UnplacedParameterError, layer_map_from
 from tests.support import attach_jobs
-from tests.support.dist_harness import run_ranks
+from tests.support.dist_harness import run_jobs, run_ranks
 
 CASES = [(0, "decay_groups"), (1, "ds_config"), (2, "decay_groups"), (3, "decay_groups"), (3, "ds_config")]
 
 
+@pytest.fixture(scope="module")
+def results():
+    """Every case's job, one after another in one 2-rank spawn."""
+    return dict(zip(CASES, run_jobs(2, [(attach_jobs.user_engine_job, case) for case in CASES])))
+
+
 @pytest.fixture(scope="module", params=CASES, ids=lambda c: f"zero{c[0]}-{c[1]}")
-def job(request):
-    stage, optimizer = request.param
-    return request.param, run_ranks(attach_jobs.user_engine_job, 2, stage, optimizer)
+def job(request, results):
+    return request.param, results[request.param]
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 rank lost after step 6; the survivors' slices come back exact, the lost rank's as stale as without
 capture; with the memory tier every shard file of the recovery comes from the writers' memory and
 the run is the storage-recovered one exactly. (Local stores: ``--store s3-loopback`` costs the
-suite a moto server and slower writes, and loads the same files.)"""
+suite a moto server and slower writes, and loads the same files.) The run is the
+``tiny_benchmark`` fixture's (tests/support/bench_runs.py), shared with tests/test_bench_smoke.py."""
 
 from __future__ import annotations
 
@@ -11,17 +12,11 @@ import math
 import pytest
 
 from layercheck.bench import report as reports
-from layercheck.bench.harness import run_benchmark
-from layercheck.bench.presets import preset
-from layercheck.bench.strategies import default_strategies, select
 
 
 @pytest.mark.slow
-def test_capture_recovers_the_survivors_slices_exactly():
-    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
-    names = ["layercheck", "layercheck+capture", "layercheck+capture+memory", "full"]
-    strategies = select(default_strategies(workload.strategy), names)
-    raw = run_benchmark(workload, strategies, matched=False)
+def test_capture_recovers_the_survivors_slices_exactly(tiny_benchmark):
+    workload, raw = tiny_benchmark
     assert raw["store"] == "local"
     results = raw["results"]
     (plain,) = results["layercheck"]["recoveries"]

@@ -1,4 +1,5 @@
-"""Smoke test of the benchmark harness: real DeepSpeed ranks, a few steps, one failure."""
+"""Smoke test of the benchmark harness: real DeepSpeed ranks, a few steps, one failure. The run is
+the ``tiny_benchmark`` fixture's (tests/support/bench_runs.py), shared with tests/test_bench_capture.py."""
 
 from __future__ import annotations
 
@@ -8,18 +9,15 @@ import pytest
 
 from layercheck.bench import report as reports
 from layercheck.bench.cli import write_outputs
-from layercheck.bench.harness import run_benchmark
-from layercheck.bench.presets import preset
-from layercheck.bench.strategies import default_strategies, select
+from tests.support.bench_runs import TINY_BENCHMARK_STRATEGIES
 
 
 @pytest.mark.slow
-def test_harness_runs_recovers_and_reports(tmp_path):
-    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
-    strategies = select(default_strategies(workload.strategy), ["layercheck", "full", "diff", "full-resume"])
-    raw = run_benchmark(workload, strategies, matched=False)  # no root: each store is deleted after its run
+def test_harness_runs_recovers_and_reports(tiny_benchmark, tmp_path):
+    workload, raw = tiny_benchmark  # no root: each store is deleted after its run
     results = raw["results"]
-    assert list(results) == ["none", "layercheck", "full", "diff", "full-resume"]
+    assert list(results) == ["none", *TINY_BENCHMARK_STRATEGIES]
+    assert {"layercheck", "full", "diff", "full-resume"} <= set(results)
     # full-resume commits the state after step 5 (decided at 4): freshness counts it although the
     # store is gone by the time the report is made (staleness 2, 3, 4, 0, 1, then 2, 0 after the recovery)
     assert results["full-resume"]["freshness"]["max_staleness"] == 4

@@ -15,7 +15,7 @@ import tomllib
 
 from layercheck.workers import ds_internals
 from tests.support import worker_jobs
-from tests.support.dist_harness import run_ranks
+from tests.support.dist_harness import run_jobs
 
 
 def test_missing_attribute_is_a_loud_named_error():
@@ -71,10 +71,19 @@ def test_an_unverified_deepspeed_is_refused_unless_the_user_opts_in(monkeypatch,
     assert "DeepSpeed 0.21.0 is outside" in caplog.text
 
 
+WRAPPED = [(0, "bf16"), (2, "bf16"), (3, "bf16")]
+
+
+@pytest.fixture(scope="module")
+def internals():
+    """Every stage's job, one after another in one 2-rank spawn."""
+    return dict(zip(WRAPPED, run_jobs(2, [(worker_jobs.internals_job, config) for config in WRAPPED])))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("stage, precision", [(0, "bf16"), (2, "bf16"), (3, "bf16")])
-def test_wrappers_agree_with_deepspeed(stage, precision):
-    results = run_ranks(worker_jobs.internals_job, 2, stage, precision)
+@pytest.mark.parametrize("stage, precision", WRAPPED)
+def test_wrappers_agree_with_deepspeed(internals, stage, precision):
+    results = internals[stage, precision]
     for r in results:
         assert r["client_is_drift_adamw"]
         assert r["refresh_reaches_model"]

@@ -5,15 +5,24 @@ from __future__ import annotations
 import pytest
 
 from tests.support import freeze_jobs
-from tests.support.dist_harness import run_ranks
+from tests.support.dist_harness import run_jobs
 
 TRAINED = ["block.2", "block.3", "norm", "lm_head"]
 
 
-@pytest.fixture(scope="module", params=[0, 2, 3], ids=lambda s: f"zero{s}")
-def job(request, tmp_path_factory):
-    ckpt = tmp_path_factory.mktemp(f"ds-zero{request.param}")
-    return request.param, run_ranks(freeze_jobs.frozen_job, 2, request.param, str(ckpt))
+STAGES = [0, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """Every stage's job, one after another in one 2-rank spawn."""
+    jobs = [(freeze_jobs.frozen_job, (stage, str(tmp_path_factory.mktemp(f"ds-zero{stage}")))) for stage in STAGES]
+    return dict(zip(STAGES, run_jobs(2, jobs)))
+
+
+@pytest.fixture(scope="module", params=STAGES, ids=lambda s: f"zero{s}")
+def job(request, results):
+    return request.param, results[request.param]
 
 
 @pytest.mark.slow

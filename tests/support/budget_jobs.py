@@ -20,6 +20,7 @@ from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from tests.support.engines import make_engine
 
 STEPS = 16
+CAP = 20_000  # bytes per step: a fraction of the tiny model's state (~0.9 MB) per period of 2
 
 
 def _run(
