@@ -6,12 +6,11 @@ step-S values, bit for bit, and the plan's account says which elements came from
 import pytest
 
 from tests.support import overlay_jobs as jobs
-from tests.support.dist_harness import run_ranks
 
 
 @pytest.mark.slow
-def test_rank_0s_capture_overlays_the_whole_versions_bit_for_bit(tmp_path):
-    results = run_ranks(jobs.capture_overlay_job, 2, str(tmp_path / "store"))
+def test_rank_0s_capture_overlays_the_whole_versions_bit_for_bit(tied_llama_jobs):
+    results = tied_llama_jobs["overlay"]  # spawned with the other tied-Llama jobs: tests/conftest.py
     saver = results[0]
     assert saver["mismatches"] == []
     assert saver["captured_moved"] > 0 and saver["rest_moved"] > 0, "both halves must differ between S and T"

@@ -2,9 +2,6 @@
 
 import pytest
 
-from tests.support.capture_jobs import capture_job
-from tests.support.dist_harness import run_ranks
-
 pytestmark = pytest.mark.slow
 
 
@@ -23,8 +20,8 @@ def _coverage(result):
 
 
 @pytest.mark.parametrize("zero_stage", [0])  # ZeRO-3: tests/test_e2e_ray.py checks a real capture bit for bit
-def test_a_survivor_captures_its_state_and_any_single_death_is_covered(zero_stage):
-    results = run_ranks(capture_job, 2, zero_stage)
+def test_a_survivor_captures_its_state_and_any_single_death_is_covered(tied_llama_jobs, zero_stage):
+    results = tied_llama_jobs["capture"][zero_stage]  # spawned with the other tied-Llama jobs: tests/conftest.py
     assert all(r["step"] == 2 and r["equal"] for r in results)  # the state at the last step, exactly
     assert all(r["ahead"] == 3 for r in results)  # a state one update past the last report says so
     numel = {name.removeprefix("fp32/"): n for name, n in results[0]["numel"].items()}

@@ -14,9 +14,9 @@ from tests.support.dist_harness import run_ranks
 
 
 @pytest.fixture(scope="module")
-def trained_store(tmp_path_factory):
+def trained_store(tied_llama_jobs):
     """2 ZeRO-3 ranks train 6 steps, persisting a base at 2 and some layers at 4, 5 and 6."""
-    return jobs.trained_store(tmp_path_factory)
+    return tied_llama_jobs["store"]
 
 
 def _reference_loss(expect_dir: str, t: int) -> float:

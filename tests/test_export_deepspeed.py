@@ -15,10 +15,10 @@ T = 5  # embed@4, block.0@4, block.1@5, norm@5
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(tied_llama_jobs):
     """2 ZeRO-3 ranks trained 6 steps, persisting a base at 2 and some layers at 4, 5 and 6; the
     run's config (cluster.num_workers = 2: the export's default world size) in run.json."""
-    return jobs.trained_store(tmp_path_factory)
+    return tied_llama_jobs["store"]
 
 
 @pytest.mark.slow

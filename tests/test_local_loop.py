@@ -11,16 +11,15 @@ import math
 
 import pytest
 
-from layercheck.orchestrator.local.spawn import spawn_ranks
-from tests.support.local_jobs import STEPS, loop_scenarios
+from tests.support.local_jobs import STEPS
 
 pytestmark = pytest.mark.slow  # spawns DeepSpeed ranks (~30 s on 2 cores)
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("local-loop")
-    return spawn_ranks(loop_scenarios, 2, str(root), timeout_s=600, what="local loop scenarios")
+def ranks(local_runtime):
+    """The loop scenarios' results (spawned with the write-budget job: tests/conftest.py)."""
+    return local_runtime["loop"]
 
 
 def test_the_layers_a_decision_names_are_persisted_one_step_later_on_every_rank(ranks):

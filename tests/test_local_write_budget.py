@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import budget_jobs
-from tests.support.dist_harness import run_ranks
-
-CAP = 20_000  # bytes per step: a fraction of the tiny model's state (~0.9 MB) per period of 2
+from tests.support.budget_jobs import CAP
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    return run_ranks(budget_jobs.budget_job, 2, str(tmp_path_factory.mktemp("budget")), CAP)
+def ranks(local_runtime):
+    """The write-budget job's results (spawned with the local loop's scenarios: tests/conftest.py)."""
+    return local_runtime["budget"]
 
 
 @pytest.mark.slow

@@ -87,25 +87,6 @@ def _persist(
     torch.distributed.barrier()
 
 
-_TRAINED: dict[str, tuple[str, str, dict[int, float]]] = {}
-
-
-def trained_store(tmp_path_factory: Any) -> tuple[str, str, dict[int, float]]:
-    """(store uri, expected-values dir, the saver's probe loss at each persisting step) of one
-    2-rank ZeRO-3 run of ``train_and_store_job`` with its ``run.json``; made once per test
-    session (the tests only read it)."""
-    if "run" not in _TRAINED:
-        from tests.support.dist_harness import run_ranks
-
-        root = tmp_path_factory.mktemp("composite")
-        store, expect = root / "store", root / "expected"
-        expect.mkdir()
-        saver = run_ranks(train_and_store_job, 2, str(store), str(expect))[0]
-        write_run_json(str(store), run_config())
-        _TRAINED["run"] = (str(store), str(expect), {int(t): loss for t, loss in saver["probe_loss"].items()})
-    return _TRAINED["run"]
-
-
 def train_and_store_job(rank: int, world_size: int, store_uri: str, expect_dir: str) -> dict[str, Any]:
     """Train ``STEPS`` steps at ZeRO-3, persisting per ``SCHEDULE``; the training losses and the
     probe loss at each persisting step."""
