@@ -2,23 +2,23 @@
 panel or a rule references is one layercheck.orchestrator.runtime.metric_specs declares, and every PromQL expression
 parses (promtool, from Debian's ``prometheus`` package, which CI installs)."""
 
-import json
-import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
 from layercheck.orchestrator.runtime.metric_specs import series_names
-
-DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
-DASHBOARD = DASHBOARDS / "layercheck-dashboard.json"
-ALERTS = DASHBOARDS / "alerts.yml"
-METRIC = re.compile(r"\blayercheck_[a-z0-9_]+")
-#: What Grafana substitutes into a query before sending it, for checking it outside Grafana.
-GRAFANA_VARIABLES = {"$run_id": "demo-0", "$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h"}
+from tests.support.dashboards import (
+    ALERTS,
+    DASHBOARDS,
+    METRIC,
+    alert_exprs,
+    dashboard,
+    dashboard_exprs,
+    panels,
+    substitute,
+)
 
 
 def promtool() -> str:
@@ -28,34 +28,6 @@ def promtool() -> str:
             "promtool not found: install Debian's 'prometheus' package (apt-get install prometheus; .ci/run does it)"
         )
     return path
-
-
-def dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def panels(board: dict) -> list[dict]:
-    out = []
-    for panel in board["panels"]:
-        out += [panel, *panel.get("panels", [])]
-    return out
-
-
-def dashboard_exprs(board: dict) -> list[str]:
-    exprs = [t["expr"] for p in panels(board) for t in p.get("targets", [])]
-    exprs += [a["expr"] for a in board["annotations"]["list"] if "expr" in a]
-    return exprs
-
-
-def alert_exprs() -> list[str]:
-    groups = yaml.safe_load(ALERTS.read_text())["groups"]
-    return [rule["expr"] for group in groups for rule in group["rules"]]
-
-
-def substitute(expr: str) -> str:
-    for name, value in GRAFANA_VARIABLES.items():
-        expr = expr.replace(name, value)
-    return expr
 
 
 def test_every_referenced_metric_is_exported():

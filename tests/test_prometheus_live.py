@@ -21,7 +21,7 @@ from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM
 from layercheck.workers.env import free_port
 from layercheck.workers.loop import DECISION_LAG
-from tests.test_dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
+from tests.support.dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
