@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.freeze import apply_freeze, lr_scale
 from layercheck.workers.layout import StateLayout, build_layout
 from layercheck.workers.lr_schedule import make_scheduler, seek_scheduler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,7 @@ class TrainEngine:
         return int(self.engine.global_steps)
 
 
-def build_model(cfg: ModelConfig) -> torch.nn.Module:
+def build_model(cfg: ModelConfig) -> PreTrainedModel:
     """The model in fp32 on the host; DeepSpeed casts and moves it."""
     import transformers
 

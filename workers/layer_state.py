@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -43,6 +43,17 @@ class LayerMeta:
 
     optimizer_step: int
     groups: tuple[Mapping[str, Any], ...] = ()
+
+
+class LayerMetaView(Protocol):
+    """What a restore reads of a layer's metadata: a :class:`LayerMeta`, or a stored version's
+    ``VersionMeta`` (:mod:`layercheck.orchestrator.store.composite_reader`)."""
+
+    @property
+    def optimizer_step(self) -> int: ...
+
+    @property
+    def groups(self) -> Sequence[Mapping[str, Any]]: ...
 
 
 def needed_slices(layout: StateLayout, layer: str) -> tuple[ParamSlice, ...]:
@@ -131,7 +142,7 @@ def _copy_out(layout: StateLayout, pieces: Sequence[Piece], key: str, pool: Host
 
 
 @torch.no_grad()
-def restore_layers(layout: StateLayout, metas: Mapping[str, LayerMeta], read: RangeReader) -> None:
+def restore_layers(layout: StateLayout, metas: Mapping[str, LayerMetaView], read: RangeReader) -> None:
     """Load the layers named in ``metas`` from ``read``; other layers stay as they are.
 
     Collective at ZeRO 1-3 (the low-precision weights are re-gathered): every rank must call
@@ -156,7 +167,7 @@ def restore_layers(layout: StateLayout, metas: Mapping[str, LayerMeta], read: Ra
     logger.info("restored %d layers: %s", len(metas), ", ".join(metas))
 
 
-def _restored_count(layout: StateLayout, metas: Mapping[str, LayerMeta], master: torch.Tensor) -> int:
+def _restored_count(layout: StateLayout, metas: Mapping[str, LayerMetaView], master: torch.Tensor) -> int:
     """The newest step count among the restored layers that share ``master``: one Adam count
     serves them all, and bias correction barely changes past the first steps."""
     return max(meta.optimizer_step for name, meta in metas.items() if any(m is master for m in layout[name].masters))
