@@ -115,7 +115,9 @@ def _own_fields(cls: type) -> list[tuple[str, str, str]]:
 
 def field_docs(cls: type) -> list[tuple[str, str, str]]:
     """``(name, default, docstring)`` of each field, from the class source."""
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    class_def = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(class_def, ast.ClassDef)
+    body = class_def.body
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     out = []
     for node, following in zip(body, [*body[1:], None]):
@@ -128,11 +130,12 @@ def field_docs(cls: type) -> list[tuple[str, str, str]]:
         if isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant):
             doc = " ".join(str(following.value.value).split())
         default = defaults.get(name, dataclasses.MISSING)
-        shown = (
-            "(required)"
-            if default is dataclasses.MISSING and node.value is None
-            else (repr(default) if default is not dataclasses.MISSING else ast.unparse(node.value))
-        )
+        if default is not dataclasses.MISSING:
+            shown = repr(default)
+        elif node.value is None:
+            shown = "(required)"
+        else:
+            shown = ast.unparse(node.value)
         out.append((name, shown, doc.replace("``", "`")))
     return out
 

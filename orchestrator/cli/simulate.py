@@ -15,7 +15,7 @@ from typing import Any
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.config_loader import ConfigError
-from layercheck.policies.configs import POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from layercheck.policies.configs import POLICY_CONFIGS, LayerCheckConfig, PolicyConfig, policy_config, policy_name
 from layercheck.policies.simulate import (
     BYTES_PER_PARAM,
     Comparison,
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             f"is nothing to measure; pass a smaller --warmup, or a longer trace"
         )
     if args.sweep:
-        if policy_name(config) != "layercheck":  # the sweep varies K0, which only LayerCheck has
+        if not isinstance(config, LayerCheckConfig):  # the sweep varies K0, which only LayerCheck has
             raise SystemExit("layercheck simulate: --sweep needs --policy layercheck")
         values = [float(v) for v in args.sweep.split(",") if v.strip()]
         comparisons = sweep_k0(trace, config, values, eval_from=eval_from)
@@ -151,7 +151,8 @@ _FLAGS = {
 def _policy_config(args: argparse.Namespace) -> PolicyConfig:
     """The policy to replay: the run's own (``run.json`` beside ``--trace``) unless ``--policy``
     names one; flags given override its fields."""
-    name, params = args.policy, {}
+    name: str | None = args.policy
+    params: dict[str, Any] = {}
     run_policy = _run_policy(args.trace) if args.trace is not None and name is None else None
     if run_policy is not None:
         name, params = run_policy

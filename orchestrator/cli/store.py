@@ -66,7 +66,7 @@ def summarize(manifest: Manifest) -> dict[str, Any]:
     newer than it that recovery would overlay, bytes, number of versions; and totals."""
     layers = sorted(manifest.layers(), key=model_order)
     newest_step = newest_recoverable_step(layers, manifest.refs())
-    rows = []
+    rows: list[dict[str, Any]] = []
     for layer in layers:
         versions = [r for r in manifest.records if r.layer == layer]
         whole = [r for r in versions if not r.partial] or versions
@@ -218,6 +218,6 @@ def run_gc(args: argparse.Namespace) -> int:
             f"warning: kept {len(report.kept_files)} uncommitted file(s) that a damaged commit record may name; "
             f"run layercheck verify {args.run}, then move or repair the record it names"
         )
-    for error in report.errors:
-        print(f"error: {error}")
+    for message in report.errors:
+        print(f"error: {message}")
     return 1 if report.errors else 0

@@ -231,6 +231,7 @@ class RecoveryMachine:
         attempt = state.attempt + 1
         actions: list[Action] = []
         grown_from = state.world_size if event.world_size > state.world_size else 0
+        t_fail: int | None  # None: a --resume's recovery, which has no failure step
         if isinstance(state, Running):
             t_fail, lost_group, groups = event.last_complete_step, True, 1
             why = (

@@ -115,7 +115,7 @@ class PersistenceConfig:
     ZeRO-0 nothing does. Ray Train's teardown of the broken group is held back for it (below)."""
     capture_grace_s: float = 2.0
     """How long the teardown waits for a survivor to begin its capture. An NCCL survivor blocked
-    in a collective is released first (its process groups aborted, README "GPU/NCCL"); one that
+    in a collective is released first (its process groups aborted, docs/recovery.md "GPU and NCCL"); one that
     still never begins contributes nothing: its slices come from stored versions."""
     capture_timeout_s: float = 30.0
     """The longest the teardown of a broken group is held for the survivors' captures."""
@@ -357,6 +357,7 @@ def _model_vocab_size(config: RunConfig) -> int | None:
         return int(vocab) if isinstance(vocab, int) else None
     from transformers import AutoConfig  # a local checkpoint's config.json
 
+    assert config.model.path is not None  # ModelConfig holds exactly one of hf_config and path
     try:
         return int(AutoConfig.from_pretrained(config.model.path, local_files_only=True).vocab_size)
     except (OSError, ValueError, AttributeError):
@@ -375,7 +376,7 @@ def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
     return dataclasses.replace(from_mapping(RunConfig, data), policy=policy_config(str(policy["name"]), params))
 
 
-def load_run_config(path: str | Path, overrides: Mapping[str, Any] | None = None) -> RunConfig:
+def load_run_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> RunConfig:
     """Read a ``.toml``, ``.yaml``/``.yml`` or ``.json`` run file, apply dotted ``overrides``
     (``{"steps": 50, "policy.k0": 2e-3}``) and validate."""
     path = Path(path)

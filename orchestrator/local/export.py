@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_
 from layercheck.policies.layer_map import LayerMap
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
 from layercheck.workers.engine import layer_map_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ def composite_model(
     records: Mapping[str, VersionRecord],
     *,
     overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
-) -> torch.nn.Module:
+) -> PreTrainedModel:
     """The run's model on the host in fp32, every trainable parameter set to its composite fp32
     weights (each element from the newest of ``overlays`` holding it, else from ``records``). A tied output head shares the embedding's tensor, so it is set with it. A frozen
     layer (``model.freeze``) keeps the weights the model is built with: they never changed."""

@@ -55,7 +55,8 @@ class Mailbox:
 
     def client(self) -> Mailbox:
         """A client for another thread."""
-        return Mailbox(self._store.clone())
+        # torch's stubs omit Store.clone, which c10d binds
+        return Mailbox(self._store.clone())  # type: ignore[attr-defined]
 
     # ---- messages -------------------------------------------------------------------------
     def post(self, receipt: Mapping[str, Any], write_s: float) -> None:

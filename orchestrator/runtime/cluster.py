@@ -68,11 +68,11 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
         return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     env_vars = worker_env(use_gpu=use_gpu, environ=os.environ)
-    address = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
-    if address:
-        ray.init(address=address, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
+    joined = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
+    if joined:
+        ray.init(address=joined, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True)
         ray_noise.install()
-        logger.info("joined the Ray cluster at %s", address)
+        logger.info("joined the Ray cluster at %s", joined)
         return
     cpus = max(os.cpu_count() or 1, cpus)
     # address="local": a new local Ray even if Ray's address file names a cluster (a stale one)

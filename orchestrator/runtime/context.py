@@ -69,6 +69,7 @@ def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any
 def with_context(fn: Callable[..., Any], context: WorkerContext, *, takes_config: bool) -> Callable[..., Any]:
     """``fn`` wrapped for Ray Train: the wrapper takes a config argument exactly when ``fn`` does
     (Ray Train looks at the signature to decide whether to pass ``train_loop_config``)."""
+    loop: Callable[..., Any]
     if takes_config:
 
         def loop(config: Any) -> Any:

@@ -9,6 +9,7 @@ with progress polling) and :func:`finish_run` (drain, final state, drift trace, 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -143,7 +144,9 @@ def train(
                 train_fn,
                 train_loop_config={"run": config.to_json(), "run_id": handles.run_id},
                 scaling_config=ScalingConfig(
-                    num_workers=_group_size(config),
+                    # Train v2's ScalingConfig (ray.train's when RAY_TRAIN_V2_ENABLED) takes (min, max);
+                    # mypy sees v1's, which ray.train binds first
+                    num_workers=_group_size(config),  # type: ignore[arg-type]
                     use_gpu=config.cluster.use_gpu,
                     resources_per_worker={"CPU": config.cluster.cpus_per_worker},
                     **_elastic_options(config),
@@ -183,10 +186,12 @@ def start_run(
     # the run's control actors live with the driver (the head node under `ray job submit`): a lost
     # worker node must not take the supervisor, the policy or the metrics exporter with it
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(
+    # both are @ray.remote classes, which mypy types as the class itself (python/mypy#3135): the
+    # ignores below are for Ray's ActorClass.options
+    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
         policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget
     )
-    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(
+    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
         run_id=run_id,
         store_uri=storage_uri,
         fsync=persistence.fsync,
@@ -373,7 +378,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
     remove_discovery(handles.discovery_file)  # the exporter ends with the supervisor: stop pointing at it
     for actor in (supervisor, policy):
-        _at_end("stopping the run's actors", end_errors, lambda actor=actor: ray.kill(actor))
+        _at_end("stopping the run's actors", end_errors, functools.partial(ray.kill, actor))
     return result
 
 

@@ -53,6 +53,7 @@ class _WithoutCreated:
 def _build(spec: Spec, registry: CollectorRegistry) -> Any:
     labels = ("run_id", *spec.labels)
     if spec.kind is Histogram:
+        assert spec.buckets is not None, f"{spec.name}: a histogram's spec names its buckets"
         return Histogram(spec.name, spec.help, labels, registry=registry, buckets=spec.buckets)
     name = spec.name.removesuffix("_total") if spec.kind is Counter else spec.name
     return spec.kind(name, spec.help, labels, registry=registry)
@@ -147,10 +148,11 @@ class RunMetrics:
         """Rank 0 finished ``step``; ``last_steps``: each layer's newest committed step."""
         with self._lock:
             self._child("layercheck_step_duration_seconds").observe(compute_s)
-            if not last_steps or any(last_steps.get(n) is None for n in self.layer_numel):
+            committed = {n: s for n in self.layer_numel if (s := last_steps.get(n)) is not None}
+            if not last_steps or len(committed) < len(self.layer_numel):
                 return
             total = sum(self.layer_numel.values())
-            weighted = sum(numel * (step - last_steps[n]) for n, numel in self.layer_numel.items()) / total
+            weighted = sum(numel * (step - committed[n]) for n, numel in self.layer_numel.items()) / total
             self._weighted_sum += weighted - self._weighted.get(step, 0.0)  # a redone step replaces its sample
             self._weighted[step] = weighted
 

@@ -55,9 +55,9 @@ class PolicyActor:
         self.peak_step: int | None = None
         self.handed_bytes = 0
         """What the schedule's decisions handed over in all (12 bytes a parameter; the final save is none)."""
-        enabled = write_budget is not None and write_budget.enabled
-        self._drain = DrainBudget(write_budget) if enabled else None
-        self._clock = StepClock(write_budget.ema if enabled else 0.0)
+        budget = write_budget if write_budget is not None and write_budget.enabled else None
+        self._drain = DrainBudget(budget) if budget is not None else None
+        self._clock = StepClock(budget.ema if budget is not None else 0.0)
 
     async def report(
         self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]

@@ -66,9 +66,11 @@ def summarize(result: RunResult) -> dict[str, Any]:
     }
     summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
+    assert policy is not None  # start_run's policy config (RunResult takes the run config's otherwise)
     if policy.selective and result.trace.steps:
         logging.getLogger("layercheck.policies").setLevel(logging.WARNING)  # the replay's decisions are not news
-        comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=policy.warmup_steps)
+        warmup: int = getattr(policy, "warmup_steps", 0)  # every selective policy has one
+        comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=warmup)
         for key, matched, mean in (
             ("full_at_same_staleness", comparison.matched_staleness, "mean_weighted_staleness"),
             ("full_at_same_drift", comparison.matched_drift, "mean_unsaved_drift"),

@@ -102,6 +102,7 @@ class PersistenceWriter:
 
     def _enqueue(self, wire: WireShard, *, front: bool = False) -> asyncio.Future:
         self._start()
+        assert self._wake is not None and self._idle is not None  # _start made them
         future = asyncio.get_running_loop().create_future()
         older = self._queue.put((wire.layer, wire.rank, wire.step, wire.origin), (wire, future), front=front)
         if older is not None:
@@ -121,14 +122,16 @@ class PersistenceWriter:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        wake, idle = self._wake, self._idle
+        assert wake is not None and idle is not None  # _start made them before it started this
         while True:
-            await self._wake.wait()
-            self._wake.clear()
+            await wake.wait()
+            wake.clear()
             while (entry := self._queue.pop()) is not None:
                 self._count_queue()
                 wire, future = entry
                 future.set_result(await self._write(loop, wire))
-            self._idle.set()
+            idle.set()
 
     def _count_queue(self) -> None:
         self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
@@ -139,13 +142,14 @@ class PersistenceWriter:
             time.sleep(self._stall_s)
 
     def _stall_for(self, wire: WireShard) -> float:
-        stall = self.fault.stall_s(node_id=self._node_id, step=wire.step) if self.fault is not None else 0.0
-        if stall > 0 and self.stats.stalled == 0:
+        fault = self.fault
+        stall = fault.stall_s(node_id=self._node_id, step=wire.step) if fault is not None else 0.0
+        if fault is not None and stall > 0 and self.stats.stalled == 0:
             logger.warning(
                 "fault injection: writer %s stalls %gs in each write of a shard after step %d (fault.stall_writes_s)",
                 self.name,
                 stall,
-                self.fault.stall_writes_after_step,
+                fault.stall_writes_after_step,
             )
         self.stats.stalled += int(stall > 0)
         return stall
@@ -206,7 +210,7 @@ class PersistenceWriter:
 
     def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:
         """Keep a copy of a shard file another node's writer wrote; True if it is held."""
-        owned = memoryview(np.array(data, dtype=np.uint8, copy=True))  # not a view into the object store
+        owned = np.array(data, dtype=np.uint8, copy=True).data  # a memoryview, not of the object store
         return self.memory.put(HeldShard(**meta, data=owned, mirror=True))
 
     def held(self) -> list[tuple[str, bool]]:

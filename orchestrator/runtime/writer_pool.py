@@ -57,8 +57,9 @@ class WriterPool:
                     # hard affinity: with soft=True Ray 2.60 put these 0-CPU actors on another node
                     # whenever the rank's node had no CPU free (always, under Ray Train): measured on a
                     # two-node local cluster, 3 of 3 landed elsewhere. The node asking is alive (its
-                    # rank is), and a writer off it would cross the network and die with another node
-                    self._handles[name] = PersistenceWriter.options(
+                    # rank is), and a writer off it would cross the network and die with another node.
+                    # (The ignore: an @ray.remote class, which mypy types as the class, python/mypy#3135.)
+                    self._handles[name] = PersistenceWriter.options(  # type: ignore[attr-defined]
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
                     ).remote(
                         self.store_uri, self.fsync, self.supervisor, name, self.policy, self.fault, self.memory_bytes

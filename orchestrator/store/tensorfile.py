@@ -90,7 +90,8 @@ def _flat_bytes(shard: LayerShard, key: str) -> memoryview:
     tensor = shard.tensors[key].detach()
     if tensor.device.type != "cpu":
         raise ValueError(f"layer {shard.layer!r} state {key!r} is on {tensor.device}; copy it to host memory first")
-    return memoryview(tensor.contiguous().numpy()).cast("B")
+    # .data: the array's buffer as a memoryview (numpy types memoryview(array) only for Python 3.12+)
+    return tensor.contiguous().numpy().data.cast("B")
 
 
 def _header_block(shard: LayerShard, *, base: bool, buffers: Mapping[str, memoryview]) -> bytes:
