@@ -18,14 +18,14 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
 from layercheck.workers.collective_abort import CollectiveAbort
-from layercheck.workers.data import SequenceDataset
+from layercheck.workers.data import TrainData
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.engine import TrainEngine
 from layercheck.workers.host_buffers import HostBufferPool
@@ -45,6 +45,11 @@ DECISION_LAG = 1
 
 
 class Coordinator(Protocol):
+    """What the loop needs of the run: these four methods. Optional, each its own protocol (a
+    coordinator only has the members, it need not subclass): :class:`StopsOnRequest` (the run may
+    ask every rank to stop) and :class:`CapturesOnFailure` (a survivor's capture is handed over
+    when a step raises); :class:`StepProtocol` asks for them with ``isinstance``."""
+
     def report(self, drift: LayerDrift, lr: float) -> Any:
         """Send this rank's drift for ``drift.step``; return a handle to its decision."""
 
@@ -59,9 +64,30 @@ class Coordinator(Protocol):
     ) -> None:
         """Rank 0's per-step report to the run's central view."""
 
-    # Optional: ``stop_requested() -> bool``, true once the last decision carried a stop request.
-    # Optional: ``capture(shards, *, step, error) -> None``: hand a survivor's capture over (see
-    # :mod:`layercheck.workers.capture`) before the rank exits; without it a failure captures nothing.
+
+@runtime_checkable
+class StopsOnRequest(Protocol):
+    """The optional part of a :class:`Coordinator` through which the run stops the loop early;
+    without it the loop runs to its last step."""
+
+    def stop_requested(self) -> bool:
+        """True once the last decision carried the run's request to stop (same on every rank)."""
+
+
+class CaptureHandover(Protocol):
+    """``capture(shards, *, step, error)``: hand a survivor's capture (:mod:`layercheck.workers.capture`)
+    over before the rank exits; ``error`` is what the step raised."""
+
+    def __call__(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None: ...
+
+
+@runtime_checkable
+class CapturesOnFailure(Protocol):
+    """The optional part of a :class:`Coordinator` that takes a survivor's capture; without it
+    (or with ``capture`` ``None``: capture is off) a failure captures nothing."""
+
+    @property
+    def capture(self) -> CaptureHandover | None: ...
 
 
 @dataclass
@@ -131,7 +157,8 @@ class StepProtocol:
         :mod:`layercheck.workers.capture`). Nothing is captured before the first completed step of this
         worker group (the state is then the composite just loaded, nothing fresher)."""
         released = self.abort.raised() if self.abort is not None else False
-        handover = getattr(self.coordinator, "capture", None)
+        coordinator = self.coordinator
+        handover = coordinator.capture if isinstance(coordinator, CapturesOnFailure) else None
         if self._captured or handover is None or self._mark is None:
             return
         self._captured = True
@@ -155,8 +182,8 @@ class StepProtocol:
 
     def stop_requested(self) -> bool:
         """The run asked every rank to stop after this step (same answer on every rank)."""
-        asked = getattr(self.coordinator, "stop_requested", None)
-        return bool(asked()) if asked is not None else False
+        coordinator = self.coordinator
+        return isinstance(coordinator, StopsOnRequest) and bool(coordinator.stop_requested())
 
     def finish(self, *, save_final: bool = False) -> LoopResult:
         """Carry out the last step's decision (its snapshots are the state after that step); with
@@ -202,7 +229,7 @@ class StepProtocol:
 
 def run_loop(
     train_engine: TrainEngine,
-    dataset: SequenceDataset,
+    dataset: TrainData,
     coordinator: Coordinator,
     *,
     start_step: int,
@@ -229,7 +256,7 @@ def run_loop(
 
 def _train(
     train_engine: TrainEngine,
-    dataset: SequenceDataset,
+    dataset: TrainData,
     protocol: StepProtocol,
     start_step: int,
     end_step: int,

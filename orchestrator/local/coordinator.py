@@ -44,7 +44,7 @@ import logging
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,9 @@ from layercheck.policies.checkpoint_policy import CheckpointPolicy
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.shard import LayerShard
+
+if TYPE_CHECKING:
+    from layercheck.workers.loop import CapturesOnFailure, Coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -431,3 +434,7 @@ class LocalCoordinator:
             self.run.finish(ok, "" if ok else "the trainer raised")
         dist.barrier(group=self._group)
         return drained
+
+
+if TYPE_CHECKING:  # the type check holds LocalCoordinator to the loop's protocol, its optional capture included
+    _LOCAL_COORDINATOR: tuple[type[Coordinator], type[CapturesOnFailure]] = (LocalCoordinator, LocalCoordinator)

@@ -11,7 +11,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
@@ -30,7 +30,7 @@ from layercheck.workers import collective_abort
 from layercheck.workers.data import load_dataset
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.engine import build_engine, seek_step, shutdown
-from layercheck.workers.loop import run_loop
+from layercheck.workers.loop import CapturesOnFailure, Coordinator, StopsOnRequest, run_loop
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -233,6 +233,14 @@ class RayCoordinator:
             f" ({problem})" if problem else "",
         )
         ray.get(self.supervisor.capture_ended.remote(report), timeout=10)
+
+
+if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol, its optional parts included
+    _RAY_COORDINATOR: tuple[type[Coordinator], type[StopsOnRequest], type[CapturesOnFailure]] = (
+        RayCoordinator,
+        RayCoordinator,
+        RayCoordinator,
+    )
 
 
 def train_fn(loop_config: dict[str, Any]) -> None:
