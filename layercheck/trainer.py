@@ -129,6 +129,7 @@ class LayerCheckTrainer:
         scaling = self.scaling_config
         workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
         self._connect()
+        assert not isinstance(cfg.policy, str)  # CheckpointConfig resolved the name to its config
         handles = start_run(
             name=cfg.name,
             storage_uri=cfg.storage_uri,
