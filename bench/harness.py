@@ -83,6 +83,10 @@ class TimedProbe:
         finally:
             self.seconds += time.monotonic() - started
 
+    def reset(self) -> None:
+        """Drop the drift gathered so far: what a restore asks of the engine's probe."""
+        self.inner.reset()
+
 
 def _configs(w: Workload) -> tuple[Any, Any, Any]:
     from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
