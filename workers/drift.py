@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -32,6 +33,18 @@ class LayerDrift:
     def drift(self) -> dict[str, float]:
         """``l1 / numel`` per layer, over this rank's shard only (0 where it owns nothing)."""
         return {k: (self.l1[k] / n if n else 0.0) for k, n in self.numel.items()}
+
+
+class DriftReader(Protocol):
+    """What the loop and a restore ask of a rank's drift probe: :class:`DriftProbe`, or one
+    wrapped (the benchmark times its reads)."""
+
+    @property
+    def numel(self) -> Mapping[str, int]: ...
+
+    def collect(self, step: int) -> LayerDrift: ...
+
+    def reset(self) -> None: ...
 
 
 class DriftProbe:

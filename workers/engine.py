@@ -18,7 +18,7 @@ import torch
 from layercheck.policies.layer_map import LayerMap, build_layer_map, layer_map_of
 from layercheck.workers import ds_internals, env
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.drift import DriftProbe
+from layercheck.workers.drift import DriftProbe, DriftReader
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.freeze import apply_freeze, lr_scale
 from layercheck.workers.layout import StateLayout, build_layout
@@ -39,7 +39,7 @@ class TrainEngine:
     layer_map: LayerMap
     optimizer: DriftAdamW
     layout: StateLayout
-    probe: DriftProbe
+    probe: DriftReader
     model_cfg: ModelConfig
     optim_cfg: OptimConfig
     engine_cfg: EngineConfig
