@@ -64,7 +64,7 @@ def _receipts_sink() -> Any:
         def write_failed(self, *args: Any) -> None:
             pass
 
-    return ReceiptsSink.remote()
+    return ReceiptsSink.remote()  # type: ignore[attr-defined]  # @ray.remote class (python/mypy#3135)
 
 
 def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) ->
         train_step(train_engine, [torch.randint(0, 256, (1, 32))])
         pool = HostBufferPool()
         with tempfile.TemporaryDirectory() as store:
-            writer = PersistenceWriter.remote(store, False, _receipts_sink())
+            writer = PersistenceWriter.remote(store, False, _receipts_sink())  # type: ignore[attr-defined]  # @ray.remote class (python/mypy#3135)
             copy_s, handover_s, nbytes = [], [], 0
             for _ in range(repeats):
                 started = time.perf_counter()

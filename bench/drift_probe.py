@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from layercheck.bench.timing import issue_seconds, time_interleaved
-from layercheck.workers.config import DRIFT_STEPS
+from layercheck.workers.config import DRIFT_STEPS, Precision
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 class Preset:
     model: dict[str, Any]
     device: str
-    precision: str
+    precision: Precision
     micro_batch: int
     seq: int
     steps: int
@@ -113,9 +113,9 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     from layercheck.workers.drift_adamw import DriftAdamW
     from layercheck.workers.drift_fused import triton_eligible
 
-    fast = {"fused": True} if device == "cuda" else {"foreach": True}
+    fast: dict[str, Any] = {"fused": True} if device == "cuda" else {"foreach": True}  # AdamW's kernel switch
 
-    def plain(**kind: bool) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
+    def plain(**kind: Any) -> tuple[torch.optim.Optimizer, list[dict[str, Any]]]:
         groups = _groups(model, device)
         return torch.optim.AdamW(
             [{k: v for k, v in g.items() if k not in ("name", "layer")} for g in groups], lr=1e-5, **(kind or fast)

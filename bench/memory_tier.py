@@ -98,8 +98,9 @@ def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]
 
 
 def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]:
-    sink = _Receipts.remote()
-    writer = PersistenceWriter.remote(uri, False, sink, "bench-writer", None, None, 8 * 2**30)
+    # both are @ray.remote classes, which mypy types as the class itself (python/mypy#3135)
+    sink = _Receipts.remote()  # type: ignore[attr-defined]
+    writer = PersistenceWriter.remote(uri, False, sink, "bench-writer", None, None, 8 * 2**30)  # type: ignore[attr-defined]
     names = [f"block.{i}" for i in range(layers)]
     ray.get([writer.submit.remote(to_wire(s, base=False)) for name in names for s in _shards(name, params, world)])
     store = LayerStore.open(uri, fsync=False)

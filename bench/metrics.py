@@ -138,6 +138,7 @@ def matched_intervals(
     the mean unsaved drift LayerCheck was measured at (``layercheck.policies.simulate.match_interval``)."""
     by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
     by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
+    assert by_stal.interval is not None and by_drift.interval is not None  # match_interval's are interval runs
     return MatchedIntervals(
         staleness=by_stal.interval,
         drift=by_drift.interval,

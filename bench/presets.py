@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from layercheck.bench.strategies import StrategyOptions
+from layercheck.workers.config import Precision
 
 DEMO_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -66,7 +67,7 @@ class Workload:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     zero_stage: int = 3
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     world_size: int = 2
     device: str = "cpu"
     """``cpu`` (gloo) or ``cuda`` (NCCL, one GPU per rank)."""

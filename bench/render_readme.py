@@ -222,6 +222,7 @@ def cluster_ettr(grid: Mapping[str, Any]) -> tuple[str, dict[str, str]] | None:
         if "@" in name:
             continue
         p = _at(points, "mtbf_hours", lowest)
+        assert p is not None, f"{name}: no point at MTBF {lowest:g} h"  # every strategy has the grid's points
         q = _at(by_gpus.get(name, []), "gpus", most) if most else None
         cells[name] = f"{p['sim']['mean']:.3f}" + (f" / {q['sim']['mean']:.3f}" if q else "")
     header = f"Cluster ETTR at MTBF {lowest:g} h" + (

@@ -211,7 +211,9 @@ def _policy_json(policy: LayerPolicy | None) -> dict[str, Any] | None:
 def _policy_from_json(data: Mapping[str, Any] | None) -> LayerPolicy | None:
     if not data:
         return None
-    return policy_config(data.get("type", "layercheck"), {k: v for k, v in data.items() if k != "type"})
+    policy = policy_config(data.get("type", "layercheck"), {k: v for k, v in data.items() if k != "type"})
+    assert isinstance(policy, (LayerCheckConfig, DriftOptimalConfig, StaggeredConfig)), policy  # a LayerPolicy
+    return policy
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -199,7 +199,7 @@ def summary_markdown(
     return "\n".join(out)
 
 
-def drift_spread(report: Mapping[str, Any]) -> dict[str, float] | None:
+def drift_spread(report: Mapping[str, Any]) -> dict[str, Any] | None:
     """Per-layer mean drift per step (from step W) on the reference trace; blocks' max/min ratio."""
     trace = report.get("raw", {}).get("results", {}).get("none", {}).get("trace")
     if not trace:

@@ -52,18 +52,18 @@ def summarize(per_rank: list[Mapping[str, tuple[float, int]]], *, lost_rank: int
         l1 = sum(r[name][0] for r in per_rank)
         numel = sum(r[name][1] for r in per_rank)
         layers[name] = {"l1": l1, "mean_abs": _per(l1, numel), "numel": numel}
-    ranks = []
+    ranks: list[dict[str, float]] = []
     for r in per_rank:
         l1, numel = sum(v[0] for v in r.values()), sum(v[1] for v in r.values())
         ranks.append({"l1": l1, "mean_abs": _per(l1, numel), "numel": numel})
     survivors = [r for i, r in enumerate(ranks) if i != lost_rank]
-    l1 = sum(r["l1"] for r in ranks)
-    numel = sum(r["numel"] for r in ranks)
+    total_l1 = sum(r["l1"] for r in ranks)
+    total_numel = sum(r["numel"] for r in ranks)
     surviving_l1 = sum(r["l1"] for r in survivors)
     surviving_numel = sum(r["numel"] for r in survivors)
     return {
-        "l1": l1,
-        "mean_abs": _per(l1, numel),
+        "l1": total_l1,
+        "mean_abs": _per(total_l1, total_numel),
         "survivors_mean_abs": _per(surviving_l1, surviving_numel),
         "lost_mean_abs": ranks[lost_rank]["mean_abs"],
         "lost_rank": lost_rank,
@@ -72,5 +72,5 @@ def summarize(per_rank: list[Mapping[str, tuple[float, int]]], *, lost_rank: int
     }
 
 
-def _per(l1: float, numel: int) -> float:
+def _per(l1: float, numel: float) -> float:
     return l1 / numel if numel else 0.0

@@ -105,7 +105,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    trainer = SFTTrainer(
+    trainer: transformers.Trainer = SFTTrainer(
         model=model,
         args=args,
         processing_class=tokenizer,
