@@ -95,3 +95,21 @@ def test_a_capture_past_the_last_completed_step_is_refused_only_where_collective
     assert refusal(last, 7, synchronous_errors=True) == ""
     assert refusal(last, 8, synchronous_errors=True) == ""  # gloo: the update used whole gradients
     assert "aborted collective" in refusal(last, 8, synchronous_errors=False)  # NCCL: it may not have
+
+
+def test_a_request_after_the_train_function_ended_on_a_failure_says_it_had_raised():
+    """The controller's request races the survivor's exit: once its step raised and its train
+    function uninstalled the watcher, the rank still answers ``already_raised``."""
+    try:
+        watcher = collective_abort.install(CollectiveAbort(backend="gloo"))
+        watcher.arm()
+        watcher.raised()
+        collective_abort.install(None)
+        assert collective_abort.request_abort("peer gone") == "already_raised"
+        clean = collective_abort.install(CollectiveAbort(backend="gloo"))
+        clean.arm()
+        clean.disarm()
+        collective_abort.install(None)  # a normal end: no watcher, as in a process that never had one
+        assert collective_abort.request_abort("peer gone") == "no_watcher"
+    finally:
+        collective_abort.install(None)

@@ -113,6 +113,12 @@ class CollectiveAbort:
         with self._lock:
             self._training = False
 
+    @property
+    def has_raised(self) -> bool:
+        """Whether the training thread has had control back (see :meth:`raised`)."""
+        with self._lock:
+            return self._raised
+
     def raised(self) -> bool:
         """The training thread has control back (its step raised). True if an abort released it."""
         with self._lock:
@@ -140,12 +146,17 @@ class CollectiveAbort:
 
 
 _installed: CollectiveAbort | None = None
+#: The last watcher's training thread had raised when it was uninstalled: this rank's train
+#: function ended after a failure, so a late request (the controller's, racing the function's
+#: exit) is answered as that watcher would have, not as a process that never had one.
+_ended_after_raise = False
 
 
 def install(abort: CollectiveAbort | None) -> CollectiveAbort | None:
     """Make ``abort`` the one :func:`request_abort` reaches in this process (``None``: none)."""
-    global _installed
-    _installed = abort
+    global _installed, _ended_after_raise
+    previous, _installed = _installed, abort
+    _ended_after_raise = abort is None and previous is not None and previous.has_raised
     return abort
 
 
@@ -161,5 +172,5 @@ def request_abort(reason: str) -> str:
     (:mod:`layercheck.orchestrator.runtime.capture_hold`): the :class:`AbortDecision` taken, by value."""
     abort = _installed
     if abort is None:
-        return AbortDecision.NO_WATCHER.value
+        return (AbortDecision.ALREADY_RAISED if _ended_after_raise else AbortDecision.NO_WATCHER).value
     return abort.request(reason).value
