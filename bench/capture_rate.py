@@ -22,13 +22,16 @@ import json
 import statistics
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layercheck.orchestrator.local.spawn import spawn_ranks
 from layercheck.orchestrator.table import format_table
 
+if TYPE_CHECKING:
+    from layercheck.orchestrator.core.run_config import RunConfig
 
-def _config(hidden: int, layers: int) -> Any:
+
+def _config(hidden: int, layers: int) -> RunConfig:
     from layercheck.orchestrator.core.run_config import ClusterConfig, RunConfig
     from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 

@@ -12,7 +12,7 @@ from typing import Any
 from layercheck.bench import ettr as ettr_model
 from layercheck.bench import report as reports
 from layercheck.bench import summary
-from layercheck.bench.presets import PRESETS, VARIANTS, preset, variant
+from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.s3_loopback import STORES
 from layercheck.bench.strategies import default_strategies, select
 
@@ -75,7 +75,7 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def workload_from_args(args: argparse.Namespace) -> Any:
+def workload_from_args(args: argparse.Namespace) -> Workload:
     failures = tuple(int(x) for x in args.failures.split(",")) if args.failures else None
     base = preset(
         args.preset,

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, varian
 from layercheck.bench.strategies import Kind, Strategy, default_strategies, select
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.table import format_table
+
+if TYPE_CHECKING:
+    from layercheck.workers.engine import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +58,7 @@ def failure_points(w: Workload, count: int, horizon: int) -> list[int]:
     return sorted({lo + round(i * (hi - lo) / max(1, count - 1)) for i in range(count)})
 
 
-def _owned_fp32(train_engine: Any) -> dict[str, torch.Tensor]:
+def _owned_fp32(train_engine: TrainEngine) -> dict[str, torch.Tensor]:
     """This rank's owned fp32 weights of every layer, flat (cloned)."""
     from layercheck.workers.host_buffers import HostBufferPool
     from layercheck.workers.layer_state import snapshot_layers
@@ -64,7 +67,7 @@ def _owned_fp32(train_engine: Any) -> dict[str, torch.Tensor]:
     return {s.layer: s.tensors["fp32"].clone() for s in shards}
 
 
-def _sum_layers(train_engine: Any, per_layer: Mapping[str, float]) -> dict[str, float]:
+def _sum_layers(train_engine: TrainEngine, per_layer: Mapping[str, float]) -> dict[str, float]:
     names = list(train_engine.layer_map.names)
     t = torch.tensor([per_layer[n] for n in names], dtype=torch.float64)
     if torch.distributed.get_backend() == "nccl":
@@ -73,7 +76,7 @@ def _sum_layers(train_engine: Any, per_layer: Mapping[str, float]) -> dict[str, 
     return dict(zip(names, t.cpu().tolist()))
 
 
-def _mean_abs(train_engine: Any, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
+def _mean_abs(train_engine: TrainEngine, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
     sums = _sum_layers(train_engine, {n: float(w.double().abs().sum()) for n, w in weights.items()})
     return {n: sums[n] / train_engine.layer_map.numel[n] for n in sums}
 

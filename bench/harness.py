@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,21 +62,25 @@ from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import build_policy
 
+if TYPE_CHECKING:
+    from layercheck.workers.drift import DriftReader, LayerDrift
+    from layercheck.workers.shard import LayerShard
+
 logger = logging.getLogger(__name__)
 
 
 class TimedProbe:
     """The engine's drift probe with the time of its ``collect`` (the per-step host read) summed."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: DriftReader) -> None:
         self.inner = inner
         self.seconds = 0.0
 
     @property
-    def numel(self) -> Any:
+    def numel(self) -> Mapping[str, int]:
         return self.inner.numel
 
-    def collect(self, step: int) -> Any:
+    def collect(self, step: int) -> LayerDrift:
         started = time.monotonic()
         try:
             return self.inner.collect(step)
@@ -300,7 +304,7 @@ def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:
     return run
 
 
-def _clone_shard(shard: Any) -> Any:
+def _clone_shard(shard: LayerShard) -> LayerShard:
     from dataclasses import replace
 
     return replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})

@@ -12,11 +12,14 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
+
+if TYPE_CHECKING:
+    from layercheck.orchestrator.core.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +113,7 @@ EXIT_INTERRUPTED = 130
 
 
 def train_and_report(
-    config: Any,
+    config: RunConfig,
     *,
     overwrite: bool,
     as_json: bool,

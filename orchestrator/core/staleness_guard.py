@@ -19,7 +19,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layercheck.policies.configs import PolicyConfig
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +44,7 @@ class StalenessLimits:
             raise ValueError(f"on_breach: must be one of {BREACH_ACTIONS}, got {self.on_breach!r}")
 
     @classmethod
-    def of(cls, policy: Any, *, on_breach: str) -> StalenessLimits:
+    def of(cls, policy: PolicyConfig, *, on_breach: str) -> StalenessLimits:
         """The limits of a policy config (any config with ``smax``; others have none)."""
         smax = getattr(policy, "smax", None)
         return cls(

@@ -25,7 +25,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from layercheck.orchestrator.core.accounting import format_sources
-from layercheck.orchestrator.core.run_config import FaultConfig, RunConfig
+from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from layercheck.orchestrator.core.staleness_guard import StalenessLimits
 from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
@@ -168,8 +168,8 @@ def start_run(
     name: str,
     storage_uri: str,
     policy: PolicyConfig,
-    persistence: Any,
-    metrics: Any,
+    persistence: PersistenceConfig,
+    metrics: MetricsConfig,
     num_workers: int,
     layer_numel: dict[str, int],
     resume: bool = False,

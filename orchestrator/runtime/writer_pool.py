@@ -6,13 +6,16 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
+
+if TYPE_CHECKING:
+    from layercheck.orchestrator.core.run_config import FaultConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class WriterPool:
         per_node: int,
         supervisor: Any,
         policy: Any = None,
-        fault: Any = None,
+        fault: FaultConfig | None = None,
         memory_bytes: int = 0,
         memory_mirror: bool = False,
     ) -> None:
