@@ -148,11 +148,11 @@ class StaggeredPolicy:
             for i, n in enumerate(self.layers)
             if (d := self.due[n]) is not None and d <= t and n not in reasons
         )
-        for _, _, _, name in due:
+        for due_at, _, _, name in due:
             if self.last_persisted[name] is not None and self.unsaved[name] == 0.0:
                 self._advance(name, t)  # unchanged since its last save (frozen): its version is exact
                 continue
-            late = t - self.due[name] >= (self.period[name] or 1)  # type: ignore[operator]
+            late = t - due_at >= (self.period[name] or 1)
             if handed and handed + self.size[name] > self.cap and not late:
                 continue  # over the plan's peak (a rare coincidence, or catching up): next step
             reasons[name] = Reason.SCHEDULE

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from layercheck.orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
 from layercheck.orchestrator.local.writer import LocalWriter
@@ -33,7 +33,7 @@ class _Group(Protocol):
     writer: LocalWriter
     store: LayerStore
 
-    def all_gather(self, value: object) -> list[object]: ...
+    def all_gather(self, value: object) -> list[Any]: ...
 
 
 def version_paths(
@@ -49,7 +49,7 @@ def gather_copies(group: _Group, paths: Iterable[str]) -> dict[str, bytes]:
     mine = {path: data for path in paths if (data := group.writer.held(path)) is not None}
     copies: dict[str, bytes] = {}
     for theirs in group.all_gather(mine):
-        for path, data in dict(theirs).items():  # type: ignore[call-overload]
+        for path, data in dict(theirs).items():
             copies.setdefault(path, data)
     return copies
 
