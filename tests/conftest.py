@@ -1,6 +1,7 @@
 """Shared fixtures: a loopback S3-compatible server (moto) behind a proxy a test can cut; a
 private temporary directory for the local Ray of a `layercheck train` subprocess; a local Ray in
-this process for the tests that call ``train()``; an empty layer store."""
+this process for the tests that call ``train()``; an empty layer store; and the runs several
+test modules read (each made once per session, on first use)."""
 
 import shutil
 import tempfile
@@ -9,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from layercheck.orchestrator.store.layer_store import LayerStore
+from tests.support import ray_runs
 from tests.support.bench_runs import tiny_benchmark_run
-from tests.support.ray_runs import device_overrides
+from tests.support.ray_runs import ensure_local_ray, release_local_ray
 from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 
 
@@ -43,18 +45,38 @@ def ray_tmp():
     shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def local_ray():
-    """A local Ray in this process, as ``layercheck train`` starts it for the demo config (with
-    the device overrides), for one test module; shut down after it."""
-    import ray
+    """A local Ray in this process for a test that calls ``train()`` (tests/support/ray_runs.py):
+    started by the first such test, kept while the next test asks for it too, shut down after
+    the last of a row (``pytest_runtest_teardown`` below)."""
+    ensure_local_ray()
 
-    from layercheck.orchestrator.core.run_config import load_run_config
-    from layercheck.orchestrator.runtime.cluster import connect
 
-    connect(load_run_config("examples/demo.toml", device_overrides()))
-    yield
-    ray.shutdown()
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is None or "local_ray" not in nextitem.fixturenames:
+        release_local_ray()  # no Ray left running for tests that start their own, or none
+
+
+@pytest.fixture(scope="session")
+def clean_run(tmp_path_factory):
+    """The failure-free demo run, every layer persisted every step (tests/support/ray_runs.py):
+    the reference of the end-to-end recovery tests and of the export after a writer's death."""
+    return ray_runs.clean_run(tmp_path_factory.mktemp("clean"))
+
+
+@pytest.fixture(scope="session")
+def layercheck_run(tmp_path_factory):
+    """The demo under the ``layercheck`` policy with a worker SIGKILLed after step 8, scraped by a
+    real Prometheus (tests/support/ray_runs.py): ``(result, prometheus or None, why none, its
+    directory)``; read by the end-to-end tests and the live Prometheus tests. The Prometheus
+    server stops at the end of the session."""
+    root = tmp_path_factory.mktemp("layercheck-run")
+    result, prometheus, missing = ray_runs.layercheck_run(root)
+    yield result, prometheus, missing, root
+    if prometheus is not None:
+        prometheus.stop()
 
 
 @pytest.fixture

@@ -2,81 +2,32 @@
 the policy actor, the writers and the supervisor; a worker SIGKILLed mid-run; recovery.
 
 ``LAYERCHECK_E2E_OVERRIDES`` (a JSON object of run-config keys, e.g. ``{"cluster.use_gpu": true,
-"engine.precision": "bf16"}``) changes every run here: ``scripts/gpu_checks.sh`` runs them with
-NCCL and bf16 that way."""
+"engine.precision": "bf16"}``) changes every run here (``tests/support/ray_runs.py``):
+``scripts/gpu_checks.sh`` runs them with NCCL and bf16 that way."""
 
-import dataclasses
-import json
 import math
-import os
+from pathlib import Path
 
 import pytest
-import ray
 import torch
 
-from layercheck.orchestrator.core.run_config import load_run_config
-from layercheck.orchestrator.runtime.cluster import connect
-from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader
-from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.policies.configs import IntervalConfig
 from layercheck.policies.trace import DriftTrace
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
+from tests.support.ray_runs import EVERY_STEP, UNBOUNDED, train_demo
 
 pytestmark = pytest.mark.slow
 
 
-def device_overrides() -> dict:
-    raw = os.environ.get("LAYERCHECK_E2E_OVERRIDES", "")
-    return json.loads(raw) if raw else {}
-
-
-@pytest.fixture(scope="module")
-def demo():
-    config = load_run_config("examples/demo.toml", device_overrides())
-    connect(config)
-    yield config
-    ray.shutdown()
-
-
-def run(demo, tmp_path, name, policy=None, resume=False, **overrides):
-    config = load_run_config(
-        "examples/demo.toml",
-        {
-            "name": name,
-            "storage": str(tmp_path / name),
-            "steps": 12,
-            "optim.total_steps": 12,
-            "optim.warmup_steps": 2,
-            "metrics.port": 0,
-            **device_overrides(),
-            **overrides,
-        },
-    )
-    if policy is not None:
-        config = dataclasses.replace(config, policy=policy)
-    result = train(config, resume=resume)
-    assert result.error is None, result.error
-    return result
-
-
-EVERY_STEP = IntervalConfig(interval=1)
-UNBOUNDED = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
-
-
-@pytest.fixture(scope="module")
-def clean(demo, tmp_path_factory):
-    """A failure-free run that persists every layer after every step: the reference state."""
-    root = tmp_path_factory.mktemp("clean")
-    return run(demo, root, "clean", EVERY_STEP, **{"fault.kill_at_step": 0, "log_every": 4, **UNBOUNDED})
-
-
-def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(demo, clean, tmp_path):
+def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(local_ray, clean_run, tmp_path):
     """With every layer persisted every step, the composite at t_fail is the exact state after
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step."""
-    failed = run(demo, tmp_path, "failed", EVERY_STEP, **{"fault.kill_at_step": 6, **UNBOUNDED})
+    clean = clean_run
+    failed = train_demo(tmp_path, "failed", policy=EVERY_STEP, **{"fault.kill_at_step": 6, **UNBOUNDED})
 
     account = failed.status["account"]
     assert account["failures"] == 1
@@ -111,12 +62,13 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(d
     assert reports[-1]["max_staleness"] is not None and 0 < reports[-1]["ettr"] <= 1
 
 
-def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(demo, clean, tmp_path):
+def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists
     that as a partial version, bit for bit the failure-free state at step 6."""
+    clean = clean_run
     sparse = IntervalConfig(interval=4)  # every layer at step 4 or 5 (whole versions); the capture is fresher
-    failed = run(demo, tmp_path, "captured", sparse, **{"fault.kill_at_step": 6})
+    failed = train_demo(tmp_path, "captured", policy=sparse, **{"fault.kill_at_step": 6})
     account = failed.status["account"]
     (recovery,) = account["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
@@ -144,15 +96,15 @@ def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(demo, clea
                     )
 
 
-def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_schedule(demo, tmp_path):
+def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_schedule(local_ray, tmp_path):
     """ZeRO-0 (every rank holds everything): rank 0 survives rank 1's death holding the whole
     state at t_fail and captures it, so recovery loses nothing although the stored versions are
     stale: every loss after recovery equals the failure-free run's — with dropout on, since each
     step's RNG seed is a function of the run's seed and the step's rows (``layercheck.workers.order.step_seed``)."""
     sparse = IntervalConfig(interval=4)
     zero0 = {"engine.zero_stage": 0, "steps": 9, "optim.total_steps": 9, "model.hf_config.attention_dropout": 0.1}
-    clean = run(demo, tmp_path, "clean0", sparse, **{"fault.kill_at_step": 0, **zero0})
-    failed = run(demo, tmp_path, "failed0", sparse, **{"fault.kill_at_step": 6, **zero0})
+    clean = train_demo(tmp_path, "clean0", policy=sparse, **{"fault.kill_at_step": 0, **zero0})
+    failed = train_demo(tmp_path, "failed0", policy=sparse, **{"fault.kill_at_step": 6, **zero0})
     (recovery,) = failed.status["account"]["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
     (hold,) = failed.status["account"]["capture"]["holds"]
@@ -169,21 +121,15 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
         assert history[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 
-def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp_path):
-    result = run(
-        demo,
-        tmp_path,
-        "mixed",
-        LayerCheckConfig(warmup_steps=3, smax=4, k0=0.05, k0_embed=0.05),
-        **{"fault.kill_at_step": 8},
-    )
+def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(local_ray, layercheck_run):
+    result = layercheck_run[0]  # the layercheck policy (Smax 4), rank 1 SIGKILLed after step 8
     status = result.status
     (recovery,) = status["account"]["recoveries"]
     assert recovery["resumed_at"] == recovery["t_fail"] + 1 == 9
     # staleness is bounded by Smax plus the one-step decision lag
     assert 0 <= recovery["max_staleness"] <= 4 + 1
     assert status["max_staleness"] <= 4 + 1
-    versions = LayerStore.open(str(tmp_path / "mixed")).versions()
+    versions = LayerStore.open(result.config.storage_uri).versions()
     # every layer has a version from before the failure (the base, or a newer one that superseded
     # it in a writer's queue when the writer fell behind)
     assert {v.layer for v in versions if v.step <= recovery["t_fail"]} == set(result.layer_numel)
@@ -194,16 +140,18 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(demo, tmp
     assert math.isfinite(summary["final_loss"])
     assert "recovery after step 8" in format_summary(summary)
     assert [o.step for o in result.trace.steps] == list(range(1, 13))  # the drift trace, minus nothing
-    recorded = DriftTrace.parse((tmp_path / "mixed" / DRIFT_TRACE_FILE).read_text())  # for layercheck simulate
+    recorded = DriftTrace.parse(
+        (Path(result.config.storage_uri) / DRIFT_TRACE_FILE).read_text()
+    )  # for layercheck simulate
     assert recorded == result.trace
 
 
-def test_a_stopped_run_resumes_from_its_store_at_another_world_size(demo, tmp_path):
+def test_a_stopped_run_resumes_from_its_store_at_another_world_size(local_ray, tmp_path):
     """Saved by 2 ZeRO-3 ranks, resumed by 1: each layer is re-sliced from the recorded offsets."""
-    first = run(demo, tmp_path, "grow", IntervalConfig(interval=1), **{"steps": 8, "fault.kill_at_step": 0})
+    first = train_demo(tmp_path, "grow", policy=EVERY_STEP, **{"steps": 8, "fault.kill_at_step": 0})
     assert not (tmp_path / "grow" / "owner.json").exists()  # the first run released the store's lease
     # the README's form: only num_workers changes; the demo's kill_rank = 1 is outside the group (a warning)
-    resumed = run(demo, tmp_path, "grow", IntervalConfig(interval=1), resume=True, **{"cluster.num_workers": 1})
+    resumed = train_demo(tmp_path, "grow", policy=EVERY_STEP, resume=True, **{"cluster.num_workers": 1})
     account = resumed.status["account"]
     assert account["failures"] == 0
     (recovery,) = account["recoveries"]

@@ -1,132 +1,32 @@
 """A real Prometheus server (Debian's ``prometheus`` package, which CI installs) scrapes a short
-demo run with one worker failure; its query API then shows the run's series with plausible
-values, every dashboard query evaluates, and the alert rules load."""
+demo run with one worker failure (tests/support/ray_runs.py, ``layercheck_run``); its query API
+then shows the run's series with plausible values, every dashboard query evaluates, and the
+alert rules load."""
 
-import json
-import shutil
 import subprocess
 import sys
-import time
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
-from layercheck.orchestrator.core.run_config import load_run_config
-from layercheck.orchestrator.runtime.cluster import connect
-from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM
-from layercheck.workers.env import free_port
 from layercheck.workers.loop import DECISION_LAG
 from tests.support.dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
+from tests.support.ray_runs import LAYERCHECK, STEPS
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
-SMAX = 4
-
-
-class Prometheus:
-    def __init__(self, tmp: Path, discovery_dir: Path) -> None:
-        binary = shutil.which("prometheus")
-        if binary is None:
-            pytest.fail(
-                "the prometheus binary is not installed: install Debian's 'prometheus' package "
-                "(apt-get install prometheus; .ci/run does it)"
-            )
-        self.url = f"http://127.0.0.1:{free_port()}"
-        # the shipped config, finding the run the cluster way (the file_sd file its driver writes),
-        # pointed at this test's discovery directory
-        config = yaml.safe_load((DASHBOARDS / "prometheus.yml").read_text())
-        config["rule_files"] = [str(DASHBOARDS / "alerts.yml")]
-        (job,) = config["scrape_configs"]
-        # the directory exists, as after a user's first run, so Prometheus watches it and finds
-        # the run at once (a directory created later is found by the 5 s refresh_interval only,
-        # too late for most of this short run on a loaded machine)
-        discovery_dir.mkdir(parents=True, exist_ok=True)
-        (sd,) = job["file_sd_configs"]
-        sd["files"] = [str(discovery_dir / "*.json")]
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.log = open(tmp / "prometheus.log", "w")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address={self.url.removeprefix('http://')}",
-            ],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
-        self._wait_ready(tmp / "prometheus.log")
-
-    def _wait_ready(self, log: Path) -> None:
-        for _ in range(600):
-            if self.process.poll() is not None:
-                pytest.fail(f"prometheus exited with {self.process.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.1)
-        pytest.fail(f"prometheus did not become ready:\n{log.read_text()}")
-
-    def api(self, path: str, **params: str) -> dict:
-        url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.HTTPError as error:
-            return json.load(error)
-
-    def query(self, expr: str) -> list[dict]:
-        body = self.api("query", query=expr)
-        assert body["status"] == "success", (expr, body)
-        return body["data"]["result"]
-
-    def scalar(self, expr: str) -> float:
-        (sample,) = self.query(expr)
-        return float(sample["value"][1])
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
+SMAX = LAYERCHECK.smax
 
 
 @pytest.fixture(scope="module")
-def scraped(tmp_path_factory):
-    """One short demo run with a failure, scraped every second by a real Prometheus."""
-    tmp = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
-    prometheus = Prometheus(tmp, tmp / "sd")
-    config = load_run_config(
-        ROOT / "examples" / "demo.toml",
-        {
-            "name": "metrics",
-            "storage": str(tmp / "store"),
-            "steps": 15,
-            "optim.total_steps": 15,
-            "optim.warmup_steps": 2,
-            # the paper's policy: its base at step 3 and drift thresholds exercise every metric
-            "policy": {"name": "layercheck", "warmup_steps": 3, "smax": SMAX, "k0": 0.05, "k0_embed": 0.05},
-            "fault.kill_at_step": 8,
-            "metrics.port": port,
-            "metrics.host": "auto",  # one node: 127.0.0.1
-            "metrics.discovery_dir": str(tmp / "sd"),
-        },
-    )
-    connect(config)
-    try:
-        result = train(config)  # waits until Prometheus has scraped the final values
-        assert not list((tmp / "sd").glob("*.json"))  # the run's discovery file went with it
-        yield prometheus, result, tmp
-    finally:
-        ray.shutdown()
-        prometheus.stop()
+def scraped(layercheck_run):
+    """The demo under the layercheck policy with a failure, scraped every second by a real
+    Prometheus (the ``layercheck_run`` session fixture, which the end-to-end tests read too)."""
+    result, prometheus, missing, tmp = layercheck_run
+    if prometheus is None:
+        pytest.fail(missing)
+    assert not list((tmp / "sd").glob("*.json"))  # the run's discovery file went with it
+    return prometheus, result, tmp
 
 
 def test_the_run_summary_names_its_endpoint(scraped):
@@ -169,8 +69,8 @@ def test_prometheus_holds_the_runs_staleness_bytes_and_ettr(scraped):
     assert last("layercheck_full_checkpoint_equivalent_bytes") > 0
     assert 0 < last("layercheck_ettr_ratio") <= 1
     assert 0 <= last("layercheck_ettr_recent_ratio") <= 1
-    assert last("layercheck_step_duration_seconds_count") >= 15  # lost steps were trained twice
-    assert last("layercheck_training_step") == 15
+    assert last("layercheck_step_duration_seconds_count") >= STEPS  # lost steps were trained twice
+    assert last("layercheck_training_step") == STEPS
     assert prometheus.scalar(f'last_over_time(layercheck_supervisor_state{{{run}, state="finished"}}[10m])') == 1
 
 

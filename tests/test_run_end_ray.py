@@ -1,55 +1,33 @@
-"""Issue 14 on a real local Ray (cases 5, 6, 7, 8): a run ends with its trained model in the
+"""How a run ends, on a real local Ray: a run ends with its trained model in the
 store, a writer actor killed mid-run is replaced without losing what the ranks held, storage
 that breaks mid-run stops the run with the bound's breach reported (and an end-of-run write
 error does not crash the driver), and Ctrl-C stops `layercheck train` cleanly with the resume
 command."""
 
-import dataclasses
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
-from layercheck.orchestrator.core.run_config import load_run_config
 from layercheck.orchestrator.local.export import export
-from layercheck.orchestrator.runtime.cluster import connect
 from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
-from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.policies.configs import LayerCheckConfig
+from tests.support.ray_runs import demo_config
 from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    connect(load_run_config("examples/demo.toml"))
-    yield
-    ray.shutdown()
-
-
 def config(tmp_path, name, steps=12, policy=None, **overrides):
-    cfg = load_run_config(
-        "examples/demo.toml",
-        {
-            "name": name,
-            "storage": str(tmp_path / name),
-            "steps": steps,
-            "optim.total_steps": steps,
-            "optim.warmup_steps": 2,
-            "metrics.port": 0,
-            "fault.kill_at_step": 0,
-            **overrides,
-        },
-    )
-    return dataclasses.replace(cfg, policy=policy) if policy is not None else cfg
+    """The demo, ``steps`` long, without an injected worker failure."""
+    return demo_config(tmp_path, name, steps=steps, policy=policy, **{"fault.kill_at_step": 0, **overrides})
 
 
 def newest_steps(storage):
@@ -64,13 +42,14 @@ def hf_weights(tmp_path, storage, name):
     return load_file(str(next(Path(out).glob("*.safetensors"))))
 
 
-def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(local_ray, tmp_path):
-    """The reference persists every layer every step, so its step-12 composite is the trained
-    model. The run under test saves only its base at step 2 (thresholds it never reaches), and its
-    writer actor is killed after step 5: the final state must still reach the store, through a
-    replacement writer, and export to the reference's weights."""
-    reference = train(config(tmp_path, "reference", policy=IntervalConfig(interval=1)))
-    assert reference.error is None, reference.error
+def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(local_ray, clean_run, tmp_path):
+    """The reference (the ``clean_run`` session fixture, failure-free) persists every layer every
+    step, so its step-12 composite is the trained model. The run under test saves only its base at
+    step 2 (thresholds it never reaches), and its writer actor is killed after step 5: the final
+    state must still reach the store, through a replacement writer, and export to the reference's
+    weights."""
+    reference = clean_run
+    assert reference.config.steps == 12 and reference.status["account"]["failures"] == 0
     run = train(
         config(
             tmp_path,
@@ -85,7 +64,7 @@ def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(loc
     summary = summarize(run)
     assert "writers replaced" in format_summary(summary)
     trained, exported = (
-        hf_weights(tmp_path, tmp_path / "reference", "ref"),
+        hf_weights(tmp_path, reference.config.storage_uri, "ref"),
         hf_weights(tmp_path, tmp_path / "final", "final"),
     )
     assert trained.keys() == exported.keys()

@@ -2,45 +2,27 @@
 which sets the staggered schedule's budget (here bound by a small ``cap_bytes_per_step``); the
 schedule stretches, and the summary reports the budget, the drain bandwidth and the peak per step."""
 
-import dataclasses
-
 import pytest
-import ray
 
-from layercheck.orchestrator.core.run_config import load_run_config
-from layercheck.orchestrator.runtime.cluster import connect
 from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.configs import StaggeredConfig
+from tests.support.ray_runs import demo_config
 
 pytestmark = pytest.mark.slow
 STEPS = 16
 CAP = 4096  # bytes per step: ~1/500 of the demo model's state, so the periods stretch past the run
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    connect(load_run_config("examples/demo.toml"))
-    yield
-    ray.shutdown()
-
-
 def test_a_capped_budget_is_set_from_the_writers_and_reported(local_ray, tmp_path):
-    config = load_run_config(
-        "examples/demo.toml",
-        {
-            "name": "budget",
-            "storage": str(tmp_path / "budget"),
-            "steps": STEPS,
-            "optim.total_steps": STEPS,
-            "optim.warmup_steps": 2,
-            "metrics.port": 0,
-            "fault.kill_at_step": 0,
-            "persistence.write_budget.cap_bytes_per_step": CAP,
-        },
+    config = demo_config(
+        tmp_path,
+        "budget",
+        steps=STEPS,
+        policy=StaggeredConfig(period=2, smax=1000),
+        **{"fault.kill_at_step": 0, "persistence.write_budget.cap_bytes_per_step": CAP},
     )
-    config = dataclasses.replace(config, policy=StaggeredConfig(period=2, smax=1000))
     result = train(config)
     assert result.error is None, result.error
     schedule = result.schedule

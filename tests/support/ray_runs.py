@@ -1,5 +1,6 @@
 """Runs of the demo config on a local Ray in this process (``layercheck.orchestrator.runtime.driver.train``),
-shortened for the tests."""
+shortened for the tests, and the runs several test modules read (session fixtures in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from layercheck.orchestrator.core.run_config import RunConfig, load_run_config
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 
 
 def device_overrides() -> dict[str, Any]:
@@ -38,3 +40,82 @@ def demo_config(tmp_path: Path, name: str, *, steps: int = 12, policy: Any = Non
         },
     )
     return dataclasses.replace(config, policy=policy) if policy is not None else config
+
+
+_OURS = {"ray": False}
+
+
+def ensure_local_ray() -> None:
+    """A local Ray in this process, as ``layercheck train`` starts it for the demo config (with the
+    device overrides); kept until a test that does not ask for ``local_ray`` comes next
+    (tests/conftest.py), so adjacent tests share it."""
+    import ray
+
+    from layercheck.orchestrator.runtime.cluster import connect
+
+    if not ray.is_initialized():
+        connect(load_run_config("examples/demo.toml", device_overrides()))
+        _OURS["ray"] = True
+
+
+def release_local_ray() -> None:
+    """Shut down the local Ray :func:`ensure_local_ray` started, if it is up."""
+    import ray
+
+    if _OURS["ray"]:
+        _OURS["ray"] = False
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def train_demo(tmp_path: Path, name: str, *, policy: Any = None, resume: bool = False, **overrides: Any) -> Any:
+    """:func:`demo_config`'s run, trained here on the local Ray; its result, which must have no error."""
+    from layercheck.orchestrator.runtime.driver import train
+
+    ensure_local_ray()
+    result = train(demo_config(tmp_path, name, policy=policy, **overrides), resume=resume)
+    assert result.error is None, result.error
+    return result
+
+
+EVERY_STEP = IntervalConfig(interval=1)
+UNBOUNDED = {"persistence.max_versions_in_flight": 64}  # no layer held back waiting for a commit
+#: The paper's policy, with a base at step 3 and thresholds that the demo's drift crosses.
+LAYERCHECK = LayerCheckConfig(warmup_steps=3, smax=4, k0=0.05, k0_embed=0.05)
+KILL_AT = 8
+STEPS = 12
+"""The shared runs' length (the demo's, shortened)."""
+
+
+def clean_run(root: Path) -> Any:
+    """The demo's ``STEPS`` steps without a failure, every layer persisted after every step (nothing held
+    back): the failure-free reference state and losses, and a store whose final composite is
+    the trained model."""
+    overrides = {"steps": STEPS, "optim.total_steps": STEPS, "fault.kill_at_step": 0, "log_every": 4, **UNBOUNDED}
+    return train_demo(root, "clean", policy=EVERY_STEP, **overrides)
+
+
+def layercheck_run(root: Path) -> tuple[Any, Any, str]:
+    """The demo's ``STEPS`` steps under the ``layercheck`` policy (``LAYERCHECK``), rank 1 SIGKILLed after
+    step ``KILL_AT``, its metrics scraped every second by a real Prometheus (started first, on
+    the run's discovery directory): ``(result, prometheus or None, why there is none)``."""
+    from tests.support.prometheus import Prometheus, PrometheusUnavailable
+
+    discovery = root / "sd"
+    try:
+        prometheus, missing = Prometheus(root, discovery), ""
+    except PrometheusUnavailable as error:
+        prometheus, missing = None, str(error)
+    metrics = {"metrics.port": 0}
+    if prometheus is not None:
+        from layercheck.workers.env import free_port
+
+        metrics = {"metrics.port": free_port(), "metrics.host": "auto", "metrics.discovery_dir": str(discovery)}
+    try:
+        overrides = {"steps": STEPS, "optim.total_steps": STEPS, "fault.kill_at_step": KILL_AT, **metrics}
+        result = train_demo(root, "layercheck", policy=LAYERCHECK, **overrides)
+    except BaseException:
+        if prometheus is not None:
+            prometheus.stop()
+        raise
+    return result, prometheus, missing
