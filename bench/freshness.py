@@ -25,7 +25,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -111,20 +110,11 @@ def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, to
 
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-    from layercheck.bench.harness import Runner
+    from layercheck.bench.harness import Runner, quiet_rank
     from layercheck.orchestrator.store.layer_store import LayerStore
     from layercheck.workers.engine import shutdown
 
-    warnings.filterwarnings("ignore")
-    for name in (
-        "layercheck.workers",
-        "layercheck.orchestrator",
-        "layercheck.policies",
-        "DeepSpeed",
-        "deepspeed",
-        "torch",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    quiet_rank()
     w = Workload.from_json(payload["workload"])
     points, horizon = list(payload["points"]), int(payload["horizon"])
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]

@@ -310,10 +310,9 @@ def _clone_shard(shard: LayerShard) -> LayerShard:
     return replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
 
 
-def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-    """Everything one rank does: build, run each strategy (plus the matched variants), report."""
-    from layercheck.workers.engine import shutdown
-
+def quiet_rank() -> None:
+    """A benchmark rank's console: warnings off, and only warnings from the product and its stack
+    (the per-step decisions would drown the figures)."""
     warnings.filterwarnings("ignore")
     for name in (
         "layercheck.workers",
@@ -324,6 +323,13 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         "torch",
     ):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything one rank does: build, run each strategy (plus the matched variants), report."""
+    from layercheck.workers.engine import shutdown
+
+    quiet_rank()
     workload = Workload.from_json(payload["workload"])
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]
     s3 = LoopbackBucket(**payload["s3"]) if payload.get("s3") else None
