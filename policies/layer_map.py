@@ -89,6 +89,15 @@ class Layer:
         return tuple(p for p in self.params if not p.decay)
 
 
+def describe_layers(names: Sequence[str], *, most: int = 4) -> str:
+    """Layers for a message a person reads: all of a few (``"block.3, norm"``), else their count
+    with the first and last ones (``"32 layers: block.0, block.1 … lm_head"``)."""
+    names = list(names)
+    if len(names) <= most:
+        return ", ".join(names) or "no layer"
+    return f"{len(names)} layers: {', '.join(names[: most - 1])} … {names[-1]}"
+
+
 @dataclass(frozen=True)
 class LayerMap:
     """The model's layers in model order, and the way back from a parameter to its layer."""

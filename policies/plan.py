@@ -15,6 +15,10 @@ from dataclasses import dataclass, field, replace
 
 from layercheck.policies.overlay import Coverage, LayerSource, claim, claimed_elements, element_staleness
 
+#: The origin of a layer's rebuilt step-0 state: a version every layer has when the run can
+#: rebuild its initial state (no files; ``layercheck.orchestrator.store.initial_state``).
+INITIAL_ORIGIN = "initial"
+
 
 class NoUsableVersionError(RuntimeError):
     """Some layer has no committed, usable version at or before the recovery step."""
@@ -31,7 +35,8 @@ class VersionRef:
     partial: bool = False
     """Holds only some ranks' slices (a survivor's capture): never a layer's whole state alone."""
     origin: str = "policy"
-    """``policy`` (a scheduled snapshot) or ``capture`` (a survivor's hand-over)."""
+    """``policy`` (a scheduled snapshot), ``capture`` (a survivor's hand-over) or ``initial``
+    (:data:`INITIAL_ORIGIN`: the run's rebuilt step-0 state)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader
-from layercheck.policies.configs import IntervalConfig
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 from layercheck.policies.trace import DriftTrace
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
@@ -119,6 +119,25 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
     assert sorted(history) == sorted(reference) == list(range(1, 10))
     for step in range(7, 10):
         assert history[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_a_failure_before_any_layer_was_saved_resumes_at_t_fail_plus_one(local_ray, tmp_path):
+    """The paper's policy with its default warm-up (200 steps) in an 8-step run: no layer is ever
+    saved before rank 1 dies after step 4. The run's initial state is every layer's version at step
+    0 (recorded at its start, no bytes written), so recovery still resumes at 5: rank 0's slices
+    from its capture, rank 1's from the initial state, staleness counted from step 0."""
+    steps = {"steps": 8, "optim.total_steps": 8}
+    failed = train_demo(tmp_path, "early", policy=LayerCheckConfig(), **{"fault.kill_at_step": 4, **steps})
+    (recovery,) = failed.status["account"]["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (4, 5, 0)
+    assert recovery["max_staleness"] == 4
+    for layer, sources in recovery["sources"].items():
+        assert [(s["origin"], s["step"]) for s in sources] == [("capture", 4), ("initial", 0)], layer
+    assert recovery["elements"]["initial"] > 0 and recovery["elements"]["stored"] == 0
+    history = {int(k) for k in failed.status["account"]["history"]}
+    assert history == set(range(1, 9))
+    text = format_summary(summarize(failed))
+    assert "from the initial state (not saved yet)" in text and "steps redone 0" in text
 
 
 def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(local_ray, layercheck_run):

@@ -10,8 +10,16 @@ import pytest
 
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.core.run_config import load_run_config
-from layercheck.orchestrator.core.run_start import ResumeError, StartOptions, check_resumable, open_run_store
+from layercheck.orchestrator.core.run_start import (
+    ResumeError,
+    StartOptions,
+    check_config,
+    check_resumable,
+    open_run_store,
+)
 from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.initial_state import read_initial, record_initial
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import read_lease
 from layercheck.policies.config_loader import ConfigError
@@ -84,6 +92,24 @@ def test_a_fresh_run_takes_the_lease_and_writes_run_json(tmp_path):
     assert read_lease(lease.fs) is None
 
 
+def test_a_fresh_run_records_its_initial_state_and_a_resume_keeps_it(tmp_path, caplog):
+    """The built-in loop rebuilds the model from run.json on every start: that state is every
+    layer's version at step 0, recorded (no weights written) so a layer not saved yet is no hole."""
+    config = _config(tmp_path)
+    open_run_store(config, StartOptions()).release()
+    fs = StoreFS.open(str(tmp_path / "run"))
+    layers = list(check_config(config))
+    assert read_initial(fs).layers == tuple(layers)
+    store, records = _stored_run(tmp_path / "run")
+    store.fs.delete(records["norm"].shards[1].path)  # norm's only version loses a shard
+    record_initial(fs, LAYERS[1:])  # (all but embed: shows that the resume does not rewrite it)
+    with caplog.at_level(logging.WARNING):
+        lease = open_run_store(config, StartOptions(resume=True))
+    lease.release()
+    assert read_initial(fs).layers == LAYERS[1:]  # the first run's record, not rewritten
+    assert "norm from the initial state" in caplog.text
+
+
 def test_a_second_run_of_the_same_store_is_refused_naming_the_owner(tmp_path):
     first = open_run_store(_config(tmp_path), StartOptions())
     try:
@@ -112,7 +138,7 @@ def test_overwrite_deletes_the_earlier_run(tmp_path):
     lease = open_run_store(_config(tmp_path), StartOptions(overwrite=True))
     lease.release()
     assert not LayerStore.open(str(tmp_path / "run")).versions()
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["initial.json", "run.json"]
 
 
 def test_without_overwrite_an_existing_run_is_refused(tmp_path):

@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+#: Where a recovery's elements came from (``Recovery.elements``).
+ELEMENT_KINDS = ("capture", "stored", "initial")
+
 
 @dataclass
 class Recovery:
@@ -27,16 +30,18 @@ class Recovery:
     """Steps trained again because no composite was usable (0 when LayerCheck recovers)."""
     sources: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Per layer, where the composite's elements came from: ``origin`` (``capture``: a
-    survivor's hand-over; ``policy``: a scheduled snapshot), ``version_id``, ``step``, ``ranks``,
+    survivor's hand-over; ``policy``: a scheduled snapshot; ``initial``: the rebuilt step-0
+    state), ``version_id``, ``step``, ``ranks``,
     ``elements`` (``LayerSource.to_json``), newest first."""
 
     @property
     def elements(self) -> dict[str, int]:
-        """Elements recovered from survivors' captures and from stored (scheduled) versions."""
-        out = {"capture": 0, "stored": 0}
+        """Elements recovered from survivors' captures, from stored (scheduled) versions and
+        from the run's rebuilt initial state (layers not saved yet)."""
+        out = dict.fromkeys(ELEMENT_KINDS, 0)
         for layer_sources in self.sources.values():
             for s in layer_sources:
-                out["capture" if s["origin"] == "capture" else "stored"] += s["elements"]
+                out[s["origin"] if s["origin"] in ("capture", "initial") else "stored"] += s["elements"]
         return out
 
     world_size: int = 0
@@ -158,9 +163,7 @@ class RunAccount:
             "lost_step_s": self.lost_step_seconds,
             "failures": self.failures,
             "recoveries": [asdict(r) | {"total_s": r.total_s, "elements": r.elements} for r in self.recoveries],
-            "recovered_elements": {
-                kind: sum(r.elements[kind] for r in self.recoveries) for kind in ("capture", "stored")
-            },
+            "recovered_elements": {kind: sum(r.elements[kind] for r in self.recoveries) for kind in ELEMENT_KINDS},
             "ettr": self.ettr(now),
             "coordination_s_per_step": _percentiles(self.coordination_seconds),
             "step_s_per_step": _percentiles(list(self.step_seconds.values())),

@@ -17,8 +17,10 @@ from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
-from layercheck.policies.layer_map import LayerMap
-from layercheck.workers.layer_state import restore_layers
+from layercheck.policies.layer_map import LayerMap, describe_layers
+from layercheck.workers import optim_state
+from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layer_state import ShardReader, group_metadata, restore_layers, snapshot_layers
 from layercheck.workers.layout import StateLayout
 
 logger = logging.getLogger(__name__)
@@ -80,7 +82,8 @@ def load_composite(
     its peers (whose slices may be sound) are waiting in; the engine then holds garbage.
     """
     started = time.monotonic()
-    with CompositeReader(store, records, overlays=overlays) as reader:
+    records, initial = _without_initial(train_engine, records, overlays or {})
+    with CompositeReader(store, records, overlays=overlays, bases=initial) as reader:
         check_fits(reader, records, train_engine.layer_map)
         guarded = _UntilCorrupt(reader)
         restore_layers(train_engine.layout, reader.metas(), guarded)
@@ -97,6 +100,65 @@ def load_composite(
         elapsed,
     )
     return elapsed
+
+
+class InitialStateError(RuntimeError):
+    """A composite takes a layer from the run's rebuilt initial state, but the engine has trained."""
+
+
+def _without_initial(
+    train_engine: Restorable,
+    records: Mapping[str, VersionRecord],
+    overlays: Mapping[str, tuple[VersionRecord, ...]],
+) -> tuple[dict[str, VersionRecord], dict[str, InitialBase]]:
+    """``records`` less the layers that come from the run's rebuilt initial state (see
+    :mod:`~layercheck.orchestrator.store.initial_state`): this freshly built engine already holds
+    that state, so such a layer is left as it is — unless partial versions (a survivor's capture)
+    are overlaid on it: then it stays in the composite, its remaining elements read from the
+    engine itself (:class:`InitialBase`). Raises :class:`InitialStateError` for an engine that has
+    trained: its state is no longer the initial one."""
+    initial = [layer for layer, record in records.items() if record.is_initial]
+    if not initial:
+        return dict(records), {}
+    layout = train_engine.layout
+    if int(getattr(layout.engine, "global_steps", 0) or 0) != 0:
+        raise InitialStateError(
+            f"cannot take {describe_layers(initial)} from the initial state: this engine has trained "
+            f"{layout.engine.global_steps} step(s); build a fresh one to recover into"
+        )
+    kept = {layer: record for layer, record in records.items() if not record.is_initial}
+    overlaid = [layer for layer in initial if overlays.get(layer)]
+    bases = {layer: InitialBase(train_engine, layer) for layer in overlaid}
+    kept.update({layer: records[layer] for layer in overlaid})
+    logger.info(
+        "%s from the initial state as rebuilt (%d of them under partial versions)",
+        describe_layers(initial),
+        len(overlaid),
+    )
+    return kept, bases
+
+
+class InitialBase:
+    """The whole version a composite reads for a layer that comes from the initial state: this
+    rank's own freshly built state of the layer (every range a restore asks of it; zero moments),
+    copied out before the restore overwrites it."""
+
+    def __init__(self, train_engine: Restorable, layer: str) -> None:
+        layout = train_engine.layout
+        entry = layout[layer]
+        for master in entry.masters:
+            optim_state.init_state(layout.optimizer, master)  # a fresh optimizer may have no moments yet
+        shards = snapshot_layers(layout, [layer], HostBufferPool(), step=0, pieces={layer: entry.needed})
+        self._read = ShardReader(shards)
+        self.param_shapes = {p.name: tuple(p.shape) for p in train_engine.layer_map[layer].params}
+        self.optimizer_step = 0
+        self.groups = group_metadata(layout, layer)
+
+    def read(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        return self._read(param, key, offset, length).clone()
+
+    def close(self) -> None:
+        pass
 
 
 class _UntilCorrupt:

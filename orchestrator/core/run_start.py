@@ -22,12 +22,14 @@ from dataclasses import dataclass
 
 from layercheck.orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
 from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.initial_state import record_initial
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.lease import LEASE_FILE, StoreLease
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
+from layercheck.policies.layer_map import describe_layers
 from layercheck.policies.plan import NoUsableVersionError
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,10 @@ def open_run_store(
         # it; never the storage URI's credentials (a resume takes them from the user's URI again)
         kept = {**config.to_json(), "storage": redact_uri(config.storage)}
         store.fs.write_bytes(RUN_CONFIG_FILE, json.dumps(kept, indent=2).encode())
+        if not options.resume:
+            # every start builds the model from this config and a fresh optimizer: that state is
+            # every layer's version at step 0, kept at no write cost (a resume keeps the first run's)
+            record_initial(store.fs, layer_numel)
 
     return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare)
 
@@ -141,6 +147,13 @@ def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunC
             "--restart-into NEW_STORAGE"
         ) from None
     step = resolved.plan.t_fail
+    initial = [layer for layer, record in resolved.records.items() if record.is_initial]
+    if initial:
+        logger.warning(
+            "--resume: %s from the initial state (no usable stored version at or before step %d)",
+            describe_layers(initial),
+            step,
+        )
     if step >= config.steps:
         raise ConfigError(
             f"steps: the run in {store.uri} is already at step {step}, so --resume with steps = "

@@ -8,7 +8,7 @@ import logging
 import math
 from typing import Any
 
-from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.orchestrator.core.accounting import ELEMENT_KINDS, format_sources
 from layercheck.orchestrator.core.capture_window import capture_figures
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.store.uri import redact_uri
@@ -39,7 +39,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "failures": account["failures"],
         "recoveries": account["recoveries"],
         "capture": capture_figures(account.get("capture", {})),
-        "recovered_elements": account.get("recovered_elements", {"capture": 0, "stored": 0}),
+        "recovered_elements": account.get("recovered_elements", dict.fromkeys(ELEMENT_KINDS, 0)),
         "bytes_written": status["bytes_committed"],
         "versions_written": status["versions_committed"],
         "full_checkpoint_bytes": full_bytes,
@@ -162,11 +162,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         if "storage_shards" in r:
             rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
-    if summary["recoveries"] and summary.get("recovered_elements", {}).get("capture"):
-        elements = summary["recovered_elements"]
-        rows.append(
-            ["recovered elements", f"{elements['capture']:,} from survivors' captures, {elements['stored']:,} stored"]
-        )
+    elements = summary.get("recovered_elements", {})
+    if summary["recoveries"] and (elements.get("capture") or elements.get("initial")):
+        parts = [f"{elements.get('capture', 0):,} from survivors' captures", f"{elements.get('stored', 0):,} stored"]
+        if elements.get("initial"):
+            parts.append(f"{elements['initial']:,} from the initial state (not saved yet)")
+        rows.append(["recovered elements", ", ".join(parts)])
     rows += [
         [
             "bytes written",

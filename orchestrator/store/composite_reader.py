@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,23 @@ class VersionMeta:
     groups: tuple[dict[str, Any], ...]
 
 
+class BaseReader(Protocol):
+    """What a layer's whole version is read through: a :class:`VersionReader`, or a stand-in."""
+
+    @property
+    def param_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    @property
+    def optimizer_step(self) -> int: ...
+
+    @property
+    def groups(self) -> tuple[dict[str, Any], ...]: ...
+
+    def read(self, param: str, key: str, offset: int, length: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
 class CompositeReader:
     """``reader(param, key, offset, length)`` — the ``RangeReader`` that
     ``layercheck.workers.layer_state.restore_layers`` takes — with :meth:`metas` for its ``metas``.
@@ -41,8 +58,14 @@ class CompositeReader:
         records: Mapping[str, VersionRecord],
         *,
         overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
+        bases: Mapping[str, BaseReader] | None = None,
     ) -> None:
-        self._readers = {layer: VersionReader(store, record) for layer, record in records.items()}
+        """``bases``: per layer, a reader that stands in for its whole version (the rebuilt
+        initial state, which has no files); its record in ``records`` is not read."""
+        bases = bases or {}
+        self._readers: dict[str, BaseReader] = {
+            layer: bases[layer] if layer in bases else VersionReader(store, record) for layer, record in records.items()
+        }
         self._overlays = {
             layer: [VersionReader(store, record) for record in (overlays or {}).get(layer, ())] for layer in records
         }
@@ -59,7 +82,7 @@ class CompositeReader:
         for reader in [*self._readers.values(), *(r for rs in self._overlays.values() for r in rs)]:
             reader.close()
 
-    def reader(self, layer: str) -> VersionReader:
+    def reader(self, layer: str) -> BaseReader:
         """The reader of ``layer``'s whole version."""
         return self._readers[layer]
 

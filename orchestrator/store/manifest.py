@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS, check_relative
-from layercheck.policies.plan import VersionRef
+from layercheck.policies.plan import INITIAL_ORIGIN, VersionRef
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,10 @@ class VersionRecord:
 
     def __post_init__(self) -> None:
         ranks = [s.rank for s in self.shards]
+        if self.origin == INITIAL_ORIGIN:  # a plan's placeholder for the rebuilt step-0 state (initial_state.py)
+            if self.shards or self.world_size or self.step or self.partial:
+                raise ManifestError(f"version {self.version_id}: an initial-state placeholder has no files, step 0")
+            return
         if self.origin not in ORIGINS:
             raise ManifestError(f"version {self.version_id}: origin must be one of {ORIGINS}, got {self.origin!r}")
         if self.partial:
@@ -124,6 +128,11 @@ class VersionRecord:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
+
+    @property
+    def is_initial(self) -> bool:
+        """The run's rebuilt step-0 state (no files: nothing to read), never a stored record."""
+        return self.origin == INITIAL_ORIGIN
 
     @property
     def ref(self) -> VersionRef:
@@ -162,6 +171,8 @@ class VersionRecord:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
+        if record.is_initial:
+            raise ManifestError(f"{source}: a commit record cannot be an initial-state placeholder: damaged")
         record.check_names(source=source)
         return record
 

@@ -3,7 +3,8 @@
 * :func:`resolve_plan` (once, in the supervisor): plan → validate the chosen versions (each
   layer's whole version and the partial ones overlaid on it) → re-plan skipping any unusable
   one (missing, truncated or corrupt shard), until every layer's choice is usable; the previous
-  committed version of a layer (or the base) takes over. The plan then says, from the overlays'
+  committed version of a layer (or the base, or the run's rebuilt initial state where it
+  recorded one: :mod:`~layercheck.orchestrator.store.initial_state`) takes over. The plan then says, from the overlays'
   shard headers, which source supplies how many elements of each layer, and at which step.
 * :class:`VersionReader` (on each rank): ``read(param, key, offset, length)`` returns exactly
   that range of one parameter's flattened state, assembled from whichever stored rank files
@@ -25,7 +26,8 @@ import pyarrow as pa
 import torch
 
 from layercheck.orchestrator.store import tensorfile
-from layercheck.orchestrator.store.errors import CorruptShardError, ShardFormatError
+from layercheck.orchestrator.store.errors import CorruptShardError, ManifestError, ShardFormatError
+from layercheck.orchestrator.store.initial_state import read_initial
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import Manifest, VersionRecord
 from layercheck.policies.overlay import LayerSource, Span
@@ -78,8 +80,9 @@ def resolve_plan(
     was tried, and why each skipped version was unusable.
     """
     manifest = store.manifest() if manifest is None else manifest
-    by_id = manifest.by_id()
-    refs = manifest.refs()
+    initial = _initial_records(store, layer_numel)
+    by_id = {**manifest.by_id(), **{r.version_id: r for r in initial}}
+    refs = manifest.refs() + [r.ref for r in initial]
     if t_fail is None:
         t_fail = newest_recoverable_step(list(layer_numel), refs)
         if t_fail is None:
@@ -132,6 +135,17 @@ def resolve_plan(
         skipped=skipped,
         overlays=overlays,
     )
+
+
+def _initial_records(store: LayerStore, layer_numel: Mapping[str, int]) -> list[VersionRecord]:
+    """The placeholders of the layers whose step-0 state the run rebuilds (``initial.json``); none
+    if it recorded none, or (logged) if that record is damaged."""
+    try:
+        initial = read_initial(store.fs)
+    except ManifestError as error:
+        logger.error("recovery: %s: planning without the initial state", error)
+        return []
+    return list(initial.records(layer_numel).values()) if initial is not None else []
 
 
 def _problem(store: LayerStore, record: VersionRecord, *, deep: bool, usable: dict[str, dict[str, list[Span]]]) -> str:
