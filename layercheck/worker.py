@@ -26,6 +26,7 @@ import torch
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
+from layercheck.policies.configs import schedule_warnings
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec
 from layercheck.workers import collective_abort
 from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
@@ -50,8 +51,10 @@ class Attachment:
         attempt: int,
         kill: Any,
         save_final: bool = True,
+        policy: Any = None,
     ) -> None:
         self._attached = attached
+        self._policy = policy
         self._save_final = save_final
         self._protocol = protocol
         self._kill = kill
@@ -97,6 +100,18 @@ class Attachment:
         self._next_step = step + 1
         self._lr = current_lr(self._attached.engine)  # the rate the next step will use
         self._since = time.monotonic()
+
+    def check_steps(self, total_steps: int) -> list[str]:
+        """Warn (rank 0 logs them; all ranks return them) where the run's schedule is too long
+        for a loop of ``total_steps`` steps: a warm-up or period the run never reaches leaves its
+        layers at their step-0 version until the final save. The Trainer callback calls it."""
+        if self._policy is None or total_steps <= 0:
+            return []
+        found = schedule_warnings(self._policy, total_steps, prefix=f"{type(self._policy).__name__}.")
+        if self._protocol.rank == 0:
+            for warning in found:
+                logger.warning("LayerCheck: %s", warning)
+        return found
 
     @property
     def stop_requested(self) -> bool:
@@ -172,6 +187,8 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     abort = None if ctx.capture_timeout_s is None else collective_abort.install(collective_abort.for_current_group())
     protocol = StepProtocol(attached.layout, coordinator, rank=rank, abort=abort)
     context.on_failure(protocol.on_failure)  # the loop raised (a peer died): hand over what this rank holds
+    if resume.records is None:  # from scratch: LayerCheck cannot rebuild what this loop built, so it keeps it
+        protocol.hand_over_initial()
     return Attachment(
         attached,
         protocol,
@@ -179,6 +196,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         attempt=resume.attempt,
         kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator),
         save_final=ctx.save_final,
+        policy=ctx.policy,
     )
 
 

@@ -23,6 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from layercheck.policies.decision import PersistDecision
+from layercheck.workers import optim_state
 from layercheck.workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
 from layercheck.workers.collective_abort import CollectiveAbort
 from layercheck.workers.data import TrainData
@@ -125,6 +126,19 @@ class StepProtocol:
         self.abort = abort
         if abort is not None:
             abort.arm()
+
+    def hand_over_initial(self) -> None:
+        """Before the first step of a run that starts from scratch: hand over every layer's state
+        as it is now (the weights the user's loop built, zero moments) as its version at step 0,
+        so a failure before a layer's first save still finds a version of it. Written off the
+        critical path like any snapshot; a run that rebuilds this state the same way on every
+        start records it instead (``layercheck train``: no bytes)."""
+        layout = self.layout
+        for name in layout.layer_map.names:
+            for master in layout[name].masters:
+                optim_state.init_state(layout.optimizer, master)  # what Adam's first step would create
+        self._handover.take(list(layout.layer_map.names), 0, base=True)
+        logger.info("rank %d: the initial state of %d layer(s) handed over", self.rank, len(layout.layer_map.names))
 
     def after_step(self, step: int, drift: LayerDrift, *, loss: float, lr: float, compute_s: float) -> float:
         """Report step ``step``'s drift (not waiting), carry out step ``step - 1``'s decision,

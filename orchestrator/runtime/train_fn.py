@@ -113,8 +113,13 @@ class RayCoordinator:
         self._bound_inflight()
 
     def _bound_inflight(self) -> None:
+        """Wait for storage while the snapshots handed over and not yet written exceed
+        ``max_inflight_bytes``. The initial state (step 0, handed over once at ``attach``) is not
+        held to it: bounded by one copy of the rank's slices, it would otherwise stall the first
+        steps behind its write."""
         self._settle_done()
-        inflight = sum(sub.nbytes for sub in self._inflight.values())
+        bounded = [sub for sub in self._inflight.values() if sub.step > 0]
+        inflight = sum(sub.nbytes for sub in bounded)
         if inflight <= self.max_inflight_bytes:
             return
         started = time.monotonic()
@@ -124,7 +129,7 @@ class RayCoordinator:
             inflight,
             self.max_inflight_bytes,
         )
-        for sub in list(self._inflight.values()):
+        for sub in bounded:
             ray.wait([sub.result])
             inflight -= sub.nbytes
             if inflight <= self.max_inflight_bytes:
