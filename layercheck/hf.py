@@ -64,6 +64,9 @@ class LayerCheckCallback(TrainerCallback):
                 "resumes a restarted worker group itself"
             )
         self.attachment = (self._attach or self._attach_engine)(self.trainer)
+        check_steps = getattr(self.attachment, "check_steps", None)
+        if check_steps is not None and state.max_steps:
+            check_steps(int(state.max_steps))
         done = self.attachment.start_step - 1
         if done > 0:
             self._resume(state, train_dataloader, done)

@@ -150,6 +150,7 @@ class LayerCheckTrainer:
             layer_numel=layers.numel,
             save_final=cfg.persistence.save_final,
             capture_timeout_s=cfg.persistence.capture_hand_over_s,
+            policy=cfg.policy,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None

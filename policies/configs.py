@@ -200,6 +200,30 @@ def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: 
     return from_mapping(POLICY_CONFIGS[name], params or {}, field=field)
 
 
+def schedule_warnings(policy: PolicyConfig, steps: int, *, prefix: str = "policy.") -> list[str]:
+    """What a schedule too long for a run of ``steps`` steps means, for the run's start: layers
+    the policy never saves before the end come back from the initial state (step 0) at a failure,
+    as stale as the failure is late. ``prefix`` names the fields as the user set them."""
+
+    def warn(field: str, value: int, what: str, fix: int) -> str:
+        return (
+            f"{prefix}{field} = {value} >= steps = {steps}: {what} before the run ends (only its final "
+            f"save); a failure recovers such layers from the initial state, as stale as the failure is "
+            f"late; set {prefix}{field} below {steps} (e.g. {fix}) to protect them"
+        )
+
+    warnings = []
+    warmup = getattr(policy, "warmup_steps", 0)
+    if policy.selective and warmup >= steps:
+        warnings.append(warn("warmup_steps", warmup, "the policy saves no layer", max(1, steps // 10)))
+    period = getattr(policy, "period", None) if isinstance(policy, StaggeredConfig) else None
+    if period is not None and period >= steps:
+        warnings.append(warn("period", period, "most layers are not saved", max(1, steps // 4)))
+    if isinstance(policy, IntervalConfig) and policy.interval >= steps:
+        warnings.append(warn("interval", policy.interval, "no layer is saved", max(1, steps // 4)))
+    return warnings
+
+
 def policy_name(config: PolicyConfig) -> str:
     """The name a policy config is registered under (``layercheck``, ``interval``, ``never``)."""
     for name, cls in POLICY_CONFIGS.items():

@@ -22,7 +22,14 @@ import yaml
 from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
-from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config, policy_name
+from layercheck.policies.configs import (
+    DEFAULT_POLICY,
+    POLICY_CONFIGS,
+    PolicyConfig,
+    policy_config,
+    policy_name,
+    schedule_warnings,
+)
 from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
 from layercheck.workers.data import DataConfig, DataSummary, load_data
@@ -341,6 +348,7 @@ def config_warnings(config: RunConfig) -> list[str]:
             f"{config.steps} train at its final rate (lr x min_lr_ratio = {config.optim.lr * config.optim.min_lr_ratio:g}); "
             f"set optim.total_steps = {config.steps} to stretch the schedule"
         )
+    warnings += schedule_warnings(config.policy, config.steps)
     fault = config.fault
     if fault.kill_at_step and fault.kill_rank >= config.cluster.num_workers:
         # not an error: `--resume --set cluster.num_workers=1` of a demo run must work as written

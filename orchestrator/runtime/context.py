@@ -34,6 +34,9 @@ class WorkerContext:
     """``lc.finish()`` persists every layer's state at the last step (``persistence.save_final``)."""
     capture_timeout_s: float | None = None
     """A survivor's capture when the loop raises (``persistence.capture``); ``None``: off."""
+    policy: Any = None
+    """The run's policy config (``CheckpointConfig.policy``), for the warnings a worker can give
+    once it knows how many steps the loop will train."""
 
 
 _current: WorkerContext | None = None
