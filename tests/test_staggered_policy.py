@@ -67,7 +67,7 @@ def test_never_more_bytes_than_full_checkpoints_at_matched_freshness_on_uniform_
     assert result.bytes_written <= full + checkpoint
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(sizes=st.lists(st.integers(1, 10_000), min_size=1, max_size=40), period=st.integers(1, 50))
 def test_peak_per_step_bytes_is_flat(sizes, period):
     numel = {f"l{i}": n for i, n in enumerate(sizes)}
@@ -75,9 +75,8 @@ def test_peak_per_step_bytes_is_flat(sizes, period):
     result = simulate(trace, StaggeredPolicy(StaggeredConfig(period=period), numel), label="s")
     total, largest = sum(sizes) * BYTES_PER_PARAM, max(sizes) * BYTES_PER_PARAM
     # max(total/P, largest) itself is not always reachable with whole layers (three layers of 2
-    # over 2 steps: 4 > 3); LPT's slot loads are within 4/3 of the best packing (Graham), which is
-    # at least that lower bound, and every step is within one layer of the mean.
-    assert result.peak_step_bytes <= 4 / 3 * max(total / period, largest)
+    # over 2 steps: 4 > 3; five equal layers over 4 steps: 2 layers > 5/4), so it bounds nothing
+    # by a factor; what LPT guarantees is that every step is within one layer of the mean.
     assert result.peak_step_bytes <= max(largest, total / period + largest)
     if len(set(sizes)) == 1:  # equal layers: the best packing, ceil(L / P) layers a step
         assert result.peak_step_bytes == -(-len(sizes) // period) * largest
