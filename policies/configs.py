@@ -108,8 +108,8 @@ class StaggeredConfig:
     Adam moments); periods stretch to fit it. ``None``: no cap beyond ``period``."""
     warmup_steps: int = 0
     """First saves start at this step, staggered over the first period (no whole-model burst);
-    until a layer has one, ``layercheck train``'s recovery takes it from the run's initial state
-    (step 0); an own loop's (``attach``, the callback) restarts from step 1."""
+    until a layer has one, recovery takes it from the run's initial state (step 0: rebuilt by
+    ``layercheck train``, written once at ``attach`` by an own loop)."""
     smax: int = 1000
     """Staleness backstop: a layer that changed and has gone this many steps unsaved is persisted
     whatever the schedule says (layers that did not change since their last save are exact)."""
