@@ -255,6 +255,11 @@ class RunSupervisor:
             )
         return last_steps
 
+    def trained(self) -> bool:
+        """Whether rank 0 has reported any trained step, in any attempt."""
+        with self._lock:
+            return bool(self.view.account.history)
+
     def finish(self, ok: bool, reason: str = "") -> None:
         self._carry_out(self._feed(RunEnded(ok=ok, reason=reason or ("" if ok else "the trainer raised"))))
 

@@ -309,6 +309,8 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     status = _at_end(
         "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default=status
     )
+    if status.get("setup_error"):  # the trainer's error wraps it in Ray Train's ControllerError
+        error = status["setup_error"]
     if error is None and status.get("stop_reason"):
         error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
     _at_end(

@@ -175,6 +175,9 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})",
         ],
     ]
+    if not summary["steps"] and not summary["recoveries"]:  # it never trained: no schedule, staleness, ETTR
+        rows += [*_trouble_rows(summary), ["storage", summary["storage"]]]
+        return format_table(["", ""], rows)
     rows += _schedule_rows(summary)
     rows += _memory_rows(summary)
     rows += _matched_rows(summary)

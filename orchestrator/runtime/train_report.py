@@ -69,19 +69,22 @@ class TrainReporter:
 def supervisor_callbacks(supervisor: Any, *, capture_timeout_s: float | None = None) -> list[Any]:
     """The run's Ray Train callbacks (Train v2 only; v1 keeps report metrics in
     ``Result.metrics_dataframe`` itself, and has no hook before a group's teardown): rank 0's
-    report metrics to the supervisor and, with ``capture_timeout_s`` (``persistence.capture`` on),
+    report metrics to the supervisor, a setup error ending the run unretried
+    (:mod:`~layercheck.orchestrator.runtime.setup_errors`) and, with ``capture_timeout_s`` (``persistence.capture`` on),
     the teardown hold for survivors' captures (:mod:`layercheck.orchestrator.runtime.capture_hold`)."""
     from ray.train.v2._internal.constants import is_v2_enabled
 
     if not is_v2_enabled():
         return []
     from layercheck.orchestrator.runtime.capture_hold import CaptureHold
+    from layercheck.orchestrator.runtime.setup_errors import SetupErrorsEndTheRun
 
     hold = [] if capture_timeout_s is None else [CaptureHold(supervisor, bound_s=capture_timeout_s)]
-    return [ReportsToSupervisor(supervisor), *hold]
+    return [ReportsToSupervisor(supervisor), SetupErrorsEndTheRun(supervisor), *hold]
 
 
-def _user_callback_base() -> type:
+def user_callback_base() -> type:
+    """Ray Train's ``UserCallback`` (Train v2), else ``object``."""
     try:
         from ray.train import UserCallback
 
@@ -90,7 +93,7 @@ def _user_callback_base() -> type:
         return object
 
 
-class ReportsToSupervisor(_user_callback_base()):  # type: ignore[misc]
+class ReportsToSupervisor(user_callback_base()):  # type: ignore[misc]
     """Runs in Ray Train's controller: forwards rank 0's metrics of each report to the supervisor."""
 
     def __init__(self, supervisor: Any) -> None:

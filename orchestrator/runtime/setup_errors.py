@@ -1,0 +1,90 @@
+"""A run that cannot start is not a run that failed: end it at once, with its cause.
+
+Ray Train retries every worker-group error up to ``FailureConfig(max_failures)``. For an error
+raised before the run's first training step — a DeepSpeed config whose batch sizes disagree, a
+model that does not build, a bug in the loop's setup — each retry does the same work and fails the
+same way (three retries: 97 s for one assertion, and a summary of empty recoveries). So Ray Train's
+controller asks :class:`SetupErrorsEndTheRun` about every worker error: while no step of the run has
+been trained (the supervisor's account), an error that a worker *raised* — not a worker that died,
+nor a collective broken by a peer that died — is a setup error, and the run ends with it, not
+retried. Once training began, every failure is LayerCheck's to recover.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import ray
+
+from layercheck.orchestrator.runtime.train_report import user_callback_base
+
+logger = logging.getLogger(__name__)
+
+#: Messages of errors a collective raises when a peer is gone (gloo, NCCL, torch's store).
+_PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "nccl", "gloo", "timed out", "timeout")
+#: Known setup errors and what fixes them (a substring of the error's text → the fix).
+_FIXES = {
+    "train_batch_size is not equal to": (
+        "DeepSpeed needs train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+        "world size: set them so, or give only two of them (with the Hugging Face Trainer: \"auto\")"
+    ),
+}
+
+
+class SetupError(RuntimeError):
+    """A worker raised before the run's first training step: the run ends, not retried."""
+
+
+def peer_gone(error: BaseException) -> bool:
+    """``error`` says a process went away (the worker itself, or a peer of its collective)
+    rather than what the worker's own code did wrong."""
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
+        return True
+    try:
+        import torch.distributed
+
+        if isinstance(error, torch.distributed.DistError):
+            return True
+    except (ImportError, AttributeError):  # pragma: no cover - torch without distributed
+        pass
+    text = f"{type(error).__name__}: {error}".lower()
+    return any(marker in text for marker in _PEER_GONE)
+
+
+def setup_failure(worker_exceptions: Mapping[int, BaseException]) -> str | None:
+    """What to tell the user if ``worker_exceptions`` (rank → error, all raised before any step)
+    are a setup error; ``None`` if any worker died or only collectives broke (a real failure)."""
+    if not worker_exceptions or any(peer_gone(e) for e in worker_exceptions.values()):
+        return None
+    rank, error = min(worker_exceptions.items())
+    text = f"{type(error).__name__}: {error}".strip()
+    fix = next((fix for marker, fix in _FIXES.items() if marker in text), None)
+    ranks = sorted(worker_exceptions)
+    return (
+        f"rank {rank} failed before the first training step, so the run ends (a setup error is not "
+        f"retried; ranks that raised: {ranks}): {text}" + (f"\nFix: {fix}" if fix else "")
+    )
+
+
+class SetupErrorsEndTheRun(user_callback_base()):  # type: ignore[misc]
+    """Runs in Ray Train's controller: raising from its hook makes the worker errors a
+    non-retryable controller error, so ``fit`` ends with :class:`SetupError`."""
+
+    def __init__(self, supervisor: ray.actor.ActorHandle) -> None:
+        self.supervisor = supervisor
+
+    def after_exception(self, run_context: object, worker_exceptions: dict[int, Exception]) -> None:
+        try:
+            trained = bool(ray.get(self.supervisor.trained.remote(), timeout=10))
+        except Exception as error:  # noqa: BLE001 - unknown: leave it to Ray Train's retries
+            logger.warning("cannot ask the supervisor whether the run trained (%s): Ray Train retries", error)
+            return
+        if trained:
+            return
+        message = setup_failure(worker_exceptions)
+        if message is None:
+            return
+        logger.error("LAYERCHECK: %s", message)
+        self.supervisor.setup_failed.remote(message)
+        raise SetupError(message)
