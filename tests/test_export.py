@@ -212,3 +212,27 @@ def test_hf_export_takes_a_survivors_capture_over_the_whole_version(run, tmp_pat
             expected[lo:hi] = state["fp32"][name][lo:hi]
         assert torch.equal(loaded[name].detach().reshape(-1), expected), name
     assert held and sum(hi - lo for lo, hi in held.values()) < layer.numel
+
+
+def test_a_layer_never_saved_exports_as_the_runs_initial_state(tmp_path):
+    """A run that recorded its initial state (``initial.json``: ``layercheck train`` rebuilds it
+    from run.json) exports a layer it never saved with the weights that build gives."""
+    from layercheck.orchestrator.store.initial_state import record_initial
+
+    uri = str(tmp_path / "run")
+    store = LayerStore.open(uri, fsync=False)
+    jobs.write_run_json(uri, jobs.run_config())
+    built = build_model(jobs.run_config().model)
+    layer_map = layer_map_of(built)
+    record_initial(store.fs, layer_map.names)
+    saved = {}
+    for i, layer in enumerate(layer_map.layers[:-1]):  # every layer but the last
+        saved.update(_write_layer(store, layer, 10, base=True, seed=i))
+    out = tmp_path / "hf"
+    assert main(["export", uri, "--format", "hf", "--out", str(out)]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    initial = dict(built.named_parameters())
+    for name, p in loaded.named_parameters():
+        want = saved[name] if name in saved else initial[name].detach().reshape(-1)
+        assert torch.equal(p.detach().reshape(-1), want), name
+    assert any(name not in saved for name, _ in loaded.named_parameters())

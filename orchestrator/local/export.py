@@ -126,6 +126,7 @@ def check_composite_fits(
 ) -> None:
     """:class:`ExportError` unless the composite fits the run config's model (see
     :func:`layercheck.orchestrator.core.composite.check_fits`)."""
+    records = {layer: r for layer, r in records.items() if not r.is_initial}  # the model's own: it fits
     with CompositeReader(store, records, overlays=overlays) as read:
         try:
             check_fits(read, records, layer_map)
@@ -154,8 +155,21 @@ def composite_model(
     model = build_model(run.model)
     # a tied tensor appears once, under its first name
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    with CompositeReader(store, records, overlays=overlays) as read, torch.no_grad():
+    # a layer from the run's initial state (never saved by then) keeps what build_model made: the
+    # engine's initial weights came from the same seeded build; under partial versions it is their base
+    layer_map = layer_map_for(run.model)
+    initial = {layer for layer, record in records.items() if record.is_initial}
+    bases = {
+        layer: _ModelBase(model, [p.name for p in layer_map[layer].params])
+        for layer in initial
+        if (overlays or {}).get(layer)
+    }
+    keep = {p.name for layer in initial - set(bases) for p in layer_map[layer].params}
+    records = {layer: r for layer, r in records.items() if not r.is_initial or layer in bases}
+    with CompositeReader(store, records, overlays=overlays, bases=bases) as read, torch.no_grad():
         for name, param in params.items():
+            if name in keep:
+                continue
             try:
                 values = read(name, "fp32", 0, param.numel())
             except (KeyError, ValueError) as error:
@@ -164,6 +178,27 @@ def composite_model(
                 ) from error
             param.copy_(values.view(param.shape))
     return model
+
+
+class _ModelBase:
+    """A layer's whole version read from a host model's own weights (zero moments): the run's
+    initial state, as ``build_model`` makes it, under a partial version."""
+
+    def __init__(self, model: Any, names: list[str]) -> None:
+        own = dict(model.named_parameters())
+        self._flat = {name: own[name].detach().reshape(-1).clone() for name in names}
+        self.param_shapes = {name: tuple(own[name].shape) for name in names}
+        self.optimizer_step = 0
+        self.groups: tuple[dict[str, Any], ...] = ()
+
+    def read(self, param: str, key: str, offset: int, length: int) -> torch.Tensor:
+        flat = self._flat[param]
+        if key != "fp32":
+            return torch.zeros(length, dtype=torch.float32)
+        return flat.narrow(0, offset, length).clone()
+
+    def close(self) -> None:
+        pass
 
 
 def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path) -> Path:
