@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
+from layercheck.policies.layer_map import describe_layers
 from layercheck.policies.overlay import Coverage, LayerSource, claim, claimed_elements, element_staleness
 
 #: The origin of a layer's rebuilt step-0 state: a version every layer has when the run can
@@ -90,19 +91,19 @@ def plan_recovery(
         if version.layer in by_layer:
             by_layer[version.layer].append(version)
     choices: list[LayerChoice] = []
-    missing: list[str] = []
+    missing: list[tuple[str, str]] = []
     passed_over: dict[str, str] = {}
     for layer, candidates in by_layer.items():
         usable = [v for v in candidates if not v.partial and v.step <= t_fail and v.version_id not in skip]
         if not usable:
             tried = sorted(v.version_id for v in candidates if not v.partial and v.step <= t_fail)
-            missing.append(f"{layer} (tried: {', '.join(tried) or 'no version at or before the step'})")
+            missing.append((layer, ", ".join(tried) or "no version at or before the step"))
             continue
         newest = max(usable, key=lambda v: (v.step, not v.base))
         overlays = _overlays(newest, candidates, t_fail, skip, passed_over)
         choices.append(LayerChoice(layer=layer, version=newest, staleness=t_fail - newest.step, overlays=overlays))
     if missing:
-        raise NoUsableVersionError(f"cannot recover at step {t_fail}: no usable version for " + "; ".join(missing))
+        raise NoUsableVersionError(f"cannot recover at step {t_fail}: no usable version for " + _describe(missing))
     total = sum(layer_numel.values())
     weighted = sum(layer_numel[c.layer] * c.staleness for c in choices) / total if total else 0.0
     return RecoveryPlan(
@@ -134,6 +135,15 @@ def _overlays(
         else:
             chosen.append(v)
     return tuple(sorted(chosen, key=lambda v: (v.step, v.origin == "capture", v.version_id), reverse=True))
+
+
+def _describe(missing: list[tuple[str, str]]) -> str:
+    """``layer (tried: …)`` for each layer without a version; layers that tried the same are
+    named together, a few of them only (``32 layers: block.0, block.1 … lm_head (tried: …)``)."""
+    by_tried: dict[str, list[str]] = {}
+    for layer, tried in missing:
+        by_tried.setdefault(tried, []).append(layer)
+    return "; ".join(f"{describe_layers(layers)} (tried: {tried})" for tried, layers in by_tried.items())
 
 
 def with_sources(

@@ -87,3 +87,14 @@ def test_the_newest_recoverable_step_counts_the_survivors_partial_versions():
     assert plan.version_of("a").version_id == "a100"
     assert [o.version_id for o in next(c for c in plan.choices if c.layer == "a").overlays] == ["a110c"]
     assert not plan.passed_over
+
+
+def test_a_plan_without_versions_names_a_few_layers_not_all():
+    """A 32-layer model with no version at all: one short line a person reads, not 32 entries."""
+    layers = {"embed": 4, **{f"block.{i}": 4 for i in range(30)}, "norm": 2}
+    with pytest.raises(NoUsableVersionError) as error:
+        plan_recovery(layers, [VersionRef(step=5, layer="embed", version_id="embed@5")], 3)
+    message = str(error.value)
+    # (embed's only version is after step 3: it has none either)
+    assert "32 layers: embed, block.0, block.1 … norm (tried: no version at or before the step)" in message
+    assert len(message) < 200, message
