@@ -34,6 +34,7 @@ from layercheck.orchestrator.runtime.driver import (
 )
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.runtime.train_report import with_callbacks
+from layercheck.orchestrator.store.lease import StoreLease
 from layercheck.policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,12 @@ class LayerCheckTrainer:
         )  # before the store is claimed: nothing is written on a refused cluster
         lease = claim_store(cfg.storage_uri, run=cfg.name, options=StartOptions(overwrite=cfg.overwrite))
         try:
-            run = self._fit(cfg, layers)
+            run = self._fit(cfg, layers, lease)
         finally:
             lease.release()
         return FitResult(run=run, summary=summarize(run))
 
-    def _fit(self, cfg: CheckpointConfig, layers: LayerMap) -> RunResult:
+    def _fit(self, cfg: CheckpointConfig, layers: LayerMap, lease: StoreLease) -> RunResult:
         from ray.train import FailureConfig, RunConfig
         from ray.train.torch import TorchTrainer
 
@@ -138,6 +139,7 @@ class LayerCheckTrainer:
             metrics=cfg.metrics,
             num_workers=workers,
             layer_numel=layers.numel,
+            lease=lease,
         )
         ctx = WorkerContext(
             run_id=handles.run_id,

@@ -207,3 +207,27 @@ def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element
     assert (recovery["max_staleness"], recovery["weighted_staleness"]) == (2, 1.0)
     assert recovery["elements"] == account["recovered_elements"] == {"capture": 63, "stored": 63, "initial": 0}
     assert format_sources(recovery["sources"]) == "capture@5 63 (3 layers); policy@3 63 (3 layers)"
+
+
+def test_a_run_whose_lease_was_taken_over_commits_nothing_more_and_stops(tmp_path):
+    """The driver was frozen past its lease (SIGSTOP), another run took the store over: the first
+    run's next commit is refused before its record is written, and every rank is asked to stop."""
+    from layercheck.orchestrator.store.fs import StoreFS
+    from layercheck.orchestrator.store.layer_store import LayerStore
+    from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease
+
+    fs = StoreFS.open(str(tmp_path))
+    ours = StoreLease.acquire(fs, run="first")
+    store = LayerStore(fs)
+    store.fence = ours.fence.check
+    run, service = make(store, Writers())
+    train(service, [1, 2])
+    persist_all(run, store, 2)
+    committed = {v.version_id for v in store.versions()}
+    assert len(committed) == len(LAYERS)
+    StoreLease.acquire(fs, run="second", take_over=True)  # (what --resume does once ours expired)
+    persist_all(run, store, 3)
+    assert {v.version_id for v in store.versions()} == committed, "a run without the lease committed"
+    status = run.status()
+    assert status["stop_reason"].startswith(LEASE_LOST) and "second" in status["stop_reason"]
+    assert run.lease_lost and service.stop_reason == status["stop_reason"]

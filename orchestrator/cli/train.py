@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.orchestrator.store.lease import LEASE_LOST
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
 
@@ -152,7 +153,14 @@ def train_and_report(
     summary = summarize(result)
     print(json.dumps(summary, indent=2, default=str) if as_json else "\n" + format_summary(summary), flush=True)
     stopped = result.interrupted or bool(result.status.get("stop_reason"))
-    if stopped and resume_command:
+    if str(result.status.get("stop_reason") or "").startswith(LEASE_LOST):
+        print(
+            f"\nstopped after step {summary.get('steps')}: another run took this store over, and it is that "
+            f"run's now. Once that run has ended, this one can continue from the store:\n  {resume_command}",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif stopped and resume_command:
         print(
             f"\nstopped after step {summary.get('steps')}; to continue this run:\n  {resume_command}",
             file=sys.stderr,

@@ -62,6 +62,7 @@ from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
 from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
 from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.lease import LEASE_LOST, LeaseLostError
 from layercheck.orchestrator.store.manifest import ShardReceipt
 
 logger = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class RunSupervisor:
         self.guard = StalenessGuard(limits=limits or StalenessLimits(smax=None))
         self._published: dict[int, ResumeInfo] = {}
         self._dismissed: dict[int, str] = {}
+        self.lease_lost = ""
+        """Why this run stopped committing (its store's lease is another run's); "" while it owns it."""
         self.not_draining = threading.Event()
         """Clear while a recovery drains the writers (a shell hands out writers only when set)."""
         self.not_draining.set()
@@ -255,6 +258,14 @@ class RunSupervisor:
             )
         return last_steps
 
+    def _lease_lost(self, reason: str) -> None:
+        """The store's lease is someone else's: every rank stops after the same step (once)."""
+        with self._lock:
+            first, self.lease_lost = not self.lease_lost, reason
+        if first:
+            logger.error("%s: stopping the run", reason)
+            self.request_stop(f"{LEASE_LOST} ({reason})")
+
     def trained(self) -> bool:
         """Whether rank 0 has reported any trained step, in any attempt."""
         with self._lock:
@@ -341,6 +352,9 @@ class RunSupervisor:
             self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
         try:
             event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts), partial=action.partial))
+        except LeaseLostError as error:  # another run owns the store now: stop, do not mix versions with it
+            event = CommitFailed(action=action, error=str(error))
+            self._lease_lost(str(error))
         except Exception as error:  # storage trouble: retried, then counted lost; training goes on
             event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
         with self._lock:

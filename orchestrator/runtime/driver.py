@@ -33,6 +33,7 @@ from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
+from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease
 from layercheck.policies.configs import PolicyConfig
 from layercheck.policies.trace import DriftTrace
 
@@ -132,6 +133,7 @@ def train(
             layer_numel=layer_numel,
             resume=resume,
             fault=config.fault,
+            lease=lease,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
@@ -174,10 +176,12 @@ def start_run(
     layer_numel: dict[str, int],
     resume: bool = False,
     fault: FaultConfig | None = None,
+    lease: StoreLease | None = None,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
-    write stalls for the writers (the built-in loop's ``[fault]``)."""
+    write stalls for the writers (the built-in loop's ``[fault]``). ``lease``: the driver's lease
+    on the store; commits are fenced by it, and the run stops once it is lost."""
     from layercheck.orchestrator.runtime.policy_actor import PolicyActor
     from layercheck.orchestrator.runtime.supervisor_actor import Supervisor
 
@@ -205,8 +209,11 @@ def start_run(
         fault=fault,
         memory_bytes=persistence.memory_bytes,
         memory_mirror=persistence.memory_mirror,
+        lease_owner=lease.info.owner if lease is not None else None,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
+    if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
+        lease.on_lost = lambda reason: supervisor.request_stop.remote(f"{LEASE_LOST} ({reason})")
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
     return RunHandles(
         run_id=run_id,

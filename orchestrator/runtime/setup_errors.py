@@ -27,7 +27,7 @@ _PEER_GONE = ("connection closed by peer", "connection reset", "broken pipe", "n
 _FIXES = {
     "train_batch_size is not equal to": (
         "DeepSpeed needs train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
-        "world size: set them so, or give only two of them (with the Hugging Face Trainer: \"auto\")"
+        'world size: set them so, or give only two of them (with the Hugging Face Trainer: "auto")'
     ),
 }
 

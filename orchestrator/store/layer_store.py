@@ -97,6 +97,9 @@ class LayerStore:
         self.fs = fs
         self.opener = opener
         """Opens a shard file for reading (a recovery's memory-first opener); ``None``: storage."""
+        self.fence: Callable[[], None] | None = None
+        """Called before each commit record is written; raises to refuse the commit (the run's
+        lease is someone else's: ``lease.LeaseFence``). ``None``: no check."""
 
     @classmethod
     def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> LayerStore:
@@ -157,7 +160,8 @@ class LayerStore:
         Raises :class:`ManifestError` if the receipts are not exactly one of each rank (``partial``:
         at most one of each) of one (layer, step, world size, base, origin) or, with
         ``check_files``, if a file is missing or has another size than its receipt;
-        :class:`StoreWriteError` if the record cannot be written. Either way nothing is committed.
+        :class:`StoreWriteError` if the record cannot be written; whatever :attr:`fence` raises.
+        Either way nothing is committed.
         """
         first = _check_receipts(receipts, partial=partial)
         version_id = _version_id(first.layer, first.step, base=first.base, partial=partial)
@@ -180,6 +184,8 @@ class LayerStore:
             partial=partial,
             origin=first.origin,
         )
+        if self.fence is not None:
+            self.fence()
         self.fs.write_bytes(record_path(record.version_id), encode_record(record))
         logger.info(
             "committed %s: layer %s step %d%s, %s ranks, %d bytes",

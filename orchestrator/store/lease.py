@@ -26,6 +26,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -110,6 +111,33 @@ def read_lease(fs: StoreFS) -> LeaseInfo | None:
         return None
 
 
+#: How a run stopped for a lost lease says so (its stop reason starts with this).
+LEASE_LOST = "the store's lease was lost"
+
+
+class LeaseLostError(StoreBusyError):
+    """The store's lease now belongs to another run (or to nobody): this run must not write it."""
+
+
+@dataclass(frozen=True)
+class LeaseFence:
+    """The check a run's commits pass first: the store's lease is still ``owner``'s. A run that
+    lost its lease (frozen past its expiry, then taken over by ``--resume`` elsewhere) finds out at
+    its next commit instead of mixing its versions with the new owner's."""
+
+    fs: StoreFS
+    owner: str
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless the lease on the store is ``owner``'s."""
+        current = read_lease(self.fs)
+        if current is None or current.owner != self.owner:
+            raise LeaseLostError(
+                f"this run no longer holds the lease on {self.fs.uri()}: it now belongs to "
+                f"{current.describe() if current else 'nobody (it was deleted)'}; nothing more is committed"
+            )
+
+
 class StoreLease:
     """This process's lease on a store. Get one with :meth:`acquire`."""
 
@@ -119,6 +147,9 @@ class StoreLease:
         self.ttl_s = ttl_s
         self.lost = False
         """Set when a renewal found another owner's lease: this process no longer owns the store."""
+        self.on_lost: Callable[[str], None] | None = None
+        """Called (from the renewal thread) with the reason once the lease is found lost: the
+        driver stops the run."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -183,6 +214,11 @@ class StoreLease:
                 f"{current.describe() if current else 'nobody (it was deleted)'}"
             )
 
+    @property
+    def fence(self) -> LeaseFence:
+        """The check that keeps this run's commits out once the lease is someone else's."""
+        return LeaseFence(self.fs, self.info.owner)
+
     def renew(self) -> None:
         """Extend the lease by its TTL; :class:`StoreBusyError` (and ``lost``) if it is not ours any more."""
         self._check_still_ours("renewing")
@@ -201,6 +237,8 @@ class StoreLease:
                 self.renew()
             except StoreBusyError as error:
                 logger.error("%s; this run no longer owns its store and must stop writing", error)
+                if self.on_lost is not None:
+                    self.on_lost(str(error))
                 return
             except OSError as error:  # storage hiccup: try again next period, the TTL has slack for two
                 logger.warning("could not renew the lease on %s: %s", self.fs.uri(), error)
