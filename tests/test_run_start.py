@@ -213,3 +213,32 @@ def test_restart_into_starts_a_fresh_run_in_the_new_store(tmp_path, monkeypatch)
     monkeypatch.setattr(driver, "train", fake_train)
     assert main(["train", str(DEMO), "--resume", "--restart-into", str(tmp_path / "new")]) == 2
     assert seen["storage"] == str(tmp_path / "new") and seen["resume"] is False and seen["overwrite"] is False
+
+
+@pytest.mark.parametrize(
+    "overrides, changed",
+    [
+        ({"model.hf_config.num_hidden_layers": 3}, "layers the store has and the model not: block.3"),
+        ({"model.hf_config.num_hidden_layers": 6}, "layers the model has and the store not: block.4, block.5"),
+        ({"model.hf_config.intermediate_size": 96}, "parameters per layer changed: block.0"),
+    ],
+    ids=["fewer-blocks", "more-blocks", "other-sizes"],
+)
+def test_resume_with_another_model_is_refused_before_anything_is_written(tmp_path, overrides, changed):
+    open_run_store(_config(tmp_path), StartOptions()).release()  # the run's own run.json
+    _stored_run(tmp_path / "run")
+    before = (tmp_path / "run" / "run.json").read_bytes()
+    with pytest.raises(ResumeError, match="is not the one the run in") as error:
+        open_run_store(_config(tmp_path, **overrides), StartOptions(resume=True))
+    assert changed in str(error.value) and "--restart-into" in str(error.value)
+    assert (tmp_path / "run" / "run.json").read_bytes() == before  # not replaced
+    assert not (tmp_path / "run" / "run.previous.json").exists()
+
+
+def test_a_resume_keeps_the_config_it_resumed_from(tmp_path):
+    open_run_store(_config(tmp_path), StartOptions()).release()
+    _stored_run(tmp_path / "run")
+    first = (tmp_path / "run" / "run.json").read_bytes()
+    open_run_store(_config(tmp_path, steps=300), StartOptions(resume=True)).release()
+    assert (tmp_path / "run" / "run.previous.json").read_bytes() == first
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["steps"] == 300

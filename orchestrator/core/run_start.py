@@ -20,10 +20,16 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from layercheck.orchestrator.core.run_config import RunConfig, check_data, check_model, config_warnings
+from layercheck.orchestrator.core.run_config import (
+    RunConfig,
+    check_data,
+    check_model,
+    config_warnings,
+    parse_run_config,
+)
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.initial_state import record_initial
-from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
+from layercheck.orchestrator.store.layer_store import PREVIOUS_RUN_CONFIG_FILE, RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.lease import LEASE_FILE, StoreLease
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
@@ -36,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class ResumeError(RuntimeError):
-    """``--resume`` cannot continue the run in the store (a layer has no usable version)."""
+    """``--resume`` cannot continue the run in the store (a layer has no usable version, or the
+    config's model is not the stored run's)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +98,11 @@ def open_run_store(
         # the run's config beside its checkpoints: export, inspect and --resume read the model from
         # it; never the storage URI's credentials (a resume takes them from the user's URI again)
         kept = {**config.to_json(), "storage": redact_uri(config.storage)}
+        if options.resume:  # (checked above) the config it resumed from stays beside the new one
+            try:
+                store.fs.write_bytes(PREVIOUS_RUN_CONFIG_FILE, store.fs.read_bytes(RUN_CONFIG_FILE))
+            except FileNotFoundError:
+                pass
         store.fs.write_bytes(RUN_CONFIG_FILE, json.dumps(kept, indent=2).encode())
         if not options.resume:
             # every start builds the model from this config and a fresh optimizer: that state is
@@ -131,12 +143,58 @@ def _refuse_existing_run(store: LayerStore, options: StartOptions) -> None:
         )
 
 
+def check_same_model(store: LayerStore, layer_numel: dict[str, int]) -> None:
+    """:class:`ResumeError` unless the config's model has the stored run's layers, each with as
+    many parameters: a resume with another model would drop layers or load wrong shapes (the
+    world size and ZeRO stage may change: the composite is resliced). Compared with the stored
+    ``run.json``'s model, else with the layers the manifest holds."""
+    stored = _stored_layer_numel(store)
+    if stored is None:
+        stored_layers = store.manifest().layers()
+        removed, added, resized = [n for n in stored_layers if n not in layer_numel], [], []
+    else:
+        removed = [n for n in stored if n not in layer_numel]
+        added = [n for n in layer_numel if n not in stored]
+        resized = [
+            f"{n} {stored[n]:,} -> {layer_numel[n]:,}"
+            for n in stored
+            if n in layer_numel and stored[n] != layer_numel[n]
+        ]
+    changes = [
+        *([f"layers the store has and the model not: {describe_layers(removed)}"] if removed else []),
+        *([f"layers the model has and the store not: {describe_layers(added)}"] if added else []),
+        *(
+            [f"parameters per layer changed: {', '.join(resized[:4])}{' …' if len(resized) > 4 else ''}"]
+            if resized
+            else []
+        ),
+    ]
+    if changes:
+        raise ResumeError(
+            f"--resume refused: the config's model is not the one the run in {store.uri} trained ("
+            + "; ".join(changes)
+            + "). Resume with the run's own model settings (its run.json), or start a new run elsewhere: "
+            "layercheck train CONFIG --restart-into NEW_STORAGE"
+        )
+
+
+def _stored_layer_numel(store: LayerStore) -> dict[str, int] | None:
+    """The layer sizes of the model in the store's ``run.json``; ``None`` without a readable one."""
+    try:
+        stored = parse_run_config(json.loads(store.fs.read_bytes(RUN_CONFIG_FILE)))
+        return check_model(stored.model).numel
+    except (FileNotFoundError, ValueError, TypeError) as error:  # ConfigError is a ValueError
+        logger.info("--resume: comparing the model with the manifest's layers only (%s)", error)
+        return None
+
+
 def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunConfig) -> ResolvedPlan:
     """The composite ``--resume`` would load, every layer's version checked (files, sizes,
     headers); :class:`ResumeError` naming the layers without one and the options, or
     :class:`ConfigError` when the stored run is already at ``steps``."""
     if not store.versions():
         raise FileNotFoundError(f"--resume: {store.uri} holds no committed versions to resume from")
+    check_same_model(store, layer_numel)
     try:
         resolved = resolve_plan(store, layer_numel, deep=False)
     except NoUsableVersionError as error:

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 #: The run's config, as JSON, in the root of its store.
 RUN_CONFIG_FILE = "run.json"
+#: The config a ``--resume`` resumed from, kept when the resume writes its own ``run.json``.
+PREVIOUS_RUN_CONFIG_FILE = "run.previous.json"
 #: The run's drift trace (``layercheck simulate --trace`` replays it), in the root of its store.
 DRIFT_TRACE_FILE = "drift_trace.json"
 

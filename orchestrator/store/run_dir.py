@@ -22,7 +22,7 @@ import pyarrow.fs as pafs
 from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import OBJECT_STORES, StoreFS
 from layercheck.orchestrator.store.initial_state import INITIAL_FILE
-from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE
+from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, PREVIOUS_RUN_CONFIG_FILE, RUN_CONFIG_FILE
 from layercheck.orchestrator.store.lease import LEASE_FILE
 from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
 
@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 
 #: Files LayerCheck writes in the root of a run (besides ``layers/`` and ``manifest/``).
 #: A new run file must be added here, or ``--overwrite`` refuses the directory it is in.
-RUN_ROOT_FILES: frozenset[str] = frozenset({RUN_CONFIG_FILE, DRIFT_TRACE_FILE, LEASE_FILE, INITIAL_FILE})
+RUN_ROOT_FILES: frozenset[str] = frozenset(
+    {RUN_CONFIG_FILE, PREVIOUS_RUN_CONFIG_FILE, DRIFT_TRACE_FILE, LEASE_FILE, INITIAL_FILE}
+)
 
 _TMP = r"(\.[0-9a-f]{8}\.tmp)?"
 _SHARD_FILE = re.compile(r"^[A-Za-z0-9_.\-]+/\d{10}(-base)?-rank\d{5}of\d{5}-[0-9a-f]{8}\.safetensors" + _TMP + "$")
