@@ -75,6 +75,24 @@ class RunResult:
             self.policy = self.policy if self.policy is not None else self.config.policy
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on the driver (``kill``, a scheduler's stop): handled exactly like Ctrl-C
+    (:func:`raise_on_sigterm`)."""
+
+
+def raise_on_sigterm() -> Any:
+    """Until the previous handler (returned) is put back, SIGTERM raises :class:`Terminated` in
+    the main thread, as Ctrl-C raises ``KeyboardInterrupt``: the run stops after the same step on
+    every rank, saves its final state and prints its summary and resume command, instead of dying
+    mid-step (Ray's own handler exits the driver at once)."""
+    import signal
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
 @dataclass
 class RunHandles:
     """The live actors of one run, as :func:`start_run` started them."""
@@ -91,6 +109,7 @@ class RunHandles:
     stop_drain_s: float = 120.0
     """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
     interrupted: bool = False
+    interrupted_by: str = "Ctrl-C"
 
 
 def train(
@@ -239,11 +258,15 @@ def fit_watched(
     """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
     run for good (max_failures exhausted, a bug in a worker), or ``None``.
 
-    Ctrl-C (SIGINT) stops the run cleanly: ``fit`` runs in a thread of its own (so Ray Train does
+    Ctrl-C (SIGINT), or SIGTERM, stops the run cleanly: ``fit`` runs in a thread of its own (so Ray Train does
     not install its SIGINT handler, which aborts the workers mid-step), and the interrupt asks
     every rank, through the supervisor, to stop after the same step and persist its final state;
     the driver waits up to ``handles.stop_drain_s`` for that (a second Ctrl-C stops waiting)."""
+    import signal
+
     stop = threading.Event()
+    # after ray.init, which installs its own SIGTERM handler; only the main thread may set one
+    previous = raise_on_sigterm() if threading.current_thread() is threading.main_thread() else None
     watcher = threading.Thread(
         target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note), daemon=True
     )
@@ -258,14 +281,17 @@ def fit_watched(
         try:
             while not fitted.wait(0.5):
                 pass
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             handles.interrupted = True
+            handles.interrupted_by = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
             _stop_on_interrupt(handles, fitted)
     finally:
         stop.set()
         watcher.join()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if handles.interrupted:
-        return outcome.get("error") or "interrupted (Ctrl-C)"
+        return outcome.get("error") or f"interrupted ({handles.interrupted_by})"
     return outcome.get("error")
 
 
@@ -282,12 +308,12 @@ def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None
 def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
     """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
     logger.warning(
-        "Ctrl-C: stopping after the current step and saving what is in flight (up to %.0fs; "
-        "Ctrl-C again to stop waiting)",
+        "%s: stopping after the current step and saving what is in flight (up to %.0fs; Ctrl-C again to stop waiting)",
+        handles.interrupted_by,
         handles.stop_drain_s,
     )
     try:
-        ray.get(handles.supervisor.request_stop.remote("interrupted (Ctrl-C)"), timeout=10)
+        ray.get(handles.supervisor.request_stop.remote(f"interrupted ({handles.interrupted_by})"), timeout=10)
         fitted.wait(handles.stop_drain_s)
     except KeyboardInterrupt:
         logger.warning("Ctrl-C again: not waiting for the workers")
