@@ -143,6 +143,10 @@ def test_a_token_tensor_still_feeds_labels_equal_to_inputs():
         ('{"messages": [{"role": "user"}]}', r"d.jsonl line 2: messages\[0\] must be an object"),
         ('{"messages": [{"role": "user", "content": "hi"}]}', r"d.jsonl line 2: no message has role 'assistant'"),
         ("[1, 2]", r"d.jsonl line 2: expected a JSON object"),
+        (
+            '{"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "yo"}]}',
+            r"d.jsonl line 2: messages\[0\] has role 'robot', which no chat template knows; use one of system",
+        ),
     ],
 )
 def test_a_bad_line_names_the_file_and_line(tmp_path, line, message):

@@ -95,3 +95,15 @@ def test_inspect_shows_a_capture_newer_than_the_whole_version(run, capsys):
         {"version_id": capture.version_id, "step": 205, "origin": "capture", "ranks": [0]}
     ]
     assert layers["norm"]["staleness"] == 25 and layers["embed"]["partial"] == []  # of the whole versions
+
+
+def test_inspect_into_a_pipe_that_closes_early_is_no_error(run, monkeypatch):
+    """``layercheck inspect RUN | head -1``: the reader has left when the table is written."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # what `head -1` does once it has its line
+    stdout = os.fdopen(write_end, "w", buffering=1)
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(["inspect", run.uri]) == 0
+    stdout.close()

@@ -65,3 +65,13 @@ def test_a_write_to_an_endpoint_that_never_answers_fails_within_the_request_time
     # a write is a few requests (the directory marker, the upload, its completion), each bounded
     # by the request timeout: seconds, never pyarrow's minutes
     assert elapsed < 4 * S3ClientOptions().request_timeout, elapsed
+
+
+def test_an_option_pyarrow_does_not_know_is_one_clear_line_without_the_secret():
+    from layercheck.policies.config_loader import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        open_uri("s3://bucket/run?session_token=SECRET&endpoint_override=127.0.0.1:1")
+    message = str(error.value)
+    assert message.startswith("storage: ") and "'session_token'" in message and "AWS_SESSION_TOKEN" in message
+    assert "SECRET" not in message

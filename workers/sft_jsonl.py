@@ -26,6 +26,9 @@ from layercheck.policies.config_loader import ConfigError
 logger = logging.getLogger(__name__)
 
 ASSISTANT = "assistant"
+#: The roles chat templates render (OpenAI's and Hugging Face's: ``developer`` and ``tool`` too;
+#: Llama 3's ``ipython``). Another role is a typo that a lenient template would render as text.
+CHAT_ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 
 class DataError(ConfigError):
@@ -107,6 +110,13 @@ def _messages(where: str, messages: Any) -> tuple[dict[str, str], ...]:
             or not isinstance(message.get("content"), str)
         ):
             raise DataError(f"data.path: {where}: messages[{i}] must be an object with string 'role' and 'content'")
+    odd = [(i, m["role"]) for i, m in enumerate(messages) if m["role"] not in CHAT_ROLES]
+    if odd:
+        i, role = odd[0]
+        raise DataError(
+            f"data.path: {where}: messages[{i}] has role {role!r}, which no chat template knows; "
+            f"use one of {', '.join(CHAT_ROLES)}"
+        )
     if not any(m["role"] == ASSISTANT for m in messages):
         raise DataError(f"data.path: {where}: no message has role 'assistant' (nothing to train on)")
     return tuple({"role": m["role"], "content": m["content"]} for m in messages)

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 
+import pyarrow as pa
 import pyarrow.fs as pafs
 
 from layercheck.policies.config_loader import ConfigError
@@ -95,7 +96,15 @@ def open_uri(uri: str) -> OpenedURI:
         raise ConfigError(f"storage: {', '.join(sorted(own))} apply to s3:// storage only, not {redact_uri(uri)}")
     # the rest goes to pyarrow exactly as written (no re-encoding of its values)
     rest = "&".join(piece for piece in parts.query.split("&") if piece and _key(piece) not in S3_CLIENT_OPTIONS)
-    fs, root = pafs.FileSystem.from_uri(urlunsplit(parts._replace(query=rest)))
+    try:
+        fs, root = pafs.FileSystem.from_uri(urlunsplit(parts._replace(query=rest)))
+    except pa.ArrowInvalid as error:  # an option pyarrow does not know, say `session_token`
+        raise ConfigError(
+            f"storage: {redact_uri(uri)}: {error} (pyarrow's own options for the query are listed at "
+            "pyarrow.fs.S3FileSystem; LayerCheck adds "
+            + ", ".join(sorted(S3_CLIENT_OPTIONS))
+            + "; credentials come from the environment, e.g. AWS_SESSION_TOKEN)"
+        ) from None
     if parts.scheme == "s3":
         fs = S3ClientOptions.from_query(own, uri=uri).apply(fs)
     return OpenedURI(fs=fs, root=root, query=_redact_query(parts.query))
