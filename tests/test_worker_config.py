@@ -151,3 +151,19 @@ def test_deepspeed_config():
         1.0,
     )
     assert ds["zero_allow_untested_optimizer"] is True
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage: 2 contradicts zero_stage"),
+        ({"train_micro_batch_size_per_gpu": 8}, "train_micro_batch_size_per_gpu: 8 contradicts micro_batch"),
+        ({"bf16": {"enabled": True}}, "bf16.enabled: True contradicts precision"),
+    ],
+)
+def test_extra_ds_config_may_not_contradict_the_modelled_fields(extra, field):
+    from layercheck.policies.config_loader import ConfigError
+
+    with pytest.raises(ConfigError, match=f"extra_ds_config.{field}"):
+        EngineConfig(zero_stage=3, micro_batch=4, extra_ds_config=extra)
+    EngineConfig(zero_stage=3, micro_batch=4, extra_ds_config={"zero_optimization": {"stage": 3}})  # agreeing: fine

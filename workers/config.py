@@ -116,6 +116,9 @@ class OptimConfig:
             logger.warning("OptimConfig.min_lr_ratio=%s has no effect with schedule='constant'", self.min_lr_ratio)
 
 
+_UNSET = object()
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How DeepSpeed runs the model: ZeRO stage, precision, batch shape and clipping."""
@@ -140,3 +143,25 @@ class EngineConfig:
         require(self.micro_batch >= 1, "micro_batch", "at least 1", self.micro_batch)
         require(self.grad_accum >= 1, "grad_accum", "at least 1", self.grad_accum)
         require(self.grad_clip >= 0, "grad_clip", "non-negative (0 = off)", self.grad_clip)
+        self._check_extra()
+
+    def _check_extra(self) -> None:
+        """``extra_ds_config`` may add what this class does not model, never contradict what it
+        does: a ``zero_optimization.stage`` there silently won over ``zero_stage``."""
+        extra = self.extra_ds_config
+        modelled = {
+            ("zero_optimization", "stage"): ("zero_stage", self.zero_stage),
+            ("train_micro_batch_size_per_gpu",): ("micro_batch", self.micro_batch),
+            ("gradient_accumulation_steps",): ("grad_accum", self.grad_accum),
+            ("gradient_clipping",): ("grad_clip", self.grad_clip),
+            ("bf16", "enabled"): ("precision", self.precision == "bf16"),
+        }
+        for path, (name, ours) in modelled.items():
+            value: Any = extra
+            for key in path:
+                value = value.get(key, _UNSET) if isinstance(value, Mapping) else _UNSET
+            if value is not _UNSET and value != ours:
+                raise ConfigError(
+                    f"extra_ds_config.{'.'.join(path)}: {value!r} contradicts {name} "
+                    f"({getattr(self, name)!r}); set {name} instead"
+                )
