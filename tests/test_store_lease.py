@@ -103,3 +103,23 @@ def test_two_processes_starting_at_once_get_one_owner(tmp_path):
     ]
     outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert outcomes == ["lost", "won"]
+
+
+@pytest.mark.parametrize(
+    "fail",
+    [
+        OSError(28, "No space left on device"),  # (root ignores chmod: the OS call fails instead)
+        PermissionError(13, "Read-only file system"),
+    ],
+    ids=["full", "read-only"],
+)
+def test_a_full_or_read_only_store_is_one_clear_error_and_leaves_no_temporary(tmp_path, monkeypatch, fail):
+    from layercheck.orchestrator.store.errors import StoreWriteError
+
+    def failing_fsync(fd):
+        raise fail
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(StoreWriteError, match=r"owner\.json \(the run's lease; is the storage read-only or full\?\)"):
+        StoreLease.acquire(StoreFS.open(str(tmp_path)), run="r")
+    assert list(tmp_path.iterdir()) == []  # no owner.json, no owner.json.*.tmp

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layercheck.orchestrator.store.errors import StoreBusyError, UnsafeStoreError
+from layercheck.orchestrator.store.errors import StoreBusyError, StoreWriteError, UnsafeStoreError
 from layercheck.orchestrator.store.lease import LEASE_LOST
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
@@ -143,7 +143,15 @@ def train_and_report(
             result = train(
                 config, overwrite=overwrite, resume=resume, take_over=take_over, on_progress=None if as_json else show
             )
-    except (FileExistsError, FileNotFoundError, ConfigError, UnsafeStoreError, StoreBusyError, ResumeError) as error:
+    except (
+        FileExistsError,
+        FileNotFoundError,
+        ConfigError,
+        UnsafeStoreError,
+        StoreBusyError,
+        ResumeError,
+        StoreWriteError,
+    ) as error:
         # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2

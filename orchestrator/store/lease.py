@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from layercheck.orchestrator.store.errors import StoreBusyError
-from layercheck.orchestrator.store.fs import StoreFS, new_token
+from layercheck.orchestrator.store.fs import StoreFS, new_token, write_error
 
 logger = logging.getLogger(__name__)
 
@@ -190,20 +190,26 @@ class StoreLease:
     def _create_exclusive(self, data: bytes) -> None:
         target = self.fs.path(LEASE_FILE)
         staging = f"{target}.{new_token()}.tmp"
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        with open(staging, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
         try:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(staging, "wb") as file:
+                file.write(data)
+                file.flush()
+                os.fsync(file.fileno())
             os.link(staging, target)  # fails if another process published first
         except FileExistsError:
             other = read_lease(self.fs)
             raise StoreBusyError(
                 f"{self.fs.uri()} was taken at the same moment by {other.describe() if other else 'another run'}"
             ) from None
+        except OSError as error:  # read-only, full, no such mount: before anything else is written
+            where = f"{self.fs.uri(LEASE_FILE)} (the run's lease; is the storage read-only or full?)"
+            raise write_error(where, error) from None
         finally:
-            os.unlink(staging)
+            try:
+                os.unlink(staging)
+            except FileNotFoundError:
+                pass
 
     def _check_still_ours(self, doing: str) -> None:
         current = read_lease(self.fs)
