@@ -175,6 +175,9 @@ def test_a_stopped_run_resumes_from_its_store_at_another_world_size(local_ray, t
     assert account["failures"] == 0
     (recovery,) = account["recoveries"]
     assert recovery["t_fail"] == 8 and recovery["resumed_at"] == 9 and recovery["max_staleness"] == 0
+    assert recovery["kind"] == "resume"  # not a failure: the summary counts no recovery for it
+    text = format_summary(summarize(resumed))
+    assert "0 / 0" in text and "--resume from the store after step 8" in text
     history = {int(k): v for k, v in account["history"].items()}
     assert sorted(history) == [9, 10, 11, 12]
     first_losses = {int(k): v[0] for k, v in first.status["account"]["history"].items()}

@@ -102,3 +102,14 @@ def test_a_grown_group_is_announced_as_a_grow_not_a_loss():
     (resumed,) = announce_failures({"state": "running", "step": 124, "account": {"recoveries": [{}, grown]}}, seen)
     assert growing.startswith("LAYERCHECK: Ray Train grows the worker group from 1 to 2 workers after step 123")
     assert resumed.startswith("LAYERCHECK: resumed with 2 workers (was 1): training resumes at step 124")
+
+
+def test_a_resume_is_announced_as_a_resume_not_as_a_lost_group(caplog):
+    """``--resume`` plans its composite in attempt 1: no group was lost, nothing was injected."""
+    seen = {"state": "", "recoveries": 0}
+    resume = {"resumed_at": 41, "t_fail": 40, "max_staleness": 0, "steps_redone": 0, "world_size": 1, "kind": "resume"}
+    note = "injected: rank 0 SIGKILLs itself after step 20, fault.kill_at_step"
+    planning = {"state": "recovering", "attempt": 1, "step": 0, "account": {"recoveries": []}}
+    assert announce_failures(planning, seen, note) == []
+    (line,) = announce_failures({"state": "running", "step": 41, "account": {"recoveries": [resume]}}, seen, note)
+    assert line == "LAYERCHECK: --resume: the stored run continues at step 41 with 1 worker(s); composite staleness max 0"

@@ -48,6 +48,9 @@ class Recovery:
     """The workers training resumed with (0: not known)."""
     grown_from: int = 0
     """Ray Train grew the elastic group from this many workers (a restart, not a failure); 0: not a grow."""
+    kind: str = "failure"
+    """``failure`` (a lost worker group), ``grow`` (an elastic group grown back) or ``resume``
+    (``--resume`` of a stopped run from its store): only failures are failures."""
     attempt: int = 0
     """The worker group attempt training resumed under (0: not known). A survivors' capture of
     group ``a`` serves the first recovery with ``attempt > a``."""

@@ -52,6 +52,9 @@ class RunView:
         self.account.failures += max(0, action.groups_lost - 1)  # groups lost again during the recovery
         recovery.world_size = action.world_size
         recovery.grown_from = action.grown_from
+        recovery.kind = (
+            "grow" if action.grown_from else "failure" if action.lost_group or action.attempt > 1 else "resume"
+        )
         recovery.attempt = action.attempt
         recovery.plan_s = action.plan_s
         recovery.max_staleness = action.max_staleness

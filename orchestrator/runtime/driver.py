@@ -501,7 +501,8 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
             "restarts the workers, and LayerCheck resumes them like a recovery, after the last complete step"
         )
         seen["announced"] = True
-    elif state == "recovering" and seen["state"] != "recovering":
+    elif state == "recovering" and seen["state"] != "recovering" and status.get("attempt", 2) > 1:
+        # (attempt 1 recovering: a --resume planning its composite, no group was lost)
         lines.append(
             f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
             "workers, LayerCheck loads each layer's newest committed version and training resumes after "
@@ -516,6 +517,13 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
             lines.append(
                 f"LAYERCHECK: {grown}resumed with {r['world_size']} workers (was {r['grown_from']}): "
                 f"training resumes at step {r['resumed_at']}; composite staleness max {r['max_staleness']}"
+            )
+            continue
+        if r.get("kind") == "resume":
+            lines.append(
+                f"LAYERCHECK: --resume: the stored run continues at step {r['resumed_at']} with "
+                f"{r.get('world_size') or '?'} worker(s); composite staleness max {r['max_staleness']}"
+                + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
             )
             continue
         lost = "" if announced else f"worker group lost after step {r['t_fail']}{note}; "

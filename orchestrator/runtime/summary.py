@@ -146,7 +146,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["state", _state(summary)],
         ["steps", summary["steps"]],
         ["final loss", _num(summary["final_loss"])],
-        ["failures / recoveries", f"{summary['failures']} / {len(summary['recoveries'])}"],
+        ["failures / recoveries", f"{summary['failures']} / {sum(_recovered(r) for r in summary['recoveries'])}"],
     ]
     for r in summary["recoveries"]:
         rows.append(
@@ -285,10 +285,18 @@ def _state(summary: dict[str, Any]) -> str:
 
 
 def _recovery_kind(recovery: dict[str, Any]) -> str:
-    """A grown elastic group is a restart LayerCheck resumes like a recovery, not a failure."""
+    """A grown elastic group is a restart LayerCheck resumes like a recovery, not a failure; a
+    ``--resume`` continues a stopped run."""
     if recovery.get("grown_from"):
         return f"group grown {recovery['grown_from']} -> {recovery['world_size']} workers"
+    if recovery.get("kind") == "resume":
+        return "--resume from the store"
     return "recovery"
+
+
+def _recovered(recovery: dict[str, Any]) -> bool:
+    """A recovery from a failure (not a ``--resume``)."""
+    return recovery.get("kind", "failure") != "resume"
 
 
 def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
