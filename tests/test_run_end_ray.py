@@ -103,6 +103,7 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
     assert any(DRIFT_TRACE_FILE in error for error in result.end_errors)
     text = format_summary(summarize(result))
     assert "STALENESS BOUND BROKEN" in text and "end-of-run error" in text
+    assert "stored at the end" in text and "NOT the final state" in text  # (the manifest is still readable)
     # what was committed before the storage broke is still in the manifest
     versions = LayerStore.open(str(storage)).versions()
     assert broken["committed"] <= {v.version_id for v in versions}

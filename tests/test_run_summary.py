@@ -148,3 +148,25 @@ def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_pos
     assert recovery_of_capture(recoveries, 2)["t_fail"] == 10  # lost during the first recovery, which it joined
     assert recovery_of_capture(recoveries, 4) is None
     assert "a capture past t_fail 20 is not used" in format_summary(summary)
+
+
+def test_the_summary_says_when_the_store_does_not_hold_the_final_state(tmp_path):
+    """Storage that broke before the end: 'finished' is the training, not the store; the row says
+    what export and --resume get. With every layer at the last step it says so in one line."""
+    from layercheck.orchestrator.store.layer_store import LayerStore
+    from layercheck.orchestrator.store.recovery_source import stored_at
+    from tests.support.store_helpers import write_layer
+
+    store = LayerStore.open(str(tmp_path))
+    numel = {"embed": 42, "block.0": 42, "norm": 42}
+    for layer in numel:
+        write_layer(store, layer, 43)
+    write_layer(store, "norm", 60)
+    result = result_of(policy_config("staggered"))
+    result.status = {**result.status, "step": 60, "stored": stored_at(store, numel, 60)}
+    text = format_summary(summarize(result))
+    assert "NOT the final state: 1 of 3 layers at step 60, embed, block.0 older; export and --resume take" in text
+    for layer in ("embed", "block.0"):
+        write_layer(store, layer, 60)
+    result.status = {**result.status, "stored": stored_at(store, numel, 60)}
+    assert "every layer at step 60" in format_summary(summarize(result))

@@ -34,6 +34,7 @@ from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease
+from layercheck.orchestrator.store.recovery_source import stored_at
 from layercheck.policies.configs import PolicyConfig
 from layercheck.policies.trace import DriftTrace
 
@@ -388,6 +389,12 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         default={},
     )
     status = {**status, "memory": memory} if memory else status
+    stored = _at_end(
+        "reading what the store holds",
+        end_errors,
+        lambda: stored_at(LayerStore.open(handles.storage_uri), handles.layer_numel, int(status.get("step") or 0)),
+    )
+    status = {**status, "stored": stored} if stored else status
     train_reports = _at_end(
         "reading the Ray Train reports",
         end_errors,

@@ -14,6 +14,7 @@ from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.configs import policy_name
+from layercheck.policies.layer_map import describe_layers
 from layercheck.policies.simulate import BYTES_PER_PARAM, compare
 
 
@@ -63,6 +64,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "end_errors": list(result.end_errors),
         "storage": redact_uri(result.storage_uri),
         "metrics_url": result.metrics_url,
+        "stored": status.get("stored"),
+        "save_final": result.config.persistence.save_final if result.config is not None else True,
     }
     summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
@@ -168,6 +171,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         if elements.get("initial"):
             parts.append(f"{elements['initial']:,} from the initial state (not saved yet)")
         rows.append(["recovered elements", ", ".join(parts)])
+    rows += _stored_rows(summary)
     rows += [
         [
             "bytes written",
@@ -282,6 +286,29 @@ def _state(summary: dict[str, Any]) -> str:
     if summary.get("stop_reason"):
         return f"stopped after step {summary['steps']} ({summary['stop_reason']})"
     return summary["state"] + (f" ({summary['error']})" if summary["error"] else "")
+
+
+def _stored_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """What the store holds at the end, said plainly when it is not the run's last state."""
+    stored = summary.get("stored")
+    if not stored or not summary.get("steps"):
+        return []
+    if not stored["older"]:
+        return [["stored at the end", f"every layer at step {stored['step']}"]]
+    newest = stored["newest_recoverable_step"]
+    gets = (
+        f"export and --resume take the composite at step {newest}, those layers from older versions"
+        if newest is not None
+        else "nothing is recoverable"
+    )
+    head = "NOT the final state: " if summary.get("save_final") else ""
+    return [
+        [
+            "stored at the end",
+            f"{head}{stored['layers_at_step']} of {stored['layers']} layers at step {stored['step']}, "
+            f"{describe_layers(stored['older'])} older; {gets}",
+        ]
+    ]
 
 
 def _recovery_kind(recovery: dict[str, Any]) -> str:

@@ -137,6 +137,25 @@ def resolve_plan(
     )
 
 
+def stored_at(store: LayerStore, layer_numel: Mapping[str, int], step: int) -> dict[str, Any]:
+    """What the store holds of the run's state at ``step`` (the run's last step, at its end):
+    the layers whose newest whole version is at that step, the others, and the newest
+    recoverable step (what ``export`` and ``--resume`` get)."""
+    refs = store.manifest().refs()
+    newest: dict[str, int] = {}
+    for ref in refs:
+        if not ref.partial and ref.layer in layer_numel:
+            newest[ref.layer] = max(newest.get(ref.layer, -1), ref.step)
+    older = [layer for layer in layer_numel if newest.get(layer, -1) < step]
+    return {
+        "step": step,
+        "layers": len(layer_numel),
+        "layers_at_step": len(layer_numel) - len(older),
+        "older": older,
+        "newest_recoverable_step": newest_recoverable_step(list(layer_numel), refs),
+    }
+
+
 def _initial_records(store: LayerStore, layer_numel: Mapping[str, int]) -> list[VersionRecord]:
     """The placeholders of the layers whose step-0 state the run rebuilds (``initial.json``); none
     if it recorded none, or (logged) if that record is damaged."""
