@@ -2,6 +2,8 @@
 gate; storage failures that break smax are reported once and (by config) stop every rank after
 the same step; the config's fields for it and the Ray-job storage check name what to do."""
 
+import logging
+
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
@@ -99,6 +101,21 @@ def test_warn_keeps_training_and_reports_the_breach(tmp_path):
     status = run.status()
     assert status["staleness_breach"]["action"] == "warn" and status["stop_reason"] is None
     assert service.stop_from is None
+
+
+def test_storage_that_hangs_without_failing_is_reported_once_and_does_not_stop_the_run(tmp_path, caplog):
+    """No write failed, yet no version committed (an endpoint that accepts and never answers):
+    the bound is passed all the same, and the operator hears it — once, as a warning."""
+    run, service = make(tmp_path, on_breach="stop")
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 8 + SMAX + PIPELINE_LAG):
+            report(service, step)
+            progress(run, step)
+    status = run.status()
+    lag = status["staleness_lag"]
+    assert lag is not None and lag["storage_failures"] == 0 and "storage that does not keep up" in lag["message"]
+    assert status["staleness_breach"] is None and status["stop_reason"] is None and service.stop_from is None
+    assert sum("storage that does not keep up" in m for m in caplog.messages) == 1
 
 
 def test_policies_without_smax_are_never_breached():

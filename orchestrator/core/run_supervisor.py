@@ -251,6 +251,8 @@ class RunSupervisor:
             )
             if breach is not None:
                 self.view.breach = breach.to_json()
+            if self.guard.lag is not None and self.view.staleness_lag is None:
+                self.view.staleness_lag = self.guard.lag.to_json()
         if breach is not None and breach.action == "stop":
             self.request_stop(
                 f"storage failures broke the staleness bound ({breach.layer}: {breach.staleness} "

@@ -32,6 +32,8 @@ class RunView:
     """Writer actors found dead and replaced (each one's versions in flight counted lost)."""
     breach: dict[str, Any] | None = None
     """The staleness breach (``StalenessBreach.to_json``), if storage failures broke ``smax``."""
+    staleness_lag: dict[str, Any] | None = None
+    """The first pass of ``smax`` while no write had failed (slow or hung storage), if any."""
     stop_reason: str | None = None
     """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
 
@@ -107,6 +109,7 @@ class RunView:
             "write_failures": self.write_failures,
             "writers_replaced": self.writers_replaced,
             "staleness_breach": self.breach,
+            "staleness_lag": self.staleness_lag,
             "stop_reason": self.stop_reason,
             "write_latencies": list(self.write_latencies),
             "account": self.account.summary(now),

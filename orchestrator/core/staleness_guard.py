@@ -1,12 +1,11 @@
-"""The staleness bound, watched: when storage failures (a full or read-only disk, an object-store
-outage, a dead writer) let a layer go unsaved past the policy's ``smax`` plus the pipeline lag,
-the run's promise is broken and the operator must hear it. The guard decides *that* it is broken
-(once per run) and what the config says to do; the supervisor carries it out (stop the workers
-after the current step, or keep going with the error logged) and the metrics export it.
-
-Only storage trouble counts: a layer past ``smax`` while every write succeeded is storage that
-is slower than the policy (the persist gate stretches the period; the staleness metrics show it),
-not a failure. Policies without a staleness budget (``interval``, ``never``) are never breached.
+"""The staleness bound, watched: when a layer goes unsaved past the policy's ``smax`` plus the
+pipeline lag, the run's promise is broken and the operator must hear it, whatever the cause:
+storage failures (a full or read-only disk, an object-store outage, a dead writer), or storage
+that fails nothing and never finishes (an endpoint that accepts connections and never answers,
+writes far slower than the policy). The guard decides *that* it is broken (once per run), says
+which cause it saw, and what the config says to do; the supervisor carries it out (stop the
+workers after the current step, or keep going with the error logged) and the metrics export it.
+Policies without a staleness budget (``interval``, ``never``) are never breached.
 
 API::
 
@@ -60,7 +59,8 @@ class StalenessLimits:
 
 @dataclass(frozen=True, kw_only=True)
 class StalenessBreach:
-    """Layer ``layer`` was ``staleness`` steps stale at ``step``, past ``limit``, after storage failures."""
+    """Layer ``layer`` was ``staleness`` steps stale at ``step``, past ``limit`` (after
+    ``storage_failures`` failed writes or lost versions; 0: storage that is slow or not answering)."""
 
     step: int
     layer: str
@@ -75,11 +75,17 @@ class StalenessBreach:
             'the run stops after this step (persistence.on_staleness_breach = "stop"); fix the storage and resume'
             if self.action == "stop"
             else 'training goes on unprotected (persistence.on_staleness_breach = "warn")'
+            if self.storage_failures
+            else "training goes on (only storage failures stop a run); check the storage"
+        )
+        cause = (
+            f"storage failures ({self.storage_failures} failed write(s) or lost version(s))"
+            if self.storage_failures
+            else "storage that does not keep up (no write failed: it is slow, or hangs)"
         )
         return (
-            f"staleness bound broken by storage failures: {self.layer} is {self.staleness} steps stale at "
-            f"step {self.step} (smax + lag = {self.limit}; {self.storage_failures} failed write(s) or lost "
-            f"version(s)); {then}"
+            f"staleness bound broken by {cause}: {self.layer} is {self.staleness} steps stale at step "
+            f"{self.step} (smax + lag = {self.limit}); {then}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -98,14 +104,18 @@ class StalenessBreach:
 class StalenessGuard:
     limits: StalenessLimits
     breach: StalenessBreach | None = None
-    """The first breach of the run (it is reported once; the metric stays up)."""
+    """The first breach of the run by storage failures (it is reported once; the metric stays up)."""
+    lag: StalenessBreach | None = None
+    """The first time the bound was passed while no write had failed (storage that is slow or
+    hangs): reported once, as a warning; it never stops the run."""
 
     def check(
         self, *, step: int, last_steps: Mapping[str, int | None], storage_failures: int
     ) -> StalenessBreach | None:
-        """The breach, the first time ``step`` finds one; else ``None``."""
+        """The breach by storage failures, the first time ``step`` finds one; else ``None`` (a
+        first pass of the bound without failures is kept in :attr:`lag` instead)."""
         limit = self.limits.limit
-        if self.breach is not None or limit is None or storage_failures == 0:
+        if self.breach is not None or limit is None:
             return None
         worst: tuple[int, str] | None = None
         for layer, last in last_steps.items():
@@ -113,6 +123,13 @@ class StalenessGuard:
             if staleness > limit and (worst is None or staleness > worst[0]):
                 worst = (staleness, layer)
         if worst is None:
+            return None
+        if storage_failures == 0:
+            if self.lag is None:
+                self.lag = StalenessBreach(
+                    step=step, layer=worst[1], staleness=worst[0], limit=limit, action="warn", storage_failures=0
+                )
+                logger.warning("%s", self.lag.message)
             return None
         self.breach = StalenessBreach(
             step=step,

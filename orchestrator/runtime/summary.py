@@ -59,6 +59,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "writers_replaced": status.get("writers_replaced", 0),
         "memory": status.get("memory") or {},
         "staleness_breach": status.get("staleness_breach"),
+        "staleness_lag": status.get("staleness_lag"),
         "stop_reason": status.get("stop_reason"),
         "interrupted": result.interrupted,
         "end_errors": list(result.end_errors),
@@ -336,6 +337,8 @@ def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
     breach = summary.get("staleness_breach")
     if breach:
         rows.append(["STALENESS BOUND BROKEN", breach["message"]])
+    elif summary.get("staleness_lag"):
+        rows.append(["STALENESS BOUND PASSED", summary["staleness_lag"]["message"]])
     for error in summary.get("end_errors", []):
         rows.append(["end-of-run error", error])
     return rows
