@@ -112,4 +112,6 @@ def test_a_resume_is_announced_as_a_resume_not_as_a_lost_group(caplog):
     planning = {"state": "recovering", "attempt": 1, "step": 0, "account": {"recoveries": []}}
     assert announce_failures(planning, seen, note) == []
     (line,) = announce_failures({"state": "running", "step": 41, "account": {"recoveries": [resume]}}, seen, note)
-    assert line == "LAYERCHECK: --resume: the stored run continues at step 41 with 1 worker(s); composite staleness max 0"
+    assert (
+        line == "LAYERCHECK: --resume: the stored run continues at step 41 with 1 worker(s); composite staleness max 0"
+    )
