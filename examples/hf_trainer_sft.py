@@ -186,6 +186,7 @@ def main() -> None:
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
             storage=args.storage,
             name="hf-sft",
+            tokenizer=str(DATA / "sft-tokenizer"),  # kept in the store: `layercheck export` ships it
             policy=policy,
             overwrite=True,
             persistence=persistence,

@@ -49,6 +49,10 @@ class CheckpointConfig:
     Ray cluster of more than one node a plain path is refused without it; ``s3://``/``gs://`` need no opt-in."""
     overwrite: bool = False
     """Delete checkpoints an earlier run left in ``storage`` (else such a store is refused)."""
+    tokenizer: str | None = None
+    """Where the run's tokenizer comes from (a local directory or a Hugging Face name), kept in the
+    store so that ``layercheck export --format hf`` ships it beside the model; ``None``: the
+    export has none, and says so."""
 
     def __post_init__(self) -> None:
         require(bool(_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)

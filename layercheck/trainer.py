@@ -34,7 +34,9 @@ from layercheck.orchestrator.runtime.driver import (
 )
 from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.runtime.train_report import with_callbacks
+from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import StoreLease
+from layercheck.orchestrator.store.model_record import ModelRecord, hf_config_of, write_model_record
 from layercheck.policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
@@ -116,12 +118,28 @@ class LayerCheckTrainer:
         check_shared_storage(
             cfg.storage_uri, shared=cfg.shared_storage, opt_in="CheckpointConfig(shared_storage=True)"
         )  # before the store is claimed: nothing is written on a refused cluster
-        lease = claim_store(cfg.storage_uri, run=cfg.name, options=StartOptions(overwrite=cfg.overwrite))
+        lease = claim_store(
+            cfg.storage_uri,
+            run=cfg.name,
+            options=StartOptions(overwrite=cfg.overwrite),
+            prepare=lambda store: self._record_model(store.fs),
+        )
         try:
             run = self._fit(cfg, layers, lease)
         finally:
             lease.release()
         return FitResult(run=run, summary=summarize(run))
+
+    def _record_model(self, fs: StoreFS) -> None:
+        """``model.json``: what ``export`` needs of a model LayerCheck did not build."""
+        hf_config = hf_config_of(self.model)
+        if hf_config is None:
+            logger.warning(
+                "LayerCheck: model= is not a transformers config or model, so the store records no model "
+                "config: `layercheck export` of this run needs --config"
+            )
+            return
+        write_model_record(fs, ModelRecord(hf_config=hf_config, tokenizer=self.checkpoint.tokenizer))
 
     def _fit(self, cfg: CheckpointConfig, layers: LayerMap, lease: StoreLease) -> RunResult:
         from ray.train import FailureConfig, RunConfig

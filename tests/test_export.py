@@ -236,3 +236,41 @@ def test_a_layer_never_saved_exports_as_the_runs_initial_state(tmp_path):
         want = saved[name] if name in saved else initial[name].detach().reshape(-1)
         assert torch.equal(p.detach().reshape(-1), want), name
     assert any(name not in saved for name, _ in loaded.named_parameters())
+
+
+def test_an_own_loops_run_exports_from_its_model_record(tmp_path, caplog, capsys):
+    """A LayerCheckTrainer run has no run.json: its driver recorded model.json (the transformers
+    config it planned the layers from, and the tokenizer if named). HF export needs nothing else and
+    says plainly that no tokenizer was named; a DeepSpeed export is refused with what to do."""
+    import logging
+
+    from layercheck.orchestrator.store.model_record import ModelRecord, hf_config_of, write_model_record
+
+    uri = str(tmp_path / "run")
+    store = LayerStore.open(uri, fsync=False)
+    config = transformers.LlamaConfig(**{k: v for k, v in jobs.run_config().model.hf_config.items() if k != "model_type"})
+    write_model_record(store.fs, ModelRecord(hf_config=hf_config_of(config)))
+    layer_map = layer_map_of(build_model(jobs.run_config().model))
+    weights = {}
+    for i, layer in enumerate(layer_map.layers):
+        weights.update(_write_layer(store, layer, 10, base=True, seed=i))
+    out = tmp_path / "hf"
+    with caplog.at_level(logging.WARNING):
+        assert main(["export", uri, "--format", "hf", "--out", str(out)]) == 0
+    assert "named no tokenizer" in caplog.text
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), weights[name]), name
+    assert main(["export", uri, "--format", "deepspeed", "--out", str(tmp_path / "ds")]) == 2
+    assert "is an own loop's" in capsys.readouterr().out
+
+
+def test_a_damaged_model_record_is_named(tmp_path, capsys):
+    uri = str(tmp_path / "run")
+    store = LayerStore.open(uri, fsync=False)
+    layer = layer_map_of(build_model(jobs.run_config().model)).layers[0]
+    _write_layer(store, layer, 10, base=True, seed=0)
+    store.fs.write_bytes("model.json", b'{"format": "layercheck.model/1", "hf_config": {}}')
+    assert main(["export", uri, "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
+    out = capsys.readouterr().out
+    assert "model.json: not a valid model record" in out and "--config" in out

@@ -27,3 +27,12 @@ def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(
     clean = run_example("hf_trainer_sft.py", tmp_path, "clean", *ARGS, *setup, "--kill-at-step", "0")
     failed = run_example("hf_trainer_sft.py", tmp_path, "failed", *ARGS, *setup, "--kill-at-step", str(KILL_AT))
     assert_exact_recovery(clean, failed, steps=STEPS, kill_at=KILL_AT)
+    # the callback's run exports with no extra file: the model and the tokenizer the example named
+    import transformers
+
+    from layercheck.orchestrator.cli.main import main
+
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "failed"), "--format", "hf", "--out", str(out)]) == 0
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(out)).config.model_type == "llama"
+    assert transformers.AutoTokenizer.from_pretrained(str(out)).chat_template

@@ -36,3 +36,12 @@ def test_with_the_api_default_schedule_a_failure_before_the_first_saves_resumes_
     assert all(origin == "policy" for origin, _ in bases.values()), bases  # (stored: a loop LayerCheck cannot rebuild)
     assert sum(step == 0 for _, step in bases.values()) >= len(bases) // 2, bases  # most not saved since step 0
     assert sorted(int(k) for k in failed["losses"]) == list(range(1, 9))
+    # the store carries what export needs (model.json): the trained model exports as it is
+    import transformers
+
+    from layercheck.orchestrator.cli.main import main
+
+    out = tmp_path / "hf"
+    assert main(["export", str(tmp_path / "early"), "--format", "hf", "--out", str(out)]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert loaded.config.num_hidden_layers == 2 and not loaded.config.tie_word_embeddings

@@ -31,11 +31,15 @@ from layercheck.orchestrator.core.composite import CompositeMismatchError, check
 from layercheck.orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
 from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from layercheck.orchestrator.store.composite_reader import CompositeReader
+from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
+from layercheck.orchestrator.store.model_record import MODEL_FILE, read_model_record
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.policies.layer_map import LayerMap
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
+from layercheck.workers.config import ModelConfig
+from layercheck.workers.data import DataConfig
 from layercheck.workers.engine import layer_map_for
 
 if TYPE_CHECKING:
@@ -69,15 +73,21 @@ def open_run(uri: str) -> LayerStore:
 
 
 def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None = None) -> RunConfig:
-    """The run's config: ``config_path`` if given, else ``run.json`` in the store root."""
+    """The run's config: ``config_path`` if given, else ``run.json`` in the store root (a
+    ``layercheck train`` run), else what ``model.json`` records (a user's own loop: the model
+    config and the tokenizer; the engine settings are the defaults)."""
     if config_path is not None:
         return load_run_config(config_path)
     try:
         text = store.fs.read_bytes(RUN_CONFIG_FILE)
     except FileNotFoundError:
+        own = _own_loop_config(store)
+        if own is not None:
+            return own
         raise ExportError(
-            f"run {store.uri} has no {RUN_CONFIG_FILE} (runs written before the driver kept its config): "
-            f"pass the run's config file with --config FILE"
+            f"run {store.uri} has no {RUN_CONFIG_FILE} nor {MODEL_FILE} (a run written before the driver kept "
+            f"them, or an own loop whose model= was no transformers config): pass the run's config file "
+            f"with --config FILE"
         ) from None
     try:
         return parse_run_config(json.loads(text))
@@ -86,6 +96,25 @@ def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None 
             f"run {store.uri}: {RUN_CONFIG_FILE} is not a valid run config ({error}); "
             f"pass the run's config file with --config FILE"
         ) from error
+
+
+def _own_loop_config(store: LayerStore) -> RunConfig | None:
+    try:
+        record = read_model_record(store.fs)
+    except ManifestError as error:
+        raise ExportError(f"{error}; pass the run's config file with --config FILE") from None
+    if record is None:
+        return None
+    if record.tokenizer is None:
+        logger.warning(
+            "run %s named no tokenizer (CheckpointConfig(tokenizer=...)): the export holds the model only",
+            store.uri,
+        )
+    return RunConfig(
+        name="export",
+        model=ModelConfig(hf_config=record.hf_config),
+        data=DataConfig(tokenizer=record.tokenizer or "bytes"),
+    )
 
 
 def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
@@ -319,6 +348,11 @@ def export(
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
     store = open_run(run_uri)
     run = run_config_of(store, config_path)
+    if fmt == "deepspeed" and config_path is None and not store.fs.info(RUN_CONFIG_FILE).is_file:
+        raise ExportError(
+            f"run {store.uri} is an own loop's (its {MODEL_FILE} holds the model, not the DeepSpeed engine "
+            "settings a DeepSpeed checkpoint is made for): export --format hf, or pass a run config with --config"
+        )
     layer_map = layer_map_for(run.model)
     resolved = plan_export(store, layer_map.numel, step)
     check_composite_fits(store, resolved.records, layer_map, overlays=resolved.overlays)

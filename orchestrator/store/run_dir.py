@@ -25,13 +25,14 @@ from layercheck.orchestrator.store.initial_state import INITIAL_FILE
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, PREVIOUS_RUN_CONFIG_FILE, RUN_CONFIG_FILE
 from layercheck.orchestrator.store.lease import LEASE_FILE
 from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
+from layercheck.orchestrator.store.model_record import MODEL_FILE
 
 logger = logging.getLogger(__name__)
 
 #: Files LayerCheck writes in the root of a run (besides ``layers/`` and ``manifest/``).
 #: A new run file must be added here, or ``--overwrite`` refuses the directory it is in.
 RUN_ROOT_FILES: frozenset[str] = frozenset(
-    {RUN_CONFIG_FILE, PREVIOUS_RUN_CONFIG_FILE, DRIFT_TRACE_FILE, LEASE_FILE, INITIAL_FILE}
+    {RUN_CONFIG_FILE, PREVIOUS_RUN_CONFIG_FILE, DRIFT_TRACE_FILE, LEASE_FILE, INITIAL_FILE, MODEL_FILE}
 )
 
 _TMP = r"(\.[0-9a-f]{8}\.tmp)?"
