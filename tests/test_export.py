@@ -248,7 +248,9 @@ def test_an_own_loops_run_exports_from_its_model_record(tmp_path, caplog, capsys
 
     uri = str(tmp_path / "run")
     store = LayerStore.open(uri, fsync=False)
-    config = transformers.LlamaConfig(**{k: v for k, v in jobs.run_config().model.hf_config.items() if k != "model_type"})
+    config = transformers.LlamaConfig(
+        **{k: v for k, v in jobs.run_config().model.hf_config.items() if k != "model_type"}
+    )
     write_model_record(store.fs, ModelRecord(hf_config=hf_config_of(config)))
     layer_map = layer_map_of(build_model(jobs.run_config().model))
     weights = {}
