@@ -10,6 +10,7 @@ returns the run's summary.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -36,7 +37,7 @@ from layercheck.orchestrator.runtime.summary import format_summary, summarize
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import StoreLease
-from layercheck.orchestrator.store.model_record import ModelRecord, hf_config_of, write_model_record
+from layercheck.orchestrator.store.model_record import describe_model, write_model_record
 from layercheck.policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
@@ -132,14 +133,18 @@ class LayerCheckTrainer:
 
     def _record_model(self, fs: StoreFS) -> None:
         """``model.json``: what ``export`` needs of a model LayerCheck did not build."""
-        hf_config = hf_config_of(self.model)
-        if hf_config is None:
+        model = self.model
+        if callable(model) and not isinstance(model, torch.nn.Module) and not hasattr(model, "to_diff_dict"):
+            with torch.device("meta"):
+                model = model()  # (a function returning the module, a peft model say: as layer_map does)
+        record = describe_model(model)
+        if record is None:
             logger.warning(
                 "LayerCheck: model= is not a transformers config or model, so the store records no model "
                 "config: `layercheck export` of this run needs --config"
             )
             return
-        write_model_record(fs, ModelRecord(hf_config=hf_config, tokenizer=self.checkpoint.tokenizer))
+        write_model_record(fs, dataclasses.replace(record, tokenizer=self.checkpoint.tokenizer))
 
     def _fit(self, cfg: CheckpointConfig, layers: LayerMap, lease: StoreLease) -> RunResult:
         from ray.train import FailureConfig, RunConfig

@@ -30,7 +30,9 @@ LM_HEAD = "lm_head"
 _BLOCK = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
 _EMBED = re.compile(r"(?:^|[._])(embed_tokens|embed_positions|embed_in|wte|wpe|word_embeddings|embeddings)(?:\.|$)")
 _NORM = re.compile(r"(?:^|\.)(norm|ln_f|final_layer_norm|final_layernorm|final_norm)(?:\.|$)")
-_HEAD = re.compile(r"^(lm_head|embed_out|output)\.")
+#: The output head, also under a wrapper's prefix (peft's ``base_model.model.``, DDP's ``module.``);
+#: a bare ``output.`` only at the top (inside blocks it names other modules).
+_HEAD = re.compile(r"(?:^|\.)(lm_head|embed_out)\.|^output\.")
 
 
 class UnplacedParameterError(ValueError):

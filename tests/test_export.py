@@ -244,14 +244,14 @@ def test_an_own_loops_run_exports_from_its_model_record(tmp_path, caplog, capsys
     says plainly that no tokenizer was named; a DeepSpeed export is refused with what to do."""
     import logging
 
-    from layercheck.orchestrator.store.model_record import ModelRecord, hf_config_of, write_model_record
+    from layercheck.orchestrator.store.model_record import describe_model, write_model_record
 
     uri = str(tmp_path / "run")
     store = LayerStore.open(uri, fsync=False)
     config = transformers.LlamaConfig(
         **{k: v for k, v in jobs.run_config().model.hf_config.items() if k != "model_type"}
     )
-    write_model_record(store.fs, ModelRecord(hf_config=hf_config_of(config)))
+    write_model_record(store.fs, describe_model(config))
     layer_map = layer_map_of(build_model(jobs.run_config().model))
     weights = {}
     for i, layer in enumerate(layer_map.layers):

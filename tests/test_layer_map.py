@@ -80,3 +80,17 @@ def test_json_round_trip_and_lookup():
     with pytest.raises(KeyError):
         again.layer_of("nope")
     assert isinstance(torch.Size(layer_map["norm"].params[0].shape), torch.Size)
+
+
+def test_an_untied_head_is_placed_under_a_wrappers_prefix():
+    """peft wraps the model as ``base_model.model.…``: an untied ``lm_head`` is still the head
+    (a LoRA run of such a model once failed to start: its frozen head was 'unplaced')."""
+    names = [
+        ("base_model.model.model.embed_tokens.weight", (8, 4)),
+        ("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight", (2, 4)),
+        ("base_model.model.model.norm.weight", (4,)),
+        ("base_model.model.lm_head.weight", (8, 4)),
+    ]
+    layer_map = build_layer_map(names)
+    assert layer_map.names == ("embed", "block.0", "norm", "lm_head")
+    assert [p.name for p in layer_map["lm_head"].params] == ["base_model.model.lm_head.weight"]

@@ -39,6 +39,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="deepspeed only: ranks of the checkpoint (default: the run's cluster.num_workers)",
     )
     p.add_argument("--config", default=None, help="the run's config file, when RUN has no run.json")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a run that trained a peft adapter: write the base model with the adapter merged in "
+        "(default: the adapter alone, in peft's format)",
+    )
     p.set_defaults(func=run_export)
 
 
@@ -48,7 +54,13 @@ def run_export(args: argparse.Namespace) -> int:
         return 2
     try:
         written = export(
-            args.run, fmt=args.fmt, out=args.out, step=args.step, world_size=args.world_size, config_path=args.config
+            args.run,
+            fmt=args.fmt,
+            out=args.out,
+            step=args.step,
+            world_size=args.world_size,
+            config_path=args.config,
+            merge=args.merge,
         )
     except (ExportError, ConfigError) as error:
         print(f"error: {error}")

@@ -34,7 +34,7 @@ from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
-from layercheck.orchestrator.store.model_record import MODEL_FILE, read_model_record
+from layercheck.orchestrator.store.model_record import MODEL_FILE, ModelRecord, read_model_record
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.policies.layer_map import LayerMap
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
@@ -182,11 +182,24 @@ def composite_model(
     from layercheck.workers.engine import build_model
 
     model = build_model(run.model)
+    fill_from_composite(model, layer_map_for(run.model), store, records, overlays=overlays)
+    return model
+
+
+def fill_from_composite(
+    model: Any,
+    layer_map: LayerMap,
+    store: LayerStore,
+    records: Mapping[str, VersionRecord],
+    *,
+    overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
+) -> None:
+    """Set every trainable parameter of the host ``model`` (``layer_map``'s) to its composite fp32
+    weights; a layer from the run's initial state keeps the weights ``model`` was built with."""
     # a tied tensor appears once, under its first name
     params = {name: p for name, p in model.named_parameters() if p.requires_grad}
     # a layer from the run's initial state (never saved by then) keeps what build_model made: the
     # engine's initial weights came from the same seeded build; under partial versions it is their base
-    layer_map = layer_map_for(run.model)
     initial = {layer for layer, record in records.items() if record.is_initial}
     bases = {
         layer: _ModelBase(model, [p.name for p in layer_map[layer].params])
@@ -206,7 +219,6 @@ def composite_model(
                     f"run {store.uri}: the composite has no full fp32 weights of {name!r}: {error}"
                 ) from error
             param.copy_(values.view(param.shape))
-    return model
 
 
 class _ModelBase:
@@ -245,15 +257,88 @@ def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Pa
 def run_tokenizer(run: RunConfig) -> Any:
     """The tokenizer the run trained with (``data.tokenizer``), to ship beside the model so that
     ``AutoTokenizer.from_pretrained(OUT)`` works; None for byte tokens (there is none)."""
+    return tokenizer_named(run.data.tokenizer)
+
+
+def tokenizer_named(name: str) -> Any:
+    """The tokenizer ``name`` (a local directory; ``bytes``: none); :class:`ExportError` if it
+    cannot be loaded, before anything is written."""
     from layercheck.workers.sft_data import load_tokenizer
 
-    if run.data.tokenizer == "bytes":
+    if name == "bytes":
         logger.info("the run trained on byte tokens (data.tokenizer = 'bytes'): no tokenizer to export")
         return None
     try:
-        return load_tokenizer(run.data.tokenizer)
+        return load_tokenizer(name)
     except ValueError as error:  # DataError names data.tokenizer and the cause
         raise ExportError(f"the run's tokenizer is needed beside the model: {error}") from None
+
+
+# ---- a peft adapter ---------------------------------------------------------------------------
+def _adapter_record(store: LayerStore) -> ModelRecord | None:
+    """The store's model record if the run trained a peft adapter and has no run.json."""
+    if store.fs.info(RUN_CONFIG_FILE).is_file:
+        return None
+    try:
+        record = read_model_record(store.fs)
+    except ManifestError as error:
+        raise ExportError(f"{error}; pass the run's config file with --config FILE") from None
+    return record if record is not None and record.peft is not None else None
+
+
+def adapter_model(record: ModelRecord, *, merge: bool) -> Any:
+    """The run's peft model on the host in fp32: its base built from the recorded config (any
+    weights: only the adapter is exported) or, to ``merge``, loaded from ``record.base_model``."""
+    import peft
+    import transformers
+
+    from layercheck.workers.engine import build_model
+
+    base: Any
+    if merge:
+        if not record.base_model:
+            raise ExportError("--merge needs the adapter's base weights, and the run recorded no base model path")
+        try:
+            base = transformers.AutoModelForCausalLM.from_pretrained(
+                record.base_model, dtype=torch.float32, local_files_only=True
+            )
+        except OSError as error:
+            raise ExportError(f"--merge: cannot load the base model {record.base_model!r}: {error}") from None
+    else:
+        base = build_model(ModelConfig(hf_config=record.hf_config))
+    return peft.get_peft_model(base, peft.get_peft_config(dict(record.peft or {})))
+
+
+def export_adapter(record: ModelRecord, store: LayerStore, step: int | None, out: Path, *, merge: bool) -> Path:
+    """Write a peft run's composite as a peft adapter folder (``adapter_config.json`` +
+    ``adapter_model.safetensors``, for ``PeftModel.from_pretrained(base, OUT)``) or, with
+    ``merge``, as the base model with the adapter merged in (``from_pretrained(OUT)``)."""
+    from layercheck.policies.layer_map import layer_map_of
+
+    _check_empty_dir(out, "an adapter export")
+    tokenizer = _record_tokenizer(record, store)
+    model = adapter_model(record, merge=merge)
+    layer_map = layer_map_of(model)
+    resolved = plan_export(store, layer_map.numel, step)
+    check_composite_fits(store, resolved.records, layer_map, overlays=resolved.overlays)
+    fill_from_composite(model, layer_map, store, resolved.records, overlays=resolved.overlays)
+    written = model.merge_and_unload() if merge else model
+    written.save_pretrained(str(out))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    what = "the base model with the adapter merged in" if merge else "a peft adapter"
+    logger.info("wrote the composite at step %d as %s to %s", resolved.plan.t_fail, what, out)
+    return out
+
+
+def _record_tokenizer(record: ModelRecord, store: LayerStore) -> Any:
+    if record.tokenizer is None:
+        logger.warning(
+            "run %s named no tokenizer (CheckpointConfig(tokenizer=...)): the export holds the model only",
+            store.uri,
+        )
+        return None
+    return tokenizer_named(record.tokenizer)
 
 
 # ---- DeepSpeed --------------------------------------------------------------------------------
@@ -342,11 +427,20 @@ def export(
     step: int | None = None,
     world_size: int | None = None,
     config_path: str | os.PathLike[str] | None = None,
+    merge: bool = False,
 ) -> Path:
-    """Export run ``run_uri``'s composite at ``step`` in format ``fmt`` to ``out``; the path written."""
+    """Export run ``run_uri``'s composite at ``step`` in format ``fmt`` to ``out``; the path
+    written. ``merge``: a peft adapter's run writes the base model with the adapter merged in."""
     if fmt not in FORMATS:
         raise ExportError(f"format must be one of {FORMATS}, got {fmt!r}")
     store = open_run(run_uri)
+    adapter = _adapter_record(store) if config_path is None else None
+    if adapter is not None:
+        if fmt != "hf":
+            raise ExportError(f"run {store.uri} trained a peft adapter: export it with --format hf (and --merge)")
+        return export_adapter(adapter, store, step, Path(out), merge=merge)
+    if merge:
+        raise ExportError(f"--merge is for a run that trained a peft adapter; run {store.uri} trained the model")
     run = run_config_of(store, config_path)
     if fmt == "deepspeed" and config_path is None and not store.fs.info(RUN_CONFIG_FILE).is_file:
         raise ExportError(

@@ -3,14 +3,15 @@
 ``layercheck train`` keeps its whole config in ``run.json``. A user's own loop
 (``layercheck.LayerCheckTrainer`` with ``attach`` or the Trainer callback) builds its model
 itself, so its driver records what it knows of it instead: the ``transformers`` config the
-layers were planned from, and where the tokenizer came from (``CheckpointConfig(tokenizer=...)``;
-``None`` when the user named none, which ``export`` then says). JSON only.
+layers were planned from, where the tokenizer came from (``CheckpointConfig(tokenizer=...)``;
+``None`` when the user named none, which ``export`` then says) and, for a ``peft`` adapter, its
+config and where its base weights come from. JSON only.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from layercheck.orchestrator.store.errors import ManifestError
@@ -23,27 +24,51 @@ MODEL_FORMAT = "layercheck.model/1"
 @dataclass(frozen=True)
 class ModelRecord:
     hf_config: dict[str, Any]
-    """``PretrainedConfig.to_diff_dict()`` of the run's model (``model_type`` included)."""
+    """``PretrainedConfig.to_diff_dict()`` of the run's (base) model (``model_type`` included)."""
     tokenizer: str | None = None
     """A local tokenizer directory or a Hugging Face name; ``None``: the run named none."""
+    peft: dict[str, Any] | None = None
+    """A ``peft`` adapter's config (``PeftConfig.to_dict()``, JSON-safe) when the run trained one:
+    its layers hold the adapter alone, the base model's weights are not in the store."""
+    base_model: str | None = None
+    """Where the adapter's base weights come from (``name_or_path``), for a merged export."""
 
 
-def hf_config_of(model: Any) -> dict[str, Any] | None:
-    """The ``transformers`` config of ``model`` (a config, or a module carrying one) as a dict;
-    ``None`` for anything else (a bare ``torch.nn.Module``, a function, a layer map)."""
-    config = model if hasattr(model, "to_diff_dict") else getattr(model, "config", None)
+def describe_model(model: Any) -> ModelRecord | None:
+    """What export needs of ``model`` (a ``transformers`` config, a model carrying one, or a
+    ``peft`` model around one); ``None`` for anything else (a bare ``torch.nn.Module``, a layer map)."""
+    peft_configs = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_configs and hasattr(model, "get_base_model") else model
+    config = base if hasattr(base, "to_diff_dict") else getattr(base, "config", None)
     if config is None or not hasattr(config, "to_diff_dict"):
         return None
-    data = dict(config.to_diff_dict())
-    data.setdefault("model_type", config.model_type)
-    return data
+    hf_config = dict(config.to_diff_dict())
+    hf_config.setdefault("model_type", config.model_type)
+    adapter = None
+    if peft_configs:
+        (adapter_config,) = peft_configs.values()  # one adapter trains; several would need naming
+        adapter = _json_safe(adapter_config.to_dict())
+    return ModelRecord(
+        hf_config=hf_config,
+        peft=adapter,
+        base_model=getattr(config, "name_or_path", None) or None if adapter is not None else None,
+    )
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_json_safe(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)  # an enum (task_type, peft_type): its value's text
 
 
 def write_model_record(fs: StoreFS, record: ModelRecord) -> None:
-    fs.write_bytes(
-        MODEL_FILE,
-        json.dumps({"format": MODEL_FORMAT, "hf_config": record.hf_config, "tokenizer": record.tokenizer}).encode(),
-    )
+    fs.write_bytes(MODEL_FILE, json.dumps({"format": MODEL_FORMAT, **asdict(record)}).encode())
 
 
 def read_model_record(fs: StoreFS) -> ModelRecord | None:
@@ -60,8 +85,12 @@ def read_model_record(fs: StoreFS) -> ModelRecord | None:
         tokenizer = data.get("tokenizer")
         if not isinstance(hf_config, dict) or "model_type" not in hf_config:
             raise ValueError("hf_config must be a transformers config dict with a model_type")
-        if tokenizer is not None and not isinstance(tokenizer, str):
-            raise ValueError(f"tokenizer must be a string or null, got {tokenizer!r}")
+        for key in ("tokenizer", "base_model"):
+            if data.get(key) is not None and not isinstance(data[key], str):
+                raise ValueError(f"{key} must be a string or null, got {data[key]!r}")
+        adapter = data.get("peft")
+        if adapter is not None and not (isinstance(adapter, dict) and "peft_type" in adapter):
+            raise ValueError("peft must be a peft adapter config dict with a peft_type")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ManifestError(f"{fs.uri(MODEL_FILE)}: not a valid model record ({error})") from None
-    return ModelRecord(hf_config=hf_config, tokenizer=tokenizer)
+    return ModelRecord(hf_config=hf_config, tokenizer=tokenizer, peft=adapter, base_model=data.get("base_model"))
