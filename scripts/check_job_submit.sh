@@ -27,10 +27,12 @@ echo "== 1. ray job submit: layercheck train (demo)"
   --set fault.kill_at_step=8 --set "storage=$STORAGE/demo"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
 
-echo "== 2. ray job submit: your own loop (examples/own_loop.py)"
+echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's default schedule"
+# (period 100: no layer is saved by the policy before the failure; attach's step-0 versions protect it)
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
-  "$PY" examples/own_loop.py --steps 12 --kill-at-step 6 --storage "$STORAGE/own-loop"
+  "$PY" examples/own_loop.py --steps 12 --period 100 --kill-at-step 6 --storage "$STORAGE/own-loop"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
+"$PY" -m layercheck.orchestrator.cli.main export "$STORAGE/own-loop" --format hf --out "$STORAGE/own-loop-hf"
 
 echo "== 3. layercheck train with a cluster running and RAY_ADDRESS unset"
 "$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \

@@ -30,7 +30,15 @@ def test_ray_job_submit_and_a_driver_on_the_head_reach_the_running_cluster(tmp_p
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert out.count("succeeded") >= 2  # both submitted jobs
     assert "recovery after step 8" in proc.stdout  # the demo's injected failure
-    assert "recovery after step 6" in proc.stdout  # the own loop's
+    # the own loop's, under the API's default schedule (a layer every 100 steps): resumed at t_fail + 1
+    # from the step-0 versions attach handed over (no layer was saved by the policy before the kill)
+    # (without them the run would restart from the initial weights: "resumed at 1")
+    assert "recovery after step 6" in proc.stdout and "resumed at 7" in proc.stdout
+    # ... and it exports with no extra file (model.json)
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "own-loop-hf"))
+    assert exported.config.num_hidden_layers == 2
     for run in ("demo", "own-loop", "joined"):
         assert LayerStore.open(str(tmp_path / run)).versions(), run
     # the third driver joined the running cluster instead of starting its own

@@ -12,7 +12,7 @@ from tests.support.s3_server import FAST_FAIL
 from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
-STEPS = 150
+STEPS = 40
 
 
 def test_an_s3_outage_mid_run_stops_it_with_the_breach_and_resume_continues(tmp_path, ray_tmp, s3):
