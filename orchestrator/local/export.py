@@ -99,22 +99,33 @@ def run_config_of(store: LayerStore, config_path: str | os.PathLike[str] | None 
 
 
 def _own_loop_config(store: LayerStore) -> RunConfig | None:
-    try:
-        record = read_model_record(store.fs)
-    except ManifestError as error:
-        raise ExportError(f"{error}; pass the run's config file with --config FILE") from None
+    record = _model_record(store)
     if record is None:
         return None
+    return RunConfig(
+        name="export",
+        model=ModelConfig(hf_config=record.hf_config),
+        data=DataConfig(tokenizer=_tokenizer_of(record, store)),
+    )
+
+
+def _model_record(store: LayerStore) -> ModelRecord | None:
+    """The store's ``model.json`` (an own loop's run), or ``None``; :class:`ExportError` naming it if damaged."""
+    try:
+        return read_model_record(store.fs)
+    except ManifestError as error:
+        raise ExportError(f"{error}; pass the run's config file with --config FILE") from None
+
+
+def _tokenizer_of(record: ModelRecord, store: LayerStore) -> str:
+    """The tokenizer ``record`` names; ``bytes`` (none) when it names none, which is said plainly."""
     if record.tokenizer is None:
         logger.warning(
             "run %s named no tokenizer (CheckpointConfig(tokenizer=...)): the export holds the model only",
             store.uri,
         )
-    return RunConfig(
-        name="export",
-        model=ModelConfig(hf_config=record.hf_config),
-        data=DataConfig(tokenizer=record.tokenizer or "bytes"),
-    )
+        return "bytes"
+    return record.tokenizer
 
 
 def plan_export(store: LayerStore, layer_numel: Mapping[str, int], step: int | None) -> ResolvedPlan:
@@ -279,10 +290,7 @@ def _adapter_record(store: LayerStore) -> ModelRecord | None:
     """The store's model record if the run trained a peft adapter and has no run.json."""
     if store.fs.info(RUN_CONFIG_FILE).is_file:
         return None
-    try:
-        record = read_model_record(store.fs)
-    except ManifestError as error:
-        raise ExportError(f"{error}; pass the run's config file with --config FILE") from None
+    record = _model_record(store)
     return record if record is not None and record.peft is not None else None
 
 
@@ -316,7 +324,7 @@ def export_adapter(record: ModelRecord, store: LayerStore, step: int | None, out
     from layercheck.policies.layer_map import layer_map_of
 
     _check_empty_dir(out, "an adapter export")
-    tokenizer = _record_tokenizer(record, store)
+    tokenizer = tokenizer_named(_tokenizer_of(record, store))
     model = adapter_model(record, merge=merge)
     layer_map = layer_map_of(model)
     resolved = plan_export(store, layer_map.numel, step)
@@ -329,16 +337,6 @@ def export_adapter(record: ModelRecord, store: LayerStore, step: int | None, out
     what = "the base model with the adapter merged in" if merge else "a peft adapter"
     logger.info("wrote the composite at step %d as %s to %s", resolved.plan.t_fail, what, out)
     return out
-
-
-def _record_tokenizer(record: ModelRecord, store: LayerStore) -> Any:
-    if record.tokenizer is None:
-        logger.warning(
-            "run %s named no tokenizer (CheckpointConfig(tokenizer=...)): the export holds the model only",
-            store.uri,
-        )
-        return None
-    return tokenizer_named(record.tokenizer)
 
 
 # ---- DeepSpeed --------------------------------------------------------------------------------
