@@ -76,3 +76,21 @@ def test_empty_storage_is_the_working_directory_and_clear_run_refuses_it(tmp_pat
 def test_a_bucket_root_is_refused_but_a_prefix_is_fine():
     assert "bucket root" in location_problem("s3", "bucket", uri="s3://bucket", cwd="/x", home="/y")
     assert location_problem("s3", "bucket/runs/a", uri="s3://bucket/runs/a", cwd="/x", home="/y") == ""
+
+
+def test_overwrite_clears_a_recovered_run_and_keeps_its_epochs(tmp_path):
+    """A store a recovery wrote into holds survivors' capture shards and partial records, and every
+    run's epoch: --overwrite takes the first two for its own and keeps the epochs (a new owner's
+    epoch must stay newer than any earlier owner's)."""
+    from layercheck.orchestrator.store.lease import StoreLease
+
+    store = _run(tmp_path / "run")
+    lease = StoreLease.acquire(store.fs, run="first", settle_s=0)
+    (tmp_path / "run" / "layers" / "block.0" / "0000000040-capture-rank00001of00002-0a0b0c0d.safetensors").write_bytes(
+        b"x"
+    )
+    (tmp_path / "run" / "manifest" / "block.0@0000000040-partial-0a0b0c0d.json").write_text("{}")
+    assert run_dir_contents(store.fs).foreign == ()
+    clear_run(store.fs, keep=frozenset({"owner.json"}))
+    assert sorted(os.listdir(tmp_path / "run")) == ["epochs", "owner.json"]
+    assert os.listdir(tmp_path / "run" / "epochs") == [f"{lease.epoch.epoch:010d}.json"]

@@ -138,7 +138,7 @@ def test_overwrite_deletes_the_earlier_run(tmp_path):
     lease = open_run_store(_config(tmp_path), StartOptions(overwrite=True))
     lease.release()
     assert not LayerStore.open(str(tmp_path / "run")).versions()
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["initial.json", "run.json"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["epochs", "initial.json", "run.json"]
 
 
 def test_without_overwrite_an_existing_run_is_refused(tmp_path):

@@ -219,7 +219,7 @@ def test_a_run_whose_lease_was_taken_over_commits_nothing_more_and_stops(tmp_pat
     fs = StoreFS.open(str(tmp_path))
     ours = StoreLease.acquire(fs, run="first")
     store = LayerStore(fs)
-    store.fence = ours.fence.check
+    store.fence = ours.fence
     run, service = make(store, Writers())
     train(service, [1, 2])
     persist_all(run, store, 2)
@@ -231,3 +231,4 @@ def test_a_run_whose_lease_was_taken_over_commits_nothing_more_and_stops(tmp_pat
     status = run.status()
     assert status["stop_reason"].startswith(LEASE_LOST) and "second" in status["stop_reason"]
     assert run.lease_lost and service.stop_reason == status["stop_reason"]
+    assert run.commits.commit_retries == 0, "a commit refused for a lost lease was retried"

@@ -1,6 +1,7 @@
 """A store has one owner at a time: a lease file, refused while live, taken
 over when stale, released at the end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -58,12 +59,28 @@ def test_renewal_extends_the_lease_and_notices_a_taker(tmp_path):
     time.sleep(0.01)
     lease.renew()
     assert read_lease(fs).expires_at > first
-    foreign_lease(fs)  # someone took it over (--take-over)
+    taker = StoreLease.acquire(fs, run="other", take_over=True, settle_s=0)  # --take-over
+    assert taker.epoch.epoch == lease.epoch.epoch + 1
     with pytest.raises(StoreBusyError, match="other"):
         lease.renew()
     assert lease.lost
     lease.release()  # not ours: left alone
-    assert read_lease(fs).owner == "f00d"
+    assert read_lease(fs).owner == taker.info.owner
+
+
+def test_a_superseded_drivers_late_renewal_does_not_take_the_store_back(tmp_path):
+    """A driver frozen between its renewal's check and its write overwrites the new owner's
+    lease when it wakes: the epoch, not owner.json, says who owns the store, so the new owner
+    keeps it and writes its lease back; the old one finds out it lost at its next renewal."""
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    old = StoreLease.acquire(fs, run="old", ttl_s=30)
+    new = StoreLease.acquire(fs, run="new", take_over=True, settle_s=0)
+    fs.write_bytes(LEASE_FILE, json.dumps(old.info.to_json()).encode())  # the frozen renewal lands
+    new.renew()
+    assert not new.lost and read_lease(fs).owner == new.info.owner
+    with pytest.raises(StoreBusyError, match="epoch"):
+        old.renew()
+    assert old.lost
 
 
 def test_staleness_is_decided_from_the_lease_alone():

@@ -179,13 +179,18 @@ def run_verify(args: argparse.Namespace) -> int:
         found = store.check_version(record, deep=True)
         files += len(record.shards)
         problems += [f"version {record.version_id} (layer {record.layer} step {record.step}): {p}" for p in found]
+    for record, why in manifest.fenced:  # by the rule every reader applies: not damage, not counted
+        print(f"FENCED version {record.version_id} (layer {record.layer} step {record.step}): {why}; ignored")
+    fenced = (
+        f"; {len(manifest.fenced)} fenced-out version(s) ignored, layercheck gc deletes them" if manifest.fenced else ""
+    )
     if problems:
         for problem in problems:
             print(f"BAD {problem}")
-        print(f"{len(problems)} problem(s) in {store.uri}")
+        print(f"{len(problems)} problem(s) in {store.uri}{fenced}")
         return 1
     total = sum(r.nbytes for r in manifest.records)
-    print(f"OK {store.uri}: {len(manifest.records)} versions, {files} files, {human_bytes(total)} verified")
+    print(f"OK {store.uri}: {len(manifest.records)} versions, {files} files, {human_bytes(total)} verified{fenced}")
     return 0
 
 
@@ -201,7 +206,9 @@ def run_gc(args: argparse.Namespace) -> int:
     report = collect_garbage(store, config)
     verb = "would delete" if report.dry_run else "deleted"
     for version_id in report.deleted_versions:
-        print(f"{verb} version {version_id}")
+        print(
+            f"{verb} version {version_id}{' (fenced out: a superseded run committed it)' if version_id in report.fenced else ''}"
+        )
     for rel in report.orphans:
         print(f"{verb} orphan {rel}")
     print(

@@ -61,6 +61,8 @@ class CommitSucceeded:
 class CommitFailed:
     action: CommitVersion
     error: str
+    retry: bool = True
+    """False: trying again cannot help (the store was taken over by another run)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +143,7 @@ class CommitPath:
                 newest,
             )
             return []
-        if action.tries < self.config.commit_tries:
+        if event.retry and action.tries < self.config.commit_tries:
             delay = self.config.backoff_s(action.tries)
             self.commit_retries += 1
             retry = CommitVersion(

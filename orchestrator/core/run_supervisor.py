@@ -355,7 +355,7 @@ class RunSupervisor:
         try:
             event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts), partial=action.partial))
         except LeaseLostError as error:  # another run owns the store now: stop, do not mix versions with it
-            event = CommitFailed(action=action, error=str(error))
+            event = CommitFailed(action=action, error=str(error), retry=False)
             self._lease_lost(str(error))
         except Exception as error:  # storage trouble: retried, then counted lost; training goes on
             event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")

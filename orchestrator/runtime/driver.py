@@ -229,7 +229,7 @@ def start_run(
         fault=fault,
         memory_bytes=persistence.memory_bytes,
         memory_mirror=persistence.memory_mirror,
-        lease_owner=lease.info.owner if lease is not None else None,
+        lease_epoch=lease.epoch.epoch if lease is not None else None,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
@@ -363,13 +363,16 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         ),
         default=trace,
     )
-    _at_end(
-        f"writing {DRIFT_TRACE_FILE}",
-        end_errors,
-        lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
-            DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()
-        ),
-    )
+    if str(status.get("stop_reason") or "").startswith(LEASE_LOST):  # the store is another run's now
+        logger.warning("not writing %s: this run lost its store's lease", DRIFT_TRACE_FILE)
+    else:
+        _at_end(
+            f"writing {DRIFT_TRACE_FILE}",
+            end_errors,
+            lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
+                DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()
+            ),
+        )
     schedule = _at_end(
         "reading the schedule's figures",
         end_errors,

@@ -48,3 +48,7 @@ class PathOutsideStoreError(UnsafeStoreError):
 
 class StoreBusyError(RuntimeError):
     """Another process owns the store (its lease is live): two runs must not write one store."""
+
+
+class LeaseLostError(StoreBusyError):
+    """The store's lease now belongs to another run (or to nobody): this run must not write it."""

@@ -216,6 +216,30 @@ class StoreFS:
             return False
 
 
+def create_exclusive(fs: StoreFS, rel: str, data: bytes, *, what: str) -> None:
+    """Write ``rel`` on a local filesystem only if it does not exist (a hard link of a complete,
+    fsynced temporary file). :class:`FileExistsError` if it does; :class:`StoreWriteError` naming
+    ``what`` if the storage refuses the write. No temporary is left either way."""
+    target = fs.path(rel)
+    staging = f"{target}.{new_token()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(staging, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.link(staging, target)  # fails if another process published first
+    except FileExistsError:
+        raise
+    except OSError as error:  # read-only, full, no such mount: before anything else is written
+        raise write_error(f"{fs.uri(rel)} ({what}; is the storage read-only or full?)", error) from None
+    finally:
+        try:
+            os.unlink(staging)
+        except FileNotFoundError:
+            pass
+
+
 def _fsync_file(path: str) -> None:
     """Make a local file (or directory entry) durable; a crash after a rename must not leave
     an empty file under the final name."""

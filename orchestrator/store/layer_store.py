@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from layercheck.orchestrator.store import tensorfile
+from layercheck.orchestrator.store.epochs import EpochFence, epoch_numbers
 from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError, ShardFormatError
 from layercheck.orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
 from layercheck.orchestrator.store.manifest import (
@@ -99,9 +100,10 @@ class LayerStore:
         self.fs = fs
         self.opener = opener
         """Opens a shard file for reading (a recovery's memory-first opener); ``None``: storage."""
-        self.fence: Callable[[], None] | None = None
-        """Called before each commit record is written; raises to refuse the commit (the run's
-        lease is someone else's: ``lease.LeaseFence``). ``None``: no check."""
+        self.fence: EpochFence | None = None
+        """The run's epoch: each commit record carries it, and its check before each commit
+        refuses the commit once another run has taken the store over. ``None``: no lease (a
+        process-local run, a test); its records take the store's newest epoch, so they count."""
 
     @classmethod
     def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> LayerStore:
@@ -162,7 +164,8 @@ class LayerStore:
         Raises :class:`ManifestError` if the receipts are not exactly one of each rank (``partial``:
         at most one of each) of one (layer, step, world size, base, origin) or, with
         ``check_files``, if a file is missing or has another size than its receipt;
-        :class:`StoreWriteError` if the record cannot be written; whatever :attr:`fence` raises.
+        :class:`StoreWriteError` if the record cannot be written; :class:`LeaseLostError` if
+        :attr:`fence` finds the store taken over.
         Either way nothing is committed.
         """
         first = _check_receipts(receipts, partial=partial)
@@ -185,9 +188,10 @@ class LayerStore:
             ),
             partial=partial,
             origin=first.origin,
+            epoch=self.fence.epoch if self.fence is not None else max(epoch_numbers(self.fs), default=0),
         )
         if self.fence is not None:
-            self.fence()
+            self.fence.check()
         self.fs.write_bytes(record_path(record.version_id), encode_record(record))
         logger.info(
             "committed %s: layer %s step %d%s, %s ranks, %d bytes",

@@ -9,6 +9,12 @@ has expired (its driver stopped renewing: crashed, killed, or its host is gone) 
 process is gone from this very host. ``take_over=True`` takes any lease (the operator knows the
 owner is dead).
 
+Taking the lease opens the store's next *epoch* (``epochs.py``): the fence that keeps a driver
+frozen past its expiry (SIGSTOP) from mixing its late commits with the new owner's, whatever the
+clocks. Whether this process still owns the store is decided by the epoch, not by
+``owner.json``: a superseded driver's renewal that lands over the new owner's lease is written
+back by the new owner's next renewal.
+
 Works on any pyarrow filesystem. Publishing a new lease is exclusive on local disk (a hard link
 of a complete temporary file, which fails if the lease exists); on object stores, which have no
 exclusive create, the lease is written and read back after a short settle time, and the loser
@@ -30,8 +36,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from layercheck.orchestrator.store.errors import StoreBusyError
-from layercheck.orchestrator.store.fs import StoreFS, new_token, write_error
+from layercheck.orchestrator.store.epochs import Epoch, EpochFence, epoch_numbers, open_epoch
+from layercheck.orchestrator.store.errors import LeaseLostError, StoreBusyError
+from layercheck.orchestrator.store.fs import StoreFS, create_exclusive
+from layercheck.orchestrator.store.manifest import listed_version_ids
 
 logger = logging.getLogger(__name__)
 
@@ -115,36 +123,37 @@ def read_lease(fs: StoreFS) -> LeaseInfo | None:
 LEASE_LOST = "the store's lease was lost"
 
 
-class LeaseLostError(StoreBusyError):
-    """The store's lease now belongs to another run (or to nobody): this run must not write it."""
-
-
-@dataclass(frozen=True)
-class LeaseFence:
-    """The check a run's commits pass first: the store's lease is still ``owner``'s. A run that
-    lost its lease (frozen past its expiry, then taken over by ``--resume`` elsewhere) finds out at
-    its next commit instead of mixing its versions with the new owner's."""
-
-    fs: StoreFS
-    owner: str
-
-    def check(self) -> None:
-        """Raise :class:`LeaseLostError` unless the lease on the store is ``owner``'s."""
-        current = read_lease(self.fs)
-        if current is None or current.owner != self.owner:
-            raise LeaseLostError(
-                f"this run no longer holds the lease on {self.fs.uri()}: it now belongs to "
-                f"{current.describe() if current else 'nobody (it was deleted)'}; nothing more is committed"
-            )
+def _publish(fs: StoreFS, info: LeaseInfo, *, exclusive: bool, settle_s: float) -> None:
+    data = json.dumps(info.to_json(), indent=1).encode()
+    if exclusive and fs.fs.type_name == "local":
+        try:
+            create_exclusive(fs, LEASE_FILE, data, what="the run's lease")
+        except FileExistsError:
+            other = read_lease(fs)
+            raise StoreBusyError(
+                f"{fs.uri()} was taken at the same moment by {other.describe() if other else 'another run'}"
+            ) from None
+        return
+    fs.write_bytes(LEASE_FILE, data)
+    if not fs.atomic_rename:  # an object store: a simultaneous writer's PUT may land after ours
+        time.sleep(settle_s)
+    current = read_lease(fs)
+    if current is None or current.owner != info.owner:
+        raise StoreBusyError(
+            f"taking the lease on {fs.uri()} failed: it now belongs to "
+            f"{current.describe() if current else 'nobody (it was deleted)'}"
+        )
 
 
 class StoreLease:
     """This process's lease on a store. Get one with :meth:`acquire`."""
 
-    def __init__(self, fs: StoreFS, info: LeaseInfo, ttl_s: float) -> None:
+    def __init__(self, fs: StoreFS, info: LeaseInfo, ttl_s: float, epoch: Epoch) -> None:
         self.fs = fs
         self.info = info
         self.ttl_s = ttl_s
+        self.epoch = epoch
+        """The epoch this lease opened: every commit record of the run carries its number."""
         self.lost = False
         """Set when a renewal found another owner's lease: this process no longer owns the store."""
         self.on_lost: Callable[[str], None] | None = None
@@ -157,7 +166,8 @@ class StoreLease:
     def acquire(
         cls, fs: StoreFS, *, run: str, ttl_s: float = DEFAULT_TTL_S, take_over: bool = False, settle_s: float = 1.0
     ) -> StoreLease:
-        """Take the store's lease, or raise :class:`StoreBusyError` naming its live owner."""
+        """Take the store's lease and open its next epoch, sealing the versions committed so far;
+        or raise :class:`StoreBusyError` naming its live owner."""
         host, pid, now = socket.gethostname(), os.getpid(), time.time()
         current = read_lease(fs)
         if current is not None:
@@ -172,62 +182,41 @@ class StoreLease:
         info = LeaseInfo(
             owner=secrets.token_hex(8), host=host, pid=pid, run=run, acquired_at=now, expires_at=now + ttl_s
         )
-        lease = cls(fs, info, ttl_s)
-        lease._publish(exclusive=current is None, settle_s=settle_s)
-        logger.info("took the lease on %s (owner %s)", fs.uri(), info.owner)
-        return lease
-
-    def _publish(self, *, exclusive: bool, settle_s: float) -> None:
-        data = json.dumps(self.info.to_json(), indent=1).encode()
-        if exclusive and self.fs.fs.type_name == "local":
-            self._create_exclusive(data)
-            return
-        self.fs.write_bytes(LEASE_FILE, data)
-        if not self.fs.atomic_rename:  # an object store: a simultaneous writer's PUT may land after ours
-            time.sleep(settle_s)
-        self._check_still_ours("taking")
-
-    def _create_exclusive(self, data: bytes) -> None:
-        target = self.fs.path(LEASE_FILE)
-        staging = f"{target}.{new_token()}.tmp"
-        try:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(staging, "wb") as file:
-                file.write(data)
-                file.flush()
-                os.fsync(file.fileno())
-            os.link(staging, target)  # fails if another process published first
-        except FileExistsError:
-            other = read_lease(self.fs)
-            raise StoreBusyError(
-                f"{self.fs.uri()} was taken at the same moment by {other.describe() if other else 'another run'}"
-            ) from None
-        except OSError as error:  # read-only, full, no such mount: before anything else is written
-            where = f"{self.fs.uri(LEASE_FILE)} (the run's lease; is the storage read-only or full?)"
-            raise write_error(where, error) from None
-        finally:
-            try:
-                os.unlink(staging)
-            except FileNotFoundError:
-                pass
-
-    def _check_still_ours(self, doing: str) -> None:
-        current = read_lease(self.fs)
-        if current is None or current.owner != self.info.owner:
-            self.lost = True
-            raise StoreBusyError(
-                f"{doing} the lease on {self.fs.uri()} failed: it now belongs to "
-                f"{current.describe() if current else 'nobody (it was deleted)'}"
-            )
+        _publish(fs, info, exclusive=current is None, settle_s=settle_s)
+        # sealed: the ids of the records committed so far (a listing, nothing read); a frozen
+        # previous owner's commit from now on is sealed by no epoch and never counts
+        epoch = open_epoch(fs, owner=info.owner, run=run, sealed=listed_version_ids(fs))
+        logger.info("took the lease on %s (owner %s, epoch %d)", fs.uri(), info.owner, epoch.epoch)
+        return cls(fs, info, ttl_s, epoch)
 
     @property
-    def fence(self) -> LeaseFence:
-        """The check that keeps this run's commits out once the lease is someone else's."""
-        return LeaseFence(self.fs, self.info.owner)
+    def fence(self) -> EpochFence:
+        """The check that keeps this run's commits out once another run has opened a newer epoch."""
+        return EpochFence(self.fs, self.epoch.epoch)
+
+    def _check_still_ours(self) -> None:
+        numbers = epoch_numbers(self.fs)
+        if not numbers or numbers[-1] != self.epoch.epoch:
+            self.lost = True
+            current = read_lease(self.fs)
+            raise LeaseLostError(
+                f"the lease on {self.fs.uri()} is lost: it now belongs to "
+                f"{current.describe() if current else 'nobody (it was deleted)'}, under epoch "
+                f"{numbers[-1] if numbers else '(none)'} (this run's was {self.epoch.epoch})"
+            )
+        current = read_lease(self.fs)
+        if current is not None and current.owner != self.info.owner:
+            logger.warning(
+                "the lease on %s was overwritten by %s, whose epoch is over (a frozen driver's late renewal): "
+                "writing it back",
+                self.fs.uri(),
+                current.describe(),
+            )
 
     def renew(self) -> None:
-        """Extend the lease by its TTL; :class:`StoreBusyError` (and ``lost``) if it is not ours any more."""
-        self._check_still_ours("renewing")
+        """Extend the lease by its TTL; :class:`LeaseLostError` (and ``lost``) if another run has
+        opened a newer epoch."""
+        self._check_still_ours()
         now = time.time()
         self.info = LeaseInfo(**{**asdict(self.info), "expires_at": now + self.ttl_s})
         self.fs.write_bytes(LEASE_FILE, json.dumps(self.info.to_json(), indent=1).encode())

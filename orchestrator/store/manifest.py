@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from layercheck.orchestrator.store.epochs import EpochHistory, read_epochs
 from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS, check_relative
 from layercheck.policies.plan import INITIAL_ORIGIN, VersionRef
@@ -105,6 +106,9 @@ class VersionRecord:
     shards: tuple[ShardEntry, ...]
     partial: bool = False
     origin: str = "policy"
+    epoch: int = 0
+    """The epoch of the lease it was committed under (``epochs.py``); 0: no lease (a store written
+    before epochs, or by a tool with no lease)."""
 
     def __post_init__(self) -> None:
         ranks = [s.rank for s in self.shards]
@@ -168,6 +172,7 @@ class VersionRecord:
                 ),
                 partial=bool(data.get("partial", False)),
                 origin=str(data.get("origin", "policy")),
+                epoch=int(data.get("epoch", 0)),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
@@ -206,6 +211,9 @@ class Manifest:
     """Paths named by the records in ``problems``: not the manifest's, not orphans either."""
     claims_unknown: bool = False
     """A record in ``problems`` is not even JSON: any uncommitted file may be one it names."""
+    fenced: tuple[tuple[VersionRecord, str], ...] = ()
+    """Well-formed records that do not count, each with why: a superseded owner's commits after
+    the takeover (``epochs.py``). Never planned from; ``layercheck gc`` deletes them."""
 
     def by_id(self) -> dict[str, VersionRecord]:
         return {r.version_id: r for r in self.records}
@@ -258,18 +266,30 @@ def _read_record(store: StoreFS, rel: str) -> VersionRecord | _Unreadable | None
     return record
 
 
+def _record_files(store: StoreFS) -> list[str]:
+    return [rel for rel, _ in store.list_files(MANIFEST_DIR) if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
+
+
+def listed_version_ids(store: StoreFS) -> frozenset[str]:
+    """The version ids of every commit record in the store, from one listing (nothing read)."""
+    return frozenset(rel[len(MANIFEST_DIR) + 1 : -len(".json")] for rel in _record_files(store))
+
+
 def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
     """List and read every commit record. A malformed record (torn by a crash on a filesystem
     without fsync, a newer format, a path leaving the store) is reported in ``problems`` and left
-    out, never trusted; the files it names are never taken for orphans (``claimed``)."""
-    names = [rel for rel, _ in store.list_files(MANIFEST_DIR) if rel.endswith(".json") and not rel.endswith(TMP_SUFFIX)]
+    out, never trusted; the files it names are never taken for orphans (``claimed``). A record
+    the epochs fence out (``epochs.py``) is left out too, in ``fenced``."""
+    names = _record_files(store)
     if len(names) > 1 and threads > 1:
         with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
             results = list(pool.map(lambda rel: _read_record(store, rel), names))
     else:
         results = [_read_record(store, rel) for rel in names]
-    records = [r for r in results if isinstance(r, VersionRecord)]
-    unreadable = [r for r in results if isinstance(r, _Unreadable)]
+    # after the listing: an epoch opened since sealed every record listed
+    history = read_epochs(store)
+    records, fenced, unreadable = _apply_epochs(store, [r for r in results if isinstance(r, VersionRecord)], history)
+    unreadable += [r for r in results if isinstance(r, _Unreadable)]
     for bad in unreadable:
         logger.warning("manifest: %s; ignoring it", bad.problem)
     records.sort(key=lambda r: (r.step, r.layer, r.version_id))
@@ -278,7 +298,35 @@ def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
         problems=tuple(bad.problem for bad in unreadable),
         claimed=frozenset(path for bad in unreadable for path in bad.claims or ()),
         claims_unknown=any(bad.claims is None for bad in unreadable),
+        fenced=tuple(fenced),
     )
+
+
+def _apply_epochs(
+    store: StoreFS, records: list[VersionRecord], history: EpochHistory
+) -> tuple[list[VersionRecord], list[tuple[VersionRecord, str]], list[_Unreadable]]:
+    """``records`` split by the epochs' rule: those that count, those fenced out (with why), and
+    the damaged (an epoch that was never opened; an unreadable epoch file)."""
+    kept, fenced = [], []
+    damaged = [_Unreadable(problem, ()) for problem in history.problems]
+    for record in records:
+        if history.claims_unopened(record.epoch):
+            damaged.append(
+                _Unreadable(
+                    f"{store.uri(record_path(record.version_id))}: claims epoch {record.epoch}, but the store's "
+                    f"newest is {history.newest}: damaged",
+                    tuple(s.path for s in record.shards),
+                )
+            )
+            continue
+        fencing = history.fenced_out(record.version_id, record.epoch)
+        if fencing is None:
+            kept.append(record)
+            continue
+        why = f"written under epoch {record.epoch} after {fencing.describe()} took the store over"
+        logger.warning("manifest: %s was %s: fenced out, ignoring it", record.version_id, why)
+        fenced.append((record, why))
+    return kept, fenced, damaged
 
 
 _SCHEMA = pa.schema(

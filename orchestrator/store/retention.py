@@ -61,6 +61,9 @@ class GcReport:
     """Versions found damaged (version id → why): kept, and their fallbacks kept in their place."""
     kept_files: tuple[str, ...] = ()
     """Uncommitted files kept because a damaged commit record may name them (``Manifest.claimed``)."""
+    fenced: tuple[str, ...] = ()
+    """Versions a superseded run committed after its store was taken over (``epochs.py``):
+    never counted by any reader, deleted (listed in ``deleted_versions`` too)."""
 
 
 def _orphans(
@@ -127,8 +130,9 @@ def collect_garbage(
     decision, unusable = _verified_plan(
         store, manifest, config, list(layers) if layers is not None else list(manifest.layers())
     )
-    doomed = [r for r in manifest.records if r.version_id in decision.delete]
-    referenced = {s.path for r in manifest.records for s in r.shards}
+    fenced = [record for record, _ in manifest.fenced]
+    doomed = [r for r in manifest.records if r.version_id in decision.delete] + fenced
+    referenced = {s.path for r in (*manifest.records, *fenced) for s in r.shards}
     kept_files = tuple(
         rel for rel, _ in listed if rel not in referenced and (manifest.claims_unknown or rel in manifest.claimed)
     )
@@ -143,11 +147,14 @@ def collect_garbage(
     freed, errors = 0, []
     for record in doomed:
         logger.info(
-            "gc: %s version %s (layer %s step %d): no recovery point in the window needs it",
+            "gc: %s version %s (layer %s step %d): %s",
             "would delete" if config.dry_run else "deleting",
             record.version_id,
             record.layer,
             record.step,
+            "fenced out (a superseded run's late commit)"
+            if record in fenced
+            else "no recovery point in the window needs it",
         )
         if config.dry_run:
             freed += record.nbytes
@@ -183,4 +190,5 @@ def collect_garbage(
         errors=tuple(errors),
         damaged=unusable,
         kept_files=kept_files,
+        fenced=tuple(r.version_id for r in fenced),
     )

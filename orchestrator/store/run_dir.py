@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
+from layercheck.orchestrator.store.epochs import EPOCHS_DIR
 from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import OBJECT_STORES, StoreFS
 from layercheck.orchestrator.store.initial_state import INITIAL_FILE
@@ -36,8 +37,11 @@ RUN_ROOT_FILES: frozenset[str] = frozenset(
 )
 
 _TMP = r"(\.[0-9a-f]{8}\.tmp)?"
-_SHARD_FILE = re.compile(r"^[A-Za-z0-9_.\-]+/\d{10}(-base)?-rank\d{5}of\d{5}-[0-9a-f]{8}\.safetensors" + _TMP + "$")
-_RECORD_FILE = re.compile(r"^[A-Za-z0-9_.\-]+@\d{10}(-base)?-[0-9a-f]{8}\.json" + _TMP + "$")
+_SHARD_FILE = re.compile(
+    r"^[A-Za-z0-9_.\-]+/\d{10}(-base)?(-capture)?-rank\d{5}of\d{5}-[0-9a-f]{8}\.safetensors" + _TMP + "$"
+)
+_RECORD_FILE = re.compile(r"^[A-Za-z0-9_.\-]+@\d{10}(-base)?(-partial)?-[0-9a-f]{8}\.json" + _TMP + "$")
+_EPOCH_FILE = re.compile(r"^\d{10}\.json" + _TMP + "$")
 _MAX_NAMED = 5
 
 
@@ -103,7 +107,7 @@ def run_dir_contents(fs: StoreFS) -> RunDirContents:
         rel = info.path[len(prefix) :] if info.path.startswith(prefix) else info.path
         if info.type == pafs.FileType.Directory:
             parts = rel.split("/")
-            if not (rel in (LAYERS_DIR, MANIFEST_DIR) or (len(parts) == 2 and parts[0] == LAYERS_DIR)):
+            if not (rel in (LAYERS_DIR, MANIFEST_DIR, EPOCHS_DIR) or (len(parts) == 2 and parts[0] == LAYERS_DIR)):
                 foreign.append(rel + "/")
         elif _owned_file(rel):
             owned.append(rel)
@@ -117,12 +121,15 @@ def _owned_file(rel: str) -> bool:
         return bool(_SHARD_FILE.match(rel[len(LAYERS_DIR) + 1 :]))
     if rel.startswith(MANIFEST_DIR + "/"):
         return bool(_RECORD_FILE.match(rel[len(MANIFEST_DIR) + 1 :]))
+    if rel.startswith(EPOCHS_DIR + "/"):
+        return bool(_EPOCH_FILE.match(rel[len(EPOCHS_DIR) + 1 :]))
     return "/" not in rel and _root_name(rel) in RUN_ROOT_FILES
 
 
 def clear_run(fs: StoreFS, *, keep: frozenset[str] = frozenset()) -> int:
     """Delete every file LayerCheck wrote in the run directory (but ``keep``, e.g. the lease of
-    the run that is clearing it) and the then-empty ``layers/`` and ``manifest/``; returns the
+    the run that is clearing it, and the epochs, which are never deleted: a new run's epoch must
+    stay newer than any earlier owner's) and the then-empty ``layers/`` and ``manifest/``; returns the
     number of files deleted. Refuses (:class:`UnsafeStoreError`, nothing deleted) a location
     :func:`check_run_location` rejects or a directory holding anything LayerCheck did not write."""
     check_run_location(fs)
@@ -134,7 +141,7 @@ def clear_run(fs: StoreFS, *, keep: frozenset[str] = frozenset()) -> int:
             f"--overwrite refused: {fs.uri()} holds files LayerCheck did not write ({named}{more}); nothing "
             "was deleted. Point storage at a directory of its own, or move those files away."
         )
-    doomed = [rel for rel in contents.owned if rel not in keep]
+    doomed = [rel for rel in contents.owned if rel not in keep and not rel.startswith(EPOCHS_DIR + "/")]
     for rel in doomed:
         fs.delete(rel)
     for rel in (LAYERS_DIR, MANIFEST_DIR):

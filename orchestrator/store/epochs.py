@@ -1,0 +1,194 @@
+"""Fencing: each owner of a store writes under an epoch, and a superseded owner's late commits
+are ignored by every reader, whatever the clocks or signals.
+
+The lease (``lease.py``) keeps two live runs apart, but it cannot stop a driver that was frozen
+(SIGSTOP, a long GC pause, a VM migration) past its expiry and woke up after another run took the
+store over: such a driver may have passed every check and be one write away from a commit. So
+every time a run takes the lease it opens an **epoch**: ``epochs/{n:010d}.json``, ``n`` one more
+than the newest, never rewritten, never deleted. It names the owner and **seals** the versions of
+earlier epochs: the ids of every commit record present when it was opened. Each commit record
+carries the epoch it was written under, and the rule every reader applies is
+
+    a record of epoch ``e`` counts if ``e`` is the newest epoch, or if the first epoch after
+    ``e`` sealed it.
+
+A record a superseded owner commits after the takeover is sealed by no one: it is *fenced out*,
+never planned from, reported by ``layercheck verify`` and deleted by ``layercheck gc``. The
+owner's own check before each commit (:class:`EpochFence`: its epoch is still the newest) stops
+it writing at all in every case but a freeze between that check and the write, which the rule
+covers. Stores written before epochs existed have none; their records are epoch 0 and count
+until a run opens epoch 1 over them.
+
+On local disk an epoch file is created exclusively (a hard link: two owners cannot open the
+same epoch); object stores have no exclusive create, and the lease's own settle-and-check
+(``StoreLease.acquire``) is what keeps two simultaneous starts from both getting that far.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from layercheck.orchestrator.store.errors import LeaseLostError, ManifestError, StoreBusyError
+from layercheck.orchestrator.store.fs import StoreFS, create_exclusive
+
+logger = logging.getLogger(__name__)
+
+EPOCHS_DIR = "epochs"
+EPOCH_FORMAT = "layercheck.epoch/1"
+_EPOCH_FILE = re.compile(r"^(\d{10})\.json$")
+
+
+def epoch_path(epoch: int) -> str:
+    return f"{EPOCHS_DIR}/{epoch:010d}.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Epoch:
+    """One owner's term on a store."""
+
+    epoch: int
+    owner: str
+    """The lease owner id that opened it."""
+    run: str
+    opened_at: float
+    sealed: frozenset[str]
+    """Version ids of the commit records present when it was opened: the earlier epochs' records
+    that still count (a record of an earlier epoch missing here was written after the takeover)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": EPOCH_FORMAT,
+            "epoch": self.epoch,
+            "owner": self.owner,
+            "run": self.run,
+            "opened_at": self.opened_at,
+            "sealed": sorted(self.sealed),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, source: str) -> Epoch:
+        if data.get("format") != EPOCH_FORMAT:
+            raise ManifestError(f"{source}: format is {data.get('format')!r}, expected {EPOCH_FORMAT!r}")
+        try:
+            return cls(
+                epoch=int(data["epoch"]),
+                owner=str(data["owner"]),
+                run=str(data["run"]),
+                opened_at=float(data["opened_at"]),
+                sealed=frozenset(str(v) for v in data["sealed"]),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ManifestError(f"{source}: malformed epoch file ({error!r})") from error
+
+    def describe(self) -> str:
+        return f"epoch {self.epoch} (run {self.run!r}, opened {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.opened_at))})"
+
+
+def epoch_numbers(fs: StoreFS) -> list[int]:
+    """The epochs opened on the store, oldest first (one listing, nothing read)."""
+    numbers = []
+    for rel, _ in fs.list_files(EPOCHS_DIR):
+        match = _EPOCH_FILE.match(rel[len(EPOCHS_DIR) + 1 :])
+        if match:
+            numbers.append(int(match.group(1)))
+    return sorted(numbers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EpochHistory:
+    """Every epoch of a store, and the epoch files that could not be read."""
+
+    epochs: dict[int, Epoch]
+    problems: tuple[str, ...] = ()
+
+    @property
+    def newest(self) -> int:
+        return max(self.epochs, default=0)
+
+    def claims_unopened(self, epoch: int) -> bool:
+        """A record of ``epoch`` cannot exist: no such epoch was opened (its record is damaged).
+        A store without epoch files accepts any (they were deleted, or copied without them)."""
+        return bool(self.epochs) and epoch > self.newest
+
+    def fenced_out(self, version_id: str, epoch: int) -> Epoch | None:
+        """The epoch that fences out record ``version_id`` of ``epoch`` (None: it counts)."""
+        later = [n for n in self.epochs if n > epoch]
+        if not later:
+            return None
+        following = self.epochs[min(later)]
+        return None if version_id in following.sealed else following
+
+
+def read_epochs(fs: StoreFS) -> EpochHistory:
+    """Every epoch file. An unreadable one is a problem (``verify`` reports it) and is left out:
+    the records it would have fenced out then count, as they would on a store without epochs."""
+    epochs, problems = {}, []
+    for number in epoch_numbers(fs):
+        rel = epoch_path(number)
+        try:
+            epoch = Epoch.from_json(json.loads(fs.read_bytes(rel)), source=fs.uri(rel))
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as error:
+            problems.append(f"{fs.uri(rel)}: unreadable epoch file ({error})")
+            continue
+        if epoch.epoch != number:
+            problems.append(f"{fs.uri(rel)}: names epoch {epoch.epoch}, not its file name")
+            continue
+        epochs[number] = epoch
+    return EpochHistory(epochs=epochs, problems=tuple(problems))
+
+
+def open_epoch(fs: StoreFS, *, owner: str, run: str, sealed: frozenset[str]) -> Epoch:
+    """Open the next epoch for ``owner``, sealing the records ``sealed``. Raises
+    :class:`StoreBusyError` if another owner opened it at the same moment."""
+    numbers = epoch_numbers(fs)
+    epoch = Epoch(epoch=(numbers[-1] if numbers else 0) + 1, owner=owner, run=run, opened_at=time.time(), sealed=sealed)
+    data = json.dumps(epoch.to_json(), indent=1).encode()
+    rel = epoch_path(epoch.epoch)
+    if fs.fs.type_name == "local":
+        _create_exclusive(fs, rel, data)
+    else:
+        fs.write_bytes(rel, data)
+    logger.info("opened epoch %d on %s (%d earlier version(s) sealed)", epoch.epoch, fs.uri(), len(sealed))
+    return epoch
+
+
+def _create_exclusive(fs: StoreFS, rel: str, data: bytes) -> None:
+    try:
+        create_exclusive(fs, rel, data, what="the run's epoch")
+    except FileExistsError:
+        raise StoreBusyError(f"{fs.uri(rel)} was opened at the same moment by another run") from None
+
+
+@dataclass(frozen=True)
+class EpochFence:
+    """The check a run's commits pass first: its epoch is still the store's newest. A run frozen
+    past its lease and taken over finds out at its next commit (and if it froze between this
+    check and the write, readers fence the record out: see the module's rule)."""
+
+    fs: StoreFS
+    epoch: int
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLostError` unless ``epoch`` is still the store's newest."""
+        numbers = epoch_numbers(self.fs)
+        newest = numbers[-1] if numbers else 0
+        if newest != self.epoch:
+            raise LeaseLostError(
+                f"this run no longer holds {self.fs.uri()}: it wrote under epoch {self.epoch}, and "
+                f"{_taker(self.fs, newest)} took the store over; nothing more is committed"
+            )
+
+
+def _taker(fs: StoreFS, newest: int) -> str:
+    """Who opened epoch ``newest``, for a message."""
+    try:
+        return f"another run, {Epoch.from_json(json.loads(fs.read_bytes(epoch_path(newest))), source='').describe()},"
+    except (OSError, ValueError):
+        return f"another run (epoch {newest})"
