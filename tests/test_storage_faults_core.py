@@ -118,6 +118,28 @@ def test_storage_that_hangs_without_failing_is_reported_once_and_does_not_stop_t
     assert sum("storage that does not keep up" in m for m in caplog.messages) == 1
 
 
+def test_a_writer_that_died_on_slow_storage_is_named_not_blamed_on_storage_and_does_not_stop(tmp_path, caplog):
+    """A writer killed while storage is slow: its snapshots go to a replacement (nothing lost), so
+    the bound passed meanwhile is lag that names the dead writer, not a storage failure that stops."""
+    from layercheck.orchestrator.runtime.summary import _trouble_rows
+
+    run, service = make(tmp_path, on_breach="stop")
+    run.writer_died(lost=[], reason="their writer died twice (ActorDiedError)")
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 8 + SMAX + PIPELINE_LAG):
+            report(service, step)
+            progress(run, step)
+    status = run.status()
+    lag = status["staleness_lag"]
+    assert status["staleness_breach"] is None and status["stop_reason"] is None and status["lost_versions"] == 0
+    assert lag["storage_failures"] == 0 and lag["writers_replaced"] == 1
+    assert "storage that does not keep up" in lag["message"] and "1 persistence writer(s) died" in lag["message"]
+    rows = dict((row[0], row[1]) for row in _trouble_rows(status))
+    assert rows["writers replaced"] == (
+        "1 (a persistence writer died; what they held went to the replacement and was written: nothing lost)"
+    )
+
+
 def test_policies_without_smax_are_never_breached():
     guard = StalenessGuard(limits=StalenessLimits.of(IntervalConfig(interval=10), on_breach="stop"))
     assert guard.check(step=10_000, last_steps={"embed": None}, storage_failures=5) is None

@@ -167,3 +167,23 @@ def test_the_fence_names_the_run_that_took_the_store(tmp_path):
     StoreLease.acquire(fs, run="b", take_over=True, settle_s=0)
     with pytest.raises(LeaseLostError, match=r"epoch 1, and another run, epoch 2 \(run 'b'"):
         EpochFence(fs, 1).check()
+
+
+def test_a_record_claiming_a_step_past_its_runs_steps_is_damaged_never_the_newest_step(tmp_path):
+    """A record made to claim step 400 with every name agreeing (version id, file names) in a run
+    of 40 steps: no run of its epoch trained so far, so it is damaged, not the newest step."""
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    lease = StoreLease.acquire(fs, run="a", settle_s=0, steps=40)
+    store = LayerStore(fs)
+    store.fence = lease.fence
+    record, _ = write_layer(store, "embed", 40)
+    forged = json.loads(json.dumps(record.to_json()).replace("0000000040", "0000000400"))
+    forged["step"] = 400
+    for shard in record.shards:
+        fs.write_bytes(shard.path.replace("0000000040", "0000000400"), fs.read_bytes(shard.path))
+    fs.write_bytes(record_path(forged["version_id"]), json.dumps(forged).encode())
+    manifest = store.manifest()
+    assert [r.step for r in manifest.records] == [40]
+    assert any("claims step 400, but the run of its epoch 1 trains 40 steps" in p for p in manifest.problems)
+    assert newest_recoverable_step(["embed"], manifest.refs()) == 40
+    lease.release()

@@ -109,18 +109,24 @@ def open_run_store(
             # every layer's version at step 0, kept at no write cost (a resume keeps the first run's)
             record_initial(store.fs, layer_numel)
 
-    return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare)
+    return claim_store(config.storage_uri, run=config.name, options=options, prepare=prepare, steps=config.steps)
 
 
 def claim_store(
-    uri: str, *, run: str, options: StartOptions, prepare: Callable[[LayerStore], None] | None = None
+    uri: str,
+    *,
+    run: str,
+    options: StartOptions,
+    prepare: Callable[[LayerStore], None] | None = None,
+    steps: int | None = None,
 ) -> StoreLease:
     """Steps 2–4 for any run, ``layercheck train``'s or a user's own loop's: the location, the
-    lease, then (a fresh run) an empty store or one ``--overwrite`` cleared of what LayerCheck
+    lease (``steps``: the last step the run may train, if known; a record claiming a later one is
+    damaged), then (a fresh run) an empty store or one ``--overwrite`` cleared of what LayerCheck
     wrote, then ``prepare(store)``. The lease is released again if any of it fails."""
     fs = StoreFS.open(uri)
     check_run_location(fs)
-    lease = StoreLease.acquire(fs, run=run, take_over=options.take_over)
+    lease = StoreLease.acquire(fs, run=run, take_over=options.take_over, steps=steps)
     try:
         store = LayerStore(fs)
         _refuse_existing_run(store, options)

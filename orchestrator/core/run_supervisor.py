@@ -247,7 +247,10 @@ class RunSupervisor:
             )
             last_steps = self.commits.last_steps()
             breach = self.guard.check(
-                step=step, last_steps=last_steps, storage_failures=self.view.storage_failures(self.commits)
+                step=step,
+                last_steps=last_steps,
+                storage_failures=self.view.storage_failures(self.commits),
+                writers_replaced=self.view.writers_replaced,
             )
             if breach is not None:
                 self.view.breach = breach.to_json()

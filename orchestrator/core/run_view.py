@@ -72,8 +72,9 @@ class RunView:
             last.add_sources(sources or {})
 
     def storage_failures(self, commits: CommitPath) -> int:
-        """Failed writes, failed commits and dead writers so far (lost worker groups are not storage's)."""
-        return self.write_failures + commits.commit_retries + self.writers_replaced
+        """Failed writes and failed commits so far (not lost worker groups, nor writers that died:
+        their snapshots are handed to a replacement, nothing is lost)."""
+        return self.write_failures + commits.commit_retries
 
     def status(
         self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None, now: float

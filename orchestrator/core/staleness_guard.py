@@ -68,6 +68,9 @@ class StalenessBreach:
     limit: int
     action: str
     storage_failures: int
+    writers_replaced: int = 0
+    """Persistence writers that died and were replaced so far: not storage's fault, and nothing
+    lost by it (their snapshots went to the replacement), but their rewrites add to the lag."""
 
     @property
     def message(self) -> str:
@@ -79,10 +82,15 @@ class StalenessBreach:
             else "training goes on (only storage failures stop a run); check the storage"
         )
         cause = (
-            f"storage failures ({self.storage_failures} failed write(s) or lost version(s))"
+            f"storage failures ({self.storage_failures} failed write(s) or commit(s))"
             if self.storage_failures
             else "storage that does not keep up (no write failed: it is slow, or hangs)"
         )
+        if self.writers_replaced:
+            cause += (
+                f", after {self.writers_replaced} persistence writer(s) died and were replaced (what each "
+                "held was handed to its replacement and written again)"
+            )
         return (
             f"staleness bound broken by {cause}: {self.layer} is {self.staleness} steps stale at step "
             f"{self.step} (smax + lag = {self.limit}); {then}"
@@ -96,6 +104,7 @@ class StalenessBreach:
             "limit": self.limit,
             "action": self.action,
             "storage_failures": self.storage_failures,
+            "writers_replaced": self.writers_replaced,
             "message": self.message,
         }
 
@@ -110,10 +119,11 @@ class StalenessGuard:
     hangs): reported once, as a warning; it never stops the run."""
 
     def check(
-        self, *, step: int, last_steps: Mapping[str, int | None], storage_failures: int
+        self, *, step: int, last_steps: Mapping[str, int | None], storage_failures: int, writers_replaced: int = 0
     ) -> StalenessBreach | None:
         """The breach by storage failures, the first time ``step`` finds one; else ``None`` (a
-        first pass of the bound without failures is kept in :attr:`lag` instead)."""
+        first pass of the bound without failures is kept in :attr:`lag` instead: a writer that
+        died and was replaced is no storage failure and loses nothing, so it only adds to lag)."""
         limit = self.limits.limit
         if self.breach is not None or limit is None:
             return None
@@ -127,7 +137,13 @@ class StalenessGuard:
         if storage_failures == 0:
             if self.lag is None:
                 self.lag = StalenessBreach(
-                    step=step, layer=worst[1], staleness=worst[0], limit=limit, action="warn", storage_failures=0
+                    step=step,
+                    layer=worst[1],
+                    staleness=worst[0],
+                    limit=limit,
+                    action="warn",
+                    storage_failures=0,
+                    writers_replaced=writers_replaced,
                 )
                 logger.warning("%s", self.lag.message)
             return None
@@ -138,6 +154,7 @@ class StalenessGuard:
             limit=limit,
             action=self.limits.on_breach,
             storage_failures=storage_failures,
+            writers_replaced=writers_replaced,
         )
         logger.error("%s", self.breach.message)
         return self.breach

@@ -331,7 +331,13 @@ def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
     """What went wrong with persistence or at the end, each on a row of its own (empty when nothing)."""
     rows: list[list[object]] = []
     if summary.get("writers_replaced"):
-        rows.append(["writers replaced", f"{summary['writers_replaced']} (a writer died; what it held is lost)"])
+        lost_with = sum("writer died" in reason for reason in summary.get("lost", []))
+        held = (
+            "what they held went to the replacement, except the versions listed lost below"
+            if lost_with
+            else "what they held went to the replacement and was written: nothing lost"
+        )
+        rows.append(["writers replaced", f"{summary['writers_replaced']} (a persistence writer died; {held})"])
     for reason in summary.get("lost", [])[:5]:
         rows.append(["  lost", reason])
     breach = summary.get("staleness_breach")

@@ -59,6 +59,9 @@ class Epoch:
     sealed: frozenset[str]
     """Version ids of the commit records present when it was opened: the earlier epochs' records
     that still count (a record of an earlier epoch missing here was written after the takeover)."""
+    steps: int | None = None
+    """The last step this term's run may train (``layercheck train``'s ``steps``; None: not known,
+    an own loop): a record of this epoch claiming a later step is damaged."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -68,6 +71,7 @@ class Epoch:
             "run": self.run,
             "opened_at": self.opened_at,
             "sealed": sorted(self.sealed),
+            "steps": self.steps,
         }
 
     @classmethod
@@ -81,6 +85,7 @@ class Epoch:
                 run=str(data["run"]),
                 opened_at=float(data["opened_at"]),
                 sealed=frozenset(str(v) for v in data["sealed"]),
+                steps=None if data.get("steps") is None else int(data["steps"]),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ManifestError(f"{source}: malformed epoch file ({error!r})") from error
@@ -115,6 +120,12 @@ class EpochHistory:
         A store without epoch files accepts any (they were deleted, or copied without them)."""
         return bool(self.epochs) and epoch > self.newest
 
+    def beyond_its_run(self, step: int, epoch: int) -> int | None:
+        """The steps of ``epoch``'s run when ``step`` is past them (a record claiming it is
+        damaged: no run of that term trained so far); None if it is not, or not known."""
+        limit = self.epochs[epoch].steps if epoch in self.epochs else None
+        return limit if limit is not None and step > limit else None
+
     def fenced_out(self, version_id: str, epoch: int) -> Epoch | None:
         """The epoch that fences out record ``version_id`` of ``epoch`` (None: it counts)."""
         later = [n for n in self.epochs if n > epoch]
@@ -144,11 +155,19 @@ def read_epochs(fs: StoreFS) -> EpochHistory:
     return EpochHistory(epochs=epochs, problems=tuple(problems))
 
 
-def open_epoch(fs: StoreFS, *, owner: str, run: str, sealed: frozenset[str]) -> Epoch:
-    """Open the next epoch for ``owner``, sealing the records ``sealed``. Raises
-    :class:`StoreBusyError` if another owner opened it at the same moment."""
+def open_epoch(fs: StoreFS, *, owner: str, run: str, sealed: frozenset[str], steps: int | None = None) -> Epoch:
+    """Open the next epoch for ``owner``, sealing the records ``sealed``; ``steps``: the last
+    step its run may train, if known. Raises :class:`StoreBusyError` if another owner opened it
+    at the same moment."""
     numbers = epoch_numbers(fs)
-    epoch = Epoch(epoch=(numbers[-1] if numbers else 0) + 1, owner=owner, run=run, opened_at=time.time(), sealed=sealed)
+    epoch = Epoch(
+        epoch=(numbers[-1] if numbers else 0) + 1,
+        owner=owner,
+        run=run,
+        opened_at=time.time(),
+        sealed=sealed,
+        steps=steps,
+    )
     data = json.dumps(epoch.to_json(), indent=1).encode()
     rel = epoch_path(epoch.epoch)
     if fs.fs.type_name == "local":

@@ -164,10 +164,18 @@ class StoreLease:
 
     @classmethod
     def acquire(
-        cls, fs: StoreFS, *, run: str, ttl_s: float = DEFAULT_TTL_S, take_over: bool = False, settle_s: float = 1.0
+        cls,
+        fs: StoreFS,
+        *,
+        run: str,
+        ttl_s: float = DEFAULT_TTL_S,
+        take_over: bool = False,
+        settle_s: float = 1.0,
+        steps: int | None = None,
     ) -> StoreLease:
-        """Take the store's lease and open its next epoch, sealing the versions committed so far;
-        or raise :class:`StoreBusyError` naming its live owner."""
+        """Take the store's lease and open its next epoch, sealing the versions committed so far
+        (``steps``: the last step the run may train, if known); or raise :class:`StoreBusyError`
+        naming its live owner."""
         host, pid, now = socket.gethostname(), os.getpid(), time.time()
         current = read_lease(fs)
         if current is not None:
@@ -185,7 +193,7 @@ class StoreLease:
         _publish(fs, info, exclusive=current is None, settle_s=settle_s)
         # sealed: the ids of the records committed so far (a listing, nothing read); a frozen
         # previous owner's commit from now on is sealed by no epoch and never counts
-        epoch = open_epoch(fs, owner=info.owner, run=run, sealed=listed_version_ids(fs))
+        epoch = open_epoch(fs, owner=info.owner, run=run, sealed=listed_version_ids(fs), steps=steps)
         logger.info("took the lease on %s (owner %s, epoch %d)", fs.uri(), info.owner, epoch.epoch)
         return cls(fs, info, ttl_s, epoch)
 

@@ -306,7 +306,8 @@ def _apply_epochs(
     store: StoreFS, records: list[VersionRecord], history: EpochHistory
 ) -> tuple[list[VersionRecord], list[tuple[VersionRecord, str]], list[_Unreadable]]:
     """``records`` split by the epochs' rule: those that count, those fenced out (with why), and
-    the damaged (an epoch that was never opened; an unreadable epoch file)."""
+    the damaged (an epoch that was never opened, a step past its epoch's run; an unreadable
+    epoch file)."""
     kept, fenced = [], []
     damaged = [_Unreadable(problem, ()) for problem in history.problems]
     for record in records:
@@ -315,6 +316,16 @@ def _apply_epochs(
                 _Unreadable(
                     f"{store.uri(record_path(record.version_id))}: claims epoch {record.epoch}, but the store's "
                     f"newest is {history.newest}: damaged",
+                    tuple(s.path for s in record.shards),
+                )
+            )
+            continue
+        limit = history.beyond_its_run(record.step, record.epoch)
+        if limit is not None:
+            damaged.append(
+                _Unreadable(
+                    f"{store.uri(record_path(record.version_id))}: claims step {record.step}, but the run of its "
+                    f"epoch {record.epoch} trains {limit} steps: damaged",
                     tuple(s.path for s in record.shards),
                 )
             )
