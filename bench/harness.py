@@ -30,7 +30,7 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -282,10 +282,17 @@ class Runner:
             "replay_s": 0.0,
             "drain_s": recovered.drain_s,
             "sources": dict(recovered.sources),
+            "composite_bytes": composite_bytes(recovered.records or {}, recovered.overlays),
             "weighted_staleness": recovered.weighted_staleness,
             "max_staleness": recovered.max_staleness,
             "versions": recovered.versions,
         }
+
+
+def composite_bytes(records: Mapping[str, Any], overlays: Mapping[str, Sequence[Any]]) -> int:
+    """The bytes of the versions a recovery's composite names, whole and overlaid: what its
+    loads should read, summed over ranks."""
+    return sum(r.nbytes for r in records.values()) + sum(v.nbytes for layer in overlays.values() for v in layer)
 
 
 def coordinator_options(strategy: Strategy) -> dict[str, Any]:

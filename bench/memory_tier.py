@@ -4,15 +4,19 @@
 
 A real persistence writer actor (local Ray) writes every rank's shard of one version of each
 layer to an S3 bucket on a moto server on loopback (a separate process), keeping the files in
-its memory as a run's writers do. The composite is then read back as a recovering rank does
-(``CompositeReader`` over all layers: every state of every parameter, checksums verified):
+its memory as a run's writers do. The composite is then read back as the recovering ranks do at
+the world size it was written at: each rank reads its own slices of every layer (every state,
+checksums verified) through ``CompositeReader``, one rank after the other:
 
 * ``storage``: the store alone (``persistence.memory_bytes = 0``);
-* ``memory``: through the recovery's memory-first opener, the files fetched from the writer
-  actor (``WriterCopies`` + ``MemoryFirstOpener``, what ``train_fn.recover`` uses).
+* ``memory``: through the recovery's memory-first opener, the headers of every file and the files
+  holding the rank's slices fetched from the writer actor (``memory_fetch.memory_first_store``'s
+  steps: ``WriterCopies.headers``, ``files_to_fetch``, ``WriterCopies.prefetch``).
 
-Prints a table and, with ``--json``, one JSON object: seconds per repeat and the ratio of the
-medians (the target: memory ≤ 0.3 × storage).
+Prints a table and, with ``--json``, one JSON object: per tier, seconds per repeat (all ranks),
+the bytes read (all ranks) over the composite's, and the load bandwidth; and the ratio of the
+medians (the targets: memory ≤ 0.3 × storage, bytes read ≤ 1.1 × the composite, ≥ 1 GB/s from
+memory).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import ray
 import torch
 
 from layercheck.bench.s3_loopback import S3_ENV, loopback_s3
-from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener
+from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener, files_to_fetch
 from layercheck.orchestrator.runtime.memory_fetch import WriterCopies
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
@@ -77,13 +81,20 @@ def _shards(layer: str, params: int, world: int) -> list[LayerShard]:
     ]
 
 
-def _load_all(store: LayerStore, records: dict[str, Any], params: int) -> float:
+def _load_rank(store: LayerStore, records: dict[str, Any], params: int, rank: int, world: int) -> float:
+    """Rank ``rank``'s slices of every layer, every state, as a recovering rank reads them."""
+    start, end = params * rank // world, params * (rank + 1) // world
     started = time.monotonic()
     with CompositeReader(store, records) as read:
         for layer in records:
             for key in STATE_KEYS:
-                read(f"{layer}.w", key, 0, params)
+                read(f"{layer}.w", key, start, end - start)
     return time.monotonic() - started
+
+
+def _rank_needs(records: dict[str, Any], params: int, rank: int, world: int) -> dict[str, list[tuple[int, int]]]:
+    start, end = params * rank // world, params * (rank + 1) // world
+    return {f"{layer}.w": [(start, end)] for layer in records}
 
 
 def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]:
@@ -109,24 +120,42 @@ def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) ->
         name: store.commit(sorted((r for r in receipts if r.layer == name), key=lambda r: r.rank)) for name in names
     }
     index = {path: [("memory_local", writer)] for path, _ in ray.get(writer.held.remote())}
-    storage_s, memory_s, sources = [], [], None
-    for _ in range(repeats):
-        storage_s.append(_load_all(LayerStore.open(uri, fsync=False), records, params))
-        paths = [e.path for record in records.values() for e in record.shards]
-        copies = WriterCopies(index, prefetch=paths)
-        opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input)
-        memory_s.append(_load_all(LayerStore(store.fs, opener=opener), records, params))
-        sources = opener.sources
+    paths = [e.path for record in records.values() for e in record.shards]
     nbytes = sum(r.nbytes for r in receipts)
+    tiers: dict[str, dict[str, Any]] = {
+        "storage": {"seconds": [], "read_bytes": 0},
+        "memory": {"seconds": [], "read_bytes": 0},
+    }
+    for _ in range(repeats):
+        for name in tiers:
+            seconds, read_bytes = 0.0, 0
+            for rank in range(world):
+                started = time.monotonic()
+                if name == "storage":
+                    opener = MemoryFirstOpener(candidates=lambda path: (), open_storage=store.fs.open_input)
+                else:  # what memory_fetch.memory_first_store does for a rank
+                    copies = WriterCopies(index)
+                    headers = copies.headers(paths)
+                    copies.prefetch(files_to_fetch(headers, _rank_needs(records, params, rank, world)))
+                    opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input, headers=headers)
+                _load_rank(LayerStore(store.fs, opener=opener), records, params, rank, world)
+                seconds += time.monotonic() - started
+                sources = opener.sources
+                read_bytes = sources.memory_local_bytes + sources.memory_remote_bytes + sources.storage_bytes
+            tiers[name]["seconds"].append(seconds)
+            tiers[name]["read_bytes"] = read_bytes * world  # (the last rank's, times the ranks: all alike)
+    for tier in tiers.values():
+        tier["read_vs_composite"] = tier["read_bytes"] / nbytes
+        tier["gb_per_s"] = tier["read_bytes"] / statistics.median(tier["seconds"]) / 1e9
     return {
         "layers": layers,
         "params_per_layer": params,
         "world_size": world,
         "composite_bytes": nbytes,
-        "storage_s": storage_s,
-        "memory_s": memory_s,
-        "ratio": statistics.median(memory_s) / statistics.median(storage_s),
-        "memory_sources": sources.to_json() if sources is not None else {},
+        "tiers": tiers,
+        "storage_s": tiers["storage"]["seconds"],
+        "memory_s": tiers["memory"]["seconds"],
+        "ratio": statistics.median(tiers["memory"]["seconds"]) / statistics.median(tiers["storage"]["seconds"]),
     }
 
 
@@ -139,22 +168,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run(layers=args.layers, params=args.params, world=args.world, repeats=args.repeats)
+    labels = {"storage": "S3 on loopback (moto)", "memory": "writer memory (Ray actor)"}
+    rows = [
+        [
+            labels[name],
+            f"{statistics.median(tier['seconds']):.3f}",
+            _each(tier["seconds"]),
+            human_bytes(tier["read_bytes"]),
+            f"{tier['read_vs_composite']:.3f}x",
+            f"{tier['gb_per_s']:.2f}",
+        ]
+        for name, tier in result["tiers"].items()
+    ]
     print(
-        format_table(
-            ["load the composite from", "median s", "each repeat (s)"],
-            [
-                ["S3 on loopback (moto)", f"{statistics.median(result['storage_s']):.3f}", _each(result["storage_s"])],
-                [
-                    "writer memory (Ray actor)",
-                    f"{statistics.median(result['memory_s']):.3f}",
-                    _each(result["memory_s"]),
-                ],
-            ],
-        )
+        format_table(["load the composite from", "median s", "each repeat (s)", "read", "read/composite", "GB/s"], rows)
     )
     print(
-        f"composite {human_bytes(result['composite_bytes'])} ({args.layers} layers x {args.world} shards); "
-        f"memory / storage = {result['ratio']:.3f}"
+        f"composite {human_bytes(result['composite_bytes'])} ({args.layers} layers x {args.world} shards), read by "
+        f"{args.world} ranks each reading its own slices; memory / storage = {result['ratio']:.3f}"
     )
     if args.json:
         print(json.dumps(result))

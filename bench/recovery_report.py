@@ -63,7 +63,11 @@ def load_sources(recoveries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
     memory = sum(total(f"{m}_bytes") for m in MEMORY_SOURCES)
     storage = total("storage_bytes")
+    composite = float(sum(r.get("composite_bytes", 0) for r in recoveries if r.get("sources")))
+    load_s = float(sum(r.get("load_s", 0.0) for r in recoveries if r.get("sources")))
     return {
+        "read_vs_composite": (memory + storage) / composite if composite else None,
+        "load_gb_per_s": (memory + storage) / load_s / 1e9 if load_s else None,
         "loaded_from_memory_bytes": memory,
         "loaded_from_memory_shards": sum(total(f"{m}_shards") for m in MEMORY_SOURCES),
         "loaded_from_storage_bytes": storage,
@@ -181,13 +185,24 @@ def recovery_table(report: Mapping[str, Any]) -> str:
     return format_table(COLUMNS, rows) if rows else ""
 
 
-LOAD_COLUMNS = ["strategy", "tiers", "load s", "from memory", "from storage", "memory share", "load/storage twin"]
+LOAD_COLUMNS = [
+    "strategy",
+    "tiers",
+    "load s",
+    "from memory",
+    "from storage",
+    "memory share",
+    "read/composite",
+    "GB/s",
+    "load/storage twin",
+]
 
 
 def load_table(report: Mapping[str, Any]) -> str:
     """One row per strategy whose recoveries said where their bytes came from: the mean load time
-    per failure, the bytes from memory and from storage (all failures, all ranks), and a memory
-    tier's load time over its storage twin's."""
+    per failure, the bytes read from memory and from storage (all failures, all ranks), the bytes
+    read over the composite's, the load bandwidth (bytes read over load seconds, ranks in
+    parallel), and a memory tier's load time over its storage twin's."""
     rows = []
     for r in report["strategies"].values():
         if "loaded_memory_share" not in r:
@@ -201,6 +216,8 @@ def load_table(report: Mapping[str, Any]) -> str:
                 f"{human_bytes(r['loaded_from_memory_bytes'])} ({r['loaded_from_memory_shards']:.0f} files)",
                 f"{human_bytes(r['loaded_from_storage_bytes'])} ({r['loaded_from_storage_shards']:.0f} files)",
                 f"{r['loaded_memory_share']:.0%}",
+                _times(r.get("read_vs_composite")),
+                "-" if r.get("load_gb_per_s") is None else f"{r['load_gb_per_s']:.2f}",
                 f"{_times(r.get('load_vs_storage'))} of {twin}" if twin else "-",
             ]
         )

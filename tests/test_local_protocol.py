@@ -77,6 +77,25 @@ def test_every_version_handed_over_is_written_and_the_byte_bound_waits(tmp_path,
     assert mailbox.posted() == 4
 
 
+def test_once_the_steps_ended_the_final_save_does_not_wait_for_storage(tmp_path, mailbox):
+    """The final save comes after the last step: past the byte bound it is queued, not waited on
+    (``StepProtocol.finish`` calls the coordinator's ``steps_ended`` first); the end's drain
+    waits for its writes instead."""
+    gate = Gate()
+    store = LayerStore.open(str(tmp_path), fsync=False, hook=gate)
+    one = shards("block.0", 1)[0]
+    writer = LocalWriter(store, mailbox, max_inflight_bytes=one.nbytes)
+    writer.submit(one, base=False)
+    assert gate.entered.wait(timeout=60)  # the writer is stuck inside step 1's write
+    writer.unbounded = True  # what LocalCoordinator.steps_ended sets
+    writer.submit(shards("block.1", 1)[0], base=False)  # 2 shards in flight > the bound of 1
+    assert writer.stats.blocked_s == 0 and writer.inflight_bytes == 2 * one.nbytes
+    gate.release.set()
+    assert writer.drain(timeout_s=60)
+    writer.close()
+    assert mailbox.posted() == 2
+
+
 def test_a_capture_is_written_next_and_never_supersedes_the_same_step_scheduled_shard(tmp_path, mailbox):
     gate = Gate()
     store = LayerStore.open(str(tmp_path), fsync=False, hook=gate)

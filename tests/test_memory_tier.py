@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from layercheck.orchestrator.core.accounting import Recovery
-from layercheck.orchestrator.core.memory_reads import LoadSources, MemoryFirstOpener
+from layercheck.orchestrator.core.memory_reads import (
+    HeldHeader,
+    LoadSources,
+    MemoryFirstOpener,
+    files_to_fetch,
+    header_block,
+)
 from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
+from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
@@ -120,7 +127,44 @@ def test_the_opener_loads_from_memory_and_counts_by_source(tmp_path):
     assert all(torch.equal(got[n], expected[n]) for n in PARAMS)
     sources = opener.sources
     assert (sources.memory_remote_shards, sources.storage_shards, sources.memory_local_shards) == (1, 1, 0)
-    assert sources.memory_remote_bytes == record.shards[0].nbytes and sources.storage_bytes == record.shards[1].nbytes
+    # rank 0's file whole from memory; from storage, its header (read before the body was
+    # wanted), and of rank 1's file the header and the fp32 tensors only: never a byte twice
+    headers = [tensorfile.read_header(store.fs.open_input(e.path), path=e.path) for e in record.shards]
+    header_bytes = [min(entry.offset for entry in h.entries.values()) for h in headers]
+    fp32 = sum(e.length * 4 for name, e in headers[1].entries.items() if name.startswith("fp32/"))
+    assert sources.memory_remote_bytes == record.shards[0].nbytes
+    assert sources.storage_bytes == header_bytes[0] + header_bytes[1] + fp32
+
+
+def test_a_rank_reads_the_headers_of_every_file_and_the_tensors_of_only_its_own(tmp_path):
+    """At the world size a version was written at, a rank's slices are its own file: the other
+    ranks' files are read as far as their headers, from memory, and storage is never touched."""
+    store, record, memory = _committed(tmp_path)
+    headers = {path: HeldHeader("memory_local", header_block(data), len(data)) for path, data in memory.items()}
+    own = record.shards[1].path
+    needs: dict[str, list[tuple[int, int]]] = {}
+    for piece in tensorfile.read_header(store.fs.open_input(own), path=own).slices:  # rank 1's slices
+        needs.setdefault(piece.name, []).append((piece.offset, piece.offset + piece.length))
+    assert files_to_fetch(headers, needs) == [own]
+    fetched = []
+
+    def candidates(path):
+        fetched.append(path)
+        return [("memory_local", memory[path])]
+
+    def no_storage(path):
+        raise AssertionError(f"storage was read for {path}")
+
+    opener = MemoryFirstOpener(candidates=candidates, open_storage=no_storage, headers=headers)
+    with CompositeReader(LayerStore(store.fs, opener=opener), {"block.0": record}) as read:
+        for name, spans in needs.items():
+            for start, end in spans:
+                for key in ("fp32", "exp_avg", "exp_avg_sq"):
+                    read(name, key, start, end - start)
+    other = record.shards[0]
+    assert fetched == [own]
+    assert opener.sources.memory_local_bytes == record.shards[1].nbytes + len(headers[other.path].block)
+    assert opener.sources.memory_local_shards == 1 and opener.sources.storage_bytes == 0
 
 
 def test_a_corrupt_copy_in_memory_falls_back_to_the_next_then_storage(tmp_path):

@@ -75,6 +75,17 @@ class StopsOnRequest(Protocol):
         """True once the last decision carried the run's request to stop (same on every rank)."""
 
 
+@runtime_checkable
+class BoundedHandover(Protocol):
+    """The optional part of a :class:`Coordinator` whose hand-overs wait for storage while too
+    many snapshot bytes are in flight. No step follows the last one, so its snapshots (the final
+    save) are not held to that bound: a step is never stalled by them beyond their host copy, and
+    the end of the run waits for their writes instead."""
+
+    def steps_ended(self) -> None:
+        """No more steps: what is handed over from now on does not wait for storage."""
+
+
 class CaptureHandover(Protocol):
     """``capture(shards, *, step, error)``: hand a survivor's capture (:mod:`layercheck.workers.capture`)
     over before the rank exits; ``error`` is what the step raised."""
@@ -203,6 +214,8 @@ class StepProtocol:
         """Carry out the last step's decision (its snapshots are the state after that step); with
         ``save_final``, snapshot every layer it did not name at that step as well."""
         step = self._last_step
+        if isinstance(self.coordinator, BoundedHandover):
+            self.coordinator.steps_ended()
         if self._pending is not None and step is not None:
             self.result.stall_s += self._carry_out(self._pending, step)
             self._pending = None

@@ -64,7 +64,7 @@ from layercheck.workers.drift import LayerDrift
 from layercheck.workers.shard import LayerShard
 
 if TYPE_CHECKING:
-    from layercheck.workers.loop import CapturesOnFailure, Coordinator
+    from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,10 @@ class LocalCoordinator:
             self.writer.submit(owned, base=base)
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
+
+    def steps_ended(self) -> None:
+        """The last step is done: the final save does not wait for storage (``BoundedHandover``)."""
+        self.writer.unbounded = True
 
     def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
         """A survivor's capture (:mod:`layercheck.workers.capture`): to this rank's writer, ahead of what it
@@ -437,4 +441,8 @@ class LocalCoordinator:
 
 
 if TYPE_CHECKING:  # the type check holds LocalCoordinator to the loop's protocol, its optional capture included
-    _LOCAL_COORDINATOR: tuple[type[Coordinator], type[CapturesOnFailure]] = (LocalCoordinator, LocalCoordinator)
+    _LOCAL_COORDINATOR: tuple[type[Coordinator], type[CapturesOnFailure], type[BoundedHandover]] = (
+        LocalCoordinator,
+        LocalCoordinator,
+        LocalCoordinator,
+    )

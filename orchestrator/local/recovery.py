@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from layercheck.orchestrator.core.composite import load_composite
-from layercheck.orchestrator.core.memory_reads import LoadSources
+from layercheck.orchestrator.core.memory_reads import LoadSources, needed_spans
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.memory import memory_first_store
 from layercheck.orchestrator.store.errors import CorruptShardError
@@ -124,7 +124,7 @@ def _load_agreed(
     found corrupt (empty: the load succeeded everywhere)."""
     mine: tuple[str, str] | None = None
     started = time.monotonic()
-    store, opened = memory_first_store(coordinator, records, overlays)
+    store, opened = memory_first_store(coordinator, records, overlays, needed_spans(train_engine.layout, records))
     try:
         load_composite(train_engine, store, records, overlays=overlays)
     except CorruptShardError as error:  # load_composite took part in the load's collective first

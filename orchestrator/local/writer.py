@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
+from layercheck.orchestrator.core.memory_reads import header_block
 from layercheck.orchestrator.core.memory_tier import CacheStats, HeldShard, ShardCache
 from layercheck.orchestrator.core.write_queue import SupersedingQueue
 from layercheck.orchestrator.core.writer_stats import WriterStats
@@ -40,6 +41,8 @@ class LocalWriter:
         self.store = store
         self.mailbox = mailbox
         self.max_inflight_bytes = max_inflight_bytes
+        self.unbounded = False
+        """Set once no step follows (the final save): submissions no longer wait for storage."""
         self.stats = WriterStats()
         self._memory = ShardCache(memory_bytes)  # guarded by _changed: the recovery reads it from another thread
         self._queue: SupersedingQueue[_Entry] = SupersedingQueue(lambda e: e.shard.nbytes)
@@ -71,7 +74,7 @@ class LocalWriter:
                     shard.step,
                 )
             self._changed.notify_all()
-            if self.inflight_bytes <= self.max_inflight_bytes:
+            if self.inflight_bytes <= self.max_inflight_bytes or self.unbounded:
                 return
             started = time.monotonic()
             logger.warning(
@@ -121,6 +124,13 @@ class LocalWriter:
         with self._changed:
             shard = self._memory.get(path)
             return None if shard is None else bytes(shard.data)
+
+    def held_header(self, path: str) -> tuple[bytes, int] | None:
+        """The header block and size of shard file ``path`` if this writer holds it, else ``None``."""
+        with self._changed:
+            shard = self._memory.get(path)
+            block = header_block(shard.data) if shard is not None else b""
+            return (block, shard.data.nbytes) if shard is not None and block else None
 
     def memory_stats(self) -> CacheStats:
         with self._changed:

@@ -2,8 +2,11 @@
 :class:`~layercheck.orchestrator.core.memory_reads.MemoryFirstOpener`.
 
 The supervisor says once which writers hold which files (:meth:`Supervisor.memory_index`, the
-rank's own node first); each file is then asked of its holders in that order, and a writer that
-is gone or slow is passed over for the next copy, or for storage.
+rank's own node first). The rank then asks those writers, one call each, for the headers of the
+plan's files they hold; from the headers it learns which files hold its own slices and asks for
+those files whole at once (the writers send them while the rank reads the ones before). Any
+other file is read only as far as its header. A writer that is gone or slow is passed over for
+the next copy, or for storage.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import ray
 
-from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener
+from layercheck.orchestrator.core.memory_reads import HeldHeader, MemoryFirstOpener, Needs, files_to_fetch
 from layercheck.orchestrator.store.layer_store import LayerStore
 
 logger = logging.getLogger(__name__)
@@ -26,17 +29,34 @@ FETCH_TIMEOUT_S = 30.0
 class WriterCopies:
     """``candidates`` for a :class:`MemoryFirstOpener`: the copies ``index`` says writers hold."""
 
-    def __init__(
-        self,
-        index: Mapping[str, list[tuple[str, Any]]],
-        timeout_s: float = FETCH_TIMEOUT_S,
-        prefetch: Iterable[str] = (),
-    ) -> None:
+    def __init__(self, index: Mapping[str, list[tuple[str, Any]]], timeout_s: float = FETCH_TIMEOUT_S) -> None:
         self.index = index
         self.timeout_s = timeout_s
-        # the files the load will open, asked of their first holder at once: the writers send them
-        # while the rank reads the ones before (one at a time, each would wait a round trip and a copy)
-        self._ahead = {path: index[path][0][1].fetch.remote(path) for path in prefetch if index.get(path)}
+        self._ahead: dict[str, Any] = {}
+
+    def headers(self, paths: Iterable[str]) -> dict[str, HeldHeader]:
+        """The headers of ``paths`` their first holder has, asked of each writer in one call."""
+        by_writer: dict[Any, tuple[str, list[str]]] = {}
+        for path in paths:
+            if self.index.get(path):
+                source, writer = self.index[path][0]
+                by_writer.setdefault(writer, (source, []))[1].append(path)
+        refs = {writer.fetch_headers.remote(wanted): source for writer, (source, wanted) in by_writer.items()}
+        out: dict[str, HeldHeader] = {}
+        for ref, source in refs.items():
+            try:
+                held = ray.get(ref, timeout=self.timeout_s)
+            except Exception as error:  # noqa: BLE001 - a dead or slow writer: its files' headers from storage
+                logger.warning("a writer's headers are unavailable (%s)", str(error).splitlines()[0][:200])
+                continue
+            out.update({path: HeldHeader(source, block, size) for path, (block, size) in held.items()})
+        return out
+
+    def prefetch(self, paths: Iterable[str]) -> None:
+        """Ask the first holder of each of ``paths`` for the whole file now."""
+        for path in paths:
+            if self.index.get(path) and path not in self._ahead:
+                self._ahead[path] = self.index[path][0][1].fetch.remote(path)
 
     def __call__(self, path: str) -> Iterator[tuple[str, Any]]:
         for i, (source, writer) in enumerate(self.index.get(path, ())):
@@ -51,16 +71,20 @@ class WriterCopies:
 
 
 def memory_first_store(
-    storage_uri: str, fsync: bool, supervisor: Any, node_id: str, prefetch: Iterable[str] = ()
+    storage_uri: str, fsync: bool, supervisor: Any, node_id: str, paths: Iterable[str], needs: Needs
 ) -> tuple[LayerStore, MemoryFirstOpener]:
-    """The run's store, opening shard files from the writers' memory first (``prefetch``: the
-    paths the load will open, asked for at once); the opener counts where each came from."""
+    """The run's store, opening the plan's shard files (``paths``) from the writers' memory first:
+    every header, and whole only the files that hold this rank's slices (``needs``), asked for at
+    once. The opener counts what was read where."""
     store = LayerStore.open(storage_uri, fsync=fsync)
     try:
         index = ray.get(supervisor.memory_index.remote(node_id))
     except Exception as error:  # noqa: BLE001 - recovery from storage alone is still recovery
         logger.warning("cannot learn what the writers hold in memory (%s): loading from storage", error)
         index = {}
-    opener = MemoryFirstOpener(candidates=WriterCopies(index, prefetch=prefetch), open_storage=store.fs.open_input)
+    copies = WriterCopies(index)
+    headers = copies.headers(paths)
+    copies.prefetch(files_to_fetch(headers, needs))
+    opener = MemoryFirstOpener(candidates=copies, open_storage=store.fs.open_input, headers=headers)
     store.opener = opener
     return store, opener

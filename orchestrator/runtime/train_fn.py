@@ -18,6 +18,7 @@ import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.composite import load_composite
+from layercheck.orchestrator.core.memory_reads import describe_sources, needed_spans
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
@@ -30,7 +31,7 @@ from layercheck.workers import collective_abort
 from layercheck.workers.data import load_dataset
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.engine import build_engine, seek_step, shutdown
-from layercheck.workers.loop import CapturesOnFailure, Coordinator, StopsOnRequest, run_loop
+from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator, StopsOnRequest, run_loop
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class RayCoordinator:
         self.writer = writer
         self.supervisor = supervisor
         self.max_inflight_bytes = max_inflight_bytes
+        self._steps_ended = False
         self._inflight: dict[str, _Submission] = {}  # the newest submission per layer
         self.blocked_s = 0.0
         self.last_report: ray.ObjectRef | None = None
@@ -112,12 +114,19 @@ class RayCoordinator:
             )
         self._bound_inflight()
 
+    def steps_ended(self) -> None:
+        """The last step is done: the final save's snapshots are not held to the in-flight bound
+        (``flush`` at the end waits for their writes)."""
+        self._steps_ended = True
+
     def _bound_inflight(self) -> None:
         """Wait for storage while the snapshots handed over and not yet written exceed
         ``max_inflight_bytes``. The initial state (step 0, handed over once at ``attach``) is not
         held to it: bounded by one copy of the rank's slices, it would otherwise stall the first
         steps behind its write."""
         self._settle_done()
+        if self._steps_ended:
+            return
         bounded = [sub for sub in self._inflight.values() if sub.step > 0]
         inflight = sum(sub.nbytes for sub in bounded)
         if inflight <= self.max_inflight_bytes:
@@ -241,7 +250,8 @@ class RayCoordinator:
 
 
 if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol, its optional parts included
-    _RAY_COORDINATOR: tuple[type[Coordinator], type[StopsOnRequest], type[CapturesOnFailure]] = (
+    _RAY_COORDINATOR: tuple[type[Coordinator], type[StopsOnRequest], type[CapturesOnFailure], type[BoundedHandover]] = (
+        RayCoordinator,
         RayCoordinator,
         RayCoordinator,
         RayCoordinator,
@@ -322,26 +332,22 @@ def recover(
     over it, into ``target`` (a built-in ``TrainEngine`` or an attached user engine: anything with
     ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
     reported to the supervisor, which skips it at the next attempt. Shard files come from the
-    writers' memory where one holds them (its own node's first), else from storage."""
+    writers' memory where one holds them (its own node's first), else from storage; of the files
+    that do not hold this rank's slices, only the headers are read."""
+    started = time.monotonic()
     node_id = ray.get_runtime_context().get_node_id()
     versions = [*records.values(), *(v for layer in (overlays or {}).values() for v in layer)]
     paths = [entry.path for record in versions for entry in record.shards]
-    store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id, prefetch=paths)
+    needs = needed_spans(target.layout, records)
+    store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id, paths, needs)
     try:
-        load_s = load_composite(target, store, records, overlays=overlays)
+        load_composite(target, store, records, overlays=overlays)
     except CorruptShardError as error:
         ray.get(supervisor.version_unusable.remote(error.version_id, str(error)))
         raise
+    load_s = time.monotonic() - started  # the headers and the prefetch too: all of the load
     sources = opener.sources
-    logger.warning(
-        "rank %d loaded the composite in %.2fs: %d shard file(s) from memory on its node, %d from another "
-        "node's, %d from storage",
-        rank,
-        load_s,
-        sources.memory_local_shards,
-        sources.memory_remote_shards,
-        sources.storage_shards,
-    )
+    logger.warning("rank %d loaded the composite in %.2fs: %s", rank, load_s, describe_sources(sources, load_s))
     supervisor.loaded.remote(rank, load_s, sources.to_json())
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from layercheck.orchestrator.core.memory_reads import header_block
 from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
 from layercheck.orchestrator.core.run_config import FaultConfig
 from layercheck.orchestrator.core.write_queue import SupersedingQueue
@@ -221,6 +222,17 @@ class PersistenceWriter:
         """The bytes of shard file ``path`` if held in memory, else ``None``."""
         held = self.memory.get(path)
         return None if held is None else np.frombuffer(held.data, dtype=np.uint8)
+
+    def fetch_headers(self, paths: list[str]) -> dict[str, tuple[bytes, int]]:
+        """The header block and size of each of ``paths`` held in memory (a recovering rank reads
+        every rank file's header, and the tensors of only its own files)."""
+        out = {}
+        for path in paths:
+            held = self.memory.get(path)
+            block = header_block(held.data) if held is not None else b""
+            if held is not None and block:
+                out[path] = (block, held.data.nbytes)
+        return out
 
     async def drain(self) -> None:
         """Returns once everything queued so far is written and handed to the supervisor."""

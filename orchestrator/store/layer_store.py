@@ -96,7 +96,7 @@ def _receipt(shard: LayerShard, rel: str, digest: tensorfile.FileDigest, *, base
 class LayerStore:
     """A run's layer versions in one directory of any pyarrow filesystem."""
 
-    def __init__(self, fs: StoreFS, *, opener: Callable[[str], pa.NativeFile] | None = None) -> None:
+    def __init__(self, fs: StoreFS, *, opener: Callable[[str], tensorfile.RandomAccess] | None = None) -> None:
         self.fs = fs
         self.opener = opener
         """Opens a shard file for reading (a recovery's memory-first opener); ``None``: storage."""
@@ -225,7 +225,7 @@ class LayerStore:
     def versions(self) -> tuple[VersionRecord, ...]:
         return self.manifest().records
 
-    def open_file(self, rel: str) -> pa.NativeFile:
+    def open_file(self, rel: str) -> tensorfile.RandomAccess:
         return self.opener(rel) if self.opener is not None else self.fs.open_input(rel)
 
     def check_version(self, record: VersionRecord, *, deep: bool = True) -> list[str]:
@@ -242,7 +242,8 @@ class LayerStore:
     def check_shard(self, record: VersionRecord, entry: ShardEntry, *, deep: bool) -> str:
         where = self.fs.uri(entry.path)
         try:
-            with self.open_file(entry.path) as file:
+            file = self.open_file(entry.path)
+            try:
                 if file.size() != entry.nbytes:
                     return f"{where}: {file.size()} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
                 header = tensorfile.read_header(file, path=where)
@@ -250,6 +251,8 @@ class LayerStore:
                 if deep:
                     for item in header.entries.values():
                         tensorfile.read_entry(file, item, path=where, count=0)
+            finally:
+                file.close()
         except FileNotFoundError:
             return f"{where}: missing"
         except (OSError, ShardFormatError, PathOutsideStoreError) as error:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
 
 from layercheck.orchestrator.store import tensorfile
@@ -198,7 +197,7 @@ class VersionReader:
     def __init__(self, store: LayerStore, record: VersionRecord) -> None:
         self.store = store
         self.record = record
-        self._files: list[pa.NativeFile | None] = [None] * len(record.shards)
+        self._files: list[tensorfile.RandomAccess | None] = [None] * len(record.shards)
         self._headers: list[tensorfile.ShardHeader] | None = None
         self._index: dict[str, list[_Piece]] = {}
         self._verified: set[tuple[int, str]] = set()
@@ -219,15 +218,16 @@ class VersionReader:
         path = self.store.fs.uri(self.record.shards[index].path)
         return CorruptShardError(version_id=self.record.version_id, path=path, reason=reason)
 
-    def _file(self, index: int) -> pa.NativeFile:
-        if self._files[index] is None:
+    def _file(self, index: int) -> tensorfile.RandomAccess:
+        file = self._files[index]
+        if file is None:
             try:
-                self._files[index] = self.store.open_file(self.record.shards[index].path)
+                file = self._files[index] = self.store.open_file(self.record.shards[index].path)
             except FileNotFoundError as error:
                 raise self._corrupt(index, "missing") from error
             except OSError as error:
                 raise self._corrupt(index, str(error)) from error
-        return self._files[index]
+        return file
 
     def headers(self) -> list[tensorfile.ShardHeader]:
         """Every rank file's header (read once), checked against the record."""
@@ -278,10 +278,12 @@ class VersionReader:
     def _read_piece(self, piece: _Piece, key: str, param: str, start: int, count: int) -> np.ndarray:
         header = self.headers()[piece.file_index]
         entry = header.entries[tensorfile.entry_name(key, param)]
-        verify = (piece.file_index, entry.name) not in self._verified
+        file = self._file(piece.file_index)
+        # a copy from memory was checked whole when fetched (memory_reads.ShardFile.verified)
+        verify = (piece.file_index, entry.name) not in self._verified and not getattr(file, "verified", False)
         try:
             data = tensorfile.read_entry(
-                self._file(piece.file_index),
+                file,
                 entry,
                 path=self.store.fs.uri(self.record.shards[piece.file_index].path),
                 start=start,

@@ -23,7 +23,7 @@ import sys
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -44,6 +44,17 @@ def format_checksum(value: int) -> str:
 
 def entry_name(key: str, param: str) -> str:
     return f"{key}/{param}"
+
+
+class RandomAccess(Protocol):
+    """What a shard file is read through: a ``pyarrow`` input file, or a recovery's
+    ``ShardFile`` (``orchestrator/core/memory_reads.py``)."""
+
+    def size(self) -> int: ...
+
+    def read_at(self, nbytes: int, offset: int) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,16 +220,17 @@ def _parse_entries(
     return entries
 
 
-def read_header(file: pa.NativeFile, *, path: str) -> ShardHeader:
+def read_header(file: RandomAccess, *, path: str) -> ShardHeader:
     """Parse and check the header of a shard file (one small read, plus the file size)."""
     size = file.size()
     if size < 8:
         raise ShardFormatError(f"{path}: {size} bytes is too short for a safetensors file (truncated)")
-    prefix = file.read_at(8, 0)
+    prefix = bytes(file.read_at(8, 0))
     (n,) = struct.unpack("<Q", prefix)
     if n > min(size - 8, _MAX_HEADER):
         raise ShardFormatError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated or corrupt")
     body = file.read_at(n, 8)
+    body = body if isinstance(body, bytes) else bytes(body)  # (a zero-copy buffer of a file held in memory)
     try:
         raw = json.loads(body)
         meta = raw["__metadata__"]
@@ -254,7 +266,7 @@ def read_header(file: pa.NativeFile, *, path: str) -> ShardHeader:
 
 
 def read_entry(
-    file: pa.NativeFile, entry: Entry, *, path: str, start: int = 0, count: int | None = None, verify: bool = True
+    file: RandomAccess, entry: Entry, *, path: str, start: int = 0, count: int | None = None, verify: bool = True
 ) -> np.ndarray:
     """Elements ``[start, start + count)`` of ``entry`` as float32. With ``verify`` the whole
     entry is read and checked against its checksum; without, only the requested bytes."""
@@ -274,7 +286,7 @@ def read_entry(
     return np.frombuffer(raw, dtype="<f4")
 
 
-def load_shard(file: pa.NativeFile, *, path: str) -> LayerShard:
+def load_shard(file: RandomAccess, *, path: str) -> LayerShard:
     """The whole file back as a :class:`LayerShard` (every entry verified)."""
     header = read_header(file, path=path)
     tensors = {}
