@@ -170,10 +170,16 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     runtime = ray.get_runtime_context()
     resume = ray.get(supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}"))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
+    entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
+    phases = {"start_s": entered - context.process_started_at(), "build_s": time.time() - entered}
     if resume.records is not None:
-        recover(attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank, overlays=resume.overlays)
+        recover(
+            attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank, overlays=resume.overlays, **phases
+        )
         seek_engine(attached.engine, resume.start_step - 1)
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
+    elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
+        supervisor.loaded.remote(rank, 0.0, {}, **phases)
     coordinator = RayCoordinator(
         rank=rank,
         policy=policy,

@@ -18,3 +18,28 @@ def test_account_drops_lost_steps_from_productive_time():
     assert account.stall_seconds == 0.25 and account.stalls == 1
     again = account.failed(t_fail=4, resumed_at=1, now=13.0)  # no composite: start over
     assert again.steps_redone == 4 and account.productive_s == 0.0
+
+
+def test_a_recovery_is_timed_from_the_failure_to_the_next_completed_step():
+    """The summary's recovery time ends when the new group completed a step, not when its first
+    rank joined: its engine build, its load and its first step are in it, phase by phase."""
+    account = RunAccount(started=0.0)
+    for step in range(1, 5):
+        account.step_done(step, compute_s=0.5, stall_s=0.0, now=float(step))
+    recovery = account.failed(t_fail=4, resumed_at=5, now=10.0)  # the new group's first rank joined
+    recovery.plan_s, recovery.load_s = 0.25, 0.5
+    recovery.rank_ready(start_s=3.0, build_s=6.0, now=16.75)  # each rank: process start, engine build
+    recovery.rank_ready(start_s=2.5, build_s=6.5, now=17.0)
+    assert recovery.failure_to_step_s is None and recovery.total_s == 6.0 + 0.25 + 0.5  # what is known so far
+    account.step_done(5, compute_s=0.5, stall_s=0.0, now=17.5)
+    assert recovery.failure_to_step_s == 13.5 and recovery.total_s == 13.5
+    assert recovery.timeline() == {
+        "restart": 3.0,  # the failure noticed, the group torn down, new processes up: 6 s to the join, less their start
+        "start": 3.0,
+        "build": 6.5,
+        "plan": 0.25,
+        "load": 0.5,
+        "first_step": 0.5,
+    }
+    account.step_done(6, compute_s=0.5, stall_s=0.0, now=18.0)
+    assert recovery.failure_to_step_s == 13.5  # the first step after it, once

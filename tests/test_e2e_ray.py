@@ -34,6 +34,13 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(l
     (recovery,) = account["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7 and recovery["steps_redone"] == 0
     assert recovery["max_staleness"] == 0  # the version taken after step 6 is in the composite
+    # timed from the failure to the next completed step: the new group's engine build, its load
+    # and its first step are in it (the join alone ends before the engine is even built)
+    timeline = recovery["timeline"]
+    assert timeline["start"] > 0 and timeline["build"] > 0 and timeline["first_step"] > 0, timeline
+    assert recovery["total_s"] == recovery["failure_to_step_s"]
+    hidden = recovery["detect_restart_s"] + recovery["plan_s"] + recovery["load_s"]  # what the summary said before
+    assert recovery["failure_to_step_s"] > hidden + timeline["first_step"], recovery
     # the composite came from the writer's memory (one node: its own writer), not from storage;
     # each rank read every rank file's header and the tensors of only its own files, so the bytes
     # read add up to the composite (and its headers), not to the composite times the world size

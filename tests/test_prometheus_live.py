@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM
+from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM, RECOVERY_PHASES
 from layercheck.workers.loop import DECISION_LAG
 from tests.support.dashboards import DASHBOARDS, dashboard, dashboard_exprs, substitute
 from tests.support.ray_runs import LAYERCHECK, STEPS
@@ -82,7 +82,7 @@ def test_counters_survive_the_worker_group_restart(scraped):
     assert prometheus.scalar(f"last_over_time(layercheck_recoveries_total{{{run}}}[10m])") == 1
     assert prometheus.scalar(f"last_over_time(layercheck_steps_lost_total{{{run}}}[10m])") == 0
     (phases,) = [prometheus.query(f"last_over_time(layercheck_recovery_seconds_count{{{run}}}[10m])")]
-    assert {s["metric"]["phase"] for s in phases} == {"detect", "plan", "load", "total"}
+    assert {s["metric"]["phase"] for s in phases} == set(RECOVERY_PHASES)
     for counter in (
         "layercheck_written_bytes_total",
         "layercheck_committed_bytes_total",

@@ -54,6 +54,15 @@ def progress(run, step):
     run.progress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0)
 
 
+def train_past_smax(run, service, caplog):
+    """Steps until every layer is well past ``smax`` with nothing committed; the run's status."""
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, 8 + SMAX + PIPELINE_LAG):
+            report(service, step)
+            progress(run, step)
+    return run.status()
+
+
 def test_a_dead_writers_versions_are_lost_once_and_the_layers_may_be_persisted_again(tmp_path):
     run, service = make(tmp_path)
     base = report(service, 1)
@@ -107,11 +116,7 @@ def test_storage_that_hangs_without_failing_is_reported_once_and_does_not_stop_t
     """No write failed, yet no version committed (an endpoint that accepts and never answers):
     the bound is passed all the same, and the operator hears it — once, as a warning."""
     run, service = make(tmp_path, on_breach="stop")
-    with caplog.at_level(logging.WARNING):
-        for step in range(1, 8 + SMAX + PIPELINE_LAG):
-            report(service, step)
-            progress(run, step)
-    status = run.status()
+    status = train_past_smax(run, service, caplog)
     lag = status["staleness_lag"]
     assert lag is not None and lag["storage_failures"] == 0 and "storage that does not keep up" in lag["message"]
     assert status["staleness_breach"] is None and status["stop_reason"] is None and service.stop_from is None
@@ -125,11 +130,7 @@ def test_a_writer_that_died_on_slow_storage_is_named_not_blamed_on_storage_and_d
 
     run, service = make(tmp_path, on_breach="stop")
     run.writer_died(lost=[], reason="their writer died twice (ActorDiedError)")
-    with caplog.at_level(logging.WARNING):
-        for step in range(1, 8 + SMAX + PIPELINE_LAG):
-            report(service, step)
-            progress(run, step)
-    status = run.status()
+    status = train_past_smax(run, service, caplog)
     lag = status["staleness_lag"]
     assert status["staleness_breach"] is None and status["stop_reason"] is None and status["lost_versions"] == 0
     assert lag["storage_failures"] == 0 and lag["writers_replaced"] == 1

@@ -10,6 +10,11 @@ from typing import Any
 
 #: Where a recovery's elements came from (``Recovery.elements``).
 ELEMENT_KINDS = ("capture", "stored", "initial")
+#: A recovery's time from the failure to the next completed step, in the order it is spent
+#: (``Recovery.timeline``): the failure noticed, the old group torn down and the new one's
+#: processes started; their start (imports, Ray Train's context, the process group); the engine
+#: build; the plan (while the engines build); the load of the composite; the first step.
+RECOVERY_PHASES = ("restart", "start", "build", "plan", "load", "first_step")
 
 
 @dataclass
@@ -66,10 +71,46 @@ class Recovery:
     storage_shards: int = 0
     memory_rejected: int = 0
     """Copies in memory that failed their checksum (read from the next copy or storage instead)."""
+    since: float = 0.0
+    """When the lost group last made progress (the supervisor's clock): the failure came after."""
+    start_s: float = 0.0
+    """The new group's slowest rank, from its process start to the train function (imports, Ray
+    Train's context, the process group): part of ``detect_restart_s``."""
+    build_s: float = 0.0
+    """The slowest rank's engine build (model, optimizer, ``deepspeed.initialize``); the plan runs
+    meanwhile."""
+    ready_at: float = 0.0
+    """When the last rank said its composite was loaded (the supervisor's clock; 0: none said)."""
+    first_step_s: float | None = None
+    """From the last rank's load to the first step the new group completed."""
+    failure_to_step_s: float | None = None
+    """From the lost group's last progress to the first step the new group completed: the whole
+    recovery, as training sees it (``None`` until that step)."""
 
     @property
     def total_s(self) -> float:
+        """The whole recovery once its first step is done; until then the parts known so far."""
+        if self.failure_to_step_s is not None:
+            return self.failure_to_step_s
         return self.detect_restart_s + self.plan_s + self.load_s
+
+    def timeline(self) -> dict[str, float]:
+        """Seconds of each of :data:`RECOVERY_PHASES` (the engine build and the plan overlap: the
+        build is what the group waits for, unless the plan takes longer)."""
+        return {
+            "restart": max(0.0, self.detect_restart_s - self.start_s),
+            "start": min(self.start_s, self.detect_restart_s),
+            "build": self.build_s,
+            "plan": self.plan_s,
+            "load": self.load_s,
+            "first_step": self.first_step_s or 0.0,
+        }
+
+    def rank_ready(self, *, start_s: float, build_s: float, now: float) -> None:
+        """A rank of the new group loaded its composite: its start and build times (its own clock)."""
+        self.start_s = max(self.start_s, start_s)
+        self.build_s = max(self.build_s, build_s)
+        self.ready_at = max(self.ready_at, now)
 
     def add_sources(self, sources: Mapping[str, float]) -> None:
         """Add one rank's ``LoadSources`` (``orchestrator/core/memory_reads.py``) to the totals."""
@@ -130,6 +171,10 @@ class RunAccount:
             self.stalls += 1
         self.last_progress = now
         self.last_step = max(self.last_step, step)
+        recovery = self.recoveries[-1] if self.recoveries else None
+        if recovery is not None and recovery.failure_to_step_s is None and step >= recovery.resumed_at:
+            recovery.failure_to_step_s = max(0.0, now - recovery.since)
+            recovery.first_step_s = max(0.0, now - recovery.ready_at) if recovery.ready_at else None
 
     def failed(self, *, t_fail: int, resumed_at: int, now: float, lost_group: bool = True) -> Recovery:
         """A worker group was lost after completing ``t_fail`` (or, with ``lost_group=False``, a
@@ -144,6 +189,7 @@ class RunAccount:
             resumed_at=resumed_at,
             detect_restart_s=max(0.0, now - since),
             steps_redone=max(0, t_fail + 1 - resumed_at),
+            since=since,
         )
         self.recoveries.append(recovery)
         self.last_step = resumed_at - 1
@@ -165,7 +211,10 @@ class RunAccount:
             "stalls": self.stalls,
             "lost_step_s": self.lost_step_seconds,
             "failures": self.failures,
-            "recoveries": [asdict(r) | {"total_s": r.total_s, "elements": r.elements} for r in self.recoveries],
+            "recoveries": [
+                asdict(r) | {"total_s": r.total_s, "elements": r.elements, "timeline": r.timeline()}
+                for r in self.recoveries
+            ],
             "recovered_elements": {kind: sum(r.elements[kind] for r in self.recoveries) for kind in ELEMENT_KINDS},
             "ettr": self.ettr(now),
             "coordination_s_per_step": _percentiles(self.coordination_seconds),

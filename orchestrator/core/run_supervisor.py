@@ -227,9 +227,13 @@ class RunSupervisor:
     def version_unusable(self, version_id: str, reason: str) -> None:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
 
-    def loaded(self, load_s: float, sources: Mapping[str, float] | None = None) -> None:
+    def loaded(
+        self, load_s: float, sources: Mapping[str, float] | None = None, *, start_s: float = 0.0, build_s: float = 0.0
+    ) -> None:
+        """A rank of the new group loaded its composite (``start_s``, ``build_s``: how long its
+        process took to reach the train function, and its engine build)."""
         with self._lock:
-            self.view.loaded(load_s, sources)
+            self.view.loaded(load_s, sources, start_s=start_s, build_s=build_s, now=self.clock())
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float = 0.0

@@ -63,13 +63,23 @@ class RunView:
         recovery.weighted_staleness = action.weighted_staleness
         recovery.sources = {layer: [s.to_json() for s in sources] for layer, sources in action.sources.items()}
 
-    def loaded(self, load_s: float, sources: Mapping[str, float] | None = None) -> None:
+    def loaded(
+        self,
+        load_s: float,
+        sources: Mapping[str, float] | None = None,
+        *,
+        start_s: float = 0.0,
+        build_s: float = 0.0,
+        now: float = 0.0,
+    ) -> None:
         """A rank loaded the composite; recovery load time is the slowest rank's, and where its
-        shard files came from (memory on its node, on another node, storage) adds up over ranks."""
+        shard files came from (memory on its node, on another node, storage) adds up over ranks.
+        ``start_s``, ``build_s``: the rank's process start and engine build (``Recovery.rank_ready``)."""
         if self.account.recoveries:
             last = self.account.recoveries[-1]
             last.load_s = max(last.load_s, load_s)
             last.add_sources(sources or {})
+            last.rank_ready(start_s=start_s, build_s=build_s, now=now)
 
     def storage_failures(self, commits: CommitPath) -> int:
         """Failed writes and failed commits so far (not lost worker groups, nor writers that died:

@@ -8,6 +8,7 @@ worker, the run's :class:`WorkerContext` is current while the user's function ru
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,20 @@ class WorkerContext:
 
 _current: WorkerContext | None = None
 _on_failure: list[Callable[[BaseException], None]] = []
+_loop_started_at: float | None = None
+
+
+def process_started_at() -> float:
+    """When this worker process started (wall clock): its imports, Ray Train's context and the
+    process group come between this and the train function."""
+    import psutil  # type: ignore[import-untyped]  # (a DeepSpeed dependency, without type stubs)
+
+    return float(psutil.Process().create_time())
+
+
+def loop_started_at() -> float | None:
+    """When the user's loop (the ``train_loop_per_worker``) started, inside a LayerCheck run."""
+    return _loop_started_at
 
 
 def current() -> WorkerContext | None:
@@ -56,8 +71,9 @@ def on_failure(hook: Callable[[BaseException], None]) -> None:
 
 def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any) -> Any:
     """Call ``fn(*args)`` with ``context`` current (Ray Train runs one loop per worker process)."""
-    global _current
+    global _current, _loop_started_at
     previous, _current = _current, context
+    _loop_started_at = time.time()
     try:
         return fn(*args)
     except Exception as error:

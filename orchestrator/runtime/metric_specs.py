@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from layercheck.orchestrator.core.accounting import RECOVERY_PHASES as TIMELINE_PHASES
 from layercheck.orchestrator.core.recovery_machine import STATE_NAMES
 from layercheck.policies.staggered import (
     BYTES_PER_PARAM,
@@ -17,7 +18,8 @@ from layercheck.policies.staggered import (
 RECENT_WINDOW_S = 60.0
 #: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.recovery_machine`).
 STATES = STATE_NAMES
-RECOVERY_PHASES = ("detect", "plan", "load", "total")
+#: A recovery's phases (``accounting.RECOVERY_PHASES``) and its total, failure to next step.
+RECOVERY_PHASES = (*TIMELINE_PHASES, "total")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -205,8 +207,10 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         Histogram,
         "layercheck_recovery_seconds",
-        "Recovery time by phase: detect (last progress to the new group's join, restart included), plan "
-        "(drain writers, plan the composite), load (slowest rank's load), total.",
+        "Recovery time by phase, failure to the next completed step: restart (the failure noticed, the group "
+        "torn down, new processes started), start (their imports, Ray Train's context, the process group), build "
+        "(the engine; the plan runs meanwhile), plan (drain writers, plan the composite), load (slowest rank's), "
+        "first_step (the first step after the load), total (failure to next step).",
         ("phase",),
         _RECOVERY_BUCKETS,
     ),

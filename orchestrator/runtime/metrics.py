@@ -275,8 +275,9 @@ class RunMetrics:
             later = self._recoveries_seen + 1 < len(recoveries)
             if not (ended or later or (status["state"] == "running" and status["step"] >= recovery["resumed_at"])):
                 break
-            for phase, key in zip(RECOVERY_PHASES, ("detect_restart_s", "plan_s", "load_s", "total_s")):
-                self._child("layercheck_recovery_seconds", phase).observe(recovery[key])
+            seconds = {**recovery.get("timeline", {}), "total": recovery["total_s"]}
+            for phase in RECOVERY_PHASES:
+                self._child("layercheck_recovery_seconds", phase).observe(seconds.get(phase, 0.0))
             for source in SOURCES:
                 self._loaded[source] += recovery.get(f"{source}_bytes", 0)
                 self._advance("layercheck_recovery_loaded_bytes_total", self._loaded[source], source)

@@ -156,8 +156,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(
             [
                 f"  {_recovery_kind(r)} after step {r['t_fail']}",
-                f"resumed at {r['resumed_at']}; detect+restart {r['detect_restart_s']:.1f}s, plan "
-                f"{r['plan_s']:.2f}s, load {r['load_s']:.2f}s; composite staleness max {r['max_staleness']}, "
+                f"resumed at {r['resumed_at']}; {_recovery_time(r)}; composite staleness max {r['max_staleness']}, "
                 f"weighted {r['weighted_staleness']:.1f}; steps redone {r['steps_redone']}",
             ]
         )
@@ -320,6 +319,18 @@ def _recovery_kind(recovery: dict[str, Any]) -> str:
     if recovery.get("kind") == "resume":
         return "--resume from the store"
     return "recovery"
+
+
+def _recovery_time(r: dict[str, Any]) -> str:
+    """A recovery's time from the failure to its first step, and where it went."""
+    t = r.get("timeline") or {}
+    parts = (
+        f"restart {t.get('restart', r['detect_restart_s']):.1f}s, process start {t.get('start', 0.0):.1f}s, "
+        f"engine build {t.get('build', 0.0):.1f}s, plan {r['plan_s']:.2f}s (during the build), load {r['load_s']:.2f}s"
+    )
+    if r.get("failure_to_step_s") is None:
+        return f"{parts}; no step after it yet"
+    return f"{r['failure_to_step_s']:.1f}s from the failure to the next step: {parts}, first step {t.get('first_step', 0.0):.2f}s"
 
 
 def _recovered(recovery: dict[str, Any]) -> bool:

@@ -21,6 +21,7 @@ from layercheck.orchestrator.core.composite import load_composite
 from layercheck.orchestrator.core.memory_reads import describe_sources, needed_spans
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.orchestrator.runtime.context import process_started_at
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import TrainReporter
@@ -271,10 +272,12 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
     policy = ray.get_actor(names.policy, namespace=NAMESPACE)
     runtime = ray.get_runtime_context()
+    entered = time.time()
     resume_ref = supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}")
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
 
     train_engine = build_engine(run.model, run.optim, run.engine)
+    phases = {"start_s": entered - process_started_at(), "build_s": time.time() - entered}
     resume = ray.get(resume_ref)
     if resume.records is not None:
         recover(
@@ -285,8 +288,11 @@ def train_fn(loop_config: dict[str, Any]) -> None:
             supervisor,
             rank,
             overlays=resume.overlays,
+            **phases,
         )
         seek_step(train_engine, resume.start_step - 1)
+    elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
+        supervisor.loaded.remote(rank, 0.0, {}, **phases)
     coordinator = RayCoordinator(
         rank=rank,
         policy=policy,
@@ -326,14 +332,24 @@ def train_fn(loop_config: dict[str, Any]) -> None:
 
 
 def recover(
-    target: Any, storage_uri: str, fsync: bool, records: Any, supervisor: Any, rank: int, *, overlays: Any = None
+    target: Any,
+    storage_uri: str,
+    fsync: bool,
+    records: Any,
+    supervisor: Any,
+    rank: int,
+    *,
+    overlays: Any = None,
+    start_s: float = 0.0,
+    build_s: float = 0.0,
 ) -> None:
     """Load the composite ``records`` names, with the partial ``overlays`` (survivors' captures)
     over it, into ``target`` (a built-in ``TrainEngine`` or an attached user engine: anything with
     ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
     reported to the supervisor, which skips it at the next attempt. Shard files come from the
     writers' memory where one holds them (its own node's first), else from storage; of the files
-    that do not hold this rank's slices, only the headers are read."""
+    that do not hold this rank's slices, only the headers are read. ``start_s``, ``build_s``: this
+    rank's process start to its train function and its engine build, for the recovery's timeline."""
     started = time.monotonic()
     node_id = ray.get_runtime_context().get_node_id()
     versions = [*records.values(), *(v for layer in (overlays or {}).values() for v in layer)]
@@ -348,7 +364,7 @@ def recover(
     load_s = time.monotonic() - started  # the headers and the prefetch too: all of the load
     sources = opener.sources
     logger.warning("rank %d loaded the composite in %.2fs: %s", rank, load_s, describe_sources(sources, load_s))
-    supervisor.loaded.remote(rank, load_s, sources.to_json())
+    supervisor.loaded.remote(rank, load_s, sources.to_json(), start_s, build_s)
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:

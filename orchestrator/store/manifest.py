@@ -311,24 +311,17 @@ def _apply_epochs(
     kept, fenced = [], []
     damaged = [_Unreadable(problem, ()) for problem in history.problems]
     for record in records:
-        if history.claims_unopened(record.epoch):
-            damaged.append(
-                _Unreadable(
-                    f"{store.uri(record_path(record.version_id))}: claims epoch {record.epoch}, but the store's "
-                    f"newest is {history.newest}: damaged",
-                    tuple(s.path for s in record.shards),
-                )
-            )
-            continue
         limit = history.beyond_its_run(record.step, record.epoch)
-        if limit is not None:
-            damaged.append(
-                _Unreadable(
-                    f"{store.uri(record_path(record.version_id))}: claims step {record.step}, but the run of its "
-                    f"epoch {record.epoch} trains {limit} steps: damaged",
-                    tuple(s.path for s in record.shards),
-                )
-            )
+        why = (
+            f"claims epoch {record.epoch}, but the store's newest is {history.newest}"
+            if history.claims_unopened(record.epoch)
+            else f"claims step {record.step}, but the run of its epoch {record.epoch} trains {limit} steps"
+            if limit is not None
+            else ""
+        )
+        if why:  # its files are claimed: not orphans either
+            where = store.uri(record_path(record.version_id))
+            damaged.append(_Unreadable(f"{where}: {why}: damaged", tuple(s.path for s in record.shards)))
             continue
         fencing = history.fenced_out(record.version_id, record.epoch)
         if fencing is None:
