@@ -60,6 +60,15 @@ def test_ray_trains_worker_repr_and_truncated_snippets_are_cut():
     ]
 
 
+def test_ray_trains_echo_of_each_report_is_dropped():
+    line = (
+        "Reporting training result 8: TrainingReport(checkpoint=None, metrics={'step': 90, 'loss': 3.45}, "
+        "validation=False) from rank 0"
+    )
+    f = LogFilter()
+    assert f.filter(3, [line, "[running] step 96  loss 3.074"]) == ["[running] step 96  loss 3.074"]
+
+
 def test_other_lines_pass_untouched_and_sources_are_kept_apart():
     f = LogFilter()
     assert f.filter(1, ["Traceback (most recent call last):", '  File "a.py"']) == []

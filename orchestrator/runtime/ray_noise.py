@@ -31,6 +31,8 @@ NOISE = (
     re.compile(r"(?i)oom killer|out of memory|ray_memory_monitor|memory_usage_threshold"),
     re.compile(r"^\s*class_name: |^\s*actor_id: |^\s*pid: \d+$|^\s*namespace: |^\s*ip: [\d.]+$"),
     re.compile(r"To disable OOM|RAY_memory_monitor_refresh_ms|Refer to the documentation on how to address"),
+    # Ray Train's echo of every ray.train.report of every rank: LayerCheck's progress line says it once
+    re.compile(r"Reporting training result \d+: TrainingReport\("),
 )
 _TRACEBACK_START = "Traceback (most recent call last):"
 #: Lines that open a block to cut: a traceback, Ray Train's repr of a lost worker.
