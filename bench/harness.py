@@ -27,6 +27,8 @@ import logging
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -425,6 +427,19 @@ def run_benchmark(
     return {**_run(workload, strategies, root, matched, repeats, timeout_s), "store": store}
 
 
+#: What a restarted worker process imports before it can build its engine (Ray Train's worker,
+#: LayerCheck's train function, and through them torch, DeepSpeed and transformers).
+WORKER_IMPORTS = "import ray.train.torch, deepspeed, transformers, layercheck.orchestrator.runtime.train_fn"
+
+
+def worker_imports_s() -> float:
+    """Seconds a fresh Python process takes to start and import :data:`WORKER_IMPORTS`: the
+    part of a restart that comes before the engine build (measured, in a subprocess)."""
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-c", WORKER_IMPORTS], check=True, capture_output=True, timeout=600)
+    return time.monotonic() - started
+
+
 def _run(
     workload: Workload,
     strategies: list[Strategy],
@@ -447,9 +462,15 @@ def _run(
         "keep": keep,
     }
     try:
-        return spawn_ranks(
+        raw = spawn_ranks(
             _rank_entry, workload.world_size, payload, timeout_s=timeout_s, what=f"benchmark ({workload.name})"
         )[0]
+        imports_s = worker_imports_s()
+        return {
+            **raw,
+            "restart_s": imports_s + raw["restart_s"],
+            "restart_parts": {"worker_imports_s": imports_s, "engine_build_s": raw["restart_s"]},
+        }
     finally:
         if not keep:
             shutil.rmtree(root, ignore_errors=True)

@@ -157,6 +157,7 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
         "layers": raw["layers"],
         "frozen_params": frozen,
         "restart_s": raw["restart_s"],
+        "restart_parts": raw.get("restart_parts", {}),
         "matched": raw["results"].get("_matched"),
         "strategies": rows,
         "pairs": matched_pairs(rows),
