@@ -8,6 +8,7 @@ template, ``SFTConfig`` with a DeepSpeed config of ``"auto"`` values (ZeRO-2), R
 
     python examples/hf_trainer_sft.py                        # 16 steps, rank 1 SIGKILLed after step 9
     python examples/hf_trainer_sft.py --kill-at-step 0       # no failure
+    python examples/hf_trainer_sft.py --lora                 # a LoRA adapter (peft) on the frozen model
     ray job submit --working-dir . -- python examples/hf_trainer_sft.py --storage /shared/hf-sft
 """
 
@@ -40,6 +41,16 @@ MODEL = transformers.LlamaConfig(
     max_position_embeddings=64,
     tie_word_embeddings=False,
 )
+#: ``--lora``: the adapter TRL wraps the model in (``SFTTrainer(peft_config=...)``).
+LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+
+
+def lora_model() -> torch.nn.Module:
+    """The model as the workers train it with ``--lora``: LayerCheck plans its layers from this
+    (built on the meta device: no weights)."""
+    import peft
+
+    return peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(MODEL), peft.LoraConfig(**LORA))
 
 
 def ds_config(stage: int, schedule: str) -> dict[str, Any]:
@@ -105,11 +116,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    peft_config = None
+    if config["lora"]:
+        import peft
+
+        peft_config = peft.LoraConfig(**LORA)
     trainer: transformers.Trainer = SFTTrainer(
         model=model,
         args=args,
         processing_class=tokenizer,
         train_dataset=datasets.Dataset.from_list(sft_rows(config["rows"])),
+        peft_config=peft_config,
     )
     trainer.add_callback(layercheck.LayerCheckCallback(trainer))  # LayerCheck: attach, resume, persist
     trainer = ray.train.huggingface.transformers.prepare_trainer(trainer)
@@ -122,6 +139,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of the whole model")
     parser.add_argument(
         "--schedule",
         choices=["deepspeed", "trainer"],
@@ -181,8 +199,9 @@ def main() -> None:
             "micro": args.micro,
             "rows": args.rows,
             "schedule": args.schedule,
+            "lora": args.lora,
         },
-        model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
+        model=lora_model if args.lora else MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
             storage=args.storage,
             name="hf-sft",
