@@ -38,6 +38,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=int, help="N: steps between full checkpoints (override)")
     p.add_argument("--layercheck-warmup", type=int, help="LayerCheck warm-up W (override)")
     p.add_argument("--delta-density", type=float, help="diff: fraction of elements sent per step (override)")
+    p.add_argument(
+        "--memory-period", type=int, help="layercheck+capture+memory@P: steps between memory versions (override)"
+    )
     p.add_argument("--world-size", type=int, help="ranks (override; GPU presets use one GPU per rank)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (override)")
     p.add_argument("--strategies", help="comma-separated subset (none is always run: it is the reference)")
@@ -84,6 +87,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         interval=args.interval,
         layercheck_warmup=args.layercheck_warmup,
         delta_density=args.delta_density,
+        memory_period=getattr(args, "memory_period", None),
         world_size=args.world_size,
         zero_stage=getattr(args, "zero_stage", None),
     )

@@ -299,8 +299,12 @@ def composite_bytes(records: Mapping[str, Any], overlays: Mapping[str, Sequence[
 
 def coordinator_options(strategy: Strategy) -> dict[str, Any]:
     """The :class:`LocalCoordinator` options of the strategy's recovery tiers: the survivors'
-    capture, and the writers' memory tier at the product's default budget."""
-    return {"capture": strategy.capture, "memory_bytes": PersistenceConfig().memory_bytes if strategy.memory else 0}
+    capture, the writers' memory tier at the product's default budget, its memory versions."""
+    return {
+        "capture": strategy.capture,
+        "memory_bytes": PersistenceConfig().memory_bytes if strategy.memory else 0,
+        "memory_period": strategy.memory_period,
+    }
 
 
 def _chain(*hooks: Callable[[int], None] | None) -> Callable[[int], None]:

@@ -173,7 +173,7 @@ def preset(name: str, **overrides: Any) -> Workload:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     base = PRESETS[name]
-    strategy_keys = {"interval", "layercheck_warmup", "delta_density"}
+    strategy_keys = {"interval", "layercheck_warmup", "delta_density", "memory_period"}
     strat = {k: v for k, v in overrides.items() if k in strategy_keys and v is not None}
     rest = {k: v for k, v in overrides.items() if k not in strategy_keys and v is not None}
     if strat:

@@ -121,6 +121,9 @@ class Strategy:
     (the bytes LayerCheck wrote): what its interval was matched on."""
     tiers: tuple[Tier, ...] = ()
     """Recovery tiers above storage (resuming strategies only): ``capture``, ``memory``."""
+    memory_period: int = 0
+    """With the ``memory`` tier: steps between memory versions (``persistence.memory_period``:
+    every layer held in the writers' memory, never stored); 0: none."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -150,6 +153,8 @@ class Strategy:
             raise ValueError(f"Strategy {self.name}: tiers need a resuming strategy, not {self.recovery.value}")
         if len(set(self.tiers)) != len(self.tiers) or not all(isinstance(t, Tier) for t in self.tiers):
             raise ValueError(f"Strategy {self.name}: tiers must be distinct of {[t.value for t in Tier]}")
+        if self.memory_period < 0 or (self.memory_period and Tier.MEMORY not in self.tiers):
+            raise ValueError(f"Strategy {self.name}: memory_period needs the memory tier and must be >= 0")
 
     @property
     def recovery(self) -> Recovery:
@@ -188,6 +193,7 @@ class Strategy:
             "matched": self.matched,
             "policy": _policy_json(self.policy),
             "tiers": [t.value for t in self.tiers],
+            "memory_period": self.memory_period,
         }
 
     @classmethod
@@ -201,6 +207,7 @@ class Strategy:
             delta_density=float(data["delta_density"]),
             matched=data.get("matched", ""),
             tiers=tuple(Tier(t) for t in data.get("tiers", ())),
+            memory_period=int(data.get("memory_period", 0)),
         )
 
 
@@ -230,6 +237,8 @@ class StrategyOptions:
     min_matched_interval: int = 1
     """Floor of the matched intervals (a time and disk guard for large models; the report says
     when it was applied)."""
+    memory_period: int = 5
+    """``layercheck+capture+memory@P``: steps between its memory versions."""
 
 
 def layercheck_configs(options: StrategyOptions) -> dict[str, LayerCheckConfig]:
@@ -270,6 +279,16 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
             kind=Kind.LAYER_POLICY,
             policy=configs["layercheck"],
             tiers=(Tier.CAPTURE, Tier.MEMORY),
+        )
+    )
+    # and with memory versions: the lost rank's slices from a state at most memory_period steps old
+    out.append(
+        Strategy(
+            name=f"layercheck+capture+memory@{options.memory_period}",
+            kind=Kind.LAYER_POLICY,
+            policy=configs["layercheck"],
+            tiers=(Tier.CAPTURE, Tier.MEMORY),
+            memory_period=options.memory_period,
         )
     )
     out.append(

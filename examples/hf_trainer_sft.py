@@ -42,7 +42,13 @@ MODEL = transformers.LlamaConfig(
     tie_word_embeddings=False,
 )
 #: ``--lora``: the adapter TRL wraps the model in (``SFTTrainer(peft_config=...)``).
-LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM"}
+LORA: dict[str, Any] = {
+    "r": 4,
+    "lora_alpha": 8,
+    "lora_dropout": 0.0,
+    "target_modules": ["q_proj", "v_proj"],
+    "task_type": "CAUSAL_LM",
+}
 
 
 def lora_model() -> torch.nn.Module:

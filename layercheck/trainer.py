@@ -175,6 +175,7 @@ class LayerCheckTrainer:
             layer_numel=layers.numel,
             save_final=cfg.persistence.save_final,
             capture_timeout_s=cfg.persistence.capture_hand_over_s,
+            memory_period=cfg.persistence.memory_period,
             policy=cfg.policy,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))

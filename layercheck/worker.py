@@ -188,6 +188,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         max_inflight_bytes=ctx.max_inflight_bytes,
         attempt=resume.attempt,
         capture_timeout_s=ctx.capture_timeout_s,
+        memory_period=ctx.memory_period,
     )
     # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
     abort = None if ctx.capture_timeout_s is None else collective_abort.install(collective_abort.for_current_group())

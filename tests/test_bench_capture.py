@@ -43,6 +43,11 @@ def test_capture_recovers_the_survivors_slices_exactly(tiny_benchmark):
     assert captured["sources"]["storage_shards"] > 0 and captured["sources"]["memory_local_shards"] == 0
     assert from_memory["sources"]["storage_shards"] == 0 and from_memory["sources"]["memory_rejected"] == 0
     assert from_memory["sources"]["memory_local_bytes"] == captured["sources"]["storage_bytes"]
+    # memory versions every 3 steps: one at t_fail = 6, so the lost rank's slices come back exact too
+    (versions,) = results["layercheck+capture+memory@3"]["recoveries"]
+    assert captured["unsaved"]["lost_mean_abs"] > 0
+    assert versions["unsaved"]["lost_mean_abs"] == 0.0 and versions["unsaved"]["mean_abs"] == 0.0
+    assert results["layercheck+capture+memory@3"]["bytes_written"] == results["layercheck+capture"]["bytes_written"]
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
     memory_row = report["strategies"]["layercheck+capture+memory"]
     assert memory_row["loaded_memory_share"] == 1.0 and memory_row["load_storage_twin"] == "layercheck+capture"

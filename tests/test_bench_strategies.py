@@ -31,6 +31,7 @@ def test_default_set_has_every_benchmark_strategy_none_first():
         "layercheck-const",
         "layercheck+capture",
         "layercheck+capture+memory",
+        "layercheck+capture+memory@5",
         "drift-optimal",
         "diff",
     }
@@ -157,5 +158,11 @@ def test_the_memory_tier_rides_on_capture_and_sets_the_writers_budget():
     assert memory.memory and memory.capture and not captured.memory
     assert memory.policy == captured.policy and memory.tiers == (Tier.CAPTURE, Tier.MEMORY)
     assert Strategy.from_json(memory.to_json()) == memory
-    assert coordinator_options(memory) == {"capture": True, "memory_bytes": PersistenceConfig().memory_bytes}
-    assert coordinator_options(captured) == {"capture": True, "memory_bytes": 0}
+    budget = PersistenceConfig().memory_bytes
+    assert coordinator_options(memory) == {"capture": True, "memory_bytes": budget, "memory_period": 0}
+    assert coordinator_options(captured) == {"capture": True, "memory_bytes": 0, "memory_period": 0}
+    versions = by_name["layercheck+capture+memory@5"]
+    assert versions.memory_period == 5 and Strategy.from_json(versions.to_json()) == versions
+    assert coordinator_options(versions) == {"capture": True, "memory_bytes": budget, "memory_period": 5}
+    with pytest.raises(ValueError, match="memory_period needs the memory tier"):
+        Strategy(name="x", kind=Kind.LAYER_POLICY, policy=memory.policy, tiers=(Tier.CAPTURE,), memory_period=5)

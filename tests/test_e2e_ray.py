@@ -75,13 +75,25 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(l
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists
-    that as a partial version, bit for bit the failure-free state at step 6."""
+    that as a partial version, bit for bit the failure-free state at step 6. With memory versions
+    every 3 steps (held by the writers, never stored), every layer's composite is the memory version
+    at step 6 (the capture, of the same step, adds nothing to it), the state at t_fail: the losses
+    after it are the failure-free run's."""
     clean = clean_run
     sparse = IntervalConfig(interval=4)  # every layer at step 4 or 5 (whole versions); the capture is fresher
-    failed = train_demo(tmp_path, "captured", policy=sparse, **{"fault.kill_at_step": 6})
+    failed = train_demo(
+        tmp_path, "captured", policy=sparse, **{"fault.kill_at_step": 6, "persistence.memory_period": 3}
+    )
     account = failed.status["account"]
     (recovery,) = account["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7
+    assert recovery["max_staleness"] == 0 and recovery["elements"]["stored"] == 0 < recovery["elements"]["memory"]
+    for layer, sources in recovery["sources"].items():
+        assert [(s["origin"], s["step"]) for s in sources] == [("memory", 6)], layer
+    clean_history = {int(k): v for k, v in clean.status["account"]["history"].items()}
+    for step, (loss, _) in account["history"].items():
+        assert loss == pytest.approx(clean_history[int(step)][0], rel=1e-5, abs=1e-6), step
+    assert not [v for v in LayerStore.open(failed.config.storage_uri).versions() if v.origin == "memory"]
     (capture,) = account["capture"]["captures"]
     assert (capture["rank"], capture["step"], capture["held"]) == (0, 6, True)
     assert capture["layers"] == len(failed.layer_numel) and capture["nbytes"] > 0

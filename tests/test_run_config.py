@@ -55,3 +55,13 @@ def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch
     assert config.with_absolute_storage().storage_uri == str(tmp_path / "runs/demo")
     remote = parse_run_config({**config.to_json(), "storage": "s3://bucket/run"})
     assert remote.with_absolute_storage().storage_uri == "s3://bucket/run"
+
+
+def test_memory_versions_need_the_memory_tier():
+    from layercheck.orchestrator.core.run_config import PersistenceConfig
+
+    assert PersistenceConfig(memory_period=5).memory_period == 5
+    with pytest.raises(ConfigError, match=r"memory_period: must be 0 while memory_bytes is 0"):
+        PersistenceConfig(memory_period=5, memory_bytes=0)
+    with pytest.raises(ConfigError, match=r"memory_period: must be >= 0"):
+        PersistenceConfig(memory_period=-1)

@@ -116,7 +116,7 @@ def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_ve
     result = result_of(policy_config("staggered"))
     result.status["account"] = {**result.status["account"], **account.summary(2.0)}
     summary = summarize(result)
-    assert summary["recovered_elements"] == {"capture": 21, "stored": 21, "initial": 0}
+    assert summary["recovered_elements"] == {"capture": 21, "memory": 0, "stored": 21, "initial": 0}
     text = format_summary(summary)
     assert "elements from" in text and "capture@14 21 (1 layer); policy@10 21 (1 layer)" in text
     assert "21 from survivors' captures, 21 stored" in text

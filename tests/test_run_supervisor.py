@@ -205,7 +205,11 @@ def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element
         },
     ]
     assert (recovery["max_staleness"], recovery["weighted_staleness"]) == (2, 1.0)
-    assert recovery["elements"] == account["recovered_elements"] == {"capture": 63, "stored": 63, "initial": 0}
+    assert (
+        recovery["elements"]
+        == account["recovered_elements"]
+        == {"capture": 63, "memory": 0, "stored": 63, "initial": 0}
+    )
     assert format_sources(recovery["sources"]) == "capture@5 63 (3 layers); policy@3 63 (3 layers)"
 
 

@@ -207,4 +207,9 @@ def test_receipts_of_a_capture_and_a_snapshot_never_make_one_version(tmp_path):
     with pytest.raises(ManifestError, match="receipts mix versions"):
         store.commit(receipts)
     with pytest.raises(ValueError, match="origin must be one of"):
+        store.write_shard(shards[0], origin="bogus")
+    with pytest.raises(ValueError, match="memory version is held by the writers, never written"):
         store.write_shard(shards[0], origin="memory")
+    held = [store.prepare_shard(shard, origin="memory") for shard in shards]  # what a writer holds
+    with pytest.raises(ValueError, match="never written to storage or committed"):
+        store.commit([p.receipt for p in held], check_files=False)

@@ -76,6 +76,20 @@ class StopsOnRequest(Protocol):
 
 
 @runtime_checkable
+class KeepsMemoryVersions(Protocol):
+    """The optional part of a :class:`Coordinator` that keeps *memory versions*
+    (``persistence.memory_period``): after every ``memory_period``-th step the rank hands its
+    slices of every layer to be held in the writers' memory, never written to storage, so a lost
+    rank's slices come back at most that many steps stale. 0: none."""
+
+    @property
+    def memory_period(self) -> int: ...
+
+    def hold(self, shards: Sequence[LayerShard]) -> None:
+        """Hand a memory version's shards over (the buffers may be reused once this returns)."""
+
+
+@runtime_checkable
 class BoundedHandover(Protocol):
     """The optional part of a :class:`Coordinator` whose hand-overs wait for storage while too
     many snapshot bytes are in flight. No step follows the last one, so its snapshots (the final
@@ -107,6 +121,8 @@ class LoopResult:
     losses: dict[int, float] = field(default_factory=dict)
     persisted: dict[int, tuple[str, ...]] = field(default_factory=dict)
     """Per step at which snapshots were taken, the layers."""
+    held: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    """Per step at which a memory version was taken, its layers (``KeepsMemoryVersions``)."""
     stall_s: float = 0.0
     coordination_s: float = 0.0
     """Time in the coordinator's report and decision calls: LayerCheck's per-step protocol cost."""
@@ -127,9 +143,8 @@ class StepProtocol:
         self.rank = rank
         self.result = LoopResult()
         self._buffers = HostBufferPool()
-        self._handover = Handover(
-            copier_for(layout), lambda shards, base: self.coordinator.persist(shards, base=base), self._buffers
-        )
+        self._handover = Handover(copier_for(layout), self._hand_over, self._buffers)
+        self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0
         self._pending: Any = None
         self._last_step: int | None = None
         self._mark: StepMark | None = None
@@ -137,6 +152,13 @@ class StepProtocol:
         self.abort = abort
         if abort is not None:
             abort.arm()
+
+    def _hand_over(self, shards: Sequence[LayerShard], *, base: bool, memory: bool = False) -> None:
+        if memory:
+            assert isinstance(self.coordinator, KeepsMemoryVersions)  # memory versions are taken only then
+            self.coordinator.hold(shards)
+        else:
+            self.coordinator.persist(shards, base=base)
 
     def hand_over_initial(self) -> None:
         """Before the first step of a run that starts from scratch: hand over every layer's state
@@ -161,6 +183,8 @@ class StepProtocol:
         handle = self.coordinator.report(drift, lr)
         result.coordination_s += time.monotonic() - reported
         stall_s = self._carry_out(self._pending, step) if self._pending is not None else 0.0
+        if self.memory_period and step % self.memory_period == 0:
+            stall_s += self._hold_memory_version(step)
         self._pending, self._last_step = handle, step
         self._mark = mark(self.layout, step)
         result.losses[step] = loss
@@ -245,6 +269,17 @@ class StepProtocol:
         self.result.persisted[step] = decision.names
         logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
         return elapsed
+
+    def _hold_memory_version(self, step: int) -> float:
+        """Every layer this step's decision did not persist, as a memory version at ``step``."""
+        done = set(self.result.persisted.get(step, ()))
+        rest = tuple(name for name in self.layout.layer_map.names if name not in done)
+        if not rest:
+            return 0.0
+        started = time.monotonic()
+        self._handover.take(rest, step, base=False, memory=True)
+        self.result.held[step] = rest
+        return time.monotonic() - started
 
     def _snapshot(self, names: Sequence[str], step: int, *, base: bool) -> float:
         """Take the snapshot; it is handed over at once where the copy is synchronous (CPU), else

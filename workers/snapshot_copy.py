@@ -49,6 +49,8 @@ class PendingSnapshot:
     shards: list[LayerShard]
     done: CopyDone | None
     """``None``: the copy was complete when it was issued (the host path)."""
+    memory: bool = False
+    """A memory version (held by the writers, never stored): handed to ``persist(..., memory=True)``."""
 
 
 class CopyQueue:
@@ -188,7 +190,8 @@ def copier_for(layout: StateLayout) -> SnapshotCopier:
 
 
 class Handover:
-    """Snapshots from a copier, handed to ``persist(shards, base=...)`` in order once copied."""
+    """Snapshots from a copier, handed to ``persist(shards, base=...)`` in order once copied (a
+    memory version to ``persist(shards, base=False, memory=True)``)."""
 
     def __init__(
         self,
@@ -202,17 +205,20 @@ class Handover:
         self.pool = pool
         self.queue = CopyQueue(max_in_flight)
 
-    def take(self, names: Sequence[str], step: int, *, base: bool) -> None:
+    def take(self, names: Sequence[str], step: int, *, base: bool, memory: bool = False) -> None:
         """Snapshot ``names`` at ``step`` and hand over whatever has finished copying."""
         shards, done = self.copier.copy(names, step, self.pool)
-        self.queue.push(PendingSnapshot(step=step, base=base, shards=shards, done=done))
+        self.queue.push(PendingSnapshot(step=step, base=base, shards=shards, done=done, memory=memory))
         self.flush(wait=False)
 
     def flush(self, *, wait: bool) -> None:
         """Hand over every snapshot whose copy completed (with ``wait``: all of them)."""
         for pending in self.queue.ready(wait=wait):
             try:
-                self.persist(pending.shards, base=pending.base)
+                if pending.memory:
+                    self.persist(pending.shards, base=False, memory=True)
+                else:
+                    self.persist(pending.shards, base=pending.base)
             finally:
                 for shard in pending.shards:
                     self.pool.release(shard)

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Where a recovery's elements came from (``Recovery.elements``).
-ELEMENT_KINDS = ("capture", "stored", "initial")
+ELEMENT_KINDS = ("capture", "memory", "stored", "initial")
 #: A recovery's time from the failure to the next completed step, in the order it is spent
 #: (``Recovery.timeline``): the failure noticed, the old group torn down and the new one's
 #: processes started; their start (imports, Ray Train's context, the process group); the engine
@@ -41,12 +41,12 @@ class Recovery:
 
     @property
     def elements(self) -> dict[str, int]:
-        """Elements recovered from survivors' captures, from stored (scheduled) versions and
-        from the run's rebuilt initial state (layers not saved yet)."""
+        """Elements recovered from survivors' captures, from the writers' memory versions, from
+        stored (scheduled) versions and from the run's rebuilt initial state (layers not saved yet)."""
         out = dict.fromkeys(ELEMENT_KINDS, 0)
         for layer_sources in self.sources.values():
             for s in layer_sources:
-                out[s["origin"] if s["origin"] in ("capture", "initial") else "stored"] += s["elements"]
+                out[s["origin"] if s["origin"] in ("capture", "memory", "initial") else "stored"] += s["elements"]
         return out
 
     world_size: int = 0

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from layercheck.orchestrator.core.recovery_events import CompositePlanned, NoComposite, PlanComposite
 from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import VersionRecord
 from layercheck.orchestrator.store.recovery_source import resolve_plan
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
 
@@ -21,14 +22,18 @@ def plan_composite(
     action: PlanComposite,
     *,
     clock: Callable[[], float] = time.monotonic,
+    memory: Sequence[VersionRecord] = (),
+    held: Collection[str] | None = None,
 ) -> CompositePlanned | NoComposite:
     """The composite at ``action.t_fail`` (``None``: the store's newest recoverable step), or why
-    there is none, stamped with ``clock()`` when planning ended."""
+    there is none, stamped with ``clock()`` when planning ended. ``memory``: the writers' memory
+    versions, weighed with the stored ones; ``held``: the files the live writers hold (``None``:
+    not known, every memory version counts as held)."""
     t_fail = action.t_fail
     if t_fail is None:
         t_fail = newest_recoverable_step(list(layer_numel), store.manifest().refs()) or 0
     try:
-        resolved = resolve_plan(store, layer_numel, t_fail, deep=False, skip=action.skip)
+        resolved = resolve_plan(store, layer_numel, t_fail, deep=False, skip=action.skip, memory=memory, held=held)
     except NoUsableVersionError as error:
         return NoComposite(attempt=action.attempt, t_fail=t_fail, reason=str(error), now=clock())
     return CompositePlanned(

@@ -135,6 +135,13 @@ class PersistenceConfig:
     """Where the cluster has more than one node, each writer also sends its shard files to a writer
     on another node, which keeps them within its own ``memory_bytes``: a lost node's shards still
     load from memory. Costs one network copy of every byte written."""
+    memory_period: int = 0
+    """Every this many steps each rank also hands its slices of every layer to its writer as a
+    *memory version*: held in the writers' memory (and mirrored to another node), never written to
+    storage. A recovery takes a lost rank's slices from the newest of those and the stored versions,
+    so they come back at most ``memory_period`` steps stale whatever the storage bandwidth. Costs a
+    host copy of the rank's state per period and ``memory_bytes`` room for one such version of each
+    layer (beside the stored versions' files). 0: off (needs ``memory_bytes`` > 0)."""
     write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
     """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
     measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
@@ -154,6 +161,13 @@ class PersistenceConfig:
         require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
         require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)
+        require(self.memory_period >= 0, "memory_period", ">= 0 (0 turns memory versions off)", self.memory_period)
+        require(
+            not self.memory_period or self.memory_bytes > 0,
+            "memory_period",
+            "0 while memory_bytes is 0 (memory versions live in the writers' memory tier)",
+            self.memory_period,
+        )
 
     @property
     def capture_hand_over_s(self) -> float | None:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.commit_path import (
@@ -39,6 +39,7 @@ from layercheck.orchestrator.core.commit_path import (
     ShardWritten,
     VersionsLost,
 )
+from layercheck.orchestrator.core.memory_versions import MemoryVersions
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.recovery_events import (
     AbandonIncomplete,
@@ -63,7 +64,7 @@ from layercheck.orchestrator.core.run_view import RunView
 from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST, LeaseLostError
-from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,14 @@ class WritersPort(Protocol):
         :meth:`RunSupervisor.shard_written`) what it holds; the names of those that did not answer."""
 
     def replace(self, names: tuple[str, ...]) -> None: ...
+
+
+@runtime_checkable
+class HeldPaths(Protocol):
+    """The optional part of a :class:`WritersPort` that can say which shard files its live writers
+    hold in memory (a memory version whose files are all gone cannot be planned from)."""
+
+    def held_paths(self) -> set[str]: ...
 
 
 class LocalPolicy:
@@ -162,6 +171,8 @@ class RunSupervisor:
         self.not_draining = threading.Event()
         """Clear while a recovery drains the writers (a shell hands out writers only when set)."""
         self.not_draining.set()
+        self.memory_versions = MemoryVersions()
+        """The writers' memory versions (``persistence.memory_period``), weighed by the recovery plan."""
 
     # ---- events from the runtime --------------------------------------------------------
     def join(self, rank: int, world_size: int, worker_id: str, *, captured_step: int | None = None) -> ResumeInfo:
@@ -191,7 +202,12 @@ class RunSupervisor:
             raise JoinDismissed(f"attempt {attempt}: {self._dismissed[attempt]}")
 
     def shard_written(self, receipt: ShardReceipt, write_s: float) -> None:
-        """A writer wrote one rank's shard; the version's commit (and its retries) run in this call."""
+        """A writer wrote one rank's shard; the version's commit (and its retries) run in this call.
+        A memory version's shard is held, not written: it joins :attr:`memory_versions`."""
+        if receipt.origin == MEMORY_ORIGIN:
+            with self._lock:
+                self.memory_versions.add(receipt)
+            return
         with self._lock:
             self.view.write_latencies.append(write_s)
             actions = self.commits.handle(ShardWritten(receipt=receipt))
@@ -331,7 +347,14 @@ class RunSupervisor:
         return []
 
     def _execute_plan(self, action: PlanComposite) -> list[Any]:
-        return self._feed(plan_composite(self.store, self.layer_numel, action, clock=self.clock))
+        with self._lock:
+            if action.t_fail is not None:
+                self.memory_versions.forget_after(action.t_fail)
+            memory = self.memory_versions.records()
+        held = self.writers.held_paths() if memory and isinstance(self.writers, HeldPaths) else None
+        return self._feed(
+            plan_composite(self.store, self.layer_numel, action, clock=self.clock, memory=memory, held=held)
+        )
 
     def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
         self.policy.restart(

@@ -24,6 +24,8 @@ class WriterStats:
     capture_bytes: int = 0
     """Of ``written_bytes``, survivors' captures (``origin="capture"``)."""
     captures_held: int = 0
+    memory_versions: int = 0
+    """Memory versions' shards held (``persistence.memory_period``: in memory only, never written)."""
     """Survivors' capture shards taken into this writer's memory (the writer actor's ``hold``)."""
     stalled: int = 0
     """Writes stalled by fault injection (``fault.stall_writes_s``)."""

@@ -58,13 +58,14 @@ from layercheck.orchestrator.local.receipts import ReceiptPump
 from layercheck.orchestrator.local.writer import LocalWriter
 from layercheck.orchestrator.local.writers_port import LocalWriters, drain_mine, writer_name
 from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
 from layercheck.policies.checkpoint_policy import CheckpointPolicy
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.shard import LayerShard
 
 if TYPE_CHECKING:
-    from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator
+    from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator, KeepsMemoryVersions
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,7 @@ class LocalCoordinator:
         write_budget: WriteBudgetConfig | None = None,
         capture: bool = False,
         memory_bytes: int = 0,
+        memory_period: int = 0,
     ) -> None:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -152,6 +154,8 @@ class LocalCoordinator:
         self.mailbox = Mailbox.create()
         self.max_inflight_bytes = max_inflight_bytes
         self.memory_bytes = memory_bytes
+        self.memory_period = memory_period
+        """Steps between memory versions (``persistence.memory_period``; 0: none)."""
         self.writer = self._new_writer()
         self._gathers: dict[int, _Gather] = {}
         self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
@@ -229,6 +233,12 @@ class LocalCoordinator:
             self.writer.submit(owned, base=base)
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
+
+    def hold(self, shards: Sequence[LayerShard]) -> None:
+        """A memory version's shards to this rank's writer, which holds them in memory only."""
+        for shard in shards:
+            owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
+            self.writer.submit(owned, base=False, origin=MEMORY_ORIGIN)
 
     def steps_ended(self) -> None:
         """The last step is done: the final save does not wait for storage (``BoundedHandover``)."""
@@ -441,8 +451,6 @@ class LocalCoordinator:
 
 
 if TYPE_CHECKING:  # the type check holds LocalCoordinator to the loop's protocol, its optional capture included
-    _LOCAL_COORDINATOR: tuple[type[Coordinator], type[CapturesOnFailure], type[BoundedHandover]] = (
-        LocalCoordinator,
-        LocalCoordinator,
-        LocalCoordinator,
-    )
+    _LOCAL_COORDINATOR: tuple[
+        type[Coordinator], type[CapturesOnFailure], type[BoundedHandover], type[KeepsMemoryVersions]
+    ] = (LocalCoordinator, LocalCoordinator, LocalCoordinator, LocalCoordinator)

@@ -24,6 +24,7 @@ from layercheck.orchestrator.core.write_queue import SupersedingQueue
 from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -154,6 +155,13 @@ class LocalWriter:
 
     def _write(self, entry: _Entry, mailbox: Mailbox) -> None:
         shard = entry.shard
+        if entry.origin == MEMORY_ORIGIN:  # a memory version: held, never written to storage
+            held = self.store.prepare_shard(shard, origin=entry.origin)
+            with self._changed:
+                self.stats.memory_versions += 1
+                self._memory.put(HeldShard.written(held.receipt, held.encoded.data))
+            mailbox.post(held.receipt.to_json(), 0.0)
+            return
         started = time.monotonic()
         prepared = None
         try:

@@ -35,6 +35,8 @@ class WorkerContext:
     """``lc.finish()`` persists every layer's state at the last step (``persistence.save_final``)."""
     capture_timeout_s: float | None = None
     """A survivor's capture when the loop raises (``persistence.capture``); ``None``: off."""
+    memory_period: int = 0
+    """Steps between memory versions (``persistence.memory_period``; 0: none)."""
     policy: Any = None
     """The run's policy config (``CheckpointConfig.policy``), for the warnings a worker can give
     once it knows how many steps the loop will train."""

@@ -166,8 +166,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
     elements = summary.get("recovered_elements", {})
-    if summary["recoveries"] and (elements.get("capture") or elements.get("initial")):
-        parts = [f"{elements.get('capture', 0):,} from survivors' captures", f"{elements.get('stored', 0):,} stored"]
+    if summary["recoveries"] and (elements.get("capture") or elements.get("initial") or elements.get("memory")):
+        parts = [f"{elements.get('capture', 0):,} from survivors' captures"]
+        if elements.get("memory"):
+            parts.append(f"{elements['memory']:,} from memory versions (persistence.memory_period)")
+        parts.append(f"{elements.get('stored', 0):,} stored")
         if elements.get("initial"):
             parts.append(f"{elements['initial']:,} from the initial state (not saved yet)")
         rows.append(["recovered elements", ", ".join(parts)])

@@ -32,7 +32,14 @@ from layercheck.workers import collective_abort
 from layercheck.workers.data import load_dataset
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.engine import build_engine, seek_step, shutdown
-from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator, StopsOnRequest, run_loop
+from layercheck.workers.loop import (
+    BoundedHandover,
+    CapturesOnFailure,
+    Coordinator,
+    KeepsMemoryVersions,
+    StopsOnRequest,
+    run_loop,
+)
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -75,9 +82,13 @@ class RayCoordinator:
         max_inflight_bytes: int,
         attempt: int = 1,
         capture_timeout_s: float | None = None,
+        memory_period: int = 0,
     ) -> None:
         self.rank = rank
         self.attempt = attempt
+        self.memory_period = memory_period
+        """Steps between memory versions (``persistence.memory_period``; 0: none)."""
+        self._held: dict[str, ray.ObjectRef] = {}  # the newest memory version's hand-over per layer
         self.capture_timeout_s = capture_timeout_s
         self.capture = self._capture if capture_timeout_s is not None else None
         """``StepProtocol.on_failure`` hands a survivor's capture to this (``None``: capture is off)."""
@@ -114,6 +125,12 @@ class RayCoordinator:
                 snapshot=snapshot, result=self.writer.submit.remote(snapshot), nbytes=wire.nbytes, step=shard.step
             )
         self._bound_inflight()
+
+    def hold(self, shards: Sequence[LayerShard]) -> None:
+        """A memory version's shards to this rank's writer, which holds them in memory only. Not
+        waited on, nor held to the in-flight bound: a host copy each, superseded by the next."""
+        for shard in shards:
+            self._held[shard.layer] = self.writer.submit.remote(ray.put(to_wire(shard, base=False, origin="memory")))
 
     def steps_ended(self) -> None:
         """The last step is done: the final save's snapshots are not held to the in-flight bound
@@ -251,12 +268,13 @@ class RayCoordinator:
 
 
 if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol, its optional parts included
-    _RAY_COORDINATOR: tuple[type[Coordinator], type[StopsOnRequest], type[CapturesOnFailure], type[BoundedHandover]] = (
-        RayCoordinator,
-        RayCoordinator,
-        RayCoordinator,
-        RayCoordinator,
-    )
+    _RAY_COORDINATOR: tuple[
+        type[Coordinator],
+        type[StopsOnRequest],
+        type[CapturesOnFailure],
+        type[BoundedHandover],
+        type[KeepsMemoryVersions],
+    ] = (RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator)
 
 
 def train_fn(loop_config: dict[str, Any]) -> None:
@@ -301,6 +319,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         max_inflight_bytes=run.persistence.max_inflight_bytes,
         attempt=resume.attempt,
         capture_timeout_s=run.persistence.capture_hand_over_s,
+        memory_period=run.persistence.memory_period,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)

@@ -38,7 +38,7 @@ from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
-from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,8 @@ class PersistenceWriter:
         return stall
 
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
+        if wire.origin == MEMORY_ORIGIN:
+            return await self._hold_memory_version(loop, wire)
         started = time.monotonic()
         self._stall_s = self._stall_for(wire)
         prepared = None
@@ -183,6 +185,17 @@ class PersistenceWriter:
         if prepared is not None:  # written: only now may recovery take it from memory
             await self._keep(receipt, prepared.encoded.data)
         await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
+        return WRITTEN
+
+    async def _hold_memory_version(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
+        """A memory version's shard (``persistence.memory_period``): serialised and held in memory
+        (and mirrored), never written to storage; the supervisor hears of it like of a write."""
+        prepared = await loop.run_in_executor(
+            None, lambda: self.store.prepare_shard(from_wire(wire), origin=wire.origin)
+        )
+        await self._keep(prepared.receipt, prepared.encoded.data)
+        self.stats.memory_versions += 1
+        await self.supervisor.shard_written.remote(prepared.receipt.to_json(), 0.0)
         return WRITTEN
 
     # ---- the in-memory tier ----------------------------------------------------------------

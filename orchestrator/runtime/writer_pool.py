@@ -118,6 +118,11 @@ class WriterPool:
             holders.sort(key=lambda h: h[0] != "memory_local")
         return index
 
+    def held_paths(self) -> set[str]:
+        """The shard files the live writers hold in memory (the recovery plan's test of a memory
+        version: ``run_supervisor.HeldPaths``)."""
+        return set(self.memory_index(node_id=""))
+
     def _all(self) -> dict[str, Any]:
         with self._lock:
             return dict(self._handles)

@@ -28,6 +28,7 @@ from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStore
 from layercheck.orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
 from layercheck.orchestrator.store.manifest import (
     LAYERS_DIR,
+    MEMORY_ORIGIN,
     ORIGINS,
     Manifest,
     ShardEntry,
@@ -51,7 +52,7 @@ DRIFT_TRACE_FILE = "drift_trace.json"
 
 
 def shard_path(shard: LayerShard, *, base: bool, token: str, origin: str = "policy") -> str:
-    kind = ("-base" if base else "") + ("-capture" if origin == "capture" else "")
+    kind = ("-base" if base else "") + (f"-{origin}" if origin in ("capture", "memory") else "")
     return (
         f"{LAYERS_DIR}/{shard.layer}/{shard.step:010d}{kind}-rank{shard.rank:05d}of{shard.world_size:05d}"
         f"-{token}.safetensors"
@@ -77,6 +78,11 @@ def _checked_path(shard: LayerShard, *, base: bool, origin: str) -> str:
     if origin not in ORIGINS:
         raise ValueError(f"origin must be one of {ORIGINS}, got {origin!r}")
     return shard_path(shard, base=base, token=new_token(), origin=origin)
+
+
+def _never_stored(origin: str) -> None:
+    if origin == MEMORY_ORIGIN:
+        raise ValueError("a memory version is held by the writers, never written to storage or committed")
 
 
 def _receipt(shard: LayerShard, rel: str, digest: tensorfile.FileDigest, *, base: bool, origin: str) -> ShardReceipt:
@@ -121,6 +127,7 @@ class LayerStore:
     def write_shard(self, shard: LayerShard, *, base: bool = False, origin: str = "policy") -> ShardReceipt:
         """Write one rank's shard of a version; visible to readers only after :meth:`commit`.
         ``origin="capture"``: a survivor's hand-over at a failure (see :data:`ORIGINS`)."""
+        _never_stored(origin)
         rel = _checked_path(shard, base=base, origin=origin)
         started = time.monotonic()
         digest = self.fs.write_atomic(
@@ -142,6 +149,7 @@ class LayerStore:
 
     def write_prepared(self, prepared: PreparedShard) -> ShardReceipt:
         """Write a prepared shard file, as :meth:`write_shard` would (atomic, fsynced, same hook points)."""
+        _never_stored(prepared.receipt.origin)
         rel, data, split = prepared.receipt.path, prepared.encoded.data, prepared.encoded.header_nbytes
         started = time.monotonic()
 
@@ -169,6 +177,7 @@ class LayerStore:
         Either way nothing is committed.
         """
         first = _check_receipts(receipts, partial=partial)
+        _never_stored(first.origin)
         version_id = _version_id(first.layer, first.step, base=first.base, partial=partial)
         if check_files:
             try:

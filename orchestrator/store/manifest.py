@@ -27,9 +27,12 @@ from layercheck.policies.plan import INITIAL_ORIGIN, VersionRef
 logger = logging.getLogger(__name__)
 
 RECORD_FORMAT = "layercheck.version/1"
-#: Where a version's data came from: a snapshot the policy scheduled, or a survivor's hand-over of
-#: what it held when its worker group broke (see ``layercheck.orchestrator.core.capture``).
-ORIGINS = ("policy", "capture")
+#: Where a version's data came from: a snapshot the policy scheduled, a survivor's hand-over of
+#: what it held when its worker group broke (see ``layercheck.orchestrator.core.capture``), or a
+#: memory version (``persistence.memory_period``: held in the writers' memory, never stored, so
+#: never a commit record: see ``orchestrator/core/memory_versions.py``).
+MEMORY_ORIGIN = "memory"
+ORIGINS = ("policy", "capture", MEMORY_ORIGIN)
 MANIFEST_DIR = "manifest"
 LAYERS_DIR = "layers"
 _LAYER_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -178,6 +181,8 @@ class VersionRecord:
             raise ManifestError(f"{source}: malformed commit record ({error!r})") from error
         if record.is_initial:
             raise ManifestError(f"{source}: a commit record cannot be an initial-state placeholder: damaged")
+        if record.origin == MEMORY_ORIGIN:
+            raise ManifestError(f"{source}: a commit record cannot be a memory version (never stored): damaged")
         record.check_names(source=source)
         return record
 

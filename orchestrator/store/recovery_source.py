@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.errors import CorruptShardError, ManifestError, ShardFormatError
 from layercheck.orchestrator.store.initial_state import read_initial
 from layercheck.orchestrator.store.layer_store import LayerStore
-from layercheck.orchestrator.store.manifest import Manifest, VersionRecord
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, Manifest, VersionRecord
 from layercheck.policies.overlay import LayerSource, Span
 from layercheck.policies.plan import (
     NoUsableVersionError,
@@ -69,9 +69,13 @@ def resolve_plan(
     deep: bool = True,
     skip: Mapping[str, str] | Collection[str] = (),
     manifest: Manifest | None = None,
+    memory: Sequence[VersionRecord] = (),
+    held: Collection[str] | None = None,
 ) -> ResolvedPlan:
     """Plan recovery at ``t_fail`` (default: the newest recoverable step) from versions that are
-    usable. ``deep`` reads every byte of each chosen version to verify its checksums; without
+    usable: the stored ones and the writers' ``memory`` versions (``persistence.memory_period``),
+    a memory version usable while the live writers hold all its files (``held``; ``None``: not
+    known, then it counts as held and a file gone by the load falls back as a corrupt one does). ``deep`` reads every byte of each chosen version to verify its checksums; without
     it only sizes and headers are checked and :class:`VersionReader` catches a bad tensor later
     (raising :class:`CorruptShardError`; call again with that version in ``skip``).
 
@@ -80,8 +84,9 @@ def resolve_plan(
     """
     manifest = store.manifest() if manifest is None else manifest
     initial = _initial_records(store, layer_numel)
-    by_id = {**manifest.by_id(), **{r.version_id: r for r in initial}}
-    refs = manifest.refs() + [r.ref for r in initial]
+    extra = [*initial, *(r for r in memory if r.layer in layer_numel)]
+    by_id = {**manifest.by_id(), **{r.version_id: r for r in extra}}
+    refs = manifest.refs() + [r.ref for r in extra]
     if t_fail is None:
         t_fail = newest_recoverable_step(list(layer_numel), refs)
         if t_fail is None:
@@ -102,7 +107,7 @@ def resolve_plan(
             for ref in (choice.version, *choice.overlays):
                 if ref.version_id in usable:
                     continue
-                problem = _problem(store, by_id[ref.version_id], deep=deep, usable=usable)
+                problem = _problem(store, by_id[ref.version_id], deep=deep, usable=usable, held=held)
                 if problem:
                     skipped[ref.version_id] = problem
                     fresh_problems = True
@@ -166,9 +171,23 @@ def _initial_records(store: LayerStore, layer_numel: Mapping[str, int]) -> list[
     return list(initial.records(layer_numel).values()) if initial is not None else []
 
 
-def _problem(store: LayerStore, record: VersionRecord, *, deep: bool, usable: dict[str, dict[str, list[Span]]]) -> str:
+def _problem(
+    store: LayerStore,
+    record: VersionRecord,
+    *,
+    deep: bool,
+    usable: dict[str, dict[str, list[Span]]],
+    held: Collection[str] | None = None,
+) -> str:
     """Why ``record`` is unusable ("" if usable: then it joins ``usable`` with the element spans
-    it holds, read from its shard headers for a partial version)."""
+    it holds, read from its shard headers for a partial version). A memory version has no files
+    in storage: it is usable while the writers hold them (``held``)."""
+    if record.origin == MEMORY_ORIGIN:
+        gone = [s.path for s in record.shards if held is not None and s.path not in held]
+        if gone:
+            return f"the writers no longer hold {len(gone)} of its {len(record.shards)} files in memory"
+        usable[record.version_id] = {}
+        return ""
     problems = store.check_version(record, deep=deep)
     if problems:
         return "; ".join(problems)

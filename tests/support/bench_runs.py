@@ -9,6 +9,7 @@ TINY_BENCHMARK_STRATEGIES = [
     "layercheck",
     "layercheck+capture",
     "layercheck+capture+memory",
+    "layercheck+capture+memory@3",
     "full",
     "diff",
     "full-resume",
@@ -24,6 +25,6 @@ def tiny_benchmark_run() -> tuple[Any, dict[str, Any]]:
     from layercheck.bench.presets import preset
     from layercheck.bench.strategies import default_strategies, select
 
-    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2)
+    workload = preset("tiny", steps=8, failures=(6,), interval=4, layercheck_warmup=2, lr_warmup=2, memory_period=3)
     strategies = select(default_strategies(workload.strategy), TINY_BENCHMARK_STRATEGIES)
     return workload, run_benchmark(workload, strategies, matched=False)
