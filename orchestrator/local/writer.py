@@ -62,9 +62,11 @@ class LocalWriter:
         ``origin="capture"``: a survivor's capture, written next (ahead of the scheduled snapshots
         queued) and never superseding a scheduled snapshot of the same step."""
         with self._changed:
-            capture = origin == "capture"
-            key = (shard.layer, shard.rank, shard.step, origin)
-            older = self._queue.put(key, _Entry(shard, base, origin), front=capture)
+            capture, memory = origin == "capture", origin == MEMORY_ORIGIN
+            # a memory version waits for no write but the one in progress, and replaces its
+            # predecessor still waiting: at most one of a layer's is queued, whatever the storage
+            key = (shard.layer, shard.rank, origin) if memory else (shard.layer, shard.rank, shard.step, origin)
+            older = self._queue.put(key, _Entry(shard, base, origin), front=capture or memory)
             if older is not None:
                 self.stats.superseded += 1
                 logger.info(
@@ -75,7 +77,7 @@ class LocalWriter:
                     shard.step,
                 )
             self._changed.notify_all()
-            if self.inflight_bytes <= self.max_inflight_bytes or self.unbounded:
+            if self.inflight_bytes <= self.max_inflight_bytes or self.unbounded or memory:
                 return
             started = time.monotonic()
             logger.warning(

@@ -89,7 +89,10 @@ class PersistenceWriter:
             self._worker = asyncio.get_running_loop().create_task(self._run())
 
     async def submit(self, wire: WireShard) -> str:
-        """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``."""
+        """Queue one rank's shard; resolves to ``written``, ``superseded`` or ``failed: …``. A memory
+        version's shard is held at once, beside the writes (never behind a slow one in the queue)."""
+        if wire.origin == MEMORY_ORIGIN:
+            return await self._hold_memory_version(asyncio.get_running_loop(), wire)
         return await self._enqueue(wire)
 
     async def hold(self, wire: WireShard) -> int:
@@ -156,8 +159,6 @@ class PersistenceWriter:
         return stall
 
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
-        if wire.origin == MEMORY_ORIGIN:
-            return await self._hold_memory_version(loop, wire)
         started = time.monotonic()
         self._stall_s = self._stall_for(wire)
         prepared = None
@@ -188,8 +189,9 @@ class PersistenceWriter:
         return WRITTEN
 
     async def _hold_memory_version(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
-        """A memory version's shard (``persistence.memory_period``): serialised and held in memory
-        (and mirrored), never written to storage; the supervisor hears of it like of a write."""
+        """A memory version's shard (``persistence.memory_period``): serialised (off the event loop)
+        and held in memory (and mirrored), never written to storage; the supervisor hears of it like
+        of a write. It supersedes the layer's previous memory version in the cache."""
         prepared = await loop.run_in_executor(
             None, lambda: self.store.prepare_shard(from_wire(wire), origin=wire.origin)
         )
