@@ -4,7 +4,7 @@ to their last line (no Ray needed: the filter and the announcement are pure)."""
 
 import logging
 
-from layercheck.orchestrator.runtime.driver import announce_failures
+from layercheck.orchestrator.runtime.fit_watch import announce_failures
 from layercheck.orchestrator.runtime.ray_noise import LogFilter
 
 RAY_TRACEBACK = """Traceback (most recent call last):

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from layercheck.orchestrator.runtime.driver import RunHandles, Terminated, fit_watched, raise_on_sigterm
+from layercheck.orchestrator.runtime.fit_watch import RunHandles, Terminated, fit_watched, raise_on_sigterm
 
 
 @pytest.fixture

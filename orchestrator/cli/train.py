@@ -127,7 +127,7 @@ def train_and_report(
     from layercheck.orchestrator.runtime.summary import ProgressLines, format_summary, summarize
 
     progress = ProgressLines(config.log_every)
-    # Ctrl-C stops the run cleanly (driver.fit_watched); a shell that starts us in the background
+    # Ctrl-C stops the run cleanly (fit_watch.fit_watched); a shell that starts us in the background
     # leaves SIGINT ignored, where `kill -INT` must still stop the run the same way
     signal.signal(signal.SIGINT, signal.default_int_handler)
 

@@ -1,7 +1,7 @@
 """Ray's known noise, cut on the driver's console: when LayerCheck loses a worker on purpose (an
 injected kill) or by accident, Ray Train's controller and the survivors print 60–80 lines of
 tracebacks (and a hint that the OOM killer may be to blame) that bury LayerCheck's own account
-(the ``LAYERCHECK:`` warnings of :func:`layercheck.orchestrator.runtime.driver.announce_failures`).
+(the ``LAYERCHECK:`` warnings of :func:`layercheck.orchestrator.runtime.fit_watch.announce_failures`).
 
 The driver keeps printing every line Ray forwards from its workers, except: a traceback is cut to
 its first and last line plus a count (the full text stays in Ray's session logs,

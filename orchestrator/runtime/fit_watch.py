@@ -1,0 +1,206 @@
+"""Running a ``TorchTrainer``'s ``fit`` under LayerCheck's eye, on the driver: the supervisor
+polled for progress (and a lost worker group announced in LayerCheck's own words), and Ctrl-C or
+SIGTERM turned into a clean stop after the same step on every rank (:func:`fit_watched`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.policies.configs import PolicyConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunHandles:
+    """The live actors of one run, as :func:`start_run` started them."""
+
+    run_id: str
+    storage_uri: str
+    policy_config: PolicyConfig
+    layer_numel: dict[str, int]
+    policy: Any
+    supervisor: Any
+    metrics_url: str | None
+    discovery_file: str | None = None
+    """The Prometheus ``file_sd`` file naming the exporter (removed when the run ends)."""
+    stop_drain_s: float = 120.0
+    """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
+    interrupted: bool = False
+    interrupted_by: str = "Ctrl-C"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM on the driver (``kill``, a scheduler's stop): handled exactly like Ctrl-C
+    (:func:`raise_on_sigterm`)."""
+
+
+def raise_on_sigterm() -> Any:
+    """Until the previous handler (returned) is put back, SIGTERM raises :class:`Terminated` in
+    the main thread, as Ctrl-C raises ``KeyboardInterrupt``: the run stops after the same step on
+    every rank, saves its final state and prints its summary and resume command, instead of dying
+    mid-step (Ray's own handler exits the driver at once)."""
+    import signal
+
+    def _raise(signum: int, frame: Any) -> None:
+        raise Terminated()
+
+    return signal.signal(signal.SIGTERM, _raise)
+
+
+def fit_watched(
+    handles: RunHandles,
+    trainer: Any,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    poll_s: float = 1.0,
+    fault_note: str = "",
+) -> str | None:
+    """``trainer.fit()`` while polling the supervisor for progress; the error that ended the
+    run for good (max_failures exhausted, a bug in a worker), or ``None``.
+
+    Ctrl-C (SIGINT), or SIGTERM, stops the run cleanly: ``fit`` runs in a thread of its own (so Ray Train does
+    not install its SIGINT handler, which aborts the workers mid-step), and the interrupt asks
+    every rank, through the supervisor, to stop after the same step and persist its final state;
+    the driver waits up to ``handles.stop_drain_s`` for that (a second Ctrl-C stops waiting)."""
+    import signal
+
+    stop = threading.Event()
+    # after ray.init, which installs its own SIGTERM handler; only the main thread may set one
+    previous = raise_on_sigterm() if threading.current_thread() is threading.main_thread() else None
+    watcher = threading.Thread(
+        target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note), daemon=True
+    )
+    watcher.start()
+    outcome: dict[str, str] = {}
+    # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
+    # marked stopped while it runs on (CPython 3.11), and the driver would not wait for it
+    fitted = threading.Event()
+    runner = threading.Thread(target=_fit, args=(trainer, outcome, fitted), name="trainer-fit", daemon=True)
+    runner.start()
+    try:
+        try:
+            while not fitted.wait(0.5):
+                pass
+        except KeyboardInterrupt as interrupt:
+            handles.interrupted = True
+            handles.interrupted_by = "SIGTERM" if isinstance(interrupt, Terminated) else "Ctrl-C"
+            _stop_on_interrupt(handles, fitted)
+    finally:
+        stop.set()
+        watcher.join()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    if handles.interrupted:
+        return outcome.get("error") or f"interrupted ({handles.interrupted_by})"
+    return outcome.get("error")
+
+
+def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None:
+    try:
+        trainer.fit()
+    except BaseException as exc:  # noqa: BLE001 - carried to the driver's thread
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+        logger.error("training failed: %s", outcome["error"])
+    finally:
+        fitted.set()
+
+
+def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
+    """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
+    logger.warning(
+        "%s: stopping after the current step and saving what is in flight (up to %.0fs; Ctrl-C again to stop waiting)",
+        handles.interrupted_by,
+        handles.stop_drain_s,
+    )
+    try:
+        ray.get(handles.supervisor.request_stop.remote(f"interrupted ({handles.interrupted_by})"), timeout=10)
+        fitted.wait(handles.stop_drain_s)
+    except KeyboardInterrupt:
+        logger.warning("Ctrl-C again: not waiting for the workers")
+        return
+    except Exception as error:  # noqa: BLE001 - the supervisor is gone: nothing to wait for
+        logger.error("could not ask the workers to stop: %s", error)
+        return
+    if not fitted.is_set():
+        logger.error(
+            "the workers did not stop within %.0fs (persistence.stop_drain_s): ending without them",
+            handles.stop_drain_s,
+        )
+
+
+def _watch(
+    supervisor: Any,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    stop: threading.Event,
+    poll_s: float,
+    fault_note: str = "",
+) -> None:
+    seen = {"state": "", "recoveries": 0}
+    while not stop.wait(poll_s):
+        try:
+            status = ray.get(supervisor.status.remote(), timeout=10)
+            announce_failures(status, seen, fault_note)
+            if on_progress is not None:
+                on_progress(status)
+        except Exception as error:  # progress display must never end the run
+            logger.debug("progress poll failed: %s", error)
+
+
+def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:
+    """LayerCheck's own account of a lost worker group, one WARNING line when it is seen and one
+    when training resumes (one line for both when the recovery was over before a poll saw it),
+    so it stands out from Ray's tracebacks; the lines logged."""
+    lines = []
+    note = f" ({fault_note})" if fault_note else ""
+    state = status.get("state", "")
+    if state == "recovering" and seen["state"] != "recovering" and status.get("grown_from"):
+        lines.append(
+            f"LAYERCHECK: Ray Train grows the worker group from {status['grown_from']} to "
+            f"{status.get('world_size')} workers after step {status.get('step')} (room came back): it "
+            "restarts the workers, and LayerCheck resumes them like a recovery, after the last complete step"
+        )
+        seen["announced"] = True
+    elif state == "recovering" and seen["state"] != "recovering" and status.get("attempt", 2) > 1:
+        # (attempt 1 recovering: a --resume planning its composite, no group was lost)
+        lines.append(
+            f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
+            "workers, LayerCheck loads each layer's newest committed version and training resumes after "
+            "the last complete step (Ray's tracebacks above are that loss)"
+        )
+        seen["announced"] = True
+    recoveries = status.get("account", {}).get("recoveries", [])
+    for r in recoveries[seen["recoveries"] :]:
+        announced = seen.pop("announced", False)
+        if r.get("grown_from"):
+            grown = "" if announced else f"Ray Train grew the worker group after step {r['t_fail']}; "
+            lines.append(
+                f"LAYERCHECK: {grown}resumed with {r['world_size']} workers (was {r['grown_from']}): "
+                f"training resumes at step {r['resumed_at']}; composite staleness max {r['max_staleness']}"
+            )
+            continue
+        if r.get("kind") == "resume":
+            lines.append(
+                f"LAYERCHECK: --resume: the stored run continues at step {r['resumed_at']} with "
+                f"{r.get('world_size') or '?'} worker(s); composite staleness max {r['max_staleness']}"
+                + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
+            )
+            continue
+        lost = "" if announced else f"worker group lost after step {r['t_fail']}{note}; "
+        size = f" with {r['world_size']} worker{'s' if r['world_size'] > 1 else ''}" if r.get("world_size") else ""
+        lines.append(
+            f"LAYERCHECK: {lost}recovered: training resumes at step {r['resumed_at']}{size} (lost after step "
+            f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
+            + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
+        )
+    seen.update(state=state, recoveries=len(recoveries))
+    for line in lines:
+        logger.warning("%s", line)
+    return lines
