@@ -120,6 +120,9 @@ def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_ve
     text = format_summary(summary)
     assert "elements from" in text and "capture@14 21 (1 layer); policy@10 21 (1 layer)" in text
     assert "21 from survivors' captures, 21 stored" in text
+    # the price of no rollback, and the knob for it
+    assert "21 of 42 elements (50%) came back 4.0 steps stale on average (at most 4)" in text
+    assert "persistence.memory_period = P" in text
 
 
 def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_position():

@@ -187,3 +187,24 @@ def test_a_record_claiming_a_step_past_its_runs_steps_is_damaged_never_the_newes
     assert any("claims step 400, but the run of its epoch 1 trains 40 steps" in p for p in manifest.problems)
     assert newest_recoverable_step(["embed"], manifest.refs()) == 40
     lease.release()
+
+
+def test_only_the_epoch_files_the_records_need_are_read_and_a_damaged_one_fences_nothing_out(tmp_path):
+    """A store resumed many times holds an epoch file per start, each sealing every version id of
+    its time: a manifest read reads only the epochs its records belong to and the one after each.
+    And a damaged epoch file is reported, but never makes the records of its epoch damaged."""
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    for run in ("a", "b", "c"):
+        StoreLease.acquire(fs, run=run, settle_s=0).release()  # epochs 1-3, no records in them
+    lease = StoreLease.acquire(fs, run="d", settle_s=0)  # epoch 4
+    store = LayerStore(fs)
+    store.fence = lease.fence
+    record, _ = write_layer(store, "embed", 2)
+    fs.write_bytes(epoch_path(2), b"not json")  # an old epoch no record needs: not even read
+    manifest = store.manifest()
+    assert [r.version_id for r in manifest.records] == [record.version_id] and manifest.problems == ()
+    fs.write_bytes(epoch_path(4), b"not json")  # the newest, its records' own: read, reported
+    manifest = store.manifest()
+    assert [r.version_id for r in manifest.records] == [record.version_id]
+    assert any("unreadable epoch file" in p for p in manifest.problems)
+    lease.release()

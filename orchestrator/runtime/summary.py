@@ -162,6 +162,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
         if r.get("sources"):
             rows.append(["    elements from", format_sources(r["sources"])])
+            stale = _stale_elements(r)
+            if stale:
+                rows.append(["    not as at the failure", stale])
         if "storage_shards" in r:
             rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
@@ -322,6 +325,25 @@ def _recovery_kind(recovery: dict[str, Any]) -> str:
     if recovery.get("kind") == "resume":
         return "--resume from the store"
     return "recovery"
+
+
+def _stale_elements(r: dict[str, Any]) -> str:
+    """The price of no rollback in a recovery: the elements it brought back from a step before
+    ``t_fail`` (a lost rank's stored versions), how stale, and the knob that bounds it ("" if none)."""
+    if not _recovered(r):
+        return ""
+    sources = [s for layer in r["sources"].values() for s in layer if s["elements"]]
+    stale = [(s["elements"], r["t_fail"] - s["step"]) for s in sources if s["step"] < r["t_fail"]]
+    count, total = sum(n for n, _ in stale), sum(s["elements"] for s in sources)
+    if not count:
+        return ""
+    mean = sum(n * age for n, age in stale) / count
+    return (
+        f"{count:,} of {total:,} elements ({count / total:.0%}) came back {mean:.1f} steps stale on average "
+        f"(at most {max(age for _, age in stale)}): the steps a rollback would have re-run for them. "
+        "persistence.memory_period = P brings a lost rank's slices back at most P steps stale, from the "
+        "writers' memory"
+    )
 
 
 def _recovery_time(r: dict[str, Any]) -> str:

@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,19 +107,23 @@ def epoch_numbers(fs: StoreFS) -> list[int]:
 
 @dataclass(frozen=True, kw_only=True)
 class EpochHistory:
-    """Every epoch of a store, and the epoch files that could not be read."""
+    """The epochs a store lists, those of them read (the ones a set of records needs), and the
+    epoch files that could not be read."""
 
+    numbers: tuple[int, ...]
+    """Every epoch the store lists, oldest first."""
     epochs: dict[int, Epoch]
+    """The epoch files read, by number."""
     problems: tuple[str, ...] = ()
 
     @property
     def newest(self) -> int:
-        return max(self.epochs, default=0)
+        return self.numbers[-1] if self.numbers else 0
 
     def claims_unopened(self, epoch: int) -> bool:
         """A record of ``epoch`` cannot exist: no such epoch was opened (its record is damaged).
         A store without epoch files accepts any (they were deleted, or copied without them)."""
-        return bool(self.epochs) and epoch > self.newest
+        return bool(self.numbers) and epoch > self.newest
 
     def beyond_its_run(self, step: int, epoch: int) -> int | None:
         """The steps of ``epoch``'s run when ``step`` is past them (a record claiming it is
@@ -127,19 +132,33 @@ class EpochHistory:
         return limit if limit is not None and step > limit else None
 
     def fenced_out(self, version_id: str, epoch: int) -> Epoch | None:
-        """The epoch that fences out record ``version_id`` of ``epoch`` (None: it counts)."""
-        later = [n for n in self.epochs if n > epoch]
-        if not later:
+        """The epoch that fences out record ``version_id`` of ``epoch`` (None: it counts, also when
+        the epoch that follows it could not be read: then nothing proves it late)."""
+        following = following_epoch(self.numbers, epoch)
+        if following is None or following not in self.epochs:
             return None
-        following = self.epochs[min(later)]
-        return None if version_id in following.sealed else following
+        sealing = self.epochs[following]
+        return None if version_id in sealing.sealed else sealing
 
 
-def read_epochs(fs: StoreFS) -> EpochHistory:
-    """Every epoch file. An unreadable one is a problem (``verify`` reports it) and is left out:
-    the records it would have fenced out then count, as they would on a store without epochs."""
+def following_epoch(numbers: Sequence[int], epoch: int) -> int | None:
+    """The first of ``numbers`` after ``epoch`` (the one whose seal decides its records)."""
+    return next((n for n in numbers if n > epoch), None)
+
+
+def read_epochs(fs: StoreFS, *, record_epochs: Collection[int] | None = None) -> EpochHistory:
+    """The store's epochs: every one listed, and the files that records of ``record_epochs`` need
+    read (each such epoch's own, for its run's steps, and the one after it, whose seal decides
+    them; ``None``: every file). An unreadable one is a problem (``verify`` reports it) and is left
+    out: the records it would have fenced out then count, as they would on a store without epochs."""
+    numbers = tuple(epoch_numbers(fs))
+    if record_epochs is None:
+        wanted = set(numbers)
+    else:
+        wanted = {e for e in record_epochs if e in numbers}
+        wanted |= {f for e in record_epochs if (f := following_epoch(numbers, e)) is not None}
     epochs, problems = {}, []
-    for number in epoch_numbers(fs):
+    for number in sorted(wanted):
         rel = epoch_path(number)
         try:
             epoch = Epoch.from_json(json.loads(fs.read_bytes(rel)), source=fs.uri(rel))
@@ -152,7 +171,7 @@ def read_epochs(fs: StoreFS) -> EpochHistory:
             problems.append(f"{fs.uri(rel)}: names epoch {epoch.epoch}, not its file name")
             continue
         epochs[number] = epoch
-    return EpochHistory(epochs=epochs, problems=tuple(problems))
+    return EpochHistory(numbers=numbers, epochs=epochs, problems=tuple(problems))
 
 
 def open_epoch(fs: StoreFS, *, owner: str, run: str, sealed: frozenset[str], steps: int | None = None) -> Epoch:

@@ -291,9 +291,11 @@ def read_manifest(store: StoreFS, *, threads: int = 16) -> Manifest:
             results = list(pool.map(lambda rel: _read_record(store, rel), names))
     else:
         results = [_read_record(store, rel) for rel in names]
-    # after the listing: an epoch opened since sealed every record listed
-    history = read_epochs(store)
-    records, fenced, unreadable = _apply_epochs(store, [r for r in results if isinstance(r, VersionRecord)], history)
+    # after the listing: an epoch opened since sealed every record listed; of the epoch files,
+    # only those the records need (their own, and the one after each, whose seal decides them)
+    parsed = [r for r in results if isinstance(r, VersionRecord)]
+    history = read_epochs(store, record_epochs={r.epoch for r in parsed})
+    records, fenced, unreadable = _apply_epochs(store, parsed, history)
     unreadable += [r for r in results if isinstance(r, _Unreadable)]
     for bad in unreadable:
         logger.warning("manifest: %s; ignoring it", bad.problem)
