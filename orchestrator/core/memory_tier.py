@@ -144,6 +144,10 @@ class ShardCache:
     def get(self, path: str) -> HeldShard | None:
         return self._by_path.get(path)
 
+    def own_shards(self) -> list[HeldShard]:
+        """The shards held that this writer wrote itself (not mirror copies), oldest step first."""
+        return sorted((s for s in self._by_path.values() if not s.mirror), key=lambda s: s.step)
+
     def paths(self) -> Iterator[tuple[str, bool]]:
         """``(path, mirror)`` of every shard held."""
         return ((s.path, s.mirror) for s in self._by_path.values())

@@ -220,9 +220,16 @@ class PersistenceWriter:
         self._mirrors.append(self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)))
         self.stats.mirrors_sent += 1
 
-    def set_peer(self, peer: Any) -> None:
-        """The writer (on another node) that keeps mirror copies of this one's shards; ``None``: none."""
+    async def set_peer(self, peer: Any) -> None:
+        """The writer (on another node) that keeps mirror copies of this one's shards; ``None``: none.
+        A new peer first gets copies of the shards this writer holds of its own: written before
+        any peer was known (the writers start in any order) or mirrored to a peer since replaced.
+        Without them a lost node's early files would be in no memory but its own."""
+        changed = peer is not None and peer != self._peer
         self._peer = peer
+        if changed:
+            for held in self.memory.own_shards():
+                await self._send_mirror(held)
 
     def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:
         """Keep a copy of a shard file another node's writer wrote; True if it is held."""
