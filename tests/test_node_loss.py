@@ -118,6 +118,7 @@ def _lose_a_node(head, second, config, seen, *, bring_back=False, kill_after=KIL
                     seen["committed"] = {v.version_id: v for v in LayerStore.open(config.storage_uri).versions()}
                     seen["killed_at"] = status["step"]
                     seen["recoveries_before"] = len(status["account"]["recoveries"])
+                    seen["memory_at_loss"] = ray.get(_supervisor(status["run_id"]).memory_view.remote())
                     head.remove_node(second, allow_graceful=False)  # raylet, worker, writer: gone at once
                 elif bring_back and "committed" in seen and "returned" not in seen and _trained_alone(status, seen):
                     seen["returned"] = status["step"]  # the test's main thread adds the node (signals)
@@ -130,9 +131,13 @@ def _lose_a_node(head, second, config, seen, *, bring_back=False, kill_after=KIL
     return on_progress
 
 
+def _supervisor(run_id):
+    return ray.get_actor(RunNames(run_id).supervisor, namespace=NAMESPACE)
+
+
 def _request_stop(run_id, reason):
     """What Ctrl-C on the driver does: every rank stops after the same step."""
-    ray.get(ray.get_actor(RunNames(run_id).supervisor, namespace=NAMESPACE).request_stop.remote(reason))
+    ray.get(_supervisor(run_id).request_stop.remote(reason))
 
 
 def _two_workers(status):
@@ -226,7 +231,11 @@ def test_losing_a_node_resumes_at_t_fail_plus_one_from_memory_and_loses_nothing_
     held = [c["rank"] for c in account["capture"]["captures"] if c["held"]]
     assert len(held) == 1 and account["capture"]["holds"][0]["captured"] == held, account["capture"]
     # (a file the lost node wrote just before it vanished may not have reached its mirror yet)
-    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] < lost["memory_local_shards"], lost
+    # (what the writers held just before the loss is in the message: mirror_bytes 0 means no mirror arrived)
+    assert lost["memory_local_shards"] > 0 and lost["storage_shards"] < lost["memory_local_shards"], (
+        seen["memory_at_loss"],
+        lost,
+    )
     # no half-written version in the manifest: the stalled writer finished no version taken after
     # STALL_AFTER_STEP in the two-node group; what the surviving rank wrote of those versions (and
     # its capture) is committed as partial versions of its own slices only, and every record is whole
