@@ -161,6 +161,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         engine,
         layer_map=layer_map if layer_map is not None else ctx.layer_map,
         drift_probe=drift_probe or ctx.drift_probe,
+        drift_every=ctx.policy.drift_every if ctx.policy is not None else 1,
     )
     _check_layers(attached.layer_map, ctx.layer_numel)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()

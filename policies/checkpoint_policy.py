@@ -77,6 +77,11 @@ class DriftThresholdPolicy:
         unknown = set(obs.drift) - set(self.layers)
         if unknown:
             raise ValueError(f"drift reported for unknown layers {sorted(unknown)}")
+        if not obs.measured and not obs.drift:  # (a replay's estimate of an unmeasured step will do)
+            raise ValueError(
+                f"step {obs.step}: no drift measured, but {type(self).__name__} decides on every step's "
+                "drift (its config's drift_every is 1)"
+            )
         if self.base_step is None:
             if obs.step < self.warmup_steps:
                 return PersistDecision(step=obs.step)

@@ -27,6 +27,8 @@ class LayerCheckConfig:
 
     selective: ClassVar[bool] = True
     """Chooses layers by drift after a warm-up: compared with full checkpoints at matched freshness."""
+    drift_every: ClassVar[int] = 1
+    """Steps between drift measurements: a threshold decides at every step, so it measures every step."""
 
     k0: float = 1e-3
     """Base drift threshold for every layer but the embeddings."""
@@ -69,6 +71,7 @@ class DriftOptimalConfig:
     :class:`layercheck.policies.checkpoint_policy.DriftOptimalPolicy`)."""
 
     selective: ClassVar[bool] = True
+    drift_every: ClassVar[int] = 1
 
     period: int = 50
     """Save period of a layer drifting at the parameter-weighted mean rate."""
@@ -126,6 +129,11 @@ class StaggeredConfig:
     replan_tolerance: float = 1.25
     """Periods are re-planned every mean period; a layer's period changes only when the new one
     differs by more than this factor, so phases and per-step bytes stay steady."""
+    drift_every: int = 10
+    """Steps between drift measurements: step 1, then every ``drift_every``-th (1, 11, 21, ... for
+    10). The schedule needs each layer's drift *rate*, not every step's drift, so the ranks measure
+    it only on these steps (exactly: that step's update alone) and the probe costs that much less
+    per step; in between, a layer's unsaved drift is estimated from its rate. 1: every step."""
 
     def __post_init__(self) -> None:
         require_finite(self)
@@ -147,6 +155,7 @@ class StaggeredConfig:
         require(0 <= self.ema < 1, "ema", "in [0, 1)", self.ema)
         require(self.replan_tolerance >= 1, "replan_tolerance", ">= 1", self.replan_tolerance)
         require(0 <= self.min_gain < 1, "min_gain", "in [0, 1)", self.min_gain)
+        require(self.drift_every >= 1, "drift_every", ">= 1 (1: every step)", self.drift_every)
 
     def describe(self) -> str:
         budget = [f"period={self.period}"] if self.period is not None else []
@@ -159,6 +168,7 @@ class IntervalConfig:
     """Fixed-interval full checkpoints, what DeepSpeed and Ray users do today."""
 
     selective: ClassVar[bool] = False
+    drift_every: ClassVar[int] = 1
 
     interval: int = 100
     """Persist every layer at every step that is a multiple of this."""
@@ -175,6 +185,7 @@ class NeverConfig:
     """No checkpoints at all: the lower bound on overhead, the upper bound on lost work."""
 
     selective: ClassVar[bool] = False
+    drift_every: ClassVar[int] = 1
 
     def describe(self) -> str:
         return "never"
@@ -198,6 +209,13 @@ def policy_config(name: str, params: Mapping[str, Any] | None = None, *, field: 
     """The config of the policy called ``name`` from its parameters."""
     require(name in POLICY_CONFIGS, f"{field}.name", f"one of {sorted(POLICY_CONFIGS)}", name)
     return from_mapping(POLICY_CONFIGS[name], params or {}, field=field)
+
+
+def drift_measured(step: int, every: int) -> bool:
+    """Whether the ranks measure drift at optimizer step ``step`` (1, 2, ...) when a policy asks
+    for it every ``every`` steps (its config's ``drift_every``): step 1, then every ``every``-th
+    (1, 1 + every, 1 + 2 every, ...), the same steps on every rank and in every attempt."""
+    return every <= 1 or (step - 1) % every == 0
 
 
 def schedule_warnings(policy: PolicyConfig, steps: int, *, prefix: str = "policy.") -> list[str]:

@@ -67,3 +67,6 @@ class StepObservation:
     """Bytes per step the writers can drain (measured by the runtime), or ``None``: a schedule
     that takes a budget stretches its periods to fit it, so the write queue cannot grow without
     bound."""
+    measured: bool = True
+    """Whether ``drift`` was measured at this step. A policy that needs only drift rates
+    (``drift_every`` > 1) is shown unmeasured steps too, with no drift: missing, not zero."""

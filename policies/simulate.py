@@ -63,7 +63,7 @@ def simulate(
     drift_max = 0.0
     evaluated = 0
     series: list[tuple[int, int, float]] = []
-    for obs in trace.steps:
+    for obs in trace.filled().steps:  # a sampled run's unmeasured steps: estimated
         for name in trace.layers:
             unsaved[name] += obs.drift.get(name, 0.0)
         decision = policy.observe(obs)
@@ -170,15 +170,20 @@ class OracleMatch:
 
 def mean_rates(trace: DriftTrace) -> dict[str, float]:
     """Each layer's mean per-step drift over the whole trace: what the oracle knows."""
-    steps = max(1, len(trace.steps))
-    return {name: sum(o.drift.get(name, 0.0) for o in trace.steps) / steps for name in trace.layers}
+    measured = [o for o in trace.steps if o.measured]
+    steps = max(1, len(measured))
+    return {name: sum(o.drift.get(name, 0.0) for o in measured) / steps for name in trace.layers}
 
 
 def simulate_oracle(trace: DriftTrace, budget: int, *, warmup_steps: int = 0, eval_from: int = 0) -> SimulationResult:
     """Per-layer periods ~ 1/sqrt(mean drift rate over the whole trace) filling ``budget`` bytes
     per step, staggered, no backstop: the schedule that knows the future."""
     config = StaggeredConfig(
-        period=None, max_bytes_per_step=max(1, budget), warmup_steps=warmup_steps, smax=len(trace.steps) + 1
+        period=None,
+        max_bytes_per_step=max(1, budget),
+        warmup_steps=warmup_steps,
+        smax=len(trace.steps) + 1,
+        drift_every=1,  # (its rates are given)
     )
     policy = StaggeredPolicy(config, {n: trace.numel[n] for n in trace.layers}, rates=mean_rates(trace))
     return simulate(trace, policy, label=f"oracle/{budget}B", eval_from=eval_from)

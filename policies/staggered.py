@@ -33,6 +33,11 @@ false`` always keeps equal periods, which minimise weighted *staleness* instead 
 **Frozen layers.** A layer whose drift since its last save is exactly 0 (frozen: no optimizer
 state, so its saved version is exact) is not saved again, and does not count in the budget.
 
+**Sampled drift.** The schedule needs each layer's drift *rate*, so the ranks measure drift only
+every ``drift_every`` steps (:func:`~layercheck.policies.configs.drift_measured`: exact, that step's
+update alone); an unmeasured step adds the layer's estimated rate to its unsaved drift, and each
+measurement weighs in the estimate as the steps since the one before it would.
+
 **The first period.** There is no whole-model base: from ``warmup_steps`` on, each layer's first
 save lands at its phase within the first mean period. Until every layer has one there is no
 composite to recover from: a failure then restarts from the initial weights (the supervisor
@@ -98,6 +103,7 @@ class StaggeredPolicy:
         self.unsaved: dict[str, float] = {name: 0.0 for name in self.layers}
         self.rate: dict[str, float] = dict(self.fixed_rates or {name: 0.0 for name in self.layers})
         self.observed = 0  # steps seen by the rate estimate
+        self.last_measured: int | None = None  # the step of the last drift measurement
         self.period: dict[str, int | None] = {name: None for name in self.layers}
         self.due: dict[str, int | None] = {name: None for name in self.layers}
         self.unplaced: set[str] = set(self.layers)  # no first save scheduled yet
@@ -127,7 +133,19 @@ class StaggeredPolicy:
         return self._persist(t, self._choose(t))
 
     def _track(self, obs: StepObservation) -> None:
-        beta = self.config.ema
+        """Each layer's unsaved drift and rate estimate. On a step with no measurement
+        (``drift_every`` > 1) the unsaved drift grows by the layer's estimated rate: missing is
+        not zero (a layer that moves is never taken for frozen between two measurements)."""
+        if not obs.measured:
+            for name in self.layers:
+                self.unsaved[name] += self.rate[name]
+            self.observed += 1
+            return
+        # a measurement stands for the steps since the one before it: the EMA's horizon in steps
+        # is the same whether drift is measured every step or every drift_every-th
+        gap = 1 if self.last_measured is None else max(1, obs.step - self.last_measured)
+        self.last_measured = obs.step
+        beta = self.config.ema**gap
         for name in self.layers:
             drift = float(obs.drift.get(name, 0.0))
             self.unsaved[name] += drift
@@ -319,9 +337,9 @@ class StaggeredPolicy:
         first save again). With no version at all, training restarts from the initial weights
         and so does the schedule."""
         if not any(persisted_steps.get(name) is not None for name in self.layers):
-            rates, observed = self.rate, self.observed
+            rates, observed, measured = self.rate, self.observed, self.last_measured
             self._reset()
-            self.rate, self.observed = rates, observed
+            self.rate, self.observed, self.last_measured = rates, observed, measured
             return
         for name in self.layers:
             step = persisted_steps.get(name)
@@ -334,7 +352,8 @@ class StaggeredPolicy:
                 self.due[name] = step + period
 
     def metrics_view(self, lr: float) -> dict[str, Any]:
-        """Its staleness backstop and drift since each layer's last save (the dashboards' view)."""
+        """Its staleness backstop and drift since each layer's last save (the dashboards' view;
+        estimated between measurements when ``drift_every`` > 1)."""
         return {"smax": self.config.smax, "accumulated": dict(self.unsaved)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -343,6 +362,7 @@ class StaggeredPolicy:
             "unsaved": dict(self.unsaved),
             "rate": dict(self.rate),
             "observed": self.observed,
+            "last_measured": self.last_measured,
             "period": dict(self.period),
             "due": dict(self.due),
             "unplaced": sorted(self.unplaced),
@@ -368,6 +388,7 @@ class StaggeredPolicy:
         if self.fixed_rates is None:
             self.rate = {n: float(state["rate"][n]) for n in self.layers}
         self.observed = int(state["observed"])
+        self.last_measured = opt_int(state.get("last_measured"))  # (absent from states before drift_every)
         self.period = {n: opt_int(state["period"][n]) for n in self.layers}
         self.due = {n: opt_int(state["due"][n]) for n in self.layers}
         self.unplaced = set(state["unplaced"])

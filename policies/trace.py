@@ -7,6 +7,10 @@ replays it through any policy. Two text forms, parsed and written here without t
   "steps": [{"step": 1, "lr": 1e-5, "drift": {"embed": 3.1e-6, ...}}, ...]}``
 * CSV: a header ``step,lr,<layer>,<layer>,...``; one row per step; and one row whose ``step``
   cell is ``numel`` giving each layer's parameter count (its ``lr`` cell empty).
+
+A run whose policy measures drift only every ``drift_every`` steps records the other steps with
+their learning rate and no drift (JSON ``"drift": null``, CSV empty cells): missing, not zero.
+:meth:`DriftTrace.filled` estimates them (each from the measurement that follows it) for replays.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import io
 import json
 import math
 import random
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from layercheck.policies.decision import StepObservation
@@ -47,10 +51,19 @@ class DriftTrace:
                     f"step {obs.step}: drift for unknown layers {sorted(set(obs.drift) - set(self.layers))}"
                 )
 
+    @property
+    def sampled(self) -> bool:
+        """Some steps were not measured (the run's policy measured drift every few steps)."""
+        return any(not o.measured for o in self.steps)
+
+    def filled(self) -> DriftTrace:
+        """This trace with every unmeasured step's drift estimated (:func:`filled`)."""
+        return self if not self.sampled else DriftTrace(self.layers, self.numel, tuple(filled(self.steps)))
+
     def to_json(self) -> dict[str, object]:
         return {
             "layers": [{"name": name, "numel": self.numel[name]} for name in self.layers],
-            "steps": [{"step": o.step, "lr": o.lr, "drift": dict(o.drift)} for o in self.steps],
+            "steps": [observation_json(o) for o in self.steps],
         }
 
     @classmethod
@@ -61,7 +74,8 @@ class DriftTrace:
                 StepObservation(
                     step=int(entry["step"]),
                     lr=float(entry["lr"]),
-                    drift={str(k): float(v) for k, v in entry["drift"].items()},
+                    drift={} if entry["drift"] is None else {str(k): float(v) for k, v in entry["drift"].items()},
+                    measured=entry["drift"] is not None,
                 )
                 for entry in data["steps"]
             )
@@ -75,7 +89,8 @@ class DriftTrace:
         writer.writerow(["step", "lr", *self.layers])
         writer.writerow(["numel", "", *(self.numel[n] for n in self.layers)])
         for obs in self.steps:
-            writer.writerow([obs.step, repr(obs.lr), *(repr(float(obs.drift.get(n, 0.0))) for n in self.layers)])
+            cells = (repr(float(obs.drift.get(n, 0.0))) if obs.measured else "" for n in self.layers)
+            writer.writerow([obs.step, repr(obs.lr), *cells])
         return out.getvalue()
 
     @classmethod
@@ -94,6 +109,8 @@ class DriftTrace:
             try:
                 if row[0] == "numel":
                     numel = {name: int(cell) for name, cell in zip(layers, row[2:])}
+                elif not any(row[2:]):  # a step the run did not measure
+                    steps.append(StepObservation(step=int(row[0]), lr=float(row[1]), measured=False))
                 else:
                     drift = {name: float(cell) for name, cell in zip(layers, row[2:])}
                     steps.append(StepObservation(step=int(row[0]), lr=float(row[1]), drift=drift))
@@ -112,6 +129,31 @@ class DriftTrace:
             except json.JSONDecodeError as exc:
                 raise TraceFormatError(f"invalid JSON: {exc}") from None
         return cls.from_csv(text)
+
+
+def observation_json(obs: StepObservation) -> dict[str, Any]:
+    """One step of a trace in its JSON form (``drift`` null where it was not measured)."""
+    return {"step": obs.step, "lr": obs.lr, "drift": dict(obs.drift) if obs.measured else None}
+
+
+def filled(steps: Sequence[StepObservation]) -> list[StepObservation]:
+    """``steps`` with each unmeasured step's drift estimated by the next measured step's (a
+    measurement stands for the steps since the one before it; after the last, the last), still
+    marked unmeasured: what a replay uses for unsaved drift, while a policy that samples drift
+    sees the steps as the run's policy did. Unchanged where every step was measured."""
+    out = list(steps)
+    estimate: Mapping[str, float] | None = None
+    for i in range(len(out) - 1, -1, -1):
+        if out[i].measured:
+            estimate = out[i].drift
+        elif estimate is not None:
+            out[i] = replace(out[i], drift=dict(estimate))
+    last = next((o.drift for o in reversed(out) if o.measured), None)
+    for i in range(len(out) - 1, -1, -1):  # after the last measurement
+        if out[i].measured or last is None:
+            break
+        out[i] = replace(out[i], drift=dict(last))
+    return out
 
 
 def lr_schedule(step: int, *, peak: float, warmup: int, total: int, min_ratio: float = 0.1) -> float:

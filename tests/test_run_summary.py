@@ -2,12 +2,14 @@
 staleness (the matched interval read from the simulation's field, not parsed from its label);
 the baselines get no comparison."""
 
+from dataclasses import replace
+
 import pytest
 
 from layercheck.orchestrator.core.run_config import RunConfig
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.summary import ProgressLines, format_summary, summarize
-from layercheck.policies.configs import policy_config
+from layercheck.policies.configs import drift_measured, policy_config
 from layercheck.policies.simulate import compare
 from layercheck.policies.trace import synthetic_trace
 from layercheck.workers.config import ModelConfig
@@ -54,6 +56,16 @@ def test_a_selective_policy_is_compared_with_full_checkpoints(name):
     by_drift = compare(TRACE, policy, label=name, eval_from=30).matched_drift
     assert summary["full_at_same_drift"]["interval"] == by_drift.interval
     assert "full checkpoints, same unsaved drift" in format_summary(summary)
+
+
+def test_a_sampled_runs_unsaved_drift_is_said_to_be_estimated_between_measurements():
+    policy = policy_config("staggered", {"warmup_steps": 30, "period": 20, "drift_every": 10})
+    steps = tuple(o if drift_measured(o.step, 10) else replace(o, drift={}, measured=False) for o in TRACE.steps)
+    result = replace(result_of(policy), trace=replace(TRACE, steps=steps))
+    summary = summarize(result)
+    assert summary["drift_measured_steps"] == 30
+    assert "same unsaved drift (drift measured at 30 steps, the others estimated)" in format_summary(summary)
+    assert "drift_measured_steps" not in summarize(result_of(policy))  # measured at every step: nothing to say
 
 
 @pytest.mark.parametrize("name", ["interval", "never"])

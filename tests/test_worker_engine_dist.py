@@ -92,6 +92,22 @@ def test_drift_equals_snapshot_and_diff(job):
 
 
 @pytest.mark.slow
+def test_sampled_drift_is_exact_on_the_steps_it_measures_and_absent_on_the_others(job):
+    _, results = job
+    for r in results:
+        first = r["sampled"][0][0]
+        for step, measured, l1, diff_measured, diff_l1, reference in r["sampled"]:
+            expected = step == first or (step - 1) % 2 == 0  # the step after the reset, then the grid
+            assert measured is expected and diff_measured is expected, (step, measured, diff_measured)
+            if not expected:
+                assert l1 == {} and diff_l1 == {}, step
+                continue
+            for layer, value in reference.items():
+                assert _close(l1[layer], value) and _close(diff_l1[layer], value), (step, layer, l1, diff_l1, value)
+        assert any(m for _, m, *_ in r["sampled"][1:]) and not all(m for _, m, *_ in r["sampled"]), r["sampled"]
+
+
+@pytest.mark.slow
 def test_forward_reads_restored_weights(job):
     _, results = job
     for r in results:

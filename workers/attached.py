@@ -41,9 +41,12 @@ def unwrap_engine(engine: Any) -> Any:
     raise TypeError(f"expected the DeepSpeedEngine that deepspeed.initialize returned, got {type(engine).__name__}")
 
 
-def attach_engine(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: str = "auto") -> AttachedEngine:
+def attach_engine(
+    engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: str = "auto", drift_every: int = 1
+) -> AttachedEngine:
     """Map ``engine``'s model onto layers (by name, or by ``layer_map``) and its optimizer state
-    onto those layers, and choose the drift probe. Raises before any training step:
+    onto those layers, and choose the drift probe (measuring every ``drift_every``-th step, the
+    policy's). Raises before any training step:
     :class:`~layercheck.policies.layer_map.UnplacedParameterError` for parameters no layer holds,
     :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for a non-Adam optimizer."""
     engine = unwrap_engine(engine)
@@ -54,7 +57,7 @@ def attach_engine(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_p
         )
     layers = model_layer_map(engine.module, layer_map)
     layout = build_layout(engine, layers)
-    probe = probe_for(layout, drift_probe)
+    probe = probe_for(layout, drift_probe, every=drift_every)
     logger.info(
         "attached to a ZeRO-%d engine: %d layers, %s probe", layout.stage, len(layers.layers), type(probe).__name__
     )

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import torch
 
+from layercheck.policies.configs import drift_measured
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.layout import StateLayout
 
@@ -24,15 +25,55 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LayerDrift:
-    """This rank's share of each layer's drift after one step: L1 of the update and element count."""
+    """This rank's share of each layer's drift after one step: L1 of the update and element count.
+    ``measured`` false: not measured at this step (the policy's ``drift_every``), ``l1`` empty."""
 
     step: int
     l1: Mapping[str, float]
     numel: Mapping[str, int]
+    measured: bool = True
 
     def drift(self) -> dict[str, float]:
-        """``l1 / numel`` per layer, over this rank's shard only (0 where it owns nothing)."""
+        """``l1 / numel`` per layer, over this rank's shard only (0 where it owns nothing; empty
+        when not measured)."""
+        if not self.measured:
+            return {}
         return {k: (self.l1[k] / n if n else 0.0) for k, n in self.numel.items()}
+
+
+class DriftSchedule:
+    """The steps a probe measures (:func:`~layercheck.policies.configs.drift_measured`) and
+    whether what it gathered since it was armed is exactly one step's drift.
+
+    A probe *arms* before a step it measures (the optimizer counts that step's update, or the
+    snapshot probe takes its reference copy) and is disarmed otherwise, so an unmeasured step
+    costs nothing. After a :meth:`reset` (a restore wrote new weights, at whatever step) it is
+    armed for the next step whichever it is: one extra, exact measurement."""
+
+    ANY = -1
+
+    def __init__(self, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"drift_every must be >= 1, got {every}")
+        self.every = every
+        self._armed_for: int | None = self.ANY
+
+    @property
+    def armed(self) -> bool:
+        return self._armed_for is not None
+
+    def measured(self, step: int) -> bool:
+        """Whether what was gathered since arming is exactly step ``step``'s drift (with
+        ``every`` 1 always: armed for every step, whatever steps the engine was moved to)."""
+        return self.every == 1 or self._armed_for in (step, self.ANY)
+
+    def arm_after(self, step: int) -> bool:
+        """After step ``step``: arm for step ``step + 1`` if it is measured. Returns ``armed``."""
+        self._armed_for = step + 1 if drift_measured(step + 1, self.every) else None
+        return self.armed
+
+    def reset(self) -> None:
+        self._armed_for = self.ANY
 
 
 class DriftReader(Protocol):
@@ -46,12 +87,15 @@ class DriftReader(Protocol):
 
     def reset(self) -> None: ...
 
+    def measure_every(self, every: int) -> None: ...
+
 
 class DriftProbe:
     """Reads the per-layer update L1 that :class:`DriftAdamW` gathered since the last read."""
 
-    def __init__(self, layout: StateLayout) -> None:
+    def __init__(self, layout: StateLayout, *, every: int = 1) -> None:
         self._optimizer: DriftAdamW = layout.optimizer
+        self.schedule = DriftSchedule(every)
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
         self._layer_of_group = {g["name"]: name for name, layer in layout.layers.items() for g in layer.groups}
@@ -65,11 +109,24 @@ class DriftProbe:
         return dict(self._numel)
 
     def reset(self) -> None:
-        """Drop drift gathered so far (after a restore wrote new weights)."""
+        """Drop drift gathered so far (after a restore wrote new weights); measure the next step."""
         self._optimizer.take_drift()
+        self.schedule.reset()
+        self._optimizer.measuring = True
+
+    def measure_every(self, every: int) -> None:
+        """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""
+        self.schedule = DriftSchedule(every)
+        self.reset()
 
     def collect(self, step: int) -> LayerDrift:
-        """This rank's drift for the step(s) since the last call; one host sync."""
+        """This rank's drift for step ``step``, one host sync; on a step the schedule does not
+        measure, nothing (the optimizer did not count it) and no sync."""
+        measured = self.schedule.measured(step)
+        self._optimizer.measuring = self.schedule.arm_after(step)
+        if not measured:
+            self._optimizer.take_drift()  # (empty: the optimizer was not counting)
+            return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False)
         by_group = self._optimizer.take_drift()
         index = {name: i for i, name in enumerate(self._layers)}
         sums = torch.zeros(len(self._layers), dtype=torch.float64)

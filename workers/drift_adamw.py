@@ -58,6 +58,9 @@ class DriftAdamW(torch.optim.AdamW):
         if drift_step not in DRIFT_STEPS:
             raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {drift_step!r}")
         self.drift_step = drift_step
+        self.measuring = True
+        """Whether the next steps count their updates' L1 (the probe turns it off on steps it does
+        not measure); the update itself is the same either way, op for op."""
         self._drift_l1: dict[str, torch.Tensor] = {}
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -171,7 +174,8 @@ class DriftAdamW(torch.optim.AdamW):
                     )
                 )
         for (name, fused), l1 in zip(work, adamw_l1_groups([f for _, f in work])):
-            if any(w is None or w for w in fused.windows):  # as the foreach step: no owned element, no entry
+            # as the foreach step: no owned element, no entry (the kernel counts the L1 anyway)
+            if self.measuring and any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)
 
     def _windows_of(self, tensor: torch.Tensor) -> Windows | None:
@@ -183,6 +187,8 @@ class DriftAdamW(torch.optim.AdamW):
         self._drift_l1[name] = l1 if previous is None else previous + l1
 
     def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: Sequence[torch.Tensor]) -> None:
+        if not self.measuring:
+            return
         views: list[torch.Tensor] = []
         for p, u in zip(params, update):
             windows = self._windows_of(p)

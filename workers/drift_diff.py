@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from layercheck.workers.drift import DriftProbe, LayerDrift
+from layercheck.workers.drift import DriftProbe, DriftSchedule, LayerDrift
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.layout import StateLayout, state_view
 
@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 class SnapshotDiffProbe:
     """Per layer, ``sum |theta_t - theta_{t-1}|`` over this rank's owned elements, by diffing."""
 
-    def __init__(self, layout: StateLayout) -> None:
+    def __init__(self, layout: StateLayout, *, every: int = 1) -> None:
+        self.schedule = DriftSchedule(every)
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
         self._views = {
@@ -44,22 +45,38 @@ class SnapshotDiffProbe:
 
     @torch.no_grad()
     def collect(self, step: int) -> LayerDrift:
-        """This rank's drift since the last call (or :meth:`reset`); one host sync."""
+        """This rank's drift at step ``step`` against the reference taken after the step before
+        (or at :meth:`reset`), one host sync; then the reference for the next measured step. On a
+        step the schedule does not measure, and before it, nothing is diffed or copied."""
+        measured = self.schedule.measured(step)
         sums = []
-        for name in self._layers:
+        for name in self._layers if measured else ():
             views, previous = self._views[name], self._previous[name]
             if not views:
                 sums.append(torch.zeros((), dtype=torch.float64, device=self._device))
                 continue
             diffs = torch._foreach_sub(views, previous)
             sums.append(torch.stack(torch._foreach_norm(diffs, 1)).sum().double())
-            torch._foreach_copy_(previous, views)
+        if self.schedule.arm_after(step):
+            self._copy_reference()
+        if not measured:
+            return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False)
         values = torch.stack(sums).cpu().tolist() if sums else []
         return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel))
 
     @torch.no_grad()
     def reset(self) -> None:
-        """Take the current weights as the reference (after a restore wrote new ones)."""
+        """Take the current weights as the reference (after a restore wrote new ones); measure
+        the next step."""
+        self._copy_reference()
+        self.schedule.reset()
+
+    def measure_every(self, every: int) -> None:
+        """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""
+        self.schedule = DriftSchedule(every)
+        self.reset()
+
+    def _copy_reference(self) -> None:
         for name, views in self._views.items():
             if views:
                 torch._foreach_copy_(self._previous[name], views)
@@ -70,9 +87,10 @@ class SnapshotDiffProbe:
 PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "snapshot_diff")
 
 
-def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotDiffProbe:
+def probe_for(layout: StateLayout, kind: str = "auto", *, every: int = 1) -> DriftProbe | SnapshotDiffProbe:
     """The drift probe for ``layout``: LayerCheck's near-free optimizer probe where the engine
-    steps :class:`DriftAdamW` with layer-aligned groups, else snapshot-and-diff."""
+    steps :class:`DriftAdamW` with layer-aligned groups, else snapshot-and-diff; measuring every
+    ``every``-th step (the policy's ``drift_every``)."""
     if kind not in PROBES:
         raise ValueError(f"drift_probe: must be one of {PROBES}, got {kind!r}")
     aligned = isinstance(layout.optimizer, DriftAdamW) and all(
@@ -85,7 +103,7 @@ def probe_for(layout: StateLayout, kind: str = "auto") -> DriftProbe | SnapshotD
             f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'"
         )
     if kind == "snapshot_diff" or not aligned:
-        return SnapshotDiffProbe(layout)
+        return SnapshotDiffProbe(layout, every=every)
     if kind == "fused":
         layout.optimizer.drift_step = "fused"
-    return DriftProbe(layout)
+    return DriftProbe(layout, every=every)

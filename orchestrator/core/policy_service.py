@@ -27,6 +27,8 @@ class _Pending:
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     ranks: set[int] = field(default_factory=set)
+    measured: bool = True
+    """Every rank measured drift at this step (they measure on the same steps)."""
 
 
 class PolicyService:
@@ -54,9 +56,17 @@ class PolicyService:
         self.write_budget_bytes = budget_bytes
 
     def report(
-        self, *, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]
+        self,
+        *,
+        step: int,
+        rank: int,
+        lr: float,
+        abs_sums: Mapping[str, float],
+        counts: Mapping[str, int],
+        measured: bool = True,
     ) -> PersistDecision | None:
-        """Add one rank's per-layer ``sum |Δθ|`` and element counts for ``step``. Returns the
+        """Add one rank's per-layer ``sum |Δθ|`` and element counts for ``step`` (``measured``
+        false: the rank did not measure drift at this step, see ``drift_every``). Returns the
         step's decision once the last rank is in, else ``None``."""
         if step in self._decisions or step <= self.last_complete_step:
             return self._decisions.get(step)  # a late duplicate (a retried call)
@@ -66,6 +76,7 @@ class PolicyService:
         if rank in pending.ranks:
             return None
         pending.ranks.add(rank)
+        pending.measured = pending.measured and measured
         for name, value in abs_sums.items():
             pending.sums[name] = pending.sums.get(name, 0.0) + float(value)
             pending.counts[name] = pending.counts.get(name, 0) + int(counts.get(name, 0))
@@ -77,9 +88,13 @@ class PolicyService:
         if step != self.last_complete_step + 1:
             logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
         drift = {
-            name: pending.sums.get(name, 0.0) / pending.counts[name] for name in self.layers if pending.counts.get(name)
+            name: pending.sums.get(name, 0.0) / pending.counts[name]
+            for name in self.layers
+            if pending.measured and pending.counts.get(name)
         }
-        observation = StepObservation(step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes)
+        observation = StepObservation(
+            step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes, measured=pending.measured
+        )
         self.trace.append(observation)
         decision = self.gate.admit(self.policy.observe(observation))
         self.last_complete_step = step

@@ -203,7 +203,7 @@ class LocalCoordinator:
     def report(self, drift: LayerDrift, lr: float) -> int:
         settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
         stats = self.writer.snapshot_stats()
-        width = max(len(self.layers), 3)  # row 3 holds three numbers; rows 0-2 are read up to len(layers)
+        width = max(len(self.layers), 4)  # row 3 holds four numbers; rows 0-2 are read up to len(layers)
 
         def row(values: Sequence[float]) -> list[float]:
             return [*values, *[0.0] * (width - len(values))]
@@ -213,7 +213,7 @@ class LocalCoordinator:
                 row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
                 row([float(drift.numel.get(n, 0)) for n in self.layers]),
                 row(settled),
-                row([float(stats.written_bytes), stats.write_s, self._last_step_s]),
+                row([float(stats.written_bytes), stats.write_s, self._last_step_s, float(drift.measured)]),
             ],
             dtype=torch.float64,
         )
@@ -301,6 +301,7 @@ class LocalCoordinator:
                     lr=gather.lr,
                     abs_sums=dict(zip(self.layers, both[0].tolist())),
                     counts={n: int(c) for n, c in zip(self.layers, both[1].tolist())},
+                    measured=bool(both[3][3]),
                 )
 
     def last_complete_step(self) -> int:

@@ -31,6 +31,7 @@ from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import PolicyConfig
 from layercheck.policies.decision import PersistDecision
 from layercheck.policies.staggered import BYTES_PER_PARAM
+from layercheck.policies.trace import observation_json
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +61,17 @@ class PolicyActor:
         self._clock = StepClock(budget.ema if budget is not None else 0.0)
 
     async def report(
-        self, step: int, rank: int, lr: float, abs_sums: Mapping[str, float], counts: Mapping[str, int]
+        self,
+        step: int,
+        rank: int,
+        lr: float,
+        abs_sums: Mapping[str, float],
+        counts: Mapping[str, int],
+        measured: bool = True,
     ) -> dict[str, Any] | None:
-        """This rank's drift for ``step``; returns the step's decision (as JSON) once all ranks
-        are in, or ``None`` if the worker group was restarted before they were."""
+        """This rank's drift for ``step`` (``measured`` false: none measured, ``drift_every``);
+        returns the step's decision (as JSON) once all ranks are in, or ``None`` if the worker
+        group was restarted before they were."""
         completed = step > self.service.last_complete_step
         if not completed and self.service.decision(step) is None:
             # no rank will ever complete this step again, so waiting would hang this rank for good
@@ -73,7 +81,7 @@ class PolicyActor:
                 f"{self.service.last_complete_step} already and step {step}'s decision is gone: this rank "
                 "is not on the run's steps (its group's ranks resumed at different steps?)"
             )
-        decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts)
+        decision = self.service.report(step=step, rank=rank, lr=lr, abs_sums=abs_sums, counts=counts, measured=measured)
         event = self._ready.setdefault(step, asyncio.Event())
         if decision is not None:
             if completed:  # this call completed the step (not a late duplicate)
@@ -155,4 +163,4 @@ class PolicyActor:
 
     def trace(self) -> dict[str, Any]:
         """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""
-        return {"steps": [{"step": o.step, "lr": o.lr, "drift": dict(o.drift)} for o in self.service.trace]}
+        return {"steps": [observation_json(o) for o in self.service.trace]}

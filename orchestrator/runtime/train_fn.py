@@ -103,7 +103,9 @@ class RayCoordinator:
         self._stop = False
 
     def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
-        self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel))
+        self.last_report = self.policy.report.remote(
+            drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel), drift.measured
+        )
         return self.last_report
 
     def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
@@ -295,6 +297,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
 
     train_engine = build_engine(run.model, run.optim, run.engine)
+    train_engine.probe.measure_every(run.policy.drift_every)
     phases = {"start_s": entered - process_started_at(), "build_s": time.time() - entered}
     resume = ray.get(resume_ref)
     if resume.records is not None:

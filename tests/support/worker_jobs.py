@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from layercheck.workers.drift import global_drift
+from layercheck.workers.drift_diff import SnapshotDiffProbe
 from layercheck.workers.engine import seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
@@ -88,6 +89,20 @@ def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: s
     out["needed_covers_layer"] = {
         name: sum(s.length for s in needed_slices(train_engine.layout, name)) for name in layers
     }
+
+    # 4. Sampled drift (a policy's drift_every = 2): both probes measure the next step (armed by the
+    # reset), then every second one, each exactly that step's update; the others report nothing.
+    train_engine.probe.measure_every(2)
+    diff_probe = SnapshotDiffProbe(train_engine.layout, every=2)
+    sampled = []
+    for i in range(4):
+        before = shard_values(snapshot_layers(train_engine.layout, layers, pool))
+        _, drift = train_step(train_engine, batches(train_engine, 10 + i, rank))
+        diffed = diff_probe.collect(train_engine.step)
+        after = shard_values(snapshot_layers(train_engine.layout, layers, pool))
+        reference = {n: float((after[n]["fp32"] - before[n]["fp32"]).abs().double().sum()) for n in layers}
+        sampled.append((train_engine.step, drift.measured, dict(drift.l1), diffed.measured, dict(diffed.l1), reference))
+    out["sampled"] = sampled
     shutdown(train_engine)
     return out
 
