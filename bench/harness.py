@@ -63,6 +63,7 @@ from layercheck.orchestrator.local.spawn import spawn_ranks
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.trace import filled
 
 if TYPE_CHECKING:
     from layercheck.workers.drift import DriftReader, LayerDrift
@@ -92,6 +93,9 @@ class TimedProbe:
     def reset(self) -> None:
         """Drop the drift gathered so far: what a restore asks of the engine's probe."""
         self.inner.reset()
+
+    def measure_every(self, every: int) -> None:
+        self.inner.measure_every(every)
 
 
 def _configs(w: Workload) -> tuple[Any, Any, Any]:
@@ -173,6 +177,7 @@ class Runner:
         step (after the strategy's own hook), e.g. to record the state at chosen steps."""
         w, train_engine = self.workload, self.train_engine
         _reset(train_engine, self.initial)
+        self.probe.measure_every(strategy.loop_policy.drift_every)  # as the product's ranks would
         directory = self.root / strategy.name
         if self.rank == 0 and directory.exists():
             shutil.rmtree(directory)
@@ -249,7 +254,8 @@ class Runner:
         if self.rank != 0:
             return {}
         progress = coordinator.progress_log
-        trace = {o.step: o for o in coordinator.service.trace}
+        # unmeasured steps (drift_every > 1) take the drift of the measurement that follows them
+        trace = {o.step: o for o in filled(coordinator.service.trace)}
         freshness = replay_freshness(train_engine.layer_map.numel, trace, persisted, recoveries, strategy, w)
         out = {
             "strategy": strategy.to_json(),
@@ -257,10 +263,12 @@ class Runner:
             "compute_median_s": statistics.median(p.compute_s for p in progress),
             "stall_s": sum(p.stall_s for p in progress) + (baseline.stall_s if baseline is not None else 0.0),
             "probe_s": self.probe.seconds - probe_before + sum(p.coordination_s for p in progress),
+            "probe_read_s": self.probe.seconds - probe_before,  # the drift probe's host reads alone
             "bytes_written": total_bytes,
             "capture_bytes": capture_bytes,
             "events": len(coordinator.handed) + baseline_events,
             "freshness": freshness,
+            "drift_every": strategy.loop_policy.drift_every,
             "recoveries": recoveries,
             "losses": {str(p.step): p.loss for p in progress},
             "commits": commits(coordinator),
@@ -375,10 +383,10 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
             again = runner.run(strategy)
             if rank != 0:
                 continue  # only rank 0 reports
-            for key in ("train_s", "stall_s", "probe_s"):
+            for key in ("train_s", "stall_s", "probe_s", "probe_read_s"):
                 results[strategy.name].setdefault(f"{key}_repeats", [results[strategy.name][key]]).append(again[key])
     for result in results.values():
-        for key in ("train_s", "stall_s", "probe_s"):
+        for key in ("train_s", "stall_s", "probe_s", "probe_read_s"):
             if isinstance(result, dict) and f"{key}_repeats" in result:
                 result[key] = statistics.median(result[f"{key}_repeats"])
     restart_s = max_all([runner.build_s])[0]

@@ -14,7 +14,10 @@ full-async      the same bytes, written by a thread          the same
 full-resume     every layer every N (LayerStore, async)      composite, resume at ``t_fail + 1``
 staggered       the default schedule: every layer every ~N,   composite, resume at ``t_fail + 1``
                 phases spread, drift-aware periods, a byte
-                budget of (changing bytes)/N per step
+                budget of (changing bytes)/N per step, drift
+                measured every 10th step
+staggered       the same, drift measured at every step        the same
+@drift1
 layercheck      the paper's policy (LayerStore, async)       composite, resume at ``t_fail + 1``
 layercheck      the same, and the survivors' capture at a    composite with the survivors'
 +capture        failure (partial versions)                   slices overlaid, ``t_fail + 1``
@@ -264,6 +267,15 @@ def default_strategies(options: StrategyOptions) -> list[Strategy]:
             name="staggered",
             kind=Kind.LAYER_POLICY,
             policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup),
+        )
+    )
+    # the same measuring drift at every step (drift_every = 1), what it did before sampling: the
+    # probe's price beside it
+    out.append(
+        Strategy(
+            name="staggered@drift1",
+            kind=Kind.LAYER_POLICY,
+            policy=StaggeredConfig(period=n, warmup_steps=options.layercheck_warmup, drift_every=1),
         )
     )
     configs = layercheck_configs(options)

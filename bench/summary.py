@@ -96,7 +96,9 @@ def summary_markdown(
         "`compute`: median forward/backward/step time versus `none`'s (a background writer competing for the CPU "
         "shows here); `overhead`: the checkpointing cost measured on the critical path, stall (+ drift probe for "
         "LayerCheck, which needs it) over `none`'s training time; time the loop stalled on checkpointing; "
-        "drift-probe time (host read + all-reduce; every strategy runs it for the freshness metrics); bytes written (all ranks) and per checkpoint event; `peak/step`: the most bytes handed over at one step (a whole checkpoint for `full`/`full-async`); mean parameter-weighted and max staleness "
+        "`probe s`: the drift probe's host reads plus the decision exchange (each step's all_gather of every rank's "
+        "report to the policy replicas; every strategy runs both for the freshness metrics), `reads s`: the reads "
+        "alone (`staggered` measures drift every 10th step, `staggered@drift1` every step); bytes written (all ranks) and per checkpoint event; `peak/step`: the most bytes handed over at one step (a whole checkpoint for `full`/`full-async`); mean parameter-weighted and max staleness "
         "from step W on; mean weighted staleness at the failures (rollback: steps since the last checkpoint); "
         "recovery plan/load/replay seconds per failure (rollback: replay = re-running the lost steps; `none` is "
         "modelled: it re-runs every step); steps re-run per failure; |loss - failure-free loss| after the failures "
@@ -283,8 +285,9 @@ def reading(report: Mapping[str, Any]) -> list[str]:
                 "bytes at its own (coarser) freshness; at LayerCheck's freshness see the matched table."
             )
         out.append(
-            f"- Critical path: LayerCheck's cost is mostly the drift probe's all-reduce ({lc['probe_s']:.2f} s over "
-            f"the run on gloo/CPU, {lc['probe_s'] / report['workload']['steps'] * 1e3:.2f} ms a step) and its "
+            f"- Critical path: LayerCheck's cost is mostly the drift probe and the decision exchange "
+            f"({lc['probe_s']:.2f} s over the run on gloo/CPU, {lc['probe_s'] / report['workload']['steps'] * 1e3:.2f} "
+            f"ms a step, of which the probe's reads {lc.get('probe_read_s', lc['probe_s']):.2f} s) and its "
             f"snapshots ({lc['stall_s']:.2f} s); `full`'s synchronous saves stalled {full['stall_s']:.2f} s. "
             f"Training loss after recovery differs from the failure-free run by at most {lc['loss_dev_max']:.3g} "
             f"({lc['loss_dev_max_relative']:.2%} relative) for LayerCheck; rollback reproduces it exactly."

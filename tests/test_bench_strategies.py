@@ -27,6 +27,7 @@ def test_default_set_has_every_benchmark_strategy_none_first():
         "full-async",
         "full-resume",
         "staggered",
+        "staggered@drift1",
         "layercheck",
         "layercheck-const",
         "layercheck+capture",
