@@ -15,6 +15,8 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
                      per layer (an alternative for Adam-family optimizers; not shipped, see docs/drift-probes.md)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
+* ``drift_adamw@10``, ``snapshot_diff@10``  the two probes measuring every 10th step (the default
+                     schedule's ``drift_every``), per step: torch's own AdamW step on the other nine
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.
 
@@ -166,6 +168,34 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
             sums.append(torch.stack(torch._foreach_norm(update, 1)).sum())
         torch.stack(sums).cpu()
 
+    sampled = DriftAdamW(_groups(model, device), lr=1e-5)
+    snap_sampled, snap_sampled_groups = plain()
+    sampled_reference = [[p.detach().clone() for p in g["params"]] for g in snap_sampled_groups]
+
+    def sampled_drift_steps() -> None:
+        """SAMPLE_EVERY steps of a sampled probe: DriftAdamW measuring the first (and reading
+        it), torch's own step on the others."""
+        for i in range(SAMPLE_EVERY):
+            sampled.measuring = i == 0
+            sampled.step()
+            if i == 0:
+                torch.stack(list(sampled.take_drift().values())).cpu()
+
+    def sampled_snapshot_steps() -> None:
+        """SAMPLE_EVERY steps of the sampled snapshot probe: a diff after the first, the
+        reference copied before the next period's first; nothing on the others."""
+        for i in range(SAMPLE_EVERY):
+            snap_sampled.step()
+            if i == 0:
+                sums = []
+                for g, ref in zip(snap_sampled_groups, sampled_reference):
+                    now = [p.detach() for p in g["params"]]
+                    sums.append(torch.stack(torch._foreach_norm(torch._foreach_sub(now, ref), 1)).sum())
+                torch.stack(sums).cpu()
+            elif i == SAMPLE_EVERY - 1:
+                for g, ref in zip(snap_sampled_groups, sampled_reference):
+                    torch._foreach_copy_(ref, [p.detach() for p in g["params"]])
+
     def l1_step() -> None:
         floor.step()
         sums = [torch.stack(torch._foreach_norm([p.detach() for p in g["params"]], 1)).sum() for g in floor_groups]
@@ -179,7 +209,14 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         "snapshot_diff": snapshot_diff_step,
         "moments": moments_step,
         "l1_params": l1_step,
+        f"drift_adamw@{SAMPLE_EVERY}": sampled_drift_steps,
+        f"snapshot_diff@{SAMPLE_EVERY}": sampled_snapshot_steps,
     }
+
+
+#: The ``@N`` variants measure drift every N-th step (``policy.drift_every``, the default
+#: schedule's 10); each call runs N steps and its time is reported per step.
+SAMPLE_EVERY = 10
 
 
 #: Kernel configurations ``--sweep`` times on CUDA: (BLOCK, NUM_WARPS, TRITON_CHUNK) of
@@ -296,6 +333,7 @@ def run(preset_name: str, steps: int | None, device: str | None = None, sweep: b
     model = build_model(ModelConfig(hf_config=preset.model))
     numel = sum(p.numel() for p in model.parameters())
     optimizer = time_interleaved(optimizer_variants(model, preset.device), preset.device, preset.steps)
+    optimizer = {name: s / SAMPLE_EVERY if name.endswith(f"@{SAMPLE_EVERY}") else s for name, s in optimizer.items()}
     swept = kernel_sweep(model, preset.device, preset.steps) if sweep and preset.device == "cuda" else []
     del model
     wholes = training_step_seconds(preset)

@@ -90,9 +90,9 @@ class TimedProbe:
         finally:
             self.seconds += time.monotonic() - started
 
-    def reset(self) -> None:
+    def reset(self, next_step: int | None = None) -> None:
         """Drop the drift gathered so far: what a restore asks of the engine's probe."""
-        self.inner.reset()
+        self.inner.reset(next_step)
 
     def measure_every(self, every: int) -> None:
         self.inner.measure_every(every)

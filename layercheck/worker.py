@@ -178,6 +178,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
             attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank, overlays=resume.overlays, **phases
         )
         seek_engine(attached.engine, resume.start_step - 1)
+        attached.probe.reset(resume.start_step)  # it measures the steps a run without the failure would
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
     elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
         supervisor.loaded.remote(rank, 0.0, {}, **phases)

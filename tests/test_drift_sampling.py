@@ -51,6 +51,11 @@ def test_a_schedule_arms_for_the_steps_it_measures_and_once_after_a_reset():
     assert schedule.measured(11)
     assert not schedule.arm_after(11)  # (12 is not on the grid, 13 is)
     assert schedule.arm_after(12) and schedule.measured(13) and not schedule.measured(12)
+    # a seek says which step comes next: the grid's steps only, as in a run without the failure
+    schedule.reset(next_step=12)
+    assert not schedule.armed and not schedule.measured(12)
+    schedule.reset(next_step=13)
+    assert schedule.measured(13)
     with pytest.raises(ValueError, match="drift_every"):
         DriftSchedule(0)
 

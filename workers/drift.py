@@ -47,8 +47,10 @@ class DriftSchedule:
 
     A probe *arms* before a step it measures (the optimizer counts that step's update, or the
     snapshot probe takes its reference copy) and is disarmed otherwise, so an unmeasured step
-    costs nothing. After a :meth:`reset` (a restore wrote new weights, at whatever step) it is
-    armed for the next step whichever it is: one extra, exact measurement."""
+    costs nothing beyond the plain optimizer step. A :meth:`reset` (a restore wrote new weights)
+    that knows the next step arms as the schedule says, so a resumed run measures the same steps
+    (and steps the optimizer the same way) as a run without the failure; one that does not arms
+    for whichever step comes next."""
 
     ANY = -1
 
@@ -72,8 +74,12 @@ class DriftSchedule:
         self._armed_for = step + 1 if drift_measured(step + 1, self.every) else None
         return self.armed
 
-    def reset(self) -> None:
-        self._armed_for = self.ANY
+    def reset(self, next_step: int | None = None) -> None:
+        """Arm for ``next_step`` as the schedule says (``None``: whichever step comes next)."""
+        if next_step is None:
+            self._armed_for = self.ANY
+        else:
+            self._armed_for = next_step if drift_measured(next_step, self.every) else None
 
 
 class DriftReader(Protocol):
@@ -85,7 +91,7 @@ class DriftReader(Protocol):
 
     def collect(self, step: int) -> LayerDrift: ...
 
-    def reset(self) -> None: ...
+    def reset(self, next_step: int | None = None) -> None: ...
 
     def measure_every(self, every: int) -> None: ...
 
@@ -108,11 +114,12 @@ class DriftProbe:
     def numel(self) -> Mapping[str, int]:
         return dict(self._numel)
 
-    def reset(self) -> None:
-        """Drop drift gathered so far (after a restore wrote new weights); measure the next step."""
+    def reset(self, next_step: int | None = None) -> None:
+        """Drop drift gathered so far (after a restore wrote new weights, or a seek to
+        ``next_step - 1``) and arm for the next step (:meth:`DriftSchedule.reset`)."""
         self._optimizer.take_drift()
-        self.schedule.reset()
-        self._optimizer.measuring = True
+        self.schedule.reset(next_step)
+        self._optimizer.measuring = self.schedule.armed
 
     def measure_every(self, every: int) -> None:
         """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
+from torch.optim.adamw import adamw as adamw_functional
 
 from layercheck.workers.config import DRIFT_STEPS
 from layercheck.workers.drift_fused import adamw_l1_groups
@@ -59,8 +60,9 @@ class DriftAdamW(torch.optim.AdamW):
             raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {drift_step!r}")
         self.drift_step = drift_step
         self.measuring = True
-        """Whether the next steps count their updates' L1 (the probe turns it off on steps it does
-        not measure); the update itself is the same either way, op for op."""
+        """Whether the next steps count their updates' L1. The probe turns it off on the steps it
+        does not measure, which then run ``torch.optim.AdamW``'s own step (fused on CPU, foreach
+        elsewhere): the same update up to rounding, at the plain optimizer's cost."""
         self._drift_l1: dict[str, torch.Tensor] = {}
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -105,12 +107,38 @@ class DriftAdamW(torch.optim.AdamW):
                 loss = closure()
         stepped = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         stepped = [(g, params) for g, params in stepped if params]
-        if self.drift_step == "fused":
+        if not self.measuring:  # a step the probe does not measure: torch's own AdamW, bit for bit
+            for group, params in stepped:
+                self._torch_step(group, params)
+        elif self.drift_step == "fused":
             self._fused_step(stepped)
         else:
             for group, params in stepped:
                 self._step_group(group, params)
         return loss
+
+    def _torch_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """``torch.optim.AdamW``'s step of one group, no drift counted: its fused kernel where the
+        step counts live on the parameters' device (CPU), else its foreach one."""
+        beta1, beta2 = group["betas"]
+        states = [self.init_state(p) for p in params]
+        adamw_functional(
+            params,
+            _grads(params),
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            foreach=params[0].device.type != "cpu",
+            fused=params[0].device.type == "cpu",
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         beta1, beta2 = group["betas"]

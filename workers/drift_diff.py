@@ -65,11 +65,11 @@ class SnapshotDiffProbe:
         return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel))
 
     @torch.no_grad()
-    def reset(self) -> None:
-        """Take the current weights as the reference (after a restore wrote new ones); measure
-        the next step."""
+    def reset(self, next_step: int | None = None) -> None:
+        """Take the current weights as the reference (after a restore wrote new ones, or a seek
+        to ``next_step - 1``) and arm for the next step (:meth:`DriftSchedule.reset`)."""
         self._copy_reference()
-        self.schedule.reset()
+        self.schedule.reset(next_step)
 
     def measure_every(self, every: int) -> None:
         """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""

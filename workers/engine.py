@@ -216,6 +216,7 @@ def seek_step(train_engine: TrainEngine, step: int) -> None:
     engine.global_samples = step * engine.train_batch_size()
     engine.micro_steps = step * engine.gradient_accumulation_steps()
     seek_scheduler(engine.lr_scheduler, step)
+    train_engine.probe.reset(step + 1)  # it measures the steps a run that got here would
     logger.info("engine moved to step %d (lr %.3g)", step, engine.lr_scheduler.get_last_lr()[0])
 
 
