@@ -3,7 +3,8 @@
 # local `ray start --head`:
 #   1. `ray job submit -- layercheck train` (the demo, shortened, with an injected failure);
 #   2. `ray job submit -- python examples/own_loop.py` (the Python API in the user's own loop);
-#   3. `layercheck train` on the head with RAY_ADDRESS unset: it joins the running cluster.
+#   3. a driver on the head with RAY_ADDRESS unset (what `layercheck train` does first): it joins
+#      the running cluster instead of starting its own.
 #   scripts/check_job_submit.sh [STORAGE_DIR]    # each run's store is a folder below it
 # Exits non-zero if any of them fails. Uses the Python of $VENV (default .venv).
 set -euo pipefail
@@ -34,9 +35,20 @@ echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's defa
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
 "$PY" -m layercheck.orchestrator.cli.main export "$STORAGE/own-loop" --format hf --out "$STORAGE/own-loop-hf"
 
-echo "== 3. layercheck train with a cluster running and RAY_ADDRESS unset"
-"$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
-  --set fault.kill_at_step=0 --set "storage=$STORAGE/joined"
-"$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/joined" >/dev/null
+echo "== 3. a driver on the head with RAY_ADDRESS unset joins the running cluster"
+# what `layercheck train` does before it trains (runtime.cluster.connect); 1. and 2. trained on it
+"$PY" - <<'PY'
+import logging
+
+import ray
+
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.runtime.cluster import connect
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+connect(load_run_config("examples/demo.toml"))
+nodes = [n for n in ray.nodes() if n["Alive"]]
+print(f"the driver sees {len(nodes)} node(s) with {sum(n['Resources'].get('CPU', 0) for n in nodes):g} CPUs")
+PY
 
 echo "ray job submit and joining a running cluster: OK (checkpoints in $STORAGE)"
