@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from layercheck.policies.checkpoint_policy import CheckpointPolicy, IntervalPolicy, build_policy
-from layercheck.policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig
+from layercheck.policies.configs import IntervalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig, drift_measured
 from layercheck.policies.staggered import BYTES_PER_PARAM, StaggeredPolicy  # bytes counted as the schedule plans them
 from layercheck.policies.trace import DriftTrace
 
@@ -51,7 +51,11 @@ def simulate(
     eval_from: int = 0,
     bytes_per_param: int = BYTES_PER_PARAM,
     keep_series: bool = False,
+    drift_every: int = 1,
 ) -> SimulationResult:
+    """Replay ``trace`` through ``policy``. ``drift_every`` (the policy config's): the policy sees
+    drift only on the steps a run would measure (a recorded trace's own unmeasured steps stay
+    unmeasured); the unsaved drift is counted on every step (estimated where none was measured)."""
     numel = trace.numel
     total = sum(numel.values())
     last = {name: 0 for name in trace.layers}
@@ -66,7 +70,8 @@ def simulate(
     for obs in trace.filled().steps:  # a sampled run's unmeasured steps: estimated
         for name in trace.layers:
             unsaved[name] += obs.drift.get(name, 0.0)
-        decision = policy.observe(obs)
+        seen = obs if drift_measured(obs.step, drift_every) else replace(obs, drift={}, measured=False)
+        decision = policy.observe(seen)
         if decision:
             events += 1
             step_bytes = 0
@@ -107,7 +112,9 @@ def simulate_config(
     trace: DriftTrace, config: PolicyConfig, *, label: str, eval_from: int = 0, keep_series: bool = False
 ) -> SimulationResult:
     policy = build_policy(config, {name: trace.numel[name] for name in trace.layers})
-    return simulate(trace, policy, label=label, eval_from=eval_from, keep_series=keep_series)
+    return simulate(
+        trace, policy, label=label, eval_from=eval_from, keep_series=keep_series, drift_every=config.drift_every
+    )
 
 
 def simulate_interval(trace: DriftTrace, interval: int, *, eval_from: int = 0) -> SimulationResult:

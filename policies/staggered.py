@@ -103,7 +103,9 @@ class StaggeredPolicy:
         self.unsaved: dict[str, float] = {name: 0.0 for name in self.layers}
         self.rate: dict[str, float] = dict(self.fixed_rates or {name: 0.0 for name in self.layers})
         self.observed = 0  # steps seen by the rate estimate
-        self.last_measured: int | None = None  # the step of the last drift measurement
+        self.last_measured: int | None = None  # the step of the last measurement the rates took
+        self.rate_weight = 1.0 if self.fixed_rates is not None else 0.0  # the EMA's total weight so far
+        self.unknown: set[str] = set()  # layers whose drift since their last save is unknown
         self.period: dict[str, int | None] = {name: None for name in self.layers}
         self.due: dict[str, int | None] = {name: None for name in self.layers}
         self.unplaced: set[str] = set(self.layers)  # no first save scheduled yet
@@ -134,31 +136,39 @@ class StaggeredPolicy:
 
     def _track(self, obs: StepObservation) -> None:
         """Each layer's unsaved drift and rate estimate. On a step with no measurement
-        (``drift_every`` > 1) the unsaved drift grows by the layer's estimated rate: missing is
-        not zero (a layer that moves is never taken for frozen between two measurements)."""
+        (``drift_every`` > 1) the unsaved drift grows by the layer's estimated rate (bias-corrected,
+        as Adam corrects its moments): missing is not zero. Until a measurement at a non-zero
+        learning rate has said how fast the layers move (a step at lr 0 moves nothing, frozen or
+        not), an unmeasured step leaves each layer's drift *unknown*: never taken for frozen."""
+        self.observed += 1
         if not obs.measured:
             for name in self.layers:
-                self.unsaved[name] += self.rate[name]
-            self.observed += 1
+                if self.rate_weight > 0:
+                    self.unsaved[name] += self.rate[name] / self.rate_weight
+                else:
+                    self.unknown.add(name)
             return
+        for name in self.layers:
+            self.unsaved[name] += float(obs.drift.get(name, 0.0))
+        if obs.lr == 0 or self.fixed_rates is not None:
+            return  # (a step at lr 0 says nothing of a layer's rate)
         # a measurement stands for the steps since the one before it: the EMA's horizon in steps
         # is the same whether drift is measured every step or every drift_every-th
         gap = 1 if self.last_measured is None else max(1, obs.step - self.last_measured)
         self.last_measured = obs.step
         beta = self.config.ema**gap
         for name in self.layers:
-            drift = float(obs.drift.get(name, 0.0))
-            self.unsaved[name] += drift
-            if self.fixed_rates is None:
-                self.rate[name] = beta * self.rate[name] + (1 - beta) * drift
-        self.observed += 1
+            self.rate[name] = beta * self.rate[name] + (1 - beta) * float(obs.drift.get(name, 0.0))
+        self.rate_weight = beta * self.rate_weight + (1 - beta)
+        self.unknown.clear()  # a moving layer's unsaved drift is > 0 from here on, a frozen one's 0
 
     def _choose(self, t: int) -> dict[str, Reason]:
         reasons: dict[str, Reason] = {}
         handed = 0
         for name in self.layers:  # the hard backstop first, whatever the budget
             last = self.last_persisted[name]
-            if last is not None and self.unsaved[name] > 0 and t - last >= self.config.smax:
+            changed = self.unsaved[name] > 0 or name in self.unknown
+            if last is not None and changed and t - last >= self.config.smax:
                 reasons[name] = Reason.STALENESS
                 handed += self.size[name]
         due = sorted(
@@ -167,7 +177,7 @@ class StaggeredPolicy:
             if (d := self.due[n]) is not None and d <= t and n not in reasons
         )
         for due_at, _, _, name in due:
-            if self.last_persisted[name] is not None and self.unsaved[name] == 0.0:
+            if self.last_persisted[name] is not None and self.unsaved[name] == 0.0 and name not in self.unknown:
                 self._advance(name, t)  # unchanged since its last save (frozen): its version is exact
                 continue
             late = t - due_at >= (self.period[name] or 1)
@@ -181,6 +191,7 @@ class StaggeredPolicy:
         for name in reasons:
             self.last_persisted[name] = t
             self.unsaved[name] = 0.0
+            self.unknown.discard(name)
             self._advance(name, t)
         if reasons:
             logger.debug("step %d: persist %s", t, {n: r.value for n, r in reasons.items()})
@@ -337,14 +348,15 @@ class StaggeredPolicy:
         first save again). With no version at all, training restarts from the initial weights
         and so does the schedule."""
         if not any(persisted_steps.get(name) is not None for name in self.layers):
-            rates, observed, measured = self.rate, self.observed, self.last_measured
+            rates, observed, measured, weight = self.rate, self.observed, self.last_measured, self.rate_weight
             self._reset()
-            self.rate, self.observed, self.last_measured = rates, observed, measured
+            self.rate, self.observed, self.last_measured, self.rate_weight = rates, observed, measured, weight
             return
         for name in self.layers:
             step = persisted_steps.get(name)
             self.last_persisted[name] = step
             self.unsaved[name] = 0.0  # the live weights are the loaded version now
+            self.unknown.discard(name)
             period = self.period[name]
             if step is None:
                 self.unplaced.add(name)
@@ -363,6 +375,8 @@ class StaggeredPolicy:
             "rate": dict(self.rate),
             "observed": self.observed,
             "last_measured": self.last_measured,
+            "rate_weight": self.rate_weight,
+            "unknown": sorted(self.unknown),
             "period": dict(self.period),
             "due": dict(self.due),
             "unplaced": sorted(self.unplaced),
@@ -388,7 +402,11 @@ class StaggeredPolicy:
         if self.fixed_rates is None:
             self.rate = {n: float(state["rate"][n]) for n in self.layers}
         self.observed = int(state["observed"])
-        self.last_measured = opt_int(state.get("last_measured"))  # (absent from states before drift_every)
+        # (absent from states before drift_every: their rates came from a measurement every step)
+        self.last_measured = opt_int(state.get("last_measured"))
+        if self.fixed_rates is None:
+            self.rate_weight = float(state.get("rate_weight", 1.0))
+        self.unknown = set(state.get("unknown", ()))
         self.period = {n: opt_int(state["period"][n]) for n in self.layers}
         self.due = {n: opt_int(state["due"][n]) for n in self.layers}
         self.unplaced = set(state["unplaced"])

@@ -15,7 +15,7 @@ from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.configs import LayerCheckConfig, StaggeredConfig, drift_measured, policy_config
 from layercheck.policies.decision import StepObservation
-from layercheck.policies.simulate import simulate_config
+from layercheck.policies.simulate import simulate, simulate_config
 from layercheck.policies.staggered import StaggeredPolicy
 from layercheck.policies.trace import DriftTrace, filled
 from layercheck.workers.drift import DriftSchedule
@@ -153,3 +153,50 @@ def test_filling_takes_the_next_measurement_and_the_last_one_at_the_end():
     ]
     assert [o.drift.get("a") for o in filled(steps)] == [2.0, 2.0, 4.0, 4.0, 4.0]
     assert filled(steps[1:2]) == steps[1:2]
+
+
+def test_a_layer_is_never_taken_for_frozen_before_a_measurement_said_how_fast_it_moves():
+    """Step 1 at learning rate 0 (a warm-up from 0) moves nothing, frozen or not: until the next
+    measurement every layer's drift is unknown, so a short period still saves every layer on time,
+    as a schedule measuring every step does."""
+    config = {"period": 4, "warmup_steps": 0, "ema": 0.9}
+    policies = {k: StaggeredPolicy(StaggeredConfig(**config, drift_every=k), NUMEL) for k in (1, 10)}
+    saved: dict[int, dict[str, list[int]]] = {k: {n: [] for n in NUMEL} for k in policies}
+    for step in range(1, 31):
+        lr = 0.0 if step == 1 else 1e-3
+        drift = {n: 0.0 for n in NUMEL} if step == 1 else dict(RATES)
+        for k, policy in policies.items():
+            measured = drift_measured(step, k)
+            obs = StepObservation(step=step, lr=lr, drift=drift if measured else {}, measured=measured)
+            for name in policy.observe(obs).names:
+                saved[k][name].append(step)
+    for name in NUMEL:
+        if RATES[name]:  # saved as often in steps 2..10 (before the second measurement) as when measured
+            early = {k: [s for s in saved[k][name] if s <= 10] for k in policies}
+            assert early[10] == early[1] and len(early[1]) >= 2, (name, early)
+    # the frozen layer: once when measured every step; sampled, also while its drift was unknown
+    # (the price of not knowing), and never after the measurement at step 11 said it does not move
+    assert len(saved[1]["frozen"]) == 1 and saved[10]["frozen"][0] == saved[1]["frozen"][0]
+    assert all(s < 11 for s in saved[10]["frozen"]), saved[10]["frozen"]
+
+
+def test_between_measurements_the_unsaved_drift_grows_by_the_bias_corrected_rate():
+    policy = StaggeredPolicy(StaggeredConfig(period=1000, warmup_steps=100, drift_every=10), NUMEL)
+    for obs in observations(10, 10):  # one measurement (step 1), then nine steps without
+        policy.observe(obs)
+    for name, rate in RATES.items():  # not 2% of it, as the raw EMA after one sample would say
+        assert policy.unsaved[name] == pytest.approx(10 * rate, rel=1e-9), name
+
+
+def test_a_replay_shows_the_schedule_what_a_run_with_its_drift_every_would_measure():
+    full = DriftTrace(layers=tuple(NUMEL), numel=NUMEL, steps=tuple(observations(40, 1)))
+    seen: list[bool] = []
+
+    class Watching(StaggeredPolicy):
+        def observe(self, obs):
+            seen.append(obs.measured)
+            return super().observe(obs)
+
+    config = StaggeredConfig(period=8, drift_every=10)
+    simulate(full, Watching(config, NUMEL), label="what-if", drift_every=config.drift_every)
+    assert [i + 1 for i, m in enumerate(seen) if m] == [1, 11, 21, 31]

@@ -85,10 +85,12 @@ class OptimConfig:
     ``norm`` and ``lm_head`` at ``lr``; the schedule scales every layer alike. 1 (the default)
     gives every layer ``lr``."""
     drift_step: Literal["foreach", "fused"] = "foreach"
-    """How the optimizer measures each layer's drift while it steps: ``foreach`` (the update as a
-    tensor, then its L1) or ``fused`` (counted inside the update: no update tensor, no second
-    pass; a Triton kernel on CUDA where Triton imports, cache-sized chunks elsewhere). Both give
-    the same drift; ``fused`` updates exactly as ``torch.optim.AdamW`` orders its arithmetic."""
+    """How the optimizer measures each layer's drift on the steps it measures: ``foreach``
+    (torch's own AdamW step, fused on CPU, foreach on CUDA, with the owned elements copied before
+    and diffed after) or ``fused`` (counted inside the update: no copy, no second pass; a Triton
+    kernel on CUDA where Triton imports, cache-sized chunks elsewhere, in the arithmetic order of
+    ``torch.optim.AdamW(foreach=False)``). Both give the same drift; the steps not measured are
+    torch's own AdamW step either way."""
 
     def __post_init__(self) -> None:
         require_finite(self)

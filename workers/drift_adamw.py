@@ -1,26 +1,29 @@
-"""AdamW that measures, as it steps, how far it moved each parameter group.
+"""AdamW that measures, on the steps it is asked to, how far it moved each parameter group.
 
-The drift probe needs ``sum |theta_t - theta_{t-1}|`` per layer after every step. Taking a copy
-of the parameters and diffing costs a full pass over them (and the memory of a copy); this
-optimizer instead materialises the update it is about to apply, takes its L1 norm over the
-elements this rank owns (one ``_foreach_norm``), and adds it to a per-group accumulator kept
-on the device. No host synchronisation happens here; :class:`layercheck.workers.drift.DriftProbe` reads
-all groups at once, one sync per training step.
+The drift probe needs ``sum |theta_t - theta_{t-1}|`` per layer on the steps it measures (every
+step for the paper's threshold policy, every ``drift_every``-th for the default schedule). Every
+step is ``torch.optim.AdamW``'s own (:func:`torch.optim.adamw.adamw`: fused on CPU, foreach on
+CUDA, where this optimizer keeps its step counts on the host), so the trajectory is torch's
+whichever steps are measured. On a measured step (``measuring``) each group's owned elements are
+copied before the update and the L1 of the difference is taken after (one ``_foreach_norm``),
+into a per-group accumulator kept on the device: exact, with the copy of one group alive at a
+time. No host synchronisation happens here; :class:`layercheck.workers.drift.DriftProbe` reads all
+groups at once, one sync per measured step.
 
 DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeRO-0 bf16) or
 the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily trimmed
 ``param_groups`` list (ZeRO 1/2) or once per sub-group (ZeRO-3). Accumulators are therefore
 keyed by each group's unique ``name``, never by list position.
 
-``drift_step="fused"`` counts the drift inside the update instead, with no update tensor and no
-second pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift_fused`);
-its parameters and moments are those of ``torch.optim.AdamW`` op for op.
+``drift_step="fused"`` counts the drift inside the update instead, with no copy and no second
+pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift_fused`);
+its parameters and moments are those of ``torch.optim.AdamW(foreach=False)`` op for op, so its
+measured steps round differently from the others.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
@@ -60,9 +63,8 @@ class DriftAdamW(torch.optim.AdamW):
             raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {drift_step!r}")
         self.drift_step = drift_step
         self.measuring = True
-        """Whether the next steps count their updates' L1. The probe turns it off on the steps it
-        does not measure, which then run ``torch.optim.AdamW``'s own step (fused on CPU, foreach
-        elsewhere): the same update up to rounding, at the plain optimizer's cost."""
+        """Whether the next steps count the L1 of what they move. The probe turns it off on the
+        steps it does not measure: those cost what ``torch.optim.AdamW``'s step costs."""
         self._drift_l1: dict[str, torch.Tensor] = {}
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
@@ -107,19 +109,19 @@ class DriftAdamW(torch.optim.AdamW):
                 loss = closure()
         stepped = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         stepped = [(g, params) for g, params in stepped if params]
-        if not self.measuring:  # a step the probe does not measure: torch's own AdamW, bit for bit
-            for group, params in stepped:
-                self._torch_step(group, params)
-        elif self.drift_step == "fused":
+        if self.measuring and self.drift_step == "fused":
             self._fused_step(stepped)
-        else:
-            for group, params in stepped:
-                self._step_group(group, params)
+            return loss
+        for group, params in stepped:
+            if self.measuring:
+                self._diff_step(group, params)
+            else:
+                self._torch_step(group, params)
         return loss
 
     def _torch_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """``torch.optim.AdamW``'s step of one group, no drift counted: its fused kernel where the
-        step counts live on the parameters' device (CPU), else its foreach one."""
+        """``torch.optim.AdamW``'s step of one group: its fused kernel where the step counts live
+        on the parameters' device (CPU), else its foreach one."""
         beta1, beta2 = group["betas"]
         states = [self.init_state(p) for p in params]
         adamw_functional(
@@ -140,29 +142,13 @@ class DriftAdamW(torch.optim.AdamW):
             maximize=False,
         )
 
-    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        beta1, beta2 = group["betas"]
-        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
-        grads = _grads(params)
-        states = [self.init_state(p) for p in params]
-        exp_avgs = [s["exp_avg"] for s in states]
-        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-        steps = [s["step"] for s in states]
-        torch._foreach_add_(steps, 1)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        counts = [float(s.item()) for s in steps]  # CPU scalars, as torch's AdamW keeps them
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, [math.sqrt(1 - beta2**c) for c in counts])
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(exp_avgs, denom)
-        del denom
-        torch._foreach_mul_(update, [-lr / (1 - beta1**c) for c in counts])
-        if weight_decay != 0 and lr != 0:
-            torch._foreach_add_(update, params, alpha=-lr * weight_decay)
-        self._accumulate_l1(group["name"], params, update)
-        torch._foreach_add_(params, update)
+    def _diff_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        """:meth:`_torch_step`, and the L1 of what it moved over the elements this rank owns."""
+        views = self._owned_views(params)
+        before = [v.clone() for v in views]
+        self._torch_step(group, params)
+        if views:  # no owned element: no entry
+            self._add_l1(group["name"], torch.stack(torch._foreach_norm(torch._foreach_sub(views, before), 1)).sum())
 
     def _fused_step(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> None:
         """Every group's update in one :func:`adamw_l1_groups` call (one kernel launch on CUDA):
@@ -214,14 +200,16 @@ class DriftAdamW(torch.optim.AdamW):
         previous = self._drift_l1.get(name)
         self._drift_l1[name] = l1 if previous is None else previous + l1
 
-    def _accumulate_l1(self, name: str, params: list[torch.Tensor], update: Sequence[torch.Tensor]) -> None:
-        if not self.measuring:
-            return
+    def _owned_views(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the elements of ``params`` this rank owns (its drift windows; all by default)."""
         views: list[torch.Tensor] = []
-        for p, u in zip(params, update):
+        for p in params:
             windows = self._windows_of(p)
-            flat = u.view(-1)
-            views.extend([flat] if windows is None else (flat.narrow(0, s, n) for s, n in windows))
-        if not views:
-            return
-        self._add_l1(name, torch.stack(torch._foreach_norm(views, 1)).sum())
+            if windows is None:
+                views.append(p.detach())
+            elif not p.is_contiguous():
+                raise ValueError(f"drift windows on a non-contiguous tensor of shape {tuple(p.shape)}")
+            else:
+                flat = p.detach().view(-1)
+                views.extend(flat.narrow(0, s, n) for s, n in windows)
+        return views

@@ -1,7 +1,7 @@
 """DriftAdamW's fused step: update each tensor and count ``sum |theta_t - theta_{t-1}|`` in one pass.
 
-The ``foreach`` step (:meth:`layercheck.workers.drift_adamw.DriftAdamW._step_group`) materialises every
-parameter's update and reads it again for its L1. Here the count rides along with the update:
+The ``foreach`` step (:meth:`layercheck.workers.drift_adamw.DriftAdamW._diff_step`) copies every owned
+element before torch's AdamW step and diffs it after. Here the count rides along with the update:
 
 * on CUDA, with Triton importable and every tensor contiguous fp32, one kernel launch per
   optimizer step (every param group and step count a slot) reads ``param, grad, exp_avg,
