@@ -8,7 +8,8 @@ import torch
 from layercheck.workers.drift_adamw import DriftAdamW
 
 
-def _pair(seed: int = 0):
+def _pair(seed: int = 0, **torch_kind):
+    """DriftAdamW and torch's AdamW (``torch_kind``: e.g. ``fused=True``) on equal parameters."""
     torch.manual_seed(seed)
     ours = [torch.randn(6, 5, requires_grad=True), torch.randn(11, requires_grad=True)]
     ref = [t.detach().clone().requires_grad_(True) for t in ours]
@@ -21,7 +22,7 @@ def _pair(seed: int = 0):
         **kwargs,
     )
     b = torch.optim.AdamW(
-        [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kwargs
+        [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kwargs, **torch_kind
     )
     return ours, ref, a, b
 
@@ -52,14 +53,7 @@ def test_every_step_is_torchs_fused_adamw_bit_for_bit_whichever_steps_are_measur
     """Measured or not (the steps a sampled probe skips), a step is torch's own AdamW (fused on
     CPU): the trajectory does not depend on the drift schedule; a measured step also counts the
     L1 of what it moved, an unmeasured one nothing."""
-    ours, ref, a, _ = _pair()
-    fused = torch.optim.AdamW(
-        [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
-        lr=1e-2,
-        betas=(0.8, 0.95),
-        eps=1e-7,
-        fused=True,
-    )
+    ours, ref, a, fused = _pair(fused=True)
     for i in range(7):
         a.measuring = i % 3 == 1
         grads = [torch.randn_like(p) for p in ours]
