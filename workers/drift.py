@@ -33,13 +33,6 @@ class LayerDrift:
     numel: Mapping[str, int]
     measured: bool = True
 
-    def drift(self) -> dict[str, float]:
-        """``l1 / numel`` per layer, over this rank's shard only (0 where it owns nothing; empty
-        when not measured)."""
-        if not self.measured:
-            return {}
-        return {k: (self.l1[k] / n if n else 0.0) for k, n in self.numel.items()}
-
 
 class DriftSchedule:
     """The steps a probe measures (:func:`~layercheck.policies.configs.drift_measured`) and
