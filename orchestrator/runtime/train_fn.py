@@ -103,9 +103,8 @@ class RayCoordinator:
         self._stop = False
 
     def report(self, drift: LayerDrift, lr: float) -> ray.ObjectRef:
-        self.last_report = self.policy.report.remote(
-            drift.step, self.rank, lr, dict(drift.l1), dict(drift.numel), drift.measured
-        )
+        counts = dict(drift.numel) if drift.measured else {}  # (unused where nothing was measured)
+        self.last_report = self.policy.report.remote(drift.step, self.rank, lr, dict(drift.l1), counts, drift.measured)
         return self.last_report
 
     def decision(self, handle: ray.ObjectRef) -> PersistDecision | None:
