@@ -180,3 +180,33 @@ def zero3_refresh_lp(zero_optimizer: Any) -> None:
     for sub_group in range(len(zero3_flat_partitions(zero_optimizer))):
         reassign(sub_group)
     _attr(zero_optimizer, "checkpoint_event_epilogue")()
+
+
+def reset_for_next_engine() -> None:
+    """Make this process's next ``deepspeed.initialize`` number its parameters and modules as a
+    fresh process would, once the previous engine is destroyed and the process group left.
+
+    An in-place recovery builds a second engine in a survivor's process while the replacement
+    builds its first: ZeRO-3 checks that every rank gave the same ids to the same parameters and
+    modules (``assert_ints_same_as_other_ranks``), and two counters live on in the process —
+    ``zero.Init.param_id`` (a class attribute) and the module counter of
+    ``DeepSpeedZeRoOffload._register_deepspeed_module`` (a mutable default argument). And
+    ``deepspeed.utils.groups`` keeps the groups it cloned from the old world group, which a new
+    engine would otherwise use: they are released (as ``deepspeed.comm.destroy_process_group``
+    does when it succeeds)."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+    from deepspeed.utils import groups
+
+    _attr(groups, "_release_process_group_references")(None)  # also if the group's destroy raised
+
+    for name in ("param_id", "num_persisted_parameters", "num_persisted_elements"):
+        _attr(Init, name)
+        setattr(Init, name, 0)
+    defaults = _attr(DeepSpeedZeRoOffload._register_deepspeed_module, "__defaults__")
+    if not (isinstance(defaults, tuple) and len(defaults) == 1 and isinstance(defaults[0], list)):
+        raise DeepSpeedInternalsError(
+            "DeepSpeedZeRoOffload._register_deepspeed_module no longer counts modules in a mutable default "
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
+        )
+    defaults[0][:] = [0]

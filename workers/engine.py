@@ -221,7 +221,26 @@ def seek_step(train_engine: TrainEngine, step: int) -> None:
 
 
 def shutdown(train_engine: TrainEngine) -> None:
-    """Release the engine and leave the process group (avoids a ZeRO-3 abort at exit)."""
-    train_engine.engine.destroy()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    """Release the engine and leave the process group (avoids a ZeRO-3 abort at exit). The
+    process can then build another engine in a new group (an in-place recovery's survivor)."""
+    try:
+        train_engine.engine.destroy()
+    finally:
+        leave_group()
+
+
+def leave_group() -> None:
+    """Destroy the default process group through DeepSpeed, which also drops its own references
+    to the group and its clones (``deepspeed.utils.groups``), and reset the counters a next
+    engine in this process must start from (:func:`ds_internals.reset_for_next_engine`). Also
+    after a peer's death: destroying a gloo group whose peer is gone does not block."""
+    try:
+        if torch.distributed.is_initialized():
+            from deepspeed import comm
+
+            if comm.cdb is not None and comm.cdb.is_initialized():
+                comm.destroy_process_group()
+            else:
+                torch.distributed.destroy_process_group()
+    finally:
+        ds_internals.reset_for_next_engine()

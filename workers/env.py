@@ -101,10 +101,21 @@ def check_build_locks(root: str | None = None, *, now: float | None = None, stal
 
 
 def init_distributed() -> None:
-    """Join (or create) the default process group DeepSpeed will use."""
-    prepare_environment()
-    check_build_locks()
-    import deepspeed  # late: must follow prepare_environment
+    """Join (or create) the default process group DeepSpeed will use.
 
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)
+    A process that left an earlier group (an in-place recovery's survivor) keeps DeepSpeed's
+    communication backend object, which reads the group from torch.distributed on every call: it
+    forms only torch's group, so DeepSpeed does not load its CPU communication op again (a JIT
+    build check that can take seconds, and waits on a replacement building the same op)."""
+    prepare_environment()
+    if torch.distributed.is_initialized():
+        return
+    from deepspeed import comm  # late: must follow prepare_environment
+
+    if comm.cdb is not None:
+        torch.distributed.init_process_group(backend=comm_backend(), init_method="env://")
+        return
+    check_build_locks()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)

@@ -1,0 +1,72 @@
+"""The rendezvous of an in-place run's ranks (orchestrator/core/rendezvous.py): a generation forms
+when every rank is in, each rank gets rank 0's address, a survivor and a replacement form the next
+one, and a rank that waits in vain raises instead of hanging."""
+
+import threading
+
+import pytest
+
+from layercheck.orchestrator.core.rendezvous import GroupAddress, Rendezvous, RendezvousTimeout
+
+
+def arrive_all(point: Rendezvous, arrivals: list[tuple[int, int, str, int]], timeout_s: float = 5.0) -> dict:
+    """Each (rank, world size, host, port) arrives from its own thread; their answers by rank."""
+    answers: dict = {}
+
+    def one(rank: int, world_size: int, host: str, port: int) -> None:
+        try:
+            answers[rank] = point.arrive(rank, world_size, host, port, timeout_s=timeout_s)
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            answers[rank] = error
+
+    threads = [threading.Thread(target=one, args=a) for a in arrivals]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_a_generation_forms_once_every_rank_is_in_and_each_gets_rank_0s_address():
+    point = Rendezvous()
+    answers = arrive_all(point, [(1, 3, "10.0.0.2", 0), (2, 3, "10.0.0.3", 0), (0, 3, "10.0.0.1", 29500)])
+    assert set(answers.values()) == {GroupAddress(generation=1, host="10.0.0.1", port=29500, world_size=3)}
+    assert point.generation == 1
+
+
+def test_a_survivor_and_a_replacement_form_the_next_generation():
+    point = Rendezvous()
+    arrive_all(point, [(0, 2, "a", 1), (1, 2, "b", 0)])
+    answers = arrive_all(point, [(1, 2, "c", 0), (0, 2, "a", 2)])  # rank 1 replaced, rank 0 kept its process
+    assert {a.generation for a in answers.values()} == {2} and answers[1].port == 2
+
+
+def test_a_rank_arriving_again_before_its_generation_forms_replaces_its_first_arrival():
+    """A replacement that arrived and died is replaced by the next one for the same rank."""
+    point = Rendezvous()
+    with pytest.raises(RendezvousTimeout):
+        point.arrive(0, 2, "dead", 1, timeout_s=0.05)
+    answers = arrive_all(point, [(0, 2, "new", 7), (1, 2, "b", 0)])
+    assert {(a.generation, a.host, a.port) for a in answers.values()} == {(1, "new", 7)}
+
+
+def test_a_rank_whose_peers_never_come_raises_naming_them_and_leaves_no_trace():
+    point = Rendezvous()
+    with pytest.raises(RendezvousTimeout, match=r"generation 1 did not form in 0.05s \(ranks \[1, 2\] never arrived\)"):
+        point.arrive(0, 3, "a", 1, timeout_s=0.05)
+    # the late peers do not form a group with the rank that gave up
+    late = arrive_all(point, [(1, 3, "b", 0), (2, 3, "c", 0)], timeout_s=0.05)
+    assert all(isinstance(a, RendezvousTimeout) for a in late.values()) and point.generation == 0
+
+
+def test_a_group_of_another_size_starts_a_new_generation():
+    point = Rendezvous()
+    with pytest.raises(RendezvousTimeout):
+        point.arrive(1, 3, "b", 0, timeout_s=0.05)
+    answers = arrive_all(point, [(0, 2, "a", 5), (1, 2, "b", 0)])
+    assert {(a.world_size, a.port) for a in answers.values()} == {(2, 5)}
+
+
+def test_a_rank_outside_the_group_is_refused():
+    with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
+        Rendezvous().arrive(2, 2, "a", 1, timeout_s=1)
