@@ -23,6 +23,7 @@ from typing import Any
 import ray
 import torch
 
+from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
@@ -172,16 +173,23 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     resume = ray.get(supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}"))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
-    phases = {"start_s": entered - context.process_started_at(), "build_s": time.time() - entered}
+    start = RankStart(start_s=entered - context.process_started_at(), build_s=time.time() - entered)
     if resume.records is not None:
         recover(
-            attached, ctx.storage_uri, ctx.fsync, resume.records, supervisor, rank, overlays=resume.overlays, **phases
+            attached,
+            ctx.storage_uri,
+            ctx.fsync,
+            resume.records,
+            supervisor,
+            rank,
+            overlays=resume.overlays,
+            start=start,
         )
         seek_engine(attached.engine, resume.start_step - 1)
         attached.probe.reset(resume.start_step)  # it measures the steps a run without the failure would
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
     elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
-        supervisor.loaded.remote(rank, 0.0, {}, **phases)
+        supervisor.loaded.remote(rank, 0.0, {}, start.to_json())
     coordinator = RayCoordinator(
         rank=rank,
         policy=policy,

@@ -3,7 +3,7 @@ stalls and ETTR across failures."""
 
 import pytest
 
-from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.accounting import RankStart, RunAccount
 
 
 def test_account_drops_lost_steps_from_productive_time():
@@ -28,18 +28,46 @@ def test_a_recovery_is_timed_from_the_failure_to_the_next_completed_step():
         account.step_done(step, compute_s=0.5, stall_s=0.0, now=float(step))
     recovery = account.failed(t_fail=4, resumed_at=5, now=10.0)  # the new group's first rank joined
     recovery.plan_s, recovery.load_s = 0.25, 0.5
-    recovery.rank_ready(start_s=3.0, build_s=6.0, now=16.75)  # each rank: process start, engine build
-    recovery.rank_ready(start_s=2.5, build_s=6.5, now=17.0)
+    recovery.rank_ready(RankStart(start_s=3.0, build_s=6.0), now=16.75)  # each rank: process start, engine build
+    recovery.rank_ready(RankStart(start_s=2.5, build_s=6.5), now=17.0)
     assert recovery.failure_to_step_s is None and recovery.total_s == 6.0 + 0.25 + 0.5  # what is known so far
+    assert recovery.timeline()["restart"] == 3.0  # until the step: 6 s to the first join, less the start
     account.step_done(5, compute_s=0.5, stall_s=0.0, now=17.5)
     assert recovery.failure_to_step_s == 13.5 and recovery.total_s == 13.5
     assert recovery.timeline() == {
-        "restart": 3.0,  # the failure noticed, the group torn down, new processes up: 6 s to the join, less their start
+        "restart": 3.0,  # the failure noticed, the group torn down, new processes up: the rest of the 13.5 s
         "start": 3.0,
+        "group": 0.0,  # Ray Train formed it, inside the start
         "build": 6.5,
-        "plan": 0.25,
+        "plan": 0.25,  # during the build: not in the sum
         "load": 0.5,
         "first_step": 0.5,
     }
+    assert recovery.path == "full restart"
     account.step_done(6, compute_s=0.5, stall_s=0.0, now=18.0)
     assert recovery.failure_to_step_s == 13.5  # the first step after it, once
+
+
+def test_an_in_place_recovery_is_timed_by_its_replacement_and_says_its_path():
+    """The survivor joins at once and kept its process (no start); the replacement's start, the
+    process group they form and the builds are what the recovery waits for. The phases add up to
+    the total, the plan aside."""
+    account = RunAccount(started=0.0)
+    account.step_done(1, compute_s=0.5, stall_s=0.0, now=1.0)
+    recovery = account.failed(t_fail=1, resumed_at=2, now=1.25)  # the survivor's join, a moment after
+    recovery.plan_s, recovery.load_s = 0.5, 0.25
+    recovery.rank_ready(RankStart(group_s=0.25, build_s=2.0, kept_process=True), now=9.0)
+    recovery.rank_ready(RankStart(start_s=5.0, group_s=0.125, build_s=2.5), now=9.5)
+    account.step_done(2, compute_s=0.5, stall_s=0.0, now=10.0)
+    timeline = recovery.timeline()
+    assert recovery.failure_to_step_s == 9.0 and recovery.path == "in place" and recovery.kept_processes == 1
+    assert timeline == {
+        "restart": 0.5,  # 9 s less the replacement's start, the group, its build, the load and the step
+        "start": 5.0,
+        "group": 0.25,
+        "build": 2.5,
+        "plan": 0.5,
+        "load": 0.25,
+        "first_step": 0.5,
+    }
+    assert sum(v for k, v in timeline.items() if k != "plan") == recovery.failure_to_step_s

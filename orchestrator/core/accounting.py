@@ -11,10 +11,34 @@ from typing import Any
 #: Where a recovery's elements came from (``Recovery.elements``).
 ELEMENT_KINDS = ("capture", "memory", "stored", "initial")
 #: A recovery's time from the failure to the next completed step, in the order it is spent
-#: (``Recovery.timeline``): the failure noticed, the old group torn down and the new one's
-#: processes started; their start (imports, Ray Train's context, the process group); the engine
-#: build; the plan (while the engines build); the load of the composite; the first step.
-RECOVERY_PHASES = ("restart", "start", "build", "plan", "load", "first_step")
+#: (``Recovery.timeline``): the failure noticed, the lost workers torn down and new processes
+#: scheduled (the rest of the total once the others are counted); the new processes' start
+#: (imports, Ray Train's context); forming the process group; the engine build; the plan (while
+#: the engines build, so not part of the sum); the load of the composite; the first step.
+RECOVERY_PHASES = ("restart", "start", "group", "build", "plan", "load", "first_step")
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """How one rank of a recovering group got to its load, by its own clock."""
+
+    start_s: float = 0.0
+    """From its process start to the train function (imports, Ray Train's context); 0 for a
+    survivor that kept its process (``cluster.in_place``)."""
+    group_s: float = 0.0
+    """Forming the process group, once every rank was there to form it (an in-place run forms its
+    own; under a full restart Ray Train forms it before the train function, inside ``start_s``)."""
+    build_s: float = 0.0
+    """The engine build (model, optimizer, ``deepspeed.initialize``)."""
+    kept_process: bool = False
+    """A survivor that recovered in its own process."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any] | None) -> RankStart:
+        return cls(**dict(data or {}))
 
 
 @dataclass
@@ -75,10 +99,14 @@ class Recovery:
     """When the lost group last made progress (the supervisor's clock): the failure came after."""
     start_s: float = 0.0
     """The new group's slowest rank, from its process start to the train function (imports, Ray
-    Train's context, the process group): part of ``detect_restart_s``."""
+    Train's context; under a full restart the process group too)."""
+    group_s: float = 0.0
+    """The slowest rank's forming of the process group (an in-place run's, see ``RankStart``)."""
     build_s: float = 0.0
     """The slowest rank's engine build (model, optimizer, ``deepspeed.initialize``); the plan runs
     meanwhile."""
+    kept_processes: int = 0
+    """Ranks that recovered in their own process (``cluster.in_place``); 0: a full restart."""
     ready_at: float = 0.0
     """When the last rank said its composite was loaded (the supervisor's clock; 0: none said)."""
     first_step_s: float | None = None
@@ -94,22 +122,37 @@ class Recovery:
             return self.failure_to_step_s
         return self.detect_restart_s + self.plan_s + self.load_s
 
+    @property
+    def path(self) -> str:
+        """``in place`` (survivors kept their processes) or ``full restart``."""
+        return "in place" if self.kept_processes else "full restart"
+
     def timeline(self) -> dict[str, float]:
-        """Seconds of each of :data:`RECOVERY_PHASES` (the engine build and the plan overlap: the
-        build is what the group waits for, unless the plan takes longer)."""
+        """Seconds of each of :data:`RECOVERY_PHASES`, each the slowest rank's. Once the first
+        step is done they add up to the total, the plan aside (it runs during the build): the
+        ``restart`` is what the measured phases leave of it (noticing the failure, the teardown,
+        scheduling the new processes). Until then it is the time to the first join, less the start."""
+        measured = self.start_s + self.group_s + self.build_s + self.load_s + (self.first_step_s or 0.0)
+        if self.failure_to_step_s is not None:
+            restart = self.failure_to_step_s - measured
+        else:
+            restart = self.detect_restart_s - self.start_s
         return {
-            "restart": max(0.0, self.detect_restart_s - self.start_s),
-            "start": min(self.start_s, self.detect_restart_s),
+            "restart": max(0.0, restart),
+            "start": self.start_s,
+            "group": self.group_s,
             "build": self.build_s,
             "plan": self.plan_s,
             "load": self.load_s,
             "first_step": self.first_step_s or 0.0,
         }
 
-    def rank_ready(self, *, start_s: float, build_s: float, now: float) -> None:
-        """A rank of the new group loaded its composite: its start and build times (its own clock)."""
-        self.start_s = max(self.start_s, start_s)
-        self.build_s = max(self.build_s, build_s)
+    def rank_ready(self, start: RankStart, *, now: float) -> None:
+        """A rank of the new group loaded its composite: how it got there (its own clock)."""
+        self.start_s = max(self.start_s, start.start_s)
+        self.group_s = max(self.group_s, start.group_s)
+        self.build_s = max(self.build_s, start.build_s)
+        self.kept_processes += int(start.kept_process)
         self.ready_at = max(self.ready_at, now)
 
     def add_sources(self, sources: Mapping[str, float]) -> None:
@@ -212,7 +255,7 @@ class RunAccount:
             "lost_step_s": self.lost_step_seconds,
             "failures": self.failures,
             "recoveries": [
-                asdict(r) | {"total_s": r.total_s, "elements": r.elements, "timeline": r.timeline()}
+                asdict(r) | {"total_s": r.total_s, "elements": r.elements, "timeline": r.timeline(), "path": r.path}
                 for r in self.recoveries
             ],
             "recovered_elements": {kind: sum(r.elements[kind] for r in self.recoveries) for kind in ELEMENT_KINDS},

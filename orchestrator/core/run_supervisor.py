@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.accounting import RankStart, RunAccount
 from layercheck.orchestrator.core.commit_path import (
     CommitFailed,
     CommitPath,
@@ -244,12 +244,11 @@ class RunSupervisor:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
 
     def loaded(
-        self, load_s: float, sources: Mapping[str, float] | None = None, *, start_s: float = 0.0, build_s: float = 0.0
+        self, load_s: float, sources: Mapping[str, float] | None = None, *, start: RankStart | None = None
     ) -> None:
-        """A rank of the new group loaded its composite (``start_s``, ``build_s``: how long its
-        process took to reach the train function, and its engine build)."""
+        """A rank of the new group loaded its composite (``start``: how it got there)."""
         with self._lock:
-            self.view.loaded(load_s, sources, start_s=start_s, build_s=build_s, now=self.clock())
+            self.view.loaded(load_s, sources, start=start, now=self.clock())
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float = 0.0

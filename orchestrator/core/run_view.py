@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from layercheck.orchestrator.core.accounting import RunAccount
+from layercheck.orchestrator.core.accounting import RankStart, RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath
 from layercheck.orchestrator.core.recovery_events import RecordRecovery
 
@@ -68,18 +68,17 @@ class RunView:
         load_s: float,
         sources: Mapping[str, float] | None = None,
         *,
-        start_s: float = 0.0,
-        build_s: float = 0.0,
+        start: RankStart | None = None,
         now: float = 0.0,
     ) -> None:
         """A rank loaded the composite; recovery load time is the slowest rank's, and where its
         shard files came from (memory on its node, on another node, storage) adds up over ranks.
-        ``start_s``, ``build_s``: the rank's process start and engine build (``Recovery.rank_ready``)."""
+        ``start``: how the rank got there (``Recovery.rank_ready``)."""
         if self.account.recoveries:
             last = self.account.recoveries[-1]
             last.load_s = max(last.load_s, load_s)
             last.add_sources(sources or {})
-            last.rank_ready(start_s=start_s, build_s=build_s, now=now)
+            last.rank_ready(start or RankStart(), now=now)
 
     def storage_failures(self, commits: CommitPath) -> int:
         """Failed writes and failed commits so far (not lost worker groups, nor writers that died:

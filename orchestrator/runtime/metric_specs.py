@@ -205,12 +205,19 @@ SPECS: tuple[Spec, ...] = (
         Counter, "layercheck_recoveries_total", "Recoveries completed: a new worker group trained past its resume step."
     ),
     Spec(
+        Counter,
+        "layercheck_recoveries_in_place_total",
+        "Recoveries completed in place (cluster.in_place): the survivors kept their processes; the others "
+        "were full restarts.",
+    ),
+    Spec(
         Histogram,
         "layercheck_recovery_seconds",
-        "Recovery time by phase, failure to the next completed step: restart (the failure noticed, the group "
-        "torn down, new processes started), start (their imports, Ray Train's context, the process group), build "
-        "(the engine; the plan runs meanwhile), plan (drain writers, plan the composite), load (slowest rank's), "
-        "first_step (the first step after the load), total (failure to next step).",
+        "Recovery time by phase, failure to the next completed step: restart (the failure noticed, the lost "
+        "workers torn down, new processes scheduled: the rest of the total), start (their imports, Ray Train's "
+        "context), group (the process group formed again, in place), build (the engine; the plan runs "
+        "meanwhile), plan (drain writers, plan the composite), load (slowest rank's), first_step (the first "
+        "step after the load), total (failure to next step).",
         ("phase",),
         _RECOVERY_BUCKETS,
     ),

@@ -354,13 +354,21 @@ def _stale_elements(r: dict[str, Any]) -> str:
 def _recovery_time(r: dict[str, Any]) -> str:
     """A recovery's time from the failure to its first step, and where it went."""
     t = r.get("timeline") or {}
+    kept = r.get("kept_processes", 0)
+    path = (
+        f"in place ({kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process)"
+        if kept
+        else "full restart"
+    )
+    group = f"process group {t['group']:.2f}s, " if t.get("group") else ""
     parts = (
-        f"restart {t.get('restart', r['detect_restart_s']):.1f}s, process start {t.get('start', 0.0):.1f}s, "
-        f"engine build {t.get('build', 0.0):.1f}s, plan {r['plan_s']:.2f}s (during the build), load {r['load_s']:.2f}s"
+        f"{path}: restart {t.get('restart', r['detect_restart_s']):.1f}s, process start {t.get('start', 0.0):.1f}s, "
+        f"{group}engine build {t.get('build', 0.0):.1f}s, plan {r['plan_s']:.2f}s (during the build), "
+        f"load {r['load_s']:.2f}s"
     )
     if r.get("failure_to_step_s") is None:
         return f"{parts}; no step after it yet"
-    return f"{r['failure_to_step_s']:.1f}s from the failure to the next step: {parts}, first step {t.get('first_step', 0.0):.2f}s"
+    return f"{r['failure_to_step_s']:.1f}s from the failure to the next step, {parts}, first step {t.get('first_step', 0.0):.2f}s"
 
 
 def _recovered(recovery: dict[str, Any]) -> bool:
