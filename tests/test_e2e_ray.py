@@ -122,7 +122,8 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
     """ZeRO-0 (every rank holds everything): rank 0 survives rank 1's death holding the whole
     state at t_fail and captures it, so recovery loses nothing although the stored versions are
     stale: every loss after recovery equals the failure-free run's — with dropout on, since each
-    step's RNG seed is a function of the run's seed and the step's rows (``layercheck.workers.order.step_seed``)."""
+    step's RNG seed is a function of the run's seed and the step's rows (``layercheck.workers.order.step_seed``).
+    The same with ``cluster.in_place``, where rank 0 keeps its process (its pid in every report)."""
     sparse = IntervalConfig(interval=4)
     zero0 = {"engine.zero_stage": 0, "steps": 9, "optim.total_steps": 9, "model.hf_config.attention_dropout": 0.1}
     clean = train_demo(tmp_path, "clean0", policy=sparse, **{"fault.kill_at_step": 0, **zero0})
@@ -136,10 +137,30 @@ def test_with_zero0_the_survivors_capture_makes_recovery_exact_under_a_sparse_sc
     assert set(hold["released"].values()) <= answers, hold
     stored = [v for v in LayerStore.open(failed.config.storage_uri).versions() if not v.partial and v.step <= 6]
     assert max(v.step for v in stored) < 6  # what storage alone would give is stale
+    assert_same_losses_after(6, failed, clean)
+    assert recovery["path"] == "full restart"
+
+    # in place: Ray Train replaces only rank 1; rank 0 rebuilds its engine in its own process
+    in_place = train_demo(
+        tmp_path,
+        "inplace0",
+        policy=sparse,
+        **{"fault.kill_at_step": 6, "cluster.in_place": True, "log_every": 4, **zero0},
+    )
+    (recovery,) = in_place.status["account"]["recoveries"]
+    assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7, recovery
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    assert recovery["failure_to_step_s"] > 0 and recovery["timeline"]["group"] > 0, recovery
+    reports = in_place.train_reports
+    assert {r["step"] for r in reports} == {4, 8, 9} and len({r["pid"] for r in reports}) == 1, reports
+    assert_same_losses_after(6, in_place, clean)
+
+
+def assert_same_losses_after(t_fail: int, failed, clean) -> None:
     history = {int(k): v[0] for k, v in failed.status["account"]["history"].items()}
     reference = {int(k): v[0] for k, v in clean.status["account"]["history"].items()}
-    assert sorted(history) == sorted(reference) == list(range(1, 10))
-    for step in range(7, 10):
+    assert sorted(history) == sorted(reference)
+    for step in range(t_fail + 1, max(reference) + 1):
         assert history[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
 
 

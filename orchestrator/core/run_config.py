@@ -67,6 +67,14 @@ class ClusterConfig:
     """Worker-group restarts Ray Train may make before the run fails."""
     address: str = ""
     """Ray cluster to join; empty: ``RAY_ADDRESS`` or the job's cluster, else a new local one."""
+    in_place: bool = False
+    """Recover from a lost worker in place: Ray Train replaces only that worker, the survivors keep
+    their processes (no restart, no imports) and rebuild their engines there; every rank resumes
+    at ``t_fail + 1`` as after a full restart, which is the fallback if anything on this path
+    fails. Not with an elastic group (``min_workers``)."""
+    regroup_timeout_s: float = 600.0
+    """``in_place``: how long the ranks wait for each other (a replacement's start included) to
+    form the process group again; past it they raise, and Ray Train restarts the whole group."""
     shared_storage: bool = False
     """``storage`` is a path on a filesystem every node mounts (NFS, Lustre, a bucket mount). On a
     cluster of more than one node a plain path is refused without it: each node would write to
@@ -83,6 +91,13 @@ class ClusterConfig:
         require(self.cpus_per_worker > 0, "cpus_per_worker", "> 0", self.cpus_per_worker)
         require(self.resize_check_s > 0, "resize_check_s", "> 0", self.resize_check_s)
         require(self.max_failures >= 0, "max_failures", ">= 0", self.max_failures)
+        require(self.regroup_timeout_s > 0, "regroup_timeout_s", "> 0", self.regroup_timeout_s)
+        require(
+            not (self.in_place and self.min_workers),
+            "in_place",
+            "false with an elastic group (min_workers > 0): Ray Train replaces workers in place only in a fixed group",
+            self.in_place,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

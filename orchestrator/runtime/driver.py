@@ -137,6 +137,7 @@ def train(
                     **_elastic_options(config),
                 ),
                 run_config=with_callbacks(run_config, handles.supervisor, config.persistence),
+                **_in_place_options(config),
             )
             error = fit_watched(
                 handles, trainer, on_progress=on_progress, poll_s=poll_s, fault_note=_fault_note(config)
@@ -146,6 +147,15 @@ def train(
         return finish_run(handles, error=error, config=config)
     finally:
         lease.release()  # also when setup fails after the lease was taken
+
+
+def _in_place_options(config: RunConfig) -> dict[str, Any]:
+    """``cluster.in_place``: the backend under which Ray Train replaces only a lost worker."""
+    if not config.cluster.in_place:
+        return {}
+    from layercheck.orchestrator.runtime.in_place import InPlaceTorchConfig
+
+    return {"torch_config": InPlaceTorchConfig()}
 
 
 def start_run(

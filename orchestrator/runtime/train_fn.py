@@ -15,13 +15,16 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
+import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.core.composite import load_composite
 from layercheck.orchestrator.core.memory_reads import describe_sources, needed_spans
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import process_started_at
+from layercheck.orchestrator.runtime.in_place import form_group
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import TrainReporter
@@ -31,7 +34,8 @@ from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
 from layercheck.workers.data import load_dataset
 from layercheck.workers.drift import LayerDrift
-from layercheck.workers.engine import build_engine, seek_step, shutdown
+from layercheck.workers.engine import build_engine, leave_group, seek_step, shutdown
+from layercheck.workers.env import init_distributed
 from layercheck.workers.loop import (
     BoundedHandover,
     CapturesOnFailure,
@@ -279,7 +283,11 @@ if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol,
 
 
 def train_fn(loop_config: dict[str, Any]) -> None:
-    """The ``train_loop_per_worker`` of the run's ``TorchTrainer``."""
+    """The ``train_loop_per_worker`` of the run's ``TorchTrainer``. With ``cluster.in_place``, a
+    step that raises because a peer was lost does not end it: this rank leaves the broken group,
+    meets the others (the lost rank's replacement among them) in a new one, and trains on from
+    the recovery's resume step in this same process. Anything else raises, as does a failure on
+    that path: Ray Train then restarts the whole group."""
     configure_process_logging()  # an actor/worker process has no main of ours
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ZeRO collective renames
     for name in ("layercheck.workers", "layercheck.orchestrator"):
@@ -288,31 +296,103 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     names = RunNames(loop_config["run_id"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
+    worker_id = ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}"
+    incarnation, started_at = 0, process_started_at()
+    while True:
+        try:
+            _train(run, names, rank, world_size, worker_id=worker_id, incarnation=incarnation, started_at=started_at)
+            return
+        except Exception as error:
+            if not (run.cluster.in_place and lost_a_peer(error)):
+                raise
+            incarnation += 1
+            logger.warning(
+                "rank %d: a peer was lost (%s); recovering in this process (incarnation %d)",
+                rank,
+                type(error).__name__,
+                incarnation,
+            )
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a step's error is what a survivor sees when a peer dies: a collective that failed
+    (gloo: the connection closed; NCCL: aborted) or Ray Train's barrier reset by the replacement."""
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
+
+    if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
+
+
+#: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport).
+PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport/tcp")
+
+
+def _train(
+    run: Any, names: RunNames, rank: int, world_size: int, *, worker_id: str, incarnation: int, started_at: float
+) -> None:
+    """One incarnation of this rank: join the run, form the process group (in-place runs), build
+    the engine, load the composite if the group recovers, and train to the end."""
+    arrived = time.time()
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
     policy = ray.get_actor(names.policy, namespace=NAMESPACE)
     runtime = ray.get_runtime_context()
-    entered = time.time()
-    resume_ref = supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}")
+    incarnation_id = worker_id if incarnation == 0 else f"{worker_id}/{incarnation}"
+    resume_ref = supervisor.join.remote(rank, world_size, incarnation_id)
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
-
-    train_engine = build_engine(run.model, run.optim, run.engine)
-    train_engine.probe.measure_every(run.policy.drift_every)
-    phases = {"start_s": entered - process_started_at(), "build_s": time.time() - entered}
-    resume = ray.get(resume_ref)
-    if resume.records is not None:
-        recover(
-            train_engine,
-            run.storage_uri,
-            run.persistence.fsync,
-            resume.records,
-            supervisor,
-            rank,
-            overlays=resume.overlays,
-            **phases,
+    train_engine = None
+    try:
+        group_s = 0.0
+        if run.cluster.in_place:  # the wait for the others is their start, not this rank's
+            form_group(supervisor, rank, world_size, timeout_s=run.cluster.regroup_timeout_s)
+            formed = time.time()
+            init_distributed()
+            group_s = time.time() - formed
+        building = time.time()
+        train_engine = build_engine(run.model, run.optim, run.engine)
+        train_engine.probe.measure_every(run.policy.drift_every)
+        start = RankStart(
+            start_s=arrived - started_at if incarnation == 0 else 0.0,
+            group_s=group_s,
+            build_s=time.time() - building,
+            kept_process=incarnation > 0,
         )
-        seek_step(train_engine, resume.start_step - 1)
-    elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
-        supervisor.loaded.remote(rank, 0.0, {}, **phases)
+        resume = ray.get(resume_ref)
+        if resume.records is not None:
+            recover(
+                train_engine,
+                run.storage_uri,
+                run.persistence.fsync,
+                resume.records,
+                supervisor,
+                rank,
+                overlays=resume.overlays,
+                start=start,
+            )
+            seek_step(train_engine, resume.start_step - 1)
+        elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
+            supervisor.loaded.remote(rank, 0.0, {}, start.to_json())
+        _run(run, train_engine, supervisor, policy, writers, rank=rank, world_size=world_size, resume=resume)
+    finally:
+        collective_abort.install(None)
+        if train_engine is not None:
+            shutdown(train_engine)
+        else:
+            leave_group()
+
+
+def _run(
+    run: Any,
+    train_engine: Any,
+    supervisor: Any,
+    policy: Any,
+    writers: list[Any],
+    *,
+    rank: int,
+    world_size: int,
+    resume: Any,
+) -> None:
+    """Train from the resume step to the end with LayerCheck's protocol, and report the end."""
     coordinator = RayCoordinator(
         rank=rank,
         policy=policy,
@@ -327,29 +407,25 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)
     # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
     abort = collective_abort.install(collective_abort.for_current_group()) if run.persistence.capture else None
-    try:
-        result = None
-        if resume.start_step <= run.steps:
-            result = run_loop(
-                train_engine,
-                load_dataset(run.data),
-                coordinator,
-                start_step=resume.start_step,
-                end_step=run.steps,
-                rank=rank,
-                world_size=world_size,
-                after_step=kill,
-                save_final=run.persistence.save_final,
-                report_step=reporter,
-                abort=abort,
-            )
-            coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
-        last = max(result.losses) if result is not None and result.losses else run.steps
-        loss = result.losses.get(last) if result is not None else None
-        reporter.final(last, loss, blocked_s=coordinator.blocked_s)
-    finally:
-        collective_abort.install(None)
-        shutdown(train_engine)
+    result = None
+    if resume.start_step <= run.steps:
+        result = run_loop(
+            train_engine,
+            load_dataset(run.data),
+            coordinator,
+            start_step=resume.start_step,
+            end_step=run.steps,
+            rank=rank,
+            world_size=world_size,
+            after_step=kill,
+            save_final=run.persistence.save_final,
+            report_step=reporter,
+            abort=abort,
+        )
+        coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
+    last = max(result.losses) if result is not None and result.losses else run.steps
+    loss = result.losses.get(last) if result is not None else None
+    reporter.final(last, loss, blocked_s=coordinator.blocked_s)
 
 
 def recover(
@@ -361,16 +437,15 @@ def recover(
     rank: int,
     *,
     overlays: Any = None,
-    start_s: float = 0.0,
-    build_s: float = 0.0,
+    start: RankStart | None = None,
 ) -> None:
     """Load the composite ``records`` names, with the partial ``overlays`` (survivors' captures)
     over it, into ``target`` (a built-in ``TrainEngine`` or an attached user engine: anything with
     ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
     reported to the supervisor, which skips it at the next attempt. Shard files come from the
     writers' memory where one holds them (its own node's first), else from storage; of the files
-    that do not hold this rank's slices, only the headers are read. ``start_s``, ``build_s``: this
-    rank's process start to its train function and its engine build, for the recovery's timeline."""
+    that do not hold this rank's slices, only the headers are read. ``start``: how this rank got
+    here, for the recovery's timeline."""
     started = time.monotonic()
     node_id = ray.get_runtime_context().get_node_id()
     versions = [*records.values(), *(v for layer in (overlays or {}).values() for v in layer)]
@@ -385,7 +460,7 @@ def recover(
     load_s = time.monotonic() - started  # the headers and the prefetch too: all of the load
     sources = opener.sources
     logger.warning("rank %d loaded the composite in %.2fs: %s", rank, load_s, describe_sources(sources, load_s))
-    supervisor.loaded.remote(rank, load_s, sources.to_json(), start_s, build_s)
+    supervisor.loaded.remote(rank, load_s, sources.to_json(), (start or RankStart()).to_json())
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:

@@ -5,7 +5,8 @@ the group hangs at the next one (Train v2 syncs each call across ranks). The ran
 the same steps (``step % log_every == 0``; a requested stop ends every rank after the same step;
 a restarted group starts every rank at the same step), so the counts match.
 
-The metrics are what a rank knows without waiting on the critical path: its step and loss, and
+The metrics are what a rank knows without waiting on the critical path: its step, loss and
+process id (with ``cluster.in_place`` a survivor's stays the same across a recovery), and
 — rank 0 — the committed versions' max staleness and the ETTR so far, asked from the supervisor
 at one report and read at the next (a value ``log_every`` steps old; ``None`` until one arrived).
 Other ranks report the same keys with ``None`` for what only the supervisor knows.
@@ -19,6 +20,7 @@ metrics of every report to the supervisor, and ``RunResult.train_reports`` holds
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import ray
@@ -27,7 +29,7 @@ import ray.train
 logger = logging.getLogger(__name__)
 
 #: The keys of every LayerCheck ``ray.train.report``.
-REPORT_KEYS = ("step", "loss", "max_staleness", "ettr")
+REPORT_KEYS = ("step", "loss", "pid", "max_staleness", "ettr")
 
 
 class TrainReporter:
@@ -51,7 +53,7 @@ class TrainReporter:
     def metrics(self, step: int, loss: float | None) -> dict[str, Any]:
         if self.rank == 0:
             self._collect()
-        return {"step": step, "loss": loss, **self._view}
+        return {"step": step, "loss": loss, "pid": os.getpid(), **self._view}
 
     def _collect(self) -> None:
         """Take the supervisor's answer to the last question if it has come, and ask again."""
