@@ -1,0 +1,21 @@
+"""The recovery-paths benchmark's table (bench/recovery_paths.py; its runs are Ray runs of minutes,
+measured by hand): every phase of the summary's timeline, per path, and the ratio."""
+
+from layercheck.bench.recovery_paths import table
+from layercheck.orchestrator.core.accounting import RECOVERY_PHASES
+
+
+def test_the_table_gives_each_paths_phases_and_the_ratio():
+    phases = dict.fromkeys(RECOVERY_PHASES, 1.0)
+    report = {
+        "repeats": 2,
+        "median": {
+            "full restart": {"failure_to_step_s": 15.25, **phases},
+            "in place": {"failure_to_step_s": 9.5, **phases},
+        },
+        "in_place_over_full_restart": 9.5 / 15.25,
+    }
+    text = table(report)
+    assert text.splitlines()[0].split() == ["path", "(median", "s)", "failure_to_step_s", *RECOVERY_PHASES]
+    assert "full restart" in text and "in place" in text
+    assert text.endswith("in place / full restart: 0.62x (median of 2)")
