@@ -70,3 +70,19 @@ def test_a_group_of_another_size_starts_a_new_generation():
 def test_a_rank_outside_the_group_is_refused():
     with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
         Rendezvous().arrive(2, 2, "a", 1, timeout_s=1)
+
+
+def test_only_a_lost_peers_errors_send_a_survivor_into_an_in_place_recovery():
+    """What a survivor's step raises when a peer dies (orchestrator/runtime/in_place.py); any other
+    error ends the train function, and Ray Train restarts the whole group."""
+    import torch
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
+
+    from layercheck.orchestrator.runtime.in_place import lost_a_peer
+
+    gloo = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    assert lost_a_peer(RuntimeError(gloo))
+    assert lost_a_peer(torch.distributed.DistNetworkError("Broken pipe"))
+    assert lost_a_peer(SynchronizationBarrierResetError())
+    assert not lost_a_peer(RuntimeError("CUDA out of memory"))
+    assert not lost_a_peer(ValueError("Connection closed by peer"))  # not a collective's error type

@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 import ray
+import torch
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
@@ -59,3 +60,17 @@ def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float)
     )
     logger.info("rank %d: process group generation %d at %s:%d", rank, address.generation, address.host, address.port)
     return int(address.generation)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a step's error is what a survivor sees when a peer dies: a collective that failed
+    (gloo: the connection closed; NCCL: aborted) or Ray Train's barrier reset by the replacement."""
+    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
+
+    if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
+        return True
+    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
+
+
+#: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport).
+PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport/tcp")

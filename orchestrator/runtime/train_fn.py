@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
-import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.accounting import RankStart
@@ -24,7 +23,7 @@ from layercheck.orchestrator.core.memory_reads import describe_sources, needed_s
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import process_started_at
-from layercheck.orchestrator.runtime.in_place import form_group
+from layercheck.orchestrator.runtime.in_place import form_group, lost_a_peer
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import TrainReporter
@@ -312,20 +311,6 @@ def train_fn(loop_config: dict[str, Any]) -> None:
                 type(error).__name__,
                 incarnation,
             )
-
-
-def lost_a_peer(error: BaseException) -> bool:
-    """Whether a step's error is what a survivor sees when a peer dies: a collective that failed
-    (gloo: the connection closed; NCCL: aborted) or Ray Train's barrier reset by the replacement."""
-    from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
-
-    if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
-        return True
-    return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
-
-
-#: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport).
-PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport/tcp")
 
 
 def _train(
