@@ -192,13 +192,13 @@ def reset_for_next_engine() -> None:
     ``zero.Init.param_id`` (a class attribute) and the module counter of
     ``DeepSpeedZeRoOffload._register_deepspeed_module`` (a mutable default argument). And
     ``deepspeed.utils.groups`` keeps the groups it cloned from the old world group, which a new
-    engine would otherwise use: they are released (as ``deepspeed.comm.destroy_process_group``
-    does when it succeeds)."""
+    engine would otherwise use: they are released (what ``deepspeed.comm.destroy_process_group``
+    does after a destroy that succeeded)."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
     from deepspeed.runtime.zero.partition_parameters import Init
     from deepspeed.utils import groups
 
-    _attr(groups, "_release_process_group_references")(None)  # also if the group's destroy raised
+    _attr(groups, "_release_process_group_references")(None)
 
     for name in ("param_id", "num_persisted_parameters", "num_persisted_elements"):
         _attr(Init, name)

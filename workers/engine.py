@@ -230,17 +230,12 @@ def shutdown(train_engine: TrainEngine) -> None:
 
 
 def leave_group() -> None:
-    """Destroy the default process group through DeepSpeed, which also drops its own references
-    to the group and its clones (``deepspeed.utils.groups``), and reset the counters a next
-    engine in this process must start from (:func:`ds_internals.reset_for_next_engine`). Also
-    after a peer's death: destroying a gloo group whose peer is gone does not block."""
+    """Destroy the default process group, and reset what a next engine in this process must start
+    from (:func:`ds_internals.reset_for_next_engine`: DeepSpeed's references to the group and its
+    clones, ZeRO-3's id counters), also when the destroy raises. Also after a peer's death:
+    destroying a gloo group whose peer is gone does not block."""
     try:
         if torch.distributed.is_initialized():
-            from deepspeed import comm
-
-            if comm.cdb is not None and comm.cdb.is_initialized():
-                comm.destroy_process_group()
-            else:
-                torch.distributed.destroy_process_group()
+            torch.distributed.destroy_process_group()
     finally:
         ds_internals.reset_for_next_engine()
