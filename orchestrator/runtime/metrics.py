@@ -78,7 +78,6 @@ class RunMetrics:
         self._seen: dict[tuple[str, ...], float] = {}  # per counter series: the total already counted
         self._latencies_seen = 0
         self._recoveries_seen = 0
-        self._in_place_seen = 0
         self._loaded = dict.fromkeys(SOURCES, 0)  # bytes, recoveries seen
         self._memory_writers: set[str] = set()  # writers whose memory gauges are exported
         self._weighted: dict[int, float] = {}  # per step since the base: weighted staleness
@@ -285,9 +284,9 @@ class RunMetrics:
             self._set("layercheck_recovery_composite_staleness_steps", recovery["max_staleness"], "max")
             self._set("layercheck_recovery_composite_staleness_steps", recovery["weighted_staleness"], "weighted")
             self._recoveries_seen += 1
-            self._in_place_seen += int(bool(recovery.get("kept_processes")))
         self._advance("layercheck_recoveries_total", self._recoveries_seen)
-        self._advance("layercheck_recoveries_in_place_total", self._in_place_seen)
+        in_place = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("kept_processes"))
+        self._advance("layercheck_recoveries_in_place_total", in_place)
 
     def _refresh_progress(self, status: Mapping[str, Any]) -> None:
         self._set("layercheck_training_step", status["step"])

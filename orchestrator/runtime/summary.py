@@ -354,12 +354,9 @@ def _stale_elements(r: dict[str, Any]) -> str:
 def _recovery_time(r: dict[str, Any]) -> str:
     """A recovery's time from the failure to its first step, and where it went."""
     t = r.get("timeline") or {}
-    kept = r.get("kept_processes", 0)
-    path = (
-        f"in place ({kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process)"
-        if kept
-        else "full restart"
-    )
+    path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
+    if kept:
+        path += f" ({kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process)"
     group = f"process group {t['group']:.2f}s, " if t.get("group") else ""
     parts = (
         f"{path}: restart {t.get('restart', r['detect_restart_s']):.1f}s, process start {t.get('start', 0.0):.1f}s, "
