@@ -279,12 +279,9 @@ def test_losing_a_node_resumes_at_t_fail_plus_one_from_memory_and_loses_nothing_
     stored = {v.layer for v in versions if v.step <= lost["t_fail"] and not v.partial}
     initial = {layer for layer, sources in lost["sources"].items() if sources[-1]["origin"] == "initial"}
     assert initial == set(result.layer_numel) - stored, (initial, stored)
-    if not from_memory:
-        # A known bug, open (session 11's note): in about one run of four here the second node's
-        # writer's mirror copies never reach the head's writer (seen still missing 30 s later),
-        # so the lost rank's files come from storage. Recovery is still whole and exact (asserted
-        # above); what it loses is the memory tier's speed. Reported as XFAIL, with what was held.
-        pytest.xfail(f"the lost node's mirror copies were not on the head: {memory_report}")
+    # (it once failed one run in four: a stale assignment of mirror peers left the second node's
+    # writer with none; writer_pool._assign_peers now numbers them)
+    assert from_memory, f"the lost node's mirror copies were not on the head: {memory_report}"
 
 
 @pytest.mark.skipif(

@@ -76,6 +76,8 @@ class PersistenceWriter:
         """The newest shard files this writer wrote (and mirror copies), for recovery from memory."""
         self._peer: Any = None
         """A writer on another node that keeps mirror copies of what this one writes (``None``: none)."""
+        self._peer_generation = -1
+        """The pool's assignment ``_peer`` came from: an older one, arriving late, is ignored."""
         self._mirrors: deque[Any] = deque()  # mirror calls in flight, oldest first
         self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
@@ -220,15 +222,23 @@ class PersistenceWriter:
         self._mirrors.append(self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)))
         self.stats.mirrors_sent += 1
 
-    async def set_peer(self, peer: Any) -> None:
+    async def set_peer(self, peer: Any, generation: int) -> None:
         """The writer (on another node) that keeps mirror copies of this one's shards; ``None``: none.
+        ``generation`` orders the pool's assignments: the pool sends them from several threads, and
+        this actor runs them concurrently, so one computed before a node's writers started may
+        arrive after the one that knows them; it is ignored (it left a node's writer unmirrored).
         A new peer first gets copies of the shards this writer holds of its own: written before
         any peer was known (the writers start in any order) or mirrored to a peer since replaced.
         Without them a lost node's early files would be in no memory but its own."""
+        if generation <= self._peer_generation:
+            return
+        self._peer_generation = generation
         changed = peer is not None and peer != self._peer
         self._peer = peer
         if changed:
             for held in self.memory.own_shards():
+                if self._peer != peer:
+                    return  # reassigned to another peer meanwhile: that assignment sends them
                 await self._send_mirror(held)
 
     def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:

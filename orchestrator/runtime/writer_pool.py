@@ -49,6 +49,7 @@ class WriterPool:
         self._by_node: dict[str, list[str]] = {}
         self._handles: dict[str, Any] = {}
         self._ids = itertools.count()
+        self._peer_generations = itertools.count()  # orders _assign_peers' plans (set_peer)
 
     def for_node(self, node_id: str) -> list[Any]:
         """The writer actors on ``node_id``, started on first use (or after being replaced)."""
@@ -91,8 +92,9 @@ class WriterPool:
                 for j, name in enumerate(self._by_node[node]):
                     plan[name] = self._handles[peers[j % len(peers)]] if peers else None
             handles = {name: self._handles[name] for name in plan}
+            generation = next(self._peer_generations)  # a plan made later supersedes, whatever the arrival order
         for name, peer in plan.items():
-            handles[name].set_peer.remote(peer)  # no wait: until it lands, a write is simply not mirrored
+            handles[name].set_peer.remote(peer, generation)  # no wait: until it lands, a write is not mirrored
 
     def memory_index(self, node_id: str, timeout_s: float = 10.0) -> dict[str, list[tuple[str, Any]]]:
         """Which writers hold which shard files in memory, for a rank on ``node_id``: path →
