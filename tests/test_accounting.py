@@ -71,3 +71,57 @@ def test_an_in_place_recovery_is_timed_by_its_replacement_and_says_its_path():
         "first_step": 0.5,
     }
     assert sum(v for k, v in timeline.items() if k != "plan") == recovery.failure_to_step_s
+
+
+def _view(in_place: bool = True):
+    from layercheck.orchestrator.core.run_view import RunView
+
+    return RunView(run_id="r", layer_numel={"a": 1}, account=RunAccount(started=0.0), in_place=in_place)
+
+
+def _recover(view, t_fail: int, now: float):
+    from layercheck.orchestrator.core.recovery_events import RecordRecovery
+
+    view.record_recovery(
+        RecordRecovery(t_fail=t_fail, resumed_at=t_fail + 1, lost_group=True, detected_at=now, plan_s=0.0)
+    )
+    return view.account.recoveries[-1]
+
+
+def _step(view, step: int, now: float) -> None:
+    view.step_done(step=step, loss=1.0, lr=0.1, compute_s=0.1, stall_s=0.0, coordination_s=0.0, now=now)
+
+
+def test_a_full_restart_of_an_in_place_run_says_why_and_only_for_its_own_recovery():
+    """A run that asked for in place and recovered by a full restart says why: the reason a rank
+    gave as it raised out of its train function (before the new group, or during a recovery under
+    way), or, when no rank said anything, that none survived. A reason is told once: the next
+    failure's recovery does not inherit it. A run that did not ask says nothing."""
+    from layercheck.orchestrator.core.accounting import FallbackReason
+
+    view = _view()
+    _step(view, 1, now=1.0)
+    view.in_place_refused(FallbackReason("rank_failed", "rank 0: ValueError: bad batch"))
+    first = _recover(view, t_fail=1, now=2.0)
+    assert first.path == "full restart" and first.fallback == "rank_failed"
+    assert first.refused is not None and first.refused.detail == "rank 0: ValueError: bad batch"
+    _step(view, 2, now=3.0)
+
+    second = _recover(view, t_fail=2, now=4.0)  # nobody said anything: every rank was lost
+    assert second.fallback == "no_survivor" and second.refused is None
+    # a survivor's recovery in its own process fails: it says so, to this recovery and the next
+    view.in_place_refused(FallbackReason("recovery_failed", "rank 0: TimeoutError: regroup"))
+    assert second.fallback == "recovery_failed"
+    third = _recover(view, t_fail=2, now=5.0)
+    assert third.fallback == "recovery_failed"
+    _step(view, 3, now=6.0)
+    fourth = _recover(view, t_fail=3, now=7.0)
+    assert fourth.fallback == "no_survivor", "a reason told once is not told again"
+    fourth.rank_ready(RankStart(kept_process=True), now=8.0)
+    assert fourth.path == "in place" and fourth.fallback == ""
+
+    not_asked = _view(in_place=False)
+    _step(not_asked, 1, now=1.0)
+    assert _recover(not_asked, t_fail=1, now=2.0).fallback == ""
+    with pytest.raises(ValueError, match="unknown fallback reason"):
+        FallbackReason("tired", "")

@@ -25,14 +25,19 @@ pytestmark = pytest.mark.slow
 
 def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(local_ray, clean_run, tmp_path):
     """With every layer persisted every step, the composite at t_fail is the exact state after
-    t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step."""
+    t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step. The run
+    asks for in-place recovery, but every rank dies at once (``fault.kill_all_ranks``): the full
+    restart runs, and the summary and the recovery say why."""
     clean = clean_run
-    failed = train_demo(tmp_path, "failed", policy=EVERY_STEP, **{"fault.kill_at_step": 6, **UNBOUNDED})
+    everyone = {"fault.kill_at_step": 6, "fault.kill_all_ranks": True, "cluster.in_place": True}
+    failed = train_demo(tmp_path, "failed", policy=EVERY_STEP, **{**everyone, **UNBOUNDED})
 
     account = failed.status["account"]
     assert account["failures"] == 1
     (recovery,) = account["recoveries"]
     assert recovery["t_fail"] == 6 and recovery["resumed_at"] == 7 and recovery["steps_redone"] == 0
+    assert recovery["path"] == "full restart" and recovery["fallback"] == "no_survivor", recovery
+    assert "full restart (not in place: no rank survived the failure)" in format_summary(summarize(failed))
     assert recovery["max_staleness"] == 0  # the version taken after step 6 is in the composite
     # timed from the failure to the next completed step: the new group's engine build, its load
     # and its first step are in it (the join alone ends before the engine is even built)

@@ -203,7 +203,26 @@ def test_counters_stay_monotonic_across_a_worker_group_restart():
     assert value(metrics, "layercheck_lost_compute_seconds_total") == pytest.approx(0.2)
     metrics.refresh(status(step=12, failures=1, recoveries=[recovery], state="finished"), [], POLICY, now=4.0)
     assert value(metrics, "layercheck_recoveries_total") == 1  # each recovery is observed once
+    assert value(metrics, "layercheck_recoveries_in_place_total") == 0
+    assert value(metrics, "layercheck_recovery_fallbacks_total", reason="no_survivor") == 0
     assert value(metrics, "layercheck_supervisor_state", state="finished") == 1
+
+
+def test_an_in_place_runs_recoveries_are_counted_by_path_and_its_full_restarts_by_why():
+    metrics = RunMetrics("r1", NUMEL)
+    base = {"t_fail": 1, "detect_restart_s": 1.0, "plan_s": 0.1, "load_s": 0.1, "total_s": 2.0}
+    base |= {"weighted_staleness": 0.0, "max_staleness": 0, "steps_redone": 0}
+    recoveries = [
+        {**base, "resumed_at": 2, "kept_processes": 1, "fallback": ""},
+        {**base, "resumed_at": 3, "kept_processes": 0, "fallback": "no_survivor"},
+        {**base, "resumed_at": 4, "kept_processes": 0, "fallback": "recovery_failed"},
+    ]
+    metrics.refresh(status(step=5, failures=3, recoveries=recoveries, state="finished"), [], POLICY, now=1.0)
+    assert value(metrics, "layercheck_recoveries_total") == 3
+    assert value(metrics, "layercheck_recoveries_in_place_total") == 1
+    assert value(metrics, "layercheck_recovery_fallbacks_total", reason="no_survivor") == 1
+    assert value(metrics, "layercheck_recovery_fallbacks_total", reason="recovery_failed") == 1
+    assert value(metrics, "layercheck_recovery_fallbacks_total", reason="rank_failed") == 0
 
 
 def test_a_redone_step_replaces_its_staleness_sample():

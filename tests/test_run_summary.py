@@ -185,3 +185,25 @@ def test_the_summary_says_when_the_store_does_not_hold_the_final_state(tmp_path)
         write_layer(store, layer, 60)
     result.status = {**result.status, "stored": stored_at(store, numel, 60)}
     assert "every layer at step 60" in format_summary(summarize(result))
+
+
+def test_a_recovery_says_its_path_and_why_an_in_place_run_fell_back_to_a_full_restart():
+    from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
+
+    account = RunAccount(started=0.0)
+    account.step_done(1, compute_s=0.5, stall_s=0.0, now=1.0)
+    kept = account.failed(t_fail=1, resumed_at=2, now=2.0)
+    kept.in_place = True
+    kept.rank_ready(RankStart(kept_process=True), now=3.0)
+    account.step_done(2, compute_s=0.5, stall_s=0.0, now=4.0)
+    restarted = account.failed(t_fail=2, resumed_at=3, now=5.0)
+    restarted.in_place, restarted.refused = True, FallbackReason("rank_failed", "rank 0: ValueError: bad batch")
+    account.step_done(3, compute_s=0.5, stall_s=0.0, now=9.0)
+    result = result_of(policy_config("staggered"))
+    result.status["account"] = {**result.status["account"], **account.summary(10.0)}
+    text = format_summary(summarize(result))
+    assert "in place (1 rank kept its process)" in text
+    assert (
+        "full restart (not in place: a survivor's own step failed, not for a lost peer; rank 0: ValueError: bad batch)"
+        in text
+    )

@@ -16,6 +16,27 @@ ELEMENT_KINDS = ("capture", "memory", "stored", "initial")
 #: (imports, Ray Train's context); forming the process group; the engine build; the plan (while
 #: the engines build, so not part of the sum); the load of the composite; the first step.
 RECOVERY_PHASES = ("restart", "start", "group", "build", "plan", "load", "first_step")
+#: Why a run that asked for in-place recovery (``cluster.in_place``) recovered by a full restart
+#: (``Recovery.fallback``), each with what the summary says of it.
+FALLBACK_REASONS = {
+    "no_survivor": "no rank survived the failure",
+    "rank_failed": "a survivor's own step failed, not for a lost peer",
+    "recovery_failed": "a survivor's recovery in its own process failed",
+}
+
+
+@dataclass(frozen=True)
+class FallbackReason:
+    """A rank of an in-place run raised out of its train function: the group restarts."""
+
+    reason: str
+    """One of :data:`FALLBACK_REASONS`."""
+    detail: str
+    """Which rank, and its error."""
+
+    def __post_init__(self) -> None:
+        if self.reason not in FALLBACK_REASONS:
+            raise ValueError(f"unknown fallback reason {self.reason!r} (one of {', '.join(FALLBACK_REASONS)})")
 
 
 @dataclass(frozen=True)
@@ -114,6 +135,10 @@ class Recovery:
     failure_to_step_s: float | None = None
     """From the lost group's last progress to the first step the new group completed: the whole
     recovery, as training sees it (``None`` until that step)."""
+    in_place: bool = False
+    """The run asked for in-place recovery (``cluster.in_place``)."""
+    refused: FallbackReason | None = None
+    """What a rank said as it left in-place recovery (``None``: none said anything)."""
 
     @property
     def total_s(self) -> float:
@@ -126,6 +151,14 @@ class Recovery:
     def path(self) -> str:
         """``in place`` (survivors kept their processes) or ``full restart``."""
         return "in place" if self.kept_processes else "full restart"
+
+    @property
+    def fallback(self) -> str:
+        """Why this failure's recovery was a full restart although the run asked for in place (one
+        of :data:`FALLBACK_REASONS`); "" when it ran in place or the run did not ask for it."""
+        if not self.in_place or self.kept_processes or self.kind != "failure":
+            return ""
+        return self.refused.reason if self.refused is not None else "no_survivor"
 
     def timeline(self) -> dict[str, float]:
         """Seconds of each of :data:`RECOVERY_PHASES`, each the slowest rank's. Once the first
@@ -255,7 +288,14 @@ class RunAccount:
             "lost_step_s": self.lost_step_seconds,
             "failures": self.failures,
             "recoveries": [
-                asdict(r) | {"total_s": r.total_s, "elements": r.elements, "timeline": r.timeline(), "path": r.path}
+                asdict(r)
+                | {
+                    "total_s": r.total_s,
+                    "elements": r.elements,
+                    "timeline": r.timeline(),
+                    "path": r.path,
+                    "fallback": r.fallback,
+                }
                 for r in self.recoveries
             ],
             "recovered_elements": {kind: sum(r.elements[kind] for r in self.recoveries) for kind in ELEMENT_KINDS},

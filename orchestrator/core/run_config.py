@@ -204,6 +204,9 @@ class FaultConfig:
     """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
     kill_rank: int = 0
     """The rank that is killed (a rank outside the group: none is, with a warning)."""
+    kill_all_ranks: bool = False
+    """Every rank kills itself after ``kill_at_step``, at once, once all have handed their
+    snapshots over: the whole group is lost, no rank survives (``kill_rank`` aside)."""
     kill_writer_at_step: int = 0
     """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
     stall_writes_s: float = 0.0
@@ -379,7 +382,7 @@ def config_warnings(config: RunConfig) -> list[str]:
         )
     warnings += schedule_warnings(config.policy, config.steps)
     fault = config.fault
-    if fault.kill_at_step and fault.kill_rank >= config.cluster.num_workers:
+    if fault.kill_at_step and not fault.kill_all_ranks and fault.kill_rank >= config.cluster.num_workers:
         # not an error: `--resume --set cluster.num_workers=1` of a demo run must work as written
         warnings.append(
             f"fault.kill_rank = {fault.kill_rank} is not a rank of the {config.cluster.num_workers}-"

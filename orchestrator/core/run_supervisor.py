@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from layercheck.orchestrator.core.accounting import RankStart, RunAccount
+from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
 from layercheck.orchestrator.core.commit_path import (
     CommitFailed,
     CommitPath,
@@ -150,6 +150,7 @@ class RunSupervisor:
         limits: StalenessLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        in_place: bool = False,
     ) -> None:
         config = config or SupervisionConfig()
         self.store = store
@@ -162,7 +163,9 @@ class RunSupervisor:
         self._answered = threading.Condition(self._lock)
         self.supervision = RecoveryMachine(config=config, resume=resume)
         self.commits = CommitPath(layers=list(layer_numel), config=config)
-        self.view = RunView(run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()))
+        self.view = RunView(
+            run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()), in_place=in_place
+        )
         self.guard = StalenessGuard(limits=limits or StalenessLimits(smax=None))
         self._published: dict[int, ResumeInfo] = {}
         self._dismissed: dict[int, str] = {}
@@ -242,6 +245,12 @@ class RunSupervisor:
 
     def version_unusable(self, version_id: str, reason: str) -> None:
         self._feed(VersionUnusable(version_id=version_id, reason=reason))
+
+    def in_place_refused(self, rank: int, reason: str, detail: str) -> None:
+        """A rank of an in-place run raised out of its train function (see ``RunView.in_place_refused``)."""
+        logger.warning("rank %d leaves in-place recovery (%s): %s; the group restarts", rank, reason, detail)
+        with self._lock:
+            self.view.in_place_refused(FallbackReason(reason, f"rank {rank}: {detail}"))
 
     def loaded(
         self, load_s: float, sources: Mapping[str, float] | None = None, *, start: RankStart | None = None

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from layercheck.orchestrator.core.accounting import RankStart, RunAccount
+from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, Recovery, RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath
 from layercheck.orchestrator.core.recovery_events import RecordRecovery
 
@@ -36,12 +36,19 @@ class RunView:
     """The first pass of ``smax`` while no write had failed (slow or hung storage), if any."""
     stop_reason: str | None = None
     """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
+    in_place: bool = False
+    """The run asked for in-place recovery (``cluster.in_place``)."""
+    refused: FallbackReason | None = None
+    """The first rank's word on leaving in-place recovery, for the next recovery (``None``: none)."""
 
     def step_done(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float, now: float
     ) -> None:
         """Rank 0 finished ``step``."""
+        recovering = self._open_recovery()
         self.account.step_done(step, compute_s, stall_s, now, loss=loss, lr=lr, coordination_s=coordination_s)
+        if recovering is not None and recovering.failure_to_step_s is not None:
+            self.refused = None  # said of the recovery just done, and told there
         self.progress = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
 
     def record_recovery(self, action: RecordRecovery) -> None:
@@ -62,6 +69,21 @@ class RunView:
         recovery.max_staleness = action.max_staleness
         recovery.weighted_staleness = action.weighted_staleness
         recovery.sources = {layer: [s.to_json() for s in sources] for layer, sources in action.sources.items()}
+        recovery.in_place = self.in_place
+        recovery.refused, self.refused = self.refused, None
+
+    def in_place_refused(self, refused: FallbackReason) -> None:
+        """A rank of an in-place run raised out of its train function, so Ray Train restarts the
+        group: the next recovery says why, and so does a recovery still under way (the rank left it)."""
+        self.refused = self.refused or refused
+        recovering = self._open_recovery()
+        if recovering is not None and recovering.refused is None:
+            recovering.refused = refused
+
+    def _open_recovery(self) -> Recovery | None:
+        """The latest recovery while its group has not completed a step yet."""
+        last = self.account.recoveries[-1] if self.account.recoveries else None
+        return last if last is not None and last.failure_to_step_s is None else None
 
     def loaded(
         self,

@@ -117,6 +117,7 @@ def train(
             resume=resume,
             fault=config.fault,
             lease=lease,
+            in_place=config.cluster.in_place,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
@@ -170,11 +171,13 @@ def start_run(
     resume: bool = False,
     fault: FaultConfig | None = None,
     lease: StoreLease | None = None,
+    in_place: bool = False,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
     write stalls for the writers (the built-in loop's ``[fault]``). ``lease``: the driver's lease
-    on the store; commits are fenced by it, and the run stops once it is lost."""
+    on the store; commits are fenced by it, and the run stops once it is lost. ``in_place``: the
+    run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran."""
     from layercheck.orchestrator.runtime.policy_actor import PolicyActor
     from layercheck.orchestrator.runtime.supervisor_actor import Supervisor
 
@@ -203,6 +206,7 @@ def start_run(
         memory_bytes=persistence.memory_bytes,
         memory_mirror=persistence.memory_mirror,
         lease_epoch=lease.epoch.epoch if lease is not None else None,
+        in_place=in_place,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
@@ -350,6 +354,8 @@ def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | No
 
 def _fault_note(config: RunConfig) -> str:
     fault = config.fault
+    if fault.kill_at_step and fault.kill_all_ranks:
+        return f"injected: every rank SIGKILLs itself after step {fault.kill_at_step}, fault.kill_all_ranks"
     if fault.kill_at_step and fault.kill_rank < config.cluster.num_workers:
         return f"injected: rank {fault.kill_rank} SIGKILLs itself after step {fault.kill_at_step}, fault.kill_at_step"
     return ""

@@ -22,6 +22,7 @@ import torch
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
+from layercheck.orchestrator.runtime.names import NAMESPACE
 from layercheck.workers.env import free_port
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,20 @@ def lost_a_peer(error: BaseException) -> bool:
     if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
         return True
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
+
+
+def leave_in_place(supervisor_name: str, rank: int, error: BaseException, *, recovering: bool) -> None:
+    """Tell the supervisor why this rank raises out of its train function (Ray Train then restarts
+    the group): a failed recovery in this process (``recovering``), or an error of its own step that
+    is no lost peer. Best effort, never in the way of the error: unsaid, the summary says that no
+    rank survived."""
+    reason = "recovery_failed" if recovering else "rank_failed"
+    text = str(error).splitlines()[0][:300] if str(error) else ""
+    try:
+        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
+        ray.get(supervisor.in_place_refused.remote(rank, reason, f"{type(error).__name__}: {text}"), timeout=10)
+    except Exception as failure:  # noqa: BLE001 - see above
+        logger.warning("rank %d could not say why it leaves in-place recovery: %s", rank, failure)
 
 
 #: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport).

@@ -211,6 +211,14 @@ SPECS: tuple[Spec, ...] = (
         "were full restarts.",
     ),
     Spec(
+        Counter,
+        "layercheck_recovery_fallbacks_total",
+        "Recoveries of a run that asked for in place (cluster.in_place) that were full restarts, by why: "
+        "no_survivor (every rank was lost), rank_failed (a survivor's own step failed, not for a lost peer), "
+        "recovery_failed (a survivor's recovery in its own process failed).",
+        ("reason",),
+    ),
+    Spec(
         Histogram,
         "layercheck_recovery_seconds",
         "Recovery time by phase, failure to the next completed step: restart (the failure noticed, the lost "

@@ -21,6 +21,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
+from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
 from layercheck.orchestrator.core.capture_window import capture_figures
 from layercheck.orchestrator.core.memory_reads import SOURCES
 from layercheck.orchestrator.runtime.metric_specs import (
@@ -287,6 +288,9 @@ class RunMetrics:
         self._advance("layercheck_recoveries_total", self._recoveries_seen)
         in_place = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("kept_processes"))
         self._advance("layercheck_recoveries_in_place_total", in_place)
+        for reason in FALLBACK_REASONS:
+            fell_back = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("fallback") == reason)
+            self._advance("layercheck_recovery_fallbacks_total", fell_back, reason)
 
     def _refresh_progress(self, status: Mapping[str, Any]) -> None:
         self._set("layercheck_training_step", status["step"])

@@ -8,7 +8,7 @@ import logging
 import math
 from typing import Any
 
-from layercheck.orchestrator.core.accounting import ELEMENT_KINDS, format_sources
+from layercheck.orchestrator.core.accounting import ELEMENT_KINDS, FALLBACK_REASONS, format_sources
 from layercheck.orchestrator.core.capture_window import capture_figures
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.store.uri import redact_uri
@@ -357,6 +357,10 @@ def _recovery_time(r: dict[str, Any]) -> str:
     path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
     if kept:
         path += f" ({kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process)"
+    elif r.get("fallback"):
+        refused = r.get("refused") or {}
+        why = FALLBACK_REASONS.get(r["fallback"], r["fallback"])
+        path += f" (not in place: {why}{'; ' + refused['detail'] if refused.get('detail') else ''})"
     group = f"process group {t['group']:.2f}s, " if t.get("group") else ""
     parts = (
         f"{path}: restart {t.get('restart', r['detect_restart_s']):.1f}s, process start {t.get('start', 0.0):.1f}s, "

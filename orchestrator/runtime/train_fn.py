@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
+import torch
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.accounting import RankStart
@@ -23,7 +24,7 @@ from layercheck.orchestrator.core.memory_reads import describe_sources, needed_s
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import process_started_at
-from layercheck.orchestrator.runtime.in_place import form_group, lost_a_peer
+from layercheck.orchestrator.runtime.in_place import form_group, leave_in_place, lost_a_peer
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import TrainReporter
@@ -298,11 +299,24 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     worker_id = ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}"
     incarnation, started_at = 0, process_started_at()
     while True:
+        stage = Stage()
         try:
-            _train(run, names, rank, world_size, worker_id=worker_id, incarnation=incarnation, started_at=started_at)
+            _train(
+                run,
+                names,
+                rank,
+                world_size,
+                worker_id=worker_id,
+                incarnation=incarnation,
+                started_at=started_at,
+                stage=stage,
+            )
             return
         except Exception as error:
-            if not (run.cluster.in_place and lost_a_peer(error)):
+            if not run.cluster.in_place:
+                raise
+            if not lost_a_peer(error):
+                leave_in_place(names.supervisor, rank, error, recovering=bool(incarnation) and not stage.training)
                 raise
             incarnation += 1
             logger.warning(
@@ -313,8 +327,24 @@ def train_fn(loop_config: dict[str, Any]) -> None:
             )
 
 
+@dataclass
+class Stage:
+    """How far an incarnation of a rank got."""
+
+    training: bool = False
+    """Past its recovery: it trains (a survivor's error from here on is no failed recovery)."""
+
+
 def _train(
-    run: Any, names: RunNames, rank: int, world_size: int, *, worker_id: str, incarnation: int, started_at: float
+    run: Any,
+    names: RunNames,
+    rank: int,
+    world_size: int,
+    *,
+    worker_id: str,
+    incarnation: int,
+    started_at: float,
+    stage: Stage,
 ) -> None:
     """One incarnation of this rank: join the run, form the process group (in-place runs), build
     the engine, load the composite if the group recovers, and train to the end."""
@@ -357,6 +387,7 @@ def _train(
             seek_step(train_engine, resume.start_step - 1)
         elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
             supervisor.loaded.remote(rank, 0.0, {}, start.to_json())
+        stage.training = True
         _run(run, train_engine, supervisor, policy, writers, rank=rank, world_size=world_size, resume=resume)
     finally:
         collective_abort.install(None)
@@ -455,7 +486,7 @@ def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoor
     the send queue: then ``t_fail`` is the step before, or the layers whose shards were lost come
     from their previous versions.) On rank 0, kill this rank's writer actor after
     ``fault.kill_writer_at_step``: what it holds is lost, the next hand-over finds it dead."""
-    target = fault.kill_at_step if rank == fault.kill_rank and attempt == 1 else 0
+    target = fault.kill_at_step if (fault.kill_all_ranks or rank == fault.kill_rank) and attempt == 1 else 0
     writer_target = fault.kill_writer_at_step if rank == 0 and attempt == 1 else 0
 
     def after_step(step: int) -> None:
@@ -464,6 +495,8 @@ def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoor
             ray.kill(coordinator.writer)
         if step == target:
             coordinator.flush(timeout_s=60)
+            if fault.kill_all_ranks:  # every rank's hand-over is out before any dies, then all die at once
+                torch.distributed.barrier()
             logger.warning("fault injection: rank %d kills itself after step %d", rank, step)
             os.kill(os.getpid(), signal.SIGKILL)
 
