@@ -63,6 +63,18 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BENCH_JSON",
         help="run nothing: rebuild the report, summary and plots from the measurements in a bench.json",
     )
+    add_recovery_paths_argument(p)
+
+
+def add_recovery_paths_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--recovery-paths",
+        type=Path,
+        metavar="RECOVERY_JSON",
+        help="a `python -m layercheck.bench.recovery_paths` report: the ETTR counts each strategy once per "
+        "recovery path (full restart, in place), with that path's restart measured end to end on real Ray "
+        "Train runs, instead of the bench's worker imports and engine build",
+    )
 
 
 def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
@@ -72,6 +84,7 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpus", default=",".join(str(n) for n in ettr_model.GPU_COUNTS))
     p.add_argument("--storage-gbps", type=float, help="storage bandwidth in GB/s (default: as measured)")
     p.add_argument("--restart-s", type=float, help="restart time per failure (default: the measured engine build)")
+    add_recovery_paths_argument(p)
     p.add_argument("--runs", type=int, default=200, help="Monte-Carlo runs per point")
     p.add_argument("--strategies", help="comma-separated subset of the report's strategies")
     p.add_argument("--out", type=Path, help="write ettr.json and ettr.png here")
@@ -101,6 +114,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.rebuild:
         previous = json.loads(args.rebuild.read_text())
         report = reports.build_report(previous["raw"], previous["workload"], previous["machine"])
+        report = with_measured_restarts(report, args.recovery_paths or previous.get("restart_by_path"))
         if args.out:
             write_outputs(report, args.out)
         print(json.dumps(report, indent=1) if args.json else reports.text(report))
@@ -120,11 +134,24 @@ def run_bench(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         store=getattr(args, "store", "local"),
     )
-    report = reports.build_report(raw, workload.to_json(), machine)
+    report = with_measured_restarts(reports.build_report(raw, workload.to_json(), machine), args.recovery_paths)
     if args.out:
         write_outputs(report, args.out)
     print(json.dumps(report, indent=1) if args.json else reports.text(report))
     return 0
+
+
+def with_measured_restarts(report: dict[str, Any], recovery_paths: Path | dict[str, float] | None) -> dict[str, Any]:
+    """``report`` with ``restart_by_path`` (``ettr.restart_by_path``) from a recovery-paths report
+    (or as a previous bench.json kept it); unchanged without one."""
+    if recovery_paths is None:
+        return report
+    if isinstance(recovery_paths, Path):
+        try:
+            recovery_paths = ettr_model.restart_by_path(json.loads(recovery_paths.read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise SystemExit(f"layercheck bench: --recovery-paths {recovery_paths}: {error!r}") from None
+    return {**report, "restart_by_path": dict(recovery_paths)}
 
 
 def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) -> None:
@@ -133,7 +160,7 @@ def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) ->
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(report, indent=1))
-    grid = ettr_model.grid(ettr_model.costs_from_bench(report), runs=ettr_runs)
+    grid = ettr_model.grid(ettr_model.costs_from_bench(report, by_path=report.get("restart_by_path")), runs=ettr_runs)
     (out / "ettr.json").write_text(json.dumps(grid, indent=1))
     names = [
         plots.bytes_vs_staleness(report, out / "bytes_vs_staleness.png").name,
@@ -147,10 +174,15 @@ def write_outputs(report: dict[str, Any], out: Path, *, ettr_runs: int = 200) ->
 def run_ettr(args: argparse.Namespace) -> int:
     try:
         report = json.loads(args.bench_json.read_text())
-        costs = ettr_model.costs_from_bench(report, restart_s=args.restart_s)
+        if args.recovery_paths and args.restart_s is not None:
+            raise ValueError("--restart-s and --recovery-paths both set the restart: give one")
+        by_path = (
+            ettr_model.restart_by_path(json.loads(args.recovery_paths.read_text())) if args.recovery_paths else None
+        )
+        costs = ettr_model.costs_from_bench(report, restart_s=args.restart_s, by_path=by_path)
         if args.strategies:
             wanted = {n.strip() for n in args.strategies.split(",")}
-            costs = [c for c in costs if c.name in wanted]
+            costs = [c for c in costs if c.name.split(" · ")[0] in wanted]
         mtbf = [float(x) for x in args.mtbf_hours.split(",")]
         gpus = [int(x) for x in args.gpus.split(",")]
     except (OSError, ValueError, KeyError) as error:

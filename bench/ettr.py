@@ -8,7 +8,9 @@ A strategy is described by :class:`Costs` (what ``layercheck bench`` measured): 
 with checkpointing, how a failure is recovered, its interval, checkpoint stall, bytes, and the
 time of one recovery (plan + load + delta replay; the re-run steps of a rollback are simulated,
 not taken from the measurement). ``restart_s`` is the time to bring a failed worker group
-back (process start and engine build), the same for every strategy. Failures arrive as a
+back, the same for every strategy: by default the bench's worker imports and engine build, or
+measured end to end by ``bench/recovery_paths.py`` on real Ray Train runs, per recovery path (a
+full restart, in place: :func:`restart_by_path`). Failures arrive as a
 Poisson process of rate ``1 / MTBF`` while the job trains; a recovery is not interrupted
 (the usual simplification; it matters only when recovery time approaches the MTBF).
 
@@ -29,6 +31,8 @@ RESTART = "restart"
 RESUME = "resume"
 REPLAY_DELTAS = "replay-deltas"
 RECOVERIES = (ROLLBACK, RESTART, RESUME, REPLAY_DELTAS)
+#: ``bench/recovery_paths.py``'s name of the path on which the survivors keep their processes.
+IN_PLACE = "in place"
 
 HOUR = 3600.0
 MTBF_HOURS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 24.0)
@@ -197,8 +201,36 @@ def grid(
     }
 
 
-def costs_from_bench(report: Mapping[str, Any], *, restart_s: float | None = None) -> list[Costs]:
-    """:class:`Costs` for each strategy row of a ``layercheck bench --json`` report."""
+def restart_by_path(recovery_paths: Mapping[str, Any]) -> dict[str, float]:
+    """Per recovery path of a ``bench/recovery_paths.py`` report (``full restart``, ``in place``):
+    what a failure costs beside the strategy's own plan and load, measured on real runs — the
+    median time from the failure to the next completed step, less its plan, load and first step
+    (the model adds the strategy's own plan and load; the first step is a step like any)."""
+    out = {}
+    for path, runs in recovery_paths["runs"].items():
+        if not runs:
+            raise ValueError(f"recovery path {path!r} has no runs")
+        out[path] = statistics.median(
+            max(0.0, r["failure_to_step_s"] - sum(r["timeline"][k] for k in ("plan", "load", "first_step")))
+            for r in runs
+        )
+    return out
+
+
+def costs_from_bench(
+    report: Mapping[str, Any], *, restart_s: float | None = None, by_path: Mapping[str, float] | None = None
+) -> list[Costs]:
+    """:class:`Costs` for each strategy row of a ``layercheck bench --json`` report; with
+    ``by_path`` (:func:`restart_by_path`), each strategy once per recovery path, named
+    ``<strategy> · <path>``, with that path's measured restart. In place is LayerCheck's: only
+    strategies that resume at ``t_fail + 1`` get it (a rollback reloads a full checkpoint on every rank)."""
+    if by_path:
+        return [
+            replace(c, name=f"{c.name} · {path}", restart_s=seconds)
+            for path, seconds in by_path.items()
+            for c in costs_from_bench(report)
+            if path != IN_PLACE or c.recovery in (RESUME, REPLAY_DELTAS)
+        ]
     rows = report["strategies"]
     base = rows["none"]["model_step_s"]
     restart = report["restart_s"] if restart_s is None else restart_s

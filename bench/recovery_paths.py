@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from layercheck.bench import machine
+from layercheck.bench.ettr import IN_PLACE
 from layercheck.orchestrator.core.accounting import RECOVERY_PHASES
 from layercheck.orchestrator.table import format_table
 
 logger = logging.getLogger(__name__)
 
-PATHS = {"full restart": False, "in place": True}
+PATHS = {"full restart": False, IN_PLACE: True}
 
 
 def run_once(root: Path, name: str, *, in_place: bool, steps: int, kill_at: int, overrides: dict[str, Any]) -> dict:
@@ -89,7 +90,7 @@ def measure(*, repeats: int, steps: int, kill_at: int, overrides: dict[str, Any]
         "repeats": repeats,
         "runs": runs,
         "median": medians,
-        "in_place_over_full_restart": medians["in place"]["failure_to_step_s"]
+        "in_place_over_full_restart": medians[IN_PLACE]["failure_to_step_s"]
         / medians["full restart"]["failure_to_step_s"],
     }
 

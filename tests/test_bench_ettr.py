@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 
@@ -95,3 +97,42 @@ def test_invalid_costs():
         _rollback(recovery="pray")
     with pytest.raises(ValueError, match="interval"):
         _rollback(interval=0)
+
+
+RECOVERY_PATHS = Path(__file__).parent.parent / "bench" / "results" / "cpu-in-place" / "recovery_paths.json"
+BENCH = Path(__file__).parent.parent / "bench" / "results" / "cpu-default" / "bench.json"
+
+
+def test_a_measured_recovery_path_sets_the_restart_less_the_strategys_own_plan_load_and_first_step():
+    timeline = {"plan": 0.5, "load": 1.0, "first_step": 0.5, "build": 4.0}
+    report = {
+        "runs": {
+            "full restart": [
+                {"failure_to_step_s": 12.0, "timeline": timeline},
+                {"failure_to_step_s": 16.0, "timeline": timeline},
+            ],
+            "in place": [{"failure_to_step_s": 7.0, "timeline": timeline}],
+        }
+    }
+    assert ettr.restart_by_path(report) == {"full restart": 12.0, "in place": 5.0}
+    with pytest.raises(ValueError, match="no runs"):
+        ettr.restart_by_path({"runs": {"in place": []}})
+
+
+def test_layercheck_ettr_compares_the_recovery_paths_measured_on_real_runs(capsys):
+    """The committed bench report and recovery-path measurements, as a user runs it: each resuming
+    strategy once per path with that path's measured restart (a rollback baseline has no in
+    place), and in place never scores below the full restart."""
+    from layercheck.orchestrator.cli.main import main
+
+    args = ["ettr", str(BENCH), "--recovery-paths", str(RECOVERY_PATHS), "--runs", "20", "--json"]
+    assert main([*args, "--strategies", "staggered,full"]) == 0
+    grid = json.loads(capsys.readouterr().out)
+    assert set(grid["by_mtbf"]) == {"staggered · full restart", "staggered · in place", "full · full restart"}
+    measured = ettr.restart_by_path(json.loads(RECOVERY_PATHS.read_text()))
+    restarts = {c["name"]: c["restart_s"] for c in grid["costs"]}
+    assert restarts["staggered · in place"] == measured["in place"] < restarts["staggered · full restart"]
+    for restart, in_place in zip(grid["by_mtbf"]["staggered · full restart"], grid["by_mtbf"]["staggered · in place"]):
+        assert in_place["closed"]["ettr"] > restart["closed"]["ettr"]
+    with pytest.raises(SystemExit, match="give one"):
+        main([*args, "--restart-s", "3"])
