@@ -156,6 +156,35 @@ def test_with_zero0_the_survivors_capture_makes_an_in_place_recovery_exact_under
     assert_same_losses_after(6, failed, clean)
 
 
+def test_a_warm_spare_takes_the_lost_ranks_place_and_training_continues_the_failure_free_trajectory(
+    local_ray, clean_run, tmp_path
+):
+    """``cluster.spares = 1``, ZeRO-3: Ray Train runs a third worker that builds its model and
+    waits. Rank 1 is SIGKILLed after step 6; as Ray Train shuts it down to replace it, the spare is
+    promoted to rank 1 (no process start, its model already built), rank 0 recovers in its own
+    process, and the replacement becomes the next spare. Every rank resumes at 7, and with every
+    layer persisted every step each loss after it equals the failure-free run's."""
+    spared = train_demo(
+        tmp_path,
+        "spare",
+        policy=EVERY_STEP,
+        **{"fault.kill_at_step": 6, "cluster.in_place": True, "cluster.spares": 1, **UNBOUNDED},
+    )
+    assert spared.error is None and spared.status["state"] == "finished", spared.error
+    (recovery,) = spared.status["account"]["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    assert recovery["spares_promoted"] == 1 and recovery["timeline"]["start"] == 0.0, recovery
+    assert spared.status["spares"]["promotions"] == 1, spared.status["spares"]
+    assert "in place (1 rank kept its process, 1 spare promoted)" in format_summary(summarize(spared))
+    assert spared.train_reports == []  # Ray Train's report, a barrier over all its workers, is off with spares
+    history = {int(k): v[0] for k, v in spared.status["account"]["history"].items()}
+    clean = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
+    assert sorted(history) == sorted(clean)
+    for step, loss in history.items():
+        assert loss == pytest.approx(clean[step], rel=1e-5, abs=1e-6), step
+
+
 def assert_same_losses_after(t_fail: int, failed, clean) -> None:
     history = {int(k): v[0] for k, v in failed.status["account"]["history"].items()}
     reference = {int(k): v[0] for k, v in clean.status["account"]["history"].items()}

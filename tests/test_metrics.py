@@ -217,7 +217,10 @@ def test_an_in_place_runs_recoveries_are_counted_by_path_and_its_full_restarts_b
         {**base, "resumed_at": 3, "kept_processes": 0, "fallback": "no_survivor"},
         {**base, "resumed_at": 4, "kept_processes": 0, "fallback": "recovery_failed"},
     ]
-    metrics.refresh(status(step=5, failures=3, recoveries=recoveries, state="finished"), [], POLICY, now=1.0)
+    finished = {**status(step=5, failures=3, recoveries=recoveries, state="finished")}
+    finished["spares"] = {"spares": 1, "waiting": 1, "promotions": 1}
+    metrics.refresh(finished, [], POLICY, now=1.0)
+    assert value(metrics, "layercheck_spares_waiting") == 1 and value(metrics, "layercheck_spares_promoted_total") == 1
     assert value(metrics, "layercheck_recoveries_total") == 3
     assert value(metrics, "layercheck_recoveries_in_place_total") == 1
     assert value(metrics, "layercheck_recovery_fallbacks_total", reason="no_survivor") == 1

@@ -207,3 +207,17 @@ def test_a_recovery_says_its_path_and_why_an_in_place_run_fell_back_to_a_full_re
         "full restart (not in place: a survivor's own step failed, not for a lost peer; rank 0: ValueError: bad batch)"
         in text
     )
+
+
+def test_the_summary_says_what_the_warm_spares_cost_and_did():
+    result = result_of(policy_config("staggered"))
+    result.config = replace(result.config, cluster=replace(result.config.cluster, in_place=True, spares=1))
+    result.status["spares"] = {"spares": 1, "waiting": 1, "promotions": 1}
+    summary = summarize(result)
+    assert summary["spares"]["training_workers"] == 2
+    text = format_summary(summary)
+    assert (
+        "1 worker held idle beside the 2 training (1 CPU each, 50% more workers: cluster.spares); promoted 1 time"
+        in text
+    )
+    assert summarize(result_of(policy_config("staggered")))["spares"] is None

@@ -139,13 +139,17 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig) -> TrainEngine:
-    """Initialise distributed state if needed and build the engine, layout and drift probe."""
+def build_engine(
+    model_cfg: ModelConfig, optim_cfg: OptimConfig, engine_cfg: EngineConfig, *, model: PreTrainedModel | None = None
+) -> TrainEngine:
+    """Initialise distributed state if needed and build the engine, layout and drift probe.
+    ``model``: ``build_model(model_cfg)``'s result, built beforehand (it needs no process group:
+    an in-place rank builds it while it waits for the others); built here if ``None``."""
     env.init_distributed()
     import deepspeed  # late: env.init_distributed sets the accelerator first
 
     ds_internals.check_deepspeed_version(deepspeed.__version__)
-    model = build_model(model_cfg)
+    model = model if model is not None else build_model(model_cfg)
     layer_map = layer_map_of(model)
     optimizer = DriftAdamW(
         param_groups(model, layer_map, optim_cfg),

@@ -53,6 +53,8 @@ class RankStart:
     """The engine build (model, optimizer, ``deepspeed.initialize``)."""
     kept_process: bool = False
     """A survivor that recovered in its own process."""
+    spare: bool = False
+    """A warm spare promoted to a lost rank (``cluster.spares``): its model was built before."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -128,6 +130,8 @@ class Recovery:
     meanwhile."""
     kept_processes: int = 0
     """Ranks that recovered in their own process (``cluster.in_place``); 0: a full restart."""
+    spares_promoted: int = 0
+    """Warm spares that took a lost rank's place (``cluster.spares``)."""
     ready_at: float = 0.0
     """When the last rank said its composite was loaded (the supervisor's clock; 0: none said)."""
     first_step_s: float | None = None
@@ -149,14 +153,15 @@ class Recovery:
 
     @property
     def path(self) -> str:
-        """``in place`` (survivors kept their processes) or ``full restart``."""
-        return "in place" if self.kept_processes else "full restart"
+        """``in place`` (survivors kept their processes, or a warm spare took the lost rank's
+        place) or ``full restart``."""
+        return "in place" if self.kept_processes or self.spares_promoted else "full restart"
 
     @property
     def fallback(self) -> str:
         """Why this failure's recovery was a full restart although the run asked for in place (one
         of :data:`FALLBACK_REASONS`); "" when it ran in place or the run did not ask for it."""
-        if not self.in_place or self.kept_processes or self.kind != "failure":
+        if not self.in_place or self.path == "in place" or self.kind != "failure":
             return ""
         return self.refused.reason if self.refused is not None else "no_survivor"
 
@@ -186,6 +191,7 @@ class Recovery:
         self.group_s = max(self.group_s, start.group_s)
         self.build_s = max(self.build_s, start.build_s)
         self.kept_processes += int(start.kept_process)
+        self.spares_promoted += int(start.spare)
         self.ready_at = max(self.ready_at, now)
 
     def add_sources(self, sources: Mapping[str, float]) -> None:

@@ -72,6 +72,10 @@ class ClusterConfig:
     their processes (no restart, no imports) and rebuild their engines there; every rank resumes
     at ``t_fail + 1`` as after a full restart, which is the fallback if anything on this path
     fails. Not with an elastic group (``min_workers``)."""
+    spares: int = 0
+    """``in_place``: warm spares, workers beyond ``num_workers`` that do their imports, build their
+    model and wait (each holds a worker's resources, idle). A lost rank's place is taken by a
+    spare at once, while Ray Train starts the replacement, which becomes the next spare."""
     regroup_timeout_s: float = 600.0
     """``in_place``: how long the ranks wait for each other (a replacement's start included) to
     form the process group again; past it they raise, and Ray Train restarts the whole group."""
@@ -98,6 +102,18 @@ class ClusterConfig:
             "false with an elastic group (min_workers > 0): Ray Train replaces workers in place only in a fixed group",
             self.in_place,
         )
+        require(self.spares >= 0, "spares", ">= 0", self.spares)
+        require(
+            not self.spares or self.in_place,
+            "spares",
+            "0 unless in_place = true (a spare takes a lost rank's place in the survivors' group)",
+            self.spares,
+        )
+
+    @property
+    def ray_workers(self) -> int:
+        """The workers Ray Train runs: the training ranks and the spares."""
+        return self.num_workers + self.spares
 
 
 @dataclass(frozen=True, kw_only=True)

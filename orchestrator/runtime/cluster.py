@@ -57,7 +57,7 @@ def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
     cluster = config.cluster
     connect_to(
-        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.num_workers * cluster.cpus_per_worker) + 1
+        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.ray_workers * cluster.cpus_per_worker) + 1
     )
 
 

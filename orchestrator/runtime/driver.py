@@ -118,6 +118,7 @@ def train(
             fault=config.fault,
             lease=lease,
             in_place=config.cluster.in_place,
+            spares=config.cluster.spares,
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
@@ -137,7 +138,9 @@ def train(
                     resources_per_worker={"CPU": config.cluster.cpus_per_worker},
                     **_elastic_options(config),
                 ),
-                run_config=with_callbacks(run_config, handles.supervisor, config.persistence),
+                run_config=with_callbacks(
+                    run_config, handles.supervisor, config.persistence, spares=config.cluster.spares
+                ),
                 **_in_place_options(config),
             )
             error = fit_watched(
@@ -172,12 +175,14 @@ def start_run(
     fault: FaultConfig | None = None,
     lease: StoreLease | None = None,
     in_place: bool = False,
+    spares: int = 0,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
     write stalls for the writers (the built-in loop's ``[fault]``). ``lease``: the driver's lease
     on the store; commits are fenced by it, and the run stops once it is lost. ``in_place``: the
-    run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran."""
+    run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran.
+    ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``)."""
     from layercheck.orchestrator.runtime.policy_actor import PolicyActor
     from layercheck.orchestrator.runtime.supervisor_actor import Supervisor
 
@@ -207,6 +212,7 @@ def start_run(
         memory_mirror=persistence.memory_mirror,
         lease_epoch=lease.epoch.epoch if lease is not None else None,
         in_place=in_place,
+        spares=(num_workers, spares) if spares else None,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
@@ -365,7 +371,7 @@ def _group_size(config: RunConfig) -> int | tuple[int, int]:
     cluster = config.cluster
     if 0 < cluster.min_workers < cluster.num_workers:
         return (cluster.min_workers, cluster.num_workers)  # elastic: Ray Train resizes the group
-    return cluster.num_workers
+    return cluster.ray_workers  # with spares: the training ranks and the spares
 
 
 def _elastic_options(config: RunConfig) -> dict[str, Any]:

@@ -211,6 +211,13 @@ SPECS: tuple[Spec, ...] = (
         "were full restarts.",
     ),
     Spec(
+        Gauge,
+        "layercheck_spares_waiting",
+        "Warm spares (cluster.spares) built and waiting to take a lost rank's place; each holds a worker's "
+        "resources idle.",
+    ),
+    Spec(Counter, "layercheck_spares_promoted_total", "Warm spares promoted to a lost rank's place."),
+    Spec(
         Counter,
         "layercheck_recovery_fallbacks_total",
         "Recoveries of a run that asked for in place (cluster.in_place) that were full restarts, by why: "

@@ -288,6 +288,9 @@ class RunMetrics:
         self._advance("layercheck_recoveries_total", self._recoveries_seen)
         in_place = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("kept_processes"))
         self._advance("layercheck_recoveries_in_place_total", in_place)
+        spares = status.get("spares") or {"waiting": 0, "promotions": 0}  # none: 0 (cluster.spares = 0)
+        self._set("layercheck_spares_waiting", spares["waiting"])
+        self._advance("layercheck_spares_promoted_total", spares["promotions"])
         for reason in FALLBACK_REASONS:
             fell_back = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("fallback") == reason)
             self._advance("layercheck_recovery_fallbacks_total", fell_back, reason)

@@ -67,6 +67,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "metrics_url": result.metrics_url,
         "stored": status.get("stored"),
         "save_final": result.config.persistence.save_final if result.config is not None else True,
+        "spares": _spares_figures(status.get("spares"), result),
     }
     summary.update(_schedule_figures(result.schedule, full_bytes))
     policy = result.policy
@@ -88,6 +89,30 @@ def summarize(result: RunResult) -> dict[str, Any]:
         if result.trace.sampled:  # the unsaved drift between measurements is the rate's estimate
             summary["drift_measured_steps"] = sum(1 for o in result.trace.steps if o.measured)
     return summary
+
+
+def _spares_figures(spares: dict[str, Any] | None, result: Any) -> dict[str, Any] | None:
+    """What the warm spares (``cluster.spares``) cost and did: idle workers held for the run."""
+    if not spares or result.config is None:
+        return None
+    cluster = result.config.cluster
+    return {
+        **spares,
+        "training_workers": cluster.num_workers,
+        "cpus_per_worker": cluster.cpus_per_worker,
+        "gpus_per_worker": 1 if cluster.use_gpu else 0,
+    }
+
+
+def _spares_row(spares: dict[str, Any]) -> list[object]:
+    held = f"{spares['gpus_per_worker']} GPU" if spares["gpus_per_worker"] else f"{spares['cpus_per_worker']:g} CPU"
+    count = spares["spares"]
+    return [
+        "warm spares",
+        f"{count} worker{'s' if count != 1 else ''} held idle beside the {spares['training_workers']} training "
+        f"({held} each, {count / spares['training_workers']:.0%} more workers: cluster.spares); "
+        f"promoted {spares['promotions']} time{'s' if spares['promotions'] != 1 else ''}",
+    ]
 
 
 def _capture_rows(summary: dict[str, Any]) -> list[list[object]]:
@@ -170,6 +195,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         if "storage_shards" in r:
             rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
+    if summary.get("spares"):
+        rows.append(_spares_row(summary["spares"]))
     elements = summary.get("recovered_elements", {})
     if summary["recoveries"] and (elements.get("capture") or elements.get("initial") or elements.get("memory")):
         parts = [f"{elements.get('capture', 0):,} from survivors' captures"]
@@ -355,8 +382,11 @@ def _recovery_time(r: dict[str, Any]) -> str:
     """A recovery's time from the failure to its first step, and where it went."""
     t = r.get("timeline") or {}
     path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
-    if kept:
-        path += f" ({kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process)"
+    promoted = r.get("spares_promoted", 0)
+    if kept or promoted:
+        how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
+        how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
+        path += f" ({', '.join(how)})"
     elif r.get("fallback"):
         refused = r.get("refused") or {}
         why = FALLBACK_REASONS.get(r["fallback"], r["fallback"])

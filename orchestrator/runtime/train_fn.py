@@ -21,12 +21,14 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.core.composite import load_composite
 from layercheck.orchestrator.core.memory_reads import describe_sources, needed_spans
+from layercheck.orchestrator.core.roster import END, SPARE
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import process_started_at
 from layercheck.orchestrator.runtime.in_place import form_group, leave_in_place, lost_a_peer
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.orchestrator.store.errors import CorruptShardError
@@ -34,7 +36,7 @@ from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
 from layercheck.workers.data import load_dataset
 from layercheck.workers.drift import LayerDrift
-from layercheck.workers.engine import build_engine, leave_group, seek_step, shutdown
+from layercheck.workers.engine import build_engine, build_model, leave_group, seek_step, shutdown
 from layercheck.workers.env import init_distributed
 from layercheck.workers.loop import (
     BoundedHandover,
@@ -298,8 +300,19 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     worker_id = ray.get_runtime_context().get_actor_id() or f"pid{os.getpid()}"
     incarnation, started_at = 0, process_started_at()
+    model = None
+    if run.cluster.spares:  # Ray Train's world: the training ranks and the spares; the roster says which
+        supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
+        role = ray.get(supervisor.role.remote(rank))
+        if role.kind == SPARE:
+            role, model = wait_as_spare(supervisor, rank, lambda: build_model(run.model))
+            started_at = 0.0  # promoted: this process was up and warm long before the failure
+        if role.kind == END:
+            return
+        rank, world_size = role.rank, role.world_size
     while True:
-        stage = Stage()
+        stage = Stage(model=model)
+        model = None  # a model is built for one engine
         try:
             _train(
                 run,
@@ -331,6 +344,8 @@ def train_fn(loop_config: dict[str, Any]) -> None:
 class Stage:
     """How far an incarnation of a rank got."""
 
+    model: Any = None
+    """Its model, built beforehand (a warm spare's); ``None``: build it."""
     training: bool = False
     """Past its recovery: it trains (a survivor's error from here on is no failed recovery)."""
 
@@ -357,20 +372,24 @@ def _train(
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     train_engine = None
     try:
-        group_s = 0.0
-        if run.cluster.in_place:  # the wait for the others is their start, not this rank's
+        group_s, build_s, model = 0.0, 0.0, stage.model
+        if run.cluster.in_place:  # the model needs no group: built before the wait for the others
+            building = time.time()
+            model = model if model is not None else build_model(run.model)
+            build_s = time.time() - building
             form_group(supervisor, rank, world_size, timeout_s=run.cluster.regroup_timeout_s)
-            formed = time.time()
+            formed = time.time()  # the wait for the others is their start and build, not this rank's
             init_distributed()
             group_s = time.time() - formed
         building = time.time()
-        train_engine = build_engine(run.model, run.optim, run.engine)
+        train_engine = build_engine(run.model, run.optim, run.engine, model=model)
         train_engine.probe.measure_every(run.policy.drift_every)
         start = RankStart(
-            start_s=arrived - started_at if incarnation == 0 else 0.0,
+            start_s=arrived - started_at if incarnation == 0 and started_at else 0.0,
             group_s=group_s,
-            build_s=time.time() - building,
+            build_s=build_s + time.time() - building,
             kept_process=incarnation > 0,
+            spare=stage.model is not None,
         )
         resume = ray.get(resume_ref)
         if resume.records is not None:
@@ -420,7 +439,8 @@ def _run(
         memory_period=run.persistence.memory_period,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
-    reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor)
+    # with spares Ray Train's world has ranks that do not train: its report, a barrier over all, is off
+    reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor, to_ray=not run.cluster.spares)
     # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
     abort = collective_abort.install(collective_abort.for_current_group()) if run.persistence.capture else None
     result = None
@@ -442,6 +462,8 @@ def _run(
     last = max(result.losses) if result is not None and result.losses else run.steps
     loss = result.losses.get(last) if result is not None else None
     reporter.final(last, loss, blocked_s=coordinator.blocked_s)
+    if run.cluster.spares:
+        ray.get(supervisor.rank_finished.remote(rank))  # once every rank has, the spares end
 
 
 def recover(

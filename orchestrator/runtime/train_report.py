@@ -35,20 +35,23 @@ REPORT_KEYS = ("step", "loss", "pid", "max_staleness", "ettr")
 class TrainReporter:
     """One rank's ``ray.train.report`` calls; call it after every step."""
 
-    def __init__(self, *, rank: int, every: int, supervisor: Any) -> None:
+    def __init__(self, *, rank: int, every: int, supervisor: Any, to_ray: bool = True) -> None:
+        """``to_ray``: call ``ray.train.report`` (off: report nothing, e.g. with ``cluster.spares``,
+        whose waiting workers make no steps to report and would leave the barrier waiting)."""
         self.rank = rank
-        self.every = every
+        self.every = every if to_ray else 0
         self.supervisor = supervisor
         self._asked: ray.ObjectRef | None = None
         self._view: dict[str, Any] = {"max_staleness": None, "ettr": None}
 
     def __call__(self, step: int, loss: float) -> None:
-        if step % self.every == 0:
+        if self.every and step % self.every == 0:
             ray.train.report(self.metrics(step, loss))
 
     def final(self, step: int, loss: float | None, **extra: Any) -> None:
         """The report every rank makes once at the end."""
-        ray.train.report({**self.metrics(step, loss), **extra})
+        if self.every:
+            ray.train.report({**self.metrics(step, loss), **extra})
 
     def metrics(self, step: int, loss: float | None) -> dict[str, Any]:
         if self.rank == 0:
@@ -106,10 +109,14 @@ class ReportsToSupervisor(user_callback_base()):  # type: ignore[misc]
             self.supervisor.train_reported.remote(metrics[0])
 
 
-def with_callbacks(run_config: Any, supervisor: Any, persistence: Any) -> Any:
+def with_callbacks(run_config: Any, supervisor: Any, persistence: Any, *, spares: int = 0) -> Any:
     """A user's Ray Train ``RunConfig`` with LayerCheck's callbacks (:func:`supervisor_callbacks`)
-    added after the user's own."""
+    added after the user's own; with ``spares`` (``cluster.spares``), the one that promotes them."""
     import dataclasses
 
     ours = supervisor_callbacks(supervisor, capture_timeout_s=persistence.capture_hold_s)
+    if spares:
+        from layercheck.orchestrator.runtime.spares import PromoteSpares
+
+        ours.append(PromoteSpares(supervisor))
     return dataclasses.replace(run_config, callbacks=[*(run_config.callbacks or []), *ours])

@@ -1,0 +1,114 @@
+"""Warm spares (``cluster.spares``): workers that have done their imports and built their model,
+and wait to take a lost rank's place (:mod:`layercheck.orchestrator.core.roster` decides which).
+
+Three parts meet here:
+
+- :class:`SpareRoster`, held by the supervisor: the roster, thread-safe, and a spare's blocking
+  wait for its promotion.
+- :class:`PromoteSpares`, a Ray Train callback in the controller: when Ray Train shuts a worker
+  down to replace it (``before_replica_group_shutdown``, 0.2 s after its death), the supervisor
+  promotes a spare to its rank at once, before the replacement even starts.
+- :func:`wait_as_spare`, in a spare's train function: build the model (the same call a rank makes,
+  so the promoted engine is the one a cold start would build), then wait for the roster's word.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
+
+from layercheck.orchestrator.core.roster import END, SPARE, TRAIN, Role, Roster
+
+logger = logging.getLogger(__name__)
+
+#: How long one wait of a spare at the supervisor lasts before it asks again (a Ray call that
+#: blocks a supervisor thread; a spare that died meanwhile frees it within this).
+SPARE_WAIT_S = 30.0
+#: How long the controller's callback waits for the supervisor to take a replacement in.
+REPLACING_TIMEOUT_S = 10.0
+
+
+class SpareRoster:
+    """The run's :class:`Roster`, for the supervisor actor's threads."""
+
+    def __init__(self, world_size: int, spares: int) -> None:
+        self._roster = Roster(world_size=world_size, spares=spares)
+        self._changed = threading.Condition()
+
+    def role(self, worker_rank: int) -> Role:
+        with self._changed:
+            return self._roster.role(worker_rank)
+
+    def wait(self, worker_rank: int, timeout_s: float) -> Role:
+        """A spare that has warmed up waits up to ``timeout_s`` for its promotion (or the run's
+        end); ``spare`` if neither came."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            self._roster.ready(worker_rank)
+            while (role := self._roster.take(worker_rank)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return Role(SPARE, world_size=self._roster.world_size)
+                self._changed.wait(left)
+            return role
+
+    def replacing(self, worker_ranks: list[int]) -> list[tuple[int, int]]:
+        """Ray Train replaces the workers at ``worker_ranks``: ``(spare's world rank, rank)`` of
+        each spare promoted to a rank they trained."""
+        promoted = []
+        with self._changed:
+            for worker_rank in worker_ranks:
+                spare = self._roster.replacing(worker_rank)
+                if spare is not None:
+                    promoted.append((spare, self._roster.holders[spare]))
+            self._changed.notify_all()
+        for spare, rank in promoted:
+            logger.warning("the spare at Ray Train rank %d takes over rank %d", spare, rank)
+        return promoted
+
+    def finish(self, rank: int) -> None:
+        with self._changed:
+            self._roster.finish(rank)
+            self._changed.notify_all()
+
+    def view(self) -> dict[str, Any]:
+        with self._changed:
+            r = self._roster
+            return {"spares": r.spares, "waiting": len(r.waiting), "promotions": r.promotions}
+
+
+class PromoteSpares(WorkerGroupCallback, ReplicaGroupCallback):
+    """In Ray Train's controller: a worker about to be replaced has its rank taken by a spare.
+    (A worker-group callback too: the controller hands the worker group only those, and the
+    worker group gives its replica groups the replica-group callbacks among them.)"""
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+
+    def before_replica_group_shutdown(self, replica_group: Any) -> None:
+        ranks = [
+            w.distributed_context.world_rank for w in replica_group.get_workers() if w.distributed_context is not None
+        ]
+        if not ranks:
+            return
+        try:
+            ray.get(self.supervisor.replacing.remote(ranks), timeout=REPLACING_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - never in Ray Train's way: the replacement then trains, cold
+            logger.warning("could not promote a spare for Ray Train rank(s) %s: %s", ranks, error)
+
+
+def wait_as_spare(supervisor: Any, worker_rank: int, build: Any) -> tuple[Role, Any]:
+    """In a spare's train function: ``build()`` (the model, and whatever else a rank builds before
+    its group) while nothing is asked of it, then wait until the roster promotes this worker or
+    ends the run. Returns the role (``train`` or ``end``) and what ``build`` built."""
+    built = build()
+    logger.info("spare at Ray Train rank %d: warm, waiting", worker_rank)
+    while True:
+        role = ray.get(supervisor.spare_wait.remote(worker_rank, SPARE_WAIT_S))
+        if role.kind in (TRAIN, END):
+            return role, built
