@@ -33,6 +33,7 @@ REPLAY_DELTAS = "replay-deltas"
 RECOVERIES = (ROLLBACK, RESTART, RESUME, REPLAY_DELTAS)
 #: ``bench/recovery_paths.py``'s name of the path on which the survivors keep their processes.
 IN_PLACE = "in place"
+IN_PLACE_SPARE = "in place + spare"
 
 HOUR = 3600.0
 MTBF_HOURS: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0, 8.0, 12.0, 24.0)
@@ -229,7 +230,7 @@ def costs_from_bench(
             replace(c, name=f"{c.name} · {path}", restart_s=seconds)
             for path, seconds in by_path.items()
             for c in costs_from_bench(report)
-            if path != IN_PLACE or c.recovery in (RESUME, REPLAY_DELTAS)
+            if path not in (IN_PLACE, IN_PLACE_SPARE) or c.recovery in (RESUME, REPLAY_DELTAS)
         ]
     rows = report["strategies"]
     base = rows["none"]["model_step_s"]

@@ -1,5 +1,5 @@
-"""A lost worker's recovery, full restart against in place (``cluster.in_place``), side by side on
-the same failure: the demo (``examples/demo.toml``) on a local Ray, rank 1 SIGKILLed after step
+"""A lost worker's recovery, full restart against in place (``cluster.in_place``) and in place
+with a warm spare (``cluster.spares = 1``), side by side on the same failure: the demo (``examples/demo.toml``) on a local Ray, rank 1 SIGKILLed after step
 ``--kill-at``, each path run ``--repeats`` times, interleaved (the machine drifts). For each run:
 the time from the failure to the next completed step and its phases (the run summary's
 ``timeline``), and whether the survivor kept its process. Prints a table and JSON.
@@ -18,16 +18,23 @@ from pathlib import Path
 from typing import Any
 
 from layercheck.bench import machine
-from layercheck.bench.ettr import IN_PLACE
+from layercheck.bench.ettr import IN_PLACE, IN_PLACE_SPARE
 from layercheck.orchestrator.core.accounting import RECOVERY_PHASES
 from layercheck.orchestrator.table import format_table
 
 logger = logging.getLogger(__name__)
 
-PATHS = {"full restart": False, IN_PLACE: True}
+#: Each path's run-config overrides.
+PATHS: dict[str, dict[str, Any]] = {
+    "full restart": {"cluster.in_place": False},
+    IN_PLACE: {"cluster.in_place": True},
+    IN_PLACE_SPARE: {"cluster.in_place": True, "cluster.spares": 1},
+}
 
 
-def run_once(root: Path, name: str, *, in_place: bool, steps: int, kill_at: int, overrides: dict[str, Any]) -> dict:
+def run_once(
+    root: Path, name: str, *, path: dict[str, Any], steps: int, kill_at: int, overrides: dict[str, Any]
+) -> dict:
     """One demo run with rank 1 killed after ``kill_at``; its recovery as the summary has it."""
     from layercheck.orchestrator.core.run_config import load_run_config
     from layercheck.orchestrator.runtime.driver import train
@@ -41,7 +48,7 @@ def run_once(root: Path, name: str, *, in_place: bool, steps: int, kill_at: int,
             "optim.total_steps": steps,
             "metrics.port": 0,
             "fault.kill_at_step": kill_at,
-            "cluster.in_place": in_place,
+            **path,
             **overrides,
         },
     )
@@ -54,6 +61,7 @@ def run_once(root: Path, name: str, *, in_place: bool, steps: int, kill_at: int,
         "failure_to_step_s": recovery["failure_to_step_s"],
         "timeline": recovery["timeline"],
         "kept_processes": recovery["kept_processes"],
+        "spares_promoted": recovery.get("spares_promoted", 0),
         "resumed_at": recovery["resumed_at"],
     }
 
@@ -64,15 +72,15 @@ def measure(*, repeats: int, steps: int, kill_at: int, overrides: dict[str, Any]
     from layercheck.orchestrator.core.run_config import load_run_config
     from layercheck.orchestrator.runtime.cluster import connect
 
-    connect(load_run_config("examples/demo.toml", overrides))
+    connect(load_run_config("examples/demo.toml", {**overrides, **PATHS[IN_PLACE_SPARE]}))  # room for the spare
     runs: dict[str, list[dict]] = {path: [] for path in PATHS}
     try:
         with tempfile.TemporaryDirectory(prefix="layercheck-recovery-paths-") as tmp:
             for i in range(repeats):
-                for path, in_place in PATHS.items():
-                    name = f"{'inplace' if in_place else 'restart'}{i}"
+                for path, options in PATHS.items():
+                    name = "".join(c if c.isalnum() else "-" for c in path).replace("---", "-") + str(i)
                     runs[path].append(
-                        run_once(Path(tmp), name, in_place=in_place, steps=steps, kill_at=kill_at, overrides=overrides)
+                        run_once(Path(tmp), name, path=options, steps=steps, kill_at=kill_at, overrides=overrides)
                     )
                     logger.warning("%s: %.2f s", name, runs[path][-1]["failure_to_step_s"])
     finally:
@@ -92,14 +100,23 @@ def measure(*, repeats: int, steps: int, kill_at: int, overrides: dict[str, Any]
         "median": medians,
         "in_place_over_full_restart": medians[IN_PLACE]["failure_to_step_s"]
         / medians["full restart"]["failure_to_step_s"],
+        "spare_over_full_restart": medians[IN_PLACE_SPARE]["failure_to_step_s"]
+        / medians["full restart"]["failure_to_step_s"],
     }
 
 
 def table(report: dict[str, Any]) -> str:
     columns = ["failure_to_step_s", *RECOVERY_PHASES]
     rows = [[path, *(round(values[c], 2) for c in columns)] for path, values in report["median"].items()]
-    ratio = f"in place / full restart: {report['in_place_over_full_restart']:.2f}x (median of {report['repeats']})"
-    return format_table(["path (median s)", *columns], rows) + "\n" + ratio
+    ratios = [f"in place / full restart: {report['in_place_over_full_restart']:.2f}x"]
+    if "spare_over_full_restart" in report:  # reports from before the spares have no such path
+        ratios.append(f"in place + spare / full restart: {report['spare_over_full_restart']:.2f}x")
+    return (
+        format_table(["path (median s)", *columns], rows)
+        + "\n"
+        + "; ".join(ratios)
+        + f" (median of {report['repeats']})"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -128,11 +128,14 @@ def test_layercheck_ettr_compares_the_recovery_paths_measured_on_real_runs(capsy
     args = ["ettr", str(BENCH), "--recovery-paths", str(RECOVERY_PATHS), "--runs", "20", "--json"]
     assert main([*args, "--strategies", "staggered,full"]) == 0
     grid = json.loads(capsys.readouterr().out)
-    assert set(grid["by_mtbf"]) == {"staggered · full restart", "staggered · in place", "full · full restart"}
+    paths = ("full restart", "in place", "in place + spare")
+    assert set(grid["by_mtbf"]) == {*(f"staggered · {p}" for p in paths), "full · full restart"}
     measured = ettr.restart_by_path(json.loads(RECOVERY_PATHS.read_text()))
     restarts = {c["name"]: c["restart_s"] for c in grid["costs"]}
     assert restarts["staggered · in place"] == measured["in place"] < restarts["staggered · full restart"]
-    for restart, in_place in zip(grid["by_mtbf"]["staggered · full restart"], grid["by_mtbf"]["staggered · in place"]):
-        assert in_place["closed"]["ettr"] > restart["closed"]["ettr"]
+    assert restarts["staggered · in place + spare"] == measured["in place + spare"] < measured["in place"]
+    by_path = [grid["by_mtbf"][f"staggered · {p}"] for p in paths]
+    for restart, in_place, spare in zip(*by_path):
+        assert spare["closed"]["ettr"] > in_place["closed"]["ettr"] > restart["closed"]["ettr"]
     with pytest.raises(SystemExit, match="give one"):
         main([*args, "--restart-s", "3"])

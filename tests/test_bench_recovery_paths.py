@@ -19,3 +19,17 @@ def test_the_table_gives_each_paths_phases_and_the_ratio():
     assert text.splitlines()[0].split() == ["path", "(median", "s)", "failure_to_step_s", *RECOVERY_PHASES]
     assert "full restart" in text and "in place" in text
     assert text.endswith("in place / full restart: 0.62x (median of 2)")
+
+
+def test_the_spare_path_gets_its_ratio_too():
+    phases = dict.fromkeys(RECOVERY_PHASES, 1.0)
+    medians = {"full restart": 15.0, "in place": 9.0, "in place + spare": 3.0}
+    report = {
+        "repeats": 1,
+        "median": {path: {"failure_to_step_s": s, **phases} for path, s in medians.items()},
+        "in_place_over_full_restart": 0.6,
+        "spare_over_full_restart": 0.2,
+    }
+    assert table(report).endswith(
+        "in place / full restart: 0.60x; in place + spare / full restart: 0.20x (median of 1)"
+    )
