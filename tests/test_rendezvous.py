@@ -84,5 +84,8 @@ def test_only_a_lost_peers_errors_send_a_survivor_into_an_in_place_recovery():
     assert lost_a_peer(RuntimeError(gloo))
     assert lost_a_peer(torch.distributed.DistNetworkError("Broken pipe"))
     assert lost_a_peer(SynchronizationBarrierResetError())
+    # NCCL, released by an abort (ReplaceInPlace): torch 2.13 raises DistBackendError, older ones RuntimeError
+    assert lost_a_peer(torch.distributed.DistBackendError("NCCL error: ncclCommAbort"))
+    assert lost_a_peer(RuntimeError("NCCL communicator was aborted on rank 0."))
     assert not lost_a_peer(RuntimeError("CUDA out of memory"))
     assert not lost_a_peer(ValueError("Connection closed by peer"))  # not a collective's error type

@@ -139,7 +139,7 @@ def train(
                     **_elastic_options(config),
                 ),
                 run_config=with_callbacks(
-                    run_config, handles.supervisor, config.persistence, spares=config.cluster.spares
+                    run_config, handles.supervisor, config.persistence, in_place=config.cluster.in_place
                 ),
                 **_in_place_options(config),
             )

@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from typing import Any
 
 import ray
+import ray.train
 import torch
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 
-from layercheck.orchestrator.runtime.names import NAMESPACE
+from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.workers.collective_abort import request_abort
 from layercheck.workers.env import free_port
 
 logger = logging.getLogger(__name__)
@@ -45,6 +50,77 @@ class InPlaceTorchConfig(TorchConfig):
         return _InPlaceBackend
 
 
+#: How long the controller's callback waits for the supervisor to take a replacement in.
+REPLACING_TIMEOUT_S = 10.0
+#: How long a thread beside the controller waits for the survivors' answers to the release (logged).
+RELEASE_ANSWER_S = 30.0
+
+
+class ReplaceInPlace(WorkerGroupCallback, ReplicaGroupCallback):
+    """In Ray Train's controller, as it shuts a lost worker down to replace it in place (about 0.2 s
+    after the death, before the replacement starts):
+
+    1. the supervisor promotes a warm spare to the lost worker's rank (``cluster.spares``;
+       :mod:`layercheck.orchestrator.runtime.spares`);
+    2. every other worker is asked to release itself from a collective blocked on the lost one
+       (:func:`layercheck.workers.collective_abort.request_abort`, beside its training thread): an
+       NCCL survivor would otherwise wait in it for the process group's timeout, with no teardown
+       to abort it as under a full restart (:mod:`layercheck.orchestrator.runtime.capture_hold`).
+       A gloo survivor has raised already or will by itself, and does nothing.
+
+    The controller waits for neither: the answers are logged from a thread of their own. (A
+    worker-group callback too: the controller hands the worker group only those, and keeps the
+    replica-group callbacks among them for the replica groups; and it learns the group from it.)"""
+
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor
+        self._group: Any = None
+
+    def after_worker_group_start(self, worker_group: Any) -> None:
+        self._group = worker_group
+
+    def before_replica_group_shutdown(self, replica_group: Any) -> None:
+        lost = {w.distributed_context.world_rank for w in replica_group.get_workers() if w.distributed_context}
+        if not lost:
+            return
+        try:
+            ray.get(self.supervisor.replacing.remote(sorted(lost)), timeout=REPLACING_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - never in Ray Train's way: the replacement then trains, cold
+            logger.warning("could not promote a spare for Ray Train rank(s) %s: %s", sorted(lost), error)
+        asked = release_others(self._group, lost)
+        if asked:
+            threading.Thread(target=_log_answers, args=(asked, lost), daemon=True, name="layercheck-release").start()
+
+
+def release_others(worker_group: Any, lost: set[int]) -> dict[int, Any]:
+    """Ask every worker of ``worker_group`` but the ``lost`` ones to release itself from a collective
+    blocked on them; per world rank, the reference of its answer (an ``AbortDecision`` value)."""
+    reason = f"Ray Train replaces rank(s) {sorted(lost)} in place"
+    asked = {}
+    for rank, worker in enumerate(worker_group.get_workers() if worker_group is not None else []):
+        if rank in lost:
+            continue
+        try:
+            asked[rank] = worker.execute_async(request_abort, reason)
+        except Exception as error:  # noqa: BLE001 - that rank simply is not released
+            logger.warning("could not ask rank %d to release a blocked collective: %r", rank, error)
+    return asked
+
+
+def _log_answers(asked: dict[int, Any], lost: set[int]) -> None:
+    answers = {}
+    for rank, ref in asked.items():
+        try:
+            answers[rank] = ray.get(ref, timeout=RELEASE_ANSWER_S)
+        except Exception as error:  # noqa: BLE001 - a survivor that died or hangs: Ray Train sees to it
+            answers[rank] = f"no answer ({type(error).__name__})"
+    logger.info(
+        "Ray Train replaces rank(s) %s in place; asked to release a blocked collective, ranks answered %s",
+        sorted(lost),
+        answers,
+    )
+
+
 def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float) -> int:
     """Meet the other ranks at the supervisor and set the environment ``deepspeed.init_distributed``
     reads (``env://``) to the generation's group; returns the generation. Rank 0 serves the
@@ -61,6 +137,41 @@ def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float)
     )
     logger.info("rank %d: process group generation %d at %s:%d", rank, address.generation, address.host, address.port)
     return int(address.generation)
+
+
+def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
+    """Run the user's loop (``call()``) in this worker's process group, formed at the supervisor;
+    when it raises because a peer was lost (``attach`` captured this rank's slices on the way out),
+    leave the group and run it again as a new incarnation (``start(number, group_s)``), whose
+    ``attach`` loads the composite. Any other error raises, and Ray Train restarts the group."""
+    from layercheck.workers.engine import leave_group
+    from layercheck.workers.env import init_distributed
+
+    names = RunNames(ctx.run_id)
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    number = 0
+    while True:
+        supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
+        form_group(supervisor, rank, world_size, timeout_s=ctx.regroup_timeout_s)
+        formed = time.time()
+        init_distributed()
+        incarnation = start(number, time.time() - formed)
+        try:
+            return call()
+        except Exception as error:
+            if not lost_a_peer(error):
+                leave_in_place(names.supervisor, rank, error, recovering=number > 0 and not incarnation.attached)
+                raise
+            number += 1
+            logger.warning(
+                "rank %d: a peer was lost (%s); running the loop again in this process (incarnation %d)",
+                rank,
+                type(error).__name__,
+                number,
+            )
+        finally:
+            leave_group()
 
 
 def lost_a_peer(error: BaseException) -> bool:
@@ -87,5 +198,12 @@ def leave_in_place(supervisor_name: str, rank: int, error: BaseException, *, rec
         logger.warning("rank %d could not say why it leaves in-place recovery: %s", rank, failure)
 
 
-#: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport).
-PEER_LOSS_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo/transport/tcp")
+#: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport) or when its
+#: communicator was aborted to release it (NCCL: ``ReplaceInPlace``; torch raises ``DistBackendError``,
+#: a ``DistError``, in 2.13 — older ones a ``RuntimeError``).
+PEER_LOSS_SIGNS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "gloo/transport/tcp",
+    "communicator was aborted",
+)

@@ -1,13 +1,14 @@
 """Warm spares (``cluster.spares``): workers that have done their imports and built their model,
 and wait to take a lost rank's place (:mod:`layercheck.orchestrator.core.roster` decides which).
 
-Three parts meet here:
+Three parts meet:
 
 - :class:`SpareRoster`, held by the supervisor: the roster, thread-safe, and a spare's blocking
   wait for its promotion.
-- :class:`PromoteSpares`, a Ray Train callback in the controller: when Ray Train shuts a worker
-  down to replace it (``before_replica_group_shutdown``, 0.2 s after its death), the supervisor
-  promotes a spare to its rank at once, before the replacement even starts.
+- :class:`~layercheck.orchestrator.runtime.in_place.ReplaceInPlace`, a Ray Train callback in the
+  controller: when Ray Train shuts a worker down to replace it (``before_replica_group_shutdown``,
+  0.2 s after its death), the supervisor promotes a spare to its rank at once, before the
+  replacement even starts.
 - :func:`wait_as_spare`, in a spare's train function: build the model (the same call a rank makes,
   so the promoted engine is the one a cold start would build), then wait for the roster's word.
 """
@@ -20,7 +21,6 @@ import time
 from typing import Any
 
 import ray
-from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 
 from layercheck.orchestrator.core.roster import END, SPARE, TRAIN, Role, Roster
 
@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 #: How long one wait of a spare at the supervisor lasts before it asks again (a Ray call that
 #: blocks a supervisor thread; a spare that died meanwhile frees it within this).
 SPARE_WAIT_S = 30.0
-#: How long the controller's callback waits for the supervisor to take a replacement in.
-REPLACING_TIMEOUT_S = 10.0
 
 
 class SpareRoster:
@@ -80,26 +78,6 @@ class SpareRoster:
         with self._changed:
             r = self._roster
             return {"spares": r.spares, "waiting": len(r.waiting), "promotions": r.promotions}
-
-
-class PromoteSpares(WorkerGroupCallback, ReplicaGroupCallback):
-    """In Ray Train's controller: a worker about to be replaced has its rank taken by a spare.
-    (A worker-group callback too: the controller hands the worker group only those, and the
-    worker group gives its replica groups the replica-group callbacks among them.)"""
-
-    def __init__(self, supervisor: Any) -> None:
-        self.supervisor = supervisor
-
-    def before_replica_group_shutdown(self, replica_group: Any) -> None:
-        ranks = [
-            w.distributed_context.world_rank for w in replica_group.get_workers() if w.distributed_context is not None
-        ]
-        if not ranks:
-            return
-        try:
-            ray.get(self.supervisor.replacing.remote(ranks), timeout=REPLACING_TIMEOUT_S)
-        except Exception as error:  # noqa: BLE001 - never in Ray Train's way: the replacement then trains, cold
-            logger.warning("could not promote a spare for Ray Train rank(s) %s: %s", ranks, error)
 
 
 def wait_as_spare(supervisor: Any, worker_rank: int, build: Any) -> tuple[Role, Any]:

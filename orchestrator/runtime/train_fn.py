@@ -441,8 +441,10 @@ def _run(
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     # with spares Ray Train's world has ranks that do not train: its report, a barrier over all, is off
     reporter = TrainReporter(rank=rank, every=run.log_every, supervisor=supervisor, to_ray=not run.cluster.spares)
-    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
-    abort = collective_abort.install(collective_abort.for_current_group()) if run.persistence.capture else None
+    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it
+    # captures; in place it must be released to recover at all (ReplaceInPlace)
+    released = run.persistence.capture or run.cluster.in_place
+    abort = collective_abort.install(collective_abort.for_current_group()) if released else None
     result = None
     if resume.start_step <= run.steps:
         result = run_loop(

@@ -109,14 +109,15 @@ class ReportsToSupervisor(user_callback_base()):  # type: ignore[misc]
             self.supervisor.train_reported.remote(metrics[0])
 
 
-def with_callbacks(run_config: Any, supervisor: Any, persistence: Any, *, spares: int = 0) -> Any:
+def with_callbacks(run_config: Any, supervisor: Any, persistence: Any, *, in_place: bool = False) -> Any:
     """A user's Ray Train ``RunConfig`` with LayerCheck's callbacks (:func:`supervisor_callbacks`)
-    added after the user's own; with ``spares`` (``cluster.spares``), the one that promotes them."""
+    added after the user's own; with ``in_place`` (``cluster.in_place``), the one that sees a worker
+    replaced in place (it promotes a spare and releases the survivors)."""
     import dataclasses
 
     ours = supervisor_callbacks(supervisor, capture_timeout_s=persistence.capture_hold_s)
-    if spares:
-        from layercheck.orchestrator.runtime.spares import PromoteSpares
+    if in_place:
+        from layercheck.orchestrator.runtime.in_place import ReplaceInPlace
 
-        ours.append(PromoteSpares(supervisor))
+        ours.append(ReplaceInPlace(supervisor))
     return dataclasses.replace(run_config, callbacks=[*(run_config.callbacks or []), *ours])
