@@ -7,6 +7,7 @@ marked ``# LayerCheck``. Runs on CPU with 2 workers:
 
     python examples/own_loop.py                          # 30 steps, rank 1 SIGKILLed after step 12
     python examples/own_loop.py --kill-at-step 0         # no failure
+    python examples/own_loop.py --in-place               # only the lost worker is replaced; rank 0 keeps its process
     ray job submit --working-dir . -- python examples/own_loop.py --storage /shared/own-loop
 """
 
@@ -141,6 +142,11 @@ def main() -> None:
         help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)",
     )
     parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="recover in place: Ray Train replaces only the lost worker, the survivor runs this loop again in its process",
+    )
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -162,6 +168,7 @@ def main() -> None:
             persistence=persistence,
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
+            in_place=args.in_place,
         ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
         run_config=RunConfig(

@@ -53,11 +53,22 @@ class CheckpointConfig:
     """Where the run's tokenizer comes from (a local directory or a Hugging Face name), kept in the
     store so that ``layercheck export --format hf`` ships it beside the model; ``None``: the
     export has none, and says so."""
+    in_place: bool = False
+    """Recover from a lost worker in place: Ray Train replaces only that worker; each survivor
+    captures its slices, leaves the broken process group and runs ``train_loop_per_worker`` again
+    in its own process (``attach`` then loads the composite and says ``start_step = t_fail + 1``),
+    so it keeps its imports and its process (on a GPU its CUDA context). Needs a fixed group (an
+    ``int`` ``num_workers``) and the trainer's own ``torch_config``; a failure on this path falls
+    back to Ray Train's full restart."""
+    regroup_timeout_s: float = 600.0
+    """``in_place``: how long the ranks wait for each other (a replacement's start included) to
+    form the process group again; past it they raise, and Ray Train restarts the whole group."""
 
     def __post_init__(self) -> None:
         require(bool(_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)
         require(bool(self.storage), "storage", "a path or URI", self.storage)
         require(self.drift_probe in PROBES, "drift_probe", f"one of {PROBES}", self.drift_probe)
+        require(self.regroup_timeout_s > 0, "regroup_timeout_s", "> 0", self.regroup_timeout_s)
         if isinstance(self.policy, str):
             if self.policy not in POLICY_CONFIGS:
                 raise ConfigError(

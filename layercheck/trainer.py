@@ -34,6 +34,7 @@ from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import StoreLease
 from layercheck.orchestrator.store.model_record import describe_model, write_model_record
+from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.layer_map import LayerMap, model_layer_map
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class LayerCheckTrainer:
         """Run to the end; a run that fails for good is in ``result.error`` (not raised)."""
         cfg = self.checkpoint
         layers = self.layer_map()  # a bad model fails here, before any actor or worker starts
+        if cfg.in_place:
+            check_in_place(self.scaling_config, self.torch_config)
         if "://" not in cfg.storage and not os.path.isabs(cfg.storage):
             check_relative_storage(cfg.storage)  # under `ray job submit` Ray deletes the job's directory
         self._connect()
@@ -159,6 +162,7 @@ class LayerCheckTrainer:
             num_workers=workers,
             layer_numel=layers.numel,
             lease=lease,
+            in_place=cfg.in_place,
         )
         ctx = WorkerContext(
             run_id=handles.run_id,
@@ -173,6 +177,8 @@ class LayerCheckTrainer:
             capture_timeout_s=cfg.persistence.capture_hand_over_s,
             memory_period=cfg.persistence.memory_period,
             policy=cfg.policy,
+            in_place=cfg.in_place,
+            regroup_timeout_s=cfg.regroup_timeout_s,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None
@@ -180,13 +186,18 @@ class LayerCheckTrainer:
         if run_config is None:
             scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
             run_config = RunConfig(name=handles.run_id, storage_path=scratch, failure_config=FailureConfig())
-        run_config = with_callbacks(run_config, handles.supervisor, cfg.persistence)
+        run_config = with_callbacks(run_config, handles.supervisor, cfg.persistence, in_place=cfg.in_place)
         if (run_config.failure_config or FailureConfig()).max_failures == 0:
             logger.warning(
                 "FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
                 "when Ray Train may restart the worker group (max_failures > 0)"
             )
-        kwargs = {"torch_config": self.torch_config} if self.torch_config is not None else {}
+        torch_config = self.torch_config
+        if cfg.in_place:
+            from layercheck.orchestrator.runtime.in_place import InPlaceTorchConfig
+
+            torch_config = InPlaceTorchConfig()  # checked in fit(): the user gave none
+        kwargs = {"torch_config": torch_config} if torch_config is not None else {}
         try:
             trainer = TorchTrainer(
                 loop, train_loop_config=self.train_loop_config, scaling_config=scaling, run_config=run_config, **kwargs
@@ -196,6 +207,21 @@ class LayerCheckTrainer:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
         return finish_run(handles, error=error)
+
+
+def check_in_place(scaling_config: Any, torch_config: Any) -> None:
+    """``CheckpointConfig(in_place=True)`` needs a fixed group and LayerCheck's own ``torch_config``
+    (Ray Train forms no process group in place: the ranks form theirs through the supervisor)."""
+    if not isinstance(scaling_config.num_workers, int):
+        raise ConfigError(
+            "CheckpointConfig(in_place=True) needs a fixed group: ScalingConfig(num_workers=<int>), "
+            f"got {scaling_config.num_workers!r} (Ray Train replaces workers in place only in a fixed group)"
+        )
+    if torch_config is not None:
+        raise ConfigError(
+            "CheckpointConfig(in_place=True) brings its own torch_config (each worker a replica group, the "
+            "process group formed by LayerCheck): leave LayerCheckTrainer(torch_config=...) unset"
+        )
 
 
 def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:

@@ -170,10 +170,17 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
     policy = ray.get_actor(names.policy, namespace=NAMESPACE)
     runtime = ray.get_runtime_context()
-    resume = ray.get(supervisor.join.remote(rank, world_size, runtime.get_actor_id() or f"pid{os.getpid()}"))
+    incarnation = context.incarnation()
+    worker_id = incarnation.worker_id(runtime.get_actor_id() or f"pid{os.getpid()}")
+    resume = ray.get(supervisor.join.remote(rank, world_size, worker_id))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
-    start = RankStart(start_s=entered - context.process_started_at(), build_s=time.time() - entered)
+    start = RankStart(
+        start_s=entered - context.process_started_at() if incarnation.number == 0 else 0.0,
+        group_s=incarnation.group_s,
+        build_s=time.time() - entered,
+        kept_process=incarnation.number > 0,
+    )
     if resume.records is not None:
         recover(
             attached,
@@ -200,10 +207,15 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         capture_timeout_s=ctx.capture_timeout_s,
         memory_period=ctx.memory_period,
     )
-    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it captures
-    abort = None if ctx.capture_timeout_s is None else collective_abort.install(collective_abort.for_current_group())
+    # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it
+    # captures; in place it must be released to recover at all (ReplaceInPlace)
+    released = ctx.capture_timeout_s is not None or ctx.in_place
+    abort = collective_abort.install(collective_abort.for_current_group()) if released else None
     protocol = StepProtocol(attached.layout, coordinator, rank=rank, abort=abort)
     context.on_failure(protocol.on_failure)  # the loop raised (a peer died): hand over what this rank holds
+    if ctx.in_place:  # then release the engine: this process builds the next one (LayerCheckTrainer's in_place)
+        context.on_failure(lambda error: _destroy(attached.engine))
+    incarnation.attached = True
     if resume.records is None:  # from scratch: LayerCheck cannot rebuild what this loop built, so it keeps it
         protocol.hand_over_initial()
     return Attachment(
@@ -215,6 +227,14 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         save_final=ctx.save_final,
         policy=ctx.policy,
     )
+
+
+def _destroy(engine: Any) -> None:
+    """Best effort: the engine of a loop that raised, before its process leaves the group."""
+    try:
+        engine.destroy()
+    except Exception as error:  # noqa: BLE001 - the group is broken: what is left goes with it
+        logger.info("destroying the engine after the loop raised: %r", error)
 
 
 def _check_layers(layers: LayerMap, planned: Any) -> None:

@@ -1,7 +1,8 @@
 """examples/own_loop.py end to end through a real local Ray, as a user runs it: their own Ray
 Train loop (own model, data, answer-only loss, DeepSpeed config) with LayerCheck attached, one
-worker SIGKILLed; recovery at t_fail + 1 continues the failure-free losses exactly when every
-layer is persisted every step."""
+worker SIGKILLed and the run recovering in place (``--in-place``: the survivor runs the loop again
+in its own process); recovery at t_fail + 1 continues the failure-free losses exactly when every
+layer is persisted every step. (A full restart of an attached loop: tests/test_hf_trainer_sft.py.)"""
 
 from __future__ import annotations
 
@@ -17,5 +18,8 @@ KILL_AT = 6
 def test_own_loop_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path):
     args = ("--steps", str(STEPS), "--policy", "every-step")
     clean = run_example("own_loop.py", tmp_path, "clean", *args, "--kill-at-step", "0")
-    failed = run_example("own_loop.py", tmp_path, "failed", *args, "--kill-at-step", str(KILL_AT))
+    failed = run_example("own_loop.py", tmp_path, "failed", *args, "--kill-at-step", str(KILL_AT), "--in-place")
     assert_exact_recovery(clean, failed, steps=STEPS, kill_at=KILL_AT)
+    (recovery,) = failed["summary"]["recoveries"]
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    assert recovery["timeline"]["group"] > 0, recovery

@@ -40,11 +40,32 @@ class WorkerContext:
     policy: Any = None
     """The run's policy config (``CheckpointConfig.policy``), for the warnings a worker can give
     once it knows how many steps the loop will train."""
+    in_place: bool = False
+    """A lost peer does not end this worker: it runs the loop again in a new process group
+    (``CheckpointConfig.in_place``; :func:`layercheck.orchestrator.runtime.in_place.train_in_place`)."""
+    regroup_timeout_s: float = 600.0
+
+
+@dataclass
+class Incarnation:
+    """This worker's current run of the user's loop: the first, or one after an in-place recovery."""
+
+    number: int = 0
+    """0: the process's first; n: its n-th recovery in place (it kept its process)."""
+    group_s: float = 0.0
+    """Forming its process group once every rank was there (in place; else Ray Train's, not timed)."""
+    attached: bool = False
+    """``attach`` returned: the loop trains (an error from here on is no failed recovery)."""
+
+    def worker_id(self, base: str) -> str:
+        """The id the supervisor knows this run of the loop by (a new one per incarnation)."""
+        return base if self.number == 0 else f"{base}/{self.number}"
 
 
 _current: WorkerContext | None = None
 _on_failure: list[Callable[[BaseException], None]] = []
 _loop_started_at: float | None = None
+_incarnation = Incarnation()
 
 
 def process_started_at() -> float:
@@ -65,6 +86,11 @@ def current() -> WorkerContext | None:
     return _current
 
 
+def incarnation() -> Incarnation:
+    """This worker's current run of the user's loop."""
+    return _incarnation
+
+
 def on_failure(hook: Callable[[BaseException], None]) -> None:
     """Run ``hook(error)`` if the user's loop raises (``layercheck.attach`` registers the survivor
     capture here, so a loop that never calls ``finish`` or uses ``with`` still captures)."""
@@ -72,9 +98,29 @@ def on_failure(hook: Callable[[BaseException], None]) -> None:
 
 
 def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any) -> Any:
-    """Call ``fn(*args)`` with ``context`` current (Ray Train runs one loop per worker process)."""
-    global _current, _loop_started_at
+    """Call ``fn(*args)`` with ``context`` current (Ray Train runs one loop per worker process);
+    in place, again after each lost peer, in a new process group."""
+    global _current
     previous, _current = _current, context
+    try:
+        if not context.in_place:
+            return _call_once(fn, args)
+        from layercheck.orchestrator.runtime.in_place import train_in_place
+
+        return train_in_place(lambda: _call_once(fn, args), context, _start_incarnation)
+    finally:
+        _current = previous
+
+
+def _start_incarnation(number: int, group_s: float) -> Incarnation:
+    global _incarnation
+    _incarnation = Incarnation(number=number, group_s=group_s)
+    return _incarnation
+
+
+def _call_once(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """One run of the user's loop: the failure hooks (``attach``'s capture) run if it raises."""
+    global _loop_started_at
     _loop_started_at = time.time()
     try:
         return fn(*args)
@@ -83,7 +129,6 @@ def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any
             hook(error)
         raise
     finally:
-        _current = previous
         _on_failure.clear()
 
 
