@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The ways a user reaches a running Ray cluster, checked end to end on this machine against one
 # local `ray start --head`:
-#   1. `ray job submit -- layercheck train` (the demo, shortened, with an injected failure);
-#   2. `ray job submit -- python examples/own_loop.py` (the Python API in the user's own loop);
+#   1. `ray job submit -- layercheck train` (the demo, shortened, with an injected failure,
+#      recovered in place by a warm spare);
+#   2. `ray job submit -- python examples/own_loop.py` (the Python API in the user's own loop,
+#      recovered in place);
 #   3. a driver on the head with RAY_ADDRESS unset (what `layercheck train` does first): it joins
 #      the running cluster instead of starting its own.
 #   scripts/check_job_submit.sh [STORAGE_DIR]    # each run's store is a folder below it
@@ -22,16 +24,16 @@ GCS=$(port); DASH=$(port)
 trap '"$RAY" stop --force >/dev/null 2>&1 || true' EXIT
 SHORT=(--set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set metrics.port=0)
 
-echo "== 1. ray job submit: layercheck train (demo)"
+echo "== 1. ray job submit: layercheck train (demo), in place with a warm spare"
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
   "$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
-  --set fault.kill_at_step=8 --set "storage=$STORAGE/demo"
+  --set fault.kill_at_step=8 --set cluster.in_place=true --set cluster.spares=1 --set "storage=$STORAGE/demo"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
 
-echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's default schedule"
+echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's default schedule, in place"
 # (period 100: no layer is saved by the policy before the failure; attach's step-0 versions protect it)
 "$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
-  "$PY" examples/own_loop.py --steps 12 --period 100 --kill-at-step 6 --storage "$STORAGE/own-loop"
+  "$PY" examples/own_loop.py --steps 12 --period 100 --kill-at-step 6 --in-place --storage "$STORAGE/own-loop"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
 "$PY" -m layercheck.orchestrator.cli.main export "$STORAGE/own-loop" --format hf --out "$STORAGE/own-loop-hf"
 
