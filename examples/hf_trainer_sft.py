@@ -9,6 +9,7 @@ template, ``SFTConfig`` with a DeepSpeed config of ``"auto"`` values (ZeRO-2), R
     python examples/hf_trainer_sft.py                        # 16 steps, rank 1 SIGKILLed after step 9
     python examples/hf_trainer_sft.py --kill-at-step 0       # no failure
     python examples/hf_trainer_sft.py --lora                 # a LoRA adapter (peft) on the frozen model
+    python examples/hf_trainer_sft.py --in-place             # only the lost worker is replaced
     ray job submit --working-dir . -- python examples/hf_trainer_sft.py --storage /shared/hf-sft
 """
 
@@ -175,6 +176,11 @@ def main() -> None:
         help="SIGKILL one worker after this step (0: no failure; env LAYERCHECK_KILL_AT_STEP)",
     )
     parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument(
+        "--in-place",
+        action="store_true",
+        help="recover in place: Ray Train replaces only the lost worker, the survivor runs this loop again in its process",
+    )
     parser.add_argument("--writers-per-node", type=int, default=1, help="checkpoint writer actors per node")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync checkpoint files (faster, less safe)")
     parser.add_argument(
@@ -217,6 +223,7 @@ def main() -> None:
             persistence=persistence,
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
+            in_place=args.in_place,
         ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
         run_config=RunConfig(

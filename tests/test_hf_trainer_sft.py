@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.example_runs import assert_exact_recovery, run_example
+from tests.support.example_runs import assert_exact_recovery, run_examples
 
 STEPS = 12
 KILL_AT = 8  # step 9 is epoch 1's third step
@@ -21,12 +21,19 @@ ARGS = ("--steps", str(STEPS), "--rows", "48", "--policy", "every-step", "--no-f
 @pytest.mark.parametrize(
     "setup",
     [("--zero-stage", "2", "--schedule", "deepspeed", "--lora"), ("--zero-stage", "3", "--schedule", "trainer")],
-    ids=["lora-zero2-deepspeed-schedule", "zero3-trainer-schedule"],
+    ids=["lora-zero2-deepspeed-schedule", "zero3-trainer-schedule-in-place"],
 )
 def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path, setup):
-    clean = run_example("hf_trainer_sft.py", tmp_path, "clean", *ARGS, *setup, "--kill-at-step", "0")
-    failed = run_example("hf_trainer_sft.py", tmp_path, "failed", *ARGS, *setup, "--kill-at-step", str(KILL_AT))
+    # the whole model's failure is recovered in place: the survivor runs the loop (a new Trainer) again
+    in_place = ("--in-place",) if "--lora" not in setup else ()
+    runs = {
+        "clean": (*ARGS, *setup, "--kill-at-step", "0"),
+        "failed": (*ARGS, *setup, "--kill-at-step", str(KILL_AT), *in_place),
+    }
+    clean, failed = run_examples("hf_trainer_sft.py", tmp_path, runs).values()
     assert_exact_recovery(clean, failed, steps=STEPS, kill_at=KILL_AT)
+    (recovery,) = failed["summary"]["recoveries"]
+    assert recovery["path"] == ("in place" if in_place else "full restart"), recovery
     # the callback's run exports with no extra file: the model and the tokenizer the example named
     import transformers
 

@@ -9,6 +9,7 @@ drift off the optimizer, and lets one layer's state be snapshotted or restored o
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -231,6 +232,22 @@ def shutdown(train_engine: TrainEngine) -> None:
         train_engine.engine.destroy()
     finally:
         leave_group()
+
+
+def forget_trainer_state() -> None:
+    """Release what transformers and accelerate keep per process of a user's ``Trainer``, before the
+    user's loop runs again in the same process (an in-place recovery of a ``LayerCheckTrainer``
+    loop): transformers' ZeRO-3 switch (the ``HfDeepSpeedConfig`` weak reference; while it lives, a
+    model built from a config is built under ``zero.Init``, broadcasting its parameters, while the
+    fresh replacement builds its model before its ``Trainer`` exists, without: found as a hang of
+    the two in different collectives), and accelerate's process state, bound to the old group.
+    Neither is imported here if the loop never did."""
+    hf_deepspeed = sys.modules.get("transformers.integrations.deepspeed")
+    if hf_deepspeed is not None:
+        hf_deepspeed.unset_hf_deepspeed_config()
+    accelerate_state = sys.modules.get("accelerate.state")
+    if accelerate_state is not None:
+        accelerate_state.AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def leave_group() -> None:

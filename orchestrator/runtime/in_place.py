@@ -144,7 +144,7 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
     when it raises because a peer was lost (``attach`` captured this rank's slices on the way out),
     leave the group and run it again as a new incarnation (``start(number, group_s)``), whose
     ``attach`` loads the composite. Any other error raises, and Ray Train restarts the group."""
-    from layercheck.workers.engine import leave_group
+    from layercheck.workers.engine import forget_trainer_state, leave_group
     from layercheck.workers.env import init_distributed
 
     names = RunNames(ctx.run_id)
@@ -152,6 +152,8 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     number = 0
     while True:
+        if number:
+            forget_trainer_state()  # the loop's last Trainer, if it made one
         supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
         form_group(supervisor, rank, world_size, timeout_s=ctx.regroup_timeout_s)
         formed = time.time()
