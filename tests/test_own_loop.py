@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.example_runs import assert_exact_recovery, run_example
+from tests.support.example_runs import assert_exact_recovery, run_examples
 
 STEPS = 10
 KILL_AT = 6
@@ -17,8 +17,8 @@ KILL_AT = 6
 @pytest.mark.slow
 def test_own_loop_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp_path):
     args = ("--steps", str(STEPS), "--policy", "every-step")
-    clean = run_example("own_loop.py", tmp_path, "clean", *args, "--kill-at-step", "0")
-    failed = run_example("own_loop.py", tmp_path, "failed", *args, "--kill-at-step", str(KILL_AT), "--in-place")
+    runs = {"clean": (*args, "--kill-at-step", "0"), "failed": (*args, "--kill-at-step", str(KILL_AT), "--in-place")}
+    clean, failed = run_examples("own_loop.py", tmp_path, runs).values()
     assert_exact_recovery(clean, failed, steps=STEPS, kill_at=KILL_AT)
     (recovery,) = failed["summary"]["recoveries"]
     assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery

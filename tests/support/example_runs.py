@@ -14,23 +14,32 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_example(script: str, tmp_path: Path, name: str, *args: str) -> dict:
-    """``python examples/<script> --storage TMP/name --result-json …  *args``; its result JSON."""
-    out = tmp_path / f"{name}.json"
+def run_examples(script: str, tmp_path: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, dict]:
+    """Several runs of ``examples/<script>`` at once (name → its arguments), each a subprocess with
+    its own local Ray, as a user runs it; each run's result JSON. At once: a run leaves half of a
+    2-core machine idle (its Ray start, imports and waits), and the runs do not depend on each other."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own local Ray
     env.update(
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), DS_ACCELERATOR="cpu"
     )
-    proc = subprocess.run(
-        [sys.executable, f"examples/{script}", "--storage", str(tmp_path / name), "--result-json", str(out), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    procs = {}
+    for name, args in runs.items():
+        out = tmp_path / f"{name}.json"
+        command = [sys.executable, f"examples/{script}", "--storage", str(tmp_path / name), "--result-json", str(out)]
+        procs[name] = subprocess.Popen(
+            [*command, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    results = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=900)
+            assert proc.returncode == 0, f"{name}: " + stdout[-3000:] + stderr[-3000:]
+            results[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return results
 
 
 def assert_exact_recovery(clean: dict, failed: dict, *, steps: int, kill_at: int) -> None:
