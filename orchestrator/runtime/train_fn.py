@@ -24,7 +24,7 @@ from layercheck.orchestrator.core.memory_reads import describe_sources, needed_s
 from layercheck.orchestrator.core.roster import END, SPARE
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
-from layercheck.orchestrator.runtime.context import process_started_at
+from layercheck.orchestrator.runtime.context import Incarnation, process_started_at
 from layercheck.orchestrator.runtime.in_place import form_group, leave_in_place, lost_a_peer
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
@@ -367,7 +367,7 @@ def _train(
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
     policy = ray.get_actor(names.policy, namespace=NAMESPACE)
     runtime = ray.get_runtime_context()
-    incarnation_id = worker_id if incarnation == 0 else f"{worker_id}/{incarnation}"
+    incarnation_id = Incarnation(number=incarnation).worker_id(worker_id)
     resume_ref = supervisor.join.remote(rank, world_size, incarnation_id)
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     train_engine = None
