@@ -17,11 +17,26 @@ RAY="$(cd "$VENV/bin" && pwd)/ray"
 STORAGE=${1:-$(mktemp -d)/job-runs}
 export RAY_AUTH_MODE=disabled   # the same for `ray start` and every CLI call (STACK-NOTES)
 unset RAY_ADDRESS
+# Ray's files (and the address file `ray start` writes, which a bare ray.init() on this machine
+# joins) in a folder of this check's own: another Ray on the machine, a test's, neither joins
+# this cluster nor is joined by the third check. Short: Ray's socket paths must fit in 107 bytes.
+RAY_TMPDIR=$(mktemp -d /tmp/lcjob-XXXXXX)
+export RAY_TMPDIR
 port() { "$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 GCS=$(port); DASH=$(port)
-"$RAY" start --head --port="$GCS" --dashboard-host=127.0.0.1 --dashboard-port="$DASH" --num-cpus=4 \
-  --disable-usage-stats >/dev/null
-trap '"$RAY" stop --force >/dev/null 2>&1 || true' EXIT
+# --block: the head's processes live as long as this `ray start` (Ray ends them when it gets
+# SIGTERM), so the check stops its own cluster only; `ray stop` would end every Ray on the machine.
+"$RAY" start --head --block --port="$GCS" --dashboard-host=127.0.0.1 --dashboard-port="$DASH" --num-cpus=4 \
+  --disable-usage-stats >"$RAY_TMPDIR/head.log" 2>&1 &
+HEAD=$!
+trap 'kill "$HEAD" 2>/dev/null || true; wait "$HEAD" 2>/dev/null || true; rm -rf "$RAY_TMPDIR"' EXIT
+# the head is up once `ray start` wrote its address file (after its processes started)
+for _ in $(seq 600); do
+  [ -s "$RAY_TMPDIR/ray/ray_current_cluster" ] && break
+  kill -0 "$HEAD" 2>/dev/null || { cat "$RAY_TMPDIR/head.log"; echo "ray start --head exited" >&2; exit 1; }
+  sleep 0.2
+done
+[ -s "$RAY_TMPDIR/ray/ray_current_cluster" ] || { cat "$RAY_TMPDIR/head.log"; echo "the Ray head did not start in 120 s" >&2; exit 1; }
 SHORT=(--set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set metrics.port=0)
 
 echo "== 1. ray job submit: layercheck train (demo), in place with a warm spare"

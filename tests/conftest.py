@@ -59,6 +59,32 @@ def local_ray():
     ensure_local_ray()
 
 
+#: The session fixtures that cost a run each (a Ray run, a 2-rank spawn): every test that reads one
+#: goes to the same pytest-xdist worker, so each is made once.
+SHARED_RUNS = ("clean_run", "layercheck_run", "tiny_benchmark", "local_runtime", "tied_llama_jobs")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, pyproject's addopts; ``--dist loadgroup``): one group per test
+    file, and files that read the same shared run (``SHARED_RUNS``) in one group, so that a
+    file's module fixtures and each shared run are made once, on one worker."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    parent: dict[str, str] = {}
+
+    def root(node: str) -> str:
+        while parent.setdefault(node, node) != node:
+            node = parent[node]
+        return node
+
+    for item in items:
+        for name in SHARED_RUNS:
+            if name in item.fixturenames:
+                parent[root(item.path.name)] = root(name)
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or "local_ray" not in nextitem.fixturenames:

@@ -1,7 +1,8 @@
 """How a user reaches a running Ray cluster, exactly as they do it, against one local
 `ray start --head` (scripts/check_job_submit.sh): `ray job submit` of `layercheck train` and of
 the own-loop example, each with an injected failure recovered in place, and a driver on the head joining the running
-cluster with RAY_ADDRESS unset (what `layercheck train` does first). Uses `ray start`: run it alone."""
+cluster with RAY_ADDRESS unset (what `layercheck train` does first). Its `ray start` keeps to a Ray
+temp folder of its own and stops only its own cluster, so other tests run beside it."""
 
 import os
 import subprocess

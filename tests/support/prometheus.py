@@ -58,6 +58,10 @@ class Prometheus:
             stderr=subprocess.STDOUT,
         )
         self._wait_ready(tmp / "prometheus.log")
+        self.at: float | None = None
+        """Where set (the run's end, unix seconds), queries are evaluated at that moment, not at
+        the time of asking: a test may read the run long after it ended (the suite runs on),
+        when a ``[10m]`` window ending now would no longer reach it."""
 
     def _wait_ready(self, log: Path) -> None:
         for _ in range(600):
@@ -72,6 +76,8 @@ class Prometheus:
         raise PrometheusUnavailable(f"prometheus did not become ready:\n{log.read_text()}")
 
     def api(self, path: str, **params: str) -> dict:
+        if path == "query" and self.at is not None:
+            params.setdefault("time", f"{self.at:.3f}")
         url = f"{self.url}/api/v1/{path}?{urllib.parse.urlencode(params)}"
         try:
             with urllib.request.urlopen(url, timeout=30) as response:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,8 @@ def layercheck_run(root: Path) -> tuple[Any, Any, str]:
     try:
         overrides = {"steps": STEPS, "optim.total_steps": STEPS, "fault.kill_at_step": KILL_AT, **metrics}
         result = train_demo(root, "layercheck", policy=LAYERCHECK, **overrides)
+        if prometheus is not None:
+            prometheus.at = time.time()  # the run's final values are scraped: read them as of now
     except BaseException:
         if prometheus is not None:
             prometheus.stop()
