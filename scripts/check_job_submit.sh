@@ -37,17 +37,29 @@ for _ in $(seq 600); do
   sleep 0.2
 done
 [ -s "$RAY_TMPDIR/ray/ray_current_cluster" ] || { cat "$RAY_TMPDIR/head.log"; echo "the Ray head did not start in 120 s" >&2; exit 1; }
+# `ray job submit`, again while the head's job agent has not registered yet ("No available agent
+# to submit job": nothing was submitted), as a user retries it; any other failure ends the check
+submit() {
+  local out="$RAY_TMPDIR/submit.log"
+  for _ in $(seq 30); do
+    if "$RAY" job submit --address "http://127.0.0.1:$DASH" "$@" 2>&1 | tee "$out"; then return 0; fi
+    grep -q "No available agent" "$out" || return 1
+    echo "(the head's job agent is not up yet: submitting again)"
+    sleep 2
+  done
+  return 1
+}
 SHORT=(--set steps=16 --set optim.total_steps=16 --set policy.warmup_steps=4 --set metrics.port=0)
 
 echo "== 1. ray job submit: layercheck train (demo), in place with a warm spare"
-"$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
+submit --working-dir . -- \
   "$PY" -m layercheck.orchestrator.cli.main train examples/demo.toml --overwrite "${SHORT[@]}" \
   --set fault.kill_at_step=8 --set cluster.in_place=true --set cluster.spares=1 --set "storage=$STORAGE/demo"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
 
 echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's default schedule, in place"
 # (period 100: no layer is saved by the policy before the failure; attach's step-0 versions protect it)
-"$RAY" job submit --address "http://127.0.0.1:$DASH" --working-dir . -- \
+submit --working-dir . -- \
   "$PY" examples/own_loop.py --steps 12 --period 100 --kill-at-step 6 --in-place --storage "$STORAGE/own-loop"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
 "$PY" -m layercheck.orchestrator.cli.main export "$STORAGE/own-loop" --format hf --out "$STORAGE/own-loop-hf"

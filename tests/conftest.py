@@ -65,9 +65,9 @@ SHARED_RUNS = ("clean_run", "layercheck_run", "tiny_benchmark", "local_runtime",
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, pyproject's addopts; ``--dist loadgroup``): one group per test
-    file, and files that read the same shared run (``SHARED_RUNS``) in one group, so that a
-    file's module fixtures and each shared run are made once, on one worker."""
+    """Under pytest-xdist (``-n``, pyproject's addopts; ``--dist loadgroup``): the tests that read a
+    shared run (``SHARED_RUNS``) in one group per run, so that each is made once, on one worker;
+    every other test in its file's group, so that a file's module fixtures are made once too."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     parent: dict[str, str] = {}
@@ -77,12 +77,15 @@ def pytest_collection_modifyitems(config, items):
             node = parent[node]
         return node
 
+    def runs(item) -> list[str]:
+        return [name for name in SHARED_RUNS if name in item.fixturenames]
+
+    for item in items:  # a test that reads two runs joins their groups
+        first, *others = runs(item) or [item.path.name]
+        for other in others:
+            parent[root(other)] = root(first)
     for item in items:
-        for name in SHARED_RUNS:
-            if name in item.fixturenames:
-                parent[root(item.path.name)] = root(name)
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
+        item.add_marker(pytest.mark.xdist_group(root((runs(item) or [item.path.name])[0])))
 
 
 @pytest.hookimpl(trylast=True)

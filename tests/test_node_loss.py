@@ -9,6 +9,8 @@ shared."""
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 
@@ -55,6 +57,11 @@ def cluster():
     # workers again) before it retries smaller; 60 s by default. Propagated to its controller.
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
+    # Ray's files in a folder of this cluster's own: Cluster writes the address file that a bare
+    # ray.init() joins (layercheck's connect too), which in the default folder would take other
+    # tests running beside this one (pytest-xdist) into this cluster. Short: socket paths <= 107 bytes.
+    temp = tempfile.mkdtemp(prefix="lcnode-", dir="/tmp")
+    mp.setenv("RAY_TMPDIR", temp)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -62,6 +69,7 @@ def cluster():
     ray.shutdown()
     cluster.shutdown()
     mp.undo()
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _second_node(cluster):
