@@ -29,7 +29,18 @@ GCS=$(port); DASH=$(port)
 "$RAY" start --head --block --port="$GCS" --dashboard-host=127.0.0.1 --dashboard-port="$DASH" --num-cpus=4 \
   --disable-usage-stats >"$RAY_TMPDIR/head.log" 2>&1 &
 HEAD=$!
-trap 'kill "$HEAD" 2>/dev/null || true; wait "$HEAD" 2>/dev/null || true; rm -rf "$RAY_TMPDIR"' EXIT
+stop_head() {
+  local status=$?
+  if [ "$status" -ne 0 ]; then  # what the head said, for the failure's reader
+    kill -0 "$HEAD" 2>/dev/null && echo "--- the Ray head is up; its log:" || echo "--- the Ray head had exited; its log:"
+    tail -n 40 "$RAY_TMPDIR/head.log" || true
+  fi
+  kill "$HEAD" 2>/dev/null || true
+  wait "$HEAD" 2>/dev/null || true
+  rm -rf "$RAY_TMPDIR"
+  exit "$status"
+}
+trap stop_head EXIT
 # the head is up once `ray start` wrote its address file (after its processes started)
 for _ in $(seq 600); do
   [ -s "$RAY_TMPDIR/ray/ray_current_cluster" ] && break
