@@ -4,8 +4,6 @@ this process for the tests that call ``train()``; an empty layer store; and the 
 test modules read (each made once per session, on first use)."""
 
 import shutil
-import tempfile
-from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -13,7 +11,7 @@ from hypothesis import settings
 from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.support import ray_runs
 from tests.support.bench_runs import tiny_benchmark_run
-from tests.support.ray_runs import ensure_local_ray, release_local_ray
+from tests.support.ray_runs import ensure_local_ray, private_ray_tmp, release_local_ray
 from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 
 # The same examples on every run: a property test that fails, fails for everyone (and a new
@@ -46,7 +44,7 @@ def s3(moto_server, monkeypatch) -> LoopbackS3:
 @pytest.fixture
 def ray_tmp():
     """A private ``RAY_TMPDIR`` (short: Ray's socket paths must fit in 107 bytes), removed after."""
-    path = Path(tempfile.mkdtemp(prefix="lcray-", dir="/tmp"))
+    path = private_ray_tmp()
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -65,7 +63,7 @@ SHARED_RUNS = ("clean_run", "layercheck_run", "tiny_benchmark", "local_runtime",
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, pyproject's addopts; ``--dist loadgroup``): the tests that read a
+    """Under pytest-xdist (``./dev test -n 2``; ``--dist loadgroup``): the tests that read a
     shared run (``SHARED_RUNS``) in one group per run, so that each is made once, on one worker;
     every other test in its file's group, so that a file's module fixtures are made once too."""
     if not config.pluginmanager.hasplugin("xdist"):

@@ -10,7 +10,6 @@ shared."""
 import json
 import os
 import shutil
-import tempfile
 import threading
 import time
 
@@ -28,6 +27,7 @@ from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
+from tests.support.ray_runs import private_ray_tmp
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +59,9 @@ def cluster():
     mp.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "20")
     # Ray's files in a folder of this cluster's own: Cluster writes the address file that a bare
     # ray.init() joins (layercheck's connect too), which in the default folder would take other
-    # tests running beside this one (pytest-xdist) into this cluster. Short: socket paths <= 107 bytes.
-    temp = tempfile.mkdtemp(prefix="lcnode-", dir="/tmp")
-    mp.setenv("RAY_TMPDIR", temp)
+    # tests running beside this one (pytest-xdist) into this cluster
+    temp = private_ray_tmp()
+    mp.setenv("RAY_TMPDIR", str(temp))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,13 @@ def demo_config(tmp_path: Path, name: str, *, steps: int = 12, policy: Any = Non
         },
     )
     return dataclasses.replace(config, policy=policy) if policy is not None else config
+
+
+def private_ray_tmp() -> Path:
+    """A new folder for a ``RAY_TMPDIR`` of a Ray's own: its sessions and the address file that a
+    bare ``ray.init()`` on this machine joins stay apart from every other Ray's. Short, under
+    /tmp: Ray's socket paths must fit in 107 bytes. The caller removes it."""
+    return Path(tempfile.mkdtemp(prefix="lcray-", dir="/tmp"))
 
 
 _OURS = {"ray": False}
