@@ -8,6 +8,8 @@ bench/, and nothing imports the CLI.
 """
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,21 @@ def test_only_entry_points_configure_logging(path):
                 f"{_dotted(path)} configures logging ({node.attr}); call "
                 "layercheck.orchestrator.logs.configure_process_logging() from the process entry point instead"
             )
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "layercheck.orchestrator.runtime.supervisor_actor",
+        "layercheck.orchestrator.runtime.policy_actor",
+        "layercheck.orchestrator.core.run_config",
+        "layercheck.orchestrator.cli.main",
+    ],
+)
+def test_the_actors_that_only_plan_and_the_cli_start_without_torch(module):
+    """The supervisor and the policy actor start at every run (and Ray's processes for them import
+    their modules): they read configs and shard headers, never tensors, so they go without torch's
+    seconds of import. A module-level ``import torch`` that reaches them again fails here."""
+    code = f"import sys, {module}; sys.exit('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"importing {module} imports torch\n{result.stderr[-2000:]}"

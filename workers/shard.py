@@ -9,9 +9,10 @@ parameter's global shape, so a reader at another world size can re-slice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: readers of shard headers (the supervisor) go without it
+    import torch
 
 #: The per-element state tensors of a layer: fp32 master weights and Adam's two moments.
 STATE_KEYS: tuple[str, ...] = ("fp32", "exp_avg", "exp_avg_sq")
@@ -46,6 +47,8 @@ class LayerShard:
     groups: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        import torch  # loaded already: the tensors are torch's
+
         expected = sum(s.length for s in self.slices)
         for key in STATE_KEYS:
             tensor = self.tensors.get(key)

@@ -23,7 +23,7 @@ from layercheck.orchestrator.core.run_config import (
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.data import DataConfig
+from layercheck.workers.data_config import DataConfig
 
 #: (TOML table, config class), in the order a run file reads.
 SECTIONS: tuple[tuple[str, type], ...] = (

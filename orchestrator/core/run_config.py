@@ -32,7 +32,7 @@ from layercheck.policies.configs import (
 )
 from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.data import DataConfig, DataSummary, load_data
+from layercheck.workers.data_config import DataConfig, DataSummary
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -343,6 +343,8 @@ def check_data(config: RunConfig) -> DataSummary:
     """Read and check the run's data on the driver, before any worker starts: a malformed JSONL
     line, a missing chat template, an empty data set, a ``seq_len`` no example fits in, or a
     tokenizer larger than the model's vocabulary raises :class:`ConfigError`."""
+    from layercheck.workers.data import load_data  # torch: only where the data is checked
+
     _, summary = load_data(config.data)
     vocab = _model_vocab_size(config)
     require(

@@ -39,7 +39,7 @@ from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_
 from layercheck.policies.layer_map import LayerMap
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
 from layercheck.workers.config import ModelConfig
-from layercheck.workers.data import DataConfig
+from layercheck.workers.data_config import DataConfig
 from layercheck.workers.engine import layer_map_for
 
 if TYPE_CHECKING:

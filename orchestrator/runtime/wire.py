@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported by the writers (PersistenceWriter), not by the supervisor that starts them
+    import torch
 
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
@@ -65,6 +67,8 @@ def from_wire(wire: WireShard) -> LayerShard:
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
     """Zero-copy; the object store hands out read-only buffers, which writing out only reads."""
+    import torch  # see the module's imports
+
     if array.size == 0:
         return torch.empty(0, dtype=torch.float32)
     with warnings.catch_warnings():

@@ -61,6 +61,8 @@ class PersistenceWriter:
         memory_bytes: int = 0,
     ) -> None:
         configure_process_logging()  # the actor process has no main of ours
+        import torch  # noqa: F401 - shards arrive as arrays and become tensors (wire.py): load it now, not at the first write
+
         self.fault = fault if fault is not None and fault.stall_writes_s > 0 else None
         """Injected stalls (``fault.stall_writes_*``); ``None``: none."""
         self._node_id = ray.get_runtime_context().get_node_id()

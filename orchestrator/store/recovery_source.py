@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported where ranges are read into tensors: the supervisor plans without torch
+    import torch
 
 from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.errors import CorruptShardError, ManifestError, ShardFormatError
@@ -345,6 +347,8 @@ class VersionReader:
                 f"version {self.record.version_id}: no stored rank holds elements [{position}, {end}) of "
                 f"{param!r} (asked for [{offset}, {end}))"
             )
+        import torch  # see the module's imports
+
         return torch.from_numpy(out)
 
     def read_slice(self, piece: ParamSlice, key: str) -> torch.Tensor:

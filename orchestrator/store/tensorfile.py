@@ -27,7 +27,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from layercheck.orchestrator.store.errors import ShardFormatError
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
@@ -288,6 +287,8 @@ def read_entry(
 
 def load_shard(file: RandomAccess, *, path: str) -> LayerShard:
     """The whole file back as a :class:`LayerShard` (every entry verified)."""
+    import torch  # here only: the store's readers of headers and ranges (the supervisor, the writers) go without it
+
     header = read_header(file, path=path)
     tensors = {}
     for key in STATE_KEYS:
