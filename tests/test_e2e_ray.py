@@ -77,6 +77,29 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(l
     assert reports[-1]["max_staleness"] is not None and 0 < reports[-1]["ettr"] <= 1
 
 
+def test_a_survivor_whose_in_place_recovery_fails_is_replaced_too_and_nothing_is_lost(local_ray, clean_run, tmp_path):
+    """``cluster.in_place``, rank 1 SIGKILLed after step 6: Ray Train replaces rank 1 and rank 0
+    recovers in its own process, but that recovery raises (``fault.fail_in_place_recovery``,
+    before its load). Rank 0 says why and raises; Ray Train replaces it like a lost rank (it
+    restarts the whole group only when no rank is left running), rank 1's replacement recovers
+    in its own process, and the run resumes at t_fail + 1 on the failure-free trajectory; the
+    summary names the survivor that left."""
+    failing = {"fault.kill_at_step": 6, "cluster.in_place": True, "fault.fail_in_place_recovery": True}
+    failed = train_demo(tmp_path, "refused", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
+    assert failed.status["state"] == "finished"
+    account = failed.status["account"]
+    recovery = account["recoveries"][-1]
+    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
+    assert recovery["path"] == "in place" and recovery["refused"]["reason"] == "recovery_failed", recovery
+    text = format_summary(summarize(failed))
+    assert "a survivor left, replaced too: rank 0: InjectedFault: fault injection" in text, text
+    history = {int(k): v[0] for k, v in account["history"].items()}
+    assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
+    reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
+    for step, loss in history.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists

@@ -27,7 +27,8 @@ FALLBACK_REASONS = {
 
 @dataclass(frozen=True)
 class FallbackReason:
-    """A rank of an in-place run raised out of its train function: the group restarts."""
+    """A rank of an in-place run raised out of its train function. Ray Train replaces the ranks
+    that raised, like lost ones: the group restarts whole only when no rank is left running."""
 
     reason: str
     """One of :data:`FALLBACK_REASONS`."""

@@ -225,6 +225,10 @@ class FaultConfig:
     snapshots over: the whole group is lost, no rank survives (``kill_rank`` aside)."""
     kill_writer_at_step: int = 0
     """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
+    fail_in_place_recovery: bool = False
+    """With ``cluster.in_place`` and ``kill_at_step``: the survivors' first recovery in their own
+    process raises before it loads the composite, as a load that fails once would (the ranks other
+    than ``kill_rank``, in their first incarnation after it). Ray Train then replaces them too."""
     stall_writes_s: float = 0.0
     """Each shard write of a stalled writer pauses this long after its header, with its temporary
     file open, as on a storage mount that hangs (0: none). The writer writes one shard at a time,

@@ -73,8 +73,9 @@ class RunView:
         recovery.refused, self.refused = self.refused, None
 
     def in_place_refused(self, refused: FallbackReason) -> None:
-        """A rank of an in-place run raised out of its train function, so Ray Train restarts the
-        group: the next recovery says why, and so does a recovery still under way (the rank left it)."""
+        """A rank of an in-place run raised out of its train function (Ray Train replaces it, or
+        restarts the group if no rank is left): the next recovery says why, and so does a recovery
+        still under way (the rank left it)."""
         self.refused = self.refused or refused
         recovering = self._open_recovery()
         if recovering is not None and recovering.refused is None:

@@ -8,7 +8,8 @@ the top (``WorkerGroup.replace_replica_group``). It then forms no process group 
 workers, so the ranks form theirs through the supervisor (:class:`~layercheck.orchestrator.core.rendezvous.Rendezvous`),
 one generation after each loss. What a survivor does when its step raises is in
 :func:`layercheck.orchestrator.runtime.train_fn.train_fn`; if anything on that path fails, the
-survivor's train function raises and Ray Train falls back to its full restart.
+survivor's train function raises and Ray Train replaces it too, like a lost worker (it restarts the
+whole group only when no worker is left running).
 """
 
 from __future__ import annotations
@@ -187,9 +188,9 @@ def lost_a_peer(error: BaseException) -> bool:
 
 
 def leave_in_place(supervisor_name: str, rank: int, error: BaseException, *, recovering: bool) -> None:
-    """Tell the supervisor why this rank raises out of its train function (Ray Train then restarts
-    the group): a failed recovery in this process (``recovering``), or an error of its own step that
-    is no lost peer. Best effort, never in the way of the error: unsaid, the summary says that no
+    """Tell the supervisor why this rank raises out of its train function (Ray Train then replaces
+    it, or restarts the group if no rank is left): a failed recovery in this process
+    (``recovering``), or an error of its own step that is no lost peer. Best effort, never in the way of the error: unsaid, the summary says that no
     rank survived."""
     reason = "recovery_failed" if recovering else "rank_failed"
     text = str(error).splitlines()[0][:300] if str(error) else ""

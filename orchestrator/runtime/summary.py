@@ -386,6 +386,9 @@ def _recovery_time(r: dict[str, Any]) -> str:
     if kept or promoted:
         how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
         how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
+        left = r.get("refused") or {}
+        if left.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
+            how += [f"a survivor left, replaced too: {left['detail']}"]
         path += f" ({', '.join(how)})"
     elif r.get("fallback"):
         refused = r.get("refused") or {}

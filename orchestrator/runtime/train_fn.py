@@ -289,7 +289,8 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     step that raises because a peer was lost does not end it: this rank leaves the broken group,
     meets the others (the lost rank's replacement among them) in a new one, and trains on from
     the recovery's resume step in this same process. Anything else raises, as does a failure on
-    that path: Ray Train then restarts the whole group."""
+    that path: Ray Train then replaces this rank like a lost one (the whole group, if no rank is
+    left running)."""
     configure_process_logging()  # an actor/worker process has no main of ours
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch's ZeRO collective renames
     for name in ("layercheck.workers", "layercheck.orchestrator"):
@@ -338,6 +339,10 @@ def train_fn(loop_config: dict[str, Any]) -> None:
                 type(error).__name__,
                 incarnation,
             )
+
+
+class InjectedFault(RuntimeError):
+    """An error ``fault.*`` asked for (``fail_in_place_recovery``)."""
 
 
 @dataclass
@@ -392,6 +397,8 @@ def _train(
             spare=stage.model is not None,
         )
         resume = ray.get(resume_ref)
+        if incarnation == 1 and run.fault.fail_in_place_recovery and rank != run.fault.kill_rank:
+            raise InjectedFault(f"fault injection: rank {rank}'s recovery in its own process fails")
         if resume.records is not None:
             recover(
                 train_engine,
