@@ -12,9 +12,12 @@ from tests.support.s3_server import FAST_FAIL
 from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
-# room for the outage: it comes once every layer has a committed version, which on a loaded machine
-# (slow writes to the loopback S3) took until step 35 of 40 once, too late for a breach before the end
-STEPS = 60
+#: The run under the outage is long enough never to end before its breach (the outage comes once
+#: every layer has a committed version: at step 35 once on a loaded machine, and once the writes
+#: were so far behind that a 60-step run ended first); it stops at the breach. The resume trains
+#: ``MORE`` steps past the newest recoverable one, not the whole schedule.
+STEPS = 400
+MORE = 6
 
 
 def test_an_s3_outage_mid_run_stops_it_with_the_breach_and_resume_continues(tmp_path, ray_tmp, s3):
@@ -51,12 +54,13 @@ def test_an_s3_outage_mid_run_stops_it_with_the_breach_and_resume_continues(tmp_
     store = LayerStore.open(uri)
     assert committed and committed <= {v.version_id for v in store.versions()}
     newest = newest_recoverable_step({v.layer for v in store.versions()}, store.manifest().refs())
-    resumed = start_train(tmp_path, *settings, f"storage={uri}", ray_tmp=ray_tmp, args=("--resume",))
+    end = newest + MORE
+    resumed = start_train(tmp_path, *settings, f"steps={end}", f"storage={uri}", ray_tmp=ray_tmp, args=("--resume",))
     out = resumed.finish(timeout=600)
     err = resumed.stderr
     assert resumed.proc.returncode == 0, err[-3000:]
-    assert f"continuing at step {newest + 1} of {STEPS}" in err, err[-3000:]
+    assert f"continuing at step {newest + 1} of {end}" in err, err[-3000:]
     final = {}
     for version in LayerStore.open(uri).versions():
         final[version.layer] = max(version.step, final.get(version.layer, 0))
-    assert set(final.values()) == {STEPS}, out[-2000:]
+    assert set(final.values()) == {end}, out[-2000:]
