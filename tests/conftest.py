@@ -3,6 +3,7 @@ private temporary directory for the local Ray of a `layercheck train` subprocess
 this process for the tests that call ``train()``; an empty layer store; and the runs several
 test modules read (each made once per session, on first use)."""
 
+import os
 import shutil
 
 import pytest
@@ -18,6 +19,29 @@ from tests.support.s3_server import S3_ENV, LoopbackS3, new_bucket, start_moto
 # counterexample is found by raising max_examples on purpose, not by CI's luck).
 settings.register_profile("layercheck", derandomize=True, print_blob=True)
 settings.load_profile("layercheck")
+
+
+_OWN_RAY_TMP = "LAYERCHECK_TESTS_RAY_TMPDIR"
+
+
+def pytest_configure(config):
+    """This test process's own Ray (``local_ray``; a subprocess's that starts one) keeps Ray's
+    files, and the address file a bare ``ray.init()`` joins, in a folder of its own: under
+    pytest-xdist each worker's in-process Ray is apart from the other's (in the shared default
+    folder, Ray's placement-group cleaner of one found both and failed). A ``RAY_TMPDIR`` the user
+    set is kept; one inherited from the pytest-xdist controller (``_OWN_RAY_TMP``) is not."""
+    user = os.environ.get("RAY_TMPDIR")
+    if user is not None and user != os.environ.get(_OWN_RAY_TMP):
+        return
+    config.ray_tmp = private_ray_tmp()
+    os.environ["RAY_TMPDIR"] = os.environ[_OWN_RAY_TMP] = str(config.ray_tmp)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "ray_tmp", None) is not None:
+        os.environ.pop("RAY_TMPDIR", None)
+        os.environ.pop(_OWN_RAY_TMP, None)
+        shutil.rmtree(config.ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
