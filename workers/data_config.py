@@ -21,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 BYTE_VOCAB = 256
 DataFormat = Literal["text", "sft"]
-FORMATS: tuple[str, ...] = ("text", "sft")
 
 
 def bundled_corpus() -> Path:

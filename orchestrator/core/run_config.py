@@ -239,6 +239,10 @@ class FaultConfig:
     """Only shards of versions taken after this step stall (earlier ones, e.g. the first
     versions of every layer, are written at full speed)."""
 
+    def fails_in_place_recovery(self, *, rank: int, incarnation: int) -> bool:
+        """Whether ``rank``'s recovery in its own process, in ``incarnation``, raises (``fail_in_place_recovery``)."""
+        return self.fail_in_place_recovery and incarnation == 1 and rank != self.kill_rank
+
     def stall_s(self, *, node_id: str, step: int) -> float:
         """How long a writer on ``node_id`` stalls in its write of a shard taken at ``step``."""
         here = not self.stall_writes_node or self.stall_writes_node == node_id

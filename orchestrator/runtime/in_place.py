@@ -190,8 +190,8 @@ def lost_a_peer(error: BaseException) -> bool:
 def leave_in_place(supervisor_name: str, rank: int, error: BaseException, *, recovering: bool) -> None:
     """Tell the supervisor why this rank raises out of its train function (Ray Train then replaces
     it, or restarts the group if no rank is left): a failed recovery in this process
-    (``recovering``), or an error of its own step that is no lost peer. Best effort, never in the way of the error: unsaid, the summary says that no
-    rank survived."""
+    (``recovering``), or an error of its own step that is no lost peer. Best effort, never in the
+    way of the error: unsaid, the summary says that no rank survived."""
     reason = "recovery_failed" if recovering else "rank_failed"
     text = str(error).splitlines()[0][:300] if str(error) else ""
     try:

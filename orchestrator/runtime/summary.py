@@ -383,15 +383,14 @@ def _recovery_time(r: dict[str, Any]) -> str:
     t = r.get("timeline") or {}
     path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
     promoted = r.get("spares_promoted", 0)
+    refused = r.get("refused") or {}  # a rank that raised out of its train function, and why
     if kept or promoted:
         how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
         how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
-        left = r.get("refused") or {}
-        if left.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
-            how += [f"a survivor left, replaced too: {left['detail']}"]
+        if refused.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
+            how += [f"a survivor left, replaced too: {refused['detail']}"]
         path += f" ({', '.join(how)})"
     elif r.get("fallback"):
-        refused = r.get("refused") or {}
         why = FALLBACK_REASONS.get(r["fallback"], r["fallback"])
         path += f" (not in place: {why}{'; ' + refused['detail'] if refused.get('detail') else ''})"
     group = f"process group {t['group']:.2f}s, " if t.get("group") else ""

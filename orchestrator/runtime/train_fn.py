@@ -397,7 +397,7 @@ def _train(
             spare=stage.model is not None,
         )
         resume = ray.get(resume_ref)
-        if incarnation == 1 and run.fault.fail_in_place_recovery and rank != run.fault.kill_rank:
+        if run.fault.fails_in_place_recovery(rank=rank, incarnation=incarnation):
             raise InjectedFault(f"fault injection: rank {rank}'s recovery in its own process fails")
         if resume.records is not None:
             recover(
