@@ -62,7 +62,8 @@ class CheckpointConfig:
     back to Ray Train's full restart."""
     regroup_timeout_s: float = 600.0
     """``in_place``: how long the ranks wait for each other (a replacement's start included) to
-    form the process group again; past it they raise, and Ray Train restarts the whole group."""
+    form the process group again; past it they raise (a failed recovery in place: every rank is
+    then replaced, as under a full restart)."""
 
     def __post_init__(self) -> None:
         require(bool(_NAME.match(self.name)), "name", "letters, digits, '_', '.', '-'", self.name)

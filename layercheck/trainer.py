@@ -192,14 +192,14 @@ class LayerCheckTrainer:
                 "FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
                 "when Ray Train may restart the worker group (max_failures > 0)"
             )
-        torch_config = self.torch_config
-        if cfg.in_place:
-            from layercheck.orchestrator.runtime.in_place import InPlaceTorchConfig
+        trainer_class: type = TorchTrainer
+        if cfg.in_place:  # it brings its torch_config (checked in fit(): the user gave none)
+            from layercheck.orchestrator.runtime.in_place import InPlaceTorchTrainer
 
-            torch_config = InPlaceTorchConfig()  # checked in fit(): the user gave none
-        kwargs = {"torch_config": torch_config} if torch_config is not None else {}
+            trainer_class = InPlaceTorchTrainer
+        kwargs = {"torch_config": self.torch_config} if self.torch_config is not None else {}
         try:
-            trainer = TorchTrainer(
+            trainer = trainer_class(
                 loop, train_loop_config=self.train_loop_config, scaling_config=scaling, run_config=run_config, **kwargs
             )
             error = fit_watched(handles, trainer, on_progress=self.on_progress)

@@ -123,5 +123,18 @@ def test_a_full_restart_of_an_in_place_run_says_why_and_only_for_its_own_recover
     not_asked = _view(in_place=False)
     _step(not_asked, 1, now=1.0)
     assert _recover(not_asked, t_fail=1, now=2.0).fallback == ""
+
+
+def test_a_failed_recovery_in_place_turns_in_place_off_for_the_rest_of_the_run():
+    """A survivor's own step failing says nothing of in-place recovery; its recovery in its own
+    process failing does: the first such failure is what keeps it off from then on."""
+    from layercheck.orchestrator.core.accounting import FallbackReason
+
+    view = _view()
+    view.in_place_refused(FallbackReason("rank_failed", "rank 0: ValueError: bad batch"))
+    assert view.in_place_off is None
+    view.in_place_refused(FallbackReason("recovery_failed", "rank 1: OSError: x"))
+    view.in_place_refused(FallbackReason("recovery_failed", "rank 0: OSError: y"))
+    assert view.in_place_off == FallbackReason("recovery_failed", "rank 1: OSError: x")
     with pytest.raises(ValueError, match="unknown fallback reason"):
         FallbackReason("tired", "")

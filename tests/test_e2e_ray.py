@@ -77,22 +77,31 @@ def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(l
     assert reports[-1]["max_staleness"] is not None and 0 < reports[-1]["ettr"] <= 1
 
 
-def test_a_survivor_whose_in_place_recovery_fails_is_replaced_too_and_nothing_is_lost(local_ray, clean_run, tmp_path):
-    """``cluster.in_place``, rank 1 SIGKILLed after step 6: Ray Train replaces rank 1 and rank 0
-    recovers in its own process, but that recovery raises (``fault.fail_in_place_recovery``,
-    before its load). Rank 0 says why and raises; Ray Train replaces it like a lost rank (it
-    restarts the whole group only when no rank is left running), rank 1's replacement recovers
-    in its own process, and the run resumes at t_fail + 1 on the failure-free trajectory; the
-    summary names the survivor that left."""
-    failing = {"fault.kill_at_step": 6, "cluster.in_place": True, "fault.fail_in_place_recovery": True}
+def test_a_failed_in_place_recovery_falls_back_to_replacing_every_rank_within_one_failure(
+    local_ray, clean_run, tmp_path
+):
+    """``cluster.in_place`` with ``cluster.max_failures = 1``, rank 1 SIGKILLed after step 6: Ray
+    Train replaces rank 1 (the one failure allowed) and rank 0 recovers in its own process, but
+    that recovery raises (``fault.fail_in_place_recovery``, before its load). Rank 0 says why and
+    leaves; that turns in-place recovery off, so rank 1's replacement leaves too as it sees rank
+    0 go. Neither leave is charged to ``max_failures`` (one death, one charge, as under a full
+    restart): both are replaced, the new processes recover cold, and the run resumes at
+    t_fail + 1 on the failure-free trajectory; the summary says why it was no recovery in place."""
+    failing = {
+        "fault.kill_at_step": 6,
+        "cluster.in_place": True,
+        "cluster.max_failures": 1,
+        "fault.fail_in_place_recovery": True,
+    }
     failed = train_demo(tmp_path, "refused", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
     assert failed.status["state"] == "finished"
     account = failed.status["account"]
     recovery = account["recoveries"][-1]
     assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
-    assert recovery["path"] == "in place" and recovery["refused"]["reason"] == "recovery_failed", recovery
+    assert recovery["path"] == "full restart" and recovery["kept_processes"] == 0, recovery
+    assert recovery["fallback"] == "recovery_failed", recovery
     text = format_summary(summarize(failed))
-    assert "a survivor left, replaced too: rank 0: InjectedFault: fault injection" in text, text
+    assert "full restart (not in place: a survivor's recovery in its own process failed; rank 0: InjectedFault" in text
     history = {int(k): v[0] for k, v in account["history"].items()}
     assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
     reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}

@@ -74,7 +74,7 @@ def test_a_rank_outside_the_group_is_refused():
 
 def test_only_a_lost_peers_errors_send_a_survivor_into_an_in_place_recovery():
     """What a survivor's step raises when a peer dies (orchestrator/runtime/in_place.py); any other
-    error ends the train function, and Ray Train restarts the whole group."""
+    error ends the train function, and Ray Train replaces the rank."""
     import torch
     from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
 

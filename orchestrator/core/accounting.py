@@ -22,6 +22,7 @@ FALLBACK_REASONS = {
     "no_survivor": "no rank survived the failure",
     "rank_failed": "a survivor's own step failed, not for a lost peer",
     "recovery_failed": "a survivor's recovery in its own process failed",
+    "in_place_off": "in-place recovery is off since one failed: the survivors left",
 }
 
 

@@ -78,7 +78,8 @@ class ClusterConfig:
     spare at once, while Ray Train starts the replacement, which becomes the next spare."""
     regroup_timeout_s: float = 600.0
     """``in_place``: how long the ranks wait for each other (a replacement's start included) to
-    form the process group again; past it they raise, and Ray Train restarts the whole group."""
+    form the process group again; past it they raise (a failed recovery in place: every rank is
+    then replaced, as under a full restart)."""
     shared_storage: bool = False
     """``storage`` is a path on a filesystem every node mounts (NFS, Lustre, a bucket mount). On a
     cluster of more than one node a plain path is refused without it: each node would write to
@@ -228,7 +229,8 @@ class FaultConfig:
     fail_in_place_recovery: bool = False
     """With ``cluster.in_place`` and ``kill_at_step``: the survivors' first recovery in their own
     process raises before it loads the composite, as a load that fails once would (the ranks other
-    than ``kill_rank``, in their first incarnation after it). Ray Train then replaces them too."""
+    than ``kill_rank``, in their first incarnation after it). In-place recovery is then off, and
+    Ray Train replaces every rank."""
     stall_writes_s: float = 0.0
     """Each shard write of a stalled writer pauses this long after its header, with its temporary
     file open, as on a storage mount that hangs (0: none). The writer writes one shard at a time,

@@ -248,9 +248,16 @@ class RunSupervisor:
 
     def in_place_refused(self, rank: int, reason: str, detail: str) -> None:
         """A rank of an in-place run raised out of its train function (see ``RunView.in_place_refused``)."""
-        logger.warning("rank %d leaves in-place recovery (%s): %s; the group restarts", rank, reason, detail)
+        logger.warning("rank %d leaves in-place recovery (%s): %s; Ray Train replaces it", rank, reason, detail)
         with self._lock:
             self.view.in_place_refused(FallbackReason(reason, f"rank {rank}: {detail}"))
+
+    def in_place_off(self) -> str | None:
+        """Why in-place recovery is off for the rest of the run: the failed recovery's rank and error
+        (``None``: it is on)."""
+        with self._lock:
+            off = self.view.in_place_off
+        return off.detail if off is not None else None
 
     def loaded(
         self, load_s: float, sources: Mapping[str, float] | None = None, *, start: RankStart | None = None

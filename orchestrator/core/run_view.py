@@ -40,6 +40,9 @@ class RunView:
     """The run asked for in-place recovery (``cluster.in_place``)."""
     refused: FallbackReason | None = None
     """The first rank's word on leaving in-place recovery, for the next recovery (``None``: none)."""
+    in_place_off: FallbackReason | None = None
+    """The failed recovery in a survivor's own process that turned in-place recovery off for the
+    rest of the run (``None``: on): from then on the survivors of a loss leave and are replaced."""
 
     def step_done(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float, now: float
@@ -75,8 +78,10 @@ class RunView:
     def in_place_refused(self, refused: FallbackReason) -> None:
         """A rank of an in-place run raised out of its train function (Ray Train replaces it, or
         restarts the group if no rank is left): the next recovery says why, and so does a recovery
-        still under way (the rank left it)."""
+        still under way (the rank left it). A failed recovery turns in-place recovery off."""
         self.refused = self.refused or refused
+        if refused.reason == "recovery_failed" and self.in_place_off is None:
+            self.in_place_off = refused
         recovering = self._open_recovery()
         if recovering is not None and recovering.refused is None:
             recovering.refused = refused

@@ -90,7 +90,6 @@ def train(
     the storage from its newest recoverable step, at whatever world size ``config`` asks for."""
     from ray.train import FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
-    from ray.train.torch import TorchTrainer
 
     from layercheck.orchestrator.runtime.train_fn import train_fn
 
@@ -127,7 +126,7 @@ def train(
                 storage_path=scratch,
                 failure_config=FailureConfig(max_failures=config.cluster.max_failures),
             )
-            trainer = TorchTrainer(
+            trainer = _trainer_class(config)(
                 train_fn,
                 train_loop_config={"run": config.to_json(), "run_id": handles.run_id},
                 scaling_config=ScalingConfig(
@@ -141,7 +140,6 @@ def train(
                 run_config=with_callbacks(
                     run_config, handles.supervisor, config.persistence, in_place=config.cluster.in_place
                 ),
-                **_in_place_options(config),
             )
             error = fit_watched(
                 handles, trainer, on_progress=on_progress, poll_s=poll_s, fault_note=_fault_note(config)
@@ -153,13 +151,15 @@ def train(
         lease.release()  # also when setup fails after the lease was taken
 
 
-def _in_place_options(config: RunConfig) -> dict[str, Any]:
-    """``cluster.in_place``: the backend under which Ray Train replaces only a lost worker."""
+def _trainer_class(config: RunConfig) -> type:
+    """``cluster.in_place``: the trainer under which Ray Train replaces only a lost worker."""
     if not config.cluster.in_place:
-        return {}
-    from layercheck.orchestrator.runtime.in_place import InPlaceTorchConfig
+        from ray.train.torch import TorchTrainer
 
-    return {"torch_config": InPlaceTorchConfig()}
+        return TorchTrainer
+    from layercheck.orchestrator.runtime.in_place import InPlaceTorchTrainer
+
+    return InPlaceTorchTrainer
 
 
 def start_run(

@@ -10,6 +10,12 @@ one generation after each loss. What a survivor does when its step raises is in
 :func:`layercheck.orchestrator.runtime.train_fn.train_fn`; if anything on that path fails, the
 survivor's train function raises and Ray Train replaces it too, like a lost worker (it restarts the
 whole group only when no worker is left running).
+
+Never worse than a full restart: a failed recovery in a survivor's own process turns in-place
+recovery off for the run (the supervisor's ``in_place_off``), so that from then on survivors leave
+as they see the loss and every rank is replaced, and the survivors that leave
+(:class:`LeftInPlaceRecovery`) are not charged to ``max_failures`` (:class:`SparingFailurePolicy`):
+the death that sent them there was charged already, as a full restart charges it once.
 """
 
 from __future__ import annotations
@@ -23,9 +29,10 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from ray.train.torch import TorchConfig
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
+from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.workers.collective_abort import request_abort
@@ -49,6 +56,54 @@ class InPlaceTorchConfig(TorchConfig):
     @property
     def backend_cls(self) -> type[_InPlaceBackend]:
         return _InPlaceBackend
+
+
+class LeftInPlaceRecovery(RuntimeError):
+    """What a survivor raises as it leaves in-place recovery, to be replaced like a lost rank: its
+    recovery in its own process failed, or in-place recovery is off for the run since one did."""
+
+
+class SparingFailurePolicy(FailurePolicy):
+    """Ray Train's failure policy (``charged``), except that survivors leaving in-place recovery
+    (every error of the worker group a :class:`LeftInPlaceRecovery`) are replaced without a charge
+    to ``max_failures``: the death that sent them there was charged. At most ``num_workers`` such
+    leaves between two charged failures (each process alive at a death leaves once); more are
+    charged, so that no loop of leaves can run forever."""
+
+    def __init__(self, charged: FailurePolicy, num_workers: int) -> None:
+        super().__init__(charged.failure_config)
+        self._charged = charged
+        self._free_left = num_workers
+        self._num_workers = num_workers
+
+    def make_decision(self, training_failed_error: Any) -> FailureDecision:
+        failures = getattr(training_failed_error, "worker_failures", None) or {}
+        if self._free_left > 0 and failures and all(isinstance(e, LeftInPlaceRecovery) for e in failures.values()):
+            self._free_left -= 1
+            logger.info("rank(s) %s left in-place recovery: replaced, not charged to max_failures", sorted(failures))
+            return FailureDecision.RETRY
+        self._free_left = self._num_workers
+        return self._charged.make_decision(training_failed_error)
+
+
+class InPlaceTorchTrainer(TorchTrainer):
+    """The ``TorchTrainer`` of an in-place run: :class:`InPlaceTorchConfig` (unless given), and a
+    controller that charges a failure once (:class:`SparingFailurePolicy`; Ray Train 2.60 takes no
+    failure policy of ours but through the controller's arguments)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("torch_config", InPlaceTorchConfig())
+        super().__init__(*args, **kwargs)
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        charged = controller_init_kwargs.get("failure_policy")
+        num_workers = self.scaling_config.num_workers
+        if isinstance(charged, FailurePolicy) and isinstance(num_workers, int):
+            controller_init_kwargs["failure_policy"] = SparingFailurePolicy(charged, num_workers)
+        else:  # another Ray Train: each survivor that leaves is charged, as each lost rank is
+            logger.warning("Ray Train's controller takes no failure policy here: survivors that leave are charged")
+        # Train v2's (ray.train.torch's when RAY_TRAIN_V2_ENABLED); mypy sees v1's, which has none
+        return super()._initialize_and_run_controller(**controller_init_kwargs)  # type: ignore[misc]
 
 
 #: How long the controller's callback waits for the supervisor to take a replacement in.
@@ -144,7 +199,8 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
     """Run the user's loop (``call()``) in this worker's process group, formed at the supervisor;
     when it raises because a peer was lost (``attach`` captured this rank's slices on the way out),
     leave the group and run it again as a new incarnation (``start(number, group_s)``), whose
-    ``attach`` loads the composite. Any other error raises, and Ray Train restarts the group."""
+    ``attach`` loads the composite. Anything else raises (:func:`recovers_in_place`), and Ray
+    Train replaces this rank."""
     from layercheck.workers.engine import forget_trainer_state, leave_group
     from layercheck.workers.env import init_distributed
 
@@ -163,8 +219,7 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
         try:
             return call()
         except Exception as error:
-            if not lost_a_peer(error):
-                leave_in_place(names.supervisor, rank, error, recovering=number > 0 and not incarnation.attached)
+            if not recovers_in_place(names.supervisor, rank, error, recovering=number > 0 and not incarnation.attached):
                 raise
             number += 1
             logger.warning(
@@ -177,6 +232,55 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
             leave_group()
 
 
+def recovers_in_place(supervisor_name: str, rank: int, error: Exception, *, recovering: bool) -> bool:
+    """What a rank of an in-place run does with the ``error`` its incarnation raised (``recovering``:
+    before its recovery was done). True: a peer was lost, and this rank recovers in its own
+    process. False: the error is this rank's own step's (``rank_failed``), the caller raises it and
+    Ray Train charges it. Otherwise this rank leaves in-place recovery and raises
+    :class:`LeftInPlaceRecovery`, charged to nothing: its recovery in its own process failed
+    (``recovery_failed``, which turns in-place recovery off for the run), or a peer was lost while
+    it is off (``in_place_off``). Each rank tells the supervisor why it leaves first."""
+    said = _first_line(error)
+    if lost_a_peer(error):
+        off = _in_place_off(supervisor_name)
+        if off is None:
+            return True
+        _leave(supervisor_name, rank, "in_place_off", f"off since {off}")
+        raise LeftInPlaceRecovery(f"rank {rank} leaves: in-place recovery is off since {off}") from error
+    if recovering:
+        _leave(supervisor_name, rank, "recovery_failed", said)
+        raise LeftInPlaceRecovery(f"rank {rank}'s recovery in its own process failed: {said}") from error
+    _leave(supervisor_name, rank, "rank_failed", said)
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0][:300] if str(error) else ""
+    return f"{type(error).__name__}: {text}"
+
+
+def _in_place_off(supervisor_name: str) -> str | None:
+    """Which failed recovery turned in-place recovery off (``None``: it is on). A supervisor that does not
+    answer leaves it on: the recovery then finds out for itself."""
+    try:
+        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
+        return ray.get(supervisor.in_place_off.remote(), timeout=10)
+    except Exception as failure:  # noqa: BLE001 - see above
+        logger.warning("could not ask whether in-place recovery is still on: %s", failure)
+        return None
+
+
+def _leave(supervisor_name: str, rank: int, reason: str, detail: str) -> None:
+    """Tell the supervisor why this rank raises out of its train function (one of
+    ``FALLBACK_REASONS``). Best effort, never in the way of the error: unsaid, the summary says
+    that no rank survived."""
+    try:
+        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
+        ray.get(supervisor.in_place_refused.remote(rank, reason, detail), timeout=10)
+    except Exception as failure:  # noqa: BLE001 - see above
+        logger.warning("rank %d could not say why it leaves in-place recovery: %s", rank, failure)
+
+
 def lost_a_peer(error: BaseException) -> bool:
     """Whether a step's error is what a survivor sees when a peer dies: a collective that failed
     (gloo: the connection closed; NCCL: aborted) or Ray Train's barrier reset by the replacement."""
@@ -185,20 +289,6 @@ def lost_a_peer(error: BaseException) -> bool:
     if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
         return True
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
-
-
-def leave_in_place(supervisor_name: str, rank: int, error: BaseException, *, recovering: bool) -> None:
-    """Tell the supervisor why this rank raises out of its train function (Ray Train then replaces
-    it, or restarts the group if no rank is left): a failed recovery in this process
-    (``recovering``), or an error of its own step that is no lost peer. Best effort, never in the
-    way of the error: unsaid, the summary says that no rank survived."""
-    reason = "recovery_failed" if recovering else "rank_failed"
-    text = str(error).splitlines()[0][:300] if str(error) else ""
-    try:
-        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
-        ray.get(supervisor.in_place_refused.remote(rank, reason, f"{type(error).__name__}: {text}"), timeout=10)
-    except Exception as failure:  # noqa: BLE001 - see above
-        logger.warning("rank %d could not say why it leaves in-place recovery: %s", rank, failure)
 
 
 #: What a collective's ``RuntimeError`` says when its peer died (gloo's TCP transport) or when its

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
 from layercheck.orchestrator.core.accounting import RECOVERY_PHASES as TIMELINE_PHASES
 from layercheck.orchestrator.core.recovery_machine import STATE_NAMES
 from layercheck.policies.staggered import (
@@ -221,8 +222,8 @@ SPECS: tuple[Spec, ...] = (
         Counter,
         "layercheck_recovery_fallbacks_total",
         "Recoveries of a run that asked for in place (cluster.in_place) that were full restarts, by why: "
-        "no_survivor (every rank was lost), rank_failed (a survivor's own step failed, not for a lost peer), "
-        "recovery_failed (a survivor's recovery in its own process failed).",
+        + ", ".join(f"{reason} ({said})" for reason, said in FALLBACK_REASONS.items())
+        + ".",
         ("reason",),
     ),
     Spec(

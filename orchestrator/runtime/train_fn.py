@@ -25,7 +25,7 @@ from layercheck.orchestrator.core.roster import END, SPARE
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import Incarnation, process_started_at
-from layercheck.orchestrator.runtime.in_place import form_group, leave_in_place, lost_a_peer
+from layercheck.orchestrator.runtime.in_place import form_group, recovers_in_place
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.spares import wait_as_spare
@@ -327,10 +327,8 @@ def train_fn(loop_config: dict[str, Any]) -> None:
             )
             return
         except Exception as error:
-            if not run.cluster.in_place:
-                raise
-            if not lost_a_peer(error):
-                leave_in_place(names.supervisor, rank, error, recovering=bool(incarnation) and not stage.training)
+            recovering = bool(incarnation) and not stage.training
+            if not run.cluster.in_place or not recovers_in_place(names.supervisor, rank, error, recovering=recovering):
                 raise
             incarnation += 1
             logger.warning(
