@@ -96,3 +96,38 @@ def test_wrappers_agree_with_deepspeed(internals, stage, precision):
             assert sum(r["coverage"][name] for r in results) == numel, name
     if stage == 3:
         assert all(r["sub_groups_cover_groups"] for r in results)
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_warm_spare_has_done_the_imports_a_zero3_engine_build_would_make(warm):
+    """``warm_engine_imports`` (what a warm spare runs while it waits) leaves nothing heavy for the
+    engine build of a promoted spare: after it, building a ZeRO-3 engine imports nothing of torch's
+    dynamo, which DeepSpeed's Muon pulls in as ZeRO's optimizers are built (``cold``: it does, which
+    is why the spare warms it). A DeepSpeed that moves that import elsewhere fails here."""
+    import subprocess
+    import sys
+
+    code = f"""
+import os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from layercheck.workers.env import free_port
+os.environ["MASTER_PORT"] = str(free_port())
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.workers.engine import build_engine, build_model, warm_engine_imports
+from layercheck.workers.env import init_distributed
+run = load_run_config("examples/demo.toml", {{"engine.zero_stage": 3}})
+model = build_model(run.model)
+if {warm}:
+    warm_engine_imports()
+before = set(sys.modules)
+init_distributed()
+build_engine(run.model, run.optim, run.engine, model=model)
+heavy = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "deepspeed.runtime.zero.muon")))
+print("imported by the build:", len(heavy), heavy[:5])
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    heavy = int(re.search(r"imported by the build: (\d+)", result.stdout).group(1))
+    assert (heavy == 0) if warm else (heavy > 0), result.stdout

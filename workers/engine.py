@@ -8,6 +8,7 @@ drift off the optimizer, and lets one layer's state be snapshotted or restored o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from collections.abc import Mapping
@@ -138,6 +139,18 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in extra.items():
         out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
     return out
+
+
+def warm_engine_imports() -> None:
+    """Import now what :func:`build_engine` would import on its first call: DeepSpeed, and the Muon
+    optimizer its ZeRO optimizers import as they are built, whose kernels are compiled at import
+    (torch's dynamo: about 1.3 s of CPU). For a process that waits before it builds its engine (a
+    warm spare), so that the wait pays for them rather than the recovery."""
+    env.set_accelerator()
+    import deepspeed  # noqa: F401
+
+    with contextlib.suppress(ImportError):  # where ZeRO imports it from (DeepSpeed 0.19)
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
 
 def build_engine(

@@ -30,15 +30,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def set_accelerator() -> None:
+    """DeepSpeed's accelerator, before the first ``import deepspeed`` in the process: CPU (gloo)
+    where there is no CUDA device, unless ``DS_ACCELERATOR`` says otherwise."""
+    if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        logger.info("no CUDA device: DS_ACCELERATOR=cpu (gloo backend)")
+
+
 def prepare_environment() -> None:
     """Set DeepSpeed's accelerator and, for a lone process, a one-rank rendezvous.
 
     Call before the first ``import deepspeed`` in the process: DeepSpeed resolves its
     accelerator once and caches it.
     """
-    if not torch.cuda.is_available() and "DS_ACCELERATOR" not in os.environ:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        logger.info("no CUDA device: DS_ACCELERATOR=cpu (gloo backend)")
+    set_accelerator()
     if not torch.distributed.is_initialized() and "WORLD_SIZE" not in os.environ:
         port = free_port()
         for key, value in (

@@ -10,7 +10,8 @@ Three parts meet:
   0.2 s after its death), the supervisor promotes a spare to its rank at once, before the
   replacement even starts.
 - :func:`wait_as_spare`, in a spare's train function: build the model (the same call a rank makes,
-  so the promoted engine is the one a cold start would build), then wait for the roster's word.
+  so the promoted engine is the one a cold start would build) and make the engine's imports, then
+  wait for the roster's word.
 """
 
 from __future__ import annotations
