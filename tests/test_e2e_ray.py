@@ -109,6 +109,29 @@ def test_a_failed_in_place_recovery_falls_back_to_replacing_every_rank_within_on
         assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
 
 
+def test_a_second_failure_during_an_in_place_recovery_is_recovered_in_place_again(local_ray, clean_run, tmp_path):
+    """``cluster.in_place``, rank 1 SIGKILLed after step 6, and its replacement SIGKILLed too,
+    during its recovery (it joined and formed the new group, and had not loaded;
+    ``fault.kill_again_in_recovery``). Rank 0, recovering in its own process, sees the new peer
+    lost like the first and recovers in place once more with the next replacement; the run
+    resumes at t_fail + 1 on the failure-free trajectory, rank 0 in the process it started in."""
+    again = {"fault.kill_at_step": 6, "cluster.in_place": True, "fault.kill_again_in_recovery": True}
+    failed = train_demo(tmp_path, "again", policy=EVERY_STEP, **{**again, **UNBOUNDED})
+    assert failed.status["state"] == "finished"
+    account = failed.status["account"]
+    assert account["failures"] == 2, account["recoveries"]
+    recovery = account["recoveries"][-1]
+    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    pids = {r["pid"] for r in failed.train_reports}  # Ray Train keeps rank 0's reports
+    assert len(pids) == 1 and failed.train_reports, f"rank 0 ran in {len(pids)} processes: {sorted(pids)}"
+    history = {int(k): v[0] for k, v in account["history"].items()}
+    assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
+    reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
+    for step, loss in history.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists

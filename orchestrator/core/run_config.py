@@ -231,6 +231,10 @@ class FaultConfig:
     process raises before it loads the composite, as a load that fails once would (the ranks other
     than ``kill_rank``, in their first incarnation after it). In-place recovery is then off, and
     Ray Train replaces every rank."""
+    kill_again_in_recovery: bool = False
+    """With ``kill_at_step``: the lost rank's replacement SIGKILLs itself too, during its recovery
+    (after it joined the run and, in place, formed the new process group; before it loads the
+    composite): a second failure during the recovery. Once: the next replacement recovers."""
     stall_writes_s: float = 0.0
     """Each shard write of a stalled writer pauses this long after its header, with its temporary
     file open, as on a storage mount that hangs (0: none). The writer writes one shard at a time,
@@ -244,6 +248,11 @@ class FaultConfig:
     def fails_in_place_recovery(self, *, rank: int, incarnation: int) -> bool:
         """Whether ``rank``'s recovery in its own process, in ``incarnation``, raises (``fail_in_place_recovery``)."""
         return self.fail_in_place_recovery and incarnation == 1 and rank != self.kill_rank
+
+    def kills_in_recovery(self, *, rank: int, attempt: int, incarnation: int) -> bool:
+        """Whether ``rank``, a new process in the recovery of the first failure (``attempt`` 2),
+        kills itself before its load (``kill_again_in_recovery``)."""
+        return self.kill_again_in_recovery and rank == self.kill_rank and attempt == 2 and incarnation == 0
 
     def stall_s(self, *, node_id: str, step: int) -> float:
         """How long a writer on ``node_id`` stalls in its write of a shard taken at ``step``."""

@@ -405,6 +405,9 @@ def _train(
         resume = ray.get(resume_ref)
         if run.fault.fails_in_place_recovery(rank=rank, incarnation=incarnation):
             raise InjectedFault(f"fault injection: rank {rank}'s recovery in its own process fails")
+        if run.fault.kills_in_recovery(rank=rank, attempt=resume.attempt, incarnation=incarnation):
+            logger.warning("fault injection: rank %d kills itself during its recovery", rank)
+            os.kill(os.getpid(), signal.SIGKILL)
         if resume.records is not None:
             recover(
                 train_engine,
