@@ -147,7 +147,8 @@ class LayerCheckTrainer:
 
     def _fit(self, cfg: CheckpointConfig, layers: LayerMap, lease: StoreLease) -> RunResult:
         from ray.train import FailureConfig, RunConfig
-        from ray.train.torch import TorchTrainer
+
+        from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 
         scaling = self.scaling_config
         workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
@@ -192,7 +193,7 @@ class LayerCheckTrainer:
                 "FailureConfig(max_failures=0): a lost worker ends the run; LayerCheck recovers only "
                 "when Ray Train may restart the worker group (max_failures > 0)"
             )
-        trainer_class: type = TorchTrainer
+        trainer_class: type = LayerCheckTorchTrainer
         if cfg.in_place:  # it brings its torch_config (checked in fit(): the user gave none)
             from layercheck.orchestrator.runtime.in_place import InPlaceTorchTrainer
 

@@ -154,9 +154,9 @@ def train(
 def _trainer_class(config: RunConfig) -> type:
     """``cluster.in_place``: the trainer under which Ray Train replaces only a lost worker."""
     if not config.cluster.in_place:
-        from ray.train.torch import TorchTrainer
+        from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 
-        return TorchTrainer
+        return LayerCheckTorchTrainer
     from layercheck.orchestrator.runtime.in_place import InPlaceTorchTrainer
 
     return InPlaceTorchTrainer

@@ -29,12 +29,13 @@ from typing import Any
 import ray
 import ray.train
 import torch
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 from layercheck.workers.collective_abort import request_abort
 from layercheck.workers.env import free_port
 
@@ -86,7 +87,7 @@ class SparingFailurePolicy(FailurePolicy):
         return self._charged.make_decision(training_failed_error)
 
 
-class InPlaceTorchTrainer(TorchTrainer):
+class InPlaceTorchTrainer(LayerCheckTorchTrainer):
     """The ``TorchTrainer`` of an in-place run: :class:`InPlaceTorchConfig` (unless given), and a
     controller that charges a failure once (:class:`SparingFailurePolicy`; Ray Train 2.60 takes no
     failure policy of ours but through the controller's arguments)."""
