@@ -23,6 +23,15 @@ from tests.support.ray_runs import EVERY_STEP, UNBOUNDED, train_demo
 pytestmark = pytest.mark.slow
 
 
+def assert_failure_free_losses(failed, clean_run) -> None:
+    """Every step of ``failed`` trained once, each loss the failure-free run's."""
+    history = {int(k): v[0] for k, v in failed.status["account"]["history"].items()}
+    assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
+    reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
+    for step, loss in history.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+
+
 def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(local_ray, clean_run, tmp_path):
     """With every layer persisted every step, the composite at t_fail is the exact state after
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step. The run
@@ -102,11 +111,7 @@ def test_a_failed_in_place_recovery_falls_back_to_replacing_every_rank_within_on
     assert recovery["fallback"] == "recovery_failed", recovery
     text = format_summary(summarize(failed))
     assert "full restart (not in place: a survivor's recovery in its own process failed; rank 0: InjectedFault" in text
-    history = {int(k): v[0] for k, v in account["history"].items()}
-    assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
-    reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
-    for step, loss in history.items():
-        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+    assert_failure_free_losses(failed, clean_run)
 
 
 def test_a_second_failure_during_an_in_place_recovery_is_recovered_in_place_again(local_ray, clean_run, tmp_path):
@@ -125,11 +130,7 @@ def test_a_second_failure_during_an_in_place_recovery_is_recovered_in_place_agai
     assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
     pids = {r["pid"] for r in failed.train_reports}  # Ray Train keeps rank 0's reports
     assert len(pids) == 1 and failed.train_reports, f"rank 0 ran in {len(pids)} processes: {sorted(pids)}"
-    history = {int(k): v[0] for k, v in account["history"].items()}
-    assert sorted(history) == list(range(1, 13))  # no step skipped or repeated
-    reference = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
-    for step, loss in history.items():
-        assert loss == pytest.approx(reference[step], rel=1e-5, abs=1e-6), step
+    assert_failure_free_losses(failed, clean_run)
 
 
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
