@@ -83,3 +83,28 @@ def test_a_waiting_spare_wakes_when_it_is_promoted_and_times_out_otherwise():
     waiter.join(timeout=30)
     assert answer == [Role(TRAIN, 1, 2)]
     assert spares.view() == {"spares": 1, "waiting": 0, "promotions": 1}
+
+
+def test_a_spare_is_promotable_once_its_model_is_built_and_warms_up_after(monkeypatch):
+    """``wait_as_spare``: the roster may promote a spare as soon as its model is built; its warm-up
+    (the engine's imports) comes after, so a failure during the warm-up still finds a spare (the
+    promotion waits for the warm-up's end, no longer than a cold start would spend on it)."""
+    from layercheck.orchestrator.runtime import spares
+
+    roster = spares.SpareRoster(world_size=2, spares=1)
+
+    class _Call:
+        def __init__(self, fn):
+            self.remote = fn
+
+    supervisor = type("Supervisor", (), {"spare_wait": _Call(roster.wait)})()
+    monkeypatch.setattr(spares.ray, "get", lambda value: value)
+    assert roster.role(2) == Role(SPARE, world_size=2)
+    warmed: list[bool] = []
+
+    def warm() -> None:  # rank 1's worker is lost while the spare warms up
+        assert roster.replacing([1]) == [(2, 1)], "the spare was not promotable before its warm-up"
+        warmed.append(True)
+
+    role, built = spares.wait_as_spare(supervisor, 2, lambda: "model", warm)
+    assert (role, built, warmed) == (Role(TRAIN, 1, 2), "model", [True])

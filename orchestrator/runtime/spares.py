@@ -81,13 +81,17 @@ class SpareRoster:
             return {"spares": r.spares, "waiting": len(r.waiting), "promotions": r.promotions}
 
 
-def wait_as_spare(supervisor: Any, worker_rank: int, build: Any) -> tuple[Role, Any]:
+def wait_as_spare(supervisor: Any, worker_rank: int, build: Any, warm: Any = None) -> tuple[Role, Any]:
     """In a spare's train function: ``build()`` (the model, and whatever else a rank builds before
-    its group) while nothing is asked of it, then wait until the roster promotes this worker or
-    ends the run. Returns the role (``train`` or ``end``) and what ``build`` built."""
+    its group) while nothing is asked of it; from then on the roster may promote it. Then
+    ``warm()`` (work its promotion would otherwise do on the critical path: a promotion that comes
+    meanwhile waits for its end) and wait until the roster promotes this worker or ends the run.
+    Returns the role (``train`` or ``end``) and what ``build`` built."""
     built = build()
+    role = ray.get(supervisor.spare_wait.remote(worker_rank, 0.0))  # ready: promotable from here on
+    if role.kind == SPARE and warm is not None:
+        warm()
     logger.info("spare at Ray Train rank %d: warm, waiting", worker_rank)
-    while True:
+    while role.kind not in (TRAIN, END):
         role = ray.get(supervisor.spare_wait.remote(worker_rank, SPARE_WAIT_S))
-        if role.kind in (TRAIN, END):
-            return role, built
+    return role, built

@@ -306,7 +306,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
         supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
         role = ray.get(supervisor.role.remote(rank))
         if role.kind == SPARE:
-            role, model = wait_as_spare(supervisor, rank, lambda: _build_as_spare(run.model))
+            role, model = wait_as_spare(supervisor, rank, lambda: build_model(run.model), warm_engine_imports)
             started_at = 0.0  # promoted: this process was up and warm long before the failure
         if role.kind == END:
             return
@@ -337,14 +337,6 @@ def train_fn(loop_config: dict[str, Any]) -> None:
                 type(error).__name__,
                 incarnation,
             )
-
-
-def _build_as_spare(model: Any) -> Any:
-    """What a warm spare builds while it waits: the model, and DeepSpeed's imports for the engine
-    (about 1 s of a ZeRO engine's build, off the promotion's critical path)."""
-    built = build_model(model)
-    warm_engine_imports()
-    return built
 
 
 class InjectedFault(RuntimeError):
