@@ -133,6 +133,24 @@ def test_a_second_failure_during_an_in_place_recovery_is_recovered_in_place_agai
     assert_failure_free_losses(failed, clean_run)
 
 
+def test_a_rank_whose_own_step_fails_is_replaced_and_the_others_recover_in_place(local_ray, clean_run, tmp_path):
+    """``cluster.in_place``, rank 1's loop raises an error of its own after step 6 (no lost peer:
+    ``fault.raise_at_step``). It says so and raises; Ray Train replaces it (charged, as any
+    failure), rank 0 sees it go like a lost peer and recovers in its own process, and the run
+    resumes at t_fail + 1 on the failure-free trajectory; the summary names the rank that failed."""
+    failing = {"fault.raise_at_step": 6, "fault.kill_rank": 1, "cluster.in_place": True}
+    failed = train_demo(tmp_path, "own-error", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
+    assert failed.status["state"] == "finished"
+    account = failed.status["account"]
+    (recovery,) = account["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    assert recovery["refused"]["reason"] == "rank_failed", recovery
+    text = format_summary(summarize(failed))
+    assert "replaced a rank whose own step failed: rank 1: InjectedFault: fault injection" in text, text
+    assert_failure_free_losses(failed, clean_run)
+
+
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists

@@ -199,14 +199,19 @@ def test_a_recovery_says_its_path_and_why_an_in_place_run_fell_back_to_a_full_re
     restarted = account.failed(t_fail=2, resumed_at=3, now=5.0)
     restarted.in_place, restarted.refused = True, FallbackReason("rank_failed", "rank 0: ValueError: bad batch")
     account.step_done(3, compute_s=0.5, stall_s=0.0, now=9.0)
+    replaced = account.failed(t_fail=3, resumed_at=4, now=10.0)  # a rank's own error, the other kept its process
+    replaced.in_place, replaced.refused = True, FallbackReason("rank_failed", "rank 1: ValueError: bad batch")
+    replaced.rank_ready(RankStart(kept_process=True), now=11.0)
+    account.step_done(4, compute_s=0.5, stall_s=0.0, now=12.0)
     result = result_of(policy_config("staggered"))
-    result.status["account"] = {**result.status["account"], **account.summary(10.0)}
+    result.status["account"] = {**result.status["account"], **account.summary(13.0)}
     text = format_summary(summarize(result))
     assert "in place (1 rank kept its process)" in text
     assert (
         "full restart (not in place: a survivor's own step failed, not for a lost peer; rank 0: ValueError: bad batch)"
         in text
     )
+    assert "in place (1 rank kept its process, replaced a rank whose own step failed: rank 1: ValueError" in text
 
 
 def test_the_summary_says_what_the_warm_spares_cost_and_did():

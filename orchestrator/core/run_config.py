@@ -224,6 +224,10 @@ class FaultConfig:
     kill_all_ranks: bool = False
     """Every rank kills itself after ``kill_at_step``, at once, once all have handed their
     snapshots over: the whole group is lost, no rank survives (``kill_rank`` aside)."""
+    raise_at_step: int = 0
+    """After this step completes, the worker of ``kill_rank`` raises an error of its own out of its
+    loop, once (0: never): a bad batch or a bug on one rank, not a lost peer. Ray Train replaces
+    that rank; in place, the others keep their processes."""
     kill_writer_at_step: int = 0
     """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
     fail_in_place_recovery: bool = False

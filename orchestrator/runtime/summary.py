@@ -387,7 +387,9 @@ def _recovery_time(r: dict[str, Any]) -> str:
     if kept or promoted:
         how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
         how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
-        if refused.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
+        if refused.get("reason") == "rank_failed":  # the failure itself: a rank's own step raised
+            how += [f"replaced a rank whose own step failed: {refused['detail']}"]
+        elif refused.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
             how += [f"a survivor left, replaced too: {refused['detail']}"]
         path += f" ({', '.join(how)})"
     elif r.get("fallback"):

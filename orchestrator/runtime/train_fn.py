@@ -340,7 +340,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
 
 
 class InjectedFault(RuntimeError):
-    """An error ``fault.*`` asked for (``fail_in_place_recovery``)."""
+    """An error ``fault.*`` asked for (``fail_in_place_recovery``, ``raise_at_step``)."""
 
 
 @dataclass
@@ -512,16 +512,20 @@ def recover(
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:
-    """The injected failures, first attempt only. SIGKILL this process after ``fault.kill_at_step``
+    """The injected failures, first attempt only. Raise out of the loop after ``fault.raise_at_step``.
+    SIGKILL this process after ``fault.kill_at_step``
     — once the step's drift report and the snapshots handed over have left the process, so the
     failure falls exactly after that step. (A real crash can also take with it messages still in
     the send queue: then ``t_fail`` is the step before, or the layers whose shards were lost come
     from their previous versions.) On rank 0, kill this rank's writer actor after
     ``fault.kill_writer_at_step``: what it holds is lost, the next hand-over finds it dead."""
     target = fault.kill_at_step if (fault.kill_all_ranks or rank == fault.kill_rank) and attempt == 1 else 0
+    raise_target = fault.raise_at_step if rank == fault.kill_rank and attempt == 1 else 0
     writer_target = fault.kill_writer_at_step if rank == 0 and attempt == 1 else 0
 
     def after_step(step: int) -> None:
+        if step == raise_target:
+            raise InjectedFault(f"fault injection: rank {rank}'s own step fails after step {step}")
         if step == writer_target:
             logger.warning("fault injection: rank %d kills its persistence writer after step %d", rank, step)
             ray.kill(coordinator.writer)
