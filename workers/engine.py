@@ -240,9 +240,18 @@ def seek_step(train_engine: TrainEngine, step: int) -> None:
 
 def shutdown(train_engine: TrainEngine) -> None:
     """Release the engine and leave the process group (avoids a ZeRO-3 abort at exit). The
-    process can then build another engine in a new group (an in-place recovery's survivor)."""
+    process can then build another engine in a new group (an in-place recovery's survivor).
+
+    On the way out of a lost group, Ray Train's teardown may have destroyed the process group
+    already (from another thread of the worker), and ZeRO-3's release then fails asking for its
+    rank: that error is logged, not raised, so it does not replace the error the rank is leaving
+    with (the peer's loss)."""
     try:
         train_engine.engine.destroy()
+    except Exception as error:
+        if torch.distributed.is_initialized():
+            raise
+        logger.info("the engine's release found its process group gone (a lost group's teardown): %r", error)
     finally:
         leave_group()
 
