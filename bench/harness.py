@@ -194,6 +194,7 @@ class Runner:
             run_id=strategy.name,
             max_inflight_bytes=persistence.max_inflight_bytes,
             max_versions_in_flight=persistence.max_versions_in_flight,
+            drift_every=strategy.loop_policy.drift_every,
             write_budget=persistence.write_budget,  # the product's default: on
             **coordinator_options(strategy),
         )

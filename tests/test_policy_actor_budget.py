@@ -14,6 +14,7 @@ from layercheck.orchestrator.runtime import policy_actor
 from layercheck.policies.configs import IntervalConfig, StaggeredConfig
 
 NUMEL = {"embed": 100, "block.0": 50, "norm": 10}
+#: (drift every step: each step's news reaches the next observation; quiet steps: tests/test_quiet_steps.py)
 
 
 class _Clock:
@@ -41,7 +42,7 @@ def step(a, clock, t: int, at: float):
 
 
 def test_the_budget_follows_the_writers_totals_and_the_observed_step_time(clock):
-    a = actor(StaggeredConfig(period=4), WriteBudgetConfig(headroom=1.0, ema=0.0))
+    a = actor(StaggeredConfig(period=4, drift_every=1), WriteBudgetConfig(headroom=1.0, ema=0.0))
     step(a, clock, 1, at=0.0)
     assert a.schedule_view()["write_budget_bytes"] is None  # no write yet, no step time
     a.writer_totals("writer-0@node-a", 1000, 1.0)  # 1000 B/s
@@ -59,7 +60,9 @@ def test_the_budget_follows_the_writers_totals_and_the_observed_step_time(clock)
 
 
 def test_a_cap_bounds_the_budget_and_a_recovery_gap_is_no_step_time(clock):
-    a = actor(StaggeredConfig(period=4), WriteBudgetConfig(headroom=1.0, ema=0.0, cap_bytes_per_step=300))
+    a = actor(
+        StaggeredConfig(period=4, drift_every=1), WriteBudgetConfig(headroom=1.0, ema=0.0, cap_bytes_per_step=300)
+    )
     a.writer_totals("w", 10_000, 1.0)
     step(a, clock, 1, at=0.0)
     step(a, clock, 2, at=1.0)
@@ -71,7 +74,7 @@ def test_a_cap_bounds_the_budget_and_a_recovery_gap_is_no_step_time(clock):
 
 def test_disabled_or_absent_the_budget_stays_unset(clock):
     for budget in (None, WriteBudgetConfig(enabled=False)):
-        a = actor(StaggeredConfig(period=4), budget)
+        a = actor(StaggeredConfig(period=4, drift_every=1), budget)
         a.writer_totals("w", 1000, 1.0)
         step(a, clock, 1, at=0.0)
         step(a, clock, 2, at=1.0)
@@ -92,7 +95,7 @@ def test_the_peak_is_the_most_bytes_one_decision_handed_over(clock):
 def test_a_rank_reporting_a_step_long_past_fails_instead_of_waiting_for_ever(clock):
     """A rank that resumed at another step than its group (once: a grown group's new rank got the
     old attempt's resume step) must fail its group, not wait for a decision no one will make."""
-    a = actor(StaggeredConfig(period=4))
+    a = actor(StaggeredConfig(period=4, drift_every=1))
     last = DECISION_HISTORY + 2
     for t in range(1, last + 1):
         step(a, clock, t, at=float(t))

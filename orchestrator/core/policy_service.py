@@ -3,16 +3,26 @@ checkpoint policy once all ranks are in, and keeps the one decision every rank t
 
 The Ray actor (:mod:`layercheck.orchestrator.runtime.policy_actor`) is a thin asynchronous shell around this, so
 the aggregation and bookkeeping are unit-tested with plain values.
+
+**Quiet steps.** A policy that needs drift only every ``drift_every`` steps (``staggered``) decides
+the steps in between, where nothing is measured, from its own state alone. So the service holds
+the news that would change that state (settlements, the write budget) until the next measured
+step, and every quiet step's decision is then known as soon as the measured step before it is
+complete: :meth:`PolicyService.plan` gives them, and a rank holding the plan needs no answer from
+the service on those steps (the per-step exchange is one message out, on measured steps one round
+trip). The ranks still report every step, so ``last_complete_step`` (``t_fail``) stays exact.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from layercheck.orchestrator.core.persist_gate import PersistGate
 from layercheck.policies.checkpoint_policy import CheckpointPolicy
+from layercheck.policies.configs import drift_measured
 from layercheck.policies.decision import PersistDecision, StepObservation
 
 logger = logging.getLogger(__name__)
@@ -31,11 +41,30 @@ class _Pending:
     """Every rank measured drift at this step (they measure on the same steps)."""
 
 
+@dataclass
+class _News:
+    """What changes a policy's state from outside, held for the next measured step (quiet steps)."""
+
+    settled: dict[str, int] = field(default_factory=dict)
+    """Per layer, the newest version step that settled."""
+    write_budget_bytes: int | None = None
+    budget_changed: bool = False
+
+
 class PolicyService:
     def __init__(
-        self, policy: CheckpointPolicy, layers: Sequence[str], world_size: int, *, max_versions_in_flight: int = 1
+        self,
+        policy: CheckpointPolicy,
+        layers: Sequence[str],
+        world_size: int,
+        *,
+        max_versions_in_flight: int = 1,
+        drift_every: int = 1,
     ) -> None:
+        """``drift_every``: the policy config's (the ranks measure drift at step 1 and then every
+        ``drift_every``-th step); above 1 the steps between are quiet (see the module)."""
         self.policy = policy
+        self.drift_every = drift_every
         self.layers = tuple(layers)
         self.world_size = world_size
         self.last_complete_step = 0
@@ -49,11 +78,33 @@ class PolicyService:
         """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
         self.write_budget_bytes: int | None = None
         """The writers' drain budget (bytes per step) the next observations carry; ``None``: unknown."""
+        self._news = _News()
+        self._plan: list[PersistDecision] = []
+        """The quiet steps' decisions after the last complete step, when it was measured."""
+        self._plan_lr: float | None = None
+        """Set while that plan is still to be made (on demand: a replica that decides every step
+        itself never needs it), to the learning rate of the step it follows."""
+
+    def quiet(self, step: int) -> bool:
+        """Whether ``step``'s decision is known once the step before it is complete: no drift is
+        measured there, and news waits for the next measured step."""
+        return self.drift_every > 1 and not drift_measured(step, self.drift_every)
 
     def set_write_budget(self, budget_bytes: int | None) -> None:
         """The runtime's measured write budget (:mod:`layercheck.orchestrator.core.write_budget`), put on
-        every step completed from now on."""
-        self.write_budget_bytes = budget_bytes
+        every step completed from now on (with quiet steps: from the next measured one)."""
+        if self.drift_every > 1:
+            self._news.write_budget_bytes, self._news.budget_changed = budget_bytes, True
+        else:
+            self.write_budget_bytes = budget_bytes
+
+    def plan(self) -> list[PersistDecision]:
+        """The decisions of the quiet steps that follow the last complete step, when it was
+        measured (or a restart's resume point); empty otherwise, and once one of them completed.
+        Every rank that holds them carries them out as they are: nothing can change them."""
+        if self._plan_lr is not None:
+            self._plan, self._plan_lr = self._plan_after(self.last_complete_step, self._plan_lr), None
+        return list(self._plan)
 
     def report(
         self,
@@ -87,25 +138,61 @@ class PolicyService:
     def _complete(self, step: int, pending: _Pending) -> PersistDecision:
         if step != self.last_complete_step + 1:
             logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
+        quiet = self.quiet(step)
+        if not quiet:
+            self._apply_news()
         drift = {
             name: pending.sums.get(name, 0.0) / pending.counts[name]
             for name in self.layers
-            if pending.measured and pending.counts.get(name)
+            if pending.measured and not quiet and pending.counts.get(name)
         }
         observation = StepObservation(
-            step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes, measured=pending.measured
+            step=step,
+            lr=pending.lr,
+            drift=drift,
+            write_budget_bytes=self.write_budget_bytes,
+            measured=pending.measured and not quiet,
         )
         self.trace.append(observation)
         decision = self.gate.admit(self.policy.observe(observation))
+        self._plan_lr = None  # too late to make one: this step's state is gone
+        planned = self._plan.pop(0) if self._plan and self._plan[0].step == step else None
+        if planned is not None and planned != decision:  # a policy whose quiet steps depend on more than its state
+            logger.error("step %d: decided %s, but the ranks were given %s in advance", step, decision, planned)
         self.last_complete_step = step
         self._decisions[step] = decision
         for old in [s for s in self._decisions if s <= step - DECISION_HISTORY]:
             del self._decisions[old]
+        if not quiet:
+            self._plan, self._plan_lr = [], pending.lr
         return decision
 
+    def _plan_after(self, step: int, lr: float) -> list[PersistDecision]:
+        """The decisions of the quiet steps after ``step``, on a copy of the policy and the gate."""
+        if not self.quiet(step + 1):
+            return []
+        policy, gate = copy.deepcopy((self.policy, self.gate))
+        planned = []
+        for quiet in range(step + 1, step + self.drift_every):
+            if not self.quiet(quiet):
+                break
+            seen = StepObservation(
+                step=quiet, lr=lr, write_budget_bytes=self.write_budget_bytes, measured=False
+            )  # (lr: not read on a step with no drift)
+            planned.append(gate.admit(policy.observe(seen)))
+        return planned
+
+    def _apply_news(self) -> None:
+        news, self._news = self._news, _News()
+        for layer, version_step in news.settled.items():
+            self.gate.settled(layer, version_step)
+        if news.budget_changed:
+            self.write_budget_bytes = news.write_budget_bytes
+
     def request_stop(self, reason: str) -> None:
-        """Every rank stops after the step that follows the first decision not yet complete: the
-        flag rides on decisions, so all ranks see it on the same one."""
+        """Every rank stops after the step that follows the first decision not yet complete that
+        the ranks collect (with quiet steps, the next measured step's: within ``drift_every``
+        steps): the flag rides on decisions, so all ranks see it on the same one."""
         if self.stop_from is None:
             self.stop_from = self.last_complete_step + 1
             self.stop_reason = reason
@@ -122,8 +209,11 @@ class PolicyService:
 
     def settled(self, layer: str, version_step: int) -> None:
         """The version of ``layer`` at ``version_step`` committed or will never commit: the layer
-        may be persisted again."""
-        self.gate.settled(layer, version_step)
+        may be persisted again (with quiet steps: from the next measured step on)."""
+        if self.drift_every > 1:
+            self._news.settled[layer] = max(version_step, self._news.settled.get(layer, version_step))
+        else:
+            self.gate.settled(layer, version_step)
 
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
         """A new worker group resumes at ``resume_after + 1`` (``last_complete_step`` when a
@@ -139,4 +229,8 @@ class PolicyService:
         self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
         self.policy.rebase(persisted_steps)
         self.gate.reset()
+        budget = self._news
+        self._news = _News(write_budget_bytes=budget.write_budget_bytes, budget_changed=budget.budget_changed)
+        self._apply_news()  # the newest budget; nothing of the lost group is in flight any more
+        self._plan, self._plan_lr = [], self.trace[-1].lr if self.trace else 0.0
         logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

@@ -6,7 +6,9 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   so it never waits on the training stream) and returns at once; ``decision`` waits for that
   gather, feeds every rank's report to the replica and returns its decision. The policy is pure,
   so every replica decides the same, and as in the Ray runtime the loop collects step ``t``'s
-  decision after step ``t + 1`` (:data:`layercheck.workers.loop.DECISION_LAG`).
+  decision after step ``t + 1`` (:data:`layercheck.workers.loop.DECISION_LAG`). A quiet step
+  (:meth:`PolicyService.quiet`: no drift measured, news held for the next measured step) has
+  nothing to exchange: each replica completes it alone, with the same result.
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
 * **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
@@ -17,15 +19,15 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
 * **write budget** (``write_budget``, the run config's ``persistence.write_budget``; off when
-  ``None`` or not ``enabled``): each drift report also carries the rank's writer
+  ``None`` or not ``enabled``): each exchanged drift report also carries the rank's writer
   totals (bytes, write seconds) and its step time; every replica turns the gathered totals into
   the same budget (:class:`~layercheck.orchestrator.core.write_budget.DrainBudget`) and the policy service
   puts it on the step's observation, so a budget-aware schedule stretches its periods when
   storage is slower than its plan.
 * **settlements**: a layer is persisted again only once its previous version has committed
   (:mod:`layercheck.orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
-  newest settled version of each layer to its next drift report, so every replica applies the
-  same settlements at the same step and the replicas never diverge.
+  newest settled version of each layer to its next exchanged drift report, so every replica applies
+  the same settlements at the same step and the replicas never diverge.
 * **survivor capture** (``capture=True``, as the run config's ``persistence.capture``): when a
   step raises under a rank, :meth:`layercheck.workers.loop.StepProtocol.on_failure` hands the rank's slices
   of every layer at its last step to :meth:`capture`, which queues them on the rank's writer
@@ -134,6 +136,7 @@ class LocalCoordinator:
         store: LayerStore,
         max_inflight_bytes: int,
         max_versions_in_flight: int = 2,
+        drift_every: int = 1,
         config: SupervisionConfig | None = None,
         run_id: str = "local",
         write_budget: WriteBudgetConfig | None = None,
@@ -147,7 +150,11 @@ class LocalCoordinator:
         self.layers = tuple(self.layer_numel)
         self.config = config or SupervisionConfig()
         self.service = PolicyService(
-            policy, self.layers, self.world_size, max_versions_in_flight=max_versions_in_flight
+            policy,
+            self.layers,
+            self.world_size,
+            max_versions_in_flight=max_versions_in_flight,
+            drift_every=drift_every,
         )
         self.store = store
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
@@ -157,7 +164,8 @@ class LocalCoordinator:
         self.memory_period = memory_period
         """Steps between memory versions (``persistence.memory_period``; 0: none)."""
         self.writer = self._new_writer()
-        self._gathers: dict[int, _Gather] = {}
+        self._gathers: dict[int, _Gather | float] = {}
+        """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
         self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
         self._last_step_s = 0.0
         self._rounds = 0  # collective drains so far (every rank counts alike)
@@ -201,6 +209,9 @@ class LocalCoordinator:
 
     # ---- layercheck.workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
+        if self.service.quiet(drift.step):  # nothing measured, no news: nothing to exchange
+            self._gathers[drift.step] = lr
+            return drift.step
         settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
         stats = self.writer.snapshot_stats()
         width = max(len(self.layers), 4)  # row 3 holds four numbers; rows 0-2 are read up to len(layers)
@@ -282,6 +293,10 @@ class LocalCoordinator:
             if up_to is not None and step > up_to:
                 break
             gather = self._gathers.pop(step)
+            if not isinstance(gather, _Gather):  # a quiet step: every replica completes it alone
+                for rank in range(self.world_size):
+                    self.service.report(step=step, rank=rank, lr=gather, abs_sums={}, counts={}, measured=False)
+                continue
             gather.work.wait()
             for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
                 if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
@@ -308,7 +323,7 @@ class LocalCoordinator:
         """Every rank's report gathered: the last step all ranks completed (``t_fail`` after a
         failure). Collective: every rank calls it at the same point."""
         self._settle()
-        return self.service.last_complete_step
+        return int(self.all_min([float(self.service.last_complete_step)])[0])  # (quiet steps complete alone)
 
     def rejoin(self) -> GroupAnswer:
         """A new worker group (this one, after a failure) joins the run's supervisor under new
@@ -417,14 +432,19 @@ class LocalCoordinator:
 
     def all_max(self, values: Sequence[float]) -> list[float]:
         """Each value's maximum over the ranks (collective, on the side group)."""
-        tensor = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
-        return tensor.tolist()
+        return self._all_reduce(values, dist.ReduceOp.MAX)
+
+    def all_min(self, values: Sequence[float]) -> list[float]:
+        """Each value's minimum over the ranks (collective, on the side group)."""
+        return self._all_reduce(values, dist.ReduceOp.MIN)
 
     def all_sum(self, values: Sequence[float]) -> list[float]:
         """Each value's sum over the ranks (collective, on the side group)."""
+        return self._all_reduce(values, dist.ReduceOp.SUM)
+
+    def _all_reduce(self, values: Sequence[float], op: Any) -> list[float]:
         tensor = torch.tensor(list(values), dtype=torch.float64)
-        dist.all_reduce(tensor, group=self._group)
+        dist.all_reduce(tensor, op=op, group=self._group)
         return tensor.tolist()
 
     def all_gather(self, value: Any) -> list[Any]:

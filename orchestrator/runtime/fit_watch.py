@@ -116,7 +116,8 @@ def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None
 def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
     """Ask the ranks to stop after the same step and wait (bounded) for the trainer to return."""
     logger.warning(
-        "%s: stopping after the current step and saving what is in flight (up to %.0fs; Ctrl-C again to stop waiting)",
+        "%s: stopping after the same step on every rank (the next that hears from the policy: within "
+        "policy.drift_every steps) and saving what is in flight (up to %.0fs; Ctrl-C again to stop waiting)",
         handles.interrupted_by,
         handles.stop_drain_s,
     )

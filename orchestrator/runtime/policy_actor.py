@@ -4,7 +4,8 @@ Every rank calls :meth:`PolicyActor.report` after each optimizer step without wa
 answer; the call resolves once all ranks have reported that step, with the one decision they
 all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
 :data:`layercheck.workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
-does not wait on the actor.
+does not wait on the actor. A measured step's answer also carries the decisions of the quiet
+steps after it (:meth:`PolicyService.plan`): a rank holding them collects no answer on those steps.
 
 The write budget (``persistence.write_budget``): each writer actor pushes its running totals
 (bytes written, seconds spent writing) here after every write, fire-and-forget, and the actor
@@ -48,9 +49,14 @@ class PolicyActor:
     ) -> None:
         configure_process_logging()  # the actor process has no main of ours
         self.service = PolicyService(
-            build_policy(config, numel), list(numel), world_size, max_versions_in_flight=max_versions_in_flight
+            build_policy(config, numel),
+            list(numel),
+            world_size,
+            max_versions_in_flight=max_versions_in_flight,
+            drift_every=config.drift_every,
         )
         self._ready: dict[int, asyncio.Event] = {}
+        self._plans: dict[int, list[dict[str, Any]]] = {}  # per completed step, the quiet steps' decisions after it
         self._layer_bytes = {name: int(n) * BYTES_PER_PARAM for name, n in numel.items()}
         self.peak_step_bytes = 0
         self.peak_step: int | None = None
@@ -93,9 +99,12 @@ class PolicyActor:
         if decided is None:
             return None
         # the stop flag rides on the decision (every rank reads the same one): see PolicyService.request_stop
-        return {**decided.to_json(), "stop": self.service.stopping(step)}
+        return {**decided.to_json(), "stop": self.service.stopping(step), "plan": self._plans.get(step, [])}
 
     def _completed(self, decision: PersistDecision) -> None:
+        plan = self.service.plan()
+        if plan:
+            self._plans[decision.step] = [d.to_json() for d in plan]
         handed = sum(self._layer_bytes[name] for name in decision.names)
         self.handed_bytes += handed
         if handed > self.peak_step_bytes:
@@ -135,6 +144,8 @@ class PolicyActor:
     def _forget_before(self, step: int) -> None:
         for old in [s for s in self._ready if s < step]:
             del self._ready[old]
+        for old in [s for s in self._plans if s < step]:
+            del self._plans[old]
 
     def last_complete_step(self) -> int:
         return self.service.last_complete_step
@@ -152,6 +163,7 @@ class PolicyActor:
         for event in self._ready.values():
             event.set()
         self._ready.clear()
+        self._plans.clear()
         self._clock.reset()
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 

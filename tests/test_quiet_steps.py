@@ -1,0 +1,147 @@
+"""Quiet steps (``PolicyService.quiet``): with ``drift_every`` > 1 the steps between measurements
+carry no drift and the news that changes the schedule (settlements, the write budget) waits for the
+next measured step, so their decisions are known, and handed out as a plan, as soon as the
+measured step before them completes. The ranks then exchange nothing on them: the Ray ranks
+collect no answer (``RayCoordinator``), the local replicas complete them alone
+(``LocalCoordinator``, on real ranks in tests/test_local_loop.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.runtime import policy_actor, train_fn
+from layercheck.orchestrator.runtime.train_fn import RayCoordinator
+from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.policies.configs import StaggeredConfig, drift_measured
+from layercheck.policies.decision import PersistDecision
+
+NUMEL = {"embed": 4000, "block.0": 1000, "block.1": 1000, "block.2": 1000, "lm_head": 3000}
+RATE = 1e-3  # mean |update| a step, every layer
+EVERY = 5
+
+
+def service(world_size: int = 2, **config) -> PolicyService:
+    policy = StaggeredConfig(**{"period": 4, "drift_every": EVERY, **config})
+    return PolicyService(
+        build_policy(policy, NUMEL), list(NUMEL), world_size, max_versions_in_flight=1, drift_every=policy.drift_every
+    )
+
+
+def report(svc: PolicyService, step: int, rank: int) -> PersistDecision | None:
+    measured = drift_measured(step, svc.drift_every)
+    return svc.report(
+        step=step,
+        rank=rank,
+        lr=1e-3,
+        abs_sums={n: RATE * size / 2 for n, size in NUMEL.items()} if measured else {},
+        counts={n: size // 2 for n, size in NUMEL.items()},
+        measured=measured,
+    )
+
+
+def complete(svc: PolicyService, step: int) -> PersistDecision:
+    for rank in range(svc.world_size - 1):
+        assert report(svc, step, rank) is None  # a step completes with the last rank's report only
+    decision = report(svc, step, svc.world_size - 1)
+    assert decision is not None
+    return decision
+
+
+def test_the_quiet_steps_are_those_between_measurements():
+    svc = service()
+    assert [s for s in range(1, 17) if not svc.quiet(s)] == [1, 6, 11, 16]
+    assert not any(service(drift_every=1).quiet(s) for s in range(1, 17))
+
+
+def test_a_plan_is_what_the_quiet_steps_then_decide_whatever_news_arrives_meanwhile():
+    svc = service()
+    planned: dict[int, PersistDecision] = {}
+    decided: dict[int, PersistDecision] = {}
+    for step in range(1, 61):
+        decided[step] = complete(svc, step)
+        if not svc.quiet(step):
+            plan = svc.plan()
+            assert [d.step for d in plan] == list(range(step + 1, step + EVERY))
+            planned.update((d.step, d) for d in plan)
+        else:  # news mid-window: every version so far settles, storage slows down
+            for layer in NUMEL:
+                svc.settled(layer, step)
+            svc.set_write_budget(25_000 - 100 * step)
+    quiet = [s for s in decided if svc.quiet(s)]
+    assert quiet and all(decided[s] == planned[s] for s in quiet)
+    assert sum(bool(decided[s]) for s in quiet) > 10  # the plans did persist layers
+    # the news reached the schedule at the measured steps only, the quiet steps saw the one before
+    budgets = {o.step: o.write_budget_bytes for o in svc.trace}
+    assert budgets[5] is None and budgets[6] == 25_000 - 100 * 5 and budgets[10] == budgets[6]
+    assert budgets[11] == 25_000 - 100 * 10
+    assert all(not o.measured and not o.drift for o in svc.trace if svc.quiet(o.step))
+
+
+def test_a_settlement_frees_a_layer_at_the_next_measured_step():
+    svc = service(period=1, max_bytes_per_step=None)  # every layer every step: the gate holds them back
+    complete(svc, 1)
+    assert {d.step: d.names for d in svc.plan()} == {s: () for s in range(2, 6)}  # all in flight since 1
+    svc.settled("embed", 1)
+    assert not complete(svc, 2)  # the plan holds
+    for step in range(3, 6):
+        complete(svc, step)
+    assert complete(svc, 6).names == ("embed",)
+
+
+def test_a_quiet_step_still_completes_only_once_every_rank_reported_it():
+    svc = service()
+    complete(svc, 1)
+    report(svc, 2, 0)
+    assert svc.last_complete_step == 1  # t_fail: rank 1 never finished step 2
+    report(svc, 2, 1)
+    assert svc.last_complete_step == 2
+
+
+def test_a_restart_in_a_quiet_window_plans_the_rest_of_it_from_the_rebased_schedule():
+    svc = service()
+    for step in range(1, 9):
+        complete(svc, step)
+    svc.restart(world_size=2, resume_after=7, persisted_steps={n: 4 for n in NUMEL})
+    plan = svc.plan()
+    assert [d.step for d in plan] == [8, 9, 10]
+    assert [complete(svc, s) for s in (8, 9, 10)] == plan
+    assert not svc.plan() and not svc.quiet(11)
+
+
+class _Answer:
+    """A policy actor's answer in hand, as its object reference (``ray.get`` is patched)."""
+
+    def __init__(self, value=None) -> None:
+        self.value = value
+
+
+def sent(answer: _Answer) -> Future:
+    """The report as the sending thread hands it back: its call's reference."""
+    future: Future = Future()
+    future.set_result(answer)
+    return future
+
+
+def test_the_policy_actor_hands_the_plan_with_the_measured_steps_answer_and_a_rank_collects_no_other(monkeypatch):
+    def get(ref: _Answer):
+        assert ref.value is not None, "collected the answer of a planned quiet step"
+        return ref.value
+
+    monkeypatch.setattr(train_fn.ray, "get", get)
+    config = StaggeredConfig(period=4, drift_every=EVERY)
+    actor = policy_actor.PolicyActor.__ray_actor_class__(config, NUMEL, 1, 1)
+
+    def answer(step: int):
+        measured = drift_measured(step, EVERY)
+        sums = {n: RATE * size for n, size in NUMEL.items()} if measured else {}
+        return asyncio.run(actor.report(step, 0, 1e-3, sums, NUMEL if measured else {}, measured))
+
+    first = answer(1)
+    assert [d["step"] for d in first["plan"]] == [2, 3, 4, 5]
+    rank = RayCoordinator(rank=0, policy=None, writer=None, supervisor=None, max_inflight_bytes=1)
+    assert rank.decision((1, sent(_Answer(first)))) == PersistDecision.from_json(first)
+    for step in range(2, 6):  # no answer collected: the plan's decision is the actor's own
+        assert rank.decision((step, sent(_Answer()))) == PersistDecision.from_json(answer(step))
+    assert not answer(5)["plan"] and answer(6)["plan"]
