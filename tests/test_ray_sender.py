@@ -1,0 +1,54 @@
+"""A Ray rank's per-step calls (its drift report, rank 0's progress) leave from a sending thread
+of its own, in the order the training thread made them (a submission is ~0.7 ms of CPU); a
+measured step's answer is collected once its report has left, and ``flush`` waits until every call
+queued so far has. Driven with stand-in actor handles: Ray's ordering of one caller's calls to an
+actor is Ray's own."""
+
+from __future__ import annotations
+
+import threading
+
+from layercheck.orchestrator.runtime import train_fn
+from layercheck.orchestrator.runtime.train_fn import RayCoordinator
+from layercheck.workers.drift import LayerDrift
+
+
+class _Method:
+    def __init__(self, calls: list, name: str, gate: threading.Event) -> None:
+        self.calls, self.name, self.gate = calls, name, gate
+
+    def remote(self, *args):
+        assert self.gate.wait(30), "the submission was made on the training thread"  # held until the test opens it
+        self.calls.append((self.name, args[0], threading.current_thread().name))
+        return {"step": args[0], "layers": {"embed": "schedule"}, "stop": False, "plan": []}
+
+
+class _Actor:
+    def __init__(self, calls: list, method: str, gate: threading.Event) -> None:
+        setattr(self, method, _Method(calls, method, gate))
+
+
+def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for_them(monkeypatch):
+    monkeypatch.setattr(train_fn.ray, "get", lambda answer: answer)  # the stand-in answers at once
+    monkeypatch.setattr(train_fn.ray, "wait", lambda refs, **_: (refs, []))
+    calls: list = []
+    gate = threading.Event()  # submissions wait until it opens
+    rank = RayCoordinator(
+        rank=0,
+        policy=_Actor(calls, "report", gate),
+        writer=None,
+        supervisor=_Actor(calls, "progress", gate),
+        max_inflight_bytes=1,
+    )
+    handles = []
+    for step in (1, 2, 3):
+        handles.append(rank.report(LayerDrift(step=step, l1={}, numel={}, measured=True), 1e-3))
+        rank.progress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0, coordination_s=0.0)
+    assert not calls  # queued: the training thread went on without making them
+    gate.set()
+    assert rank.decision(handles[0]).names == ("embed",)  # collected once its report left
+    rank.flush(timeout_s=10)
+    assert [(name, step) for name, step, _ in calls] == [
+        (name, step) for step in (1, 2, 3) for name in ("report", "progress")
+    ]
+    assert {thread for _, _, thread in calls} == {"layercheck-send-0_0"}
