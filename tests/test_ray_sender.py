@@ -1,7 +1,7 @@
 """A Ray rank's per-step calls (its drift report, rank 0's progress) leave from a sending thread
 of its own, in the order the training thread made them (a submission is ~0.7 ms of CPU); a
-measured step's answer is collected once its report has left, and ``flush`` waits until every call
-queued so far has. Driven with stand-in actor handles: Ray's ordering of one caller's calls to an
+measured step's answer is collected once its report has left, and ``flush`` (and a failed step,
+``wait_sent``) waits until every call queued so far has. Driven with stand-in actor handles: Ray's ordering of one caller's calls to an
 actor is Ray's own."""
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for
         handles.append(rank.report(LayerDrift(step=step, l1={}, numel={}, measured=True), 1e-3))
         rank.progress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0, coordination_s=0.0)
     assert not calls  # queued: the training thread went on without making them
+    assert not rank.wait_sent(0.05)  # (what a failed step waits for, bounded: StepProtocol.on_failure)
     gate.set()
     assert rank.decision(handles[0]).names == ("embed",)  # collected once its report left
     rank.flush(timeout_s=10)
+    assert rank.wait_sent(10)
     assert [(name, step) for name, step, _ in calls] == [
         (name, step) for step in (1, 2, 3) for name in ("report", "progress")
     ]

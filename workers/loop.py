@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 #: so the policy never sits on the critical path): the persisted version of a layer is its state
 #: after that step, so staleness can exceed the policy's by this much.
 DECISION_LAG = 1
+#: How long a failed step waits for the rank's queued calls to leave (``SendsInBackground``).
+SEND_WAIT_S = 10.0
 
 
 class Coordinator(Protocol):
@@ -98,6 +100,16 @@ class BoundedHandover(Protocol):
 
     def steps_ended(self) -> None:
         """No more steps: what is handed over from now on does not wait for storage."""
+
+
+@runtime_checkable
+class SendsInBackground(Protocol):
+    """The optional part of a :class:`Coordinator` whose per-step calls leave from a thread of
+    their own: when a step raises, what the rank reported before it must still leave (``t_fail``
+    is the last step every rank reported)."""
+
+    def wait_sent(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every call queued so far has left; False if some had not."""
 
 
 class CaptureHandover(Protocol):
@@ -207,6 +219,8 @@ class StepProtocol:
         worker group (the state is then the composite just loaded, nothing fresher)."""
         released = self.abort.raised() if self.abort is not None else False
         coordinator = self.coordinator
+        if isinstance(coordinator, SendsInBackground) and not coordinator.wait_sent(SEND_WAIT_S):
+            logger.error("rank %d: reports queued before the failure had not left after %gs", self.rank, SEND_WAIT_S)
         handover = coordinator.capture if isinstance(coordinator, CapturesOnFailure) else None
         if self._captured or handover is None or self._mark is None:
             return

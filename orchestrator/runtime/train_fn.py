@@ -44,6 +44,7 @@ from layercheck.workers.loop import (
     CapturesOnFailure,
     Coordinator,
     KeepsMemoryVersions,
+    SendsInBackground,
     StopsOnRequest,
     run_loop,
 )
@@ -234,17 +235,29 @@ class RayCoordinator:
         return bool(again)
 
     def flush(self, timeout_s: float) -> None:
-        """Wait until the last drift report is answered and every snapshot handed over is written
-        (handed to a new writer first, if its writer died meanwhile)."""
+        """Wait until the last drift report is answered, the newest memory version is held by the
+        writer, and every snapshot handed over is written (handed to a new writer first, if its
+        writer died meanwhile)."""
         deadline = time.monotonic() + timeout_s
-        self._sender.submit(lambda: None).result(timeout=timeout_s)  # every call queued so far has left
+        self.wait_sent(timeout_s)
         if self.last_report is not None:
             ray.wait([self.last_report], timeout=timeout_s)
+        if self._held:
+            held = list(self._held.values())
+            ray.wait(held, num_returns=len(held), timeout=max(0.0, deadline - time.monotonic()))
         while self._inflight:
             refs = [sub.result for sub in self._inflight.values()]
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
             if not self._settle_done() or time.monotonic() >= deadline:
                 break
+
+    def wait_sent(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every call queued so far has left this process; False if not."""
+        try:
+            self._sender.submit(lambda: None).result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
@@ -302,7 +315,8 @@ if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol,
         type[CapturesOnFailure],
         type[BoundedHandover],
         type[KeepsMemoryVersions],
-    ] = (RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator)
+        type[SendsInBackground],
+    ] = (RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator)
 
 
 def train_fn(loop_config: dict[str, Any]) -> None:
