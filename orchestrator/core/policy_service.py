@@ -99,9 +99,10 @@ class PolicyService:
             self.write_budget_bytes = budget_bytes
 
     def plan(self) -> list[PersistDecision]:
-        """The decisions of the quiet steps that follow the last complete step, when it was
-        measured (or a restart's resume point); empty otherwise, and once one of them completed.
-        Every rank that holds them carries them out as they are: nothing can change them."""
+        """The decisions of the quiet steps that follow the last complete step and have not
+        completed, as made when the measured step before them completed (or at a restart); empty
+        when the next step is measured. Every rank that holds them carries them out as they are:
+        nothing can change them."""
         if self._plan_lr is not None:
             self._plan, self._plan_lr = self._plan_after(self.last_complete_step, self._plan_lr), None
         return list(self._plan)
@@ -229,8 +230,8 @@ class PolicyService:
         self._decisions = {s: d for s, d in self._decisions.items() if s <= resume_after}
         self.policy.rebase(persisted_steps)
         self.gate.reset()
-        budget = self._news
-        self._news = _News(write_budget_bytes=budget.write_budget_bytes, budget_changed=budget.budget_changed)
-        self._apply_news()  # the newest budget; nothing of the lost group is in flight any more
+        if self._news.budget_changed:  # the newest budget; nothing of the lost group is in flight any more
+            self.write_budget_bytes = self._news.write_budget_bytes
+        self._news = _News()
         self._plan, self._plan_lr = [], self.trace[-1].lr if self.trace else 0.0
         logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

@@ -102,9 +102,8 @@ class PolicyActor:
         return {**decided.to_json(), "stop": self.service.stopping(step), "plan": self._plans.get(step, [])}
 
     def _completed(self, decision: PersistDecision) -> None:
-        plan = self.service.plan()
-        if plan:
-            self._plans[decision.step] = [d.to_json() for d in plan]
+        if not self.service.quiet(decision.step) and (plan := self.service.plan()):
+            self._plans[decision.step] = [d.to_json() for d in plan]  # (made once, as the step completes)
         handed = sum(self._layer_bytes[name] for name in decision.names)
         self.handed_bytes += handed
         if handed > self.peak_step_bytes:
