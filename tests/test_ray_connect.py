@@ -34,3 +34,30 @@ def test_a_live_cluster_is_joined(monkeypatch):
 def test_no_address_file_means_a_local_ray(monkeypatch):
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir: None)
     assert _local_cluster() is None
+
+
+def test_the_local_ray_starts_lean_unless_the_dashboard_is_asked_for(monkeypatch):
+    """The local Ray LayerCheck starts runs without Ray's dashboard (``cluster.ray_dashboard``) and
+    without Ray Train's preemption watcher (nothing drains a local node); a user's own setting of
+    the watcher stands."""
+    import ray
+
+    from layercheck.orchestrator.core.run_config import load_run_config
+    from layercheck.orchestrator.runtime import cluster
+
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setattr(cluster, "_local_cluster", lambda: None)
+    monkeypatch.setattr(cluster.ray_noise, "install", lambda: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv(cluster.PREEMPTION_WATCHER_ENV, raising=False)
+
+    cluster.connect(load_run_config("examples/demo.toml"))
+    assert started[-1]["address"] == "local" and started[-1]["include_dashboard"] is False
+    assert cluster.os.environ[cluster.PREEMPTION_WATCHER_ENV] == "0"
+
+    monkeypatch.setenv(cluster.PREEMPTION_WATCHER_ENV, "1")
+    cluster.connect(load_run_config("examples/demo.toml", {"cluster.ray_dashboard": True}))
+    assert started[-1]["include_dashboard"] is True
+    assert cluster.os.environ[cluster.PREEMPTION_WATCHER_ENV] == "1"

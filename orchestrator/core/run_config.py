@@ -67,6 +67,10 @@ class ClusterConfig:
     """Worker-group restarts Ray Train may make before the run fails."""
     address: str = ""
     """Ray cluster to join; empty: ``RAY_ADDRESS`` or the job's cluster, else a new local one."""
+    ray_dashboard: bool = False
+    """The local Ray LayerCheck starts (no cluster to join) runs Ray's dashboard (its web UI on
+    127.0.0.1:8265). Off by default: it is ten processes that cost the start about 7 CPU-seconds;
+    LayerCheck's metrics reach Prometheus and Grafana without it. A cluster you join keeps its own."""
     in_place: bool = False
     """Recover from a lost worker in place: Ray Train replaces only that worker, the survivors keep
     their processes (no restart, no imports) and rebuild their engines there; every rank resumes

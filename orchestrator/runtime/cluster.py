@@ -57,13 +57,22 @@ def connect(config: RunConfig) -> None:
     """Join ``cluster.address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray."""
     cluster = config.cluster
     connect_to(
-        address=cluster.address, use_gpu=cluster.use_gpu, cpus=int(cluster.ray_workers * cluster.cpus_per_worker) + 1
+        address=cluster.address,
+        use_gpu=cluster.use_gpu,
+        cpus=int(cluster.ray_workers * cluster.cpus_per_worker) + 1,
+        dashboard=cluster.ray_dashboard,
     )
 
 
-def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> None:
+#: Ray Train's preemption watcher (an actor per worker group) waits for the autoscaler to drain a
+#: node; a local Ray has no autoscaler, so the one LayerCheck starts runs without it.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+
+
+def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1, dashboard: bool = False) -> None:
     """Join ``address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray with at
-    least ``cpus`` CPUs. Workers get ``DS_ACCELERATOR=cpu`` without GPUs. No-op if Ray is up."""
+    least ``cpus`` CPUs, with Ray's dashboard if ``dashboard``. Workers get ``DS_ACCELERATOR=cpu``
+    without GPUs. No-op if Ray is up."""
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
@@ -75,9 +84,15 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1) -> No
         logger.info("joined the Ray cluster at %s", joined)
         return
     cpus = max(os.cpu_count() or 1, cpus)
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")  # read by the controller (Ray Train propagates it)
     # address="local": a new local Ray even if Ray's address file names a cluster (a stale one)
     ray.init(
-        address="local", num_cpus=cpus, namespace=NAMESPACE, runtime_env={"env_vars": env_vars}, log_to_driver=True
+        address="local",
+        num_cpus=cpus,
+        include_dashboard=dashboard,
+        namespace=NAMESPACE,
+        runtime_env={"env_vars": env_vars},
+        log_to_driver=True,
     )
     ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
