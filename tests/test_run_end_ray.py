@@ -1,12 +1,9 @@
 """How a run ends, on a real local Ray: a run ends with its trained model in the
 store, a writer actor killed mid-run is replaced without losing what the ranks held, storage
 that breaks mid-run stops the run with the bound's breach reported (and an end-of-run write
-error does not crash the driver), and Ctrl-C stops `layercheck train` cleanly with the resume
-command."""
+error does not crash the driver). Ctrl-C, a killed driver and an S3 outage, each followed by
+``--resume``: tests/test_stop_and_resume_run.py."""
 
-import os
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,6 @@ from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerSto
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
 from layercheck.policies.configs import LayerCheckConfig
 from tests.support.ray_runs import demo_config
-from tests.support.train_proc import start_train
 
 pytestmark = pytest.mark.slow
 
@@ -107,30 +103,3 @@ def test_storage_that_breaks_mid_run_stops_the_run_with_the_breach_reported(loca
     # what was committed before the storage broke is still in the manifest
     versions = LayerStore.open(str(storage)).versions()
     assert broken["committed"] <= {v.version_id for v in versions}
-
-
-def test_ctrl_c_stops_layercheck_train_with_the_summary_and_the_resume_command(tmp_path, ray_tmp):
-    storage = tmp_path / "interrupted"
-    run = start_train(
-        tmp_path,
-        "steps=2000",
-        "optim.total_steps=2000",
-        "fault.kill_at_step=0",
-        "metrics.port=0",
-        f"storage={storage}",
-        "log_every=1",
-        ray_tmp=ray_tmp,
-    )
-    proc = run.proc
-    run.wait_for_step(25)  # a run that never gets there fails the test's timeout
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
-    started = time.monotonic()
-    out = run.finish(timeout=300)
-    err = run.stderr
-    assert proc.returncode == 130, err[-3000:]
-    assert "stopped after step" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
-    assert f"--set storage={storage}" in err and "--resume" in err, err[-3000:]
-    assert time.monotonic() - started < 300
-    newest = newest_steps(storage)
-    stopped = max(newest.values())
-    assert stopped >= 25 and set(newest.values()) == {stopped}  # every layer's final state, at the stop step
