@@ -6,6 +6,7 @@ the policy actor, the writers and the supervisor; a worker SIGKILLed mid-run; re
 ``scripts/gpu_checks.sh`` runs them with NCCL and bf16 that way."""
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -285,22 +286,27 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(local_ray
     assert recorded == result.trace
 
 
-def test_a_stopped_run_resumes_from_its_store_at_another_world_size(local_ray, tmp_path):
-    """Saved by 2 ZeRO-3 ranks, resumed by 1: each layer is re-sliced from the recorded offsets."""
-    first = train_demo(tmp_path, "grow", policy=EVERY_STEP, **{"steps": 8, "fault.kill_at_step": 0})
+def test_a_stopped_run_resumes_from_its_store_at_another_world_size(local_ray, clean_run, tmp_path):
+    """Saved by 2 ZeRO-3 ranks (a copy of the ``clean_run`` fixture's store: 12 steps, every layer
+    every step), resumed by 1 for 4 more steps: each layer is re-sliced from the recorded offsets."""
+    first = clean_run
+    shutil.copytree(first.config.storage_uri, tmp_path / "grow")
     assert not (tmp_path / "grow" / "owner.json").exists()  # the first run released the store's lease
-    # the README's form: only num_workers changes; the demo's kill_rank = 1 is outside the group (a warning)
-    resumed = train_demo(tmp_path, "grow", policy=EVERY_STEP, resume=True, **{"cluster.num_workers": 1})
+    # the README's form: num_workers changes (and steps, to train more); the demo's kill_rank = 1 is
+    # outside the group (a warning)
+    resumed = train_demo(
+        tmp_path, "grow", policy=EVERY_STEP, resume=True, **{"cluster.num_workers": 1, "steps": 16, "log_every": 4}
+    )
     account = resumed.status["account"]
     assert account["failures"] == 0
     (recovery,) = account["recoveries"]
-    assert recovery["t_fail"] == 8 and recovery["resumed_at"] == 9 and recovery["max_staleness"] == 0
+    assert recovery["t_fail"] == 12 and recovery["resumed_at"] == 13 and recovery["max_staleness"] == 0
     assert recovery["kind"] == "resume"  # not a failure: the summary counts no recovery for it
     text = format_summary(summarize(resumed))
-    assert "0 / 0" in text and "--resume from the store after step 8" in text
+    assert "0 / 0" in text and "--resume from the store after step 12" in text
     history = {int(k): v for k, v in account["history"].items()}
-    assert sorted(history) == [9, 10, 11, 12]
+    assert sorted(history) == [13, 14, 15, 16]
     first_losses = {int(k): v[0] for k, v in first.status["account"]["history"].items()}
     # the trained weights came back (a fresh model would be back near the step-1 loss)
-    assert history[9][0] < first_losses[1] - 0.3
-    assert abs(history[9][0] - first_losses[8]) < 0.3
+    assert history[13][0] < first_losses[1] - 0.3
+    assert abs(history[13][0] - first_losses[12]) < 0.3
