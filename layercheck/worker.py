@@ -26,7 +26,8 @@ import torch
 from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
-from layercheck.orchestrator.runtime.train_fn import RayCoordinator, fault_hook, recover
+from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
+from layercheck.orchestrator.runtime.train_fn import fault_hook, recover
 from layercheck.policies.configs import schedule_warnings
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec
 from layercheck.workers import collective_abort

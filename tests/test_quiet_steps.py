@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.runtime import policy_actor, train_fn
-from layercheck.orchestrator.runtime.train_fn import RayCoordinator
+from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import StaggeredConfig, drift_measured
 from layercheck.policies.decision import PersistDecision

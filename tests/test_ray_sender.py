@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 from layercheck.orchestrator.runtime import train_fn
-from layercheck.orchestrator.runtime.train_fn import RayCoordinator
+from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.workers.drift import LayerDrift
 
 

@@ -1,0 +1,298 @@
+"""A Ray run's coordinator on each rank: the policy actor decides, the node's writer actor
+persists, the supervisor hears progress; snapshots are handed over through the object store, so a
+writer's death loses nothing a live rank still holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import ray
+import ray.train
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from layercheck.orchestrator.runtime.wire import to_wire
+from layercheck.policies.decision import PersistDecision
+from layercheck.workers.drift import LayerDrift
+from layercheck.workers.loop import (
+    BoundedHandover,
+    CapturesOnFailure,
+    Coordinator,
+    KeepsMemoryVersions,
+    SendsInBackground,
+    StopsOnRequest,
+)
+from layercheck.workers.shard import LayerShard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Submission:
+    snapshot: ray.ObjectRef
+    """The snapshot in the object store (owned by this rank): handed to a new writer if its writer dies."""
+    result: ray.ObjectRef
+    nbytes: int
+    step: int
+    tries: int = 1
+
+
+#: Writers a snapshot is handed to before it is counted lost (the first, and one replacement).
+SUBMIT_TRIES = 2
+#: How long a rank waits at the end for its last snapshots to be written before it exits.
+FINAL_FLUSH_S = 300.0
+
+
+class RayCoordinator:
+    """The :class:`layercheck.workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
+    writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
+    past ``max_inflight_bytes`` the rank waits for writes to finish, and says so.
+
+    A snapshot is put in the object store once and the writer is handed its reference, which the
+    rank keeps until the write resolves: when the writer is found dead (a submission fails with
+    ``RayActorError``), the supervisor replaces it and the rank hands the same snapshots to the new
+    one, so a writer's death loses nothing a live rank still holds. A snapshot whose second writer
+    dies too is counted lost (the supervisor settles it, so the policy may persist the layer again)."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        policy: Any,
+        writer: Any,
+        supervisor: Any,
+        max_inflight_bytes: int,
+        attempt: int = 1,
+        capture_timeout_s: float | None = None,
+        memory_period: int = 0,
+    ) -> None:
+        self.rank = rank
+        self.attempt = attempt
+        self.memory_period = memory_period
+        """Steps between memory versions (``persistence.memory_period``; 0: none)."""
+        self._held: dict[str, ray.ObjectRef] = {}  # the newest memory version's hand-over per layer
+        self.capture_timeout_s = capture_timeout_s
+        self.capture = self._capture if capture_timeout_s is not None else None
+        """``StepProtocol.on_failure`` hands a survivor's capture to this (``None``: capture is off)."""
+        self.policy = policy
+        self.writer = writer
+        self.supervisor = supervisor
+        self.max_inflight_bytes = max_inflight_bytes
+        self._steps_ended = False
+        self._inflight: dict[str, _Submission] = {}  # the newest submission per layer
+        self.blocked_s = 0.0
+        self.last_report: ray.ObjectRef | None = None
+        # the calls made every step leave from a thread of their own, in order: a Ray submission
+        # is ~0.7 ms of CPU (measured on a 2-core VM), the training thread only queues them
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"layercheck-send-{rank}")
+        self._plan: dict[int, PersistDecision] = {}
+        """The quiet steps' decisions the last measured step's answer carried (``PolicyService.plan``)."""
+        self._stop = False
+
+    def report(self, drift: LayerDrift, lr: float) -> tuple[int, Future[ray.ObjectRef]]:
+        """Hand the step's report to the sending thread (its Ray submission costs more than the
+        rest of the per-step protocol); the handle resolves to the call's answer."""
+        counts = dict(drift.numel) if drift.measured else {}  # (unused where nothing was measured)
+        return drift.step, self._sender.submit(
+            self._send_report, drift.step, self.rank, lr, dict(drift.l1), counts, drift.measured
+        )
+
+    def _send_report(self, *args: Any) -> ray.ObjectRef:
+        self.last_report = self.policy.report.remote(*args)
+        return self.last_report
+
+    def decision(self, handle: tuple[int, Future[ray.ObjectRef]]) -> PersistDecision | None:
+        """The step's decision: from the plan a measured step's answer carried (a quiet step: no
+        answer collected), else the policy actor's answer."""
+        step, sent = handle
+        planned = self._plan.pop(step, None)
+        if planned is not None:
+            return planned
+        data = ray.get(sent.result())
+        if data is None:
+            return None
+        self._stop = self._stop or bool(data.get("stop"))
+        self._plan = {d.step: d for d in map(PersistDecision.from_json, data.get("plan", ()))}
+        return PersistDecision.from_json(data)
+
+    def stop_requested(self) -> bool:
+        """The last decision carried the run's request to stop (same on every rank)."""
+        return self._stop
+
+    def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
+        for shard in shards:
+            wire = to_wire(shard, base=base)
+            snapshot = ray.put(wire)  # copied into the object store: the shard's buffers may be reused
+            self._inflight[shard.layer] = _Submission(
+                snapshot=snapshot, result=self.writer.submit.remote(snapshot), nbytes=wire.nbytes, step=shard.step
+            )
+        self._bound_inflight()
+
+    def hold(self, shards: Sequence[LayerShard]) -> None:
+        """A memory version's shards to this rank's writer, which holds them in memory only. Not
+        waited on, nor held to the in-flight bound: a host copy each, superseded by the next."""
+        for shard in shards:
+            self._held[shard.layer] = self.writer.submit.remote(ray.put(to_wire(shard, base=False, origin="memory")))
+
+    def steps_ended(self) -> None:
+        """The last step is done: the final save's snapshots are not held to the in-flight bound
+        (``flush`` at the end waits for their writes)."""
+        self._steps_ended = True
+
+    def _bound_inflight(self) -> None:
+        """Wait for storage while the snapshots handed over and not yet written exceed
+        ``max_inflight_bytes``. The initial state (step 0, handed over once at ``attach``) is not
+        held to it: bounded by one copy of the rank's slices, it would otherwise stall the first
+        steps behind its write."""
+        self._settle_done()
+        if self._steps_ended:
+            return
+        bounded = [sub for sub in self._inflight.values() if sub.step > 0]
+        inflight = sum(sub.nbytes for sub in bounded)
+        if inflight <= self.max_inflight_bytes:
+            return
+        started = time.monotonic()
+        logger.warning(
+            "rank %d: %d snapshot bytes in flight > %d: waiting for storage",
+            self.rank,
+            inflight,
+            self.max_inflight_bytes,
+        )
+        for sub in bounded:
+            ray.wait([sub.result])
+            inflight -= sub.nbytes
+            if inflight <= self.max_inflight_bytes:
+                break
+        self._settle_done()
+        self.blocked_s += time.monotonic() - started
+
+    def _settle_done(self) -> bool:
+        """Forget the submissions that resolved; if one resolved with its writer's death, get a new
+        writer and hand it what the dead one had. True if anything was handed over again."""
+        refs = [sub.result for sub in self._inflight.values()]
+        if not refs:
+            return False
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        died: Exception | None = None
+        for layer, sub in list(self._inflight.items()):
+            if sub.result not in done:
+                continue
+            try:
+                ray.get(sub.result)
+            except (RayActorError, ActorUnavailableError) as error:
+                died = error
+                continue  # kept: handed to the new writer below
+            except Exception as error:  # noqa: BLE001 - the writer's own failure is reported by the writer
+                logger.error("rank %d: handing %s to the writer failed: %s", self.rank, layer, error)
+            del self._inflight[layer]
+        return died is not None and self._replace_writer(died)
+
+    def _replace_writer(self, error: Exception) -> bool:
+        dead = self.writer
+        orphaned = {layer: sub for layer, sub in self._inflight.items()}  # every submission to it fails
+        again = {layer: sub for layer, sub in orphaned.items() if sub.tries < SUBMIT_TRIES}
+        lost = [(layer, sub.step) for layer, sub in orphaned.items() if layer not in again]
+        logger.error(
+            "rank %d: the persistence writer died (%s); asking for a new one, which gets the %d snapshot(s) it held%s",
+            self.rank,
+            type(error).__name__,
+            len(again),
+            f" ({len(lost)} lost: their second writer died too)" if lost else "",
+        )
+        node_id = ray.get_runtime_context().get_node_id()
+        writers = ray.get(self.supervisor.writer_died.remote(self.rank, node_id, dead, lost, str(error)))
+        self.writer = writers[self.rank % len(writers)]
+        self._inflight = {
+            layer: dataclasses.replace(sub, result=self.writer.submit.remote(sub.snapshot), tries=sub.tries + 1)
+            for layer, sub in again.items()
+        }
+        return bool(again)
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until the last drift report is answered, the newest memory version is held by the
+        writer, and every snapshot handed over is written (handed to a new writer first, if its
+        writer died meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        self.wait_sent(timeout_s)
+        if self.last_report is not None:
+            ray.wait([self.last_report], timeout=timeout_s)
+        if self._held:
+            held = list(self._held.values())
+            ray.wait(held, num_returns=len(held), timeout=max(0.0, deadline - time.monotonic()))
+        while self._inflight:
+            refs = [sub.result for sub in self._inflight.values()]
+            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            if not self._settle_done() or time.monotonic() >= deadline:
+                break
+
+    def wait_sent(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every call queued so far has left this process; False if not."""
+        try:
+            self._sender.submit(lambda: None).result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def progress(
+        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
+    ) -> None:
+        self._sender.submit(self.supervisor.progress.remote, step, loss, lr, compute_s, stall_s, coordination_s)
+
+    def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
+        """Hand a survivor's capture to this node's writer and wait (bounded) until the writer holds
+        it in its own memory: this process and its object-store copies may be killed right after.
+        The supervisor hears when it began and how it ended (Ray Train's teardown waits for that)."""
+        raised_at, started = time.time(), time.monotonic()
+        self.supervisor.capture_began.remote(self.rank, self.attempt)
+        held, nbytes, problem = 0, 0, ""
+        try:
+            refs = [self.writer.hold.remote(ray.put(to_wire(s, base=False, origin="capture"))) for s in shards]
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=self.capture_timeout_s)
+            for ref in done:
+                try:
+                    nbytes += ray.get(ref)
+                    held += 1
+                except Exception as failure:  # noqa: BLE001 - the writer died too: say so, lose only that
+                    problem = f"{type(failure).__name__}: {failure}"
+            if pending:
+                problem = problem or f"{len(pending)} layer(s) not held within {self.capture_timeout_s:g}s"
+        except Exception as failure:  # noqa: BLE001 - best effort: report it, never mask the step's error
+            problem = f"{type(failure).__name__}: {failure}"
+        report = {
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "step": step,
+            "layers": held,
+            "nbytes": nbytes,
+            "held": held == len(shards) and not problem,
+            "seconds": time.monotonic() - started,
+            "raised_at": raised_at,
+            "error": problem,
+        }
+        logger.warning(
+            "rank %d: step raised (%s); handed the state at step %d of %d layers (%d bytes) to the writer in %.3fs%s",
+            self.rank,
+            type(error).__name__,
+            step,
+            held,
+            nbytes,
+            report["seconds"],
+            f" ({problem})" if problem else "",
+        )
+        ray.get(self.supervisor.capture_ended.remote(report), timeout=10)
+
+
+if TYPE_CHECKING:  # the type check holds RayCoordinator to the loop's protocol, its optional parts included
+    _RAY_COORDINATOR: tuple[
+        type[Coordinator],
+        type[StopsOnRequest],
+        type[CapturesOnFailure],
+        type[BoundedHandover],
+        type[KeepsMemoryVersions],
+        type[SendsInBackground],
+    ] = (RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator, RayCoordinator)
