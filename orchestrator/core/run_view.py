@@ -140,6 +140,10 @@ class RunView:
             },
             "bytes_committed": sum(s.bytes for s in layers.values()),
             "versions_committed": sum(s.versions for s in layers.values()),
+            # the parts of incomplete versions that surviving ranks wrote, committed as partial
+            # versions (a recovery overlays them); not in the figures above, which are whole versions
+            "partial_bytes_committed": sum(s.partial_bytes for s in layers.values()),
+            "partial_versions_committed": sum(s.partial_versions for s in layers.values()),
             "abandoned_versions": commits.tracker.abandoned,
             "lost_versions": commits.lost_versions,
             "lost": list(commits.lost),
