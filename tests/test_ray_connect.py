@@ -2,6 +2,7 @@
 `ray start` that crashed or was killed leaves its file behind, and joining it would retry for
 minutes and fail (seen here: a stale /tmp/ray/ray_current_cluster stopped every run)."""
 
+import os
 import socket
 
 import ray._private.services as services
@@ -55,9 +56,9 @@ def test_the_local_ray_starts_lean_unless_the_dashboard_is_asked_for(monkeypatch
 
     cluster.connect(load_run_config("examples/demo.toml"))
     assert started[-1]["address"] == "local" and started[-1]["include_dashboard"] is False
-    assert cluster.os.environ[cluster.PREEMPTION_WATCHER_ENV] == "0"
+    assert os.environ[cluster.PREEMPTION_WATCHER_ENV] == "0"
 
     monkeypatch.setenv(cluster.PREEMPTION_WATCHER_ENV, "1")
     cluster.connect(load_run_config("examples/demo.toml", {"cluster.ray_dashboard": True}))
     assert started[-1]["include_dashboard"] is True
-    assert cluster.os.environ[cluster.PREEMPTION_WATCHER_ENV] == "1"
+    assert os.environ[cluster.PREEMPTION_WATCHER_ENV] == "1"

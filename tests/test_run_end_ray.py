@@ -17,6 +17,7 @@ from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerSto
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
 from layercheck.policies.configs import LayerCheckConfig
 from tests.support.ray_runs import demo_config
+from tests.support.store_helpers import newest_steps
 
 pytestmark = pytest.mark.slow
 
@@ -24,13 +25,6 @@ pytestmark = pytest.mark.slow
 def config(tmp_path, name, steps=12, policy=None, **overrides):
     """The demo, ``steps`` long, without an injected worker failure."""
     return demo_config(tmp_path, name, steps=steps, policy=policy, **{"fault.kill_at_step": 0, **overrides})
-
-
-def newest_steps(storage):
-    newest = {}
-    for version in LayerStore.open(str(storage)).versions():
-        newest[version.layer] = max(version.step, newest.get(version.layer, 0))
-    return newest
 
 
 def hf_weights(tmp_path, storage, name):
@@ -56,7 +50,7 @@ def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(loc
     )
     assert run.error is None, run.error
     assert run.status["writers_replaced"] == 1 and run.status["lost_versions"] == 0
-    assert newest_steps(tmp_path / "final") == {layer: 12 for layer in run.layer_numel}
+    assert newest_steps(str(tmp_path / "final")) == {layer: 12 for layer in run.layer_numel}
     summary = summarize(run)
     assert "writers replaced" in format_summary(summary)
     trained, exported = (

@@ -23,6 +23,7 @@ from layercheck.orchestrator.core.run_config import check_model, load_run_config
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.plan import newest_recoverable_step
 from tests.support.s3_server import FAST_FAIL
+from tests.support.store_helpers import newest_steps
 from tests.support.train_proc import TrainProcess, kill_run, start_train
 
 pytestmark = pytest.mark.slow
@@ -38,13 +39,6 @@ SETTINGS = (
     "metrics.port=0",
     "log_every=1",
 )
-
-
-def newest_steps(store: LayerStore) -> dict[str, int]:
-    newest: dict[str, int] = {}
-    for version in store.versions():
-        newest[version.layer] = max(version.step, newest.get(version.layer, 0))
-    return newest
 
 
 def wait_for_every_layer(run: TrainProcess, uri: str, layers: set[str], after: int) -> set[str]:
@@ -103,6 +97,6 @@ def test_a_killed_an_s3_starved_and_an_interrupted_run_each_resume_where_they_st
     assert interrupted.proc.returncode == 130, err[-3000:]
     assert "stopped after step" in out and "interrupted (Ctrl-C)" in out, out[-3000:]
     assert shlex.quote(f"storage={uri}") in err and "--resume" in err, err[-3000:]
-    final = newest_steps(LayerStore.open(uri))
+    final = newest_steps(uri)
     stopped = max(final.values())
     assert stopped >= newest + 4 and set(final.values()) == {stopped}  # every layer's final state, at the stop step

@@ -102,6 +102,15 @@ def write_layer(
     return record, state
 
 
+def newest_steps(store: LayerStore | str) -> dict[str, int]:
+    """Each layer's newest committed step in ``store`` (a store or its URI)."""
+    store = LayerStore.open(store) if isinstance(store, str) else store
+    newest: dict[str, int] = {}
+    for version in store.versions():
+        newest[version.layer] = max(version.step, newest.get(version.layer, 0))
+    return newest
+
+
 def written_receipts(store: LayerStore, layer: str, step: int, *, world_size: int = 2) -> list[ShardReceipt]:
     """Every rank's shard of ``layer`` at ``step`` (the default ``PARAMS``) written, not committed;
     their receipts."""
