@@ -2,7 +2,10 @@
 
 Every rank calls :meth:`PolicyActor.report` after each optimizer step without waiting for the
 answer; the call resolves once all ranks have reported that step, with the one decision they
-all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
+all follow. Ray does not run an asynchronous actor's calls in the order one caller made them (it
+ran a rank's report of step 2 before its report of step 1: step 2 completed first, step 1 never
+did, and the other rank waited for its decision for good), so each rank's reports are taken in
+in step order here: a report waits until the rank's previous step is in. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
 :data:`layercheck.workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
 does not wait on the actor. A measured step's answer also carries the decisions of the quiet
 steps after it (:meth:`PolicyService.plan`): a rank holding them collects no answer on those steps.
@@ -36,6 +39,9 @@ from layercheck.policies.trace import observation_json
 
 logger = logging.getLogger(__name__)
 
+#: The longest a rank's report waits for the rank's report of the step before (see the module).
+REPORT_ORDER_WAIT_S = 30.0
+
 
 @ray.remote(num_cpus=0)
 class PolicyActor:
@@ -56,6 +62,13 @@ class PolicyActor:
             drift_every=config.drift_every,
         )
         self._ready: dict[int, asyncio.Event] = {}
+        self._taken: dict[int, int] = {}
+        """Per rank, the last step whose report was taken in (since the group started)."""
+        self._first_step = 1
+        """The step the current group's ranks report first."""
+        self._group = 0
+        """Counts the groups (a restart begins the next): a report held for a lost group is dropped."""
+        self._took = asyncio.Event()  # set (and replaced) whenever a report is taken in or a group starts
         self._plans: dict[int, list[dict[str, Any]]] = {}  # per completed step, the quiet steps' decisions after it
         self._layer_bytes = {name: int(n) * BYTES_PER_PARAM for name, n in numel.items()}
         self.peak_step_bytes = 0
@@ -78,6 +91,11 @@ class PolicyActor:
         """This rank's drift for ``step`` (``measured`` false: none measured, ``drift_every``);
         returns the step's decision (as JSON) once all ranks are in, or ``None`` if the worker
         group was restarted before they were."""
+        group = self._group
+        if not await self._in_turn(rank, step, group):
+            return None  # held for a group that was lost meanwhile
+        self._taken[rank] = max(step, self._taken.get(rank, 0))
+        self._advance()
         completed = step > self.service.last_complete_step
         if not completed and self.service.decision(step) is None:
             # no rank will ever complete this step again, so waiting would hang this rank for good
@@ -100,6 +118,28 @@ class PolicyActor:
             return None
         # the stop flag rides on the decision (every rank reads the same one): see PolicyService.request_stop
         return {**decided.to_json(), "stop": self.service.stopping(step), "plan": self._plans.get(step, [])}
+
+    async def _in_turn(self, rank: int, step: int, group: int) -> bool:
+        """Wait until ``rank``'s report of the step before ``step`` is in (at most
+        :data:`REPORT_ORDER_WAIT_S`: a report lost on its way is then skipped, as it was before
+        this wait); False if the group is replaced meanwhile."""
+        deadline = time.monotonic() + REPORT_ORDER_WAIT_S
+        while step > self._taken.get(rank, self._first_step - 1) + 1 and group == self._group:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("rank %d's report of step %d never came: taking its step %d", rank, step - 1, step)
+                break
+            took = self._took
+            try:
+                await asyncio.wait_for(took.wait(), timeout=left)
+            except TimeoutError:
+                continue
+        return group == self._group
+
+    def _advance(self) -> None:
+        """Wake the reports waiting for their turn."""
+        took, self._took = self._took, asyncio.Event()
+        took.set()
 
     def _completed(self, decision: PersistDecision) -> None:
         if not self.service.quiet(decision.step) and (plan := self.service.plan()):
@@ -162,6 +202,10 @@ class PolicyActor:
         for event in self._ready.values():
             event.set()
         self._ready.clear()
+        self._group += 1
+        self._taken.clear()
+        self._first_step = resume_after + 1
+        self._advance()
         self._plans.clear()
         self._clock.reset()
         self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
