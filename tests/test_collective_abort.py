@@ -113,3 +113,26 @@ def test_a_request_after_the_train_function_ended_on_a_failure_says_it_had_raise
         assert collective_abort.request_abort("peer gone") == "no_watcher"
     finally:
         collective_abort.install(None)
+
+
+def test_a_rank_told_of_a_lost_peer_while_training_remembers_it_on_every_backend():
+    """A wait outside the collectives (for a decision that needs the lost peer's report) fails on
+    no backend by itself: ``peer_lost`` tells it (RayCoordinator raises PeerLost on it)."""
+    try:
+        assert collective_abort.peer_lost() == ""  # nothing installed
+        for backend in ("gloo", "nccl"):
+            watcher = collective_abort.install(CollectiveAbort(backend=backend, abort=lambda: None))
+            assert collective_abort.peer_lost() == ""
+            watcher.request("before training")  # not training yet: nothing to release
+            assert collective_abort.peer_lost() == ""
+            watcher.arm()
+            watcher.request("rank 1 replaced")
+            watcher.request("asked again")
+            assert collective_abort.peer_lost() == "rank 1 replaced", backend
+        raised = collective_abort.install(CollectiveAbort(backend="gloo"))
+        raised.arm()
+        raised.raised()  # its step raised already: it is on its way out, nothing waits
+        raised.request("rank 1 replaced")
+        assert collective_abort.peer_lost() == ""
+    finally:
+        collective_abort.install(None)

@@ -54,3 +54,42 @@ def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for
         (name, step) for step in (1, 2, 3) for name in ("report", "progress")
     ]
     assert {thread for _, _, thread in calls} == {"layercheck-send-0_0"}
+
+
+def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_released(monkeypatch):
+    """The policy answers a step once every rank reported it; a peer that died before its report
+    left leaves that answer pending for good, and this rank outside any collective. Told of the
+    loss (by Ray Train's controller, through the installed watcher), the wait raises PeerLost,
+    what a survivor's step raises, so it recovers; never told, it gives up after a bound."""
+    import pytest
+
+    from layercheck.orchestrator.runtime import ray_coordinator
+    from layercheck.orchestrator.runtime.in_place import lost_a_peer
+    from layercheck.workers import collective_abort
+    from layercheck.workers.collective_abort import CollectiveAbort, PeerLost
+
+    polls: list[float] = []
+
+    def never(refs, timeout=None, **_):
+        polls.append(timeout)
+        return [], refs
+
+    monkeypatch.setattr(ray_coordinator.ray, "wait", never)
+    monkeypatch.setattr(ray_coordinator, "RELEASE_POLL_S", 0.01)
+    gate = threading.Event()
+    gate.set()
+    rank = RayCoordinator(rank=0, policy=_Actor([], "report", gate), writer=None, supervisor=None, max_inflight_bytes=1)
+    watcher = collective_abort.install(CollectiveAbort(backend="gloo"))
+    try:
+        watcher.arm()
+        handle = rank.report(LayerDrift(step=5, l1={}, numel={}, measured=True), 1e-3)
+        threading.Timer(0.2, collective_abort.request_abort, args=("Ray Train replaces rank(s) [1] in place",)).start()
+        with pytest.raises(PeerLost, match="no decision for step 5.*rank\\(s\\) \\[1\\]") as lost:
+            rank.decision(handle)
+        assert lost_a_peer(lost.value) and len(polls) > 1
+        collective_abort.install(None)  # never told
+        monkeypatch.setattr(ray_coordinator, "DECISION_TIMEOUT_S", 0.05)
+        with pytest.raises(TimeoutError, match="no decision for step 6"):
+            rank.decision(rank.report(LayerDrift(step=6, l1={}, numel={}, measured=True), 1e-3))
+    finally:
+        collective_abort.install(None)

@@ -36,13 +36,14 @@ class _Group:
 
 
 class _Supervisor:
-    def __init__(self) -> None:
+    def __init__(self, spares: tuple[int, ...] = ()) -> None:
         self.replaced: list[list[int]] = []
         outer = self
 
         class _Method:
             def remote(self, ranks):
                 outer.replaced.append(ranks)
+                return [r for r in ranks if r not in spares]  # those that trained
 
         self.replacing = _Method()
 
@@ -68,6 +69,19 @@ def test_a_replaced_worker_promotes_a_spare_and_every_other_worker_is_asked_to_r
     assert logged.wait(10)
     # in this process no training thread is watched: nothing to release (a gloo survivor says not_needed)
     assert answers == {0: AbortDecision.NO_WATCHER.value, 2: AbortDecision.NO_WATCHER.value}
+
+
+def test_a_lost_spare_releases_nobody(monkeypatch):
+    """A spare trains with nobody: its loss must not release (on NCCL: abort) the training ranks."""
+    monkeypatch.setattr(in_place.ray, "get", lambda value, timeout=None: value)
+    monkeypatch.setattr(in_place, "_log_answers", lambda asked, lost: None)
+    workers = [_Worker(r) for r in range(3)]
+    supervisor = _Supervisor(spares=(2,))
+    callback = in_place.ReplaceInPlace(supervisor)
+    callback.after_worker_group_start(_Group(workers))
+    callback.before_replica_group_shutdown(_Group([workers[2]]))
+    assert supervisor.replaced == [[2]]
+    assert [w.asked for w in workers] == [[], [], []]
 
 
 def _worker_group_error(failures: dict[int, Exception]):

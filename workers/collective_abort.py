@@ -20,6 +20,12 @@ A failed NCCL collective does not raise where it ran: its output is whatever the
 left, and work queued after it (an optimizer update) may consume that. So on such a backend a
 capture is trusted only where the optimizer has not stepped since the rank's last completed step
 (:attr:`CollectiveAbort.synchronous_errors`, used by :func:`layercheck.workers.capture.refusal`).
+
+A rank told of the loss may also be waiting outside any collective, for the policy's decision on
+the step before (:data:`layercheck.workers.loop.DECISION_LAG`): a decision that never comes when
+the lost peer's report of that step died with it. No collective fails there, on any backend, and
+in place nothing tears the rank down. So every request while training is remembered
+(:func:`peer_lost`), and that wait raises :class:`PeerLost` when it sees one.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ import time
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
+
+
+class PeerLost(RuntimeError):
+    """A rank was told that a peer of its group is gone while it waited outside any collective
+    (for a decision that needed the peer's report): what its step would have raised."""
 
 
 class AbortDecision(enum.Enum):
@@ -97,6 +108,8 @@ class CollectiveAbort:
         self._raised = False
         self.aborted_at: float | None = None
         self.reason = ""
+        self.peer_lost = ""
+        """Why this rank was told, while training, that a peer is gone ("": it was not)."""
 
     @property
     def synchronous_errors(self) -> bool:
@@ -134,6 +147,8 @@ class CollectiveAbort:
             )
             if decision is AbortDecision.ABORT:
                 self.aborted_at, self.reason = self._clock(), reason
+            if decision in (AbortDecision.ABORT, AbortDecision.NOT_NEEDED):  # training, not raised yet
+                self.peer_lost = self.peer_lost or reason
         if decision is not AbortDecision.ABORT:
             logger.info("collective abort asked (%s): %s (backend %s)", reason, decision.value, self.backend)
             return decision
@@ -174,3 +189,10 @@ def request_abort(reason: str) -> str:
     if abort is None:
         return (AbortDecision.ALREADY_RAISED if _ended_after_raise else AbortDecision.NO_WATCHER).value
     return abort.request(reason).value
+
+
+def peer_lost() -> str:
+    """Why the installed watcher was told, while its rank trained, that a peer is gone ("": it
+    was not, or none is installed): a wait outside the collectives raises :class:`PeerLost` on it."""
+    abort = _installed
+    return abort.peer_lost if abort is not None else ""

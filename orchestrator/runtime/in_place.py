@@ -36,7 +36,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
-from layercheck.workers.collective_abort import request_abort
+from layercheck.workers.collective_abort import PeerLost, request_abort
 from layercheck.workers.env import free_port
 
 logger = logging.getLogger(__name__)
@@ -119,11 +119,13 @@ class ReplaceInPlace(WorkerGroupCallback, ReplicaGroupCallback):
 
     1. the supervisor promotes a warm spare to the lost worker's rank (``cluster.spares``;
        :mod:`layercheck.orchestrator.runtime.spares`);
-    2. every other worker is asked to release itself from a collective blocked on the lost one
-       (:func:`layercheck.workers.collective_abort.request_abort`, beside its training thread): an
-       NCCL survivor would otherwise wait in it for the process group's timeout, with no teardown
-       to abort it as under a full restart (:mod:`layercheck.orchestrator.runtime.capture_hold`).
-       A gloo survivor has raised already or will by itself, and does nothing.
+    2. if the lost worker trained a rank (it was no spare), every other worker is asked to release
+       itself from a wait on it (:func:`layercheck.workers.collective_abort.request_abort`, beside
+       its training thread): an NCCL survivor would otherwise wait in a blocked collective for the
+       process group's timeout, and a survivor of any backend waiting for a decision that needs the
+       lost rank's report would wait for good, with no teardown to end either as under a full
+       restart (:mod:`layercheck.orchestrator.runtime.capture_hold`). A gloo survivor in a
+       collective has raised already or will by itself.
 
     The controller waits for neither: the answers are logged from a thread of their own. (A
     worker-group callback too: the controller hands the worker group only those, and keeps the
@@ -140,10 +142,14 @@ class ReplaceInPlace(WorkerGroupCallback, ReplicaGroupCallback):
         lost = {w.distributed_context.world_rank for w in replica_group.get_workers() if w.distributed_context}
         if not lost:
             return
+        trained = lost  # unless the supervisor says which of them trained: all
         try:
-            ray.get(self.supervisor.replacing.remote(sorted(lost)), timeout=REPLACING_TIMEOUT_S)
+            trained = set(ray.get(self.supervisor.replacing.remote(sorted(lost)), timeout=REPLACING_TIMEOUT_S))
         except Exception as error:  # noqa: BLE001 - never in Ray Train's way: the replacement then trains, cold
             logger.warning("could not promote a spare for Ray Train rank(s) %s: %s", sorted(lost), error)
+        if not trained:  # spares: nobody waits on them, nobody is released
+            logger.info("Ray Train replaces spare(s) %s", sorted(lost))
+            return
         asked = release_others(self._group, lost)
         if asked:
             threading.Thread(target=_log_answers, args=(asked, lost), daemon=True, name="layercheck-release").start()
@@ -284,10 +290,11 @@ def _leave(supervisor_name: str, rank: int, reason: str, detail: str) -> None:
 
 def lost_a_peer(error: BaseException) -> bool:
     """Whether a step's error is what a survivor sees when a peer dies: a collective that failed
-    (gloo: the connection closed; NCCL: aborted) or Ray Train's barrier reset by the replacement."""
+    (gloo: the connection closed; NCCL: aborted), Ray Train's barrier reset by the replacement, or
+    a wait for a decision released by the controller (:class:`PeerLost`)."""
     from ray.train.v2._internal.execution.checkpoint.sync_actor import SynchronizationBarrierResetError
 
-    if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError):
+    if isinstance(error, SynchronizationBarrierResetError | torch.distributed.DistError | PeerLost):
         return True
     return isinstance(error, RuntimeError) and any(sign in str(error) for sign in PEER_LOSS_SIGNS)
 

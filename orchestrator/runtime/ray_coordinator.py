@@ -18,6 +18,8 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
+from layercheck.workers import collective_abort
+from layercheck.workers.collective_abort import PeerLost
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.loop import (
     BoundedHandover,
@@ -46,6 +48,11 @@ class _Submission:
 SUBMIT_TRIES = 2
 #: How long a rank waits at the end for its last snapshots to be written before it exits.
 FINAL_FLUSH_S = 300.0
+#: How often a rank waiting for a decision looks whether it was told that a peer is gone.
+RELEASE_POLL_S = 0.5
+#: The longest a rank waits for a decision. Every rank has sent its report of the step by then
+#: (the rank finished the next step with them), so only a lost report makes it this long.
+DECISION_TIMEOUT_S = 600.0
 
 
 class RayCoordinator:
@@ -113,12 +120,26 @@ class RayCoordinator:
         planned = self._plan.pop(step, None)
         if planned is not None:
             return planned
-        data = ray.get(sent.result())
+        data = self._answer(sent.result(), step)
         if data is None:
             return None
         self._stop = self._stop or bool(data.get("stop"))
         self._plan = {d.step: d for d in map(PersistDecision.from_json, data.get("plan", ()))}
         return PersistDecision.from_json(data)
+
+    def _answer(self, answer: ray.ObjectRef, step: int) -> Any:
+        """The policy actor's ``answer`` for ``step``. It waits for every rank's report, so it never
+        comes when a peer died before its report left: this rank then waits outside any collective,
+        where nothing fails. It raises :class:`PeerLost` once the rank is told a peer is gone (by Ray
+        Train's controller, :mod:`layercheck.workers.collective_abort`), as its next step would, and a
+        ``TimeoutError`` after :data:`DECISION_TIMEOUT_S` if it is never told."""
+        deadline = time.monotonic() + DECISION_TIMEOUT_S
+        while not ray.wait([answer], timeout=RELEASE_POLL_S)[0]:
+            if lost := collective_abort.peer_lost():
+                raise PeerLost(f"rank {self.rank}: no decision for step {step}, and a peer is gone ({lost})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: no decision for step {step} in {DECISION_TIMEOUT_S:g}s")
+        return ray.get(answer)
 
     def stop_requested(self) -> bool:
         """The last decision carried the run's request to stop (same on every rank)."""

@@ -56,6 +56,11 @@ class SpareRoster:
                 self._changed.wait(left)
             return role
 
+    def trained(self, worker_ranks: list[int]) -> list[int]:
+        """Those of ``worker_ranks`` (Ray Train world ranks) whose workers train a rank now."""
+        with self._changed:
+            return [w for w in worker_ranks if w in self._roster.holders]
+
     def replacing(self, worker_ranks: list[int]) -> list[tuple[int, int]]:
         """Ray Train replaces the workers at ``worker_ranks``: ``(spare's world rank, rank)`` of
         each spare promoted to a rank they trained."""
