@@ -2,6 +2,7 @@
 when every rank is in, each rank gets rank 0's address, a survivor and a replacement form the next
 one, and a rank that waits in vain raises instead of hanging."""
 
+import os
 import threading
 
 import pytest
@@ -89,3 +90,35 @@ def test_only_a_lost_peers_errors_send_a_survivor_into_an_in_place_recovery():
     assert lost_a_peer(RuntimeError("NCCL communicator was aborted on rank 0."))
     assert not lost_a_peer(RuntimeError("CUDA out of memory"))
     assert not lost_a_peer(ValueError("Connection closed by peer"))  # not a collective's error type
+
+
+def test_rank_0_publishes_the_port_its_store_listens_on_and_the_others_reach_it(monkeypatch):
+    """Rank 0 serves the group's store on a port the OS gave it, and publishes that one. (It used
+    to publish a port found free on the loopback and let go: Ray's runtime-env agent listened on
+    the node's address at that port, and the other ranks waited on an HTTP server.) Two ranks
+    form a group here through one rendezvous, each from its own thread, and share a key."""
+    from layercheck.orchestrator.runtime import in_place
+
+    point = Rendezvous()
+
+    class _Supervisor:
+        class rendezvous:  # noqa: N801 - stands for an actor method
+            @staticmethod
+            def remote(rank, world_size, host, port, timeout_s):
+                return point.arrive(rank, world_size, host, port, timeout_s=timeout_s)
+
+    monkeypatch.setattr(in_place.ray, "get", lambda value: value)
+    monkeypatch.setattr(in_place.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    groups: dict = {}
+    other = threading.Thread(target=lambda: groups.update(one=in_place.form_group(_Supervisor(), 1, 2, timeout_s=10)))
+    other.start()
+    groups[0] = in_place.form_group(_Supervisor(), 0, 2, timeout_s=10)
+    other.join()
+    zero, one = groups[0], groups["one"]
+    assert zero.generation == one.generation == 1
+    assert one.store.port == zero.store.port > 0
+    one.store.set("from rank 1", "hello")
+    assert zero.store.get("from rank 1") == b"hello"
+    assert os.environ["MASTER_PORT"] == str(zero.store.port)

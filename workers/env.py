@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from datetime import timedelta
 
 import torch
 
@@ -106,8 +107,23 @@ def check_build_locks(root: str | None = None, *, now: float | None = None, stal
         )
 
 
-def init_distributed() -> None:
-    """Join (or create) the default process group DeepSpeed will use.
+def serve_store(host: str, world_size: int, timeout_s: float) -> torch.distributed.TCPStore:
+    """A rendezvous store for a group of ``world_size``, served by this process on a port the OS
+    picks (its ``port``); the other ranks reach it at ``host`` (:func:`reach_store`). Returns at once."""
+    return torch.distributed.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def reach_store(host: str, port: int, world_size: int, timeout_s: float) -> torch.distributed.TCPStore:
+    """The store another rank serves at ``host:port`` (:func:`serve_store`)."""
+    return torch.distributed.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def init_distributed(store: torch.distributed.Store | None = None) -> None:
+    """Join (or create) the default process group DeepSpeed will use: through ``store`` if given
+    (with ``RANK`` and ``WORLD_SIZE`` from the environment; every rank of the group passes one,
+    :func:`serve_store`, :func:`reach_store`), else ``env://``.
 
     A process that left an earlier group (an in-place recovery's survivor) keeps DeepSpeed's
     communication backend object, which reads the group from torch.distributed on every call: it
@@ -118,10 +134,15 @@ def init_distributed() -> None:
         return
     from deepspeed import comm  # late: must follow prepare_environment
 
-    if comm.cdb is not None:
+    fresh = comm.cdb is None
+    if fresh:
+        check_build_locks()
+    if store is not None:
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.distributed.init_process_group(backend=comm_backend(), store=store, rank=rank, world_size=world_size)
+    elif not fresh:
         torch.distributed.init_process_group(backend=comm_backend(), init_method="env://")
-        return
-    check_build_locks()
-    import deepspeed
+    if fresh:  # DeepSpeed's backend object, over torch's group if formed above
+        import deepspeed
 
-    deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)
+        deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)

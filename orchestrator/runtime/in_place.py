@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -37,7 +38,7 @@ from ray.train.v2._internal.execution.failure_handling import FailureDecision, F
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 from layercheck.workers.collective_abort import PeerLost, request_abort
-from layercheck.workers.env import free_port
+from layercheck.workers.env import reach_store, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -184,13 +185,25 @@ def _log_answers(asked: dict[int, Any], lost: set[int]) -> None:
     )
 
 
-def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float) -> int:
-    """Meet the other ranks at the supervisor and set the environment ``deepspeed.init_distributed``
-    reads (``env://``) to the generation's group; returns the generation. Rank 0 serves the
-    group's store on a port free here a moment ago."""
+@dataclass(frozen=True)
+class FormedGroup:
+    generation: int
+    store: Any
+    """The group's store (rank 0 serves it, the others reach it): hand it to
+    :func:`layercheck.workers.env.init_distributed`."""
+
+
+def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float) -> FormedGroup:
+    """Meet the other ranks at the supervisor and set the environment torch's ``env://`` reads to
+    the generation's group. Rank 0 serves the group's store, on a port the OS gave it: a port
+    found free and let go would race every other server on the node (it did: Ray's runtime-env
+    agent listens on the node's address, where a port free on the loopback may be taken, and the
+    other ranks then waited on an HTTP server)."""
     host = ray.util.get_node_ip_address()
-    port = free_port() if rank == 0 else 0
+    served = serve_store(host, world_size, timeout_s) if rank == 0 else None
+    port = served.port if served is not None else 0
     address = ray.get(supervisor.rendezvous.remote(rank, world_size, host, port, timeout_s))
+    store = served or reach_store(address.host, address.port, world_size, timeout_s)
     os.environ.update(
         MASTER_ADDR=address.host,
         MASTER_PORT=str(address.port),
@@ -199,7 +212,7 @@ def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float)
         LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
     )
     logger.info("rank %d: process group generation %d at %s:%d", rank, address.generation, address.host, address.port)
-    return int(address.generation)
+    return FormedGroup(generation=int(address.generation), store=store)
 
 
 def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
@@ -219,9 +232,9 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
         if number:
             forget_trainer_state()  # the loop's last Trainer, if it made one
         supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
-        form_group(supervisor, rank, world_size, timeout_s=ctx.regroup_timeout_s)
+        group = form_group(supervisor, rank, world_size, timeout_s=ctx.regroup_timeout_s)
         formed = time.time()
-        init_distributed()
+        init_distributed(store=group.store)
         incarnation = start(number, time.time() - formed)
         try:
             return call()

@@ -137,9 +137,9 @@ def _train(
             building = time.time()
             model = model if model is not None else build_model(run.model)
             build_s = time.time() - building
-            form_group(supervisor, rank, world_size, timeout_s=run.cluster.regroup_timeout_s)
+            group = form_group(supervisor, rank, world_size, timeout_s=run.cluster.regroup_timeout_s)
             formed = time.time()  # the wait for the others is their start and build, not this rank's
-            init_distributed()
+            init_distributed(store=group.store)
             group_s = time.time() - formed
         building = time.time()
         train_engine = build_engine(run.model, run.optim, run.engine, model=model)
