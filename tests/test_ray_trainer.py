@@ -27,3 +27,20 @@ def test_a_run_without_datasets_starts_no_dataset_manager_and_one_with_them_does
         assert len(kinds) > 1, "Ray Train's other callbacks stay"
     with_data = LayerCheckTorchTrainer(_loop, scaling_config=scaling, datasets={"train": [1, 2, 3]})
     assert DatasetsCallback in _kinds(with_data)
+
+
+def test_without_a_state_api_the_placement_group_cleaner_is_left_out(monkeypatch):
+    """The cleaner polls Ray's State API, which the dashboard serves: on the local Ray LayerCheck
+    starts without one it could never tell whether the controller lives (and logged so every
+    second); that Ray ends with the driver, placement groups and all. A cluster joined keeps it."""
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from layercheck.orchestrator.runtime import cluster
+
+    scaling = ScalingConfig(num_workers=2)
+    monkeypatch.setitem(cluster._LOCAL_RAY, "without_dashboard", True)
+    assert not cluster.has_state_api()
+    for trainer_class in (LayerCheckTorchTrainer, InPlaceTorchTrainer):
+        assert PlacementGroupCleanerCallback not in _kinds(trainer_class(_loop, scaling_config=scaling))
+    monkeypatch.setitem(cluster._LOCAL_RAY, "without_dashboard", False)
+    assert PlacementGroupCleanerCallback in _kinds(LayerCheckTorchTrainer(_loop, scaling_config=scaling))

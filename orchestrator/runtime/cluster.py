@@ -68,6 +68,15 @@ def connect(config: RunConfig) -> None:
 #: node; a local Ray has no autoscaler, so the one LayerCheck starts runs without it.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
+_LOCAL_RAY = {"without_dashboard": False}
+
+
+def has_state_api() -> bool:
+    """Whether Ray's State API answers on the connected cluster: it is served by Ray's dashboard,
+    which the local Ray LayerCheck starts runs without (``cluster.ray_dashboard``); a cluster
+    joined is taken to have one."""
+    return not _LOCAL_RAY["without_dashboard"]
+
 
 def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1, dashboard: bool = False) -> None:
     """Join ``address``, ``RAY_ADDRESS`` or the job's cluster; else start a local Ray with at
@@ -75,6 +84,7 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1, dashb
     without GPUs. No-op if Ray is up."""
     if ray.is_initialized():
         return
+    _LOCAL_RAY["without_dashboard"] = False
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.2")  # read by the controller
     env_vars = worker_env(use_gpu=use_gpu, environ=os.environ)
     joined = address or os.environ.get("RAY_ADDRESS", "") or _local_cluster()
@@ -94,6 +104,7 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1, dashb
         runtime_env={"env_vars": env_vars},
         log_to_driver=True,
     )
+    _LOCAL_RAY["without_dashboard"] = not dashboard
     ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
 
