@@ -2,13 +2,16 @@
 
 Every rank calls :meth:`PolicyActor.report` after each optimizer step without waiting for the
 answer; the call resolves once all ranks have reported that step, with the one decision they
-all follow. Ray does not run an asynchronous actor's calls in the order one caller made them (it
-ran a rank's report of step 2 before its report of step 1: step 2 completed first, step 1 never
-did, and the other rank waited for its decision for good), so each rank's reports are taken in
-in step order here: a report waits until the rank's previous step is in. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
-:data:`layercheck.workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``, so the training loop
-does not wait on the actor. A measured step's answer also carries the decisions of the quiet
-steps after it (:meth:`PolicyService.plan`): a rank holding them collects no answer on those steps.
+all follow. Ranks collect step ``t``'s decision after step ``t + 1`` (the pipeline lag,
+:data:`layercheck.workers.loop.DECISION_LAG`), by which time every rank has long reported ``t``,
+so the training loop does not wait on the actor. A measured step's answer also carries the
+decisions of the quiet steps after it (:meth:`PolicyService.plan`): a rank holding them collects
+no answer on those steps.
+
+Ray does not run an asynchronous actor's calls in the order one caller made them: it ran a rank's
+report of step 2 before its report of step 1, so step 2 completed first, step 1 never did, and the
+other rank waited for step 1's decision for good. So each rank's reports are taken in here in step
+order: a report waits until the same rank's report of the step before is in.
 
 The write budget (``persistence.write_budget``): each writer actor pushes its running totals
 (bytes written, seconds spent writing) here after every write, fire-and-forget, and the actor
