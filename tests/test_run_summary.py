@@ -214,6 +214,31 @@ def test_a_recovery_says_its_path_and_why_an_in_place_run_fell_back_to_a_full_re
     assert "in place (1 rank kept its process, replaced a rank whose own step failed: rank 1: ValueError" in text
 
 
+def test_a_recovery_that_the_next_failure_overtook_says_so_and_is_no_fallback():
+    """A replacement lost while the survivors regroup: the first recovery never reached a step, nor
+    any rank's load, so nothing tells its path. It said "full restart (not in place: no rank
+    survived the failure); no step after it yet", which was neither. It now says it was
+    interrupted, and counts as no fallback; the next one says how it went."""
+    from layercheck.orchestrator.core.accounting import RankStart, RunAccount
+
+    account = RunAccount(started=0.0)
+    account.step_done(6, compute_s=0.5, stall_s=0.0, now=1.0)
+    first = account.failed(t_fail=6, resumed_at=7, now=2.0)
+    first.in_place = True
+    assert first.fallback == "no_survivor" and not first.interrupted  # (what it says while it is under way)
+    second = account.failed(t_fail=6, resumed_at=7, now=4.0)
+    second.in_place = True
+    second.rank_ready(RankStart(kept_process=True), now=5.0)
+    account.step_done(7, compute_s=0.5, stall_s=0.0, now=6.0)
+    assert first.interrupted and first.fallback == "" and not second.interrupted
+    result = result_of(policy_config("staggered"))
+    result.status["account"] = {**result.status["account"], **account.summary(7.0)}
+    text = format_summary(summarize(result))
+    assert "resumed at 7; interrupted by the next failure before its first step: restart" in text
+    assert "not in place" not in text and "no step after it yet" not in text
+    assert "in place (1 rank kept its process)" in text
+
+
 def test_the_summary_says_what_the_warm_spares_cost_and_did():
     result = result_of(policy_config("staggered"))
     result.config = replace(result.config, cluster=replace(result.config.cluster, in_place=True, spares=1))

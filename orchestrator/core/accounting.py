@@ -145,6 +145,9 @@ class Recovery:
     """The run asked for in-place recovery (``cluster.in_place``)."""
     refused: FallbackReason | None = None
     """What a rank said as it left in-place recovery (``None``: none said anything)."""
+    interrupted: bool = False
+    """The next failure came before this recovery's group completed a step (its record is
+    incomplete: what its ranks measured until then)."""
 
     @property
     def total_s(self) -> float:
@@ -163,8 +166,8 @@ class Recovery:
     def fallback(self) -> str:
         """Why this failure's recovery was a full restart although the run asked for in place (one
         of :data:`FALLBACK_REASONS`); "" when it ran in place or the run did not ask for it."""
-        if not self.in_place or self.path == "in place" or self.kind != "failure":
-            return ""
+        if not self.in_place or self.path == "in place" or self.kind != "failure" or self.interrupted:
+            return ""  # (an interrupted one never got as far as its ranks' loads: no path to judge)
         return self.refused.reason if self.refused is not None else "no_survivor"
 
     def timeline(self) -> dict[str, float]:
@@ -264,6 +267,8 @@ class RunAccount:
         """A worker group was lost after completing ``t_fail`` (or, with ``lost_group=False``, a
         stopped run resumes from its store); steps after it do not count."""
         self.failures += int(lost_group)
+        if self.recoveries and self.recoveries[-1].failure_to_step_s is None:
+            self.recoveries[-1].interrupted = True  # overtaken before its first step
         for step in [s for s in self.step_seconds if s > t_fail or s >= resumed_at]:
             self.lost_step_seconds += self.step_seconds.pop(step)
             self.history.pop(step, None)

@@ -384,7 +384,9 @@ def _recovery_time(r: dict[str, Any]) -> str:
     path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
     promoted = r.get("spares_promoted", 0)
     refused = r.get("refused") or {}  # a rank that raised out of its train function, and why
-    if kept or promoted:
+    if r.get("interrupted"):  # before any of its ranks loaded, often: no path to tell
+        path = "interrupted by the next failure before its first step"
+    elif kept or promoted:
         how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
         how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
         if refused.get("reason") == "rank_failed":  # the failure itself: a rank's own step raised
@@ -402,7 +404,7 @@ def _recovery_time(r: dict[str, Any]) -> str:
         f"load {r['load_s']:.2f}s"
     )
     if r.get("failure_to_step_s") is None:
-        return f"{parts}; no step after it yet"
+        return parts if r.get("interrupted") else f"{parts}; no step after it yet"
     return f"{r['failure_to_step_s']:.1f}s from the failure to the next step, {parts}, first step {t.get('first_step', 0.0):.2f}s"
 
 
