@@ -239,6 +239,14 @@ def test_a_recovery_that_the_next_failure_overtook_says_so_and_is_no_fallback():
     assert "in place (1 rank kept its process)" in text
 
 
+def test_the_bytes_written_include_the_partial_versions_beside_the_whole_ones():
+    result = result_of(policy_config("staggered"))
+    assert "partial version" not in format_summary(summarize(result))  # none: nothing said
+    result.status.update(partial_bytes_committed=3 * 1024 * 1024, partial_versions_committed=2)
+    text = format_summary(summarize(result))
+    assert "in 3 layer versions" in text and "and 3.00 MiB in 2 partial versions (some ranks' slices" in text
+
+
 def test_the_summary_says_what_the_warm_spares_cost_and_did():
     result = result_of(policy_config("staggered"))
     result.config = replace(result.config, cluster=replace(result.config.cluster, in_place=True, spares=1))

@@ -43,6 +43,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "recovered_elements": account.get("recovered_elements", dict.fromkeys(ELEMENT_KINDS, 0)),
         "bytes_written": status["bytes_committed"],
         "versions_written": status["versions_committed"],
+        "partial_bytes_written": status.get("partial_bytes_committed", 0),
+        "partial_versions_written": status.get("partial_versions_committed", 0),
         "full_checkpoint_bytes": full_bytes,
         "max_staleness": status["max_staleness"],
         "weighted_staleness": status["weighted_staleness"],
@@ -211,7 +213,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         [
             "bytes written",
             f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
-            f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])})",
+            f"(one full checkpoint: {human_bytes(summary['full_checkpoint_bytes'])}){_partial(summary)}",
         ],
     ]
     if not summary["steps"] and not summary["recoveries"]:  # it never trained: no schedule, staleness, ETTR
@@ -457,6 +459,18 @@ class ProgressLines:
             lines.append(format_progress(status))
             self._step, self._state = status["step"], status["state"]
         return lines
+
+
+def _partial(summary: dict[str, Any]) -> str:
+    """The partial versions' bytes (some ranks' slices of a layer: survivors' captures, the part of
+    a version a lost group finished), which the whole versions' figure leaves out."""
+    count = summary.get("partial_versions_written", 0)
+    if not count:
+        return ""
+    return (
+        f", and {human_bytes(summary['partial_bytes_written'])} in {count} partial version{'s' if count != 1 else ''} "
+        "(some ranks' slices: survivors' captures, what a lost group finished)"
+    )
 
 
 def format_progress(status: dict[str, Any]) -> str:
