@@ -152,6 +152,40 @@ def test_a_rank_whose_own_step_fails_is_replaced_and_the_others_recover_in_place
     assert_failure_free_losses(failed, clean_run)
 
 
+def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_released(local_ray):
+    """The real policy actor and a rank's real coordinator: rank 0's report of step 1 waits for
+    rank 1's, which never comes (it died before its report was taken in), so rank 0 waits outside
+    any collective. Told of the loss as Ray Train's controller tells it (``ReplaceInPlace`` ->
+    ``request_abort``), the wait raises ``PeerLost``, a lost peer to ``lost_a_peer``: the rank
+    recovers in place instead of waiting for good (a CI hang)."""
+    import threading
+
+    import ray
+
+    from layercheck.orchestrator.runtime.in_place import lost_a_peer
+    from layercheck.orchestrator.runtime.policy_actor import PolicyActor
+    from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
+    from layercheck.workers import collective_abort
+    from layercheck.workers.collective_abort import CollectiveAbort, PeerLost
+    from layercheck.workers.drift import LayerDrift
+
+    numel = {"embed": 10}
+    policy = PolicyActor.remote(IntervalConfig(interval=1), numel, 2, 4)
+    rank0 = RayCoordinator(rank=0, policy=policy, writer=None, supervisor=None, max_inflight_bytes=1)
+    watcher = collective_abort.install(CollectiveAbort(backend="gloo"))
+    try:
+        watcher.arm()
+        handle = rank0.report(LayerDrift(step=1, l1={"embed": 0.1}, numel=numel, measured=True), 1e-3)
+        asked = threading.Timer(1.0, collective_abort.request_abort, args=("Ray Train replaces rank(s) [1] in place",))
+        asked.start()
+        with pytest.raises(PeerLost, match="no decision for step 1") as released:
+            rank0.decision(handle)
+        assert lost_a_peer(released.value)
+    finally:
+        collective_abort.install(None)
+        ray.kill(policy)
+
+
 def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray, clean_run, tmp_path):
     """ZeRO-3 on 2 ranks, a sparse schedule, rank 1 SIGKILLed after step 6: rank 0's next
     collective raises, it captures its partition of every layer at step 6 and its writer persists
