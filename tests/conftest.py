@@ -86,6 +86,7 @@ def local_ray():
 SHARED_RUNS = ("clean_run", "layercheck_run", "tiny_benchmark", "local_runtime", "tied_llama_jobs")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``./dev test -n 2``; ``--dist loadgroup``): the tests that read a
     shared run (``SHARED_RUNS``) in one group per run, so that each is made once, on one worker;
