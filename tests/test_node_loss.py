@@ -5,7 +5,8 @@ removed mid-run (its raylet, its worker and its writer actor die with it). The e
 lost, and new versions are written by the head's writer; when a node returns, Ray Train grows
 the group back (a restart LayerCheck resumes like a recovery, every rank at ``t_fail + 1``). Also:
 the same cluster refuses a node-local storage path unless ``cluster.shared_storage`` says it is
-shared."""
+shared; and with ``cluster.in_place`` and a third node, the lost node's rank alone is replaced, on
+the third, while the survivor keeps its process."""
 
 import json
 import os
@@ -332,3 +333,71 @@ def test_the_group_grows_back_when_a_node_returns(cluster, tmp_path):
     assert (grown["grown_from"], grown["world_size"]) == (1, 2), recoveries
     assert outcome["result"].status["account"]["failures"] == 1  # the node's loss; growing back is none
     assert any(size == 2 for step, size in sizes if step > grown["t_fail"]), sizes
+
+
+def _nodes_of_the_group(head) -> set[str]:
+    """The nodes of the run's Ray Train worker group (its placement group's bundles)."""
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
+    return {node for g in groups for node in g["bundles_to_node_id"].values()}
+
+
+def test_losing_a_node_in_place_replaces_its_rank_on_another_node_and_the_survivor_keeps_its_process(cluster, tmp_path):
+    """``cluster.in_place`` on three nodes of one CPU (the head, the second, a third): the node of a
+    rank that is not on the head is lost mid-run. Ray Train replaces that rank only, on the node
+    with room (it may first fail to start one, before the node's death is known, and retries); the
+    replacement loads its slices from the writers' memory (the mirror
+    copies on a surviving node) or storage. The survivor keeps its process and its state; every
+    rank resumes at ``t_fail + 1`` with the group at its full size, and nothing committed is lost.
+    (The elastic group that shrinks onto what is left: the test above.)"""
+    head = cluster
+    _second_node(head)
+    third = head.add_node(num_cpus=1)
+    head.wait_for_nodes()
+    config = _config(
+        head,
+        tmp_path,
+        "in-place",
+        **{"cluster.shared_storage": True, "cluster.in_place": True, "cluster.min_workers": 0},
+    )
+    seen: dict = {}
+    lock = threading.Lock()
+
+    def on_progress(status):
+        with lock:
+            try:
+                if "killed_at" in seen or status.get("step", 0) < KILL_AFTER_STEP or not _two_workers(status):
+                    return
+                nodes = {n.node_id: n for n in [*head.worker_nodes]}
+                placed = [node for node in _nodes_of_the_group(head) if node in nodes]
+                if not placed:
+                    return
+                seen["committed"] = {v.version_id for v in LayerStore.open(config.storage_uri).versions()}
+                seen["killed_at"], seen["lost_node"] = status["step"], placed[0]
+                head.remove_node(nodes[placed[0]], allow_graceful=False)
+            except Exception as error:  # the driver's progress poll swallows errors: keep it for the test
+                seen.setdefault("errors", []).append(repr(error))
+
+    try:
+        result = train(config, on_progress=on_progress, poll_s=0.2)
+    finally:  # the module's cluster back to two nodes for the next test
+        if "lost_node" not in seen:
+            head.remove_node(third)
+    assert not seen.get("errors"), seen["errors"]
+    assert "killed_at" in seen, "the run ended before a node was removed"
+    assert result.error is None, result.error
+    status = result.status
+    (recovery,) = status["account"]["recoveries"]
+    assert recovery["t_fail"] >= seen["killed_at"] and recovery["resumed_at"] == recovery["t_fail"] + 1, recovery
+    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
+    history = {int(step) for step in status["account"]["history"]}
+    assert set(range(recovery["resumed_at"], STEPS + 1)) <= history and max(history) == STEPS
+    store = LayerStore.open(config.storage_uri)
+    after = {v.version_id: v for v in store.versions()}
+    assert seen["committed"] <= set(after), "a version committed before the node loss is gone"
+    # the group kept its size: whole versions of both ranks after the loss
+    assert any(v.world_size == 2 and not v.partial for v in after.values() if v.step > recovery["t_fail"])
+    # the survivor's slices are its own state at t_fail; the lost rank's came from a writer's memory
+    # (the head's mirror copies) or, for a file that had not reached its mirror yet, from storage
+    assert recovery["elements"]["capture"] > 0 and recovery["elements"]["stored"] > 0, recovery["elements"]
+    assert recovery["memory_local_shards"] + recovery["memory_remote_shards"] > 0, recovery
+    assert recovery["failure_to_step_s"] > 0 and recovery["fallback"] == "", recovery
