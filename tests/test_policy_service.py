@@ -78,3 +78,19 @@ def test_restart_without_a_composite_starts_over_and_rewrites_the_base():
     assert not report(svc, 1, 1, [0, 0, 0])
     report(svc, 2, 0, [0, 0, 0])
     assert report(svc, 2, 1, [0, 0, 0]).is_base
+
+
+def test_the_last_decision_history_steps_are_kept_across_a_restart_to_an_earlier_step():
+    from layercheck.orchestrator.core.policy_service import DECISION_HISTORY
+
+    svc = service(world_size=1)
+    last = 2 * DECISION_HISTORY
+    for step in range(1, last + 1):
+        report(svc, step, 0, [0, 0, 0])
+    kept = [s for s in range(1, last + 1) if svc.decision(s) is not None]
+    assert kept == list(range(last - DECISION_HISTORY + 1, last + 1))
+    svc.restart(world_size=1, resume_after=last - 10, persisted_steps={})  # the 10 after it are lost
+    for step in range(last - 9, last + 41):
+        report(svc, step, 0, [0, 0, 0])
+    kept = [s for s in range(1, last + 41) if svc.decision(s) is not None]
+    assert kept == list(range(last + 40 - DECISION_HISTORY + 1, last + 41))

@@ -162,8 +162,9 @@ class PolicyService:
             logger.error("step %d: decided %s, but the ranks were given %s in advance", step, decision, planned)
         self.last_complete_step = step
         self._decisions[step] = decision
-        for old in [s for s in self._decisions if s <= step - DECISION_HISTORY]:
-            del self._decisions[old]
+        # in step order (a restart keeps the older ones): drop from the front, not by a scan each step
+        while (oldest := next(iter(self._decisions))) <= step - DECISION_HISTORY:
+            del self._decisions[oldest]
         if not quiet:
             self._plan, self._plan_lr = [], pending.lr
         return decision
