@@ -341,7 +341,7 @@ def test_the_group_grows_back_when_a_node_returns(cluster, tmp_path):
     assert any(size == 2 for step, size in sizes if step > grown["t_fail"]), sizes
 
 
-def _nodes_of_the_group(head) -> set[str]:
+def _nodes_of_the_group() -> set[str]:
     """The nodes of the run's Ray Train worker group (its placement group's bundles)."""
     groups = [g for g in ray.util.placement_group_table().values() if g["state"] == "CREATED"]
     return {node for g in groups for node in g["bundles_to_node_id"].values()}
@@ -351,9 +351,9 @@ def test_losing_a_node_in_place_replaces_its_rank_on_another_node_and_the_surviv
     """``cluster.in_place`` on three nodes of one CPU (the head, the second, a third): the node of a
     rank that is not on the head is lost mid-run. Ray Train replaces that rank only, on the node
     with room (it may first fail to start one, before the node's death is known, and retries); the
-    replacement loads its slices from the writers' memory (the mirror
-    copies on a surviving node) or storage. The survivor keeps its process and its state; every
-    rank resumes at ``t_fail + 1`` with the group at its full size, and nothing committed is lost.
+    replacement loads its slices from the writers' memory (the mirror copies on a surviving node) or
+    storage. The survivor keeps its process and its state; every rank resumes at ``t_fail + 1`` with
+    the group at its full size, and nothing committed is lost.
     (The elastic group that shrinks onto what is left: the test above.)"""
     head = cluster
     _second_node(head)
@@ -373,8 +373,8 @@ def test_losing_a_node_in_place_replaces_its_rank_on_another_node_and_the_surviv
             try:
                 if "killed_at" in seen or status.get("step", 0) < KILL_AFTER_STEP or not _two_workers(status):
                     return
-                nodes = {n.node_id: n for n in [*head.worker_nodes]}
-                placed = [node for node in _nodes_of_the_group(head) if node in nodes]
+                nodes = {n.node_id: n for n in head.worker_nodes}
+                placed = [node for node in _nodes_of_the_group() if node in nodes]
                 if not placed:
                     return
                 seen["committed"] = {v.version_id for v in LayerStore.open(config.storage_uri).versions()}

@@ -4,7 +4,7 @@ restart rebases the policy on the composite (or starts over without one)."""
 
 import pytest
 
-from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.policy_service import DECISION_HISTORY, PolicyService
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig
 from layercheck.policies.decision import Reason
@@ -81,8 +81,6 @@ def test_restart_without_a_composite_starts_over_and_rewrites_the_base():
 
 
 def test_the_last_decision_history_steps_are_kept_across_a_restart_to_an_earlier_step():
-    from layercheck.orchestrator.core.policy_service import DECISION_HISTORY
-
     svc = service(world_size=1)
     last = 2 * DECISION_HISTORY
     for step in range(1, last + 1):
