@@ -94,6 +94,7 @@ class StaggeredPolicy:
             raise ValueError("StaggeredPolicy needs at least one layer")
         self.config = config
         self.layers = tuple(numel)
+        self._known = frozenset(self.layers)
         self.size = {name: int(n) * BYTES_PER_PARAM for name, n in numel.items()}
         self.fixed_rates = None if rates is None else {name: float(rates.get(name, 0.0)) for name in self.layers}
         self._reset()
@@ -115,24 +116,39 @@ class StaggeredPolicy:
         self.next_replan: int | None = None
         self.external_budget: int | None = None
         self.external_binding = False  # whether the writers' drain rate set the plan's budget
+        self.quiet_until = 0
+        """Before this step nothing is due, stale or to re-plan: such a step decides nothing and,
+        unless the budget moves, changes nothing but the drift estimates (see :meth:`observe`)."""
 
     # ---- deciding ------------------------------------------------------------------------
     def observe(self, obs: StepObservation) -> PersistDecision:
-        unknown = set(obs.drift) - set(self.layers)
-        if unknown:
-            raise ValueError(f"drift reported for unknown layers {sorted(unknown)}")
+        if obs.drift and not self._known.issuperset(obs.drift):
+            raise ValueError(f"drift reported for unknown layers {sorted(set(obs.drift) - self._known)}")
         self._track(obs)
-        if obs.step < self.config.warmup_steps:
-            return PersistDecision(step=obs.step)
         t = obs.step
+        if t < self.config.warmup_steps:
+            return PersistDecision(step=t)
         budget_moved = self._budget_moved(obs.write_budget_bytes)
+        if t < self.quiet_until and not budget_moved:  # most steps: nothing to decide
+            return PersistDecision(step=t)
         if self.budget is None or budget_moved:
             self._plan(t, every_layer=True)
         elif self.next_replan is not None and t >= self.next_replan:
             self._plan(t, every_layer=False)
         if self.unplaced:
             self._place(t)
-        return self._persist(t, self._choose(t))
+        decision = self._persist(t, self._choose(t))
+        self.quiet_until = self._next_event()
+        return decision
+
+    def _next_event(self) -> int:
+        """The first step after this one where a save may be due (on schedule, or by the ``smax``
+        backstop) or the plan is to be revisited; what the steps before it decide is known: nothing."""
+        events = [d for d in self.due.values() if d is not None]
+        events += [last + self.config.smax for last in self.last_persisted.values() if last is not None]
+        if self.next_replan is not None:
+            events.append(self.next_replan)
+        return min(events, default=0) if not self.unplaced else 0
 
     def _track(self, obs: StepObservation) -> None:
         """Each layer's unsaved drift and rate estimate. On a step with no measurement
@@ -142,11 +158,12 @@ class StaggeredPolicy:
         not), an unmeasured step leaves each layer's drift *unknown*: never taken for frozen."""
         self.observed += 1
         if not obs.measured:
-            for name in self.layers:
-                if self.rate_weight > 0:
-                    self.unsaved[name] += self.rate[name] / self.rate_weight
-                else:
-                    self.unknown.add(name)
+            if self.rate_weight > 0:
+                weight, unsaved = self.rate_weight, self.unsaved
+                for name, rate in self.rate.items():
+                    unsaved[name] += rate / weight
+            else:
+                self.unknown.update(self.layers)
             return
         for name in self.layers:
             self.unsaved[name] += float(obs.drift.get(name, 0.0))
@@ -352,6 +369,7 @@ class StaggeredPolicy:
             self._reset()
             self.rate, self.observed, self.last_measured, self.rate_weight = rates, observed, measured, weight
             return
+        self.quiet_until = 0  # the saves and phases below move
         for name in self.layers:
             step = persisted_steps.get(name)
             self.last_persisted[name] = step
@@ -416,3 +434,4 @@ class StaggeredPolicy:
         self.next_replan = opt_int(state["next_replan"])
         self.external_budget = opt_int(state["external_budget"])
         self.external_binding = bool(state["external_binding"])
+        self.quiet_until = 0

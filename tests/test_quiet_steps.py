@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future
 
+import pytest
+
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.runtime import policy_actor, train_fn
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
@@ -97,6 +99,23 @@ def test_a_quiet_step_still_completes_only_once_every_rank_reported_it():
     assert svc.last_complete_step == 1  # t_fail: rank 1 never finished step 2
     report(svc, 2, 1)
     assert svc.last_complete_step == 2
+
+
+def test_a_replica_completing_the_quiet_steps_alone_decides_as_every_rank_reporting_them():
+    reported, alone = service(), service()
+    for step in range(1, 41):
+        expected = complete(reported, step)
+        if alone.quiet(step):
+            assert alone.complete_quiet(step, 1e-3) == expected
+            assert alone.complete_quiet(step, 1e-3) == expected  # a repeat is answered, not counted again
+        else:
+            assert complete(alone, step) == expected
+        if step % 7 == 0:  # news mid-window
+            for svc in (reported, alone):
+                svc.settled("embed", step)
+    assert alone.trace == reported.trace and alone.last_complete_step == 40
+    with pytest.raises(ValueError, match="not quiet"):
+        alone.complete_quiet(41, 1e-3)  # measured: every rank's drift is needed
 
 
 def test_a_restart_in_a_quiet_window_plans_the_rest_of_it_from_the_rebased_schedule():

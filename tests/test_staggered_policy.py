@@ -5,6 +5,7 @@ left alone, smax, rebase and state."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,44 @@ def test_on_a_recorded_trace_where_layers_drift_nearly_alike_it_writes_no_more_t
     trace = DriftTrace.from_json(json.loads((Path(__file__).parent / "data/demo_drift_trace.json").read_text()))
     comparison = compare(trace, StaggeredConfig(period=20, smax=40), label="staggered")
     assert comparison.bytes_vs_drift_match <= 1.0  # the nearest full-checkpoint interval, as the summary reports
+
+
+class _DecidesEveryStep(StaggeredPolicy):
+    """The same policy without the shortcut over steps where nothing can be due."""
+
+    def _next_event(self) -> int:
+        return 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(st.integers(1, 5000), min_size=1, max_size=10),
+    period=st.integers(2, 20),
+    smax=st.integers(3, 60),
+    drift_every=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_skipping_steps_where_nothing_is_due_decides_exactly_as_deciding_every_step(
+    sizes, period, smax, drift_every, seed
+):
+    rng = random.Random(seed)
+    numel = {f"l{i}": n for i, n in enumerate(sizes)}
+    frozen = {n for n in numel if rng.random() < 0.3}
+    thaw = rng.randrange(1, 240)  # frozen layers start to move here (a schedule that unfreezes)
+    config = StaggeredConfig(period=period, smax=smax, drift_every=drift_every, warmup_steps=rng.randrange(0, 8))
+    fast, every = StaggeredPolicy(config, numel), _DecidesEveryStep(config, numel)
+    budget = None
+    for step in range(1, 240):
+        if rng.random() < 0.03:  # the writers' drain rate moves now and then
+            budget = rng.choice([None, rng.randrange(1, 12 * sum(sizes))])
+        if step == thaw:
+            frozen = set()
+        measured = (step - 1) % drift_every == 0
+        drift = {n: 0.0 if n in frozen else rng.uniform(0.1, 2.0) for n in numel} if measured else {}
+        seen = StepObservation(step=step, lr=1.0, drift=drift, write_budget_bytes=budget, measured=measured)
+        assert fast.observe(seen) == every.observe(seen), step
+        if rng.random() < 0.01:  # a recovery loaded some layers' last versions
+            kept = {n: s for n, s in fast.last_persisted.items() if s is not None and rng.random() < 0.7}
+            fast.rebase(kept)
+            every.rebase(kept)
+    assert fast.state_dict() == every.state_dict()

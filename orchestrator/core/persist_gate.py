@@ -48,6 +48,8 @@ class PersistGate:
         """The decision with every layer that has ``max_in_flight`` versions in flight held back,
         and every held-back layer that has room again added (model order as in ``decision``, then
         the held-back ones)."""
+        if not decision.layers and not self.deferred:
+            return decision  # (most steps)
         admitted: dict[str, Reason] = {}
         for name, reason in decision.layers:
             if self.full(name):

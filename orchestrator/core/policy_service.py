@@ -136,23 +136,35 @@ class PolicyService:
             return None
         return self._complete(step, self._pending.pop(step))
 
+    def complete_quiet(self, step: int, lr: float) -> PersistDecision | None:
+        """Complete quiet ``step`` (:meth:`quiet`) for every rank at once: a replica that decides
+        every step itself (the local runtime) knows that each rank's report of it is empty. The
+        same as every rank's :meth:`report` with no drift."""
+        if not self.quiet(step):
+            raise ValueError(f"step {step} is not quiet: its drift is measured and exchanged")
+        if step in self._decisions or step <= self.last_complete_step:
+            return self._decisions.get(step)
+        self._pending.pop(step, None)
+        return self._complete(step, _Pending(lr=lr, measured=False))
+
     def _complete(self, step: int, pending: _Pending) -> PersistDecision:
         if step != self.last_complete_step + 1:
             logger.warning("step %d completed after step %d: steps were skipped", step, self.last_complete_step)
         quiet = self.quiet(step)
         if not quiet:
             self._apply_news()
-        drift = {
-            name: pending.sums.get(name, 0.0) / pending.counts[name]
-            for name in self.layers
-            if pending.measured and not quiet and pending.counts.get(name)
-        }
+        measured = pending.measured and not quiet
+        drift = (
+            {
+                name: pending.sums.get(name, 0.0) / pending.counts[name]
+                for name in self.layers
+                if pending.counts.get(name)
+            }
+            if measured
+            else {}
+        )
         observation = StepObservation(
-            step=step,
-            lr=pending.lr,
-            drift=drift,
-            write_budget_bytes=self.write_budget_bytes,
-            measured=pending.measured and not quiet,
+            step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes, measured=measured
         )
         self.trace.append(observation)
         decision = self.gate.admit(self.policy.observe(observation))

@@ -294,8 +294,7 @@ class LocalCoordinator:
                 break
             gather = self._gathers.pop(step)
             if not isinstance(gather, _Gather):  # a quiet step: every replica completes it alone
-                for rank in range(self.world_size):
-                    self.service.report(step=step, rank=rank, lr=gather, abs_sums={}, counts={}, measured=False)
+                self.service.complete_quiet(step, gather)
                 continue
             gather.work.wait()
             for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
