@@ -23,7 +23,14 @@ import torch
 
 from layercheck.workers import optim_state
 from layercheck.workers.host_buffers import HostBufferPool
-from layercheck.workers.layout import LayerLayout, Piece, StateLayout, refresh_forward_weights, state_view
+from layercheck.workers.layout import (
+    LayerLayout,
+    Piece,
+    StateLayout,
+    refresh_forward_weights,
+    state_runs,
+    state_view,
+)
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -74,7 +81,7 @@ def group_metadata(layout: StateLayout, layer: str) -> tuple[dict[str, Any], ...
     entry = layout[layer]
     out = []
     for group, names, index in zip(layout.groups_of(layer), entry.group_params, entry.group_indices):
-        meta = {k: _json_safe(v) for k, v in group.items() if k != "params" and _json_safe(v) is not None}
+        meta = {k: safe for k, v in group.items() if k != "params" and (safe := _json_safe(v)) is not None}
         meta["param_names"] = list(names)
         meta.setdefault("index", index)
         out.append(meta)
@@ -134,9 +141,9 @@ def snapshot_layers(
 def _copy_out(layout: StateLayout, pieces: Sequence[Piece], key: str, pool: HostBufferPool) -> torch.Tensor:
     buffer = pool.acquire(sum(p.slice.length for p in pieces))
     start = 0
-    for piece in pieces:
-        n = piece.slice.length
-        buffer.narrow(0, start, n).copy_(state_view(layout.optimizer, piece, key), non_blocking=True)
+    for run in state_runs(layout.optimizer, pieces, key):
+        n = run.numel()
+        buffer.narrow(0, start, n).copy_(run, non_blocking=True)
         start += n
     return buffer
 

@@ -88,8 +88,29 @@ class StateLayout:
 
 def state_view(optimizer: Any, piece: Piece, key: str) -> torch.Tensor:
     """The 1-D view of ``piece`` in state ``key`` (``fp32`` is the master weight itself)."""
-    base = piece.master if key == "fp32" else optimizer.state[piece.master][key]
-    return base.detach().view(-1).narrow(0, piece.start, piece.slice.length)
+    return _state_of(optimizer, piece.master, key).narrow(0, piece.start, piece.slice.length)
+
+
+def state_runs(optimizer: Any, pieces: Sequence[Piece], key: str) -> list[torch.Tensor]:
+    """1-D views of ``pieces`` in state ``key`` whose concatenation is theirs, in order, with the
+    pieces that follow each other in one master joined into one view: copying a layer then takes
+    a copy per run, not one per parameter (ZeRO-1/3 lay a param group's partitions end to end)."""
+    runs: list[torch.Tensor] = []
+    i = 0
+    while i < len(pieces):
+        first = pieces[i]
+        end = first.start + first.slice.length
+        i += 1
+        while i < len(pieces) and pieces[i].master is first.master and pieces[i].start == end:
+            end += pieces[i].slice.length
+            i += 1
+        runs.append(_state_of(optimizer, first.master, key).narrow(0, first.start, end - first.start))
+    return runs
+
+
+def _state_of(optimizer: Any, master: torch.Tensor, key: str) -> torch.Tensor:
+    base = master if key == "fp32" else optimizer.state[master][key]
+    return base.detach().view(-1)
 
 
 def zero0_owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
