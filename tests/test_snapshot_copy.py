@@ -103,6 +103,19 @@ def test_handover_persists_landed_snapshots_then_frees_their_buffers():
     assert handed[-1] == (2, ("a",), False, 2.0) and pool.lent == 0
 
 
+def test_a_persist_that_keeps_plain_buffers_gets_them_for_good_and_the_pool_takes_new_ones():
+    pool = HostBufferPool(pin=False)
+    kept: list = []
+    handover = Handover(ScriptedCopier(), lambda shards, *, base: kept.extend(shards), pool, give_away=True)
+    handover.take(["a"], 1, base=False)
+    handover.take(["a"], 2, base=False)
+    handover.flush(wait=True)
+    assert pool.lent == 0 and pool.allocated_bytes == 0  # nothing lent, nothing left in the pool
+    assert [float(shard.tensors["fp32"][0]) for shard in kept] == [1.0, 2.0]  # step 2 took new buffers
+    with pytest.raises(ValueError, match="pinned"):
+        Handover(ScriptedCopier(), lambda shards, *, base: None, HostBufferPool(pin=True), give_away=True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "device",

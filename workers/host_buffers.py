@@ -47,6 +47,16 @@ class HostBufferPool:
                 if buffer is not None:  # tensors this pool did not lend are left alone
                     self._free.setdefault(buffer.numel(), []).append(buffer)
 
+    def give(self, shard: LayerShard) -> None:
+        """``shard``'s buffers leave the pool for good: whoever holds the shard keeps them (the pool
+        takes new ones). For plain host memory only, where a new buffer costs what a copy would:
+        pinned buffers are costly to make, so they are released and whoever needs the data copies it."""
+        with self._lock:
+            for tensor in shard.tensors.values():
+                buffer = self._lent.pop(id(tensor), None)
+                if buffer is not None:
+                    self.allocated_bytes -= buffer.numel() * buffer.element_size()
+
     @property
     def lent(self) -> int:
         """How many buffers are out (a growing number means shards are never released)."""

@@ -60,7 +60,8 @@ class Coordinator(Protocol):
         """The decision behind ``handle`` (waits for the other ranks' reports if needed)."""
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
-        """Hand the snapshots over; the shards' buffers may be reused once this returns."""
+        """Hand the snapshots over; the shards' buffers may be reused once this returns (unless
+        the coordinator keeps them, :class:`KeepsHostBuffers`)."""
 
     def progress(
         self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
@@ -89,6 +90,17 @@ class KeepsMemoryVersions(Protocol):
 
     def hold(self, shards: Sequence[LayerShard]) -> None:
         """Hand a memory version's shards over (the buffers may be reused once this returns)."""
+
+
+@runtime_checkable
+class KeepsHostBuffers(Protocol):
+    """The optional part of a :class:`Coordinator` that may keep the shards it is handed as they
+    are, in their host buffers, rather than copy them: where the loop's buffers are plain host
+    memory (no CUDA), it hands them over for good and takes new ones, and asks the coordinator
+    not to copy (one copy of each snapshot on the training thread, not two)."""
+
+    def keep_host_buffers(self) -> None:
+        """From now on, ``persist`` and ``hold`` may keep the shards' buffers."""
 
 
 @runtime_checkable
@@ -155,7 +167,11 @@ class StepProtocol:
         self.rank = rank
         self.result = LoopResult()
         self._buffers = HostBufferPool()
-        self._handover = Handover(copier_for(layout), self._hand_over, self._buffers)
+        give_away = False
+        if isinstance(coordinator, KeepsHostBuffers) and not self._buffers.pin:
+            coordinator.keep_host_buffers()
+            give_away = True
+        self._handover = Handover(copier_for(layout), self._hand_over, self._buffers, give_away=give_away)
         self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0
         self._pending: Any = None
         self._last_step: int | None = None

@@ -191,7 +191,9 @@ def copier_for(layout: StateLayout) -> SnapshotCopier:
 
 class Handover:
     """Snapshots from a copier, handed to ``persist(shards, base=...)`` in order once copied (a
-    memory version to ``persist(shards, base=False, memory=True)``)."""
+    memory version to ``persist(shards, base=False, memory=True)``). ``give_away``: ``persist``
+    keeps the shards as they are, so their buffers leave the pool (:meth:`HostBufferPool.give`)
+    instead of coming back to it; only where the pool's buffers are plain host memory."""
 
     def __init__(
         self,
@@ -199,11 +201,16 @@ class Handover:
         persist: Callable[..., None],
         pool: HostBufferPool,
         max_in_flight: int = 2,
+        *,
+        give_away: bool = False,
     ) -> None:
+        if give_away and pool.pin:
+            raise ValueError("pinned buffers are reused: persist must copy out of them (give_away=False)")
         self.copier = copier
         self.persist = persist
         self.pool = pool
         self.queue = CopyQueue(max_in_flight)
+        self.give_away = give_away
 
     def take(self, names: Sequence[str], step: int, *, base: bool, memory: bool = False) -> None:
         """Snapshot ``names`` at ``step`` and hand over whatever has finished copying."""
@@ -221,4 +228,4 @@ class Handover:
                     self.persist(pending.shards, base=pending.base)
             finally:
                 for shard in pending.shards:
-                    self.pool.release(shard)
+                    (self.pool.give if self.give_away else self.pool.release)(shard)

@@ -67,7 +67,13 @@ from layercheck.workers.drift import LayerDrift
 from layercheck.workers.shard import LayerShard
 
 if TYPE_CHECKING:
-    from layercheck.workers.loop import BoundedHandover, CapturesOnFailure, Coordinator, KeepsMemoryVersions
+    from layercheck.workers.loop import (
+        BoundedHandover,
+        CapturesOnFailure,
+        Coordinator,
+        KeepsHostBuffers,
+        KeepsMemoryVersions,
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +170,8 @@ class LocalCoordinator:
         self.memory_period = memory_period
         """Steps between memory versions (``persistence.memory_period``; 0: none)."""
         self.writer = self._new_writer()
+        self._keep_buffers = False
+        """The loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy of them here."""
         self._gathers: dict[int, _Gather | float] = {}
         """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
         self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
@@ -239,17 +247,25 @@ class LocalCoordinator:
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         for shard in shards:
-            # the loop reuses the buffers once this returns: the writer gets its own copy
-            owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
-            self.writer.submit(owned, base=base)
+            self.writer.submit(self._owned(shard), base=base)
         if shards:
             self.handed.append((shards[0].step, tuple(s.layer for s in shards)))
 
     def hold(self, shards: Sequence[LayerShard]) -> None:
         """A memory version's shards to this rank's writer, which holds them in memory only."""
         for shard in shards:
-            owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
-            self.writer.submit(owned, base=False, origin=MEMORY_ORIGIN)
+            self.writer.submit(self._owned(shard), base=False, origin=MEMORY_ORIGIN)
+
+    def keep_host_buffers(self) -> None:
+        """``KeepsHostBuffers``: the loop's snapshot buffers are plain host memory it gives away,
+        so the writer keeps them as they are (the writer is a thread of this process)."""
+        self._keep_buffers = True
+
+    def _owned(self, shard: LayerShard) -> LayerShard:
+        """``shard`` for the writer to keep: itself, or a copy where the loop reuses its buffers."""
+        if self._keep_buffers:
+            return shard
+        return replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
 
     def steps_ended(self) -> None:
         """The last step is done: the final save does not wait for storage (``BoundedHandover``)."""
@@ -472,5 +488,9 @@ class LocalCoordinator:
 
 if TYPE_CHECKING:  # the type check holds LocalCoordinator to the loop's protocol, its optional capture included
     _LOCAL_COORDINATOR: tuple[
-        type[Coordinator], type[CapturesOnFailure], type[BoundedHandover], type[KeepsMemoryVersions]
-    ] = (LocalCoordinator, LocalCoordinator, LocalCoordinator, LocalCoordinator)
+        type[Coordinator],
+        type[CapturesOnFailure],
+        type[BoundedHandover],
+        type[KeepsMemoryVersions],
+        type[KeepsHostBuffers],
+    ] = (LocalCoordinator, LocalCoordinator, LocalCoordinator, LocalCoordinator, LocalCoordinator)
