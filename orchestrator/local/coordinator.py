@@ -278,8 +278,7 @@ class LocalCoordinator:
         writes them, their receipts reach rank 0's supervisor like any shard's, and it commits
         them as partial versions (overlaid on the whole versions at the recovery)."""
         for shard in shards:
-            owned = replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
-            self.writer.submit(owned, base=False, origin="capture")
+            self.writer.submit(self._owned(shard), base=False, origin="capture")
         nbytes = sum(s.nbytes for s in shards)
         self.captures.append((step, tuple(s.layer for s in shards), nbytes))
         logger.warning(
