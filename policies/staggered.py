@@ -148,7 +148,7 @@ class StaggeredPolicy:
         events += [last + self.config.smax for last in self.last_persisted.values() if last is not None]
         if self.next_replan is not None:
             events.append(self.next_replan)
-        return min(events, default=0) if not self.unplaced else 0
+        return min(events, default=0)  # (every layer is placed by now)
 
     def _track(self, obs: StepObservation) -> None:
         """Each layer's unsaved drift and rate estimate. On a step with no measurement
