@@ -141,6 +141,15 @@ class StaggeredPolicy:
         self.quiet_until = self._next_event()
         return decision
 
+    def decides_nothing_before(self, write_budget_bytes: int | None) -> int:
+        """The first step whose observation, unmeasured and at this write budget, may decide
+        something: every step before it decides nothing (and changes only the drift estimates).
+        What lets the policy service know the steps between two measurements in advance."""
+        warmup = self.config.warmup_steps
+        if self._moves(self.external_budget, write_budget_bytes):
+            return warmup
+        return max(warmup, self.quiet_until)
+
     def _next_event(self) -> int:
         """The first step after this one where a save may be due (on schedule, or by the ``smax``
         backstop) or the plan is to be revisited; what the steps before it decide is known: nothing."""
@@ -226,9 +235,13 @@ class StaggeredPolicy:
 
     # ---- planning ------------------------------------------------------------------------
     def _budget_moved(self, external: int | None) -> bool:
+        moved = self._moves(self.external_budget, external)
+        self.external_budget = external
+        return moved
+
+    def _moves(self, previous: int | None, external: int | None) -> bool:
         """Whether the writers' drain rate moved enough to re-plan: any drop below the plan (or
         the queue would grow without bound), a rise beyond the tolerance."""
-        previous, self.external_budget = self.external_budget, external
         if external is None or self.budget is None:
             return previous is not None and external is None
         rose = self.external_binding and external > self.budget * self.config.replan_tolerance
@@ -260,7 +273,7 @@ class StaggeredPolicy:
                 "periods stretch %.2fx",
                 external,
                 configured,
-                configured / external,
+                configured / max(1, external),
             )
             return float(max(1, external))
         return configured
