@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from layercheck.policies.config_loader import require
 from layercheck.policies.configs import (
@@ -49,6 +49,16 @@ class CheckpointPolicy(Protocol):
         """What the run's metrics show of this policy at learning rate ``lr`` (read-only), each key
         optional: ``smax`` (the staleness budget, in steps), ``accumulated`` and ``threshold``
         (per layer: drift since the last save, and the drift that triggers the next)."""
+
+
+@runtime_checkable
+class KnowsQuietSteps(Protocol):
+    """The optional part of a policy measured only every ``drift_every`` steps (``staggered``)
+    that can tell, without observing them, which of the unmeasured steps ahead decide nothing."""
+
+    def decides_nothing_before(self, write_budget_bytes: int | None) -> int:
+        """The first step whose observation, unmeasured and at this write budget, may decide
+        something; every step before it decides nothing."""
 
 
 class DriftThresholdPolicy:

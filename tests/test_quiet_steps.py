@@ -8,16 +8,26 @@ collect no answer (``RayCoordinator``), the local replicas complete them alone
 from __future__ import annotations
 
 import asyncio
+import copy
+import random
 from concurrent.futures import Future
+from unittest import mock
 
 import pytest
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.runtime import policy_actor, train_fn
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
-from layercheck.policies.checkpoint_policy import build_policy
+from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.policies.checkpoint_policy import KnowsQuietSteps, build_policy
 from layercheck.policies.configs import StaggeredConfig, drift_measured
 from layercheck.policies.decision import PersistDecision
+from layercheck.policies.staggered import StaggeredPolicy
+from layercheck.workers.drift import LayerDrift
 
 NUMEL = {"embed": 4000, "block.0": 1000, "block.1": 1000, "block.2": 1000, "lm_head": 3000}
 RATE = 1e-3  # mean |update| a step, every layer
@@ -165,3 +175,117 @@ def test_the_policy_actor_hands_the_plan_with_the_measured_steps_answer_and_a_ra
     for step in range(2, 6):  # no answer collected: the plan's decision is the actor's own
         assert rank.decision((step, sent(_Answer()))) == PersistDecision.from_json(answer(step))
     assert not answer(5)["plan"] and answer(6)["plan"]
+
+
+class _SimulatesItsQuietSteps(StaggeredPolicy):
+    """The same policy without ``decides_nothing_before``: the service plans its quiet steps on a copy."""
+
+    decides_nothing_before = None  # type: ignore[assignment]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), drift_every=st.integers(2, 12))
+def test_the_quiet_steps_a_policy_knows_decide_nothing_decide_nothing_when_simulated(seed, drift_every):
+    """``PolicyService.decides_nothing`` (the policy's ``decides_nothing_before``) against the same
+    policy without it: every quiet step it names ahead of time then decides nothing, the plans are
+    the same (a window known to decide nothing is planned without a copy), and every step decides
+    the same, whatever the write budget (0 included), the settlements, the deferrals and the restarts."""
+    rng = random.Random(seed)
+    numel = {f"l{i}": rng.randrange(1, 5000) for i in range(rng.randrange(1, 8))}
+    config = StaggeredConfig(
+        period=rng.randrange(2, 30), smax=rng.randrange(3, 80), drift_every=drift_every, warmup_steps=rng.randrange(8)
+    )
+    known, simulated = (
+        PolicyService(policy, list(numel), 1, max_versions_in_flight=1, drift_every=drift_every)
+        for policy in (StaggeredPolicy(config, numel), _SimulatesItsQuietSteps(config, numel))
+    )
+    assert known._knows_quiet and not simulated._knows_quiet
+    assert isinstance(known.policy, KnowsQuietSteps) and not isinstance(simulated.policy, KnowsQuietSteps)
+    claimed: set[int] = set()
+    for step in range(1, 300):
+        news = rng.random()
+        budget = rng.choice([None, 0, rng.randrange(1, 12 * sum(numel.values()))]) if news < 0.05 else None
+        settle = [(n, steps[0]) for n, steps in known.gate.in_flight.items() if rng.random() < 0.3]
+        for svc in (known, simulated):
+            if news < 0.05:
+                svc.set_write_budget(budget)
+            for layer, version_step in settle:
+                svc.settled(layer, version_step)
+        if known.quiet(step):
+            decided = [svc.complete_quiet(step, 1e-3) for svc in (known, simulated)]
+        else:
+            drift = {n: rng.uniform(0.0, 2.0) * size for n, size in numel.items()}
+            decided = [
+                svc.report(step=step, rank=0, lr=1e-3, abs_sums=drift, counts=numel) for svc in (known, simulated)
+            ]
+        assert decided[0] == decided[1], step
+        assert not (step in claimed and decided[0]), step
+        assert not simulated.decides_nothing(step + 1)
+        nothing = {s for s in range(step + 1, step + drift_every) if known.decides_nothing(s)}
+        claimed |= nothing
+        with mock.patch("copy.deepcopy", side_effect=copy.deepcopy) as deepcopy:
+            plan = known.plan()
+        assert plan == simulated.plan(), step
+        assert not (deepcopy.called and {d.step for d in plan} <= nothing)  # known to decide nothing: no copy
+        if rng.random() < 0.02:  # a recovery loaded some layers' last versions
+            kept = {n: s for n, s in known.policy.last_persisted.items() if s is not None and rng.random() < 0.7}
+            for svc in (known, simulated):
+                svc.restart(world_size=1, resume_after=step, persisted_steps=kept)
+            claimed.clear()  # (a new group: the claims were for the lost one's steps)
+    assert known.policy.state_dict() == simulated.policy.state_dict()
+
+
+def test_with_the_default_schedule_most_quiet_steps_are_known_to_decide_nothing():
+    numel = {"embed": 40_000, **{f"block.{i}": 20_000 for i in range(6)}, "lm_head": 40_000}
+    svc = PolicyService(build_policy(StaggeredConfig(), numel), list(numel), 1, drift_every=StaggeredConfig.drift_every)
+    known = decided = 0
+    for step in range(1, 401):
+        if svc.quiet(step):
+            known += svc.decides_nothing(step)
+            decided += bool(svc.complete_quiet(step, 1e-3))
+        else:
+            svc.report(step=step, rank=0, lr=1e-3, abs_sums={n: 1e-3 * size for n, size in numel.items()}, counts=numel)
+    quiet = sum(map(svc.quiet, range(1, 401)))
+    assert decided and known > 0.75 * quiet
+    assert known <= quiet - decided
+
+
+def test_a_replica_answers_the_quiet_steps_known_to_decide_nothing_at_once_and_completes_them_later(tmp_path):
+    """``LocalCoordinator.decision`` of a quiet step known to decide nothing answers without feeding
+    the replica; the next step that may decide completes them all, in order. Every decision, and
+    the replica's trace, are those of a service completing every step as it comes."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = StaggeredConfig(period=12, drift_every=EVERY)
+        coordinator = LocalCoordinator(
+            policy=build_policy(config, NUMEL),
+            layer_numel=NUMEL,
+            store=LayerStore.open(str(tmp_path), fsync=False),
+            max_inflight_bytes=2**20,
+            max_versions_in_flight=1,  # as the reference's (nothing is persisted here, so nothing settles)
+            drift_every=EVERY,
+        )
+        reference = service(world_size=1, period=12)
+        handle, decided, deferred = None, {}, 0
+        for step in range(1, 12 * EVERY + 2):
+            measured = drift_measured(step, EVERY)
+            drift = LayerDrift(
+                step=step,
+                l1={n: RATE * size for n, size in NUMEL.items()} if measured else {},
+                numel=dict(NUMEL),
+                measured=measured,
+            )
+            new = coordinator.report(drift, 1e-3)
+            if handle is not None:  # the loop collects step t's decision after step t + 1
+                decided[handle] = coordinator.decision(handle)
+                deferred += coordinator.service.last_complete_step < handle
+            handle = new
+        assert coordinator.last_complete_step() == 12 * EVERY + 1  # every reported step, completed
+        for step in range(1, 12 * EVERY + 1):
+            assert decided[step] == complete(reference, step), step
+        quiet = [s for s in decided if reference.quiet(s)]
+        assert any(decided[s] for s in quiet) and deferred > len(quiet) / 2
+        assert coordinator.service.trace[:-1] == reference.trace  # (the reference stops a step short)
+        assert coordinator.close(timeout_s=60)
+    finally:
+        dist.destroy_process_group()

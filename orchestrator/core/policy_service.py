@@ -16,12 +16,14 @@ trip). The ranks still report every step, so ``last_complete_step`` (``t_fail``)
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from layercheck.orchestrator.core.persist_gate import PersistGate
-from layercheck.policies.checkpoint_policy import CheckpointPolicy
+from layercheck.policies.checkpoint_policy import CheckpointPolicy, KnowsQuietSteps
 from layercheck.policies.configs import drift_measured
 from layercheck.policies.decision import PersistDecision, StepObservation
 
@@ -65,6 +67,7 @@ class PolicyService:
         ``drift_every``-th step); above 1 the steps between are quiet (see the module)."""
         self.policy = policy
         self.drift_every = drift_every
+        self._knows_quiet = drift_every > 1 and isinstance(policy, KnowsQuietSteps)  # (checked once: it is slow)
         self.layers = tuple(layers)
         self.world_size = world_size
         self.last_complete_step = 0
@@ -89,6 +92,16 @@ class PolicyService:
         """Whether ``step``'s decision is known once the step before it is complete: no drift is
         measured there, and news waits for the next measured step."""
         return self.drift_every > 1 and not drift_measured(step, self.drift_every)
+
+    def decides_nothing(self, step: int) -> bool:
+        """Whether ``step``'s decision is known to be empty before the steps ahead of it complete:
+        it and every step after the last complete one are quiet, and the policy says that nothing
+        can be due before a later step (:class:`KnowsQuietSteps`). The gate passes such a decision
+        as it is: its settlements wait for the measured step too."""
+        done = self.last_complete_step
+        if not self._knows_quiet or step <= done or step >= done + 1 + (-done) % self.drift_every:
+            return False  # (the first measured step after ``done`` is the first ≡ 1 mod drift_every)
+        return step < cast(KnowsQuietSteps, self.policy).decides_nothing_before(self.write_budget_bytes)
 
     def set_write_budget(self, budget_bytes: int | None) -> None:
         """The runtime's measured write budget (:mod:`layercheck.orchestrator.core.write_budget`), put on
@@ -182,14 +195,16 @@ class PolicyService:
         return decision
 
     def _plan_after(self, step: int, lr: float) -> list[PersistDecision]:
-        """The decisions of the quiet steps after ``step``, on a copy of the policy and the gate."""
-        if not self.quiet(step + 1):
+        """The decisions of the quiet steps after ``step``: empty where the policy knows they
+        decide nothing (:meth:`decides_nothing`), else simulated on a copy of the policy and the gate."""
+        quiet_steps = list(itertools.takewhile(self.quiet, range(step + 1, step + self.drift_every)))
+        if not quiet_steps:
             return []
+        if self.decides_nothing(quiet_steps[-1]):
+            return [PersistDecision(step=quiet) for quiet in quiet_steps]
         policy, gate = copy.deepcopy((self.policy, self.gate))
         planned = []
-        for quiet in range(step + 1, step + self.drift_every):
-            if not self.quiet(quiet):
-                break
+        for quiet in quiet_steps:
             seen = StepObservation(
                 step=quiet, lr=lr, write_budget_bytes=self.write_budget_bytes, measured=False
             )  # (lr: not read on a step with no drift)

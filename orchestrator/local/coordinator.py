@@ -8,7 +8,11 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   so every replica decides the same, and as in the Ray runtime the loop collects step ``t``'s
   decision after step ``t + 1`` (:data:`layercheck.workers.loop.DECISION_LAG`). A quiet step
   (:meth:`PolicyService.quiet`: no drift measured, news held for the next measured step) has
-  nothing to exchange: each replica completes it alone, with the same result.
+  nothing to exchange: each replica completes it alone, with the same result. Where the policy
+  knows that such a step decides nothing (:meth:`PolicyService.decides_nothing`: most of them),
+  the loop gets its empty decision at once and the replica completes it later, with the next step
+  that may decide: the quiet steps' bookkeeping runs in one go, not a little of it between every
+  two training steps, where the training step has left the CPU's caches cold.
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
 * **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
@@ -174,6 +178,8 @@ class LocalCoordinator:
         """The loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy of them here."""
         self._gathers: dict[int, _Gather | float] = {}
         """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
+        self._answered_empty = 0
+        """The last quiet step whose decision the loop got before the replica completed it (empty)."""
         self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
         self._last_step_s = 0.0
         self._rounds = 0  # collective drains so far (every rank counts alike)
@@ -242,6 +248,9 @@ class LocalCoordinator:
         return drift.step
 
     def decision(self, handle: int) -> PersistDecision | None:
+        if self.service.decides_nothing(handle):  # completed later, with the next step that may decide
+            self._answered_empty = handle
+            return PersistDecision(step=handle)
         self._settle(up_to=handle)
         return self.service.decision(handle)
 
@@ -309,7 +318,9 @@ class LocalCoordinator:
                 break
             gather = self._gathers.pop(step)
             if not isinstance(gather, _Gather):  # a quiet step: every replica completes it alone
-                self.service.complete_quiet(step, gather)
+                decided = self.service.complete_quiet(step, gather)
+                if decided and step <= self._answered_empty:
+                    logger.error("step %d: decided %s after the loop was told it decides nothing", step, decided)
                 continue
             gather.work.wait()
             for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):

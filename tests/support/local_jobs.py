@@ -82,6 +82,7 @@ def _run(
     world_size: int,
     fail_after: Sequence[int] = (),
     hook: Any = None,
+    drift_every: int = 1,
 ) -> dict[str, Any]:
     restore_from_shards(train_engine.layout, initial)
     seek_step(train_engine, 0)
@@ -95,6 +96,7 @@ def _run(
         store=store,
         max_inflight_bytes=2**30,
         max_versions_in_flight=STEPS_IN_FLIGHT,
+        drift_every=drift_every,
         config=SupervisionConfig(drain_deadline_s=60, commit_backoff_s=0.01),
     )
     recoveries = []
@@ -214,6 +216,7 @@ def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
                 rank=rank,
                 world_size=world_size,
                 fail_after=(4,),
+                drift_every=StaggeredConfig().drift_every,  # quiet steps: decided in advance, completed later
             ),
         }
     finally:
