@@ -173,6 +173,8 @@ class StepProtocol:
             give_away = True
         self._handover = Handover(copier_for(layout), self._hand_over, self._buffers, give_away=give_away)
         self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0
+        # (asked every step: a runtime protocol's isinstance costs tens of µs, so it is checked once)
+        self._stops = coordinator if isinstance(coordinator, StopsOnRequest) else None
         self._pending: Any = None
         self._last_step: int | None = None
         self._mark: StepMark | None = None
@@ -261,8 +263,7 @@ class StepProtocol:
 
     def stop_requested(self) -> bool:
         """The run asked every rank to stop after this step (same answer on every rank)."""
-        coordinator = self.coordinator
-        return isinstance(coordinator, StopsOnRequest) and bool(coordinator.stop_requested())
+        return self._stops is not None and bool(self._stops.stop_requested())
 
     def finish(self, *, save_final: bool = False) -> LoopResult:
         """Carry out the last step's decision (its snapshots are the state after that step); with
