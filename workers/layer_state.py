@@ -140,8 +140,12 @@ def snapshot_layers(
 
 def _copy_out(layout: StateLayout, pieces: Sequence[Piece], key: str, pool: HostBufferPool) -> torch.Tensor:
     buffer = pool.acquire(sum(p.slice.length for p in pieces))
+    runs = state_runs(layout.optimizer, pieces, key)
+    if runs and not any(run.is_cuda for run in runs):  # on the host: one call, not a view and a copy per run
+        torch.cat(runs, out=buffer)
+        return buffer
     start = 0
-    for run in state_runs(layout.optimizer, pieces, key):
+    for run in runs:
         n = run.numel()
         buffer.narrow(0, start, n).copy_(run, non_blocking=True)
         start += n
