@@ -11,6 +11,7 @@ import asyncio
 import copy
 import random
 from concurrent.futures import Future
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -27,7 +28,9 @@ from layercheck.policies.checkpoint_policy import KnowsQuietSteps, build_policy
 from layercheck.policies.configs import StaggeredConfig, drift_measured
 from layercheck.policies.decision import PersistDecision
 from layercheck.policies.staggered import StaggeredPolicy
+from layercheck.policies.trace import observation_json
 from layercheck.workers.drift import LayerDrift
+from tests.support.dist_harness import run_ranks
 
 NUMEL = {"embed": 4000, "block.0": 1000, "block.1": 1000, "block.2": 1000, "lm_head": 3000}
 RATE = 1e-3  # mean |update| a step, every layer
@@ -250,42 +253,53 @@ def test_with_the_default_schedule_most_quiet_steps_are_known_to_decide_nothing(
     assert known <= quiet - decided
 
 
+def _replica_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """One rank's ``LocalCoordinator`` fed as the loop feeds it; what it decided, and when (JSON)."""
+    dist.init_process_group("gloo")  # (spawn_ranks set the rendezvous; it destroys the group after)
+    coordinator = LocalCoordinator(
+        policy=build_policy(StaggeredConfig(period=12, drift_every=EVERY), NUMEL),
+        layer_numel=NUMEL,
+        store=LayerStore.open(root, fsync=False),
+        max_inflight_bytes=2**20,
+        max_versions_in_flight=1,  # as the reference's (nothing is persisted here, so nothing settles)
+        drift_every=EVERY,
+    )
+    handle, decided, deferred = None, {}, 0
+    for step in range(1, 12 * EVERY + 2):
+        measured = drift_measured(step, EVERY)
+        drift = LayerDrift(
+            step=step,
+            l1={n: RATE * size for n, size in NUMEL.items()} if measured else {},
+            numel=dict(NUMEL),
+            measured=measured,
+        )
+        new = coordinator.report(drift, 1e-3)
+        if handle is not None:  # the loop collects step t's decision after step t + 1
+            decided[handle] = coordinator.decision(handle)
+            deferred += coordinator.service.last_complete_step < handle
+        handle = new
+    last = coordinator.last_complete_step()
+    return {
+        "decided": [decided[step].to_json() for step in sorted(decided)],
+        "deferred": deferred,
+        "last": last,
+        "trace": [observation_json(o) for o in coordinator.service.trace],
+        "closed": coordinator.close(60),
+    }
+
+
 def test_a_replica_answers_the_quiet_steps_known_to_decide_nothing_at_once_and_completes_them_later(tmp_path):
     """``LocalCoordinator.decision`` of a quiet step known to decide nothing answers without feeding
     the replica; the next step that may decide completes them all, in order. Every decision, and
-    the replica's trace, are those of a service completing every step as it comes."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        config = StaggeredConfig(period=12, drift_every=EVERY)
-        coordinator = LocalCoordinator(
-            policy=build_policy(config, NUMEL),
-            layer_numel=NUMEL,
-            store=LayerStore.open(str(tmp_path), fsync=False),
-            max_inflight_bytes=2**20,
-            max_versions_in_flight=1,  # as the reference's (nothing is persisted here, so nothing settles)
-            drift_every=EVERY,
-        )
-        reference = service(world_size=1, period=12)
-        handle, decided, deferred = None, {}, 0
-        for step in range(1, 12 * EVERY + 2):
-            measured = drift_measured(step, EVERY)
-            drift = LayerDrift(
-                step=step,
-                l1={n: RATE * size for n, size in NUMEL.items()} if measured else {},
-                numel=dict(NUMEL),
-                measured=measured,
-            )
-            new = coordinator.report(drift, 1e-3)
-            if handle is not None:  # the loop collects step t's decision after step t + 1
-                decided[handle] = coordinator.decision(handle)
-                deferred += coordinator.service.last_complete_step < handle
-            handle = new
-        assert coordinator.last_complete_step() == 12 * EVERY + 1  # every reported step, completed
-        for step in range(1, 12 * EVERY + 1):
-            assert decided[step] == complete(reference, step), step
-        quiet = [s for s in decided if reference.quiet(s)]
-        assert any(decided[s] for s in quiet) and deferred > len(quiet) / 2
-        assert coordinator.service.trace[:-1] == reference.trace  # (the reference stops a step short)
-        assert coordinator.close(timeout_s=60)
-    finally:
-        dist.destroy_process_group()
+    the replica's trace, are those of a service completing every step as it comes (one rank, in a
+    process of its own: the coordinator needs the default process group)."""
+    (out,) = run_ranks(_replica_job, 1, str(tmp_path))
+    assert out["last"] == 12 * EVERY + 1 and out["closed"]  # every reported step, completed
+    reference = service(world_size=1, period=12)
+    decided = {d.step: d for d in map(PersistDecision.from_json, out["decided"])}
+    assert sorted(decided) == list(range(1, 12 * EVERY + 1))
+    for step in decided:
+        assert decided[step] == complete(reference, step), step
+    quiet = [s for s in decided if reference.quiet(s)]
+    assert any(decided[s] for s in quiet) and out["deferred"] > len(quiet) / 2
+    assert out["trace"][:-1] == [observation_json(o) for o in reference.trace]  # (the reference stops a step short)

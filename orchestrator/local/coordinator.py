@@ -413,6 +413,7 @@ class LocalCoordinator:
         where all ranks' shard files came from, a ``LoadSources`` summed): the replicas restart as
         rank 0's did under the supervisor's ``RebasePolicy``."""
         self._gathers.clear()
+        self._answered_empty = 0
         records = answer.resume.records or {}
         if self.run is not None:
             self.run.loaded(load_s, sources)
@@ -433,6 +434,7 @@ class LocalCoordinator:
         """Rebase the policy replica for a resumption at ``resume_after + 1`` without the
         supervisor (a baseline's own recovery)."""
         self._gathers.clear()
+        self._answered_empty = 0
         self.service.restart(world_size=self.world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
     def drain(self, timeout_s: float) -> bool:
