@@ -115,40 +115,36 @@ def test_a_failed_in_place_recovery_falls_back_to_replacing_every_rank_within_on
     assert_failure_free_losses(failed, clean_run)
 
 
-def test_a_second_failure_during_an_in_place_recovery_is_recovered_in_place_again(local_ray, clean_run, tmp_path):
-    """``cluster.in_place``, rank 1 SIGKILLed after step 6, and its replacement SIGKILLed too,
-    during its recovery (it joined and formed the new group, and had not loaded;
-    ``fault.kill_again_in_recovery``). Rank 0, recovering in its own process, sees the new peer
-    lost like the first and recovers in place once more with the next replacement; the run
-    resumes at t_fail + 1 on the failure-free trajectory, rank 0 in the process it started in."""
-    again = {"fault.kill_at_step": 6, "cluster.in_place": True, "fault.kill_again_in_recovery": True}
-    failed = train_demo(tmp_path, "again", policy=EVERY_STEP, **{**again, **UNBOUNDED})
+def test_a_rank_whose_own_step_fails_is_replaced_in_place_and_so_is_its_replacement_lost_in_the_recovery(
+    local_ray, clean_run, tmp_path
+):
+    """``cluster.in_place``, two failures in one recovery. Rank 1's loop raises an error of its own
+    after step 6 (no lost peer: ``fault.raise_at_step``): it says so and raises, Ray Train replaces
+    it (charged, as any failure), and rank 0 sees it go like a lost peer and recovers in its own
+    process. The replacement is SIGKILLed during that recovery (it joined and formed the new group,
+    and had not loaded; ``fault.kill_again_in_recovery``): rank 0 sees the new peer lost like the
+    first and recovers in place once more with the next replacement. The run resumes at t_fail + 1
+    on the failure-free trajectory, rank 0 in the process it started in, and the summary names the
+    rank whose step failed although the recovery that answered it was overtaken."""
+    failing = {
+        "fault.raise_at_step": 6,
+        "fault.kill_rank": 1,
+        "cluster.in_place": True,
+        "fault.kill_again_in_recovery": True,
+    }
+    failed = train_demo(tmp_path, "own-error", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
     assert failed.status["state"] == "finished"
     account = failed.status["account"]
     assert account["failures"] == 2, account["recoveries"]
-    recovery = account["recoveries"][-1]
+    first, recovery = account["recoveries"]
+    assert first["refused"]["reason"] == "rank_failed", first
     assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
     assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
     pids = {r["pid"] for r in failed.train_reports}  # Ray Train keeps rank 0's reports
     assert len(pids) == 1 and failed.train_reports, f"rank 0 ran in {len(pids)} processes: {sorted(pids)}"
-    assert_failure_free_losses(failed, clean_run)
-
-
-def test_a_rank_whose_own_step_fails_is_replaced_and_the_others_recover_in_place(local_ray, clean_run, tmp_path):
-    """``cluster.in_place``, rank 1's loop raises an error of its own after step 6 (no lost peer:
-    ``fault.raise_at_step``). It says so and raises; Ray Train replaces it (charged, as any
-    failure), rank 0 sees it go like a lost peer and recovers in its own process, and the run
-    resumes at t_fail + 1 on the failure-free trajectory; the summary names the rank that failed."""
-    failing = {"fault.raise_at_step": 6, "fault.kill_rank": 1, "cluster.in_place": True}
-    failed = train_demo(tmp_path, "own-error", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
-    assert failed.status["state"] == "finished"
-    account = failed.status["account"]
-    (recovery,) = account["recoveries"]
-    assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (6, 7, 0), recovery
-    assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
-    assert recovery["refused"]["reason"] == "rank_failed", recovery
     text = format_summary(summarize(failed))
-    assert "replaced a rank whose own step failed: rank 1: InjectedFault: fault injection" in text, text
+    assert "(replaced a rank whose own step failed: rank 1: InjectedFault: fault injection" in text, text
+    assert "in place (1 rank kept its process)" in text, text
     assert_failure_free_losses(failed, clean_run)
 
 

@@ -239,6 +239,27 @@ def test_a_recovery_that_the_next_failure_overtook_says_so_and_is_no_fallback():
     assert "in place (1 rank kept its process)" in text
 
 
+def test_an_overtaken_recovery_still_names_the_rank_whose_own_step_failed():
+    """A rank's own step raised, and its replacement was lost during the recovery: the first
+    recovery was overtaken, yet the failure it answered is the run's only word on why rank 1 went."""
+    from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
+
+    account = RunAccount(started=0.0)
+    account.step_done(6, compute_s=0.5, stall_s=0.0, now=1.0)
+    first = account.failed(t_fail=6, resumed_at=7, now=2.0)
+    first.in_place, first.refused = True, FallbackReason("rank_failed", "rank 1: ValueError: bad batch")
+    second = account.failed(t_fail=6, resumed_at=7, now=4.0)
+    second.in_place = True
+    second.rank_ready(RankStart(kept_process=True), now=5.0)
+    account.step_done(7, compute_s=0.5, stall_s=0.0, now=6.0)
+    result = result_of(policy_config("staggered"))
+    result.status["account"] = {**result.status["account"], **account.summary(7.0)}
+    text = format_summary(summarize(result))
+    overtaken = "interrupted by the next failure before its first step (replaced a rank whose own step failed: rank 1"
+    assert overtaken in text, text
+    assert "in place (1 rank kept its process)" in text
+
+
 def test_the_bytes_written_include_the_partial_versions_beside_the_whole_ones():
     result = result_of(policy_config("staggered"))
     assert "partial version" not in format_summary(summarize(result))  # none: nothing said

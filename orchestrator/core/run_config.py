@@ -240,7 +240,8 @@ class FaultConfig:
     than ``kill_rank``, in their first incarnation after it). In-place recovery is then off, and
     Ray Train replaces every rank."""
     kill_again_in_recovery: bool = False
-    """With ``kill_at_step``: the lost rank's replacement SIGKILLs itself too, during its recovery
+    """With ``kill_at_step`` or ``raise_at_step``: the replacement of the rank that failed
+    (``kill_rank``) SIGKILLs itself too, during its recovery
     (after it joined the run and, in place, formed the new process group; before it loads the
     composite): a second failure during the recovery. Once: the next replacement recovers."""
     stall_writes_s: float = 0.0

@@ -386,13 +386,17 @@ def _recovery_time(r: dict[str, Any]) -> str:
     path, kept = r.get("path", "full restart"), r.get("kept_processes", 0)
     promoted = r.get("spares_promoted", 0)
     refused = r.get("refused") or {}  # a rank that raised out of its train function, and why
+    # the failure itself: a rank's own step raised (said even where the recovery was cut short)
+    own_step = (
+        f"replaced a rank whose own step failed: {refused['detail']}" if refused.get("reason") == "rank_failed" else ""
+    )
     if r.get("interrupted"):  # before any of its ranks loaded, often: no path to tell
-        path = "interrupted by the next failure before its first step"
+        path = "interrupted by the next failure before its first step" + (f" ({own_step})" if own_step else "")
     elif kept or promoted:
         how = [f"{kept} rank{'s' if kept != 1 else ''} kept {'their' if kept != 1 else 'its'} process"] if kept else []
         how += [f"{promoted} spare{'s' if promoted != 1 else ''} promoted"] if promoted else []
-        if refused.get("reason") == "rank_failed":  # the failure itself: a rank's own step raised
-            how += [f"replaced a rank whose own step failed: {refused['detail']}"]
+        if own_step:
+            how += [own_step]
         elif refused.get("detail"):  # a survivor that raised on the way was replaced like a lost rank
             how += [f"a survivor left, replaced too: {refused['detail']}"]
         path += f" ({', '.join(how)})"
