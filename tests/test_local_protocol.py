@@ -98,19 +98,25 @@ def test_once_the_steps_ended_the_final_save_does_not_wait_for_storage(tmp_path,
 
 def test_a_memory_version_waits_for_no_queued_write_and_replaces_its_waiting_predecessor(tmp_path, mailbox):
     """Behind a stuck write (slow storage), a layer's memory versions do not pile up: each replaces
-    the one still waiting, goes ahead of the scheduled writes queued, and never waits on the bound."""
+    the one still waiting, goes ahead of the scheduled writes queued, and never waits on the bound.
+    Each shard is handed back (``recycle``: its buffers to the loop's pool) once superseded or
+    written, and only then."""
     gate = Gate()
     store = LayerStore.open(str(tmp_path), fsync=False, hook=gate)
     writer = LocalWriter(store, mailbox, max_inflight_bytes=2 * shards("block.0", 1)[0].nbytes, memory_bytes=2**20)
+    recycled: list[tuple[str, int]] = []
+    writer.recycle = lambda shard: recycled.append((shard.layer, shard.step))
     writer.submit(shards("block.0", 1)[0], base=False)
     assert gate.entered.wait(timeout=60)  # stuck inside step 1's write
     writer.submit(shards("block.1", 2)[0], base=False)  # a scheduled write, queued
     for step in (2, 3, 4):
         writer.submit(shards("block.0", step)[0], base=False, origin="memory")
     assert writer.stats.superseded == 2 and writer.stats.blocked_s == 0 and len(writer._queue) == 2
+    assert recycled == [("block.0", 2), ("block.0", 3)]  # the superseded ones; nothing written yet
     gate.release.set()
     assert writer.drain(timeout_s=60)
     writer.close()
+    assert recycled[2:] == [("block.0", 1), ("block.0", 4), ("block.1", 2)]  # each once, as written
     taken = [mailbox.take()["receipt"] for _ in range(3)]
     assert [(r["layer"], r["step"], r["origin"]) for r in taken] == [
         ("block.0", 1, "policy"),

@@ -4,6 +4,8 @@ once, the CUDA side-stream path never waits on the training stream (CUDA case be
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -114,6 +116,33 @@ def test_a_persist_that_keeps_plain_buffers_gets_them_for_good_and_the_pool_take
     assert [float(shard.tensors["fp32"][0]) for shard in kept] == [1.0, 2.0]  # step 2 took new buffers
     with pytest.raises(ValueError, match="pinned"):
         Handover(ScriptedCopier(), lambda shards, *, base: None, HostBufferPool(pin=True), give_away=True)
+
+
+def test_buffers_given_away_come_back_once_their_holder_is_done_and_the_next_snapshot_reuses_them():
+    """The writer keeps what it is handed until written, then recycles it: the layer's next
+    snapshot copies into the same buffers (no fresh allocation, no page faults on the training
+    thread), and what is still held is never handed out twice."""
+    pool = HostBufferPool(pin=False)
+    kept: list = []
+    handover = Handover(ScriptedCopier(), lambda shards, *, base: kept.extend(shards), pool, give_away=True)
+    handover.take(["a"], 1, base=False)
+    handover.flush(wait=True)
+    (first,) = kept
+    handover.take(["a"], 2, base=False)  # step 1 still held (not written): new buffers
+    handover.flush(wait=True)
+    second = kept[1]
+    assert all(second.tensors[k] is not first.tensors[k] for k in STATE_KEYS)
+    assert float(first.tensors["fp32"][0]) == 1.0  # the held snapshot is untouched
+    pool.recycle(first)  # written
+    assert pool.allocated_bytes == len(STATE_KEYS) * 4 * 4 and pool.lent == 0
+    pool.recycle(first)  # twice: nothing more comes back
+    pool.recycle(dataclasses.replace(first, tensors={k: torch.zeros(4) for k in STATE_KEYS}))  # not the pool's
+    assert pool.allocated_bytes == len(STATE_KEYS) * 4 * 4
+    handover.take(["a"], 3, base=False)
+    handover.flush(wait=True)
+    third = kept[2]
+    assert {id(t) for t in third.tensors.values()} == {id(t) for t in first.tensors.values()}  # reused
+    assert float(third.tensors["fp32"][0]) == 3.0 and pool.allocated_bytes == 0
 
 
 @pytest.mark.slow

@@ -1,15 +1,19 @@
 """Reusable host buffers for layer snapshots.
 
 A snapshot copies a layer's shard from the device into host memory and hands it to the
-persistence pool; the pool gives the buffers back once written. Reusing them keeps steady-state
-snapshots allocation-free, and page-locked (pinned) where CUDA is present so the device-to-host
-copy runs at full speed. Without CUDA pinning buys nothing and is skipped.
+persistence pool; the buffers come back once written: at once where the hand-over copies them
+(:meth:`HostBufferPool.release`), or from the writer after its write where it keeps the shard as
+it is (:meth:`HostBufferPool.give`, then :meth:`HostBufferPool.recycle`). Reusing them keeps
+steady-state snapshots allocation-free (a fresh buffer of a few MB costs its page faults on the
+training thread: about 3x its copy), and page-locked (pinned) where CUDA is present so the
+device-to-host copy runs at full speed. Without CUDA pinning buys nothing and is skipped.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 
@@ -25,6 +29,8 @@ class HostBufferPool:
         self.pin = torch.cuda.is_available() if pin is None else pin
         self._free: dict[int, list[torch.Tensor]] = {}
         self._lent: dict[int, torch.Tensor] = {}
+        # given away and not yet recycled; weak: a holder that drops a shard instead leaks nothing
+        self._given: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self.allocated_bytes = 0
 
@@ -48,14 +54,26 @@ class HostBufferPool:
                     self._free.setdefault(buffer.numel(), []).append(buffer)
 
     def give(self, shard: LayerShard) -> None:
-        """``shard``'s buffers leave the pool for good: whoever holds the shard keeps them (the pool
-        takes new ones). For plain host memory only, where a new buffer costs what a copy would:
-        pinned buffers are costly to make, so they are released and whoever needs the data copies it."""
+        """``shard``'s buffers leave the pool: whoever holds the shard keeps them (the pool takes new
+        ones) until it hands them back with :meth:`recycle`. For plain host memory only: pinned
+        buffers are costly to make, so they are released and whoever needs the data copies it."""
         with self._lock:
             for tensor in shard.tensors.values():
                 buffer = self._lent.pop(id(tensor), None)
                 if buffer is not None:
                     self.allocated_bytes -= buffer.numel() * buffer.element_size()
+                    self._given[id(buffer)] = buffer
+
+    def recycle(self, shard: LayerShard) -> None:
+        """Take back the buffers of a shard :meth:`give` let go, once its holder is done with it
+        (the writer, after its write); the shard must not be read afterwards. Thread-safe; the
+        tensors of a shard this pool did not give are left alone."""
+        with self._lock:
+            for tensor in shard.tensors.values():
+                buffer = self._given.pop(id(tensor), None)
+                if buffer is tensor:
+                    self._free.setdefault(buffer.numel(), []).append(buffer)
+                    self.allocated_bytes += buffer.numel() * buffer.element_size()
 
     @property
     def lent(self) -> int:

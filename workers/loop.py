@@ -96,11 +96,14 @@ class KeepsMemoryVersions(Protocol):
 class KeepsHostBuffers(Protocol):
     """The optional part of a :class:`Coordinator` that may keep the shards it is handed as they
     are, in their host buffers, rather than copy them: where the loop's buffers are plain host
-    memory (no CUDA), it hands them over for good and takes new ones, and asks the coordinator
-    not to copy (one copy of each snapshot on the training thread, not two)."""
+    memory (no CUDA), it hands them over and asks the coordinator not to copy (one copy of each
+    snapshot on the training thread, not two); the coordinator hands each shard back through
+    ``recycle`` once it is done with it (written, or superseded), so that the next snapshot of
+    the layer reuses its buffers instead of faulting in new ones."""
 
-    def keep_host_buffers(self) -> None:
-        """From now on, ``persist`` and ``hold`` may keep the shards' buffers."""
+    def keep_host_buffers(self, recycle: Callable[[LayerShard], None]) -> None:
+        """From now on, ``persist`` and ``hold`` may keep the shards' buffers, and pass each shard
+        to ``recycle`` (from any thread) once no longer read."""
 
 
 @runtime_checkable
@@ -169,7 +172,7 @@ class StepProtocol:
         self._buffers = HostBufferPool()
         give_away = False
         if isinstance(coordinator, KeepsHostBuffers) and not self._buffers.pin:
-            coordinator.keep_host_buffers()
+            coordinator.keep_host_buffers(self._buffers.recycle)
             give_away = True
         self._handover = Handover(copier_for(layout), self._hand_over, self._buffers, give_away=give_away)
         self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0

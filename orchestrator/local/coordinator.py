@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -173,9 +173,11 @@ class LocalCoordinator:
         self.memory_bytes = memory_bytes
         self.memory_period = memory_period
         """Steps between memory versions (``persistence.memory_period``; 0: none)."""
-        self.writer = self._new_writer()
         self._keep_buffers = False
         """The loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy of them here."""
+        self._recycle: Callable[[LayerShard], None] | None = None
+        """Where the writers hand the given shards back once done with them."""
+        self.writer = self._new_writer()
         self._gathers: dict[int, _Gather | float] = {}
         """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
         self._answered_empty = 0
@@ -265,10 +267,13 @@ class LocalCoordinator:
         for shard in shards:
             self.writer.submit(self._owned(shard), base=False, origin=MEMORY_ORIGIN)
 
-    def keep_host_buffers(self) -> None:
+    def keep_host_buffers(self, recycle: Callable[[LayerShard], None]) -> None:
         """``KeepsHostBuffers``: the loop's snapshot buffers are plain host memory it gives away,
-        so the writer keeps them as they are (the writer is a thread of this process)."""
+        so the writer keeps them as they are (the writer is a thread of this process) and hands
+        each shard to ``recycle`` once written or superseded."""
         self._keep_buffers = True
+        self._recycle = recycle
+        self.writer.recycle = recycle
 
     def _owned(self, shard: LayerShard) -> LayerShard:
         """``shard`` for the writer to keep: itself, or a copy where the loop reuses its buffers."""
@@ -380,9 +385,11 @@ class LocalCoordinator:
         return answer
 
     def _new_writer(self) -> LocalWriter:
-        return LocalWriter(
+        writer = LocalWriter(
             self.store, self.mailbox, max_inflight_bytes=self.max_inflight_bytes, memory_bytes=self.memory_bytes
         )
+        writer.recycle = self._recycle
+        return writer
 
     def _join_all(self) -> GroupAnswer:
         """Rank 0: every rank of the group joins the supervisor (rank 0's join carries out the recovery)."""

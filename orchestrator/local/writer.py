@@ -9,6 +9,9 @@ With ``memory_bytes > 0`` the writer also keeps the newest shard files it wrote 
 :class:`~layercheck.orchestrator.core.memory_tier.ShardCache` (the Ray writer actor's in-memory tier): each
 file is serialised once, written, then held, so a recovery opens it from memory
 (:mod:`layercheck.orchestrator.local.memory`).
+
+A shard it is handed as it is (the loop's snapshot buffers, given away) goes to ``recycle`` once
+the writer is done with it, written or superseded: the loop's next snapshot reuses the buffers.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from layercheck.orchestrator.core.memory_reads import header_block
@@ -44,6 +48,8 @@ class LocalWriter:
         self.max_inflight_bytes = max_inflight_bytes
         self.unbounded = False
         """Set once no step follows (the final save): submissions no longer wait for storage."""
+        self.recycle: Callable[[LayerShard], None] | None = None
+        """Given each shard once it is written (or its write failed) or superseded: not read again."""
         self.stats = WriterStats()
         self._memory = ShardCache(memory_bytes)  # guarded by _changed: the recovery reads it from another thread
         self._queue: SupersedingQueue[_Entry] = SupersedingQueue(lambda e: e.shard.nbytes)
@@ -76,6 +82,7 @@ class LocalWriter:
                     shard.rank,
                     shard.step,
                 )
+                self._done_with(older.shard)
             self._changed.notify_all()
             if self.inflight_bytes <= self.max_inflight_bytes or self.unbounded or memory:
                 return
@@ -151,9 +158,14 @@ class LocalWriter:
                 assert entry is not None
                 self._writing_bytes = entry.shard.nbytes
             self._write(entry, mailbox)
+            self._done_with(entry.shard)
             with self._changed:
                 self._writing_bytes = 0
                 self._changed.notify_all()
+
+    def _done_with(self, shard: LayerShard) -> None:
+        if self.recycle is not None:
+            self.recycle(shard)
 
     def _write(self, entry: _Entry, mailbox: Mailbox) -> None:
         shard = entry.shard
