@@ -173,10 +173,9 @@ class LocalCoordinator:
         self.memory_bytes = memory_bytes
         self.memory_period = memory_period
         """Steps between memory versions (``persistence.memory_period``; 0: none)."""
-        self._keep_buffers = False
-        """The loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy of them here."""
         self._recycle: Callable[[LayerShard], None] | None = None
-        """Where the writers hand the given shards back once done with them."""
+        """Set where the loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy
+        of them here, and the writers hand each shard back through it once done with it."""
         self.writer = self._new_writer()
         self._gathers: dict[int, _Gather | float] = {}
         """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
@@ -271,13 +270,12 @@ class LocalCoordinator:
         """``KeepsHostBuffers``: the loop's snapshot buffers are plain host memory it gives away,
         so the writer keeps them as they are (the writer is a thread of this process) and hands
         each shard to ``recycle`` once written or superseded."""
-        self._keep_buffers = True
         self._recycle = recycle
         self.writer.recycle = recycle
 
     def _owned(self, shard: LayerShard) -> LayerShard:
         """``shard`` for the writer to keep: itself, or a copy where the loop reuses its buffers."""
-        if self._keep_buffers:
+        if self._recycle is not None:
             return shard
         return replace(shard, tensors={k: v.clone() for k, v in shard.tensors.items()})
 
