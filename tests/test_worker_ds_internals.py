@@ -9,6 +9,7 @@ import importlib.metadata
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tomllib
@@ -99,11 +100,12 @@ def test_wrappers_agree_with_deepspeed(internals, stage, precision):
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
-def test_a_warm_spare_has_done_the_imports_a_zero3_engine_build_would_make(warm):
-    """``warm_engine_imports`` (what a warm spare runs while it waits) leaves nothing heavy for the
-    engine build of a promoted spare: after it, building a ZeRO-3 engine imports nothing of torch's
-    dynamo, which DeepSpeed's Muon pulls in as ZeRO's optimizers are built (``cold``: it does, which
-    is why the spare warms it). A DeepSpeed that moves that import elsewhere fails here."""
+def test_an_engine_build_never_imports_torchs_inductor_and_a_warm_spares_imports_nothing_of_muon(warm):
+    """Building a ZeRO-3 engine imports DeepSpeed's Muon optimizer (its wrappers check for it),
+    whose kernels are wrapped in ``torch.compile`` at import: LayerCheck imports it with the
+    wrapping deferred, so no build imports torch's inductor (about 2 s of CPU per worker start).
+    ``warm_engine_imports`` (what a warm spare runs while it waits) leaves even the Muon import
+    out of a promoted spare's build (``warm``). A DeepSpeed that moves those imports fails here."""
     import subprocess
     import sys
 
@@ -122,12 +124,36 @@ if {warm}:
 before = set(sys.modules)
 init_distributed()
 build_engine(run.model, run.optim, run.engine, model=model)
-heavy = sorted(m for m in set(sys.modules) - before if m.startswith(("torch._dynamo", "deepspeed.runtime.zero.muon")))
-print("imported by the build:", len(heavy), heavy[:5])
+muon = sorted(m for m in set(sys.modules) - before if m.startswith("deepspeed.runtime.zero.muon"))
+print("muon imported by the build:", len(muon), muon[:5])
+print("inductor:", "torch._inductor.compile_fx" in sys.modules)
 """
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    heavy = int(re.search(r"imported by the build: (\d+)", result.stdout).group(1))
-    assert (heavy == 0) if warm else (heavy > 0), result.stdout
+    muon = int(re.search(r"muon imported by the build: (\d+)", result.stdout).group(1))
+    assert (muon == 0) if warm else (muon > 0), result.stdout
+    assert "inductor: False" in result.stdout, result.stdout
+
+
+def test_a_deferred_compile_compiles_once_at_the_first_call_with_the_options_given():
+    """What Muon's import gets instead of ``torch.compile``: the same result, compiled lazily."""
+    compiled: list[tuple[Any, dict[str, Any]]] = []
+
+    def fake_compile(fn, **options):
+        compiled.append((fn, options))
+        return lambda *args, **kwargs: ("compiled", fn(*args, **kwargs))
+
+    deferred = ds_internals.compile_on_first_call(fake_compile)
+
+    @deferred(mode="max-autotune")
+    def double(x):
+        """Twice x."""
+        return 2 * x
+
+    plain = deferred(lambda x: x + 1)
+    assert compiled == [] and double.__doc__ == "Twice x."  # nothing compiled at decoration
+    assert double(3) == ("compiled", 6) and double(x=4) == ("compiled", 8)
+    assert plain(1) == ("compiled", 2)
+    assert [options for _, options in compiled] == [{"mode": "max-autotune"}, {}]  # once each

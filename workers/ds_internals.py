@@ -15,8 +15,13 @@ So the engine builder refuses a DeepSpeed release outside :data:`VERIFIED_DEEPSP
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
+import sys
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,3 +215,59 @@ def reset_for_next_engine() -> None:
             f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
         )
     defaults[0][:] = [0]
+
+
+#: The module of DeepSpeed's Muon optimizer (DeepSpeed 0.19), which decorates its kernels with
+#: ``torch.compile`` at import.
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+_compile_patch = threading.Lock()
+
+
+def import_muon_compiling_on_first_call() -> None:
+    """Import DeepSpeed's Muon optimizer with its ``torch.compile`` decorations deferred to each
+    function's first call.
+
+    DeepSpeed 0.19 imports that module while it builds any ZeRO engine, whatever the optimizer:
+    its sanity check and its ZeRO and bf16 optimizer wrappers each ask ``isinstance(optimizer,
+    MuonWithAuxAdam)``. At import the module applies ``torch.compile`` to three functions, which
+    imports torch's inductor: about 2 s of CPU in every process that builds an engine, on every
+    worker start and on every replacement's path in a recovery, for an optimizer the run does not
+    use. ``torch.compile`` compiles at a function's first call anyway; deferring the wrapping to
+    that call too leaves the module as DeepSpeed wrote it (a Muon run compiles as before) and
+    its import cheap. A no-op before DeepSpeed is imported (its import picks the accelerator: the
+    caller's to make), once the module is imported, or on a DeepSpeed without it."""
+    if "deepspeed" not in sys.modules or MUON_MODULE in sys.modules:
+        return
+    with _compile_patch:
+        real = torch.compile
+        torch.compile = compile_on_first_call(real)
+        try:
+            with contextlib.suppress(ImportError):
+                __import__(MUON_MODULE)
+        finally:
+            torch.compile = real
+
+
+def compile_on_first_call(compile_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile``'s calling forms (``compile(fn, **options)`` and the decorator
+    ``compile(**options)``) with ``compile_fn(fn, **options)`` called at ``fn``'s first call.
+    Called inside a function being compiled, ``fn`` runs as it is, for the compiler to trace
+    (what it does with a compiled function called there)."""
+
+    def deferred(model: Any = None, **options: Any) -> Any:
+        if model is None:
+            return functools.partial(deferred, **options)
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if torch.compiler.is_compiling():
+                return model(*args, **kwargs)
+            if compiled is None:
+                compiled = compile_fn(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
