@@ -143,7 +143,7 @@ def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_pos
     Its capture belongs to the second recovery (attempt 4), which ``recoveries[attempt - 1]``
     (there is no third) missed."""
     from layercheck.orchestrator.core.accounting import RunAccount
-    from layercheck.orchestrator.runtime.summary import recovery_of_capture
+    from layercheck.orchestrator.runtime.recovery_lines import recovery_of_capture
 
     account = RunAccount(started=0.0)
     account.failed(t_fail=10, resumed_at=11, now=1.0).attempt = 3
