@@ -218,7 +218,7 @@ def test_a_recovery_that_the_next_failure_overtook_says_so_and_is_no_fallback():
     """A replacement lost while the survivors regroup: the first recovery never reached a step, nor
     any rank's load, so nothing tells its path. It said "full restart (not in place: no rank
     survived the failure); no step after it yet", which was neither. It now says it was
-    interrupted, and counts as no fallback; the next one says how it went."""
+    interrupted (its record's ``path`` too), and counts as no fallback; the next one says how it went."""
     from layercheck.orchestrator.core.accounting import RankStart, RunAccount
 
     account = RunAccount(started=0.0)
@@ -231,6 +231,7 @@ def test_a_recovery_that_the_next_failure_overtook_says_so_and_is_no_fallback():
     second.rank_ready(RankStart(kept_process=True), now=5.0)
     account.step_done(7, compute_s=0.5, stall_s=0.0, now=6.0)
     assert first.interrupted and first.fallback == "" and not second.interrupted
+    assert [r["path"] for r in account.summary(7.0)["recoveries"]] == ["interrupted", "in place"]  # the JSON record
     result = result_of(policy_config("staggered"))
     result.status["account"] = {**result.status["account"], **account.summary(7.0)}
     text = format_summary(summarize(result))

@@ -159,7 +159,10 @@ class Recovery:
     @property
     def path(self) -> str:
         """``in place`` (survivors kept their processes, or a warm spare took the lost rank's
-        place) or ``full restart``."""
+        place), ``full restart``, or ``interrupted`` (the next failure came before any of its
+        ranks loaded, often: nothing tells which it was)."""
+        if self.interrupted:
+            return "interrupted"
         return "in place" if self.kept_processes or self.spares_promoted else "full restart"
 
     @property
