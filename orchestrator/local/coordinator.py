@@ -1,18 +1,10 @@
 """The :class:`layercheck.workers.loop.Coordinator` of a run under plain torch.distributed, no Ray.
 It runs the Ray runtime's protocol with the same cores, spread over the ranks instead of actors:
 
-* **decisions**: every rank keeps a replica of the :class:`PolicyService`. ``report`` launches an
-  asynchronous all_gather of every rank's per-layer drift sums and counts (on a gloo side group,
-  so it never waits on the training stream) and returns at once; ``decision`` waits for that
-  gather, feeds every rank's report to the replica and returns its decision. The policy is pure,
-  so every replica decides the same, and as in the Ray runtime the loop collects step ``t``'s
-  decision after step ``t + 1`` (:data:`layercheck.workers.loop.DECISION_LAG`). A quiet step
-  (:meth:`PolicyService.quiet`: no drift measured, news held for the next measured step) has
-  nothing to exchange: each replica completes it alone, with the same result. Where the policy
-  knows that such a step decides nothing (:meth:`PolicyService.decides_nothing`: most of them),
-  the loop gets its empty decision at once and the replica completes it later, with the next step
-  that may decide: the quiet steps' bookkeeping runs in one go, not a little of it between every
-  two training steps, where the training step has left the CPU's caches cold.
+* **decisions**: every rank keeps a replica of the :class:`PolicyService`, fed by a
+  :class:`~layercheck.orchestrator.local.exchange.DecisionExchange` of every rank's drift report
+  (an asynchronous all_gather on a gloo side group; settlements and the write budget ride on it):
+  the policy is pure, so every replica decides the same. See :mod:`layercheck.orchestrator.local.exchange`.
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
 * **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
@@ -22,16 +14,6 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`RecoveryMachine` decides
   the recovery (drain, plan at ``t_fail``, rebase) exactly as under Ray; :meth:`status` is its
   :class:`RunView`.
-* **write budget** (``write_budget``, the run config's ``persistence.write_budget``; off when
-  ``None`` or not ``enabled``): each exchanged drift report also carries the rank's writer
-  totals (bytes, write seconds) and its step time; every replica turns the gathered totals into
-  the same budget (:class:`~layercheck.orchestrator.core.write_budget.DrainBudget`) and the policy service
-  puts it on the step's observation, so a budget-aware schedule stretches its periods when
-  storage is slower than its plan.
-* **settlements**: a layer is persisted again only once its previous version has committed
-  (:mod:`layercheck.orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits; it adds the
-  newest settled version of each layer to its next exchanged drift report, so every replica applies
-  the same settlements at the same step and the replicas never diverge.
 * **survivor capture** (``capture=True``, as the run config's ``persistence.capture``): when a
   step raises under a rank, :meth:`layercheck.workers.loop.StepProtocol.on_failure` hands the rank's slices
   of every layer at its last step to :meth:`capture`, which queues them on the rank's writer
@@ -47,7 +29,6 @@ Recovery after a failure: :func:`layercheck.orchestrator.local.recovery.recover`
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -57,8 +38,9 @@ import torch.distributed as dist
 
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
-from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
 from layercheck.orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
+from layercheck.orchestrator.local.exchange import DecisionExchange, RankNews, SettledAtNextReport
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.local.receipts import ReceiptPump
 from layercheck.orchestrator.local.writer import LocalWriter
@@ -109,32 +91,6 @@ class GroupAnswer:
     max_staleness: int = 0
 
 
-class _SettledAtNextReport(LocalPolicy):
-    """Rank 0's policy port: settlements wait for the next drift report, which carries them to
-    every replica (its own included), instead of reaching rank 0's replica first."""
-
-    def __init__(self, service: PolicyService) -> None:
-        super().__init__(service)
-        self._lock = threading.Lock()
-        self._newest: dict[str, int] = {}
-
-    def settled(self, layer: str, version_step: int) -> None:
-        with self._lock:
-            self._newest[layer] = max(version_step, self._newest.get(layer, -1))
-
-    def newest(self, layers: Sequence[str]) -> list[float]:
-        with self._lock:
-            return [float(self._newest.get(name, -1)) for name in layers]
-
-
-@dataclass
-class _Gather:
-    step: int
-    lr: float
-    work: Any
-    gathered: list[torch.Tensor]
-
-
 class LocalCoordinator:
     """One rank's coordinator; every rank of the group constructs one (collectively)."""
 
@@ -177,11 +133,13 @@ class LocalCoordinator:
         """Set where the loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy
         of them here, and the writers hand each shard back through it once done with it."""
         self.writer = self._new_writer()
-        self._gathers: dict[int, _Gather | float] = {}
-        """Per reported step not yet fed to the replica: its gather, or a quiet step's learning rate."""
-        self._answered_empty = 0
-        """The last quiet step whose decision the loop got before the replica completed it (empty)."""
-        self._budget = DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None
+        self.exchange = DecisionExchange(
+            self.service,
+            self.layers,
+            self.world_size,
+            self._group,
+            budget=DrainBudget(write_budget) if write_budget is not None and write_budget.enabled else None,
+        )
         self._last_step_s = 0.0
         self._rounds = 0  # collective drains so far (every rank counts alike)
         self._generation = 0  # worker groups so far: a new one after each failure
@@ -195,7 +153,7 @@ class LocalCoordinator:
         self.run: RunSupervisor | None = None
         """Rank 0: the run's supervisor; ``None`` on the other ranks."""
         self._pump: ReceiptPump | None = None
-        self._settlements: _SettledAtNextReport | None = None
+        self._settlements: SettledAtNextReport | None = None
         self._port: LocalWriters | None = None
         if self.rank == 0:
             self._pump, self._port, self.run = self._host(run_id)
@@ -210,7 +168,7 @@ class LocalCoordinator:
             world_size=self.world_size,
             catch_up=lambda timeout_s: pump.catch_up(timeout_s),
         )
-        self._settlements = _SettledAtNextReport(self.service)
+        self._settlements = SettledAtNextReport(self.service)
         run = RunSupervisor(
             run_id=run_id,
             store=self.store,
@@ -224,36 +182,16 @@ class LocalCoordinator:
 
     # ---- layercheck.workers.loop.Coordinator ----------------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
-        if self.service.quiet(drift.step):  # nothing measured, no news: nothing to exchange
-            self._gathers[drift.step] = lr
-            return drift.step
-        settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
+        return self.exchange.report(drift, lr, news=self._news)
+
+    def _news(self) -> RankNews:
+        """What this rank's exchanged report carries beside its drift."""
         stats = self.writer.snapshot_stats()
-        width = max(len(self.layers), 4)  # row 3 holds four numbers; rows 0-2 are read up to len(layers)
-
-        def row(values: Sequence[float]) -> list[float]:
-            return [*values, *[0.0] * (width - len(values))]
-
-        mine = torch.tensor(
-            [
-                row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
-                row([float(drift.numel.get(n, 0)) for n in self.layers]),
-                row(settled),
-                row([float(stats.written_bytes), stats.write_s, self._last_step_s, float(drift.measured)]),
-            ],
-            dtype=torch.float64,
-        )
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
-        self._gathers[drift.step] = _Gather(drift.step, lr, work, gathered)
-        return drift.step
+        settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
+        return RankNews(settled, float(stats.written_bytes), stats.write_s, self._last_step_s)
 
     def decision(self, handle: int) -> PersistDecision | None:
-        if self.service.decides_nothing(handle):  # completed later, with the next step that may decide
-            self._answered_empty = handle
-            return PersistDecision(step=handle)
-        self._settle(up_to=handle)
-        return self.service.decision(handle)
+        return self.exchange.decision(handle)
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
         for shard in shards:
@@ -313,44 +251,10 @@ class LocalCoordinator:
             )
 
     # ---- the rest of the protocol ----------------------------------------------------------
-    def _settle(self, up_to: int | None = None) -> None:
-        """Wait for the gathers of every reported step (up to ``up_to``), in order, and feed them
-        to the policy replica."""
-        for step in sorted(self._gathers):
-            if up_to is not None and step > up_to:
-                break
-            gather = self._gathers.pop(step)
-            if not isinstance(gather, _Gather):  # a quiet step: every replica completes it alone
-                decided = self.service.complete_quiet(step, gather)
-                if decided and step <= self._answered_empty:
-                    logger.error("step %d: decided %s after the loop was told it decides nothing", step, decided)
-                continue
-            gather.work.wait()
-            for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
-                if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
-                    self.service.settled(name, int(version_step))
-            if self._budget is not None:  # from gathered values only: every replica computes the same
-                totals = [both[3].tolist() for both in gather.gathered]
-                self.service.set_write_budget(
-                    self._budget.update(
-                        {writer_name(rank): (t[0], t[1]) for rank, t in enumerate(totals)},
-                        step_s=max(t[2] for t in totals),
-                    )
-                )
-            for rank, both in enumerate(gather.gathered):
-                self.service.report(
-                    step=step,
-                    rank=rank,
-                    lr=gather.lr,
-                    abs_sums=dict(zip(self.layers, both[0].tolist())),
-                    counts={n: int(c) for n, c in zip(self.layers, both[1].tolist())},
-                    measured=bool(both[3][3]),
-                )
-
     def last_complete_step(self) -> int:
         """Every rank's report gathered: the last step all ranks completed (``t_fail`` after a
         failure). Collective: every rank calls it at the same point."""
-        self._settle()
+        self.exchange.settle()
         return int(self.all_min([float(self.service.last_complete_step)])[0])  # (quiet steps complete alone)
 
     def rejoin(self) -> GroupAnswer:
@@ -417,8 +321,7 @@ class LocalCoordinator:
         """Every rank loaded the group's composite (``load_s``: the slowest rank's; ``sources``:
         where all ranks' shard files came from, a ``LoadSources`` summed): the replicas restart as
         rank 0's did under the supervisor's ``RebasePolicy``."""
-        self._gathers.clear()
-        self._answered_empty = 0
+        self.exchange.forget()
         records = answer.resume.records or {}
         if self.run is not None:
             self.run.loaded(load_s, sources)
@@ -438,8 +341,7 @@ class LocalCoordinator:
     def restart(self, *, resume_after: int, persisted_steps: dict[str, int]) -> None:
         """Rebase the policy replica for a resumption at ``resume_after + 1`` without the
         supervisor (a baseline's own recovery)."""
-        self._gathers.clear()
-        self._answered_empty = 0
+        self.exchange.forget()
         self.service.restart(world_size=self.world_size, resume_after=resume_after, persisted_steps=persisted_steps)
 
     def drain(self, timeout_s: float) -> bool:
@@ -493,7 +395,7 @@ class LocalCoordinator:
     def close(self, timeout_s: float = 300.0, *, ok: bool = True) -> bool:
         """Drain and stop the writer (collective); rank 0's supervisor finishes the run. False
         if something was left."""
-        self._settle()
+        self.exchange.settle()
         drained = self.drain(timeout_s)
         self.writer.close()
         if self.run is not None and self._pump is not None:
