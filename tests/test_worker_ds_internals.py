@@ -137,6 +137,31 @@ print("inductor:", "torch._inductor.compile_fx" in sys.modules)
     assert "inductor: False" in result.stdout, result.stdout
 
 
+def test_the_users_loop_starts_with_deepspeed_imported_and_muon_imported_without_inductor():
+    """``layercheck.LayerCheckTrainer`` wraps the user's loop (``call_with_context``): where the loop
+    imports DeepSpeed itself and builds its engine, DeepSpeed's Muon is already imported, with its
+    ``torch.compile`` deferred, so that build pays no inductor import either (``attach``'s runs)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from layercheck.orchestrator.core.run_config import FaultConfig
+from layercheck.orchestrator.runtime.context import WorkerContext, call_with_context
+context = WorkerContext(run_id="r", storage_uri="/tmp/x", fsync=False, max_inflight_bytes=1, fault=FaultConfig(),
+                        drift_probe="snapshot_diff", layer_map=None, layer_numel={})
+print("deepspeed before:", "deepspeed" in sys.modules)
+seen = call_with_context(lambda: ("deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules, "torch._inductor.compile_fx" in sys.modules), context)
+print("in the loop (muon, inductor):", seen)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parent.parent
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "deepspeed before: False" in result.stdout, result.stdout
+    assert "in the loop (muon, inductor): (True, False)" in result.stdout, result.stdout
+
+
 def test_a_deferred_compile_compiles_once_at_the_first_call_with_the_options_given():
     """What Muon's import gets instead of ``torch.compile``: the same result, compiled lazily."""
     compiled: list[tuple[Any, dict[str, Any]]] = []
