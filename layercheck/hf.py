@@ -24,7 +24,6 @@ from typing import Any
 from transformers import TrainerCallback
 
 from layercheck.hf_position import DataSeek, data_position
-from layercheck.workers import ds_internals
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +47,6 @@ class LayerCheckCallback(TrainerCallback):
         ``attach`` (``trainer -> Attachment``) replaces attaching to the trainer's engine (tests
         script it)."""
         require_deepspeed(trainer)
-        # before trainer.train() builds the engine: ~2 s of CPU less per worker start
-        ds_internals.import_muon_compiling_on_first_call()
         self.trainer = trainer
         self.layer_map = layer_map
         self.drift_probe = drift_probe

@@ -144,7 +144,9 @@ def warm_engine_imports() -> None:
     """Import now what :func:`build_engine` would import on its first call: DeepSpeed, and the Muon
     optimizer its ZeRO optimizers import as they are built (see
     :func:`ds_internals.import_muon_compiling_on_first_call`). For a process that waits before it
-    builds its engine (a warm spare), so that the wait pays for them rather than the recovery."""
+    builds its engine (a warm spare), so that the wait pays for them rather than the recovery; and
+    before a user's own loop (``LayerCheckTrainer``'s wrapper), whose engine build would otherwise
+    import Muon with torch's inductor."""
     env.set_accelerator()
     import deepspeed  # noqa: F401
 
