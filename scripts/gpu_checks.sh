@@ -95,7 +95,7 @@ if wanted snapshot_stall; then
     if (( DRY )); then
         check snapshot_stall 300 $PY -m layercheck.bench.snapshot_stall --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
     else
-        check snapshot_stall 240 $PY -m layercheck.bench.snapshot_stall --preset h200-0.5b --out "$RESULTS/snapshot_stall-qwen0.5b.json"
+        check snapshot_stall 240 $PY -m layercheck.bench.snapshot_stall --preset h200-0.5b --profile --out "$RESULTS/snapshot_stall-qwen0.5b.json"
     fi
 fi
 
