@@ -9,7 +9,6 @@ For each measured layer, interleaved (the machine drifts):
                  memory, joined: what a persisted layer costs to copy at all
 * ``stall_side`` (snapshot on the side stream + the next training step) − ``step_s``
 * ``stall_host`` (joined host copy + the next training step) − ``step_s``: the old path
-* ``stall_chunked`` the side stream again, each copy issued in pieces of ``--chunk-mib``
 * ``issue_side``  host seconds until the side-stream snapshot call returns (it should not wait)
 
 With ``--profile``, one side-stream snapshot of the largest layer and the step after it run under
@@ -104,14 +103,13 @@ def stall_job(
     preset_name: str,
     steps: int,
     zero_stage: int,
-    chunk_mib: int = 16,
     profile: bool = False,
 ) -> dict[str, Any]:
     """Rank 0 of a one-rank group: build the preset's engine and time the three paths per layer."""
     from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
     from layercheck.workers.engine import build_engine, shutdown
     from layercheck.workers.host_buffers import HostBufferPool
-    from layercheck.workers.snapshot_copy import Handover, HostCopier, SideStreamCopier, copier_for
+    from layercheck.workers.snapshot_copy import Handover, HostCopier, copier_for
     from layercheck.workers.step import train_step
 
     preset = PRESETS[preset_name]
@@ -130,14 +128,8 @@ def stall_job(
     pool = HostBufferPool()
     side = copier_for(layout)
     host = HostCopier(layout)
-    chunked = (
-        SideStreamCopier(layout, side.device, chunk_numel=chunk_mib * 2**20 // 4)
-        if isinstance(side, SideStreamCopier)
-        else host
-    )
     sides = Handover(side, lambda shards, base: None, pool, max_in_flight=1)
     hosts = Handover(host, lambda shards, base: None, pool, max_in_flight=1)
-    chunks = Handover(chunked, lambda shards, base: None, pool, max_in_flight=1)
 
     def copy_only(layer: str) -> None:
         for shard in host.copy([layer], train_engine.step, pool)[0]:
@@ -159,7 +151,7 @@ def stall_job(
     names = _layers_to_measure(list(train_engine.layer_map.names))
     for name in names:
         numel = layout[name].owned_numel
-        samples: dict[str, list[float]] = {k: [] for k in ("step", "copy", "side", "host", "chunked", "issue")}
+        samples: dict[str, list[float]] = {k: [] for k in ("step", "copy", "side", "host", "issue")}
         for i in range(steps + 1):  # the first round warms the pinned buffers up; not counted
             copy_s = timed(partial(copy_only, name), device)
             step_s = timed(step, device)
@@ -168,10 +160,8 @@ def stall_job(
             sides.flush(wait=True)
             host_s = timed(partial(snapshot_then_step, hosts, name), device)
             hosts.flush(wait=True)
-            chunked_s = timed(partial(snapshot_then_step, chunks, name), device)
-            chunks.flush(wait=True)
             if i:
-                measured = {"copy": copy_s, "step": step_s, "side": side_s, "host": host_s, "chunked": chunked_s}
+                measured = {"copy": copy_s, "step": step_s, "side": side_s, "host": host_s}
                 for key, value in (*measured.items(), ("issue", issued[0])):
                     samples[key].append(value)
         median = {key: statistics.median(values) for key, values in samples.items()}
@@ -184,7 +174,6 @@ def stall_job(
                 "step_s": median["step"],
                 "stall_side_s": max(0.0, median["side"] - median["step"]),
                 "stall_host_s": max(0.0, median["host"] - median["step"]),
-                "stall_chunked_s": max(0.0, median["chunked"] - median["step"]),
                 "issue_side_s": median["issue"],
             }
         )
@@ -194,22 +183,18 @@ def stall_job(
         from torch.profiler import profile as torch_profile
 
         largest = max(names, key=lambda n: layout[n].owned_numel)
-        profiled = {}
-        for label, handover in (("side", sides), ("chunked", chunks)):
-            timed(step, device)
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-                timed(partial(snapshot_then_step, handover, largest), device)
-            handover.flush(wait=True)
-            profiled[label] = {"layer": largest, **blocking_calls(prof)}
+        timed(step, device)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            timed(partial(snapshot_then_step, sides, largest), device)
+        sides.flush(wait=True)
+        profiled = {"layer": largest, **blocking_calls(prof)}
     side.close()
-    chunked.close()
     out = {
         "preset": preset_name,
         "zero_stage": zero_stage,
         "copier": type(side).__name__,
         "device": device,
         "steps": steps,
-        "chunk_mib": chunk_mib,
         "layers": rows,
         "profile": profiled,
     }
@@ -222,18 +207,20 @@ def _table(result: dict[str, Any]) -> str:
         f"snapshot stall, {result['preset']} ZeRO-{result['zero_stage']} on {result['device']} ({result['copier']}); "
         f"medians of {result['steps']}",
         f"{'layer':<10} {'MB':>8} {'copy ms':>8} {'GB/s':>6} {'step ms':>8} {'side stall':>11} {'host stall':>11} "
-        f"{'chunked':>11} {'issue ms':>8} {'side/copy':>9} {'chunked/copy':>12}",
+        f"{'issue ms':>8} {'side/copy':>9}",
     ]
     for r in result["layers"]:
         ratio = r["stall_side_s"] / r["copy_s"] if r["copy_s"] else float("nan")
-        chunked = r["stall_chunked_s"] / r["copy_s"] if r["copy_s"] else float("nan")
         lines.append(
             f"{r['layer']:<10} {r['bytes'] / 1e6:>8.1f} {r['copy_s'] * 1e3:>8.2f} {r['copy_gbps']:>6.1f} "
             f"{r['step_s'] * 1e3:>8.2f} {r['stall_side_s'] * 1e3:>9.2f}ms {r['stall_host_s'] * 1e3:>9.2f}ms "
-            f"{r['stall_chunked_s'] * 1e3:>9.2f}ms {r['issue_side_s'] * 1e3:>8.2f} {ratio:>9.2f} {chunked:>12.2f}"
+            f"{r['issue_side_s'] * 1e3:>8.2f} {ratio:>9.2f}"
         )
-    for label, found in (result.get("profile") or {}).items():
-        lines.append(f"profile ({label}, {found['layer']}): {found['dtoh_copies']} device-to-host copies")
+    found = result.get("profile")
+    if found:
+        lines.append(
+            f"profile ({found['layer']}): {found['dtoh_copies']} device-to-host copies; host calls that blocked:"
+        )
         for call in found["blocking"]:
             lines.append(f"  {call['ms']:>8.2f} ms  {call['name']}  at {' <- '.join(call['stack'][:3])}")
     return "\n".join(lines)
@@ -244,15 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
     parser.add_argument("--steps", type=int, default=8, help="timed rounds per layer (medians)")
     parser.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=3)
-    parser.add_argument("--chunk-mib", type=int, default=16, help="piece size of the chunked side-stream copy")
     parser.add_argument("--profile", action="store_true", help="profile one snapshot of the largest layer (CUDA)")
     parser.add_argument("--out", help="write the JSON here")
     args = parser.parse_args(argv)
     from layercheck.orchestrator.local.spawn import spawn_ranks
 
-    (result,) = spawn_ranks(
-        stall_job, 1, args.preset, args.steps, args.zero_stage, args.chunk_mib, args.profile, what="snapshot stall"
-    )
+    (result,) = spawn_ranks(stall_job, 1, args.preset, args.steps, args.zero_stage, args.profile, what="snapshot stall")
     print(json.dumps(result, indent=2))
     print(_table(result))
     if args.out:

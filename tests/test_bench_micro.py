@@ -44,5 +44,23 @@ def test_snapshot_stall_measures_the_largest_layer_and_blocks(tmp_path, capsys):
     assert "embed" in layers and any(name.startswith("block.") for name in layers)
     for row in layers.values():
         assert row["bytes"] > 0 and row["copy_s"] > 0 and row["step_s"] > 0
-        assert row["stall_side_s"] >= 0 and row["stall_host_s"] >= 0
+        assert row["stall_side_s"] >= 0 and row["stall_host_s"] >= 0 and row["issue_side_s"] > 0
+    assert result["profile"] is None  # --profile is for CUDA
     assert "side stall" in capsys.readouterr().out
+
+
+def _waits_on_a_scalar(x):
+    return (x @ x).sum().item()
+
+
+def test_a_profile_names_the_calls_that_blocked_and_who_called_them():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        _waits_on_a_scalar(x)
+    found = snapshot_stall.blocking_calls(prof, min_ms=0.0)
+    items = [call for call in found["blocking"] if call["name"] == "aten::item"]
+    assert items and any("_waits_on_a_scalar" in frame for frame in items[0]["stack"])
+    assert found["dtoh_copies"] == 0 and found["longest_dtoh"] == []  # no device here

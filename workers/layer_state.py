@@ -104,7 +104,6 @@ def snapshot_layers(
     *,
     join: bool = True,
     pieces: Mapping[str, Sequence[Piece]] | None = None,
-    chunk_numel: int | None = None,
 ) -> list[LayerShard]:
     """This rank's shard of each of ``layers``, copied into buffers from ``pool``: its owned
     pieces, or ``pieces[layer]`` where given (a survivor's capture, :mod:`layercheck.workers.capture`).
@@ -112,16 +111,14 @@ def snapshot_layers(
     One copy per owned piece and state key, straight from the optimizer's tensors into the
     host buffer; where those live on a GPU the copies are asynchronous into pinned memory and
     joined once at the end (``join=False``: not joined; the caller orders them by an event, see
-    :mod:`layercheck.workers.snapshot_copy`). ``chunk_numel``: issue each device copy in pieces of
-    at most this many elements (``None``: one copy per run). Release the shards to ``pool`` when
-    they are written.
+    :mod:`layercheck.workers.snapshot_copy`). Release the shards to ``pool`` when they are written.
     """
     step = int(layout.engine.global_steps) if step is None else step
     shards = []
     on_device = False
     for name in layers:
         taken = tuple(pieces[name]) if pieces is not None else layout[name].owned
-        tensors = {key: _copy_out(layout, taken, key, pool, chunk_numel) for key in STATE_KEYS}
+        tensors = {key: _copy_out(layout, taken, key, pool) for key in STATE_KEYS}
         on_device = on_device or any(p.master.is_cuda for p in taken)
         shards.append(
             LayerShard(
@@ -141,9 +138,7 @@ def snapshot_layers(
     return shards
 
 
-def _copy_out(
-    layout: StateLayout, pieces: Sequence[Piece], key: str, pool: HostBufferPool, chunk_numel: int | None = None
-) -> torch.Tensor:
+def _copy_out(layout: StateLayout, pieces: Sequence[Piece], key: str, pool: HostBufferPool) -> torch.Tensor:
     buffer = pool.acquire(sum(p.slice.length for p in pieces))
     runs = state_runs(layout.optimizer, pieces, key)
     if runs and not any(run.is_cuda for run in runs):  # on the host: one call, not a view and a copy per run
@@ -152,10 +147,7 @@ def _copy_out(
     start = 0
     for run in runs:
         n = run.numel()
-        step = chunk_numel or max(n, 1)
-        for offset in range(0, n, step):
-            length = min(step, n - offset)
-            buffer.narrow(0, start + offset, length).copy_(run.narrow(0, offset, length), non_blocking=True)
+        buffer.narrow(0, start, n).copy_(run, non_blocking=True)
         start += n
     return buffer
 

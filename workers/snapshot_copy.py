@@ -116,10 +116,9 @@ class SideStreamCopier:
     """CUDA: copies on a side stream, ordered after the training stream by events, never by a
     host wait; the next optimizer step waits (on the device) for every copy issued before it."""
 
-    def __init__(self, layout: StateLayout, device: torch.device, *, chunk_numel: int | None = None) -> None:
+    def __init__(self, layout: StateLayout, device: torch.device) -> None:
         self.layout = layout
         self.device = device
-        self.chunk_numel = chunk_numel
         self.stream = torch.cuda.Stream(device=device)
         self._unguarded: list[Any] = []  # copy events the training stream has not yet waited for
         self._hook = layout.optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -132,9 +131,7 @@ class SideStreamCopier:
         taken.record(training)  # the state after step ``step``: everything queued so far
         self.stream.wait_event(taken)
         with torch.cuda.stream(self.stream):
-            shards = snapshot_layers(
-                self.layout, names, pool, step=step, join=False, pieces=pieces, chunk_numel=self.chunk_numel
-            )
+            shards = snapshot_layers(self.layout, names, pool, step=step, join=False, pieces=pieces)
         done = torch.cuda.Event()
         done.record(self.stream)
         self._unguarded.append(done)
