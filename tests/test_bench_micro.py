@@ -1,4 +1,5 @@
-"""The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`) run end to end on CPU and
+"""The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`,
+`layercheck.bench.fused_issue`) run end to end on CPU and
 report every figure they promise; the timing helpers they share count what they say."""
 
 from __future__ import annotations
@@ -7,7 +8,7 @@ import json
 
 import pytest
 
-from layercheck.bench import drift_probe, snapshot_stall, timing
+from layercheck.bench import drift_probe, fused_issue, snapshot_stall, timing
 
 
 def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():
@@ -64,3 +65,18 @@ def test_a_profile_names_the_calls_that_blocked_and_who_called_them():
     items = [call for call in found["blocking"] if call["name"] == "aten::item"]
     assert items and any("_waits_on_a_scalar" in frame for frame in items[0]["stack"])
     assert found["dtoh_copies"] == 0 and found["longest_dtoh"] == []  # no device here
+
+
+def test_fused_issue_times_the_steps_bookkeeping_and_puts_everything_back():
+    import importlib.util
+    import sys
+
+    from layercheck.workers import drift_fused
+
+    eligible = drift_fused.triton_eligible
+    result = fused_issue.run(steps=5)
+    assert result["tensors"] == 290 and result["groups"] == 50 and result["steps"] == 5
+    assert 0 < result["host_s"] <= result["host_s_p90"]
+    assert drift_fused.triton_eligible is eligible
+    if importlib.util.find_spec("triton") is None:
+        assert "triton" not in sys.modules and "layercheck.workers.drift_triton" not in sys.modules

@@ -101,6 +101,57 @@ def test_fused_step_counts_only_the_windows(device):
     assert opt.take_drift() == {}
 
 
+def test_step_counts_stay_torchs_whoever_reads_writes_or_replaces_them():
+    """The fused step keeps its step counts in one tensor (a view of it in each state): they stay
+    0-d float32 tensors that save and load; a count written (``fill_``) or a tensor replaced by
+    someone else steps on from there; sets of groups stepped in turn (as ZeRO-3 steps its
+    sub-groups) each count their own; and through all of it the update is torch's AdamW's, bit
+    for bit."""
+    import io
+
+    fused_p, ref_p, _ = _copies("cpu", seed=2)
+    fused = DriftAdamW(_groups(fused_p), **HYPER, drift_step="fused")
+    reference = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "name"} for g in _groups(ref_p)], **HYPER, foreach=False
+    )
+
+    def step(n, groups=slice(None)):
+        _set_grads(n, fused_p, ref_p)
+        fused_groups, reference_groups = fused.param_groups, reference.param_groups
+        fused.param_groups, reference.param_groups = fused_groups[groups], reference_groups[groups]
+        fused.step()
+        reference.step()
+        fused.param_groups, reference.param_groups = fused_groups, reference_groups
+
+    def counts():
+        return [float(fused.state[p]["step"]) for p in fused_p]
+
+    for n in range(3):
+        step(n)
+    assert all(fused.state[p]["step"].dim() == 0 and fused.state[p]["step"].dtype == torch.float32 for p in fused_p)
+    assert counts() == [3.0] * 4
+
+    for opt, params in ((fused, fused_p), (reference, ref_p)):
+        opt.state[params[0]]["step"].fill_(10.0)  # as optim_state.set_step does
+        opt.state[params[3]]["step"] = torch.tensor(7.0)  # a replaced tensor
+    step(3)
+    assert counts() == [11.0, 4.0, 4.0, 8.0]
+
+    saved = io.BytesIO()
+    torch.save(fused.state_dict(), saved)
+    saved.seek(0)
+    fused = DriftAdamW(_groups(fused_p), **HYPER, drift_step="fused")
+    fused.load_state_dict(torch.load(saved))
+    step(4)
+    for n in range(5, 9):
+        step(n, slice(0, 2) if n % 2 else slice(2, 3))
+    assert counts() == [14.0, 7.0, 7.0, 11.0]
+    for p, q in zip(fused_p, ref_p):
+        assert float(fused.state[p]["step"]) == float(reference.state[q]["step"])
+        for ours, theirs in ((p, q), *((fused.state[p][k], reference.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))):
+            assert torch.equal(ours, theirs)
+
+
 def test_torch_path_is_bit_equal_whatever_the_chunk():
     torch.manual_seed(3)
     p, g, m, v = (torch.randn(1000) for _ in range(4))

@@ -25,6 +25,7 @@ interpreter gives every scalar a shape of ``[1]``, which a loop bound cannot tak
 import functools
 import logging
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 import triton
@@ -148,16 +149,17 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
     on the device (a vector, one entry per group)."""
     device = groups[0].params[0].device
     acc = torch.zeros(len(groups), dtype=torch.float64, device=device)
+    data_ptr = torch.Tensor.data_ptr
     numels: list[int] = []
     windows: list[Windows | None] = []
     slots: list[int] = []
-    addrs: list[int] = []
+    addrs: list[int] = []  # per tensor: param, grad, exp_avg, exp_avg_sq (the kernel's address rows)
     for slot, group in enumerate(groups):
-        for quad in zip(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs):
-            numels.append(quad[0].numel())
-            addrs.extend(t.data_ptr() for t in quad)
-            slots.append(slot)
+        numels.extend(map(torch.Tensor.numel, group.params))
         windows.extend(group.windows)
+        slots.extend([slot] * len(group.params))
+        quads = zip(*(map(data_ptr, ts) for ts in (group.params, group.grads, group.exp_avgs, group.exp_avg_sqs)))
+        addrs.extend(chain.from_iterable(quads))
     chunk = drift_fused_work.TRITON_CHUNK
     rows = _rows_on(tuple(numels), tuple(windows), tuple(slots), device, chunk)
     if rows.numel() == 0:
