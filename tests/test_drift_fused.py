@@ -259,6 +259,25 @@ def test_triton_kernel_compiles_for_hopper():
     assert kernel.asm["cubin"]
 
 
+@pytest.mark.parametrize("device", devices())
+def test_auto_is_the_fused_step_where_its_kernel_runs_and_the_foreach_step_elsewhere(device):
+    """The default, ``drift_step="auto"``: on CUDA with Triton the fused step, bit for bit; on CPU
+    the foreach one (torch's own fused CPU step), bit for bit."""
+    dev = require(device)
+    auto_p, expected_p, _ = _copies(dev, seed=3)
+    auto = DriftAdamW(_groups(auto_p), **HYPER)
+    assert auto.drift_step == "auto"
+    expected = DriftAdamW(_groups(expected_p), **HYPER, drift_step="fused" if dev.type == "cuda" else "foreach")
+    for step in range(3):
+        _set_grads(step, auto_p, expected_p)
+        auto.step()
+        expected.step()
+        drift, expected_drift = auto.take_drift(), expected.take_drift()
+        assert {k: v.item() for k, v in drift.items()} == {k: v.item() for k, v in expected_drift.items()}
+    for p, q in zip(auto_p, expected_p):
+        assert torch.equal(p, q)
+
+
 def test_bad_drift_step_is_rejected():
     with pytest.raises(ValueError, match="drift_step"):
         DriftAdamW([torch.zeros(2, requires_grad=True)], drift_step="triton")

@@ -22,8 +22,10 @@ Schedule = Literal["cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16"]
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
-#: How DriftAdamW computes a step: ``foreach`` (update tensors, then their L1) or ``fused``.
-DRIFT_STEPS: tuple[str, ...] = ("foreach", "fused")
+#: How DriftAdamW computes a measured step: ``foreach`` (torch's step, then the L1 of what it moved),
+#: ``fused`` (the L1 counted inside the update), or ``auto`` (``fused`` where its Triton kernel takes
+#: the tensors, that is on CUDA with Triton, else ``foreach``).
+DRIFT_STEPS: tuple[str, ...] = ("auto", "foreach", "fused")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
@@ -84,13 +86,14 @@ class OptimConfig:
     ``lr * d**(B - 1 - i)`` (the last block at ``lr``), ``embed`` at ``lr * d**B`` (the lowest),
     ``norm`` and ``lm_head`` at ``lr``; the schedule scales every layer alike. 1 (the default)
     gives every layer ``lr``."""
-    drift_step: Literal["foreach", "fused"] = "foreach"
+    drift_step: Literal["auto", "foreach", "fused"] = "auto"
     """How the optimizer measures each layer's drift on the steps it measures: ``foreach``
     (torch's own AdamW step, fused on CPU, foreach on CUDA, with the owned elements copied before
-    and diffed after) or ``fused`` (counted inside the update: no copy, no second pass; a Triton
+    and diffed after), ``fused`` (counted inside the update: no copy, no second pass; a Triton
     kernel on CUDA where Triton imports, cache-sized chunks elsewhere, in the arithmetic order of
-    ``torch.optim.AdamW(foreach=False)``). Both give the same drift; the steps not measured are
-    torch's own AdamW step either way."""
+    ``torch.optim.AdamW(foreach=False)``), or ``auto``: ``fused`` where the Triton kernel takes the
+    tensors (CUDA, contiguous fp32, Triton importable), else ``foreach``. Both give the same drift;
+    the steps not measured are torch's own AdamW step either way."""
 
     def __post_init__(self) -> None:
         require_finite(self)
