@@ -151,6 +151,13 @@ def test_step_counts_stay_torchs_whoever_reads_writes_or_replaces_them():
         for ours, theirs in ((p, q), *((fused.state[p][k], reference.state[q][k]) for k in ("exp_avg", "exp_avg_sq"))):
             assert torch.equal(ours, theirs)
 
+    fused.measuring = False  # unmeasured steps are torch's own, counting in the same tensors
+    step(9)
+    step(10)
+    fused.measuring = True
+    step(11)
+    assert counts() == [17.0, 10.0, 10.0, 14.0]
+
 
 def test_torch_path_is_bit_equal_whatever_the_chunk():
     torch.manual_seed(3)
