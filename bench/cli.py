@@ -18,6 +18,9 @@ from layercheck.bench.strategies import default_strategies, select
 
 logger = logging.getLogger(__name__)
 
+#: In ``--out``, the results so far while a benchmark runs (``--rebuild`` reads it like a bench.json).
+PARTIAL = "partial.json"
+
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -55,13 +58,19 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "recovery loads from the writers' memory with loads from remote-like storage",
     )
     p.add_argument("--work-dir", type=Path, help="keep checkpoints here (default: a temporary directory)")
-    p.add_argument("--out", type=Path, help="write bench.json, summary.md, ettr.json and plots here")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help=f"write bench.json, summary.md, ettr.json and plots here; while it runs, {PARTIAL} holds the "
+        "strategies done so far (a run cut short: --rebuild it)",
+    )
     p.add_argument("--json", action="store_true", help="print the JSON report instead of the table")
     p.add_argument(
         "--rebuild",
         type=Path,
         metavar="BENCH_JSON",
-        help="run nothing: rebuild the report, summary and plots from the measurements in a bench.json",
+        help=f"run nothing: rebuild the report, summary and plots from the measurements in a bench.json "
+        f"(or the {PARTIAL} of a run cut short)",
     )
     add_recovery_paths_argument(p)
 
@@ -126,6 +135,8 @@ def run_bench(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise SystemExit(f"layercheck bench: {error}") from None
     machine = describe()
+    if args.out:  # the results so far, rewritten after each strategy: a run cut short still reports
+        args.out.mkdir(parents=True, exist_ok=True)
     raw = run_benchmark(
         workload,
         strategies,
@@ -133,10 +144,12 @@ def run_bench(args: argparse.Namespace) -> int:
         matched=not args.no_matched,
         repeats=args.repeats,
         store=getattr(args, "store", "local"),
+        partial=args.out / PARTIAL if args.out else None,
     )
     report = with_measured_restarts(reports.build_report(raw, workload.to_json(), machine), args.recovery_paths)
     if args.out:
         write_outputs(report, args.out)
+        (args.out / PARTIAL).unlink(missing_ok=True)  # bench.json has it all
     print(json.dumps(report, indent=1) if args.json else reports.text(report))
     return 0
 

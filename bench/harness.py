@@ -23,6 +23,7 @@ compared with what the recovery loaded (:mod:`layercheck.bench.unsaved`): the un
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -356,6 +357,7 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     strategies = [Strategy.from_json(s) for s in payload["strategies"]]
     s3 = LoopbackBucket(**payload["s3"]) if payload.get("s3") else None
     runner = Runner(workload, Path(payload["root"]), keep=bool(payload.get("keep")), s3=s3)
+    partial = payload.get("partial") if rank == 0 else None
     results: dict[str, Any] = {}
     order = list(strategies)
     ran_matched = not payload.get("matched", True)
@@ -365,6 +367,10 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
         results[strategy.name] = runner.run(strategy)
         if rank == 0:
             logger.warning("bench: %s done (%.1fs training)", strategy.name, results[strategy.name]["train_s"])
+        if partial is not None:
+            _write_partial(
+                Path(partial["path"]), results, runner, workload=payload["workload"], machine=partial["machine"]
+            )
         i += 1
         if not ran_matched and i == len(order) and "layercheck" in results and "none" in results:
             matched = None
@@ -394,16 +400,30 @@ def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[st
     shutdown(runner.train_engine)
     if rank != 0:
         return {}
+    return {"results": results, "restart_s": restart_s, **_model_figures(runner)}
+
+
+def _model_figures(runner: Runner) -> dict[str, Any]:
+    """The trained model's size: its layers' parameters, each layer's, and the frozen rest."""
+    layers = dict(runner.train_engine.layer_map.numel)
     model_params = sum(
         p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.train_engine.engine.module.parameters()
     )
-    return {
-        "results": results,
-        "restart_s": restart_s,
-        "params": sum(runner.train_engine.layer_map.numel.values()),
-        "layers": dict(runner.train_engine.layer_map.numel),
-        "frozen_params": model_params - sum(runner.train_engine.layer_map.numel.values()),
-    }
+    return {"params": sum(layers.values()), "layers": layers, "frozen_params": model_params - sum(layers.values())}
+
+
+def _write_partial(
+    path: Path, results: Mapping[str, Any], runner: Runner, *, workload: Mapping[str, Any], machine: Mapping[str, Any]
+) -> None:
+    """Rank 0, after each strategy: what has run so far, as ``layercheck bench --rebuild`` reads a
+    ``bench.json``, so that a run stopped part-way (a time limit, a lost machine) still reports the
+    strategies that finished. Its restart is this rank's engine build alone (the worker imports
+    are measured once every rank has ended); replaced atomically, never half written."""
+    raw = {"results": dict(results), "restart_s": runner.build_s, **_model_figures(runner)}
+    document = {"partial": True, "raw": raw, "workload": dict(workload), "machine": dict(machine)}
+    scratch = path.with_name(path.name + ".tmp")
+    scratch.write_text(json.dumps(document))
+    os.replace(scratch, path)
 
 
 # ---- spawning ------------------------------------------------------------------------------
@@ -427,17 +447,19 @@ def run_benchmark(
     repeats: int = 1,
     timeout_s: float = 3600.0,
     store: str = "local",
+    partial: Path | None = None,
 ) -> dict[str, Any]:
     """Spawn the ranks and run every strategy; rank 0's raw measurements. ``store``: where the
     layer stores go: ``local`` (under ``root``) or ``s3-loopback`` (a moto server this call starts
-    on loopback; the DeepSpeed baselines' own checkpoints stay under ``root``)."""
+    on loopback; the DeepSpeed baselines' own checkpoints stay under ``root``). ``partial``: a
+    file rewritten after each strategy with the results so far (:func:`_write_partial`)."""
     if store not in STORES:
         raise ValueError(f"store must be one of {STORES}, got {store!r}")
     if store == "s3-loopback":
         with loopback_s3() as s3:
-            raw = _run(workload, strategies, root, matched, repeats, timeout_s, s3=s3)
+            raw = _run(workload, strategies, root, matched, repeats, timeout_s, s3=s3, partial=partial)
         return {**raw, "store": f"{store} (moto at {s3.endpoint})"}
-    return {**_run(workload, strategies, root, matched, repeats, timeout_s), "store": store}
+    return {**_run(workload, strategies, root, matched, repeats, timeout_s, partial=partial), "store": store}
 
 
 #: What a restarted worker process imports before it can build its engine (Ray Train's worker,
@@ -462,7 +484,10 @@ def _run(
     timeout_s: float,
     *,
     s3: LoopbackBucket | None = None,
+    partial: Path | None = None,
 ) -> dict[str, Any]:
+    from layercheck.bench.machine import describe
+
     keep = root is not None
     root = root or Path(tempfile.mkdtemp(prefix="layercheck-bench-"))
     payload = {
@@ -473,6 +498,7 @@ def _run(
         "matched": matched,
         "repeats": repeats,
         "keep": keep,
+        "partial": {"path": str(partial.resolve()), "machine": describe()} if partial is not None else None,
     }
     try:
         raw = spawn_ranks(

@@ -9,7 +9,8 @@
 #                 layer, side-stream copy vs the joined host copy, against the pinned copy time
 #   e2e_nccl_bf16 the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
 #   bench_small   layercheck.bench.drift_probe on the small model
-#   bench_preset  layercheck bench --preset qwen2.5-0.5b (every strategy, side by side)
+#   bench_preset  layercheck bench --preset qwen2.5-0.5b (every strategy, side by side); cut short by
+#                 the budget, it reports the strategies that finished (bench/partial.json)
 # Results go to $GPU_CHECKS_OUT (default bench/results/gpu-<date>-<gpu>/): JSON, JUnit XML, logs,
 # machine.json and a summary.json naming each check's outcome. Exit status: 0 all passed; 1 a check
 # failed; 2 a check could not run here (named in summary.json). Never 0 with a check silently skipped.
@@ -129,6 +130,12 @@ if wanted bench_preset; then
     else
         check bench_preset 600 $PY -c "import sys; from layercheck.orchestrator.cli import main; sys.exit(main())" \
             bench --preset "${GPU_BENCH_PRESET:-qwen2.5-0.5b}" ${GPU_BENCH_ARGS:-} --out "$RESULTS/bench"
+        if [[ ${OUTCOME[bench_preset]} != passed && -f $RESULTS/bench/partial.json ]]; then
+            # cut short: report the strategies that finished (no GPU needed for this)
+            $PY -c "import sys; from layercheck.orchestrator.cli import main; sys.exit(main())" bench \
+                --rebuild "$RESULTS/bench/partial.json" --out "$RESULTS/bench" >"$RESULTS/bench_preset-partial.log" 2>&1 \
+                && OUTCOME[bench_preset]="${OUTCOME[bench_preset]}; the strategies done reported from bench/partial.json"
+        fi
     fi
 fi
 

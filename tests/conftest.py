@@ -144,10 +144,10 @@ def store(tmp_path) -> LayerStore:
 
 
 @pytest.fixture(scope="session")
-def tiny_benchmark():
+def tiny_benchmark(tmp_path_factory):
     """The tiny benchmark run the harness and capture tests check (tests/support/bench_runs.py),
-    once per session: (workload, raw results)."""
-    return tiny_benchmark_run()
+    once per session: (workload, raw results, its partial-results file)."""
+    return tiny_benchmark_run(tmp_path_factory.mktemp("tiny-benchmark") / "partial.json")
 
 
 @pytest.fixture(scope="session")

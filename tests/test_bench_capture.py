@@ -16,7 +16,7 @@ from layercheck.bench import report as reports
 
 @pytest.mark.slow
 def test_capture_recovers_the_survivors_slices_exactly(tiny_benchmark):
-    workload, raw = tiny_benchmark
+    workload, raw, _ = tiny_benchmark
     assert raw["store"] == "local"
     results = raw["results"]
     (plain,) = results["layercheck"]["recoveries"]

@@ -3,18 +3,20 @@ the ``tiny_benchmark`` fixture's (tests/support/bench_runs.py), shared with test
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from layercheck.bench import report as reports
 from layercheck.bench.cli import write_outputs
+from layercheck.orchestrator.cli.main import main
 from tests.support.bench_runs import TINY_BENCHMARK_STRATEGIES
 
 
 @pytest.mark.slow
 def test_harness_runs_recovers_and_reports(tiny_benchmark, tmp_path):
-    workload, raw = tiny_benchmark  # no root: each store is deleted after its run
+    workload, raw, partial = tiny_benchmark  # no root: each store is deleted after its run
     results = raw["results"]
     assert list(results) == ["none", *TINY_BENCHMARK_STRATEGIES]
     assert {"layercheck", "full", "diff", "full-resume"} <= set(results)
@@ -38,3 +40,14 @@ def test_harness_runs_recovers_and_reports(tiny_benchmark, tmp_path):
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
     write_outputs(report, tmp_path / "out", ettr_runs=5)
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "summary.md", "ettr.json", "ettr.png"}
+
+    # the results as rewritten after each strategy: after the last, every strategy's, and a run
+    # cut short is reported from them as from a bench.json
+    document = json.loads(partial.read_text())
+    assert document["partial"] is True and document["workload"] == workload.to_json()
+    assert document["raw"]["results"] == json.loads(json.dumps(results))
+    assert main(["bench", "--rebuild", str(partial), "--out", str(tmp_path / "rebuilt"), "--json"]) == 0
+    rebuilt = json.loads((tmp_path / "rebuilt" / "bench.json").read_text())
+    for name, row in report["strategies"].items():
+        assert rebuilt["strategies"][name]["bytes_written"] == row["bytes_written"], name
+        assert rebuilt["strategies"][name]["recovery_s"] == row["recovery_s"], name
