@@ -147,10 +147,10 @@ class DriftAdamW(torch.optim.AdamW):
         ``bench/results/gpu-2026-12-04-NVIDIA-H200``; on CPU the foreach one is torch's fused kernel)."""
         if self.drift_step != "auto":
             return self.drift_step == "fused"
-        params = [p for _, group_params in stepped for p in group_params]
-        if not params:
-            return False
         if self._fused_here is None:
+            params = [p for _, group_params in stepped for p in group_params]
+            if not params:
+                return False
             self._fused_here = triton_eligible(params)
             logger.info("DriftAdamW drift_step='auto': %s", "fused (Triton)" if self._fused_here else "foreach")
         return self._fused_here
@@ -242,7 +242,7 @@ class DriftAdamW(torch.optim.AdamW):
         if bank is None or len(views) != len(steps) or not all(map(operator.is_, steps, views)):
             if len({(t.device, t.dtype) for t in steps}) != 1 or any(t.dim() != 0 for t in steps):
                 torch._foreach_add_(steps, 1)  # mixed steps: the per-tensor way
-                return [float(c) for c in torch.stack([t.float().cpu() for t in steps]).tolist()]
+                return torch.stack([t.float().cpu() for t in steps]).tolist()
             bank = torch.stack(steps)
             views = tuple(bank.unbind())
             for state, view in zip(states, views):
