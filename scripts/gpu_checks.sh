@@ -34,7 +34,7 @@ while (( $# )); do
 done
 BUDGET=${GPU_CHECKS_BUDGET_S:-3600}
 START=$SECONDS
-EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py"
+EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py tests/test_probe_clock.py"
 
 die() { echo "gpu_checks: $*" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -4,6 +4,7 @@ stalls and ETTR across failures."""
 import pytest
 
 from layercheck.orchestrator.core.accounting import RankStart, RunAccount
+from layercheck.workers.progress import StepProgress
 
 
 def test_account_drops_lost_steps_from_productive_time():
@@ -89,7 +90,7 @@ def _recover(view, t_fail: int, now: float):
 
 
 def _step(view, step: int, now: float) -> None:
-    view.step_done(step=step, loss=1.0, lr=0.1, compute_s=0.1, stall_s=0.0, coordination_s=0.0, now=now)
+    view.step_done(StepProgress(step=step, loss=1.0, lr=0.1, compute_s=0.1, stall_s=0.0), now=now)
 
 
 def test_a_full_restart_of_an_in_place_run_says_why_and_only_for_its_own_recovery():

@@ -314,6 +314,9 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(local_ray
     assert summary["steps"] == 12 and summary["failures"] == 1 and 0 < summary["ettr"] <= 1
     assert math.isfinite(summary["final_loss"])
     assert "recovery after step 8" in format_summary(summary)
+    probe = summary["drift_probe"]  # the built-in loop's DriftAdamW on CPU, measuring every step
+    assert probe["probe"] == "optimizer (foreach)" and probe["measured_steps"] == probe["steps"] >= 12, probe
+    assert probe["seconds"] > 0 and "drift probe (rank 0)" in format_summary(summary)
     assert [o.step for o in result.trace.steps] == list(range(1, 13))  # the drift trace, minus nothing
     recorded = DriftTrace.parse(
         (Path(result.config.storage_uri) / DRIFT_TRACE_FILE).read_text()

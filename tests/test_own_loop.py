@@ -23,3 +23,6 @@ def test_own_loop_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp
     (recovery,) = failed["summary"]["recoveries"]
     assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
     assert recovery["timeline"]["group"] > 0, recovery
+    probe = failed["summary"]["drift_probe"]  # the user's AdamW gives no hook: snapshot-and-diff, every step
+    assert probe["probe"] == "snapshot_diff" and probe["measured_steps"] == probe["steps"] >= STEPS, probe
+    assert probe["seconds"] > 0, probe

@@ -11,6 +11,7 @@ import threading
 from layercheck.orchestrator.runtime import train_fn
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.workers.drift import LayerDrift
+from layercheck.workers.progress import StepProgress
 
 
 class _Method:
@@ -19,8 +20,9 @@ class _Method:
 
     def remote(self, *args):
         assert self.gate.wait(30), "the submission was made on the training thread"  # held until the test opens it
-        self.calls.append((self.name, args[0], threading.current_thread().name))
-        return {"step": args[0], "layers": {"embed": "schedule"}, "stop": False, "plan": []}
+        step = args[0].step if isinstance(args[0], StepProgress) else args[0]
+        self.calls.append((self.name, step, threading.current_thread().name))
+        return {"step": step, "layers": {"embed": "schedule"}, "stop": False, "plan": []}
 
 
 class _Actor:
@@ -43,7 +45,7 @@ def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for
     handles = []
     for step in (1, 2, 3):
         handles.append(rank.report(LayerDrift(step=step, l1={}, numel={}, measured=True), 1e-3))
-        rank.progress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0, coordination_s=0.0)
+        rank.progress(StepProgress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0))
     assert not calls  # queued: the training thread went on without making them
     assert not rank.wait_sent(0.05)  # (what a failed step waits for, bounded: StepProtocol.on_failure)
     gate.set()

@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.run_config import RunConfig
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.summary import ProgressLines, format_summary, summarize
@@ -13,6 +14,7 @@ from layercheck.policies.configs import drift_measured, policy_config
 from layercheck.policies.simulate import compare
 from layercheck.policies.trace import synthetic_trace
 from layercheck.workers.config import ModelConfig
+from layercheck.workers.progress import ProbeCost
 
 TRACE = synthetic_trace(blocks=2, steps=300, warmup=30, seed=1)
 COST = {"mean": 0.001, "p90": 0.002}
@@ -281,3 +283,24 @@ def test_the_summary_says_what_the_warm_spares_cost_and_did():
         in text
     )
     assert summarize(result_of(policy_config("staggered")))["spares"] is None
+
+
+def test_the_summary_names_the_drift_probe_and_what_its_own_work_cost_per_step():
+    account = RunAccount(started=0.0)
+    for step in range(1, 11):  # measured every 5th step: 4 ms each, nothing between
+        measured = drift_measured(step, 5)
+        account.probe.add(ProbeCost("snapshot_diff", 0.004 if measured else 0.0, measured))
+    result = result_of(policy_config("staggered"))
+    assert "drift probe" not in format_summary(summarize(result))  # no step reported one: nothing said
+    result.status["account"]["drift_probe"] = account.summary(now=1.0)["drift_probe"]
+    summary = summarize(result)
+    measured_steps = sum(drift_measured(s, 5) for s in range(1, 11))
+    assert summary["drift_probe"]["measured_steps"] == measured_steps
+    assert summary["drift_probe"]["s_per_measured_step"] == pytest.approx(0.004)
+    per_step = 0.004 * measured_steps / 10
+    text = format_summary(summary)
+    assert (
+        f"snapshot_diff, measured at {measured_steps} of 10 steps: 4.00 ms a measured step (the diff against a copy"
+        in text
+    )
+    assert f"{per_step * 1e3:.2f} ms a step ({per_step / 0.1:.1%} of the 100 ms mean step)" in text

@@ -14,6 +14,7 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
+from layercheck.workers.progress import StepProgress
 
 LAYERS = ("embed", "block.0", "norm")
 SMAX = 5
@@ -51,7 +52,7 @@ def report(service, step):
 
 
 def progress(run, step):
-    run.progress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0)
+    run.progress(StepProgress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0))
 
 
 def train_past_smax(run, service, caplog):

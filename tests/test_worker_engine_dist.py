@@ -108,6 +108,19 @@ def test_sampled_drift_is_exact_on_the_steps_it_measures_and_absent_on_the_other
 
 
 @pytest.mark.slow
+def test_each_probe_says_what_it_is_and_times_its_own_work_on_the_steps_it_measures(job):
+    _, results = job
+    for r in results:
+        for (step, measured, *_), (optimizer, diff) in zip(r["sampled"], r["probe_costs"]):
+            assert optimizer["probe"] == "optimizer (foreach)" and diff["probe"] == "snapshot_diff"
+            assert optimizer["measured"] is measured and diff["measured"] is measured, step
+            if measured:  # the copies and norms beside the update; the diff and the next copy
+                assert optimizer["seconds"] > 0 and diff["seconds"] > 0, (step, optimizer, diff)
+            else:  # the optimizer did not count this step (the diff probe copied its next reference)
+                assert optimizer["seconds"] == 0.0, (step, optimizer)
+
+
+@pytest.mark.slow
 def test_forward_reads_restored_weights(job):
     _, results = job
     for r in results:

@@ -20,6 +20,7 @@ import torch
 from layercheck.policies.configs import drift_measured
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.layout import StateLayout
+from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,8 @@ class LayerDrift:
     l1: Mapping[str, float]
     numel: Mapping[str, int]
     measured: bool = True
+    cost: ProbeCost | None = None
+    """What the probe's own work cost since its previous collect (``None``: not timed)."""
 
 
 class DriftSchedule:
@@ -128,14 +131,18 @@ class DriftProbe:
         self._optimizer.measuring = self.schedule.arm_after(step)
         if not measured:
             self._optimizer.take_drift()  # (empty: the optimizer was not counting)
-            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False)
+            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False))
         by_group = self._optimizer.take_drift()
         sums = dict.fromkeys(self._layers, 0.0)
         if by_group:  # one stack and one conversion for all groups: each tensor op costs µs on the host
             values = torch.stack(list(by_group.values())).double().cpu().tolist()
             for name, value in zip(by_group, values):
                 sums[self._layer_of_group[name]] += value
-        return LayerDrift(step=step, l1=sums, numel=self._numel_view)
+        return LayerDrift(step=step, l1=sums, numel=self._numel_view, cost=self._cost(True))
+
+    def _cost(self, measured: bool) -> ProbeCost:
+        optimizer = self._optimizer
+        return ProbeCost(f"optimizer ({optimizer.measured_step or 'auto'})", optimizer.probe_clock.take(), measured)
 
 
 def global_drift(local: LayerDrift, group: torch.distributed.ProcessGroup | None = None) -> dict[str, float]:

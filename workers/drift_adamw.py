@@ -35,6 +35,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from layercheck.workers.config import DRIFT_STEPS
 from layercheck.workers.drift_fused import adamw_l1_groups, triton_eligible
 from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows
+from layercheck.workers.probe_clock import ProbeClock
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,9 @@ class DriftAdamW(torch.optim.AdamW):
         """Whether the next steps count the L1 of what they move. The probe turns it off on the
         steps it does not measure: those cost what ``torch.optim.AdamW``'s step costs."""
         self._drift_l1: dict[str, torch.Tensor] = {}
+        self.probe_clock = ProbeClock()
+        """The time of the measured steps' drift work: the copies and norms beside the foreach
+        update; the fused step's whole update, the drift being counted inside it."""
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[str, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -140,6 +144,13 @@ class DriftAdamW(torch.optim.AdamW):
                 self._torch_step(group, params)
         return loss
 
+    @property
+    def measured_step(self) -> str | None:
+        """How a measured step runs: ``fused`` or ``foreach`` (``None``: ``auto``, not decided yet)."""
+        if self.drift_step != "auto":
+            return self.drift_step
+        return None if self._fused_here is None else ("fused" if self._fused_here else "foreach")
+
     def _fused(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> bool:
         """Whether a measured step is the fused one: ``drift_step="fused"``, or ``"auto"`` where
         the Triton kernel takes the parameters (decided once, at the first measured step: on a
@@ -181,10 +192,13 @@ class DriftAdamW(torch.optim.AdamW):
     def _diff_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """:meth:`_torch_step`, and the L1 of what it moved over the elements this rank owns."""
         views = self._owned_views(params)
-        before = [v.clone() for v in views]
+        with self.probe_clock.span(params[0].device):
+            before = [v.clone() for v in views]
         self._torch_step(group, params)
         if views:  # no owned element: no entry
-            self._add_l1(group["name"], torch.stack(torch._foreach_norm(torch._foreach_sub(views, before), 1)).sum())
+            with self.probe_clock.span(params[0].device):
+                diffs = torch._foreach_sub(views, before)
+                self._add_l1(group["name"], torch.stack(torch._foreach_norm(diffs, 1)).sum())
 
     def _fused_step(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> None:
         """Every group's update in one :func:`adamw_l1_groups` call (one kernel launch on CUDA):
@@ -222,7 +236,9 @@ class DriftAdamW(torch.optim.AdamW):
                         ),
                     )
                 )
-        for (name, fused), l1 in zip(work, adamw_l1_groups([f for _, f in work])):
+        with self.probe_clock.span(flat[0]["exp_avg"].device):
+            l1s = adamw_l1_groups([f for _, f in work])
+        for (name, fused), l1 in zip(work, l1s):
             # as the foreach step: no owned element, no entry (the kernel counts the L1 anyway)
             if self.measuring and any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)

@@ -18,6 +18,8 @@ import torch
 from layercheck.workers.drift import DriftProbe, DriftSchedule, LayerDrift
 from layercheck.workers.drift_adamw import DriftAdamW
 from layercheck.workers.layout import StateLayout, state_view
+from layercheck.workers.probe_clock import ProbeClock
+from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ class SnapshotDiffProbe:
         self._previous = {name: [v.detach().clone() for v in views] for name, views in self._views.items()}
         firsts = [v for views in self._views.values() for v in views[:1]]
         self._device = firsts[0].device if firsts else torch.device("cpu")
+        self._clock = ProbeClock()  # the diffs and reference copies of measured steps
         held = sum(t.numel() * t.element_size() for ts in self._previous.values() for t in ts)
         logger.info("snapshot-diff drift probe: %.1f MiB of reference copies", held / 2**20)
 
@@ -49,20 +52,32 @@ class SnapshotDiffProbe:
         (or at :meth:`reset`), one host sync; then the reference for the next measured step. On a
         step the schedule does not measure, and before it, nothing is diffed or copied."""
         measured = self.schedule.measured(step)
+        arm = self.schedule.arm_after(step)
+        sums: list[torch.Tensor] = []
+        if measured or arm:
+            with self._clock.span(self._device):
+                sums = self._diffs() if measured else []
+                if arm:
+                    self._copy_reference()
+        if not measured:
+            return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False, cost=self._cost(False))
+        values = torch.stack(sums).cpu().tolist() if sums else []
+        return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel), cost=self._cost(True))
+
+    def _diffs(self) -> list[torch.Tensor]:
+        """Each layer's L1 against its reference, a float64 scalar on the device."""
         sums = []
-        for name in self._layers if measured else ():
+        for name in self._layers:
             views, previous = self._views[name], self._previous[name]
             if not views:
                 sums.append(torch.zeros((), dtype=torch.float64, device=self._device))
                 continue
             diffs = torch._foreach_sub(views, previous)
             sums.append(torch.stack(torch._foreach_norm(diffs, 1)).sum().double())
-        if self.schedule.arm_after(step):
-            self._copy_reference()
-        if not measured:
-            return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False)
-        values = torch.stack(sums).cpu().tolist() if sums else []
-        return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel))
+        return sums
+
+    def _cost(self, measured: bool) -> ProbeCost:
+        return ProbeCost("snapshot_diff", self._clock.take(), measured)
 
     @torch.no_grad()
     def reset(self, next_step: int | None = None) -> None:

@@ -33,6 +33,7 @@ from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.order import first_index, step_seed
+from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 from layercheck.workers.snapshot_copy import Handover, copier_for, settle
 from layercheck.workers.step import train_step
@@ -63,9 +64,7 @@ class Coordinator(Protocol):
         """Hand the snapshots over; the shards' buffers may be reused once this returns (unless
         the coordinator keeps them, :class:`KeepsHostBuffers`)."""
 
-    def progress(
-        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
-    ) -> None:
+    def progress(self, progress: StepProgress) -> None:
         """Rank 0's per-step report to the run's central view."""
 
 
@@ -224,12 +223,15 @@ class StepProtocol:
         result.stall_s += stall_s
         if self.rank == 0:
             self.coordinator.progress(
-                step=step,
-                loss=loss,
-                lr=lr,
-                compute_s=compute_s,
-                stall_s=stall_s,
-                coordination_s=result.coordination_s - coordination_before,
+                StepProgress(
+                    step=step,
+                    loss=loss,
+                    lr=lr,
+                    compute_s=compute_s,
+                    stall_s=stall_s,
+                    coordination_s=result.coordination_s - coordination_before,
+                    probe=drift.cost,
+                )
             )
         return stall_s
 

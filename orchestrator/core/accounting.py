@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from layercheck.workers.progress import ProbeCost
+
 #: Where a recovery's elements came from (``Recovery.elements``).
 ELEMENT_KINDS = ("capture", "memory", "stored", "initial")
 #: A recovery's time from the failure to the next completed step, in the order it is spent
@@ -221,6 +223,37 @@ LOAD_SOURCE_FIELDS = (
 
 
 @dataclass
+class ProbeAccount:
+    """What rank 0's drift probe cost over the run: every step it reported, kept or lost to a
+    failure (the work was done either way)."""
+
+    probe: str | None = None
+    """The probe of the last report (the same for a run unless its engine changed)."""
+    seconds: float = 0.0
+    steps: int = 0
+    measured_steps: int = 0
+
+    def add(self, cost: ProbeCost) -> None:
+        self.probe = cost.probe
+        self.seconds += cost.seconds
+        self.steps += 1
+        self.measured_steps += int(cost.measured)
+
+    def summary(self) -> dict[str, Any] | None:
+        """The figures the run's summary shows (``None``: no step reported a probe)."""
+        if self.probe is None:
+            return None
+        return {
+            "probe": self.probe,
+            "seconds": self.seconds,
+            "steps": self.steps,
+            "measured_steps": self.measured_steps,
+            "s_per_measured_step": self.seconds / self.measured_steps if self.measured_steps else 0.0,
+            "s_per_step": self.seconds / self.steps,
+        }
+
+
+@dataclass
 class RunAccount:
     """Timings of one run, as the supervisor learns them."""
 
@@ -241,6 +274,7 @@ class RunAccount:
 
     coordination_seconds: list[float] = field(default_factory=list)
     """Per step reported, rank 0's time in the policy protocol (drift report + decision)."""
+    probe: ProbeAccount = field(default_factory=ProbeAccount)
 
     def step_done(
         self,
@@ -317,6 +351,7 @@ class RunAccount:
             "recovered_elements": {kind: sum(r.elements[kind] for r in self.recoveries) for kind in ELEMENT_KINDS},
             "ettr": self.ettr(now),
             "coordination_s_per_step": _percentiles(self.coordination_seconds),
+            "drift_probe": self.probe.summary(),
             "step_s_per_step": _percentiles(list(self.step_seconds.values())),
             "history": {step: list(values) for step, values in sorted(self.history.items())},
         }

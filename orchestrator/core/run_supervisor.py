@@ -13,7 +13,7 @@ API::
     run.write_failed(layer, step); run.version_unusable(vid, why); run.loaded(load_s)
     run.writer_died(lost=[(layer, step), ...], reason=..., replaced=True)  # lost versions free the gate
     run.request_stop(reason)                          # Ctrl-C: ranks stop after the same step
-    run.progress(step=..., loss=..., lr=..., compute_s=..., stall_s=..., coordination_s=...)
+    run.progress(StepProgress(step=..., loss=..., lr=..., compute_s=..., stall_s=...))
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
 
 Thread-safe by construction: one lock guards the cores and is held only while they decide —
@@ -65,6 +65,7 @@ from layercheck.orchestrator.core.staleness_guard import StalenessGuard, Stalene
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST, LeaseLostError
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
+from layercheck.workers.progress import StepProgress
 
 logger = logging.getLogger(__name__)
 
@@ -266,23 +267,13 @@ class RunSupervisor:
         with self._lock:
             self.view.loaded(load_s, sources, start=start, now=self.clock())
 
-    def progress(
-        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float = 0.0
-    ) -> dict[str, int | None]:
-        """Rank 0 finished ``step``; returns each layer's newest committed step (for metrics)."""
+    def progress(self, progress: StepProgress) -> dict[str, int | None]:
+        """Rank 0 finished a step; returns each layer's newest committed step (for metrics)."""
         with self._lock:
-            self.view.step_done(
-                step=step,
-                loss=loss,
-                lr=lr,
-                compute_s=compute_s,
-                stall_s=stall_s,
-                coordination_s=coordination_s,
-                now=self.clock(),
-            )
+            self.view.step_done(progress, now=self.clock())
             last_steps = self.commits.last_steps()
             breach = self.guard.check(
-                step=step,
+                step=progress.step,
                 last_steps=last_steps,
                 storage_failures=self.view.storage_failures(self.commits),
                 writers_replaced=self.view.writers_replaced,

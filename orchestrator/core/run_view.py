@@ -10,6 +10,7 @@ from typing import Any
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, Recovery, RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath
 from layercheck.orchestrator.core.recovery_events import RecordRecovery
+from layercheck.workers.progress import StepProgress
 
 
 @dataclass
@@ -44,15 +45,23 @@ class RunView:
     """The failed recovery in a survivor's own process that turned in-place recovery off for the
     rest of the run (``None``: on): from then on the survivors of a loss leave and are replaced."""
 
-    def step_done(
-        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float, now: float
-    ) -> None:
-        """Rank 0 finished ``step``."""
+    def step_done(self, progress: StepProgress, *, now: float) -> None:
+        """Rank 0 finished a step."""
         recovering = self._open_recovery()
-        self.account.step_done(step, compute_s, stall_s, now, loss=loss, lr=lr, coordination_s=coordination_s)
+        self.account.step_done(
+            progress.step,
+            progress.compute_s,
+            progress.stall_s,
+            now,
+            loss=progress.loss,
+            lr=progress.lr,
+            coordination_s=progress.coordination_s,
+        )
+        if progress.probe is not None:
+            self.account.probe.add(progress.probe)
         if recovering is not None and recovering.failure_to_step_s is not None:
             self.refused = None  # said of the recovery just done, and told there
-        self.progress = Progress(step=step, loss=loss, lr=lr, step_s=compute_s)
+        self.progress = Progress(step=progress.step, loss=progress.loss, lr=progress.lr, step_s=progress.compute_s)
 
     def record_recovery(self, action: RecordRecovery) -> None:
         recovery = self.account.failed(

@@ -50,6 +50,7 @@ from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
 from layercheck.policies.checkpoint_policy import CheckpointPolicy
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers.drift import LayerDrift
+from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 
 if TYPE_CHECKING:
@@ -62,18 +63,6 @@ if TYPE_CHECKING:
     )
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepProgress:
-    """Rank 0's report of one step (what the Ray supervisor's ``progress`` receives)."""
-
-    step: int
-    loss: float
-    lr: float
-    compute_s: float
-    stall_s: float
-    coordination_s: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,15 +229,11 @@ class LocalCoordinator:
             nbytes,
         )
 
-    def progress(
-        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
-    ) -> None:
-        self._last_step_s = compute_s + stall_s + coordination_s
-        self.progress_log.append(StepProgress(step, loss, lr, compute_s, stall_s, coordination_s))
+    def progress(self, progress: StepProgress) -> None:
+        self._last_step_s = progress.compute_s + progress.stall_s + progress.coordination_s
+        self.progress_log.append(progress)
         if self.run is not None:
-            self.run.progress(
-                step=step, loss=loss, lr=lr, compute_s=compute_s, stall_s=stall_s, coordination_s=coordination_s
-            )
+            self.run.progress(progress)
 
     # ---- the rest of the protocol ----------------------------------------------------------
     def last_complete_step(self) -> int:

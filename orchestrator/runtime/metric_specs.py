@@ -276,6 +276,12 @@ SPECS: tuple[Spec, ...] = (
         "layercheck_policy_protocol_seconds",
         "Rank 0's mean time per step in the policy protocol (drift report + decision), on the critical path.",
     ),
+    Spec(
+        Gauge,
+        "layercheck_drift_probe_seconds",
+        "Rank 0's drift probe: its own work per step, mean over the run (on a GPU, device time).",
+        ("probe",),
+    ),
     Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),
     Spec(Gauge, "layercheck_training_loss", "Loss of the latest step."),
     Spec(Gauge, "layercheck_learning_rate", "Learning rate of the latest step."),

@@ -299,6 +299,9 @@ class RunMetrics:
         self._set("layercheck_training_step", status["step"])
         self._set("layercheck_step_seconds", status["step_s"])
         self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
+        probe = status["account"].get("drift_probe")
+        if probe:
+            self._set("layercheck_drift_probe_seconds", probe["s_per_step"], probe["probe"])
         if not math.isnan(status["loss"]):
             self._set("layercheck_training_loss", status["loss"])
         self._set("layercheck_learning_rate", status["lr"])

@@ -29,6 +29,7 @@ from layercheck.workers.loop import (
     SendsInBackground,
     StopsOnRequest,
 )
+from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -259,10 +260,8 @@ class RayCoordinator:
             return False
         return True
 
-    def progress(
-        self, *, step: int, loss: float, lr: float, compute_s: float, stall_s: float, coordination_s: float
-    ) -> None:
-        self._sender.submit(self.supervisor.progress.remote, step, loss, lr, compute_s, stall_s, coordination_s)
+    def progress(self, progress: StepProgress) -> None:
+        self._sender.submit(self.supervisor.progress.remote, progress)
 
     def _capture(self, shards: Sequence[LayerShard], *, step: int, error: BaseException) -> None:
         """Hand a survivor's capture to this node's writer and wait (bounded) until the writer holds

@@ -54,6 +54,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "productive_s": account["productive_s"],
         "stall_s": account["stall_s"],
         "coordination_s_per_step": account["coordination_s_per_step"],
+        "drift_probe": account.get("drift_probe"),
         "step_s_per_step": account["step_s_per_step"],
         "write_failures": status["write_failures"],
         "commit_retries": status.get("commit_retries", 0),
@@ -165,6 +166,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"checkpoint stalls {summary['stall_s']:.2f}s)",
         ],
         ["policy protocol per step", _protocol_cost(summary)],
+        *_probe_rows(summary),
         [
             "write failures / commit retries / lost versions",
             f"{summary['write_failures']} / {summary['commit_retries']} / {summary['lost_versions']}",
@@ -352,3 +354,29 @@ def _protocol_cost(summary: dict[str, Any]) -> str:
         f"{coord['mean'] * 1e3:.2f} ms mean, {coord['p90'] * 1e3:.2f} ms p90 "
         f"({share:.1%} of the {step['mean'] * 1e3:.0f} ms mean step)"
     )
+
+
+#: What each drift probe's timed work is (:mod:`layercheck.workers.probe_clock`).
+PROBE_WORK = {
+    "snapshot_diff": "the diff against a copy of the weights and the next copy",
+    "optimizer (foreach)": "the copies and norms beside torch's update",
+    "optimizer (fused)": "the whole AdamW update, the drift counted inside it",
+}
+
+
+def _probe_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """Which drift probe rank 0 ran, and what its own work cost (a GPU's device time)."""
+    probe = summary.get("drift_probe")
+    if not probe:
+        return []
+    step_mean = summary["step_s_per_step"]["mean"]
+    share = f" ({probe['s_per_step'] / step_mean:.1%} of the {step_mean * 1e3:.0f} ms mean step)" if step_mean else ""
+    work = PROBE_WORK.get(probe["probe"])
+    return [
+        [
+            "drift probe (rank 0)",
+            f"{probe['probe']}, measured at {probe['measured_steps']} of {probe['steps']} steps: "
+            f"{probe['s_per_measured_step'] * 1e3:.2f} ms a measured step{f' ({work})' if work else ''}, "
+            f"{probe['s_per_step'] * 1e3:.2f} ms a step{share}",
+        ]
+    ]

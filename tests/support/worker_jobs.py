@@ -7,6 +7,7 @@ several properties in one process start, returning plain values for the test to 
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: s
     # reset), then every second one, each exactly that step's update; the others report nothing.
     train_engine.probe.measure_every(2)
     diff_probe = SnapshotDiffProbe(train_engine.layout, every=2)
-    sampled = []
+    sampled, costs = [], []
     for i in range(4):
         before = shard_values(snapshot_layers(train_engine.layout, layers, pool))
         _, drift = train_step(train_engine, batches(train_engine, 10 + i, rank))
@@ -102,7 +103,9 @@ def drift_and_roundtrip_job(rank: int, world_size: int, stage: int, precision: s
         after = shard_values(snapshot_layers(train_engine.layout, layers, pool))
         reference = {n: float((after[n]["fp32"] - before[n]["fp32"]).abs().double().sum()) for n in layers}
         sampled.append((train_engine.step, drift.measured, dict(drift.l1), diffed.measured, dict(diffed.l1), reference))
+        costs.append((asdict(drift.cost), asdict(diffed.cost)))
     out["sampled"] = sampled
+    out["probe_costs"] = costs
     shutdown(train_engine)
     return out
 

@@ -1,0 +1,66 @@
+"""What the drift probe costs: the time of its own work, measured without waiting for a device.
+
+A probe's work is a few spans inside the step (the reference copy and the diff of
+snapshot-and-diff, the copies and norms beside DriftAdamW's foreach update, the whole fused
+update). On CPU a span is timed by the wall clock, since the work runs as it is issued. On a GPU
+the host only queues the work, so a span is a pair of CUDA events on the current stream, read
+once the device has passed the second one: the probe's device time, never an extra sync.
+
+A probe reports what it timed as a :class:`~layercheck.workers.progress.ProbeCost`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from types import TracebackType
+
+import torch
+
+
+class ProbeClock:
+    """Sums the time of the spans a probe opens with :meth:`span`; :meth:`take` hands it over."""
+
+    def __init__(self) -> None:
+        self._seconds = 0.0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def span(self, device: torch.device) -> _Span:
+        """``with clock.span(device):`` around work issued for ``device``."""
+        return _Span(self, device if device.type == "cuda" else None)
+
+    def take(self) -> float:
+        """The seconds of the spans finished since the last call (on a GPU, those the device has
+        passed; the others are counted by a later call)."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self._seconds += start.elapsed_time(end) / 1e3
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+
+class _Span:
+    __slots__ = ("_clock", "_cuda", "_start")
+
+    def __init__(self, clock: ProbeClock, cuda: torch.device | None) -> None:
+        self._clock = clock
+        self._cuda = cuda
+        self._start: float | torch.cuda.Event = 0.0
+
+    def __enter__(self) -> None:
+        if self._cuda is None:
+            self._start = time.perf_counter()
+            return
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record(torch.cuda.current_stream(self._cuda))
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        start = self._start
+        if isinstance(start, float):
+            self._clock._seconds += time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(torch.cuda.current_stream(self._cuda))
+        self._clock._pending.append((start, end))

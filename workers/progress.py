@@ -1,0 +1,35 @@
+"""What rank 0 reports to the run's central view (the supervisor) after each step. Importing this
+module does not import torch: the driver's side reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProbeCost:
+    """What measuring drift cost one rank over one step (:mod:`layercheck.workers.probe_clock`)."""
+
+    probe: str
+    """Which probe ran: ``snapshot_diff``, ``optimizer (foreach)`` or ``optimizer (fused)``."""
+    seconds: float
+    """Its own work finished since the previous report (a GPU's spans count once read)."""
+    measured: bool
+    """Whether the step's drift was measured (the policy's ``drift_every``)."""
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    """Rank 0's report of one step."""
+
+    step: int
+    loss: float
+    lr: float
+    compute_s: float
+    """The step's forward, backward and optimizer step."""
+    stall_s: float
+    """Training time spent handing snapshots over."""
+    coordination_s: float = 0.0
+    """Time in the policy protocol (drift report and decision)."""
+    probe: ProbeCost | None = None
+    """What measuring the step's drift cost (``None``: not timed)."""
