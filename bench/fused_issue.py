@@ -5,8 +5,10 @@ On a GPU that time comes before the launch, so the GPU waits it out (the H200 ru
 ~6 ms of a 9.6 ms step, ``bench/results/gpu-2026-12-04-NVIDIA-H200``). It does not depend on
 the tensors' sizes, only on their number and grouping, so this benchmark builds the 0.5B shape's
 structure (290 tensors in 50 layer groups) from tiny CPU tensors and replaces the launch with a
-no-op: the figure is the step's bookkeeping (step counts, groups, the kernel's tables), nothing
-of the update. The Triton eligibility test is not counted (it needs CUDA tensors).
+no-op: the figure is the step's bookkeeping (step counts, groups, the kernel's tables; what
+DriftAdamW keeps of them from step to step is checked, not rebuilt), nothing of the update. The
+Triton eligibility test is not counted (it needs CUDA tensors; it runs when a plan is built and
+when the gradients' addresses change).
 
     python -m layercheck.bench.fused_issue                 # the table
     python -m layercheck.bench.fused_issue --json --steps 100

@@ -159,6 +159,71 @@ def test_step_counts_stay_torchs_whoever_reads_writes_or_replaces_them():
     assert counts() == [17.0, 10.0, 10.0, 14.0]
 
 
+def test_the_fused_step_keeps_its_work_across_steps_and_notices_what_changes():
+    """The fused step's per-tensor work (states, windows, the kernel's tables) is kept from step to
+    step; a moment replaced, a gradient dropped, a state dict loaded into the same optimizer, new
+    windows or a new param group are each noticed, and the update stays torch's AdamW's, bit for
+    bit, with the drift counted over the windows of the moment."""
+    fused_p, ref_p, _ = _copies("cpu", seed=3)
+    fused = DriftAdamW(_groups(fused_p), **HYPER, drift_step="fused")
+    reference = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "name"} for g in _groups(ref_p)], **HYPER, foreach=False
+    )
+
+    def step(n, drop=None):
+        _set_grads(n, fused_p, ref_p)
+        if drop is not None:  # a parameter without a gradient is not stepped
+            fused_p[drop].grad = ref_p[drop].grad = None
+        before = [p.detach().clone() for p in fused_p]
+        fused.step()
+        reference.step()
+        return [float((p.detach() - b).abs().double().sum()) for p, b in zip(fused_p, before)]
+
+    def same():
+        for p, q in zip(fused_p, ref_p):
+            for ours, theirs in (
+                (p, q),
+                *((fused.state[p][k], reference.state[q][k]) for k in ("exp_avg", "exp_avg_sq")),
+            ):
+                assert torch.equal(ours, theirs)
+
+    step(0)
+    (plan,) = fused._plans.values()
+    step(1)
+    assert fused._plans[tuple(g["name"] for g in fused.param_groups)] is plan  # kept
+    same()
+
+    for opt, params in ((fused, fused_p), (reference, ref_p)):  # a moment replaced by someone else
+        opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"] * 0.5
+    step(2)
+    same()
+    step(3, drop=2)  # a group without a gradient this step
+    same()
+    step(4)
+    fused.load_state_dict(fused.state_dict())  # the same state, in new tensors
+    step(5)
+    same()
+
+    fused.set_drift_windows(fused_p[0], [(3, 10)])
+    fused.take_drift()
+    before = fused_p[0].detach().clone().view(-1)
+    moved = step(6)
+    drift = fused.take_drift()
+    in_window = float((fused_p[0].detach().view(-1) - before)[3:13].abs().double().sum())
+    assert drift["a/decay"].item() == pytest.approx(in_window + moved[1], rel=1e-6)
+
+    extra, extra_ref = torch.randn(17, requires_grad=True), None
+    extra_ref = extra.detach().clone().requires_grad_(True)
+    fused.add_param_group({"params": [extra], "weight_decay": 0.0, "name": "c"})
+    reference.add_param_group({"params": [extra_ref], "weight_decay": 0.0})
+    fused_p.append(extra)
+    ref_p.append(extra_ref)
+    step(7)
+    step(8)
+    same()
+    assert set(fused.take_drift()) == {"a/decay", "a/no_decay", "b/decay", "c"}
+
+
 def test_torch_path_is_bit_equal_whatever_the_chunk():
     torch.manual_seed(3)
     p, g, m, v = (torch.randn(1000) for _ in range(4))
@@ -235,6 +300,57 @@ def test_triton_kernel_under_the_interpreter():
             for a, b in zip(mine, want):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32 rounding may differ by an ulp
         assert got.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_triton_kernel_on_a_kept_plan_under_the_interpreter():
+    """The kernel's launch for a kept plan (Triton's CPU interpreter, as above): three steps, the
+    gradients new tensors at the second (the address table rebuilt) and the same at the third
+    (kept), against the torch path on a copy of the same plan."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
+    pytest.importorskip("triton")
+    from layercheck.workers.drift_fused import adamw_l1_plan
+    from layercheck.workers.drift_fused_work import FusedPlan
+    from layercheck.workers.drift_triton import adamw_l1_triton_plan
+
+    torch.manual_seed(5)
+    shapes, windows = [(64, 100), (5000,), (300,)], [((0, 2000), (2500, 3000)), None, ()]
+
+    def plan(tensors):
+        params, exp_avgs, exp_avg_sqs = tensors
+        return FusedPlan(
+            names=("a", "b"),
+            starts=(0, 2, 3),
+            params=params,
+            states=[{} for _ in params],
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            windows=list(windows),
+            owned=(True, False),
+            state_table={},
+            triton=False,
+        )
+
+    base = [[torch.randn(s) for s in shapes] for _ in range(3)]
+    for v in base[2]:
+        v.abs_()
+    kernel, torch_path = plan([[t.clone() for t in ts] for ts in base]), plan([[t.clone() for t in ts] for ts in base])
+    grads = [torch.randn(s) for s in shapes]
+    for step, new_grads in ((1, False), (2, True), (3, False)):
+        if new_grads:
+            grads = [g * 0.5 for g in grads]
+        scalars = [
+            AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step),
+            AdamWScalars(lr=3e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step),
+        ]
+        addrs = [t.data_ptr() for quad in zip(*kernel.tensor_lists(grads)) for t in quad]
+        got = adamw_l1_triton_plan(kernel, addrs, scalars)
+        assert kernel.tables["addrs"] == addrs
+        expected = adamw_l1_plan(torch_path, grads, scalars)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
+        for ours, theirs in zip(kernel.tensor_lists(grads), torch_path.tensor_lists(grads)):
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_triton_kernel_compiles_for_hopper():

@@ -27,14 +27,15 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate
 from typing import Any, cast
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from layercheck.workers.config import DRIFT_STEPS
-from layercheck.workers.drift_fused import adamw_l1_groups, triton_eligible
-from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows
+from layercheck.workers.drift_fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
+from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
 from layercheck.workers.probe_clock import ProbeClock
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,18 @@ logger = logging.getLogger(__name__)
 def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The gradients of ``params``, every one set (:meth:`DriftAdamW.step` steps no other)."""
     return cast("list[torch.Tensor]", [p.grad for p in params])
+
+
+_EXP_AVG = operator.itemgetter("exp_avg")
+_EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
+
+
+def _scalars(group: dict[str, Any], count: float) -> AdamWScalars:
+    """The AdamW scalars of ``group``'s step at step count ``count``."""
+    beta1, beta2 = group["betas"]
+    return AdamWScalars(
+        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=count
+    )
 
 
 def _by_count(
@@ -91,6 +104,7 @@ class DriftAdamW(torch.optim.AdamW):
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[str, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._plans: dict[tuple[str, ...], FusedPlan] = {}  # the fused step's, per set of groups
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -99,6 +113,11 @@ class DriftAdamW(torch.optim.AdamW):
             raise ValueError(f"duplicate param group name {param_group['name']!r}")
         super().add_param_group(param_group)
         self._fused_here = None  # "auto" decides again over the new set of parameters
+        self._plans.clear()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._plans.clear()  # they hold the tensors being replaced
+        super().load_state_dict(state_dict)
 
     def set_drift_windows(self, tensor: torch.Tensor, windows: Sequence[tuple[int, int]]) -> None:
         """Count only these element runs of ``tensor`` towards drift (default: all of it).
@@ -111,6 +130,7 @@ class DriftAdamW(torch.optim.AdamW):
             if start < 0 or length < 0 or start + length > numel:
                 raise ValueError(f"drift window ({start}, {length}) outside a tensor of {numel} elements")
         self._windows[id(tensor)] = (tensor, tuple((int(s), int(n)) for s, n in windows if n > 0))
+        self._plans.clear()
 
     def init_state(self, p: torch.Tensor) -> dict[str, Any]:
         """The state of ``p``, created (step 0, zero moments) if it has none yet."""
@@ -201,20 +221,77 @@ class DriftAdamW(torch.optim.AdamW):
                 self._add_l1(group["name"], torch.stack(torch._foreach_norm(diffs, 1)).sum())
 
     def _fused_step(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> None:
-        """Every group's update in one :func:`adamw_l1_groups` call (one kernel launch on CUDA):
-        per-tensor work is kept to what the launch needs, since on a GPU the step is otherwise
-        bound by issuing it, not by the update."""
-        states = [[self.init_state(p) for p in params] for _, params in stepped]
-        flat = [s for group_states in states for s in group_states]
-        if not flat:
+        """Every group's update in one :func:`adamw_l1_plan` call (one kernel launch on CUDA).
+
+        On a GPU the step is bound by issuing it, not by the update, so the per-tensor work is
+        kept from step to step in a :class:`FusedPlan` per set of groups; a step checks that its
+        tensors are the plan's and reads only what changes (gradients, counts, hyper-parameters)."""
+        key = tuple(g["name"] for g, _ in stepped)
+        params = [p for _, group_params in stepped for p in group_params]
+        if not params:  # no gradient anywhere: nothing to step
             return
-        counts = self._count_steps(tuple(g["name"] for g, _ in stepped), flat)
+        plan = self._plans.get(key)
+        if plan is None or not self._plan_holds(plan, params):
+            plan = self._plans[key] = self._build_plan(stepped, params)
+        counts = self._count_steps(key, plan.states)
+        slot_counts = plan.slot_counts(counts)
+        if slot_counts is None:  # a group's tensors at different counts: they step apart
+            self._fused_step_by_count(stepped, plan.states, counts)
+            return
+        scalars = [_scalars(group, count) for (group, _), count in zip(stepped, slot_counts)]
+        with self.probe_clock.span(params[0].device):
+            l1 = adamw_l1_plan(plan, _grads(params), scalars)
+        for name, owned, value in zip(plan.names, plan.owned, l1.unbind()):
+            if owned:  # as the foreach step: no owned element, no entry (the kernel counts it anyway)
+                self._add_l1(name, value)
+
+    def _build_plan(
+        self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]], params: list[torch.Tensor]
+    ) -> FusedPlan:
+        states = [self.init_state(p) for p in params]
+        windows = [self._windows_of(p) for p in params]
+        starts = tuple(accumulate((len(group_params) for _, group_params in stepped), initial=0))
+        exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
+        return FusedPlan(
+            names=tuple(g["name"] for g, _ in stepped),
+            starts=starts,
+            params=params,
+            states=states,
+            exp_avgs=exp_avgs,
+            exp_avg_sqs=exp_avg_sqs,
+            windows=windows,
+            owned=tuple(any(w is None or w for w in windows[a:b]) for a, b in zip(starts, starts[1:])),
+            state_table=self.state,
+        )
+
+    def _plan_holds(self, plan: FusedPlan, params: list[torch.Tensor]) -> bool:
+        """Whether ``plan`` still has this step's tensors: the same parameters, state dicts and
+        moments, by identity (a loaded state dict or a new tensor anywhere builds a new plan)."""
+        state = self.state
+        return (
+            plan.state_table is state
+            and len(params) == len(plan.params)
+            and all(map(operator.is_, params, plan.params))
+            and all(map(operator.is_, map(state.__getitem__, params), plan.states))
+            and all(map(operator.is_, map(_EXP_AVG, plan.states), plan.exp_avgs))
+            and all(map(operator.is_, map(_EXP_AVG_SQ, plan.states), plan.exp_avg_sqs))
+        )
+
+    def _fused_step_by_count(
+        self,
+        stepped: list[tuple[dict[str, Any], list[torch.Tensor]]],
+        states: list[dict[str, Any]],
+        counts: list[float],
+    ) -> None:
+        """:meth:`_fused_step` where a group's tensors are at different step counts (parameters
+        stepped apart, as ZeRO-3's sub-groups may leave them): each part of a group at one count
+        is a group of its own in one :func:`adamw_l1_groups` call."""
         work: list[tuple[str, FusedGroup]] = []
         offset = 0
-        for (group, params), group_states in zip(stepped, states):
+        for group, params in stepped:
+            group_states = states[offset : offset + len(params)]
             group_counts = counts[offset : offset + len(params)]
             offset += len(params)
-            beta1, beta2 = group["betas"]
             for count, members, member_states in _by_count(group_counts, params, group_states):
                 work.append(
                     (
@@ -225,22 +302,14 @@ class DriftAdamW(torch.optim.AdamW):
                             exp_avgs=[s["exp_avg"] for s in member_states],
                             exp_avg_sqs=[s["exp_avg_sq"] for s in member_states],
                             windows=[self._windows_of(p) for p in members],
-                            scalars=AdamWScalars(
-                                lr=group["lr"],
-                                beta1=beta1,
-                                beta2=beta2,
-                                eps=group["eps"],
-                                weight_decay=group["weight_decay"],
-                                step=count,
-                            ),
+                            scalars=_scalars(group, count),
                         ),
                     )
                 )
-        with self.probe_clock.span(flat[0]["exp_avg"].device):
+        with self.probe_clock.span(states[0]["exp_avg"].device):
             l1s = adamw_l1_groups([f for _, f in work])
         for (name, fused), l1 in zip(work, l1s):
-            # as the foreach step: no owned element, no entry (the kernel counts the L1 anyway)
-            if self.measuring and any(w is None or w for w in fused.windows):
+            if any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)
 
     def _count_steps(self, key: tuple[str, ...], states: list[dict[str, Any]]) -> list[float]:

@@ -23,12 +23,14 @@ import functools
 import logging
 import operator
 from collections.abc import Sequence
+from itertools import chain
 
 import torch
 
 from layercheck.workers.drift_fused_work import (
     AdamWScalars,
     FusedGroup,
+    FusedPlan,
     Windows,
     counted_runs,
 )
@@ -95,6 +97,30 @@ def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
             total += adamw_l1_torch(p, g, m, v, w, group.scalars)
         out.append(total)
     return out
+
+
+def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Sequence[AdamWScalars]) -> torch.Tensor:
+    """:func:`adamw_l1_groups` over a kept :class:`FusedPlan` with this step's gradients and each
+    slot's scalars: each slot's count, a float64 vector on the device. On CUDA one kernel launch,
+    its tables rebuilt only when an address changed."""
+    if plan.triton is None:
+        plan.triton = triton_eligible([t for ts in plan.tensor_lists(grads) for t in ts])
+    if plan.triton:
+        addrs = list(chain.from_iterable(zip(*(map(torch.Tensor.data_ptr, ts) for ts in plan.tensor_lists(grads)))))
+        if addrs == plan.tables.get("addrs") or triton_eligible(grads):  # new gradients: checked once
+            from layercheck.workers.drift_triton import adamw_l1_triton_plan
+
+            return adamw_l1_triton_plan(plan, addrs, scalars)
+    if plan.params[0].is_cuda:
+        _warn_torch_path_on_cuda()
+    totals = []
+    for slot, (start, stop) in enumerate(zip(plan.starts, plan.starts[1:])):
+        total = torch.zeros((), dtype=torch.float64, device=plan.params[0].device)
+        for i in range(start, stop):
+            p, m, v = plan.params[i], plan.exp_avgs[i], plan.exp_avg_sqs[i]
+            total += adamw_l1_torch(p, grads[i], m, v, plan.windows[i], scalars[slot])
+        totals.append(total)
+    return torch.stack(totals)
 
 
 def adamw_l1(

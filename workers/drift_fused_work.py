@@ -9,7 +9,8 @@ both, and neither module imports the other at its top.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,9 +21,10 @@ Windows = tuple[tuple[int, int], ...]
 TRITON_CHUNK = 1 << 14
 
 
-@dataclass(frozen=True, kw_only=True)
-class AdamWScalars:
-    """The per-step scalars of one AdamW update at step count ``step`` (1 for the first step)."""
+class AdamWScalars(NamedTuple):
+    """The per-step scalars of one AdamW update at step count ``step`` (1 for the first step).
+    A named tuple: the fused step makes one per param group and step (a frozen dataclass cost
+    four times as much to build, 2 µs each)."""
 
     lr: float
     beta1: float
@@ -92,3 +94,54 @@ class FusedGroup:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.grads, *self.exp_avgs, *self.exp_avg_sqs]
+
+
+@dataclass(eq=False, kw_only=True)
+class FusedPlan:
+    """The tensors of a fused step over one set of param groups, kept from step to step.
+
+    Building a step's work from its param groups costs the host more than the kernel's launch
+    (per tensor: its state, windows, pointers); kept here, a step only checks that nothing changed
+    (``DriftAdamW._plan_holds``; new windows or param groups drop every plan) and reads what does change:
+    gradients, step counts and hyper-parameters. Each param group is a *slot*; its tensors are
+    ``params[starts[slot]:starts[slot + 1]]``."""
+
+    names: tuple[str, ...]
+    """Each slot's param group name."""
+    starts: tuple[int, ...]
+    """Each slot's first tensor, and the number of tensors at the end."""
+    params: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    windows: list[Windows | None]
+    owned: tuple[bool, ...]
+    """Whether a slot has a counted element (one without reports no drift, as the foreach step)."""
+    state_table: Any
+    """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it)."""
+    triton: bool | None = None
+    """Whether the Triton kernel takes every tensor (decided at the first launch; gradients are
+    checked again when their addresses change)."""
+    tables: dict[Any, Any] = field(default_factory=dict)
+    """The launcher's cache: the work table per chunk size, the address table and its addresses."""
+
+    def slot_counts(self, counts: Sequence[float]) -> list[float] | None:
+        """Each slot's step count, given every tensor's; ``None`` when a slot's tensors differ
+        (then its parts step apart: :func:`layercheck.workers.drift_adamw._by_count`)."""
+        if counts.count(counts[0]) == len(counts):  # the usual case: one count for all
+            return [counts[0]] * len(self.names)
+        out = []
+        for start, stop in zip(self.starts, self.starts[1:]):
+            part = counts[start:stop]
+            if part.count(part[0]) != len(part):
+                return None
+            out.append(part[0])
+        return out
+
+    def tensor_lists(self, grads: Sequence[torch.Tensor]) -> tuple[Sequence[torch.Tensor], ...]:
+        """The kernel's four tensors per entry: params, ``grads``, exp_avgs, exp_avg_sqs."""
+        return (self.params, grads, self.exp_avgs, self.exp_avg_sqs)
+
+    def tensor_slots(self) -> list[int]:
+        """Each tensor's slot."""
+        return [slot for slot, (a, b) in enumerate(zip(self.starts, self.starts[1:])) for _ in range(a, b)]

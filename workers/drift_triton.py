@@ -12,8 +12,9 @@ an address table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointe
 reads the four once, writes three, and adds ``sum |new - old|`` of its counted elements to its
 slot's accumulator with one atomic add. Measured on an H200 (``layercheck.bench.drift_probe --sweep``), a
 launch per group left the step CPU-bound on issuing 50 launches; one launch per step is issued
-once. The work table is cached by the tensors' sizes and windows, the address table by the
-addresses; the scalar table changes with the learning rate and is copied each step.
+once. DriftAdamW keeps a step's tensors in a plan (:class:`~layercheck.workers.drift_fused_work.FusedPlan`)
+and with it the work table, built once, and the address table, built again only when an address
+changes (new gradients); the scalar table changes with the learning rate and is copied each step.
 
 Scalars are read from the tables as small vectors and picked out with a reduction, and a program
 loops over a fixed ``CHUNK`` (masked past its row's end) rather than to a loaded bound: Triton's
@@ -24,6 +25,7 @@ interpreter gives every scalar a shape of ``[1]``, which a loop bound cannot tak
 
 import functools
 import logging
+from array import array
 from collections.abc import Sequence
 from itertools import chain
 
@@ -32,7 +34,7 @@ import triton
 import triton.language as tl
 
 from layercheck.workers import drift_fused_work
-from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, Windows, work_rows
+from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows, work_rows
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +146,48 @@ def scalar_row(s: AdamWScalars) -> list[float]:
     return row + [0.0] * (SCALARS - len(row))
 
 
+def adamw_l1_triton_plan(plan: FusedPlan, addrs: list[int], scalars: Sequence[AdamWScalars]) -> torch.Tensor:
+    """One launch for a kept plan, ``addrs`` its tensors' addresses this step (see
+    :func:`layercheck.workers.drift_fused.adamw_l1_plan`): the work table is built once per chunk
+    size, the address table again only when an address changed."""
+    device = plan.params[0].device
+    acc = torch.zeros(len(plan.names), dtype=torch.float64, device=device)
+    tables = plan.tables
+    chunk = drift_fused_work.TRITON_CHUNK
+    rows = tables.get(("rows", chunk))
+    if rows is None:
+        numels = tuple(map(torch.Tensor.numel, plan.params))
+        rows = tables["rows", chunk] = _rows_on(numels, tuple(plan.windows), tuple(plan.tensor_slots()), device, chunk)
+    if rows.numel() == 0:
+        return acc
+    if addrs != tables.get("addrs"):
+        tables["addrs"], tables["addr_table"] = addrs, torch.tensor(addrs, dtype=torch.int64).to(device)
+    _launch(rows, tables["addr_table"], _scalar_table(scalars, device), acc, chunk)
+    return acc
+
+
+def _scalar_table(scalars: Sequence[AdamWScalars], device: torch.device) -> torch.Tensor:
+    """The scalar table on ``device``: each row rounded to float32 as ``torch.tensor`` would, but
+    through an ``array`` (a list of lists took ``torch.tensor`` 4x as long to read)."""
+    flat = array("f", chain.from_iterable(map(scalar_row, scalars)))
+    return torch.frombuffer(flat, dtype=torch.float32).view(len(scalars), SCALARS).to(device)
+
+
+def _launch(rows: torch.Tensor, addrs: torch.Tensor, scalars: torch.Tensor, acc: torch.Tensor, chunk: int) -> None:
+    _adamw_l1_kernel[(rows.shape[0],)](
+        rows,
+        addrs,
+        scalars,
+        acc,
+        CHUNK=chunk,
+        BLOCK=BLOCK,
+        ROW=ROW,
+        ADDRS=ADDRS,
+        SCALARS=SCALARS,
+        num_warps=NUM_WARPS,
+    )
+
+
 def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
     """One launch for every group: update each tensor in place; each group's count as a float64
     on the device (a vector, one entry per group)."""
@@ -164,17 +208,5 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
     rows = _rows_on(tuple(numels), tuple(windows), tuple(slots), device, chunk)
     if rows.numel() == 0:
         return acc
-    scalars = torch.tensor([scalar_row(g.scalars) for g in groups], dtype=torch.float32).to(device)
-    _adamw_l1_kernel[(rows.shape[0],)](
-        rows,
-        _addrs_on(tuple(addrs), device),
-        scalars,
-        acc,
-        CHUNK=chunk,
-        BLOCK=BLOCK,
-        ROW=ROW,
-        ADDRS=ADDRS,
-        SCALARS=SCALARS,
-        num_warps=NUM_WARPS,
-    )
+    _launch(rows, _addrs_on(tuple(addrs), device), _scalar_table([g.scalars for g in groups], device), acc, chunk)
     return acc
