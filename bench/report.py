@@ -81,6 +81,7 @@ def strategy_row(
         "stall_per_event_s": raw["stall_s"] / events if events else 0.0,
         "probe_s": raw["probe_s"],
         "probe_read_s": raw.get("probe_read_s", raw["probe_s"]),
+        "probe_work_s": raw.get("probe_work_s"),  # absent from results before 2026-12-04
         "drift_every": raw.get("drift_every", 1),
         "bytes_written": raw["bytes_written"],
         "events": events,
@@ -325,6 +326,7 @@ MAIN_COLUMNS = [
     "stall s",
     "probe s",
     "reads s",
+    "work s",
     "written",
     "events",
     "per event",
@@ -357,6 +359,7 @@ def main_table(report: Mapping[str, Any]) -> str:
                 r["stall_s"],
                 r["probe_s"],
                 r.get("probe_read_s", r["probe_s"]),
+                "-" if r.get("probe_work_s") is None else r["probe_work_s"],
                 human_bytes(r["bytes_written"]),
                 r["events"],
                 human_bytes(r["bytes_per_event"]),

@@ -98,7 +98,7 @@ def summary_markdown(
         "LayerCheck, which needs it) over `none`'s training time; time the loop stalled on checkpointing; "
         "`probe s`: the drift probe's host reads plus the decision exchange (each step's all_gather of every rank's "
         "report to the policy replicas; every strategy runs both for the freshness metrics), `reads s`: the reads "
-        "alone (`staggered` measures drift every 10th step, `staggered@drift1` every step); bytes written (all ranks) and per checkpoint event; `peak/step`: the most bytes handed over at one step (a whole checkpoint for `full`/`full-async`); mean parameter-weighted and max staleness "
+        "alone (`staggered` measures drift every 10th step, `staggered@drift1` every step), `work s`: the probe's own work inside the steps (the copies and norms beside the optimizer's update, rank 0, as a run's summary counts it; in every strategy's compute, since each measures drift); bytes written (all ranks) and per checkpoint event; `peak/step`: the most bytes handed over at one step (a whole checkpoint for `full`/`full-async`); mean parameter-weighted and max staleness "
         "from step W on; mean weighted staleness at the failures (rollback: steps since the last checkpoint); "
         "recovery plan/load/replay seconds per failure (rollback: replay = re-running the lost steps; `none` is "
         "modelled: it re-runs every step); steps re-run per failure; |loss - failure-free loss| after the failures "

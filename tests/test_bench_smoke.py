@@ -37,6 +37,8 @@ def test_harness_runs_recovers_and_reports(tiny_benchmark, tmp_path):
     (diff_recovery,) = results["diff"]["recoveries"]  # the full taken after step 5 (decided at 4) + a delta
     assert diff_recovery["resume_after"] == 6 and diff_recovery["steps_lost"] == 0
     assert results["layercheck"]["bytes_written"] > 0 and results["full"]["bytes_written"] > 0
+    # every strategy measures drift (the freshness figures need it): its own work inside the steps
+    assert all(result["probe_work_s"] > 0 for result in results.values()), results
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
     write_outputs(report, tmp_path / "out", ettr_runs=5)
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"bench.json", "summary.md", "ettr.json", "ettr.png"}
