@@ -4,6 +4,8 @@
 #   exactness     the fused drift step (Triton) against torch's fused AdamW and snapshot-and-diff,
 #                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; a survivor's
 #                 capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
+#   fused_issue   layercheck.bench.fused_issue: the fused step's host bookkeeping on this machine's CPU
+#                 (seconds; the launch a no-op), to compare its host with the one where the code was timed
 #   bench_0.5b    layercheck.bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
 #   snapshot_stall layercheck.bench.snapshot_stall on the same shape: the training stream's stall per persisted
 #                 layer, side-stream copy vs the joined host copy, against the pinned copy time
@@ -23,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DRY=0
-ONLY="exactness,bench_0.5b,snapshot_stall,e2e_nccl_bf16,bench_small"
+ONLY="exactness,fused_issue,bench_0.5b,snapshot_stall,e2e_nccl_bf16,bench_small"
 while (( $# )); do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -82,6 +84,10 @@ check() {  # check NAME TIMEOUT_S COMMAND...: run it within the budget, log it, 
 if wanted exactness; then
     check exactness 420 $PY -m pytest -q -p no:cacheprovider -m "" -rs --junitxml="$RESULTS/exactness.xml" \
         $EXACTNESS_TESTS
+fi
+
+if wanted fused_issue; then  # CPU only: runs on the dry run too
+    check fused_issue 60 $PY -m layercheck.bench.fused_issue --json
 fi
 
 if wanted bench_0.5b; then
