@@ -17,6 +17,9 @@ from types import TracebackType
 
 import torch
 
+#: GPU spans kept before the finished ones are counted even if nobody takes the time.
+PENDING_SPANS = 1024
+
 
 class ProbeClock:
     """Sums the time of the spans a probe opens with :meth:`span`; :meth:`take` hands it over."""
@@ -32,11 +35,20 @@ class ProbeClock:
     def take(self) -> float:
         """The seconds of the spans finished since the last call (on a GPU, those the device has
         passed; the others are counted by a later call)."""
+        self._drain()
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
+
+    def _closed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._pending.append((start, end))
+        if len(self._pending) > PENDING_SPANS:  # nobody takes the time (DriftAdamW on its own)
+            self._drain()
+
+    def _drain(self) -> None:
+        """Count the GPU spans the device has passed, and let their events go."""
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.popleft()
             self._seconds += start.elapsed_time(end) / 1e3
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
 
 
 class _Span:
@@ -63,4 +75,4 @@ class _Span:
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record(torch.cuda.current_stream(self._cuda))
-        self._clock._pending.append((start, end))
+        self._clock._closed(start, end)
