@@ -46,6 +46,9 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return cast("list[torch.Tensor]", [p.grad for p in params])
 
 
+#: Fused-step plans kept (each holds its launcher's tables: ~2 MB on the device for the 0.5B shape).
+MAX_PLANS = 64
+
 _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 
@@ -103,8 +106,8 @@ class DriftAdamW(torch.optim.AdamW):
         update; the fused step's whole update, the drift being counted inside it."""
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
-        self._step_banks: dict[tuple[str, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
-        self._plans: dict[tuple[str, ...], FusedPlan] = {}  # the fused step's, per set of groups
+        self._step_banks: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+        self._plans: dict[tuple[Any, ...], FusedPlan] = {}  # the fused step's, per set of groups
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -166,10 +169,15 @@ class DriftAdamW(torch.optim.AdamW):
 
     @property
     def measured_step(self) -> str | None:
-        """How a measured step runs: ``fused`` or ``foreach`` (``None``: ``auto``, not decided yet)."""
+        """How a measured step runs: ``fused`` or ``foreach`` (``None``: no parameters yet)."""
         if self.drift_step != "auto":
             return self.drift_step
-        return None if self._fused_here is None else ("fused" if self._fused_here else "foreach")
+        if self._fused_here is None:  # asked before the first measured step (a resume on an unmeasured one)
+            params = [p for group in self.param_groups for p in group["params"]]
+            if not params:
+                return None
+            self._fused_here = triton_eligible(params)
+        return "fused" if self._fused_here else "foreach"
 
     def _fused(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> bool:
         """Whether a measured step is the fused one: ``drift_step="fused"``, or ``"auto"`` where
@@ -226,13 +234,16 @@ class DriftAdamW(torch.optim.AdamW):
         On a GPU the step is bound by issuing it, not by the update, so the per-tensor work is
         kept from step to step in a :class:`FusedPlan` per set of groups; a step checks that its
         tensors are the plan's and reads only what changes (gradients, counts, hyper-parameters)."""
-        key = tuple(g["name"] for g, _ in stepped)
         params = [p for _, group_params in stepped for p in group_params]
         if not params:  # no gradient anywhere: nothing to step
             return
+        # by groups and first tensor: a group's ZeRO-3 sub-groups (each its own flat tensor) each keep one
+        key = (*(g["name"] for g, _ in stepped), id(params[0]))
         plan = self._plans.get(key)
         if plan is None or not self._plan_holds(plan, params):
             plan = self._plans[key] = self._build_plan(stepped, params)
+            while len(self._plans) > MAX_PLANS:  # sets of groups that come and go: the oldest goes
+                del self._plans[next(iter(self._plans))]
         counts = self._count_steps(key, plan.states)
         slot_counts = plan.slot_counts(counts)
         if slot_counts is None:  # a group's tensors at different counts: they step apart
@@ -312,7 +323,7 @@ class DriftAdamW(torch.optim.AdamW):
             if any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)
 
-    def _count_steps(self, key: tuple[str, ...], states: list[dict[str, Any]]) -> list[float]:
+    def _count_steps(self, key: tuple[Any, ...], states: list[dict[str, Any]]) -> list[float]:
         """Add one to the step count of each of ``states`` and return the new counts.
 
         torch keeps one 0-d step tensor per parameter; adding one to 290 of them on the host

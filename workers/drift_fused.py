@@ -103,11 +103,13 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
     """:func:`adamw_l1_groups` over a kept :class:`FusedPlan` with this step's gradients and each
     slot's scalars: each slot's count, a float64 vector on the device. On CUDA one kernel launch,
     its tables rebuilt only when an address changed."""
-    if plan.triton is None:
-        plan.triton = triton_eligible([t for ts in plan.tensor_lists(grads) for t in ts])
-    if plan.triton:
-        addrs = list(chain.from_iterable(zip(*(map(torch.Tensor.data_ptr, ts) for ts in plan.tensor_lists(grads)))))
-        if addrs == plan.tables.get("addrs") or triton_eligible(grads):  # new gradients: checked once
+    tensors = plan.tensor_lists(grads)
+    if plan.triton is not False:
+        addrs = list(chain.from_iterable(zip(*(map(torch.Tensor.data_ptr, ts) for ts in tensors))))
+        if addrs != plan.tables.get("addrs"):  # new gradients, or storage moved under a tensor: all checked again
+            plan.tables.clear()
+            plan.triton = triton_eligible([t for ts in tensors for t in ts])
+        if plan.triton:
             from layercheck.workers.drift_triton import adamw_l1_triton_plan
 
             return adamw_l1_triton_plan(plan, addrs, scalars)

@@ -120,8 +120,9 @@ class FusedPlan:
     state_table: Any
     """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it)."""
     triton: bool | None = None
-    """Whether the Triton kernel takes every tensor (decided at the first launch; gradients are
-    checked again when their addresses change)."""
+    """Whether the Triton kernel takes every tensor (decided at the first launch, and again, with
+    the launcher's tables dropped, whenever an address changes: new gradients, or a tensor's
+    storage swapped under it); ``False`` stays: the torch path."""
     tables: dict[Any, Any] = field(default_factory=dict)
     """The launcher's cache: the work table per chunk size, the address table and its addresses."""
 

@@ -1,7 +1,7 @@
 """The Triton kernel of DriftAdamW's fused step (CUDA): AdamW and the drift count in one pass.
 
-Imported only by :func:`layercheck.workers.drift_fused.adamw_l1_groups` once it has seen CUDA tensors and an
-importable Triton, so a CPU machine never imports Triton. Under ``TRITON_INTERPRET=1`` the same
+Imported only by :mod:`layercheck.workers.drift_fused` (``adamw_l1_groups``, ``adamw_l1_plan``) once
+it has seen CUDA tensors and an importable Triton, so a CPU machine never imports Triton. Under ``TRITON_INTERPRET=1`` the same
 kernel runs on CPU tensors (Triton's interpreter), which is how its arithmetic is tested
 without a GPU (``tests/test_drift_fused.py``).
 
@@ -161,7 +161,7 @@ def adamw_l1_triton_plan(plan: FusedPlan, addrs: list[int], scalars: Sequence[Ad
     if rows.numel() == 0:
         return acc
     if addrs != tables.get("addrs"):
-        tables["addrs"], tables["addr_table"] = addrs, torch.tensor(addrs, dtype=torch.int64).to(device)
+        tables["addrs"], tables["addr_table"] = addrs, _to_device(torch.tensor(addrs, dtype=torch.int64), device)
     _launch(rows, tables["addr_table"], _scalar_table(scalars, device), acc, chunk)
     return acc
 
@@ -170,7 +170,18 @@ def _scalar_table(scalars: Sequence[AdamWScalars], device: torch.device) -> torc
     """The scalar table on ``device``: each row rounded to float32 as ``torch.tensor`` would, but
     through an ``array`` (a list of lists took ``torch.tensor`` 4x as long to read)."""
     flat = array("f", chain.from_iterable(map(scalar_row, scalars)))
-    return torch.frombuffer(flat, dtype=torch.float32).view(len(scalars), SCALARS).to(device)
+    return _to_device(torch.frombuffer(flat, dtype=torch.float32).view(len(scalars), SCALARS), device)
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (host) on ``device``. To a GPU through pinned memory without blocking: a copy
+    from pageable memory waits for the stream, all of the step's queued work, before the launch.
+    torch's pinned-memory cache keeps the block until the copy has run."""
+    if device.type != "cuda":
+        return table.to(device)
+    pinned = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+    pinned.copy_(table)
+    return pinned.to(device, non_blocking=True)
 
 
 def _launch(rows: torch.Tensor, addrs: torch.Tensor, scalars: torch.Tensor, acc: torch.Tensor, chunk: int) -> None:

@@ -4,7 +4,8 @@ A probe's work is a few spans inside the step (the reference copy and the diff o
 snapshot-and-diff, the copies and norms beside DriftAdamW's foreach update, the whole fused
 update). On CPU a span is timed by the wall clock, since the work runs as it is issued. On a GPU
 the host only queues the work, so a span is a pair of CUDA events on the current stream, read
-once the device has passed the second one: the probe's device time, never an extra sync.
+once the device has passed the second one: the device's time from one to the other (a wait for
+the host to issue the span's work counts too), never an extra sync.
 
 A probe reports what it timed as a :class:`~layercheck.workers.progress.ProbeCost`.
 """

@@ -64,7 +64,7 @@ class _Recorder:
     def persist(self, shards: Any, *, base: bool) -> None:
         pass
 
-    def progress(self, **_: Any) -> None:
+    def progress(self, progress: Any) -> None:
         pass
 
     def capture(self, shards: list[Any], *, step: int, error: BaseException) -> None:

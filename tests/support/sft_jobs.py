@@ -28,7 +28,7 @@ class NoCheckpoints:
     def persist(self, shards, *, base):
         raise AssertionError("nothing is decided, so nothing is persisted")
 
-    def progress(self, **_):
+    def progress(self, progress):
         pass
 
 
