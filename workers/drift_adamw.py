@@ -176,7 +176,7 @@ class DriftAdamW(torch.optim.AdamW):
             params = [p for group in self.param_groups for p in group["params"]]
             if not params:
                 return None
-            self._fused_here = triton_eligible(params)
+            self._decide(params)
         return "fused" if self._fused_here else "foreach"
 
     def _fused(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> bool:
@@ -190,9 +190,13 @@ class DriftAdamW(torch.optim.AdamW):
             params = [p for _, group_params in stepped for p in group_params]
             if not params:
                 return False
-            self._fused_here = triton_eligible(params)
-            logger.info("DriftAdamW drift_step='auto': %s", "fused (Triton)" if self._fused_here else "foreach")
-        return self._fused_here
+            self._decide(params)
+        return bool(self._fused_here)
+
+    def _decide(self, params: list[torch.Tensor]) -> None:
+        """``drift_step="auto"``'s choice over ``params``: fused where the Triton kernel takes them."""
+        self._fused_here = triton_eligible(params)
+        logger.info("DriftAdamW drift_step='auto': %s", "fused (Triton)" if self._fused_here else "foreach")
 
     def _torch_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """``torch.optim.AdamW``'s step of one group: its fused kernel where the step counts live

@@ -90,13 +90,25 @@ def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
         return list(adamw_l1_triton_groups(groups).unbind())
     if device.type == "cuda":
         _warn_torch_path_on_cuda()
-    out = []
-    for group in groups:
-        total = torch.zeros((), dtype=torch.float64, device=group.params[0].device)
-        for p, g, m, v, w in zip(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs, group.windows):
-            total += adamw_l1_torch(p, g, m, v, w, group.scalars)
-        out.append(total)
-    return out
+    return [
+        _torch_l1(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs, group.windows, group.scalars)
+        for group in groups
+    ]
+
+
+def _torch_l1(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    windows: Sequence[Windows | None],
+    scalars: AdamWScalars,
+) -> torch.Tensor:
+    """The torch path for one group at one step count: its count, a float64 scalar."""
+    total = torch.zeros((), dtype=torch.float64, device=params[0].device)
+    for p, g, m, v, w in zip(params, grads, exp_avgs, exp_avg_sqs, windows):
+        total += adamw_l1_torch(p, g, m, v, w, scalars)
+    return total
 
 
 def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Sequence[AdamWScalars]) -> torch.Tensor:
@@ -115,14 +127,13 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
             return adamw_l1_triton_plan(plan, addrs, scalars)
     if plan.params[0].is_cuda:
         _warn_torch_path_on_cuda()
-    totals = []
-    for slot, (start, stop) in enumerate(zip(plan.starts, plan.starts[1:])):
-        total = torch.zeros((), dtype=torch.float64, device=plan.params[0].device)
-        for i in range(start, stop):
-            p, m, v = plan.params[i], plan.exp_avgs[i], plan.exp_avg_sqs[i]
-            total += adamw_l1_torch(p, grads[i], m, v, plan.windows[i], scalars[slot])
-        totals.append(total)
-    return torch.stack(totals)
+    slots = zip(plan.starts, plan.starts[1:])
+    return torch.stack(
+        [
+            _torch_l1(plan.params[a:b], grads[a:b], plan.exp_avgs[a:b], plan.exp_avg_sqs[a:b], plan.windows[a:b], s)
+            for (a, b), s in zip(slots, scalars)
+        ]
+    )
 
 
 def adamw_l1(

@@ -1,9 +1,9 @@
 """The Triton kernel of DriftAdamW's fused step (CUDA): AdamW and the drift count in one pass.
 
-Imported only by :mod:`layercheck.workers.drift_fused` (``adamw_l1_groups``, ``adamw_l1_plan``) once
-it has seen CUDA tensors and an importable Triton, so a CPU machine never imports Triton. Under ``TRITON_INTERPRET=1`` the same
-kernel runs on CPU tensors (Triton's interpreter), which is how its arithmetic is tested
-without a GPU (``tests/test_drift_fused.py``).
+Imported only by :mod:`layercheck.workers.drift_fused` (``adamw_l1_groups``, ``adamw_l1_plan``)
+once it has seen CUDA tensors and an importable Triton, so a CPU machine never imports Triton.
+Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (Triton's interpreter), which is
+how its arithmetic is tested without a GPU (``tests/test_drift_fused.py``).
 
 One launch covers a whole optimizer step: every param group and step count is a *slot* with its
 own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see
