@@ -15,8 +15,12 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
                      per layer (an alternative for Adam-family optimizers; not shipped, see docs/drift-probes.md)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
-* ``drift_adamw@10``, ``snapshot_diff@10``  the two probes measuring every 10th step (the default
-                     schedule's ``drift_every``), per step: torch's own AdamW step on the other nine
+* ``step_hooks``     the user's AdamW with ``layercheck.workers.drift_hooks.StepHookProbe`` around its
+                     step (a copy before, the diff after): ``attach``'s and the callback's probe
+* ``step_hooks_fused``  (CPU) the same probe running the fused step in the user's AdamW's place
+* ``drift_adamw@10``, ``snapshot_diff@10``, ``step_hooks@10``, ``step_hooks_fused@10``  the probes
+                     measuring every 10th step (the default schedule's ``drift_every``), per step:
+                     the plain step on the other nine
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.
 
@@ -39,6 +43,7 @@ from typing import Any
 import torch
 
 from layercheck.bench.timing import issue_seconds, time_interleaved
+from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import Precision
 
 logger = logging.getLogger(__name__)
@@ -112,6 +117,7 @@ def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
 
 
 def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
+    from layercheck.policies.layer_map import layer_map_of
     from layercheck.workers.drift_adamw import DriftAdamW
     from layercheck.workers.drift_fused import triton_eligible
 
@@ -196,6 +202,27 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
                 for g, ref in zip(snap_sampled_groups, sampled_reference):
                     torch._foreach_copy_(ref, [p.detach() for p in g["params"]])
 
+    def hooked(fused: bool, every: int = 1) -> Callable[[], None]:
+        """``every`` steps of the user's AdamW with :class:`StepHookProbe` around them, each read."""
+        optimizer, groups = plain()
+        probe = _hook_probe(optimizer, groups, layer_map_of(model), fused=fused, every=every)
+        step = [0]
+
+        def steps() -> None:
+            for _ in range(every):
+                step[0] += 1
+                optimizer.step()
+                probe.collect(step[0])
+
+        return steps
+
+    hook_variants = {"step_hooks": hooked(False), f"step_hooks@{SAMPLE_EVERY}": hooked(False, SAMPLE_EVERY)}
+    if device == "cpu":  # (on CUDA the fused step in place of the user's does not count per layer yet)
+        hook_variants |= {
+            "step_hooks_fused": hooked(True),
+            f"step_hooks_fused@{SAMPLE_EVERY}": hooked(True, SAMPLE_EVERY),
+        }
+
     def l1_step() -> None:
         floor.step()
         sums = [torch.stack(torch._foreach_norm([p.detach() for p in g["params"]], 1)).sum() for g in floor_groups]
@@ -211,7 +238,34 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         "l1_params": l1_step,
         f"drift_adamw@{SAMPLE_EVERY}": sampled_drift_steps,
         f"snapshot_diff@{SAMPLE_EVERY}": sampled_snapshot_steps,
+        **hook_variants,
     }
+
+
+def _hook_probe(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], layer_map: LayerMap, *, fused: bool, every: int
+) -> Any:
+    """A :class:`~layercheck.workers.drift_hooks.StepHookProbe` on ``optimizer`` (built over
+    ``groups``' params, in order), each parameter its own master, owned whole, in its group's layer."""
+    from layercheck.workers.drift_hooks import StepHookProbe
+    from layercheck.workers.layout import LayerLayout, Piece, StateLayout
+    from layercheck.workers.shard import ParamSlice
+
+    by_layer: dict[str, list[torch.Tensor]] = {}
+    for group in groups:
+        by_layer.setdefault(group["layer"], []).extend(group["params"])
+    layers = {
+        name: LayerLayout(
+            name=name,
+            owned=tuple(Piece(ParamSlice(f"{name}.{i}", tuple(p.shape), 0, p.numel()), p, 0) for i, p in enumerate(ps)),
+            needed=(),
+            masters=tuple(ps),
+            groups=(),
+        )
+        for name, ps in by_layer.items()
+    }
+    layout = StateLayout(stage=0, rank=0, world_size=1, layers=layers, layer_map=layer_map, engine=None, optimizer=optimizer)
+    return StepHookProbe(layout, every=every, fused=fused)
 
 
 #: The ``@N`` variants measure drift every N-th step (``policy.drift_every``, the default

@@ -38,9 +38,11 @@ class CheckpointConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Failure injection for demos and tests: SIGKILL ``kill_rank`` after ``kill_at_step`` (0: never)."""
     drift_probe: str = "auto"
-    """``auto`` (the optimizer probe where LayerCheck built the optimizer, else snapshot-and-diff),
-    ``optimizer``, ``fused`` (the optimizer probe with DriftAdamW's fused step: the drift counted
-    inside the update, a Triton kernel on CUDA) or ``snapshot_diff``."""
+    """``auto`` (the optimizer probe where LayerCheck built the optimizer; for your torch
+    ``AdamW``/``Adam`` on CPU, the fused step in its place, bit-equal to it; else snapshot-and-diff),
+    ``optimizer``, ``fused`` (the drift counted inside the update: DriftAdamW's fused step, a
+    Triton kernel on CUDA, or the fused step in place of your AdamW), ``step_hooks`` (a copy before
+    your optimizer's step and the diff after; no reference copy held) or ``snapshot_diff``."""
     layer_map: Any = None
     """How parameters group into layers when the names do not say: ``{"layer": ["param.prefix", ...]}``
     or a function ``param_name -> layer name``; ``None``: from the names (Llama, GPT-2, ... families)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from layercheck.workers.drift_hooks import FUSED_IN_PLACE
 from tests.support.example_runs import assert_exact_recovery, run_examples
 
 STEPS = 10
@@ -23,6 +24,6 @@ def test_own_loop_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(tmp
     (recovery,) = failed["summary"]["recoveries"]
     assert recovery["path"] == "in place" and recovery["kept_processes"] == 1, recovery
     assert recovery["timeline"]["group"] > 0, recovery
-    probe = failed["summary"]["drift_probe"]  # the user's AdamW gives no hook: snapshot-and-diff, every step
-    assert probe["probe"] == "snapshot_diff" and probe["measured_steps"] == probe["steps"] >= STEPS, probe
+    probe = failed["summary"]["drift_probe"]  # the fused step in place of the user's torch AdamW, every step
+    assert probe["probe"] == FUSED_IN_PLACE and probe["measured_steps"] == probe["steps"] >= STEPS, probe
     assert probe["seconds"] > 0, probe

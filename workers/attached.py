@@ -15,8 +15,8 @@ from typing import Any
 
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
 from layercheck.workers import ds_internals
-from layercheck.workers.drift import DriftProbe
-from layercheck.workers.drift_diff import SnapshotDiffProbe, probe_for
+from layercheck.workers.drift import DriftReader
+from layercheck.workers.drift_diff import probe_for
 from layercheck.workers.layout import StateLayout, build_layout
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class AttachedEngine:
     engine: Any
     layer_map: LayerMap
     layout: StateLayout
-    probe: DriftProbe | SnapshotDiffProbe
+    probe: DriftReader
 
 
 def unwrap_engine(engine: Any) -> Any:

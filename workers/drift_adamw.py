@@ -53,14 +53,6 @@ _EXP_AVG = operator.itemgetter("exp_avg")
 _EXP_AVG_SQ = operator.itemgetter("exp_avg_sq")
 
 
-def _scalars(group: dict[str, Any], count: float) -> AdamWScalars:
-    """The AdamW scalars of ``group``'s step at step count ``count``."""
-    beta1, beta2 = group["betas"]
-    return AdamWScalars(
-        lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=count
-    )
-
-
 def _by_count(
     counts: list[float], params: list[torch.Tensor], states: list[dict[str, Any]]
 ) -> list[tuple[float, list[torch.Tensor], list[dict[str, Any]]]]:
@@ -253,7 +245,7 @@ class DriftAdamW(torch.optim.AdamW):
         if slot_counts is None:  # a group's tensors at different counts: they step apart
             self._fused_step_by_count(stepped, plan.states, counts)
             return
-        scalars = [_scalars(group, count) for (group, _), count in zip(stepped, slot_counts)]
+        scalars = [AdamWScalars.of_group(group, count) for (group, _), count in zip(stepped, slot_counts)]
         with self.probe_clock.span(params[0].device):
             l1 = adamw_l1_plan(plan, _grads(params), scalars)
         for name, owned, value in zip(plan.names, plan.owned, l1.unbind()):
@@ -317,7 +309,7 @@ class DriftAdamW(torch.optim.AdamW):
                             exp_avgs=[s["exp_avg"] for s in member_states],
                             exp_avg_sqs=[s["exp_avg_sq"] for s in member_states],
                             windows=[self._windows_of(p) for p in members],
-                            scalars=_scalars(group, count),
+                            scalars=AdamWScalars.of_group(group, count),
                         ),
                     )
                 )

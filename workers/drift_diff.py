@@ -15,8 +15,9 @@ from collections.abc import Mapping
 
 import torch
 
-from layercheck.workers.drift import DriftProbe, DriftSchedule, LayerDrift
+from layercheck.workers.drift import DriftProbe, DriftReader, DriftSchedule, LayerDrift
 from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift_hooks import StepHookProbe, fused_refusal
 from layercheck.workers.layout import StateLayout, state_view
 from layercheck.workers.probe_clock import ProbeClock
 from layercheck.workers.progress import ProbeCost
@@ -97,28 +98,40 @@ class SnapshotDiffProbe:
                 torch._foreach_copy_(self._previous[name], views)
 
 
-#: ``drift_probe`` choices: ``auto`` picks ``optimizer`` when the engine's optimizer is DriftAdamW;
-#: ``fused`` is ``optimizer`` with DriftAdamW's fused step (``drift_step="fused"``).
-PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "snapshot_diff")
+#: ``drift_probe`` choices. ``auto``: ``optimizer`` where the engine steps DriftAdamW over
+#: layer-aligned groups (the built-in loop); for a user's torch AdamW that the fused step can
+#: replace bit for bit, ``fused`` in its place; else ``snapshot_diff``. ``fused``: DriftAdamW's fused
+#: step, or the fused step in place of the user's AdamW (:mod:`layercheck.workers.drift_hooks`).
+#: ``step_hooks``: a copy before the user's step and the diff after, no reference copy held.
+PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "step_hooks", "snapshot_diff")
 
 
-def probe_for(layout: StateLayout, kind: str = "auto", *, every: int = 1) -> DriftProbe | SnapshotDiffProbe:
-    """The drift probe for ``layout``: LayerCheck's near-free optimizer probe where the engine
-    steps :class:`DriftAdamW` with layer-aligned groups, else snapshot-and-diff; measuring every
-    ``every``-th step (the policy's ``drift_every``)."""
+def probe_for(layout: StateLayout, kind: str = "auto", *, every: int = 1) -> DriftReader:
+    """The drift probe ``kind`` for ``layout`` (:data:`PROBES`), measuring every ``every``-th step
+    (the policy's ``drift_every``). Raises ``ValueError`` for a kind the optimizer cannot take."""
     if kind not in PROBES:
         raise ValueError(f"drift_probe: must be one of {PROBES}, got {kind!r}")
-    aligned = isinstance(layout.optimizer, DriftAdamW) and all(
+    optimizer = layout.optimizer
+    aligned = isinstance(optimizer, DriftAdamW) and all(
         len(layer.groups) == 0 or all(g.get("layer") == name for g in layer.groups)
         for name, layer in layout.layers.items()
     )
-    if kind in ("optimizer", "fused") and not aligned:
+    if kind == "optimizer" and not aligned:
         raise ValueError(
-            f"drift_probe={kind!r} needs the engine to step DriftAdamW over layer-aligned param "
-            f"groups (got {type(layout.optimizer).__name__}); use 'snapshot_diff' or 'auto'"
+            f"drift_probe='optimizer' needs the engine to step DriftAdamW over layer-aligned param "
+            f"groups (got {type(optimizer).__name__}); use 'fused', 'step_hooks', 'snapshot_diff' or 'auto'"
         )
-    if kind == "snapshot_diff" or not aligned:
-        return SnapshotDiffProbe(layout, every=every)
-    if kind == "fused":
-        layout.optimizer.drift_step = "fused"
-    return DriftProbe(layout, every=every)
+    if aligned and kind in ("optimizer", "fused", "auto"):
+        if kind == "fused":
+            optimizer.drift_step = "fused"
+        return DriftProbe(layout, every=every)
+    if kind in ("fused", "step_hooks"):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"drift_probe={kind!r} needs a torch optimizer, got {type(optimizer).__name__}")
+        return StepHookProbe(layout, every=every, fused=kind == "fused")
+    if kind == "auto":
+        refusal = fused_refusal(optimizer)
+        if refusal is None:
+            return StepHookProbe(layout, every=every, fused=True)
+        logger.info("drift probe: snapshot-and-diff (the fused step cannot take the optimizer's place: %s)", refusal)
+    return SnapshotDiffProbe(layout, every=every)

@@ -166,6 +166,22 @@ def adamw_l1_torch(
 ) -> torch.Tensor:
     """The torch path for one tensor: its update chunk by chunk, as torch's single-tensor AdamW
     orders the ops; the count as a float64 scalar. A non-contiguous tensor is one chunk."""
+    runs = counted_runs(param.numel(), windows)
+    (total,) = adamw_l1_torch_slots(param, grad, exp_avg, exp_avg_sq, [runs], scalars, chunk)
+    return total
+
+
+def adamw_l1_torch_slots(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    slots: Sequence[Windows],
+    scalars: AdamWScalars,
+    chunk: int | None = None,
+) -> list[torch.Tensor]:
+    """:func:`adamw_l1_torch` counting into several accumulators: ``slots[k]`` holds the runs
+    of the tensor that count towards the ``k``-th (a flat partition's layers); each a float64 scalar."""
     chunk = chunk or (max(param.numel(), 1) if param.is_cuda else TORCH_CHUNK)
     tensors: tuple[torch.Tensor, ...] = (param, grad, exp_avg, exp_avg_sq)
     if not all(t.is_contiguous() for t in tensors):
@@ -174,19 +190,20 @@ def adamw_l1_torch(
     else:
         flats = tuple(t.view(-1) for t in tensors)
     numel = param.numel()
-    runs = [(s, s + n) for s, n in counted_runs(numel, windows) if n > 0]
-    total = torch.zeros((), dtype=torch.float64, device=param.device)
+    slot_runs = [[(s, s + n) for s, n in runs if n > 0] for runs in slots]
+    totals = [torch.zeros((), dtype=torch.float64, device=param.device) for _ in slots]
     for start in range(0, numel, chunk):
         length = min(chunk, numel - start)
         p, g, m, v = (t.narrow(0, start, length) if t.dim() == 1 else t for t in flats)
         old = p.clone()
         _adamw_update(p, g, m, v, scalars)
         delta = old.sub_(p).abs_().view(-1)
-        for lo, hi in runs:
-            lo, hi = max(lo, start), min(hi, start + length)
-            if lo < hi:
-                total += delta[lo - start : hi - start].sum()
-    return total
+        for total, runs in zip(totals, slot_runs):
+            for lo, hi in runs:
+                lo, hi = max(lo, start), min(hi, start + length)
+                if lo < hi:
+                    total += delta[lo - start : hi - start].sum()
+    return totals
 
 
 def _adamw_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamWScalars) -> None:

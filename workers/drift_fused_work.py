@@ -33,6 +33,14 @@ class AdamWScalars(NamedTuple):
     weight_decay: float
     step: float
 
+    @classmethod
+    def of_group(cls, group: dict[str, Any], count: float) -> AdamWScalars:
+        """The scalars of torch param group ``group``'s step at step count ``count``."""
+        beta1, beta2 = group["betas"]
+        return cls(
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=count
+        )
+
     @property
     def decay(self) -> float:
         """What decoupled weight decay multiplies the parameter by."""

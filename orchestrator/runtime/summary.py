@@ -361,6 +361,8 @@ PROBE_WORK = {
     "snapshot_diff": "the diff against a copy of the weights and the next copy",
     "optimizer (foreach)": "the copies and norms beside torch's update",
     "optimizer (fused)": "the whole AdamW update, the drift counted inside it",
+    "fused (in place of your AdamW)": "the whole AdamW update, run in place of yours with the drift counted inside it",
+    "step_hooks": "a copy of the elements your optimizer steps before its step and the diff after",
 }
 
 

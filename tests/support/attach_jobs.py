@@ -4,6 +4,7 @@ Spawned by tests/support/dist_harness.py; must be importable."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -92,19 +93,21 @@ def _full(att: AttachedEngine, name: str, stage: int) -> torch.Tensor:
     return deepspeed.utils.safe_get_full_fp32_param(param).detach().clone().float().view(-1)
 
 
-def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str) -> dict[str, Any]:
-    """Snapshot-diff drift against full-parameter diffs; snapshot → train → restore → train again
+def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str, probe: str = "auto") -> dict[str, Any]:
+    """The probe's drift against full-parameter diffs; snapshot → train → restore → train again
     reproduces the losses and the state, with the user's optimizer, groups and schedule."""
     engine = user_engine(stage, optimizer)
-    att = attach_engine(engine)
+    att = attach_engine(engine, drift_probe=probe)
     layers = list(att.layer_map.names)
     params = {p.name for layer in att.layer_map.layers for p in layer.params}
-    out: dict[str, Any] = {"probe": type(att.probe).__name__, "groups": len(att.layout.optimizer.param_groups)}
+    out: dict[str, Any] = {"groups": len(att.layout.optimizer.param_groups)}
     pairs = []
     for t in range(1, 4):
         before = {n: _full(att, n, stage) for n in sorted(params)}
         _step(engine, t, rank)
-        drift = global_drift(att.probe.collect(t))
+        local = att.probe.collect(t)
+        out["probe"] = local.cost.probe if local.cost else None
+        drift = global_drift(local)
         after = {n: _full(att, n, stage) for n in sorted(params)}
         for layer in att.layer_map.layers:
             diff = sum(float((after[p.name] - before[p.name]).abs().double().sum()) for p in layer.params)
@@ -112,6 +115,7 @@ def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str) -> d
     out["drift"] = pairs
     pool = HostBufferPool()
     snap = snapshot_layers(att.layout, layers, pool)
+    out["trained"] = _digest(shard_values(snap))  # each probe's run, bit for bit the user's step
     lr_at_snap = current_lr(engine)
     first = [_step(engine, 4 + i, rank) for i in range(3)]
     end = shard_values(snapshot_layers(att.layout, layers, pool))
@@ -126,6 +130,14 @@ def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str) -> d
         same(v, end[name]) for name, v in shard_values(snapshot_layers(att.layout, layers, pool)).items()
     )
     return out
+
+
+def _digest(values: dict[str, dict[str, Any]]) -> str:
+    digest = hashlib.sha256()
+    for layer in sorted(values):
+        for _, value in sorted(values[layer].items()):
+            digest.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
+    return digest.hexdigest()
 
 
 def _rewind_scheduler(engine: Any) -> None:

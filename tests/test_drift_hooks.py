@@ -1,0 +1,167 @@
+"""The drift probe around a user's optimizer step (workers/drift_hooks.py), on torch alone: the
+fused step in place of torch's AdamW is bit-equal to it, the counts are each layer's exact L1,
+and what it cannot replace it says. (Under DeepSpeed ZeRO 0-3: tests/test_attach_engine.py.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from layercheck.policies.configs import drift_measured
+from layercheck.workers.drift_hooks import FUSED_IN_PLACE, StepHookProbe, fused_refusal
+from layercheck.workers.layout import LayerLayout, Piece, StateLayout
+from layercheck.workers.shard import ParamSlice
+
+#: A flat "partition" holding two layers end to end (as ZeRO 1-3 hand the optimizer), and a
+#: parameter of its own for a third: (layer, master index, start, length).
+PIECES = [("a", 0, 0, 700), ("b", 0, 700, 300), ("b", 1, 0, 50), ("c", 2, 0, 64)]
+SIZES = (1000, 50, 64)
+
+
+def masters() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+
+
+def layout(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> StateLayout:
+    layers = {}
+    for name in dict.fromkeys(name for name, *_ in PIECES):
+        owned = tuple(
+            Piece(ParamSlice(f"{name}.{i}", (length,), 0, length), params[i], start)
+            for layer, i, start, length in PIECES
+            if layer == name
+        )
+        layers[name] = LayerLayout(
+            name=name,
+            owned=owned,
+            needed=(),
+            masters=tuple({id(p.master): p.master for p in owned}.values()),
+            groups=(),
+        )
+    return StateLayout(stage=1, rank=0, world_size=1, layers=layers, layer_map=None, engine=None, optimizer=optimizer)
+
+
+def adamw(params: list[torch.nn.Parameter], **kind) -> torch.optim.AdamW:
+    groups = [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=3e-2, **kind)
+
+
+def train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], probe=None, steps: int = 5):
+    """``steps`` steps on fixed gradients; each step's exact per-layer L1 (from full copies) and,
+    with ``probe``, what it read."""
+    g = torch.Generator().manual_seed(1)
+    exact, read = [], []
+    for step in range(1, steps + 1):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        before = [p.detach().clone() for p in params]
+        optimizer.step()
+        l1 = dict.fromkeys(("a", "b", "c"), 0.0)
+        for layer, i, start, length in PIECES:
+            l1[layer] += float((params[i].detach() - before[i])[start : start + length].abs().double().sum())
+        exact.append(l1)
+        if probe is not None:
+            read.append(probe.collect(step))
+    return exact, read
+
+
+@pytest.mark.parametrize("kind", [{}, {"foreach": False}, {"foreach": True}], ids=["default", "single", "foreach"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
+def test_the_probe_leaves_the_users_step_bit_for_bit_and_counts_each_layer(kind, fused):
+    untouched = masters()
+    exact, _ = train(adamw(untouched, **kind), untouched)
+    params = masters()
+    optimizer = adamw(params, **kind)
+    probe = StepHookProbe(layout(optimizer, params), every=2, fused=fused)
+    _, read = train(optimizer, params, probe)
+    for p, q in zip(params, untouched):
+        assert torch.equal(p, q)
+    for state, reference in zip(optimizer.state.values(), adamw(untouched, **kind).state.values()):
+        assert not reference or torch.equal(state["exp_avg"], reference["exp_avg"])
+    assert [d.measured for d in read] == [drift_measured(step, 2) for step in range(1, 6)]
+    for drift, l1 in zip(read, exact):
+        assert drift.cost.probe == (FUSED_IN_PLACE if fused else "step_hooks")
+        assert drift.cost.measured == drift.measured
+        if drift.measured:
+            assert drift.l1 == pytest.approx(l1, rel=1e-6)  # (float32 sums)
+            assert drift.numel == {"a": 700, "b": 350, "c": 64}
+    assert all(p.grad is not None for p in params)  # the gradients given back after the fused step
+
+
+def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying():
+    params = masters()
+    optimizer = adamw(params)
+    probe = StepHookProbe(layout(optimizer, params), fused=True)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.9**s)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
+        optimizer.step()
+        scheduler.step()
+    assert probe.collect(1).l1["c"] > 0
+    before = [p.detach().clone() for p in params]
+
+    def closure():
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        return 0.0
+
+    optimizer.step(closure)
+    drift = probe.collect(2)
+    assert drift.l1["c"] == pytest.approx(float((params[2].detach() - before[2]).abs().sum()), rel=1e-6)
+
+
+def test_a_second_probe_on_an_optimizer_takes_the_first_ones_place():
+    params = masters()
+    optimizer = adamw(params)
+    first = StepHookProbe(layout(optimizer, params))
+    second = StepHookProbe(layout(optimizer, params), fused=True)
+    train(optimizer, params, steps=1)
+    assert first.collect(1).l1 == dict.fromkeys("abc", 0.0)
+    assert second.collect(1).l1["a"] > 0
+
+
+def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
+    from layercheck.workers import drift_hooks
+
+    params = masters()
+    optimizer = adamw(params)
+    StepHookProbe(layout(optimizer, params), fused=True)
+    calls = []
+
+    def fails_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(*args, **kwargs)
+
+    real = drift_hooks.adamw_l1_torch_slots
+    monkeypatch.setattr(drift_hooks, "adamw_l1_torch_slots", fails_second)
+    grads = [torch.ones_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="out of memory"):
+        optimizer.step()
+    assert all(p.grad is g for p, g in zip(params, grads))
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda ps: torch.optim.AdamW(ps, fused=True), "fused=True"),
+        (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad=True"),
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), "L2 weight decay"),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), "is not torch's AdamW or Adam"),
+        (lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01)), "a tensor learning rate"),
+    ],
+)
+def test_what_the_fused_step_cannot_replace_it_says_and_refuses(make, reason):
+    params = masters()
+    optimizer = make(params)
+    assert reason in fused_refusal(optimizer)
+    with pytest.raises(ValueError, match="drift_probe='fused' cannot step this optimizer in its place"):
+        StepHookProbe(layout(optimizer, params), fused=True)
+    assert fused_refusal(torch.optim.Adam(params)) is None  # Adam without weight decay is AdamW's update

@@ -1,0 +1,211 @@
+"""The drift probe for a user's own optimizer (``layercheck.attach``, the Hugging Face callback):
+measured around its step, through torch's optimizer step hooks.
+
+:class:`~layercheck.workers.drift_adamw.DriftAdamW` counts drift inside its own update, but a
+user's optimizer is theirs: torch's ``AdamW`` with their groups, DeepSpeed's ``FusedAdam`` or
+``DeepSpeedCPUAdam`` from their config, stepped by DeepSpeed over flat partitions that span
+layers. Every one of them is a ``torch.optim.Optimizer``, whose ``step`` runs the pre- and
+post-step hooks registered on it, however it is called (by DeepSpeed's ZeRO wrapper, through
+an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measures:
+
+* ``copy``: a copy of the elements about to be stepped this rank owns before the step, the L1
+  of the difference after (the same work as snapshot-and-diff, but the copy is made for the
+  step and let go after it: no fp32 copy of the shard held between steps);
+* ``fused``: for torch's ``AdamW`` (or ``Adam`` without weight decay) on CPU, the AdamW update
+  itself with the count inside it (:func:`~layercheck.workers.drift_fused.adamw_l1_torch_slots`,
+  no copy, no second pass), the parameters and moments bit-equal to the step torch would have
+  taken (its single-tensor step, what it runs on CPU): the pre-step hook steps every parameter
+  that has a gradient and hides the gradients from torch's own step, the post-step hook gives
+  them back. Anything else measured this way falls back to ``copy`` (:func:`fused_refusal` says why).
+
+On a step it does not measure, the hooks return at once: the user's step is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from layercheck.workers.drift import DriftSchedule, LayerDrift
+from layercheck.workers.drift_fused import adamw_l1_torch_slots
+from layercheck.workers.drift_fused_work import AdamWScalars, Windows
+from layercheck.workers.layout import StateLayout
+from layercheck.workers.probe_clock import ProbeClock
+from layercheck.workers.progress import ProbeCost
+
+logger = logging.getLogger(__name__)
+
+#: The probe's name when it runs the fused step in place of the user's AdamW.
+FUSED_IN_PLACE = "fused (in place of your AdamW)"
+
+#: The hooks a probe holds on an optimizer: a second probe attached to it takes their place.
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Any]] = weakref.WeakKeyDictionary()
+
+
+def fused_refusal(optimizer: Any) -> str | None:
+    """Why the fused step cannot take ``optimizer``'s place bit for bit (``None``: it can)."""
+    if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
+        return f"{type(optimizer).__name__} is not torch's AdamW or Adam"
+    for group in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize", "capturable", "differentiable", "fused"):
+            if group.get(flag):
+                return f"{flag}=True"
+        if group["weight_decay"] and not group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)):
+            return "Adam's L2 weight decay (the fused step is AdamW's decoupled one)"
+        if isinstance(group["lr"], torch.Tensor):
+            return "a tensor learning rate"
+        for p in group["params"]:
+            if p.device.type != "cpu" or p.dtype != torch.float32 or p.is_sparse:
+                return (
+                    f"a {p.dtype} parameter on {p.device} (the fused step in place of yours runs on CPU fp32; "
+                    "on CUDA its kernel does not count per layer yet)"
+                )
+    return None
+
+
+class StepHookProbe:
+    """Per layer, ``sum |theta_t - theta_{t-1}|`` over this rank's owned elements, measured
+    around the user's optimizer step (``fused``: inside an AdamW step taking its place)."""
+
+    def __init__(self, layout: StateLayout, *, every: int = 1, fused: bool = False) -> None:
+        optimizer = layout.optimizer
+        if fused and (reason := fused_refusal(optimizer)) is not None:
+            raise ValueError(f"drift_probe='fused' cannot step this optimizer in its place: {reason}")
+        self.schedule = DriftSchedule(every)
+        self.fused = fused
+        self._optimizer = optimizer
+        self._layers = tuple(layout.layers)
+        self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
+        # per master tensor (by id: tensors compare elementwise), the layers counting in it and their runs
+        slots: dict[int, dict[int, list[tuple[int, int]]]] = {}
+        for index, layer in enumerate(layout.layers.values()):
+            for piece in layer.owned:
+                runs = slots.setdefault(id(piece.master), {}).setdefault(index, [])
+                if runs and runs[-1][0] + runs[-1][1] == piece.start:  # joined with the piece before
+                    runs[-1] = (runs[-1][0], runs[-1][1] + piece.slice.length)
+                else:
+                    runs.append((piece.start, piece.slice.length))
+        self._slots: dict[int, tuple[tuple[int, ...], tuple[Windows, ...]]] = {
+            key: (tuple(by_layer), tuple(tuple(runs) for runs in by_layer.values())) for key, by_layer in slots.items()
+        }
+        masters = [p for layer in layout.layers.values() for p in layer.masters]
+        self._device = masters[0].device if masters else torch.device("cpu")
+        self._sums = torch.zeros(len(self._layers), dtype=torch.float64, device=self._device)
+        self._copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (owned run, its copy, layer)
+        self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its gradient) hidden from torch's step
+        self._clock = ProbeClock()
+        previous = _HOOKED.pop(optimizer, ())
+        for handle in previous:
+            handle.remove()
+        _HOOKED[optimizer] = (
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        )
+        logger.info("drift probe around %s's step (%s)", type(optimizer).__name__, "fused" if fused else "copy")
+
+    @property
+    def numel(self) -> Mapping[str, int]:
+        return dict(self._numel)
+
+    @property
+    def name(self) -> str:
+        return FUSED_IN_PLACE if self.fused else "step_hooks"
+
+    def _stepped(self) -> list[torch.Tensor]:
+        """The parameters the step about to run updates: those with a gradient, in the groups it sees
+        (DeepSpeed may trim ``param_groups`` for a call, or step ZeRO-3's sub-groups in turn)."""
+        return [p for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+    @torch.no_grad()
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.schedule.armed:
+            return
+        stepped = self._stepped()
+        with self._clock.span(self._device):
+            # torch hands the hook the step's arguments with the optimizer first; a closure would
+            # compute the gradients inside the step, after this hook
+            if self.fused and len(args) <= 1 and not kwargs:
+                self._fused_step(stepped)
+                return
+            for p in stepped:
+                layers, windows = self._slots.get(id(p), ((), ()))
+                flat = p.detach().view(-1)
+                for layer, runs in zip(layers, windows):
+                    for start, length in runs:
+                        run = flat.narrow(0, start, length)
+                        self._copies.append((run, run.clone(), layer))
+
+    @torch.no_grad()
+    def _after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for p, grad in self._hidden:
+            p.grad = grad
+        self._hidden.clear()
+        if not self._copies:
+            return
+        with self._clock.span(self._device):
+            runs, copies, layers = zip(*self._copies)
+            self._copies.clear()
+            norms = torch._foreach_norm(torch._foreach_sub(runs, copies), 1)
+            index = torch.tensor(layers, device=self._device)
+            self._sums.index_add_(0, index, torch.stack(norms).double())
+
+    def _fused_step(self, stepped: list[torch.Tensor]) -> None:
+        """torch's AdamW step over ``stepped``, counting each layer's drift; their gradients then
+        hidden from torch's own step (given back by :meth:`_after_step`, or here if it fails)."""
+        try:
+            counts, layers = self._fused_update(stepped)
+        except BaseException:
+            self._after_step(self._optimizer, (), {})
+            raise
+        if counts:
+            self._sums.index_add_(0, torch.tensor(layers, device=self._device), torch.stack(counts))
+
+    def _fused_update(self, stepped: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """Step ``stepped`` as torch's AdamW would; each (layer, tensor)'s count and its layer."""
+        optimizer = self._optimizer
+        group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        counts: list[torch.Tensor] = []
+        layers: list[int] = []
+        for p in stepped:
+            state = optimizer.state[p]
+            if not state:  # as torch's AdamW starts a parameter's state
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            scalars = AdamWScalars.of_group(group_of[id(p)], state["step"].item())
+            slot_layers, windows = self._slots.get(id(p), ((), ()))
+            grad = p.grad
+            assert grad is not None
+            counts += adamw_l1_torch_slots(p.detach(), grad, state["exp_avg"], state["exp_avg_sq"], windows, scalars)
+            layers += slot_layers
+            self._hidden.append((p, grad))
+            p.grad = None
+        return counts, layers
+
+    def collect(self, step: int) -> LayerDrift:
+        """This rank's drift at step ``step`` (one host sync); on a step the schedule does not
+        measure, nothing and no sync."""
+        measured = self.schedule.measured(step)
+        self.schedule.arm_after(step)
+        cost = ProbeCost(self.name, self._clock.take(), measured)
+        if not measured:
+            return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False, cost=cost)
+        values = self._sums.tolist()
+        self._sums.zero_()
+        return LayerDrift(step=step, l1=dict(zip(self._layers, values)), numel=dict(self._numel), cost=cost)
+
+    def reset(self, next_step: int | None = None) -> None:
+        """Drop what was counted so far (a restore wrote new weights, or a seek to ``next_step - 1``)
+        and arm for the next step (:meth:`DriftSchedule.reset`)."""
+        self._sums.zero_()
+        self.schedule.reset(next_step)
+
+    def measure_every(self, every: int) -> None:
+        """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""
+        self.schedule = DriftSchedule(every)
+        self.reset()
