@@ -109,9 +109,12 @@ def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying
             p.grad = torch.full_like(p, 0.5)
         return 0.0
 
+    for p in params:
+        p.grad = None  # the closure makes them inside the step
     optimizer.step(closure)
     drift = probe.collect(2)
     assert drift.l1["c"] == pytest.approx(float((params[2].detach() - before[2]).abs().sum()), rel=1e-6)
+    assert drift.l1["c"] > 0
 
 
 def test_a_second_probe_on_an_optimizer_takes_the_first_ones_place():

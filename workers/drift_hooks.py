@@ -16,7 +16,8 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
   no copy, no second pass), the parameters and moments bit-equal to the step torch would have
   taken (its single-tensor step, what it runs on CPU): the pre-step hook steps every parameter
   that has a gradient and hides the gradients from torch's own step, the post-step hook gives
-  them back. Anything else measured this way falls back to ``copy`` (:func:`fused_refusal` says why).
+  them back. A step with a closure (which computes the gradients inside the step), or an
+  optimizer that has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
 
 On a step it does not measure, the hooks return at once: the user's step is untouched.
 """
@@ -115,20 +116,22 @@ class StepHookProbe:
     def name(self) -> str:
         return FUSED_IN_PLACE if self.fused else "step_hooks"
 
-    def _stepped(self) -> list[torch.Tensor]:
-        """The parameters the step about to run updates: those with a gradient, in the groups it sees
-        (DeepSpeed may trim ``param_groups`` for a call, or step ZeRO-3's sub-groups in turn)."""
-        return [p for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None]
+    def _stepped(self, closure: bool) -> list[torch.Tensor]:
+        """The parameters the step about to run updates: those with a gradient (any, when a
+        closure will compute them inside the step), in the groups it sees (DeepSpeed may trim
+        ``param_groups`` for a call, or step ZeRO-3's sub-groups in turn)."""
+        groups = self._optimizer.param_groups
+        return [p for group in groups for p in group["params"] if closure or p.grad is not None]
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not self.schedule.armed:
             return
-        stepped = self._stepped()
+        closure = len(args) > 1 or bool(kwargs)  # torch hands the hook the step's arguments, the optimizer first
+        stepped = self._stepped(closure)
         with self._clock.span(self._device):
-            # torch hands the hook the step's arguments with the optimizer first; a closure would
-            # compute the gradients inside the step, after this hook
-            if self.fused and len(args) <= 1 and not kwargs:
+            # checked again on each measured step: groups added or tensors moved since the probe began
+            if self.fused and not closure and fused_refusal(optimizer) is None:
                 self._fused_step(stepped)
                 return
             for p in stepped:
