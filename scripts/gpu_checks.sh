@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check in one command, for one GPU machine. In order of value, so a short lease spends
 # its minutes on what matters most:
-#   exactness     the fused drift step (Triton) against torch's fused AdamW and snapshot-and-diff,
+#   exactness     the fused drift step (Triton; also in place of a user's AdamW, counting per layer)
+#                 against torch's fused AdamW and snapshot-and-diff,
 #                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; a survivor's
 #                 capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
 #   fused_issue   layercheck.bench.fused_issue: the fused step's host bookkeeping on this machine's CPU
@@ -36,7 +37,7 @@ while (( $# )); do
 done
 BUDGET=${GPU_CHECKS_BUDGET_S:-3600}
 START=$SECONDS
-EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py tests/test_probe_clock.py"
+EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_drift_hooks.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py tests/test_probe_clock.py"
 
 die() { echo "gpu_checks: $*" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

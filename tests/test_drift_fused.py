@@ -265,14 +265,23 @@ def test_work_rows_partition_each_tensor_with_one_counted_run_per_row():
     windows = [((1, 2), (4, 1), (8, 2)), None, None, ()]
     rows = work_rows(numels, windows, chunk=4)
     for index, numel in enumerate(numels):
-        mine = sorted((start, stop) for t, start, stop, _, _ in rows if t == index)
+        mine = sorted((start, stop) for t, start, stop, *_ in rows if t == index)
         covered = [i for start, stop in mine for i in range(start, stop)]
         assert covered == list(range(numel)), index  # every element updated exactly once
     counted = {t: set() for t in range(len(numels))}
-    for t, start, stop, lo, hi in rows:
+    by_run: dict[tuple[int, int], set[int]] = {}
+    for t, start, stop, lo, hi, run in rows:
         assert start <= lo <= hi <= stop and stop - start <= 4
         counted[t].update(range(lo, hi))
+        by_run.setdefault((t, run), set()).update(range(lo, hi))
     assert counted == {0: {1, 2, 4, 8, 9}, 1: set(range(7)), 2: set(), 3: set()}
+    # each counted element is told which of its tensor's windows it is in (a layer's, in a flat partition)
+    assert {key: elements for key, elements in by_run.items() if elements} == {
+        (0, 0): {1, 2},
+        (0, 1): {4},
+        (0, 2): {8, 9},
+        (1, 0): set(range(7)),
+    }
     with pytest.raises(ValueError, match="chunk"):
         work_rows([3], [None], chunk=0)
 
@@ -370,6 +379,39 @@ def test_triton_kernel_on_a_kept_plan_under_the_interpreter():
         for ours, theirs in zip(kernel.tensor_lists(grads), torch_path.tensor_lists(grads)):
             for a, b in zip(ours, theirs):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_triton_kernel_counting_into_layers_under_the_interpreter():
+    """The launch for tensors whose windows count into different accumulators (the layers of a
+    flat ZeRO partition, for the fused step in place of a user's AdamW), under Triton's CPU
+    interpreter, against the torch path: a partition with three layers' runs, a tensor of one
+    layer, one that counts nothing, two slots of scalars."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
+    pytest.importorskip("triton")
+    from layercheck.workers.drift_fused import adamw_l1_layers
+    from layercheck.workers.drift_triton import adamw_l1_triton_layers
+
+    torch.manual_seed(6)
+    numels = [40000, 300, 129]
+    windows = [((0, 20000), (20000, 15000), (36000, 4000)), ((0, 300),), ()]
+    accumulators = [(0, 1, 2), (1,), ()]
+    slots = [0, 1, 0]
+    scalars = [
+        AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=3),
+        AdamWScalars(lr=3e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1),
+    ]
+    base = [[torch.randn(n) for n in numels] for _ in range(4)]
+    for v in base[3]:
+        v.abs_()
+    kernel, torch_path = ([[t.clone() for t in ts] for ts in base] for _ in range(2))
+    got = adamw_l1_triton_layers(*kernel, windows, accumulators, slots, scalars, 4)
+    expected = adamw_l1_layers(*torch_path, windows, accumulators, slots, scalars, 4)
+    assert got.dtype == torch.float64 and got.shape == (4,) and got[3] == 0 and expected[3] == 0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
+    for ours, theirs in zip(kernel, torch_path):
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # fp32 rounding may differ by an ulp
 
 
 def test_triton_kernel_compiles_for_hopper():

@@ -13,6 +13,7 @@ from layercheck.policies.configs import drift_measured
 from layercheck.workers.drift_hooks import FUSED_IN_PLACE, StepHookProbe, fused_refusal
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import ParamSlice
+from tests.support.devices import devices, require
 
 #: A flat "partition" holding two layers end to end (as ZeRO 1-3 hand the optimizer), and a
 #: parameter of its own for a third: (layer, master index, start, length).
@@ -20,9 +21,9 @@ PIECES = [("a", 0, 0, 700), ("b", 0, 700, 300), ("b", 1, 0, 50), ("c", 2, 0, 64)
 SIZES = (1000, 50, 64)
 
 
-def masters() -> list[torch.nn.Parameter]:
+def masters(device: str | torch.device = "cpu") -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(device)) for n in SIZES]
 
 
 def layout(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> StateLayout:
@@ -55,7 +56,7 @@ def train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], pr
     exact, read = [], []
     for step in range(1, steps + 1):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
+            p.grad = torch.randn(p.shape, generator=g).to(p.device)
         before = [p.detach().clone() for p in params]
         optimizer.step()
         l1 = dict.fromkeys(("a", "b", "c"), 0.0)
@@ -88,6 +89,25 @@ def test_the_probe_leaves_the_users_step_bit_for_bit_and_counts_each_layer(kind,
             assert drift.l1 == pytest.approx(l1, rel=1e-6)  # (float32 sums)
             assert drift.numel == {"a": 700, "b": 350, "c": 64}
     assert all(p.grad is not None for p in params)  # the gradients given back after the fused step
+
+
+@pytest.mark.parametrize("device", devices())
+def test_asked_for_on_cuda_the_fused_step_is_one_kernel_within_rounding_of_torchs(device):
+    """``drift_probe="fused"`` on CUDA (``exact=False``): the Triton kernel, each run counted into
+    its layer, within float rounding of torch's own (foreach) step; ``auto`` does not take it there."""
+    dev = require(device)
+    untouched = masters(dev)
+    exact, _ = train(adamw(untouched), untouched)
+    params = masters(dev)
+    optimizer = adamw(params)
+    if dev.type == "cuda":
+        assert "not bit-equal" in fused_refusal(optimizer)
+    probe = StepHookProbe(layout(optimizer, params), fused=True, exact=False)
+    _, read = train(optimizer, params, probe)
+    for p, q in zip(params, untouched):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for drift, l1 in zip(read, exact):
+        assert drift.l1 == pytest.approx(l1, rel=1e-4)
 
 
 def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying():
@@ -128,7 +148,7 @@ def test_a_second_probe_on_an_optimizer_takes_the_first_ones_place():
 
 
 def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
-    from layercheck.workers import drift_hooks
+    from layercheck.workers import drift_fused
 
     params = masters()
     optimizer = adamw(params)
@@ -141,8 +161,8 @@ def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
             raise RuntimeError("out of memory")
         return real(*args, **kwargs)
 
-    real = drift_hooks.adamw_l1_torch_slots
-    monkeypatch.setattr(drift_hooks, "adamw_l1_torch_slots", fails_second)
+    real = drift_fused.adamw_l1_torch_slots
+    monkeypatch.setattr(drift_fused, "adamw_l1_torch_slots", fails_second)
     grads = [torch.ones_like(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g
@@ -159,6 +179,7 @@ def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
         (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), "L2 weight decay"),
         (lambda ps: torch.optim.SGD(ps, lr=0.1), "is not torch's AdamW or Adam"),
         (lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01)), "a tensor learning rate"),
+        (lambda ps: torch.optim.AdamW([p.detach().bfloat16().requires_grad_() for p in ps]), "torch.bfloat16"),
     ],
 )
 def test_what_the_fused_step_cannot_replace_it_says_and_refuses(make, reason):

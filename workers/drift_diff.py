@@ -100,9 +100,10 @@ class SnapshotDiffProbe:
 
 #: ``drift_probe`` choices. ``auto``: ``optimizer`` where the engine steps DriftAdamW over
 #: layer-aligned groups (the built-in loop); for a user's torch AdamW that the fused step can
-#: replace bit for bit, ``fused`` in its place; else ``snapshot_diff``. ``fused``: DriftAdamW's fused
-#: step, or the fused step in place of the user's AdamW (:mod:`layercheck.workers.drift_hooks`).
-#: ``step_hooks``: a copy before the user's step and the diff after, no reference copy held.
+#: replace bit for bit (CPU), ``fused`` in its place; else ``snapshot_diff``. ``fused``: DriftAdamW's
+#: fused step, or the fused step in place of the user's AdamW (:mod:`layercheck.workers.drift_hooks`;
+#: on CUDA its Triton kernel, within float rounding of torch's step). ``step_hooks``: a copy before
+#: the user's step and the diff after, no reference copy held.
 PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "step_hooks", "snapshot_diff")
 
 
@@ -128,7 +129,7 @@ def probe_for(layout: StateLayout, kind: str = "auto", *, every: int = 1) -> Dri
     if kind in ("fused", "step_hooks"):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"drift_probe={kind!r} needs a torch optimizer, got {type(optimizer).__name__}")
-        return StepHookProbe(layout, every=every, fused=kind == "fused")
+        return StepHookProbe(layout, every=every, fused=kind == "fused", exact=False)
     if kind == "auto":
         refusal = fused_refusal(optimizer)
         if refusal is None:

@@ -136,6 +136,41 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
     )
 
 
+def adamw_l1_layers(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    windows: Sequence[Windows],
+    accumulators: Sequence[Sequence[int]],
+    slots: Sequence[int],
+    scalars: Sequence[AdamWScalars],
+    count: int,
+) -> torch.Tensor:
+    """One AdamW update of every tensor in place, tensor ``i`` with ``scalars[slots[i]]``, the
+    ``sum |new - old|`` of its ``k``-th window added to accumulator ``accumulators[i][k]`` (a
+    layer's, where a flat partition holds several): the ``count`` accumulators, a float64 vector
+    on the device. On CUDA with Triton one kernel launch; elsewhere the torch path."""
+    device = params[0].device
+    if triton_eligible([*params, *grads, *exp_avgs, *exp_avg_sqs]):
+        from layercheck.workers.drift_triton import adamw_l1_triton_layers
+
+        return adamw_l1_triton_layers(
+            params, grads, exp_avgs, exp_avg_sqs, windows, accumulators, slots, scalars, count
+        )
+    if device.type == "cuda":
+        _warn_torch_path_on_cuda()
+    acc = torch.zeros(count, dtype=torch.float64, device=device)
+    counts: list[torch.Tensor] = []
+    into: list[int] = []
+    for p, g, m, v, runs, accs, slot in zip(params, grads, exp_avgs, exp_avg_sqs, windows, accumulators, slots):
+        counts += adamw_l1_torch_slots(p, g, m, v, [(run,) for run in runs], scalars[slot])
+        into += accs
+    if counts:
+        acc.index_add_(0, torch.tensor(into, device=device), torch.stack(counts))
+    return acc
+
+
 def adamw_l1(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -62,29 +62,30 @@ def counted_runs(numel: int, windows: Windows | None) -> Windows:
 
 def work_rows(
     numels: Sequence[int], windows: Sequence[Windows | None], chunk: int
-) -> list[tuple[int, int, int, int, int]]:
-    """The Triton kernel's work table: rows ``(tensor, start, stop, count_lo, count_hi)``.
+) -> list[tuple[int, int, int, int, int, int]]:
+    """The Triton kernel's work table: rows ``(tensor, start, stop, count_lo, count_hi, run)``.
 
     Each row updates elements ``[start, stop)`` of one tensor (at most ``chunk`` of them) and
-    counts those in ``[count_lo, count_hi)``. The rows of a tensor partition it, so every element
-    is updated exactly once; a chunk that meets several counted runs is split at their edges so
+    counts those in ``[count_lo, count_hi)``, which lie in the tensor's ``run``-th counted window
+    (0 when the row counts nothing). The rows of a tensor partition it, so every element is
+    updated exactly once; a chunk that meets several counted runs is split at their edges so
     that each row meets at most one.
     """
     if chunk <= 0:
         raise ValueError(f"chunk must be positive, got {chunk}")
-    rows: list[tuple[int, int, int, int, int]] = []
+    rows: list[tuple[int, int, int, int, int, int]] = []
     for index, (numel, tensor_windows) in enumerate(zip(numels, windows)):
-        runs = sorted((s, s + n) for s, n in counted_runs(numel, tensor_windows) if n > 0)
+        runs = sorted((s, s + n, k) for k, (s, n) in enumerate(counted_runs(numel, tensor_windows)) if n > 0)
         for start in range(0, numel, chunk):
             stop = min(start + chunk, numel)
-            inside = [(max(lo, start), min(hi, stop)) for lo, hi in runs if lo < stop and hi > start]
+            inside = [(max(lo, start), min(hi, stop), k) for lo, hi, k in runs if lo < stop and hi > start]
             if len(inside) <= 1:
-                lo, hi = inside[0] if inside else (start, start)
-                rows.append((index, start, stop, lo, hi))
+                lo, hi, k = inside[0] if inside else (start, start, 0)
+                rows.append((index, start, stop, lo, hi, k))
                 continue
-            edges = [start] + [lo for lo, _ in inside[1:]] + [stop]
-            for (a, b), (lo, hi) in zip(zip(edges, edges[1:]), inside):
-                rows.append((index, a, b, lo, hi))
+            edges = [start] + [lo for lo, _, _ in inside[1:]] + [stop]
+            for (a, b), (lo, hi, k) in zip(zip(edges, edges[1:]), inside):
+                rows.append((index, a, b, lo, hi, k))
     return rows
 
 

@@ -11,13 +11,14 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
 * ``copy``: a copy of the elements about to be stepped this rank owns before the step, the L1
   of the difference after (the same work as snapshot-and-diff, but the copy is made for the
   step and let go after it: no fp32 copy of the shard held between steps);
-* ``fused``: for torch's ``AdamW`` (or ``Adam`` without weight decay) on CPU, the AdamW update
-  itself with the count inside it (:func:`~layercheck.workers.drift_fused.adamw_l1_torch_slots`,
-  no copy, no second pass), the parameters and moments bit-equal to the step torch would have
-  taken (its single-tensor step, what it runs on CPU): the pre-step hook steps every parameter
-  that has a gradient and hides the gradients from torch's own step, the post-step hook gives
-  them back. A step with a closure (which computes the gradients inside the step), or an
-  optimizer that has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
+* ``fused``: for torch's ``AdamW`` (or ``Adam`` without weight decay), the AdamW update itself
+  with each layer's count inside it (:func:`~layercheck.workers.drift_fused.adamw_l1_layers`: no
+  copy, no second pass; one Triton launch on CUDA): the pre-step hook steps every parameter that
+  has a gradient and hides the gradients from torch's own step, the post-step hook gives them
+  back. On CPU the parameters and moments are bit-equal to the step torch would have taken (its
+  single-tensor and foreach steps, the same bits there); on CUDA within float rounding of it.
+  A step with a closure (which computes the gradients inside the step), or an optimizer that
+  has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
 
 On a step it does not measure, the hooks return at once: the user's step is untouched.
 """
@@ -27,12 +28,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from layercheck.workers.drift import DriftSchedule, LayerDrift
-from layercheck.workers.drift_fused import adamw_l1_torch_slots
+from layercheck.workers.drift_fused import adamw_l1_layers
 from layercheck.workers.drift_fused_work import AdamWScalars, Windows
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.probe_clock import ProbeClock
@@ -47,8 +48,10 @@ FUSED_IN_PLACE = "fused (in place of your AdamW)"
 _HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def fused_refusal(optimizer: Any) -> str | None:
-    """Why the fused step cannot take ``optimizer``'s place bit for bit (``None``: it can)."""
+def fused_refusal(optimizer: Any, *, exact: bool = True) -> str | None:
+    """Why the fused step cannot take ``optimizer``'s place (``None``: it can). ``exact``: only
+    where it is bit-equal to the optimizer's own step (CPU); else also on CUDA, where its Triton
+    kernel is within float rounding of torch's step, not bit-equal to it."""
     if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam):
         return f"{type(optimizer).__name__} is not torch's AdamW or Adam"
     for group in optimizer.param_groups:
@@ -60,10 +63,12 @@ def fused_refusal(optimizer: Any) -> str | None:
         if isinstance(group["lr"], torch.Tensor):
             return "a tensor learning rate"
         for p in group["params"]:
-            if p.device.type != "cpu" or p.dtype != torch.float32 or p.is_sparse:
+            if p.dtype != torch.float32 or p.is_sparse:
+                return f"a {p.dtype}{' sparse' if p.is_sparse else ''} parameter (the fused step takes dense fp32)"
+            if exact and p.device.type != "cpu":
                 return (
-                    f"a {p.dtype} parameter on {p.device} (the fused step in place of yours runs on CPU fp32; "
-                    "on CUDA its kernel does not count per layer yet)"
+                    f"a parameter on {p.device}: there the fused step is within float rounding of your "
+                    "optimizer's, not bit-equal (drift_probe='fused' runs it all the same)"
                 )
     return None
 
@@ -72,12 +77,13 @@ class StepHookProbe:
     """Per layer, ``sum |theta_t - theta_{t-1}|`` over this rank's owned elements, measured
     around the user's optimizer step (``fused``: inside an AdamW step taking its place)."""
 
-    def __init__(self, layout: StateLayout, *, every: int = 1, fused: bool = False) -> None:
+    def __init__(self, layout: StateLayout, *, every: int = 1, fused: bool = False, exact: bool = True) -> None:
         optimizer = layout.optimizer
-        if fused and (reason := fused_refusal(optimizer)) is not None:
+        if fused and (reason := fused_refusal(optimizer, exact=exact)) is not None:
             raise ValueError(f"drift_probe='fused' cannot step this optimizer in its place: {reason}")
         self.schedule = DriftSchedule(every)
         self.fused = fused
+        self._exact = exact
         self._optimizer = optimizer
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
@@ -90,8 +96,13 @@ class StepHookProbe:
                     runs[-1] = (runs[-1][0], runs[-1][1] + piece.slice.length)
                 else:
                     runs.append((piece.start, piece.slice.length))
-        self._slots: dict[int, tuple[tuple[int, ...], tuple[Windows, ...]]] = {
-            key: (tuple(by_layer), tuple(tuple(runs) for runs in by_layer.values())) for key, by_layer in slots.items()
+        # each master's counted runs, and the layer each run counts into
+        self._runs: dict[int, tuple[Windows, tuple[int, ...]]] = {
+            key: (
+                tuple(run for runs in by_layer.values() for run in runs),
+                tuple(layer for layer, runs in by_layer.items() for _ in runs),
+            )
+            for key, by_layer in slots.items()
         }
         masters = [p for layer in layout.layers.values() for p in layer.masters]
         self._device = masters[0].device if masters else torch.device("cpu")
@@ -131,16 +142,15 @@ class StepHookProbe:
         stepped = self._stepped(closure)
         with self._clock.span(self._device):
             # checked again on each measured step: groups added or tensors moved since the probe began
-            if self.fused and not closure and fused_refusal(optimizer) is None:
+            if self.fused and not closure and fused_refusal(optimizer, exact=self._exact) is None:
                 self._fused_step(stepped)
                 return
             for p in stepped:
-                layers, windows = self._slots.get(id(p), ((), ()))
+                runs, layers = self._runs.get(id(p), ((), ()))
                 flat = p.detach().view(-1)
-                for layer, runs in zip(layers, windows):
-                    for start, length in runs:
-                        run = flat.narrow(0, start, length)
-                        self._copies.append((run, run.clone(), layer))
+                for (start, length), layer in zip(runs, layers):
+                    run = flat.narrow(0, start, length)
+                    self._copies.append((run, run.clone(), layer))
 
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -157,22 +167,14 @@ class StepHookProbe:
             self._sums.index_add_(0, index, torch.stack(norms).double())
 
     def _fused_step(self, stepped: list[torch.Tensor]) -> None:
-        """torch's AdamW step over ``stepped``, counting each layer's drift; their gradients then
-        hidden from torch's own step (given back by :meth:`_after_step`, or here if it fails)."""
-        try:
-            counts, layers = self._fused_update(stepped)
-        except BaseException:
-            self._after_step(self._optimizer, (), {})
-            raise
-        if counts:
-            self._sums.index_add_(0, torch.tensor(layers, device=self._device), torch.stack(counts))
-
-    def _fused_update(self, stepped: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
-        """Step ``stepped`` as torch's AdamW would; each (layer, tensor)'s count and its layer."""
+        """torch's AdamW step over ``stepped`` (one kernel launch on CUDA), each layer's drift
+        counted; their gradients then hidden from torch's own step (given back by
+        :meth:`_after_step`, or here if it fails)."""
         optimizer = self._optimizer
         group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        counts: list[torch.Tensor] = []
-        layers: list[int] = []
+        slot_of: dict[tuple[int, float], int] = {}  # (group, step count) -> its scalars' slot
+        scalars: list[AdamWScalars] = []
+        states, slots = [], []
         for p in stepped:
             state = optimizer.state[p]
             if not state:  # as torch's AdamW starts a parameter's state
@@ -180,15 +182,33 @@ class StepHookProbe:
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
-            scalars = AdamWScalars.of_group(group_of[id(p)], state["step"].item())
-            slot_layers, windows = self._slots.get(id(p), ((), ()))
-            grad = p.grad
-            assert grad is not None
-            counts += adamw_l1_torch_slots(p.detach(), grad, state["exp_avg"], state["exp_avg_sq"], windows, scalars)
-            layers += slot_layers
-            self._hidden.append((p, grad))
+            group, count = group_of[id(p)], state["step"].item()
+            slot = slot_of.setdefault((id(group), count), len(scalars))
+            if slot == len(scalars):
+                scalars.append(AdamWScalars.of_group(group, count))
+            states.append(state)
+            slots.append(slot)
+        grads = cast("list[torch.Tensor]", [p.grad for p in stepped])  # (stepped: those that have one)
+        self._hidden += zip(stepped, grads)
+        for p in stepped:
             p.grad = None
-        return counts, layers
+        try:
+            runs = [self._runs.get(id(p), ((), ())) for p in stepped]
+            sums = adamw_l1_layers(
+                [p.detach() for p in stepped],
+                grads,
+                [state["exp_avg"] for state in states],
+                [state["exp_avg_sq"] for state in states],
+                [windows for windows, _ in runs],
+                [layers for _, layers in runs],
+                slots,
+                scalars,
+                len(self._layers),
+            )
+        except BaseException:
+            self._after_step(optimizer, (), {})
+            raise
+        self._sums += sums
 
     def collect(self, step: int) -> LayerDrift:
         """This rank's drift at step ``step`` (one host sync); on a step the schedule does not

@@ -45,7 +45,7 @@ BLOCK = 1024
 NUM_WARPS = 4
 
 # The widths of the kernel's tables, each a power of two for tl.arange (passed in as constexprs)
-ROW = 8  # (tensor, start, stop, count_lo, count_hi, slot, -, -)
+ROW = 8  # (tensor, start, stop, count_lo, count_hi, slot, accumulator, -)
 ADDRS = 4  # param, grad, exp_avg, exp_avg_sq
 SCALARS = 16  # decay, beta1, 1 - beta1, beta2, 1 - beta2, eps, -step_size, sqrt(bias corr. 2), lerp_low
 
@@ -81,6 +81,7 @@ def _adamw_l1_kernel(
     count_lo = _pick_int(row, row_index, 3)
     count_hi = _pick_int(row, row_index, 4)
     slot = _pick_int(row, row_index, 5)
+    acc = _pick_int(row, row_index, 6)
     addr_index = tl.arange(0, ADDRS)
     addrs = tl.load(addrs_ptr + tensor * ADDRS + addr_index)
     p_ptr = _pick_int(addrs, addr_index, 0).to(tl.pointer_type(tl.float32))
@@ -118,7 +119,7 @@ def _adamw_l1_kernel(
         tl.store(v_ptr + offs, v, mask=inside)
         counted = inside & (offs >= count_lo) & (offs < count_hi)
         total += tl.where(counted, tl.abs(new - p), 0.0)
-    tl.atomic_add(acc_ptr + slot, tl.sum(total, axis=0).to(tl.float64))
+    tl.atomic_add(acc_ptr + acc, tl.sum(total, axis=0).to(tl.float64))
 
 
 @functools.lru_cache(maxsize=256)
@@ -128,8 +129,15 @@ def _rows_on(
     slots: tuple[int, ...],
     device: torch.device,
     chunk: int,
+    accumulators: tuple[tuple[int, ...], ...] | None = None,
 ) -> torch.Tensor:
-    rows = [(*row, slots[row[0]], 0, 0) for row in work_rows(numels, windows, chunk)]
+    """The work table on ``device``: each row's scalar slot (its tensor's), and the accumulator its
+    count goes to: the slot's, or ``accumulators[tensor][run]`` (a layer's, in a flat partition;
+    a tensor with no counted window names none)."""
+    rows = [
+        (t, start, stop, lo, hi, slots[t], slots[t] if accumulators is None else (accumulators[t] or (0,))[run], 0)
+        for t, start, stop, lo, hi, run in work_rows(numels, windows, chunk)
+    ]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, ROW).to(device)
 
 
@@ -220,4 +228,32 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
     if rows.numel() == 0:
         return acc
     _launch(rows, _addrs_on(tuple(addrs), device), _scalar_table([g.scalars for g in groups], device), acc, chunk)
+    return acc
+
+
+def adamw_l1_triton_layers(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    windows: Sequence[Windows],
+    accumulators: Sequence[Sequence[int]],
+    slots: Sequence[int],
+    scalars: Sequence[AdamWScalars],
+    count: int,
+) -> torch.Tensor:
+    """One launch over tensors that each count into several accumulators (the layers of a flat
+    partition): tensor ``i`` steps with ``scalars[slots[i]]`` and its window ``k`` counts into
+    accumulator ``accumulators[i][k]``; the ``count`` accumulators, float64 on the device."""
+    device = params[0].device
+    acc = torch.zeros(count, dtype=torch.float64, device=device)
+    chunk = drift_fused_work.TRITON_CHUNK
+    numels = tuple(map(torch.Tensor.numel, params))
+    accs = tuple(map(tuple, accumulators))
+    rows = _rows_on(numels, tuple(windows), tuple(slots), device, chunk, accs)
+    if rows.numel() == 0:
+        return acc
+    data_ptr = torch.Tensor.data_ptr
+    addrs = tuple(chain.from_iterable(zip(*(map(data_ptr, ts) for ts in (params, grads, exp_avgs, exp_avg_sqs)))))
+    _launch(rows, _addrs_on(addrs, device), _scalar_table(scalars, device), acc, chunk)
     return acc
