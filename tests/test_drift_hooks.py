@@ -10,15 +10,18 @@ import pytest
 import torch
 
 from layercheck.policies.configs import drift_measured
+from layercheck.workers.drift_fused import TORCH_CHUNK
 from layercheck.workers.drift_hooks import FUSED_IN_PLACE, StepHookProbe, fused_refusal
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import ParamSlice
 from tests.support.devices import devices, require
 
-#: A flat "partition" holding two layers end to end (as ZeRO 1-3 hand the optimizer), and a
-#: parameter of its own for a third: (layer, master index, start, length).
-PIECES = [("a", 0, 0, 700), ("b", 0, 700, 300), ("b", 1, 0, 50), ("c", 2, 0, 64)]
-SIZES = (1000, 50, 64)
+#: A flat "partition" holding two layers end to end (as ZeRO 1-3 hand the optimizer; longer than
+#: the torch path's chunk, the layers' edge inside its first), and a parameter of its own for a
+#: third: (layer, master index, start, length).
+PIECES = [("a", 0, 0, 200_003), ("b", 0, 200_003, 100_004), ("b", 1, 0, 50), ("c", 2, 0, 64)]
+SIZES = (300_007, 50, 64)
+NUMEL = {"a": 200_003, "b": 100_054, "c": 64}
 
 
 def masters(device: str | torch.device = "cpu") -> list[torch.nn.Parameter]:
@@ -71,23 +74,27 @@ def train(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], pr
 @pytest.mark.parametrize("kind", [{}, {"foreach": False}, {"foreach": True}], ids=["default", "single", "foreach"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
 def test_the_probe_leaves_the_users_step_bit_for_bit_and_counts_each_layer(kind, fused):
+    assert SIZES[0] > TORCH_CHUNK > PIECES[0][3]
     untouched = masters()
-    exact, _ = train(adamw(untouched, **kind), untouched)
+    reference = adamw(untouched, **kind)
+    exact, _ = train(reference, untouched)
     params = masters()
     optimizer = adamw(params, **kind)
     probe = StepHookProbe(layout(optimizer, params), every=2, fused=fused)
     _, read = train(optimizer, params, probe)
     for p, q in zip(params, untouched):
         assert torch.equal(p, q)
-    for state, reference in zip(optimizer.state.values(), adamw(untouched, **kind).state.values()):
-        assert not reference or torch.equal(state["exp_avg"], reference["exp_avg"])
+        mine, theirs = optimizer.state[p], reference.state[q]
+        assert mine.keys() == theirs.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key in mine:
+            assert torch.equal(mine[key], theirs[key]) and mine[key].dtype == theirs[key].dtype, key
     assert [d.measured for d in read] == [drift_measured(step, 2) for step in range(1, 6)]
     for drift, l1 in zip(read, exact):
         assert drift.cost.probe == (FUSED_IN_PLACE if fused else "step_hooks")
         assert drift.cost.measured == drift.measured
         if drift.measured:
             assert drift.l1 == pytest.approx(l1, rel=1e-6)  # (float32 sums)
-            assert drift.numel == {"a": 700, "b": 350, "c": 64}
+            assert drift.numel == NUMEL
     assert all(p.grad is not None for p in params)  # the gradients given back after the fused step
 
 
@@ -137,6 +144,65 @@ def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying
     assert drift.l1["c"] > 0
 
 
+@pytest.mark.parametrize("call", ["no arguments", "None", "closure=None"])
+def test_how_the_step_is_called_does_not_turn_the_fused_step_off(call):
+    """accelerate calls ``optimizer.step(closure)`` with ``closure=None``: still the fused step (its
+    clock times the update, not the copies), and a step with no gradients at all moves nothing."""
+    params = masters()
+    optimizer = adamw(params)
+    probe = StepHookProbe(layout(optimizer, params), fused=True)
+    optimizer.step()  # no gradients yet: nothing to step, nothing counted
+    assert probe.collect(1).l1 == dict.fromkeys("abc", 0.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    {"no arguments": lambda: optimizer.step(), "None": lambda: optimizer.step(None)}.get(
+        call, lambda: optimizer.step(closure=None)
+    )()
+    assert probe._copies == [] and probe.collect(2).l1["a"] > 0
+    assert all(len(optimizer.state[p]) == 3 for p in params)  # stepped by the fused step, state made as torch does
+
+
+def test_other_step_hooks_keep_the_users_step_and_a_failed_step_loses_no_gradient():
+    """A pre-step hook of the user's after the probe's (clipping, say) must act before the update:
+    with other hooks the probe copies and diffs around the user's own step. A step that raised
+    after the probe's pre-step hook leaves nothing behind for the next one."""
+
+    def halve(opt, args, kwargs):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.grad.mul_(0.5)
+
+    untouched = masters()
+    reference = adamw(untouched)
+    reference.register_step_pre_hook(halve)
+    exact, _ = train(reference, untouched, steps=2)
+    params = masters()
+    optimizer = adamw(params)
+    probe = StepHookProbe(layout(optimizer, params), fused=True)
+    optimizer.register_step_pre_hook(halve)
+    _, read = train(optimizer, params, probe, steps=2)
+    for p, q in zip(params, untouched):
+        assert torch.equal(p, q)
+    assert read[1].l1 == pytest.approx(exact[1], rel=1e-6)
+
+    def fails(opt, args, kwargs):
+        raise RuntimeError("a later hook failed")
+
+    handle = optimizer.register_step_pre_hook(fails)
+    grads = [torch.ones_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    with pytest.raises(RuntimeError, match="a later hook failed"):
+        optimizer.step()
+    handle.remove()
+    probe.collect(3)
+    before = [p.detach().clone() for p in params]
+    optimizer.step()  # the copies the failed step left are not diffed against this one
+    moved = float((params[2].detach() - before[2]).abs().sum())
+    assert probe.collect(4).l1["c"] == pytest.approx(moved, rel=1e-6)
+    assert all(p.grad is g for p, g in zip(params, grads))
+
+
 def test_a_second_probe_on_an_optimizer_takes_the_first_ones_place():
     params = masters()
     optimizer = adamw(params)
@@ -178,8 +244,10 @@ def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
         (lambda ps: torch.optim.AdamW(ps, amsgrad=True), "amsgrad=True"),
         (lambda ps: torch.optim.Adam(ps, weight_decay=0.1), "L2 weight decay"),
         (lambda ps: torch.optim.SGD(ps, lr=0.1), "is not torch's AdamW or Adam"),
-        (lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01)), "a tensor learning rate"),
+        (lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(0.01)), "a tensor hyper-parameter (lr)"),
         (lambda ps: torch.optim.AdamW([p.detach().bfloat16().requires_grad_() for p in ps]), "torch.bfloat16"),
+        (lambda ps: torch.optim.AdamW([torch.nn.Parameter(torch.ones(3, 4).t())]), "not dense, contiguous fp32"),
+        (lambda ps: torch.optim.AdamW(ps, betas=(torch.tensor(0.9), torch.tensor(0.99))), "tensor hyper-parameter"),
     ],
 )
 def test_what_the_fused_step_cannot_replace_it_says_and_refuses(make, reason):

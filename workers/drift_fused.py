@@ -33,6 +33,7 @@ from layercheck.workers.drift_fused_work import (
     FusedPlan,
     Windows,
     counted_runs,
+    to_device,
 )
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def adamw_l1_layers(
         counts += adamw_l1_torch_slots(p, g, m, v, [(run,) for run in runs], scalars[slot])
         into += accs
     if counts:
-        acc.index_add_(0, torch.tensor(into, device=device), torch.stack(counts))
+        acc.index_add_(0, to_device(torch.tensor(into), device), torch.stack(counts))
     return acc
 
 

@@ -55,6 +55,17 @@ class AdamWScalars(NamedTuple):
         return (1 - self.beta2**self.step) ** 0.5
 
 
+def to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` (host) on ``device``. To a GPU through pinned memory without blocking: a copy
+    from pageable memory waits for the stream, all of the step's queued work, before it.
+    torch's pinned-memory cache keeps the block until the copy has run."""
+    if device.type != "cuda":
+        return table.to(device)
+    pinned = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
+    pinned.copy_(table)
+    return pinned.to(device, non_blocking=True)
+
+
 def counted_runs(numel: int, windows: Windows | None) -> Windows:
     """The runs of a tensor that count: ``windows``, or all of it when it has none."""
     return ((0, numel),) if windows is None else windows

@@ -31,10 +31,12 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+from torch.optim import optimizer as optimizer_module
+from torch.optim.optimizer import _get_scalar_dtype
 
 from layercheck.workers.drift import DriftSchedule, LayerDrift
 from layercheck.workers.drift_fused import adamw_l1_layers
-from layercheck.workers.drift_fused_work import AdamWScalars, Windows
+from layercheck.workers.drift_fused_work import AdamWScalars, Windows, to_device
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.probe_clock import ProbeClock
 from layercheck.workers.progress import ProbeCost
@@ -60,11 +62,12 @@ def fused_refusal(optimizer: Any, *, exact: bool = True) -> str | None:
                 return f"{flag}=True"
         if group["weight_decay"] and not group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)):
             return "Adam's L2 weight decay (the fused step is AdamW's decoupled one)"
-        if isinstance(group["lr"], torch.Tensor):
-            return "a tensor learning rate"
+        tensors = [key for key in ("lr", "eps", "weight_decay") if isinstance(group[key], torch.Tensor)]
+        if tensors or any(isinstance(beta, torch.Tensor) for beta in group["betas"]):
+            return f"a tensor hyper-parameter ({', '.join(tensors) or 'betas'})"
         for p in group["params"]:
-            if p.dtype != torch.float32 or p.is_sparse:
-                return f"a {p.dtype}{' sparse' if p.is_sparse else ''} parameter (the fused step takes dense fp32)"
+            if p.dtype != torch.float32 or p.is_sparse or not p.is_contiguous():
+                return f"a {p.dtype} {tuple(p.shape)} parameter that is not dense, contiguous fp32"
             if exact and p.device.type != "cpu":
                 return (
                     f"a parameter on {p.device}: there the fused step is within float rounding of your "
@@ -136,13 +139,17 @@ class StepHookProbe:
 
     @torch.no_grad()
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not self.schedule.armed:
+        self._give_back()  # (a step that raised after this hook never ran the post-step one)
+        self._copies.clear()
+        if not self.schedule.armed or not self._layers:
             return
-        closure = len(args) > 1 or bool(kwargs)  # torch hands the hook the step's arguments, the optimizer first
+        # torch hands the hook the step's arguments, the optimizer first
+        closure = (args[1] if len(args) > 1 else kwargs.get("closure")) is not None
         stepped = self._stepped(closure)
+        if not stepped:
+            return
         with self._clock.span(self._device):
-            # checked again on each measured step: groups added or tensors moved since the probe began
-            if self.fused and not closure and fused_refusal(optimizer, exact=self._exact) is None:
+            if self.fused and not closure and self._may_replace(stepped):
                 self._fused_step(stepped)
                 return
             for p in stepped:
@@ -152,19 +159,33 @@ class StepHookProbe:
                     run = flat.narrow(0, start, length)
                     self._copies.append((run, run.clone(), layer))
 
-    @torch.no_grad()
-    def _after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _may_replace(self, stepped: list[torch.Tensor]) -> bool:
+        """Whether the fused step may take this step's place: checked on each measured step, since
+        the optimizer may have gained groups or moved tensors, or gained other step hooks, which
+        would run after the update (a pre-step hook clipping gradients) or see no gradients."""
+        others = (
+            len(self._optimizer._optimizer_step_pre_hooks) + len(self._optimizer._optimizer_step_post_hooks) > 2
+            or bool(optimizer_module._global_optimizer_pre_hooks)
+            or bool(optimizer_module._global_optimizer_post_hooks)
+        )
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in stepped)
+        return not others and not sparse and fused_refusal(self._optimizer, exact=self._exact) is None
+
+    def _give_back(self) -> None:
         for p, grad in self._hidden:
             p.grad = grad
         self._hidden.clear()
+
+    @torch.no_grad()
+    def _after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._give_back()
         if not self._copies:
             return
         with self._clock.span(self._device):
             runs, copies, layers = zip(*self._copies)
             self._copies.clear()
-            norms = torch._foreach_norm(torch._foreach_sub(runs, copies), 1)
-            index = torch.tensor(layers, device=self._device)
-            self._sums.index_add_(0, index, torch.stack(norms).double())
+            norms = torch._foreach_norm(torch._foreach_sub(runs, copies), 1, dtype=torch.float64)
+            self._sums.index_add_(0, to_device(torch.tensor(layers), self._device), torch.stack(norms))
 
     def _fused_step(self, stepped: list[torch.Tensor]) -> None:
         """torch's AdamW step over ``stepped`` (one kernel launch on CUDA), each layer's drift
@@ -178,7 +199,7 @@ class StepHookProbe:
         for p in stepped:
             state = optimizer.state[p]
             if not state:  # as torch's AdamW starts a parameter's state
-                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
@@ -206,7 +227,7 @@ class StepHookProbe:
                 len(self._layers),
             )
         except BaseException:
-            self._after_step(optimizer, (), {})
+            self._give_back()
             raise
         self._sums += sums
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from layercheck.workers import drift_fused_work
-from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows, work_rows
+from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows, to_device, work_rows
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def _rows_on(
 
 @functools.lru_cache(maxsize=1024)
 def _addrs_on(addrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(addrs, dtype=torch.int64).to(device)
+    return to_device(torch.tensor(addrs, dtype=torch.int64), device)
 
 
 def scalar_row(s: AdamWScalars) -> list[float]:
@@ -169,7 +169,7 @@ def adamw_l1_triton_plan(plan: FusedPlan, addrs: list[int], scalars: Sequence[Ad
     if rows.numel() == 0:
         return acc
     if addrs != tables.get("addrs"):
-        tables["addrs"], tables["addr_table"] = addrs, _to_device(torch.tensor(addrs, dtype=torch.int64), device)
+        tables["addrs"], tables["addr_table"] = addrs, to_device(torch.tensor(addrs, dtype=torch.int64), device)
     _launch(rows, tables["addr_table"], _scalar_table(scalars, device), acc, chunk)
     return acc
 
@@ -178,18 +178,7 @@ def _scalar_table(scalars: Sequence[AdamWScalars], device: torch.device) -> torc
     """The scalar table on ``device``: each row rounded to float32 as ``torch.tensor`` would, but
     through an ``array`` (a list of lists took ``torch.tensor`` 4x as long to read)."""
     flat = array("f", chain.from_iterable(map(scalar_row, scalars)))
-    return _to_device(torch.frombuffer(flat, dtype=torch.float32).view(len(scalars), SCALARS), device)
-
-
-def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table`` (host) on ``device``. To a GPU through pinned memory without blocking: a copy
-    from pageable memory waits for the stream, all of the step's queued work, before the launch.
-    torch's pinned-memory cache keeps the block until the copy has run."""
-    if device.type != "cuda":
-        return table.to(device)
-    pinned = torch.empty(table.shape, dtype=table.dtype, pin_memory=True)
-    pinned.copy_(table)
-    return pinned.to(device, non_blocking=True)
+    return to_device(torch.frombuffer(flat, dtype=torch.float32).view(len(scalars), SCALARS), device)
 
 
 def _launch(rows: torch.Tensor, addrs: torch.Tensor, scalars: torch.Tensor, acc: torch.Tensor, chunk: int) -> None:
