@@ -38,25 +38,32 @@ def test_no_address_file_means_a_local_ray(monkeypatch):
 
 
 def test_the_local_ray_starts_lean_unless_the_dashboard_is_asked_for(monkeypatch):
-    """The local Ray LayerCheck starts runs without Ray's dashboard (``cluster.ray_dashboard``) and
-    without Ray Train's preemption watcher (nothing drains a local node); a user's own setting of
-    the watcher stands."""
+    """The local Ray LayerCheck starts runs without Ray's dashboard (``cluster.ray_dashboard``),
+    without Ray Train's preemption watcher (nothing drains a local node; a user's own setting of
+    the watcher stands) and without a job runtime_env."""
     import ray
 
     from layercheck.orchestrator.core.run_config import load_run_config
     from layercheck.orchestrator.runtime import cluster
 
     started = []
+    during = []  # the workers' environment, which the local Ray's processes inherit from this one
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(ray, "init", lambda **kwargs: started.append(kwargs))
+    monkeypatch.setattr(
+        ray, "init", lambda **kwargs: (started.append(kwargs), during.append(os.environ.get("DS_ACCELERATOR")))
+    )
     monkeypatch.setattr(cluster, "_local_cluster", lambda: None)
     monkeypatch.setattr(cluster.ray_noise, "install", lambda: None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv(cluster.PREEMPTION_WATCHER_ENV, raising=False)
 
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     cluster.connect(load_run_config("examples/demo.toml"))
     assert started[-1]["address"] == "local" and started[-1]["include_dashboard"] is False
     assert os.environ[cluster.PREEMPTION_WATCHER_ENV] == "0"
+    # no job runtime_env (with one, every actor and worker starts cold): the workers' environment
+    # is this process's while Ray starts, and this process's own again after
+    assert "runtime_env" not in started[-1] and during[-1] == "cpu" and "DS_ACCELERATOR" not in os.environ
 
     monkeypatch.setenv(cluster.PREEMPTION_WATCHER_ENV, "1")
     cluster.connect(load_run_config("examples/demo.toml", {"cluster.ray_dashboard": True}))

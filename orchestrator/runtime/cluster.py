@@ -4,10 +4,11 @@ reads of it: its alive nodes, and whether the run's storage suits them (the deci
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import ray
 
@@ -95,18 +96,30 @@ def connect_to(*, address: str = "", use_gpu: bool = False, cpus: int = 1, dashb
         return
     cpus = max(os.cpu_count() or 1, cpus)
     os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")  # read by the controller (Ray Train propagates it)
-    # address="local": a new local Ray even if Ray's address file names a cluster (a stale one)
-    ray.init(
-        address="local",
-        num_cpus=cpus,
-        include_dashboard=dashboard,
-        namespace=NAMESPACE,
-        runtime_env={"env_vars": env_vars},
-        log_to_driver=True,
-    )
+    # address="local": a new local Ray even if Ray's address file names a cluster (a stale one).
+    # Its processes inherit the workers' environment from this one's, instead of a job runtime_env:
+    # with one, every actor and worker started cold (~1.1 s each on 2 cores, against ~0.5 s from
+    # the pool Ray starts ahead)
+    with _environ(env_vars):
+        ray.init(address="local", num_cpus=cpus, include_dashboard=dashboard, namespace=NAMESPACE, log_to_driver=True)
     _LOCAL_RAY["without_dashboard"] = not dashboard
     ray_noise.install()
     logger.info("started a local Ray with %d CPUs", cpus)
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Iterator[None]:
+    """``env`` in this process's environment for the ``with`` body, and what was there before after it."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _local_cluster() -> str | None:
