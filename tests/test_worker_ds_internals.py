@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,45 @@ def test_a_deferred_compile_compiles_once_at_the_first_call_with_the_options_giv
     assert double(3) == ("compiled", 6) and double(x=4) == ("compiled", 8)
     assert plain(1) == ("compiled", 2)
     assert [options for _, options in compiled] == [{"mode": "max-autotune"}, {}]  # once each
+
+
+@pytest.mark.parametrize("way", ["layercheck", "users_loop"])
+def test_deepspeeds_inference_only_cpu_comm_op_is_never_built(way, tmp_path):
+    """DeepSpeed's CPU backend JIT-builds a shared-memory op for each process group it starts
+    (30-40 s on a fresh machine, under a lock a killed build leaves behind) that only
+    ``inference_all_reduce`` uses: neither LayerCheck's group nor a user's ``deepspeed.initialize``
+    after ``LayerCheckTrainer``'s wrapper (``warm_engine_imports``) builds or loads it, and that
+    all-reduce still works, through torch's. A fresh extension cache shows any build."""
+    import subprocess
+    import sys
+
+    start = (
+        "from layercheck.workers.env import init_distributed; init_distributed()"
+        if way == "layercheck"
+        else "from layercheck.workers.engine import warm_engine_imports; warm_engine_imports(); "
+        "import deepspeed; deepspeed.init_distributed(dist_backend='gloo', auto_mpi_discovery=False)"
+    )
+    code = f"""
+import os
+os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+from layercheck.workers.env import free_port
+os.environ["MASTER_PORT"] = str(free_port())
+{start}
+import torch
+from deepspeed.comm import comm
+tensor = torch.ones(3)
+comm.inference_all_reduce(tensor)
+print("op:", comm.cdb.shm_comm_op, "sum:", float(tensor.sum()))
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "op: None sum: 3.0" in result.stdout
+    assert list(tmp_path.iterdir()) == []

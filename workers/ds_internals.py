@@ -217,6 +217,31 @@ def reset_for_next_engine() -> None:
     defaults[0][:] = [0]
 
 
+#: DeepSpeed's shared-memory communication op on its CPU accelerator (``ShareMemCommBuilder.NAME``).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def skip_inference_comm_op() -> None:
+    """Keep DeepSpeed's CPU communication backend from building its shared-memory op.
+
+    ``deepspeed.comm.torch.TorchBackend`` loads the op for every process group it starts, and on
+    a fresh machine (or a new virtual environment, whose torch paths key the build cache) that is
+    a 30-40 s JIT build of C++, under a lock a killed build leaves behind for every later start
+    to wait on. Only ``inference_all_reduce`` uses the op, and falls back to torch's all-reduce
+    without it; training never calls it. ``build_shm_op`` skips an op that
+    ``deepspeed.ops.__compatible_ops__`` marks incompatible. Call before the process's first
+    ``deepspeed.init_distributed`` (``deepspeed.initialize`` calls it)."""
+    import deepspeed.ops
+
+    compatible = _attr(deepspeed.ops, "__compatible_ops__")
+    if not isinstance(compatible, dict):
+        raise DeepSpeedInternalsError(
+            "deepspeed.ops.__compatible_ops__ is no longer a dict of op names "
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
+        )
+    compatible[SHM_COMM_OP] = False
+
+
 #: The module of DeepSpeed's Muon optimizer (DeepSpeed 0.19), which decorates its kernels with
 #: ``torch.compile`` at import.
 MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"

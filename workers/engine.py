@@ -146,11 +146,13 @@ def warm_engine_imports() -> None:
     :func:`ds_internals.import_muon_compiling_on_first_call`). For a process that waits before it
     builds its engine (a warm spare), so that the wait pays for them rather than the recovery; and
     before a user's own loop (``LayerCheckTrainer``'s wrapper), whose engine build would otherwise
-    import Muon with torch's inductor."""
+    import Muon with torch's inductor, and JIT-build DeepSpeed's inference-only CPU comm op
+    (:func:`ds_internals.skip_inference_comm_op`)."""
     env.set_accelerator()
     import deepspeed  # noqa: F401
 
     ds_internals.import_muon_compiling_on_first_call()
+    ds_internals.skip_inference_comm_op()  # before the user's deepspeed.initialize starts DeepSpeed's backend
 
 
 def build_engine(

@@ -145,4 +145,7 @@ def init_distributed(store: torch.distributed.Store | None = None) -> None:
     if fresh:  # DeepSpeed's backend object, over torch's group if formed above
         import deepspeed
 
+        from layercheck.workers import ds_internals
+
+        ds_internals.skip_inference_comm_op()
         deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)
