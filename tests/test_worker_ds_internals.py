@@ -185,7 +185,7 @@ def test_a_deferred_compile_compiles_once_at_the_first_call_with_the_options_giv
     assert [options for _, options in compiled] == [{"mode": "max-autotune"}, {}]  # once each
 
 
-@pytest.mark.parametrize("way", ["layercheck", "users_loop"])
+@pytest.mark.parametrize("way", ["layercheck", "group_formed_first", "users_loop"])
 def test_deepspeeds_inference_only_cpu_comm_op_is_never_built(way, tmp_path):
     """DeepSpeed's CPU backend JIT-builds a shared-memory op for each process group it starts
     (30-40 s on a fresh machine, under a lock a killed build leaves behind) that only
@@ -195,12 +195,16 @@ def test_deepspeeds_inference_only_cpu_comm_op_is_never_built(way, tmp_path):
     import subprocess
     import sys
 
-    start = (
-        "from layercheck.workers.env import init_distributed; init_distributed()"
-        if way == "layercheck"
-        else "from layercheck.workers.engine import warm_engine_imports; warm_engine_imports(); "
-        "import deepspeed; deepspeed.init_distributed(dist_backend='gloo', auto_mpi_discovery=False)"
-    )
+    deepspeed_starts = "import deepspeed; deepspeed.init_distributed(dist_backend='gloo', auto_mpi_discovery=False)"
+    start = {
+        "layercheck": "from layercheck.workers.env import init_distributed; init_distributed()",
+        # as under Ray Train: torch's group first, then LayerCheck's engine build, whose
+        # deepspeed.initialize starts DeepSpeed's backend
+        "group_formed_first": "import torch; torch.distributed.init_process_group('gloo'); "
+        "from layercheck.workers.env import init_distributed; init_distributed(); " + deepspeed_starts,
+        "users_loop": "from layercheck.workers.engine import warm_engine_imports; warm_engine_imports(); "
+        + deepspeed_starts,
+    }[way]
     code = f"""
 import os
 os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

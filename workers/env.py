@@ -127,12 +127,18 @@ def init_distributed(store: torch.distributed.Store | None = None) -> None:
 
     A process that left an earlier group (an in-place recovery's survivor) keeps DeepSpeed's
     communication backend object, which reads the group from torch.distributed on every call: it
-    forms only torch's group, so DeepSpeed does not load its CPU communication op again (a JIT
-    build check that can take seconds, and waits on a replacement building the same op)."""
+    forms only torch's group. DeepSpeed's inference-only CPU communication op is never built
+    (:func:`~layercheck.workers.ds_internals.skip_inference_comm_op`), also where torch's group
+    was formed before (by Ray Train) and ``deepspeed.initialize`` starts DeepSpeed's backend."""
     prepare_environment()
+    from layercheck.workers import ds_internals
+
+    # late: must follow prepare_environment; and before DeepSpeed's backend starts, even over a
+    # group Ray Train formed (then deepspeed.initialize starts it)
+    ds_internals.skip_inference_comm_op()
     if torch.distributed.is_initialized():
         return
-    from deepspeed import comm  # late: must follow prepare_environment
+    from deepspeed import comm
 
     fresh = comm.cdb is None
     if fresh:
@@ -145,7 +151,4 @@ def init_distributed(store: torch.distributed.Store | None = None) -> None:
     if fresh:  # DeepSpeed's backend object, over torch's group if formed above
         import deepspeed
 
-        from layercheck.workers import ds_internals
-
-        ds_internals.skip_inference_comm_op()
         deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)
