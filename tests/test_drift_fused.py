@@ -390,6 +390,7 @@ def test_triton_kernel_counting_into_layers_under_the_interpreter():
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
     from layercheck.workers.drift_fused import adamw_l1_layers
+    from layercheck.workers.drift_fused_work import LayerStep
     from layercheck.workers.drift_triton import adamw_l1_triton_layers
 
     torch.manual_seed(6)
@@ -405,8 +406,23 @@ def test_triton_kernel_counting_into_layers_under_the_interpreter():
     for v in base[3]:
         v.abs_()
     kernel, torch_path = ([[t.clone() for t in ts] for ts in base] for _ in range(2))
-    got = adamw_l1_triton_layers(*kernel, windows, accumulators, slots, scalars, 4)
-    expected = adamw_l1_layers(*torch_path, windows, accumulators, slots, scalars, 4)
+
+    def step(tensors):
+        p, g, m, v = tensors
+        return LayerStep(
+            params=p,
+            grads=g,
+            exp_avgs=m,
+            exp_avg_sqs=v,
+            windows=windows,
+            accumulators=accumulators,
+            slots=slots,
+            scalars=scalars,
+            count=4,
+        )
+
+    got = adamw_l1_triton_layers(step(kernel))
+    expected = adamw_l1_layers(step(torch_path))
     assert got.dtype == torch.float64 and got.shape == (4,) and got[3] == 0 and expected[3] == 0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=0.0)
     for ours, theirs in zip(kernel, torch_path):

@@ -31,6 +31,7 @@ from layercheck.workers.drift_fused_work import (
     AdamWScalars,
     FusedGroup,
     FusedPlan,
+    LayerStep,
     Windows,
     counted_runs,
     to_device,
@@ -137,35 +138,24 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
     )
 
 
-def adamw_l1_layers(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    windows: Sequence[Windows],
-    accumulators: Sequence[Sequence[int]],
-    slots: Sequence[int],
-    scalars: Sequence[AdamWScalars],
-    count: int,
-) -> torch.Tensor:
-    """One AdamW update of every tensor in place, tensor ``i`` with ``scalars[slots[i]]``, the
-    ``sum |new - old|`` of its ``k``-th window added to accumulator ``accumulators[i][k]`` (a
-    layer's, where a flat partition holds several): the ``count`` accumulators, a float64 vector
-    on the device. On CUDA with Triton one kernel launch; elsewhere the torch path."""
-    device = params[0].device
-    if triton_eligible([*params, *grads, *exp_avgs, *exp_avg_sqs]):
+def adamw_l1_layers(step: LayerStep) -> torch.Tensor:
+    """One AdamW update of every tensor of ``step`` in place, each window's ``sum |new - old|``
+    added to its accumulator (a layer's, where a flat partition holds several): the
+    accumulators, a float64 vector on the device. On CUDA with Triton one kernel launch;
+    elsewhere the torch path."""
+    device = step.params[0].device
+    if triton_eligible(step.tensors()):
         from layercheck.workers.drift_triton import adamw_l1_triton_layers
 
-        return adamw_l1_triton_layers(
-            params, grads, exp_avgs, exp_avg_sqs, windows, accumulators, slots, scalars, count
-        )
+        return adamw_l1_triton_layers(step)
     if device.type == "cuda":
         _warn_torch_path_on_cuda()
-    acc = torch.zeros(count, dtype=torch.float64, device=device)
+    acc = torch.zeros(step.count, dtype=torch.float64, device=device)
     counts: list[torch.Tensor] = []
     into: list[int] = []
-    for p, g, m, v, runs, accs, slot in zip(params, grads, exp_avgs, exp_avg_sqs, windows, accumulators, slots):
-        counts += adamw_l1_torch_slots(p, g, m, v, [(run,) for run in runs], scalars[slot])
+    tensors = zip(step.params, step.grads, step.exp_avgs, step.exp_avg_sqs, step.windows, step.accumulators, step.slots)
+    for p, g, m, v, runs, accs, slot in tensors:
+        counts += adamw_l1_torch_slots(p, g, m, v, [(run,) for run in runs], step.scalars[slot])
         into += accs
     if counts:
         acc.index_add_(0, to_device(torch.tensor(into), device), torch.stack(counts))

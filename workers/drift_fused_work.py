@@ -116,6 +116,26 @@ class FusedGroup:
         return [*self.params, *self.grads, *self.exp_avgs, *self.exp_avg_sqs]
 
 
+@dataclass(frozen=True, kw_only=True)
+class LayerStep:
+    """Tensors stepped together whose windows count into several accumulators (the layers of
+    flat partitions): tensor ``i`` steps with ``scalars[slots[i]]``, and its window ``k``
+    (``windows[i][k]``) counts into accumulator ``accumulators[i][k]`` of ``count``."""
+
+    params: Sequence[torch.Tensor]
+    grads: Sequence[torch.Tensor]
+    exp_avgs: Sequence[torch.Tensor]
+    exp_avg_sqs: Sequence[torch.Tensor]
+    windows: Sequence[Windows]
+    accumulators: Sequence[Sequence[int]]
+    slots: Sequence[int]
+    scalars: Sequence[AdamWScalars]
+    count: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.params, *self.grads, *self.exp_avgs, *self.exp_avg_sqs]
+
+
 @dataclass(eq=False, kw_only=True)
 class FusedPlan:
     """The tensors of a fused step over one set of param groups, kept from step to step.

@@ -36,7 +36,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from layercheck.workers.drift import DriftSchedule, LayerDrift
 from layercheck.workers.drift_fused import adamw_l1_layers
-from layercheck.workers.drift_fused_work import AdamWScalars, Windows, to_device
+from layercheck.workers.drift_fused_work import AdamWScalars, LayerStep, Windows, to_device
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.probe_clock import ProbeClock
 from layercheck.workers.progress import ProbeCost
@@ -215,17 +215,18 @@ class StepHookProbe:
             p.grad = None
         try:
             runs = [self._runs.get(id(p), ((), ())) for p in stepped]
-            sums = adamw_l1_layers(
-                [p.detach() for p in stepped],
-                grads,
-                [state["exp_avg"] for state in states],
-                [state["exp_avg_sq"] for state in states],
-                [windows for windows, _ in runs],
-                [layers for _, layers in runs],
-                slots,
-                scalars,
-                len(self._layers),
+            step = LayerStep(
+                params=[p.detach() for p in stepped],
+                grads=grads,
+                exp_avgs=[state["exp_avg"] for state in states],
+                exp_avg_sqs=[state["exp_avg_sq"] for state in states],
+                windows=[windows for windows, _ in runs],
+                accumulators=[layers for _, layers in runs],
+                slots=slots,
+                scalars=scalars,
+                count=len(self._layers),
             )
+            sums = adamw_l1_layers(step)
         except BaseException:
             self._give_back()
             raise

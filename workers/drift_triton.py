@@ -34,7 +34,15 @@ import triton
 import triton.language as tl
 
 from layercheck.workers import drift_fused_work
-from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows, to_device, work_rows
+from layercheck.workers.drift_fused_work import (
+    AdamWScalars,
+    FusedGroup,
+    FusedPlan,
+    LayerStep,
+    Windows,
+    to_device,
+    work_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -220,29 +228,17 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
     return acc
 
 
-def adamw_l1_triton_layers(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    windows: Sequence[Windows],
-    accumulators: Sequence[Sequence[int]],
-    slots: Sequence[int],
-    scalars: Sequence[AdamWScalars],
-    count: int,
-) -> torch.Tensor:
-    """One launch over tensors that each count into several accumulators (the layers of a flat
-    partition): tensor ``i`` steps with ``scalars[slots[i]]`` and its window ``k`` counts into
-    accumulator ``accumulators[i][k]``; the ``count`` accumulators, float64 on the device."""
-    device = params[0].device
-    acc = torch.zeros(count, dtype=torch.float64, device=device)
+def adamw_l1_triton_layers(step: LayerStep) -> torch.Tensor:
+    """One launch over ``step``'s tensors, each row counting into its window's accumulator (see
+    :func:`layercheck.workers.drift_fused.adamw_l1_layers`): the accumulators, float64 on the device."""
+    device = step.params[0].device
+    acc = torch.zeros(step.count, dtype=torch.float64, device=device)
     chunk = drift_fused_work.TRITON_CHUNK
-    numels = tuple(map(torch.Tensor.numel, params))
-    accs = tuple(map(tuple, accumulators))
-    rows = _rows_on(numels, tuple(windows), tuple(slots), device, chunk, accs)
+    numels = tuple(map(torch.Tensor.numel, step.params))
+    accs = tuple(map(tuple, step.accumulators))
+    rows = _rows_on(numels, tuple(step.windows), tuple(step.slots), device, chunk, accs)
     if rows.numel() == 0:
         return acc
-    data_ptr = torch.Tensor.data_ptr
-    addrs = tuple(chain.from_iterable(zip(*(map(data_ptr, ts) for ts in (params, grads, exp_avgs, exp_avg_sqs)))))
-    _launch(rows, _addrs_on(addrs, device), _scalar_table(scalars, device), acc, chunk)
+    quads = zip(*(map(torch.Tensor.data_ptr, ts) for ts in (step.params, step.grads, step.exp_avgs, step.exp_avg_sqs)))
+    _launch(rows, _addrs_on(tuple(chain.from_iterable(quads)), device), _scalar_table(step.scalars, device), acc, chunk)
     return acc
