@@ -17,8 +17,10 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
   has a gradient and hides the gradients from torch's own step, the post-step hook gives them
   back. On CPU the parameters and moments are bit-equal to the step torch would have taken (its
   single-tensor and foreach steps, the same bits there); on CUDA within float rounding of it.
-  A step with a closure (which computes the gradients inside the step), or an optimizer that
-  has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
+  A step with a closure (which computes the gradients inside the step), with sparse gradients,
+  with other step hooks on the optimizer (a pre-step hook after this one, clipping gradients,
+  would come after the update; a post-step one before it would see no gradients), or of an
+  optimizer that has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
 
 On a step it does not measure, the hooks return at once: the user's step is untouched.
 """
@@ -32,8 +34,8 @@ from typing import Any, cast
 
 import torch
 from torch.optim import optimizer as optimizer_module
-from torch.optim.optimizer import _get_scalar_dtype
 
+from layercheck.workers import optim_state
 from layercheck.workers.drift import DriftSchedule, LayerDrift
 from layercheck.workers.drift_fused import adamw_l1_layers
 from layercheck.workers.drift_fused_work import AdamWScalars, LayerStep, Windows, to_device
@@ -90,22 +92,19 @@ class StepHookProbe:
         self._optimizer = optimizer
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
-        # per master tensor (by id: tensors compare elementwise), the layers counting in it and their runs
-        slots: dict[int, dict[int, list[tuple[int, int]]]] = {}
+        # per master tensor (by id: tensors compare elementwise), its owned runs and the layer each
+        # counts into; a layer's pieces that follow each other in a master make one run
+        runs: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}
         for index, layer in enumerate(layout.layers.values()):
             for piece in layer.owned:
-                runs = slots.setdefault(id(piece.master), {}).setdefault(index, [])
-                if runs and runs[-1][0] + runs[-1][1] == piece.start:  # joined with the piece before
-                    runs[-1] = (runs[-1][0], runs[-1][1] + piece.slice.length)
+                windows, layers = runs.setdefault(id(piece.master), ([], []))
+                if layers and layers[-1] == index and windows[-1][0] + windows[-1][1] == piece.start:
+                    windows[-1] = (windows[-1][0], windows[-1][1] + piece.slice.length)
                 else:
-                    runs.append((piece.start, piece.slice.length))
-        # each master's counted runs, and the layer each run counts into
+                    windows.append((piece.start, piece.slice.length))
+                    layers.append(index)
         self._runs: dict[int, tuple[Windows, tuple[int, ...]]] = {
-            key: (
-                tuple(run for runs in by_layer.values() for run in runs),
-                tuple(layer for layer, runs in by_layer.items() for _ in runs),
-            )
-            for key, by_layer in slots.items()
+            key: (tuple(windows), tuple(layers)) for key, (windows, layers) in runs.items()
         }
         masters = [p for layer in layout.layers.values() for p in layer.masters]
         self._device = masters[0].device if masters else torch.device("cpu")
@@ -197,11 +196,7 @@ class StepHookProbe:
         scalars: list[AdamWScalars] = []
         states, slots = [], []
         for p in stepped:
-            state = optimizer.state[p]
-            if not state:  # as torch's AdamW starts a parameter's state
-                state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state = optim_state.init_state(optimizer, p)  # as torch's AdamW starts a parameter's state
             state["step"] += 1
             group, count = group_of[id(p)], state["step"].item()
             slot = slot_of.setdefault((id(group), count), len(scalars))

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import torch
+from torch.optim.optimizer import _get_scalar_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ def _zero_step(optimizer: Any, master: torch.Tensor) -> Any:
     if isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch."):
         group = optimizer.param_groups[0]
         on_device = group.get("fused") or group.get("capturable")
-        return torch.zeros((), dtype=torch.float32, device=master.device if on_device else "cpu")
+        dtype = _get_scalar_dtype(is_fused=bool(group.get("fused")))  # torch's own choice (float32 by default)
+        return torch.zeros((), dtype=dtype, device=master.device if on_device else "cpu")
     return 0  # DeepSpeed's FusedAdam / CPUAdam count in a Python int
 
 
