@@ -92,24 +92,14 @@ def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
         return list(adamw_l1_triton_groups(groups).unbind())
     if device.type == "cuda":
         _warn_torch_path_on_cuda()
-    return [
-        _torch_l1(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs, group.windows, group.scalars)
-        for group in groups
-    ]
+    return [_torch_l1(group) for group in groups]
 
 
-def _torch_l1(
-    params: Sequence[torch.Tensor],
-    grads: Sequence[torch.Tensor],
-    exp_avgs: Sequence[torch.Tensor],
-    exp_avg_sqs: Sequence[torch.Tensor],
-    windows: Sequence[Windows | None],
-    scalars: AdamWScalars,
-) -> torch.Tensor:
+def _torch_l1(group: FusedGroup) -> torch.Tensor:
     """The torch path for one group at one step count: its count, a float64 scalar."""
-    total = torch.zeros((), dtype=torch.float64, device=params[0].device)
-    for p, g, m, v, w in zip(params, grads, exp_avgs, exp_avg_sqs, windows):
-        total += adamw_l1_torch(p, g, m, v, w, scalars)
+    total = torch.zeros((), dtype=torch.float64, device=group.params[0].device)
+    for p, g, m, v, w in zip(group.params, group.grads, group.exp_avgs, group.exp_avg_sqs, group.windows):
+        total += adamw_l1_torch(p, g, m, v, w, group.scalars)
     return total
 
 
@@ -132,7 +122,16 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
     slots = zip(plan.starts, plan.starts[1:])
     return torch.stack(
         [
-            _torch_l1(plan.params[a:b], grads[a:b], plan.exp_avgs[a:b], plan.exp_avg_sqs[a:b], plan.windows[a:b], s)
+            _torch_l1(
+                FusedGroup(
+                    params=plan.params[a:b],
+                    grads=grads[a:b],
+                    exp_avgs=plan.exp_avgs[a:b],
+                    exp_avg_sqs=plan.exp_avg_sqs[a:b],
+                    windows=plan.windows[a:b],
+                    scalars=s,
+                )
+            )
             for (a, b), s in zip(slots, scalars)
         ]
     )
