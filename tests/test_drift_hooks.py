@@ -92,6 +92,10 @@ def test_the_probe_leaves_the_users_step_bit_for_bit_and_counts_each_layer(kind,
     for drift, l1 in zip(read, exact):
         assert drift.cost.probe == (FUSED_IN_PLACE if fused else "step_hooks")
         assert drift.cost.measured == drift.measured
+        # the user's own step, which a fused step replaces, is timed on the step after each
+        # measured one (steps 2 and 4 here); the copying probe adds to the step and times nothing
+        timed = fused and not drift.measured
+        assert drift.cost.own_steps == int(timed) and (drift.cost.own_step_s > 0) == timed, (drift.step, drift.cost)
         if drift.measured:
             assert drift.l1 == pytest.approx(l1, rel=1e-6)  # (float32 sums)
             assert drift.numel == NUMEL

@@ -104,3 +104,24 @@ def test_init_state_creates_step_zero_and_zero_moments_once():
     assert state["step"].item() == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
     state["exp_avg"].fill_(1.0)
     assert a.init_state(ours[0])["exp_avg"].eq(1.0).all()
+
+
+def test_a_step_the_probe_asks_to_time_is_timed_on_its_own_clock_and_changes_nothing():
+    """What the summary reads a fused step against: torch's AdamW step on an unmeasured step the
+    probe asks to time (``timing_own_step``, the step after a measured fused one), timed on its
+    own clock and the same step bit for bit as the untimed one."""
+    ours, _, timed_opt, _ = _pair()
+    _, _, twin, _ = _pair()
+    twin_params = [p for group in twin.param_groups for p in group["params"]]
+    for optimizer in (timed_opt, twin):
+        optimizer.drift_step = "fused"
+    for i in range(4):
+        timed_opt.measuring = twin.measuring = i == 0
+        timed_opt.timing_own_step = i == 1
+        grads = [torch.randn_like(p) for p in ours]
+        _step(ours, timed_opt, grads)
+        _step(twin_params, twin, grads)
+        assert all(torch.equal(p, q) for p, q in zip(ours, twin_params)), i
+        assert (timed_opt.own_clock.take() > 0) == (i == 1) and timed_opt.own_step_timed == (i >= 1), i
+    assert twin.own_clock.take() == 0.0 and not twin.own_step_timed
+    assert timed_opt.probe_clock.take() > 0  # the fused step's own work, on the other clock

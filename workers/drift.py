@@ -118,6 +118,7 @@ class DriftProbe:
         self._optimizer.take_drift()
         self.schedule.reset(next_step)
         self._optimizer.measuring = self.schedule.armed
+        self._optimizer.timing_own_step = False
 
     def measure_every(self, every: int) -> None:
         """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""
@@ -128,7 +129,10 @@ class DriftProbe:
         """This rank's drift for step ``step``, one host sync; on a step the schedule does not
         measure, nothing (the optimizer did not count it) and no sync."""
         measured = self.schedule.measured(step)
-        self._optimizer.measuring = self.schedule.arm_after(step)
+        optimizer = self._optimizer
+        optimizer.measuring = self.schedule.arm_after(step)
+        # the next step, unmeasured after a measured fused one, is timed as torch's own AdamW step
+        optimizer.timing_own_step = measured and not optimizer.measuring and optimizer.measured_step == "fused"
         if not measured:
             self._optimizer.take_drift()  # (empty: the optimizer was not counting)
             return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False))
@@ -142,7 +146,14 @@ class DriftProbe:
 
     def _cost(self, measured: bool) -> ProbeCost:
         optimizer = self._optimizer
-        return ProbeCost(f"optimizer ({optimizer.measured_step or 'auto'})", optimizer.probe_clock.take(), measured)
+        timed, optimizer.own_step_timed = optimizer.own_step_timed, False
+        return ProbeCost(
+            f"optimizer ({optimizer.measured_step or 'auto'})",
+            optimizer.probe_clock.take(),
+            measured,
+            optimizer.own_clock.take(),
+            int(timed),
+        )
 
 
 def global_drift(local: LayerDrift, group: torch.distributed.ProcessGroup | None = None) -> dict[str, float]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from itertools import accumulate
 from typing import Any, cast
 
@@ -96,6 +97,12 @@ class DriftAdamW(torch.optim.AdamW):
         self.probe_clock = ProbeClock()
         """The time of the measured steps' drift work: the copies and norms beside the foreach
         update; the fused step's whole update, the drift being counted inside it."""
+        self.own_clock = ProbeClock()
+        """The time of torch's AdamW step on the steps where ``timing_own_step`` is set (the probe
+        sets it after each measured fused step): what a fused step is read against."""
+        self.timing_own_step = False
+        self.own_step_timed = False
+        """Whether a step was timed on ``own_clock`` since the probe last cleared it."""
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -152,11 +159,14 @@ class DriftAdamW(torch.optim.AdamW):
         if self.measuring and self._fused(stepped):
             self._fused_step(stepped)
             return loss
-        for group, params in stepped:
-            if self.measuring:
-                self._diff_step(group, params)
-            else:
-                self._torch_step(group, params)
+        timed = self.timing_own_step and not self.measuring and bool(stepped)
+        with self.own_clock.span(stepped[0][1][0].device) if timed else nullcontext():
+            for group, params in stepped:
+                if self.measuring:
+                    self._diff_step(group, params)
+                else:
+                    self._torch_step(group, params)
+        self.own_step_timed = self.own_step_timed or timed
         return loss
 
     @property

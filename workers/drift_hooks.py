@@ -22,7 +22,9 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
   would come after the update; a post-step one before it would see no gradients), or of an
   optimizer that has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
 
-On a step it does not measure, the hooks return at once: the user's step is untouched.
+On a step it does not measure, the hooks return at once: the user's step is untouched. The one
+exception, in ``fused`` mode: the step after each measured one is timed (not changed), so that the
+summary can set the fused step against the user's own step it replaces.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from layercheck.workers.drift import DriftSchedule, LayerDrift
 from layercheck.workers.drift_fused import adamw_l1_layers
 from layercheck.workers.drift_fused_work import AdamWScalars, LayerStep, Windows, to_device
 from layercheck.workers.layout import StateLayout
-from layercheck.workers.probe_clock import ProbeClock
+from layercheck.workers.probe_clock import ProbeClock, Span
 from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
@@ -112,6 +114,10 @@ class StepHookProbe:
         self._copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (owned run, its copy, layer)
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its gradient) hidden from torch's step
         self._clock = ProbeClock()
+        self._own_clock = ProbeClock()  # the user's own step, on the step after each fused one
+        self._timing_own = False  # (set by collect for the step that follows a measured fused one)
+        self._own_span: Span | None = None
+        self._own_timed = False
         previous = _HOOKED.pop(optimizer, ())
         for handle in previous:
             handle.remove()
@@ -140,7 +146,13 @@ class StepHookProbe:
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._give_back()  # (a step that raised after this hook never ran the post-step one)
         self._copies.clear()
-        if not self.schedule.armed or not self._layers:
+        self._own_span = None  # (likewise: that step's time is not counted)
+        if not self.schedule.armed:
+            if self._timing_own:
+                self._own_span, self._own_timed = self._own_clock.span(self._device), True
+                self._own_span.start()
+            return
+        if not self._layers:
             return
         # torch hands the hook the step's arguments, the optimizer first
         closure = (args[1] if len(args) > 1 else kwargs.get("closure")) is not None
@@ -178,6 +190,9 @@ class StepHookProbe:
     @torch.no_grad()
     def _after_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._give_back()
+        if self._own_span is not None:
+            self._own_span.stop()
+            self._own_span = None
         if not self._copies:
             return
         with self._clock.span(self._device):
@@ -232,7 +247,9 @@ class StepHookProbe:
         measure, nothing and no sync."""
         measured = self.schedule.measured(step)
         self.schedule.arm_after(step)
-        cost = ProbeCost(self.name, self._clock.take(), measured)
+        timed, self._own_timed = self._own_timed, False
+        self._timing_own = self.fused and measured and not self.schedule.armed
+        cost = ProbeCost(self.name, self._clock.take(), measured, self._own_clock.take(), int(timed))
         if not measured:
             return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False, cost=cost)
         values = self._sums.tolist()
@@ -243,6 +260,7 @@ class StepHookProbe:
         """Drop what was counted so far (a restore wrote new weights, or a seek to ``next_step - 1``)
         and arm for the next step (:meth:`DriftSchedule.reset`)."""
         self._sums.zero_()
+        self._timing_own = False
         self.schedule.reset(next_step)
 
     def measure_every(self, every: int) -> None:

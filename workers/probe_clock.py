@@ -7,7 +7,9 @@ the host only queues the work, so a span is a pair of CUDA events on the current
 once the device has passed the second one: the device's time from one to the other (a wait for
 the host to issue the span's work counts too), never an extra sync.
 
-A probe reports what it timed as a :class:`~layercheck.workers.progress.ProbeCost`.
+A probe reports what it timed as a :class:`~layercheck.workers.progress.ProbeCost`. A probe that
+runs the whole update in place of the optimizer's own step also times that step, on the unmeasured
+step after each measured one, with a second clock: what its measured step is read against.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ class ProbeClock:
         self._seconds = 0.0
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
-    def span(self, device: torch.device) -> _Span:
-        """``with clock.span(device):`` around work issued for ``device``."""
-        return _Span(self, device if device.type == "cuda" else None)
+    def span(self, device: torch.device) -> Span:
+        """``with clock.span(device):`` around work issued for ``device`` (or :meth:`Span.start` and
+        :meth:`Span.stop` where the work begins and ends in different calls)."""
+        return Span(self, device if device.type == "cuda" else None)
 
     def take(self) -> float:
         """The seconds of the spans finished since the last call (on a GPU, those the device has
@@ -52,7 +55,7 @@ class ProbeClock:
             self._seconds += start.elapsed_time(end) / 1e3
 
 
-class _Span:
+class Span:
     __slots__ = ("_clock", "_cuda", "_start")
 
     def __init__(self, clock: ProbeClock, cuda: torch.device | None) -> None:
@@ -61,15 +64,22 @@ class _Span:
         self._start: float | torch.cuda.Event = 0.0
 
     def __enter__(self) -> None:
+        self.start()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
         if self._cuda is None:
             self._start = time.perf_counter()
             return
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record(torch.cuda.current_stream(self._cuda))
 
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
-    ) -> None:
+    def stop(self) -> None:
+        """The span ends: its time goes to its clock."""
         start = self._start
         if isinstance(start, float):
             self._clock._seconds += time.perf_counter() - start

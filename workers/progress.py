@@ -16,6 +16,12 @@ class ProbeCost:
     """Its own work finished since the previous report (a GPU's spans count once read)."""
     measured: bool
     """Whether the step's drift was measured (the policy's ``drift_every``)."""
+    own_step_s: float = 0.0
+    """A probe that runs the whole update in place of the optimizer's own step on the steps it
+    measures (``optimizer (fused)``, ``fused (in place of your AdamW)``) also times that own step,
+    on the unmeasured step after each measured one: what its measured step replaces. Its time
+    finished since the previous report, and (``own_steps``) the steps so timed (0 or 1)."""
+    own_steps: int = 0
 
 
 @dataclass(frozen=True)

@@ -232,25 +232,41 @@ class ProbeAccount:
     seconds: float = 0.0
     steps: int = 0
     measured_steps: int = 0
+    own_seconds: float = 0.0
+    """A probe that replaces the optimizer's step on measured steps: that own step, timed on
+    ``own_steps`` unmeasured steps (:attr:`ProbeCost.own_step_s`)."""
+    own_steps: int = 0
 
     def add(self, cost: ProbeCost) -> None:
         self.probe = cost.probe
         self.seconds += cost.seconds
         self.steps += 1
         self.measured_steps += int(cost.measured)
+        self.own_seconds += cost.own_step_s
+        self.own_steps += cost.own_steps
 
     def summary(self) -> dict[str, Any] | None:
         """The figures the run's summary shows (``None``: no step reported a probe)."""
         if self.probe is None:
             return None
-        return {
+        per_measured = self.seconds / self.measured_steps if self.measured_steps else 0.0
+        figures = {
             "probe": self.probe,
             "seconds": self.seconds,
             "steps": self.steps,
             "measured_steps": self.measured_steps,
-            "s_per_measured_step": self.seconds / self.measured_steps if self.measured_steps else 0.0,
+            "s_per_measured_step": per_measured,
             "s_per_step": self.seconds / self.steps,
         }
+        if self.own_steps:  # what a measured step costs beyond the optimizer's own step it replaces
+            own = self.own_seconds / self.own_steps
+            figures |= {
+                "own_steps": self.own_steps,
+                "s_per_own_step": own,
+                "added_s_per_measured_step": per_measured - own,
+                "added_s_per_step": (per_measured - own) * self.measured_steps / self.steps,
+            }
+        return figures
 
 
 @dataclass

@@ -366,19 +366,36 @@ PROBE_WORK = {
 }
 
 
+#: The optimizer step a probe's measured step replaces (timed on an unmeasured step after each
+#: measured one), for the probes whose timed work is the whole update.
+OWN_STEP = {
+    "optimizer (fused)": "torch's AdamW step",
+    "fused (in place of your AdamW)": "your AdamW's own step",
+}
+
+
 def _probe_rows(summary: dict[str, Any]) -> list[list[object]]:
-    """Which drift probe rank 0 ran, and what its own work cost (a GPU's device time)."""
+    """Which drift probe rank 0 ran, and what its own work cost (a GPU's device time); for a probe
+    that runs the whole update in place of the optimizer's, what it costs beyond that step."""
     probe = summary.get("drift_probe")
     if not probe:
         return []
     step_mean = summary["step_s_per_step"]["mean"]
-    share = f" ({probe['s_per_step'] / step_mean:.1%} of the {step_mean * 1e3:.0f} ms mean step)" if step_mean else ""
     work = PROBE_WORK.get(probe["probe"])
-    return [
-        [
-            "drift probe (rank 0)",
-            f"{probe['probe']}, measured at {probe['measured_steps']} of {probe['steps']} steps: "
-            f"{probe['s_per_measured_step'] * 1e3:.2f} ms a measured step{f' ({work})' if work else ''}, "
-            f"{probe['s_per_step'] * 1e3:.2f} ms a step{share}",
-        ]
-    ]
+    text = (
+        f"{probe['probe']}, measured at {probe['measured_steps']} of {probe['steps']} steps: "
+        f"{probe['s_per_measured_step'] * 1e3:.2f} ms a measured step{f' ({work})' if work else ''}, "
+    )
+    per_step = probe["s_per_step"]
+    if "s_per_own_step" in probe:
+        per_step = probe["added_s_per_step"]
+        text += (
+            f"against {probe['s_per_own_step'] * 1e3:.2f} ms for {OWN_STEP.get(probe['probe'], 'the own step')} "
+            f"(timed on {probe['own_steps']} unmeasured steps): {probe['added_s_per_measured_step'] * 1e3:+.2f} ms "
+            f"a measured step, {per_step * 1e3:+.2f} ms a step"
+        )
+    else:
+        text += f"{per_step * 1e3:.2f} ms a step"
+    if step_mean:
+        text += f" ({per_step / step_mean:.1%} of the {step_mean * 1e3:.0f} ms mean step)"
+    return [["drift probe (rank 0)", text]]
