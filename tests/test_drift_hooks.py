@@ -96,6 +96,7 @@ def test_the_probe_leaves_the_users_step_bit_for_bit_and_counts_each_layer(kind,
         # measured one (steps 2 and 4 here); the copying probe adds to the step and times nothing
         timed = fused and not drift.measured
         assert drift.cost.own_steps == int(timed) and (drift.cost.own_step_s > 0) == timed, (drift.step, drift.cost)
+        assert drift.cost.replaced == (fused and drift.measured)
         if drift.measured:
             assert drift.l1 == pytest.approx(l1, rel=1e-6)  # (float32 sums)
             assert drift.numel == NUMEL
@@ -132,7 +133,8 @@ def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying
         warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()"
         optimizer.step()
         scheduler.step()
-    assert probe.collect(1).l1["c"] > 0
+    first = probe.collect(1)
+    assert first.l1["c"] > 0 and first.cost.replaced  # the fused step, in place of torch's
     before = [p.detach().clone() for p in params]
 
     def closure():
@@ -144,6 +146,7 @@ def test_an_lr_scheduler_still_sees_the_step_and_a_closure_falls_back_to_copying
         p.grad = None  # the closure makes them inside the step
     optimizer.step(closure)
     drift = probe.collect(2)
+    assert not drift.cost.replaced  # copied and diffed around torch's own step
     assert drift.l1["c"] == pytest.approx(float((params[2].detach() - before[2]).abs().sum()), rel=1e-6)
     assert drift.l1["c"] > 0
 

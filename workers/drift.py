@@ -131,26 +131,28 @@ class DriftProbe:
         measured = self.schedule.measured(step)
         optimizer = self._optimizer
         optimizer.measuring = self.schedule.arm_after(step)
+        replaced = measured and optimizer.measured_step == "fused"  # (the whole update, the drift inside it)
         # the next step, unmeasured after a measured fused one, is timed as torch's own AdamW step
-        optimizer.timing_own_step = measured and not optimizer.measuring and optimizer.measured_step == "fused"
+        optimizer.timing_own_step = replaced and not optimizer.measuring
         if not measured:
             self._optimizer.take_drift()  # (empty: the optimizer was not counting)
-            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False))
+            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False, False))
         by_group = self._optimizer.take_drift()
         sums = dict.fromkeys(self._layers, 0.0)
         if by_group:  # one stack and one conversion for all groups: each tensor op costs µs on the host
             values = torch.stack(list(by_group.values())).double().cpu().tolist()
             for name, value in zip(by_group, values):
                 sums[self._layer_of_group[name]] += value
-        return LayerDrift(step=step, l1=sums, numel=self._numel_view, cost=self._cost(True))
+        return LayerDrift(step=step, l1=sums, numel=self._numel_view, cost=self._cost(True, replaced))
 
-    def _cost(self, measured: bool) -> ProbeCost:
+    def _cost(self, measured: bool, replaced: bool) -> ProbeCost:
         optimizer = self._optimizer
         timed, optimizer.own_step_timed = optimizer.own_step_timed, False
         return ProbeCost(
             f"optimizer ({optimizer.measured_step or 'auto'})",
             optimizer.probe_clock.take(),
             measured,
+            replaced,
             optimizer.own_clock.take(),
             int(timed),
         )

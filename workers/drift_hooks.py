@@ -118,6 +118,7 @@ class StepHookProbe:
         self._timing_own = False  # (set by collect for the step that follows a measured fused one)
         self._own_span: Span | None = None
         self._own_timed = False
+        self._replaced = False  # (the fused step ran since the last collect)
         previous = _HOOKED.pop(optimizer, ())
         for handle in previous:
             handle.remove()
@@ -241,6 +242,7 @@ class StepHookProbe:
             self._give_back()
             raise
         self._sums += sums
+        self._replaced = True
 
     def collect(self, step: int) -> LayerDrift:
         """This rank's drift at step ``step`` (one host sync); on a step the schedule does not
@@ -248,8 +250,9 @@ class StepHookProbe:
         measured = self.schedule.measured(step)
         self.schedule.arm_after(step)
         timed, self._own_timed = self._own_timed, False
-        self._timing_own = self.fused and measured and not self.schedule.armed
-        cost = ProbeCost(self.name, self._clock.take(), measured, self._own_clock.take(), int(timed))
+        replaced, self._replaced = self._replaced, False
+        self._timing_own = replaced and not self.schedule.armed  # (not after a step measured by copying)
+        cost = ProbeCost(self.name, self._clock.take(), measured, replaced, self._own_clock.take(), int(timed))
         if not measured:
             return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False, cost=cost)
         values = self._sums.tolist()
@@ -260,7 +263,7 @@ class StepHookProbe:
         """Drop what was counted so far (a restore wrote new weights, or a seek to ``next_step - 1``)
         and arm for the next step (:meth:`DriftSchedule.reset`)."""
         self._sums.zero_()
-        self._timing_own = False
+        self._timing_own = self._replaced = False
         self.schedule.reset(next_step)
 
     def measure_every(self, every: int) -> None:

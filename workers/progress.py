@@ -16,11 +16,13 @@ class ProbeCost:
     """Its own work finished since the previous report (a GPU's spans count once read)."""
     measured: bool
     """Whether the step's drift was measured (the policy's ``drift_every``)."""
+    replaced: bool = False
+    """Whether the step's timed work was a whole update run in place of the optimizer's own step
+    (``optimizer (fused)``, ``fused (in place of your AdamW)``; not on a step measured by copying)."""
     own_step_s: float = 0.0
-    """A probe that runs the whole update in place of the optimizer's own step on the steps it
-    measures (``optimizer (fused)``, ``fused (in place of your AdamW)``) also times that own step,
-    on the unmeasured step after each measured one: what its measured step replaces. Its time
-    finished since the previous report, and (``own_steps``) the steps so timed (0 or 1)."""
+    """Such a probe also times the optimizer's own step, on the unmeasured step after each replaced
+    one: what a replaced step stands in for. Its time finished since the previous report, and
+    (``own_steps``) the steps so timed (0 or 1)."""
     own_steps: int = 0
 
 

@@ -232,9 +232,10 @@ class ProbeAccount:
     seconds: float = 0.0
     steps: int = 0
     measured_steps: int = 0
+    replaced_steps: int = 0
+    """Measured steps whose timed work was a whole update in place of the optimizer's step
+    (:attr:`ProbeCost.replaced`), and that own step, timed on ``own_steps`` unmeasured steps."""
     own_seconds: float = 0.0
-    """A probe that replaces the optimizer's step on measured steps: that own step, timed on
-    ``own_steps`` unmeasured steps (:attr:`ProbeCost.own_step_s`)."""
     own_steps: int = 0
 
     def add(self, cost: ProbeCost) -> None:
@@ -242,6 +243,7 @@ class ProbeAccount:
         self.seconds += cost.seconds
         self.steps += 1
         self.measured_steps += int(cost.measured)
+        self.replaced_steps += int(cost.replaced)
         self.own_seconds += cost.own_step_s
         self.own_steps += cost.own_steps
 
@@ -258,13 +260,14 @@ class ProbeAccount:
             "s_per_measured_step": per_measured,
             "s_per_step": self.seconds / self.steps,
         }
-        if self.own_steps:  # what a measured step costs beyond the optimizer's own step it replaces
+        if self.own_steps and self.replaced_steps:  # beyond the optimizer's own steps the probe replaced
             own = self.own_seconds / self.own_steps
+            added = self.seconds - self.replaced_steps * own
             figures |= {
                 "own_steps": self.own_steps,
                 "s_per_own_step": own,
-                "added_s_per_measured_step": per_measured - own,
-                "added_s_per_step": (per_measured - own) * self.measured_steps / self.steps,
+                "added_s_per_measured_step": added / self.measured_steps,
+                "added_s_per_step": added / self.steps,
             }
         return figures
 
