@@ -9,7 +9,12 @@ import dataclasses
 import pytest
 import torch
 
+from layercheck.policies.decision import PersistDecision, Reason
+from layercheck.policies.layer_map import Layer, LayerMap, ParamInfo
+from layercheck.workers import loop
+from layercheck.workers.drift import LayerDrift
 from layercheck.workers.host_buffers import HostBufferPool
+from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 from layercheck.workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
 from tests.support.devices import cuda_requested
@@ -171,3 +176,55 @@ def test_snapshot_is_the_state_at_its_step_while_training_goes_on(device, monkey
         assert result["handed_before_next_step"]  # the host path hands over at once, as before
     assert result["layers"] and result["equal"] == {layer: True for layer in result["layers"]}
     assert result["changed_after"]  # the next step did move the weights the snapshot holds
+
+
+def test_a_snapshot_handed_over_at_a_later_step_is_that_steps_stall(monkeypatch):
+    """Where a copy lands after the step that took it (CUDA's side stream), the next step hands it
+    over on the training thread (the coordinator copies it out of the buffers): the loop counts
+    that as the step's stall, as it counts a hand-over at once (the host path)."""
+    clock = [0.0]
+    monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([param])
+    piece = Piece(ParamSlice("a.0", (4,), 0, 4), param, 0)
+    layout = StateLayout(
+        stage=1,
+        rank=0,
+        world_size=1,
+        layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
+        layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
+        engine=None,
+        optimizer=optimizer,
+    )
+
+    class Coordinator:
+        def __init__(self) -> None:
+            self.handed: list[int] = []
+
+        def report(self, drift, lr):
+            return drift.step
+
+        def decision(self, step):
+            return PersistDecision.of(step, {"a": Reason.SCHEDULE}) if step == 1 else PersistDecision(step=step)
+
+        def persist(self, shards, *, base):
+            self.handed.append(shards[0].step)
+            clock[0] += 0.25  # the copy out of the buffers
+
+        def progress(self, progress):
+            pass
+
+    coordinator = Coordinator()
+    protocol = loop.StepProtocol(layout, coordinator, rank=0)
+    protocol._handover.copier = copier = ScriptedCopier()
+
+    def step(t: int) -> float:
+        return protocol.after_step(
+            t, LayerDrift(step=t, l1={}, numel={}, measured=False), loss=1.0, lr=0.1, compute_s=0
+        )
+
+    assert step(1) == 0.0
+    assert step(2) == 0.0 and coordinator.handed == []  # step 1's decision: copying, not landed
+    copier.copies[0].complete = True
+    assert step(3) == 0.25 and coordinator.handed == [2]
+    assert protocol.result.stall_s == 0.25

@@ -210,11 +210,16 @@ class StepProtocol:
         and (rank 0) report progress; returns the seconds snapshots held training up."""
         result = self.result
         coordination_before = result.coordination_s
-        self._handover.flush(wait=False)  # snapshots of earlier steps whose copies have landed
+        started = time.monotonic()
+        # snapshots of earlier steps whose copies have landed (on a GPU's side stream): handing them
+        # over (the coordinator's copy out of the buffers) is this step's stall
+        self._handover.flush(wait=False)
         reported = time.monotonic()
+        stall_s = reported - started
         handle = self.coordinator.report(drift, lr)
         result.coordination_s += time.monotonic() - reported
-        stall_s = self._carry_out(self._pending, step) if self._pending is not None else 0.0
+        if self._pending is not None:
+            stall_s += self._carry_out(self._pending, step)
         if self.memory_period and step % self.memory_period == 0:
             stall_s += self._hold_memory_version(step)
         self._pending, self._last_step = handle, step
