@@ -95,3 +95,67 @@ def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_releas
             rank.decision(rank.report(LayerDrift(step=6, l1={}, numel={}, measured=True), 1e-3))
     finally:
         collective_abort.install(None)
+
+
+def test_a_snapshot_is_handed_over_off_the_training_thread_and_its_buffers_come_back(monkeypatch):
+    """Where the loop lets the rank keep the snapshot's buffers (pinned ones too), ``persist``
+    returns before the copy into the object store (a memcpy of the whole shard) and the writer's
+    submission: the putting thread makes both, in order, and gives the buffers back once copied.
+    The in-flight bound counts what it has not handed over yet. Where the loop does not, both are
+    made before ``persist`` returns, as the buffers are reused then."""
+    import torch
+
+    from layercheck.orchestrator.runtime import ray_coordinator
+    from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
+
+    calls: list = []
+    gate = threading.Event()
+
+    def put(wire):
+        assert gate.wait(30)
+        calls.append(("put", f"{wire.layer}@{wire.step}", threading.current_thread().name))
+        return f"{wire.layer}@{wire.step}"
+
+    class Writer:
+        class submit:  # noqa: N801 - an actor method's shape
+            @staticmethod
+            def remote(snapshot):
+                calls.append(("submit", snapshot, threading.current_thread().name))
+                return snapshot
+
+    monkeypatch.setattr(ray_coordinator.ray, "put", put)
+    monkeypatch.setattr(ray_coordinator.ray, "wait", lambda refs, **_: ([], refs))  # nothing written yet
+
+    def shard(layer: str, step: int) -> LayerShard:
+        tensors = {key: torch.full((4,), float(step)) for key in STATE_KEYS}
+        return LayerShard(layer, step, 0, 1, (ParamSlice(layer, (4,), 0, 4),), tensors, optimizer_step=step)
+
+    nbytes = shard("embed", 1).nbytes
+    rank = RayCoordinator(rank=0, policy=None, writer=Writer, supervisor=None, max_inflight_bytes=3 * nbytes)
+    recycled: list = []
+    assert rank.keep_host_buffers(lambda s: recycled.append(f"{s.layer}@{s.step}"), pinned=True)
+    rank.persist([shard("embed", 3), shard("lm_head", 3)], base=False)
+    assert calls == [] and recycled == []  # returned before the copy: the training thread went on
+    gate.set()
+    assert rank.wait_sent(10)
+    putting = "layercheck-put-0_0"
+    assert calls == [(call, f"{layer}@3", putting) for layer in ("embed", "lm_head") for call in ("put", "submit")]
+    assert recycled == ["embed@3", "lm_head@3"]
+
+    gate.clear()  # two more being handed over: four snapshots in flight > 3, so the training thread waits
+    calls.clear()
+    threading.Timer(0.2, gate.set).start()
+    rank.persist([shard("embed", 4), shard("norm", 4)], base=False)
+    assert [c[:2] for c in calls] == [
+        ("put", "embed@4"),
+        ("submit", "embed@4"),
+        ("put", "norm@4"),
+        ("submit", "norm@4"),
+    ]
+    assert rank.blocked_s > 0  # (it waited for the hand-overs, then for storage)
+
+    kept = RayCoordinator(rank=1, policy=None, writer=Writer, supervisor=None, max_inflight_bytes=1 << 30)
+    calls.clear()
+    kept.persist([shard("embed", 6)], base=False)  # not asked to keep the buffers: handed over before it returns
+    training = threading.current_thread().name
+    assert calls == [("put", "embed@6", training), ("submit", "embed@6", training)]

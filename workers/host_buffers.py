@@ -1,9 +1,10 @@
 """Reusable host buffers for layer snapshots.
 
 A snapshot copies a layer's shard from the device into host memory and hands it to the
-persistence pool; the buffers come back once written: at once where the hand-over copies them
-(:meth:`HostBufferPool.release`), or from the writer after its write where it keeps the shard as
-it is (:meth:`HostBufferPool.give`, then :meth:`HostBufferPool.recycle`). Reusing them keeps
+persistence pool; the buffers come back at once where the hand-over copies them on the training
+thread (:meth:`HostBufferPool.release`), else from whoever keeps the shard once done with it
+(:meth:`HostBufferPool.give`, then :meth:`HostBufferPool.recycle`): the local writer after its
+write, a Ray rank's putting thread once the shard is in the object store. Reusing them keeps
 steady-state snapshots allocation-free (a fresh buffer of a few MB costs its page faults on the
 training thread: about 3x its copy), and page-locked (pinned) where CUDA is present so the
 device-to-host copy runs at full speed. Without CUDA pinning buys nothing and is skipped.
@@ -55,8 +56,9 @@ class HostBufferPool:
 
     def give(self, shard: LayerShard) -> None:
         """``shard``'s buffers leave the pool: whoever holds the shard keeps them (the pool takes new
-        ones) until it hands them back with :meth:`recycle`. For plain host memory only: pinned
-        buffers are costly to make, so they are released and whoever needs the data copies it."""
+        ones) until it hands them back with :meth:`recycle`. Pinned buffers are costly to make: only
+        a holder that hands them back within moments should keep them
+        (:class:`~layercheck.workers.loop.KeepsHostBuffers`)."""
         with self._lock:
             for tensor in shard.tensors.values():
                 buffer = self._lent.pop(id(tensor), None)

@@ -94,15 +94,17 @@ class KeepsMemoryVersions(Protocol):
 @runtime_checkable
 class KeepsHostBuffers(Protocol):
     """The optional part of a :class:`Coordinator` that may keep the shards it is handed as they
-    are, in their host buffers, rather than copy them: where the loop's buffers are plain host
-    memory (no CUDA), it hands them over and asks the coordinator not to copy (one copy of each
-    snapshot on the training thread, not two); the coordinator hands each shard back through
-    ``recycle`` once it is done with it (written, or superseded), so that the next snapshot of
-    the layer reuses its buffers instead of faulting in new ones."""
+    are, in their host buffers, rather than copy them on the training thread: the loop hands them
+    over and asks the coordinator not to copy there (one copy of each snapshot on the training
+    thread, not two); the coordinator hands each shard back through ``recycle`` once it is done
+    with it (written, copied off the training thread, or superseded), so that the next snapshot of
+    the layer reuses its buffers instead of allocating new ones."""
 
-    def keep_host_buffers(self, recycle: Callable[[LayerShard], None]) -> None:
-        """From now on, ``persist`` and ``hold`` may keep the shards' buffers, and pass each shard
-        to ``recycle`` (from any thread) once no longer read."""
+    def keep_host_buffers(self, recycle: Callable[[LayerShard], None], *, pinned: bool) -> bool:
+        """Whether, from now on, ``persist`` and ``hold`` keep the shards' buffers and pass each
+        shard to ``recycle`` (from any thread) once no longer read. ``pinned``: the buffers are
+        page-locked, costly to make: a coordinator that would hold them long (until a write to
+        storage) declines, and copies out of them as ``persist`` returns."""
 
 
 @runtime_checkable
@@ -169,10 +171,9 @@ class StepProtocol:
         self.rank = rank
         self.result = LoopResult()
         self._buffers = HostBufferPool()
-        give_away = False
-        if isinstance(coordinator, KeepsHostBuffers) and not self._buffers.pin:
-            coordinator.keep_host_buffers(self._buffers.recycle)
-            give_away = True
+        give_away = isinstance(coordinator, KeepsHostBuffers) and coordinator.keep_host_buffers(
+            self._buffers.recycle, pinned=self._buffers.pin
+        )
         self._handover = Handover(copier_for(layout), self._hand_over, self._buffers, give_away=give_away)
         self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0
         # (asked every step: a runtime protocol's isinstance costs tens of µs, so it is checked once)

@@ -193,7 +193,7 @@ class Handover:
     """Snapshots from a copier, handed to ``persist(shards, base=...)`` in order once copied (a
     memory version to ``persist(shards, base=False, memory=True)``). ``give_away``: ``persist``
     keeps the shards as they are, so their buffers leave the pool (:meth:`HostBufferPool.give`)
-    instead of coming back to it; only where the pool's buffers are plain host memory."""
+    until its holder recycles them, instead of coming back to it once ``persist`` returns."""
 
     def __init__(
         self,
@@ -204,8 +204,6 @@ class Handover:
         *,
         give_away: bool = False,
     ) -> None:
-        if give_away and pool.pin:
-            raise ValueError("pinned buffers are reused: persist must copy out of them (give_away=False)")
         self.copier = copier
         self.persist = persist
         self.pool = pool
@@ -221,11 +219,19 @@ class Handover:
     def flush(self, *, wait: bool) -> None:
         """Hand over every snapshot whose copy completed (with ``wait``: all of them)."""
         for pending in self.queue.ready(wait=wait):
+            if self.give_away:  # given before the hand-over: the holder may recycle them at once, from its thread
+                for shard in pending.shards:
+                    self.pool.give(shard)
+                self._persist(pending)
+                continue
             try:
-                if pending.memory:
-                    self.persist(pending.shards, base=False, memory=True)
-                else:
-                    self.persist(pending.shards, base=pending.base)
+                self._persist(pending)
             finally:
                 for shard in pending.shards:
-                    (self.pool.give if self.give_away else self.pool.release)(shard)
+                    self.pool.release(shard)
+
+    def _persist(self, pending: PendingSnapshot) -> None:
+        if pending.memory:
+            self.persist(pending.shards, base=False, memory=True)
+        else:
+            self.persist(pending.shards, base=pending.base)

@@ -193,12 +193,16 @@ class LocalCoordinator:
         for shard in shards:
             self.writer.submit(self._owned(shard), base=False, origin=MEMORY_ORIGIN)
 
-    def keep_host_buffers(self, recycle: Callable[[LayerShard], None]) -> None:
-        """``KeepsHostBuffers``: the loop's snapshot buffers are plain host memory it gives away,
-        so the writer keeps them as they are (the writer is a thread of this process) and hands
-        each shard to ``recycle`` once written or superseded."""
+    def keep_host_buffers(self, recycle: Callable[[LayerShard], None], *, pinned: bool) -> bool:
+        """``KeepsHostBuffers``: where the loop's snapshot buffers are plain host memory, the writer
+        keeps them as they are (the writer is a thread of this process) and hands each shard to
+        ``recycle`` once written or superseded. Pinned ones are declined: the writer would hold
+        them until its write to storage, and the loop would pin new ones meanwhile."""
+        if pinned:
+            return False
         self._recycle = recycle
         self.writer.recycle = recycle
+        return True
 
     def _owned(self, shard: LayerShard) -> LayerShard:
         """``shard`` for the writer to keep: itself, or a copy where the loop reuses its buffers."""
