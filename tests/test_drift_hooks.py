@@ -264,3 +264,18 @@ def test_what_the_fused_step_cannot_replace_it_says_and_refuses(make, reason):
     with pytest.raises(ValueError, match="drift_probe='fused' cannot step this optimizer in its place"):
         StepHookProbe(layout(optimizer, params), fused=True)
     assert fused_refusal(torch.optim.Adam(params)) is None  # Adam without weight decay is AdamW's update
+
+
+def test_a_fused_step_collected_as_unmeasured_is_not_read_against_an_own_step():
+    """The fused step ran (armed for step 4) but the loop collected step 5, which the schedule does
+    not measure: its time is the probe's, nothing is subtracted for it, and no own step is timed."""
+    params = masters()
+    optimizer = adamw(params)
+    probe = StepHookProbe(layout(optimizer, params), every=3, fused=True)
+    probe.schedule.arm_after(3)
+    for step in (5, 6):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer.step()
+        cost = probe.collect(step).cost
+        assert not cost.measured and not cost.replaced and cost.own_steps == 0, (step, cost)

@@ -97,65 +97,136 @@ def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_releas
         collective_abort.install(None)
 
 
+class _Store:
+    """Stand-ins for ``ray.put``/``wait``/``get`` and a writer: a put off the training thread waits
+    for ``gate``; a write is done unless named in ``unwritten``; a wait for storage returns at once."""
+
+    def __init__(self, unwritten: set[str] = frozenset()) -> None:
+        self.calls: list = []
+        self.gate = threading.Event()
+        self.unwritten = unwritten
+        self.storage_waits: list = []
+        store = self
+
+        class Writer:
+            class submit:  # noqa: N801 - an actor method's shape
+                @staticmethod
+                def remote(snapshot):
+                    store.calls.append(("submit", snapshot, threading.current_thread().name))
+                    return snapshot
+
+            class hold:  # noqa: N801
+                @staticmethod
+                def remote(snapshot):
+                    store.calls.append(("hold", snapshot, threading.current_thread().name))
+                    return snapshot
+
+        self.writer = Writer
+
+    def install(self, monkeypatch) -> None:
+        from layercheck.orchestrator.runtime import ray_coordinator
+
+        monkeypatch.setattr(ray_coordinator.ray, "put", self.put)
+        monkeypatch.setattr(ray_coordinator.ray, "wait", self.wait)
+        monkeypatch.setattr(ray_coordinator.ray, "get", lambda ref, **_: 0)
+
+    def put(self, wire):
+        if threading.current_thread().name.startswith("layercheck-put"):
+            assert self.gate.wait(30)
+        self.calls.append(("put", f"{wire.layer}@{wire.step}", threading.current_thread().name))
+        return f"{wire.layer}@{wire.step}"
+
+    def wait(self, refs, num_returns=1, timeout=None, **_):
+        if timeout is None:  # a wait for storage
+            self.storage_waits += refs
+            return refs, []
+        return [r for r in refs if r not in self.unwritten], [r for r in refs if r in self.unwritten]
+
+
+def _shard(layer: str, step: int):
+    import torch
+
+    from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
+
+    tensors = {key: torch.full((4,), float(step)) for key in STATE_KEYS}
+    return LayerShard(layer, step, 0, 1, (ParamSlice(layer, (4,), 0, 4),), tensors, optimizer_step=step)
+
+
 def test_a_snapshot_is_handed_over_off_the_training_thread_and_its_buffers_come_back(monkeypatch):
     """Where the loop lets the rank keep the snapshot's buffers (pinned ones too), ``persist``
     returns before the copy into the object store (a memcpy of the whole shard) and the writer's
     submission: the putting thread makes both, in order, and gives the buffers back once copied.
-    The in-flight bound counts what it has not handed over yet. Where the loop does not, both are
-    made before ``persist`` returns, as the buffers are reused then."""
-    import torch
-
-    from layercheck.orchestrator.runtime import ray_coordinator
-    from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
-
-    calls: list = []
-    gate = threading.Event()
-
-    def put(wire):
-        assert gate.wait(30)
-        calls.append(("put", f"{wire.layer}@{wire.step}", threading.current_thread().name))
-        return f"{wire.layer}@{wire.step}"
-
-    class Writer:
-        class submit:  # noqa: N801 - an actor method's shape
-            @staticmethod
-            def remote(snapshot):
-                calls.append(("submit", snapshot, threading.current_thread().name))
-                return snapshot
-
-    monkeypatch.setattr(ray_coordinator.ray, "put", put)
-    monkeypatch.setattr(ray_coordinator.ray, "wait", lambda refs, **_: ([], refs))  # nothing written yet
-
-    def shard(layer: str, step: int) -> LayerShard:
-        tensors = {key: torch.full((4,), float(step)) for key in STATE_KEYS}
-        return LayerShard(layer, step, 0, 1, (ParamSlice(layer, (4,), 0, 4),), tensors, optimizer_step=step)
-
-    nbytes = shard("embed", 1).nbytes
-    rank = RayCoordinator(rank=0, policy=None, writer=Writer, supervisor=None, max_inflight_bytes=3 * nbytes)
+    Where the loop does not, both are made before ``persist`` returns, as the buffers are reused then."""
+    store = _Store(unwritten={"embed@3", "lm_head@3"})
+    store.install(monkeypatch)
+    rank = RayCoordinator(rank=0, policy=None, writer=store.writer, supervisor=None, max_inflight_bytes=1 << 30)
     recycled: list = []
     assert rank.keep_host_buffers(lambda s: recycled.append(f"{s.layer}@{s.step}"), pinned=True)
-    rank.persist([shard("embed", 3), shard("lm_head", 3)], base=False)
-    assert calls == [] and recycled == []  # returned before the copy: the training thread went on
-    gate.set()
+    rank.persist([_shard("embed", 3), _shard("lm_head", 3)], base=False)
+    assert store.calls == [] and recycled == []  # returned before the copy: the training thread went on
+    store.gate.set()
     assert rank.wait_sent(10)
     putting = "layercheck-put-0_0"
-    assert calls == [(call, f"{layer}@3", putting) for layer in ("embed", "lm_head") for call in ("put", "submit")]
+    assert store.calls == [(c, f"{layer}@3", putting) for layer in ("embed", "lm_head") for c in ("put", "submit")]
     assert recycled == ["embed@3", "lm_head@3"]
 
-    gate.clear()  # two more being handed over: four snapshots in flight > 3, so the training thread waits
-    calls.clear()
-    threading.Timer(0.2, gate.set).start()
-    rank.persist([shard("embed", 4), shard("norm", 4)], base=False)
-    assert [c[:2] for c in calls] == [
-        ("put", "embed@4"),
-        ("submit", "embed@4"),
-        ("put", "norm@4"),
-        ("submit", "norm@4"),
-    ]
-    assert rank.blocked_s > 0  # (it waited for the hand-overs, then for storage)
-
-    kept = RayCoordinator(rank=1, policy=None, writer=Writer, supervisor=None, max_inflight_bytes=1 << 30)
-    calls.clear()
-    kept.persist([shard("embed", 6)], base=False)  # not asked to keep the buffers: handed over before it returns
+    kept = RayCoordinator(rank=1, policy=None, writer=store.writer, supervisor=None, max_inflight_bytes=1 << 30)
+    store.calls.clear()
+    kept.persist([_shard("embed", 6)], base=False)  # not asked to keep the buffers: handed over before it returns
     training = threading.current_thread().name
-    assert calls == [("put", "embed@6", training), ("submit", "embed@6", training)]
+    assert store.calls == [("put", "embed@6", training), ("submit", "embed@6", training)]
+
+
+def test_the_in_flight_bound_counts_what_is_being_handed_over_and_not_what_was_written_meanwhile(monkeypatch):
+    """Four snapshots handed over against a bound of three: the training thread waits for their
+    hand-overs, then counts again. Three were written meanwhile, so it does not wait for storage; with
+    two of them still unwritten, it waits for the oldest until the rest fit."""
+    store = _Store(unwritten={"d@5"})
+    store.install(monkeypatch)
+    nbytes = _shard("a", 5).nbytes
+    rank = RayCoordinator(rank=0, policy=None, writer=store.writer, supervisor=None, max_inflight_bytes=3 * nbytes)
+    rank.keep_host_buffers(lambda s: None, pinned=True)
+    threading.Timer(0.1, store.gate.set).start()
+    rank.persist([_shard(x, 5) for x in "abcd"], base=False)
+    assert rank.blocked_s > 0 and store.storage_waits == []  # waited for the hand-overs, not for storage
+    store.unwritten = {"a@6", "b@6", "c@6", "d@6"}
+    rank.persist([_shard(x, 6) for x in "abcd"], base=False)
+    assert store.storage_waits == ["a@6"]  # the oldest: then three in flight, which fits
+
+
+def test_a_survivors_capture_reaches_the_writer_after_the_snapshots_handed_over_before_it(monkeypatch):
+    """A failed step hands over the snapshots already copied, then the capture: the capture waits
+    for the putting thread, so the writer gets them in that order (the process may be killed next)."""
+    store = _Store()
+    store.install(monkeypatch)
+
+    class Supervisor:
+        class capture_began:  # noqa: N801
+            remote = staticmethod(lambda *a: None)
+
+        class capture_ended:  # noqa: N801
+            remote = staticmethod(lambda *a: None)
+
+    rank = RayCoordinator(
+        rank=0, policy=None, writer=store.writer, supervisor=Supervisor, max_inflight_bytes=1 << 30, capture_timeout_s=5
+    )
+    rank.keep_host_buffers(lambda s: None, pinned=True)
+    threading.Timer(0.2, store.gate.set).start()
+    rank.persist([_shard("a", 7)], base=False)
+    rank.capture([_shard("b", 8)], step=8, error=RuntimeError("a peer was lost"))
+    assert [c[:2] for c in store.calls] == [("put", "a@7"), ("submit", "a@7"), ("put", "b@8"), ("hold", "b@8")]
+
+
+def test_flush_keeps_to_its_timeout_while_a_snapshot_is_still_being_handed_over(monkeypatch):
+    store = _Store()
+    store.install(monkeypatch)
+    rank = RayCoordinator(rank=0, policy=None, writer=store.writer, supervisor=None, max_inflight_bytes=1 << 30)
+    rank.keep_host_buffers(lambda s: None, pinned=False)
+    rank.persist([_shard("a", 7)], base=False)
+    flushing = threading.Thread(target=rank.flush, kwargs={"timeout_s": 0.2}, daemon=True)
+    flushing.start()
+    flushing.join(10)
+    stuck = flushing.is_alive()
+    store.gate.set()
+    assert not stuck
+    assert rank.wait_sent(10) and ("submit", "a@7", "layercheck-put-0_0") in store.calls

@@ -131,7 +131,10 @@ class DriftProbe:
         measured = self.schedule.measured(step)
         optimizer = self._optimizer
         optimizer.measuring = self.schedule.arm_after(step)
-        replaced = measured and optimizer.measured_step == "fused"  # (the whole update, the drift inside it)
+        replaced, optimizer.fused_ran = (
+            measured and optimizer.fused_ran,
+            False,
+        )  # (the whole update, the drift inside it)
         # the next step, unmeasured after a measured fused one, is timed as torch's own AdamW step
         optimizer.timing_own_step = replaced and not optimizer.measuring
         if not measured:

@@ -103,6 +103,8 @@ class DriftAdamW(torch.optim.AdamW):
         self.timing_own_step = False
         self.own_step_timed = False
         """Whether a step was timed on ``own_clock`` since the probe last cleared it."""
+        self.fused_ran = False
+        """Whether a fused step (the whole update, the drift inside it) ran since the probe last cleared it."""
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -258,6 +260,7 @@ class DriftAdamW(torch.optim.AdamW):
         scalars = [AdamWScalars.of_group(group, count) for (group, _), count in zip(stepped, slot_counts)]
         with self.probe_clock.span(params[0].device):
             l1 = adamw_l1_plan(plan, _grads(params), scalars)
+        self.fused_ran = True
         for name, owned, value in zip(plan.names, plan.owned, l1.unbind()):
             if owned:  # as the foreach step: no owned element, no entry (the kernel counts it anyway)
                 self._add_l1(name, value)
@@ -325,6 +328,7 @@ class DriftAdamW(torch.optim.AdamW):
                 )
         with self.probe_clock.span(states[0]["exp_avg"].device):
             l1s = adamw_l1_groups([f for _, f in work])
+        self.fused_ran = True
         for (name, fused), l1 in zip(work, l1s):
             if any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)

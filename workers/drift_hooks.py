@@ -250,7 +250,7 @@ class StepHookProbe:
         measured = self.schedule.measured(step)
         self.schedule.arm_after(step)
         timed, self._own_timed = self._own_timed, False
-        replaced, self._replaced = self._replaced, False
+        replaced, self._replaced = self._replaced and measured, False
         self._timing_own = replaced and not self.schedule.armed  # (not after a step measured by copying)
         cost = ProbeCost(self.name, self._clock.take(), measured, replaced, self._own_clock.take(), int(timed))
         if not measured:

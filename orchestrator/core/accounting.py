@@ -260,7 +260,7 @@ class ProbeAccount:
             "s_per_measured_step": per_measured,
             "s_per_step": self.seconds / self.steps,
         }
-        if self.own_steps and self.replaced_steps:  # beyond the optimizer's own steps the probe replaced
+        if self.own_steps and self.replaced_steps and self.measured_steps:  # beyond the own steps it replaced
             own = self.own_seconds / self.own_steps
             added = self.seconds - self.replaced_steps * own
             figures |= {

@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from layercheck.workers import collective_abort
 from layercheck.workers.collective_abort import PeerLost
 from layercheck.workers.drift import LayerDrift
 from layercheck.workers.loop import (
+    SEND_WAIT_S,
     BoundedHandover,
     CapturesOnFailure,
     Coordinator,
@@ -169,47 +171,58 @@ class RayCoordinator:
         return True
 
     def persist(self, shards: Sequence[LayerShard], *, base: bool) -> None:
-        for shard in shards:
-            if self._recycle is None:  # the shard's buffers are reused once this returns: hand it over now
-                self._hand_over(shard, base)
-                continue
-            bounded = shard.nbytes if shard.step > 0 else 0
+        if self._recycle is None:  # the shards' buffers are reused once this returns: hand them over now
+            self._hand_over(shards, base, counted=False)
+        elif shards:
             with self._lock:
-                self._putting += bounded
-            self._handing.append(self._putter.submit(self._hand_over, shard, base, bounded))
+                self._putting += sum(shard.nbytes for shard in shards if shard.step > 0)
+            self._handing.append(self._putter.submit(self._hand_over, shards, base, counted=True))
         self._bound_inflight()
 
-    def _hand_over(self, shard: LayerShard, base: bool, putting: int = 0) -> None:
-        """``shard`` into the object store (a copy: its buffers may be reused after), its buffers
-        back to the loop where it gave them away, and the snapshot to the writer. ``putting``: its
-        bytes in ``_putting``, counted out here."""
-        try:
-            snapshot = ray.put(to_wire(shard, base=base))
-        except BaseException:
+    def _hand_over(self, shards: Sequence[LayerShard], base: bool, *, counted: bool) -> None:
+        """Each shard into the object store (a copy: its buffers may be reused after), its buffers
+        back to the loop where it gave them away, and the snapshot to the writer; then forget what
+        was written (a dead writer replaced). ``counted``: their bytes are in ``_putting``."""
+        bounded = [shard.nbytes if counted and shard.step > 0 else 0 for shard in shards]
+        for index, shard in enumerate(shards):
+            try:
+                snapshot = ray.put(to_wire(shard, base=base))
+            except BaseException:
+                with self._lock:
+                    self._putting -= sum(bounded[index:])  # (none of the rest is handed over)
+                raise
+            finally:
+                if self._recycle is not None:
+                    self._recycle(shard)
             with self._lock:
-                self._putting -= putting
-            raise
-        finally:
-            if self._recycle is not None:
-                self._recycle(shard)
-        with self._lock:
-            self._putting -= putting
-            self._inflight[shard.layer] = _Submission(
-                snapshot=snapshot, result=self.writer.submit.remote(snapshot), nbytes=shard.nbytes, step=shard.step
-            )
-        self._settle_done()  # (what was written is forgotten, a dead writer replaced, here: not on the training thread)
+                self._putting -= bounded[index]
+                self._inflight[shard.layer] = _Submission(
+                    snapshot=snapshot, result=self.writer.submit.remote(snapshot), nbytes=shard.nbytes, step=shard.step
+                )
+        self._settle_done()
 
-    def _handed(self, *, wait: bool = False) -> None:
-        """Forget the putting thread's finished hand-overs (``wait``: wait for every one); one that
-        failed raises here, on the training thread."""
+    def _handed(self, *, wait: bool = False, deadline: float | None = None) -> BaseException | None:
+        """Forget the putting thread's finished hand-overs (``wait``: wait for each, until
+        ``deadline`` if given); the first that failed, to be raised on the training thread."""
+        failed: BaseException | None = None
         while self._handing and (wait or self._handing[0].done()):
-            self._handing.popleft().result()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self._handing[0].result(timeout=timeout)
+            except FutureTimeout:
+                break  # still putting: left for a later call
+            except Exception as error:  # noqa: BLE001 - handed to the caller to raise
+                failed = failed or error
+            self._handing.popleft()
+        return failed
 
     def hold(self, shards: Sequence[LayerShard]) -> None:
         """A memory version's shards to this rank's writer, which holds them in memory only. Not
         waited on, nor held to the in-flight bound: a host copy each, superseded by the next."""
-        for shard in shards:
-            self._held[shard.layer] = self.writer.submit.remote(ray.put(to_wire(shard, base=False, origin="memory")))
+        with self._lock:
+            writer = self.writer
+        for shard in shards:  # (on the training thread: not held to the bound, so not queued behind it)
+            self._held[shard.layer] = writer.submit.remote(ray.put(to_wire(shard, base=False, origin="memory")))
             if self._recycle is not None:  # (copied into the object store: the loop may reuse them)
                 self._recycle(shard)
 
@@ -223,7 +236,8 @@ class RayCoordinator:
         ``max_inflight_bytes``. The initial state (step 0, handed over once at ``attach``) is not
         held to it: bounded by one copy of the rank's slices, it would otherwise stall the first
         steps behind its write."""
-        self._handed()
+        if (failed := self._handed()) is not None:
+            raise failed
         if self._steps_ended:
             return
         inflight = self._inflight_bytes()
@@ -239,14 +253,16 @@ class RayCoordinator:
             inflight,
             self.max_inflight_bytes,
         )
-        self._handed(wait=True)
+        if (failed := self._handed(wait=True)) is not None:
+            raise failed
+        inflight = self._inflight_bytes()  # (the putting thread forgot what was written meanwhile)
         with self._lock:
             bounded = [sub for sub in self._inflight.values() if sub.step > 0]
         for sub in bounded:
-            ray.wait([sub.result])
-            inflight -= sub.nbytes
             if inflight <= self.max_inflight_bytes:
                 break
+            ray.wait([sub.result])
+            inflight -= sub.nbytes
         self._settle_done()
         self.blocked_s += time.monotonic() - started
 
@@ -305,7 +321,7 @@ class RayCoordinator:
         writer died meanwhile)."""
         deadline = time.monotonic() + timeout_s
         self.wait_sent(timeout_s)
-        self._handed(wait=True)
+        failed = self._handed(wait=True, deadline=deadline)
         if self.last_report is not None:
             ray.wait([self.last_report], timeout=timeout_s)
         if self._held:
@@ -317,6 +333,8 @@ class RayCoordinator:
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
             if not self._settle_done() or time.monotonic() >= deadline:
                 break
+        if failed is not None:  # (what was handed over is written first)
+            raise failed
 
     def wait_sent(self, timeout_s: float) -> bool:
         """Wait (bounded) until every call queued so far has left this process, snapshots handed to
@@ -338,6 +356,10 @@ class RayCoordinator:
         The supervisor hears when it began and how it ended (Ray Train's teardown waits for that)."""
         raised_at, started = time.time(), time.monotonic()
         self.supervisor.capture_began.remote(self.rank, self.attempt)
+        if not self.wait_sent(SEND_WAIT_S):  # the snapshots handed over before it reach the writer first
+            logger.error(
+                "rank %d: snapshots handed over before the capture had not left after %gs", self.rank, SEND_WAIT_S
+            )
         held, nbytes, problem = 0, 0, ""
         try:
             refs = [self.writer.hold.remote(ray.put(to_wire(s, base=False, origin="capture"))) for s in shards]
