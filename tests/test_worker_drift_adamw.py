@@ -106,10 +106,10 @@ def test_init_state_creates_step_zero_and_zero_moments_once():
     assert a.init_state(ours[0])["exp_avg"].eq(1.0).all()
 
 
-def test_a_step_the_probe_asks_to_time_is_timed_on_its_own_clock_and_changes_nothing():
-    """What the summary reads a fused step against: torch's AdamW step on an unmeasured step the
-    probe asks to time (``timing_own_step``, the step after a measured fused one), timed on its
-    own clock and the same step bit for bit as the untimed one."""
+def test_the_step_after_a_fused_one_is_timed_on_its_own_clock_and_changes_nothing():
+    """What the summary reads a fused step against: torch's AdamW step on the unmeasured step after
+    a measured fused one (``own_step``, settled by the probe after each step), timed on its own
+    clock and the same step bit for bit as the untimed one."""
     ours, _, timed_opt, _ = _pair()
     _, _, twin, _ = _pair()
     twin_params = [p for group in twin.param_groups for p in group["params"]]
@@ -117,11 +117,11 @@ def test_a_step_the_probe_asks_to_time_is_timed_on_its_own_clock_and_changes_not
         optimizer.drift_step = "fused"
     for i in range(4):
         timed_opt.measuring = twin.measuring = i == 0
-        timed_opt.timing_own_step = i == 1
         grads = [torch.randn_like(p) for p in ours]
         _step(ours, timed_opt, grads)
         _step(twin_params, twin, grads)
         assert all(torch.equal(p, q) for p, q in zip(ours, twin_params)), i
-        assert (timed_opt.own_clock.take() > 0) == (i == 1) and timed_opt.own_step_timed == (i >= 1), i
-    assert twin.own_clock.take() == 0.0 and not twin.own_step_timed
+        replaced, seconds, timed = timed_opt.own_step.settle(measured=i == 0, next_measured=False)
+        assert replaced == (i == 0) and (seconds > 0) == (i == 1) and timed == (i == 1), i
+    assert twin.own_step.clock.take() == 0.0  # never settled: never due
     assert timed_opt.probe_clock.take() > 0  # the fused step's own work, on the other clock

@@ -118,7 +118,7 @@ class DriftProbe:
         self._optimizer.take_drift()
         self.schedule.reset(next_step)
         self._optimizer.measuring = self.schedule.armed
-        self._optimizer.timing_own_step = False
+        self._optimizer.own_step.reset()
 
     def measure_every(self, every: int) -> None:
         """Measure from now on every ``every``-th step (the policy's ``drift_every``), and the next."""
@@ -129,36 +129,25 @@ class DriftProbe:
         """This rank's drift for step ``step``, one host sync; on a step the schedule does not
         measure, nothing (the optimizer did not count it) and no sync."""
         measured = self.schedule.measured(step)
-        optimizer = self._optimizer
-        optimizer.measuring = self.schedule.arm_after(step)
-        replaced, optimizer.fused_ran = (
-            measured and optimizer.fused_ran,
-            False,
-        )  # (the whole update, the drift inside it)
-        # the next step, unmeasured after a measured fused one, is timed as torch's own AdamW step
-        optimizer.timing_own_step = replaced and not optimizer.measuring
+        self._optimizer.measuring = self.schedule.arm_after(step)
         if not measured:
             self._optimizer.take_drift()  # (empty: the optimizer was not counting)
-            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False, False))
+            return LayerDrift(step=step, l1={}, numel=self._numel_view, measured=False, cost=self._cost(False))
         by_group = self._optimizer.take_drift()
         sums = dict.fromkeys(self._layers, 0.0)
         if by_group:  # one stack and one conversion for all groups: each tensor op costs µs on the host
             values = torch.stack(list(by_group.values())).double().cpu().tolist()
             for name, value in zip(by_group, values):
                 sums[self._layer_of_group[name]] += value
-        return LayerDrift(step=step, l1=sums, numel=self._numel_view, cost=self._cost(True, replaced))
+        return LayerDrift(step=step, l1=sums, numel=self._numel_view, cost=self._cost(True))
 
-    def _cost(self, measured: bool, replaced: bool) -> ProbeCost:
+    def _cost(self, measured: bool) -> ProbeCost:
+        """What the step's probe work cost; a fused step (the whole update, the drift inside it)
+        is read against torch's own step, timed on the next step where that one is not measured."""
         optimizer = self._optimizer
-        timed, optimizer.own_step_timed = optimizer.own_step_timed, False
-        return ProbeCost(
-            f"optimizer ({optimizer.measured_step or 'auto'})",
-            optimizer.probe_clock.take(),
-            measured,
-            replaced,
-            optimizer.own_clock.take(),
-            int(timed),
-        )
+        replaced, own_s, own_steps = optimizer.own_step.settle(measured=measured, next_measured=optimizer.measuring)
+        name = f"optimizer ({optimizer.measured_step or 'auto'})"
+        return ProbeCost(name, optimizer.probe_clock.take(), measured, replaced, own_s, own_steps)
 
 
 def global_drift(local: LayerDrift, group: torch.distributed.ProcessGroup | None = None) -> dict[str, float]:

@@ -37,7 +37,7 @@ from torch.optim.adamw import adamw as adamw_functional
 from layercheck.workers.config import DRIFT_STEPS
 from layercheck.workers.drift_fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
 from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
-from layercheck.workers.probe_clock import ProbeClock
+from layercheck.workers.probe_clock import OwnStep, ProbeClock
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +97,9 @@ class DriftAdamW(torch.optim.AdamW):
         self.probe_clock = ProbeClock()
         """The time of the measured steps' drift work: the copies and norms beside the foreach
         update; the fused step's whole update, the drift being counted inside it."""
-        self.own_clock = ProbeClock()
-        """The time of torch's AdamW step on the steps where ``timing_own_step`` is set (the probe
-        sets it after each measured fused step): what a fused step is read against."""
-        self.timing_own_step = False
-        self.own_step_timed = False
-        """Whether a step was timed on ``own_clock`` since the probe last cleared it."""
-        self.fused_ran = False
-        """Whether a fused step (the whole update, the drift inside it) ran since the probe last cleared it."""
+        self.own_step = OwnStep()
+        """torch's AdamW step, timed on the step after each fused one (the probe settles it): what
+        a fused step is read against."""
         self._windows: dict[int, tuple[torch.Tensor, Windows]] = {}  # by id(): tensors compare elementwise
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
@@ -161,14 +156,13 @@ class DriftAdamW(torch.optim.AdamW):
         if self.measuring and self._fused(stepped):
             self._fused_step(stepped)
             return loss
-        timed = self.timing_own_step and not self.measuring and bool(stepped)
-        with self.own_clock.span(stepped[0][1][0].device) if timed else nullcontext():
+        own = self.own_step.span(stepped[0][1][0].device) if stepped and not self.measuring else None
+        with own or nullcontext():
             for group, params in stepped:
                 if self.measuring:
                     self._diff_step(group, params)
                 else:
                     self._torch_step(group, params)
-        self.own_step_timed = self.own_step_timed or timed
         return loss
 
     @property
@@ -260,7 +254,7 @@ class DriftAdamW(torch.optim.AdamW):
         scalars = [AdamWScalars.of_group(group, count) for (group, _), count in zip(stepped, slot_counts)]
         with self.probe_clock.span(params[0].device):
             l1 = adamw_l1_plan(plan, _grads(params), scalars)
-        self.fused_ran = True
+        self.own_step.replaced()
         for name, owned, value in zip(plan.names, plan.owned, l1.unbind()):
             if owned:  # as the foreach step: no owned element, no entry (the kernel counts it anyway)
                 self._add_l1(name, value)
@@ -328,7 +322,7 @@ class DriftAdamW(torch.optim.AdamW):
                 )
         with self.probe_clock.span(states[0]["exp_avg"].device):
             l1s = adamw_l1_groups([f for _, f in work])
-        self.fused_ran = True
+        self.own_step.replaced()
         for (name, fused), l1 in zip(work, l1s):
             if any(w is None or w for w in fused.windows):
                 self._add_l1(name, l1)

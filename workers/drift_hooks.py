@@ -42,7 +42,7 @@ from layercheck.workers.drift import DriftSchedule, LayerDrift
 from layercheck.workers.drift_fused import adamw_l1_layers
 from layercheck.workers.drift_fused_work import AdamWScalars, LayerStep, Windows, to_device
 from layercheck.workers.layout import StateLayout
-from layercheck.workers.probe_clock import ProbeClock, Span
+from layercheck.workers.probe_clock import OwnStep, ProbeClock, Span
 from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
@@ -114,11 +114,8 @@ class StepHookProbe:
         self._copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (owned run, its copy, layer)
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its gradient) hidden from torch's step
         self._clock = ProbeClock()
-        self._own_clock = ProbeClock()  # the user's own step, on the step after each fused one
-        self._timing_own = False  # (set by collect for the step that follows a measured fused one)
+        self._own = OwnStep()  # the user's own step, on the step after each fused one
         self._own_span: Span | None = None
-        self._own_timed = False
-        self._replaced = False  # (the fused step ran since the last collect)
         previous = _HOOKED.pop(optimizer, ())
         for handle in previous:
             handle.remove()
@@ -149,8 +146,8 @@ class StepHookProbe:
         self._copies.clear()
         self._own_span = None  # (likewise: that step's time is not counted)
         if not self.schedule.armed:
-            if self._timing_own:
-                self._own_span, self._own_timed = self._own_clock.span(self._device), True
+            self._own_span = self._own.span(self._device)
+            if self._own_span is not None:
                 self._own_span.start()
             return
         if not self._layers:
@@ -242,17 +239,15 @@ class StepHookProbe:
             self._give_back()
             raise
         self._sums += sums
-        self._replaced = True
+        self._own.replaced()
 
     def collect(self, step: int) -> LayerDrift:
         """This rank's drift at step ``step`` (one host sync); on a step the schedule does not
         measure, nothing and no sync."""
         measured = self.schedule.measured(step)
         self.schedule.arm_after(step)
-        timed, self._own_timed = self._own_timed, False
-        replaced, self._replaced = self._replaced and measured, False
-        self._timing_own = replaced and not self.schedule.armed  # (not after a step measured by copying)
-        cost = ProbeCost(self.name, self._clock.take(), measured, replaced, self._own_clock.take(), int(timed))
+        replaced, own_s, own_steps = self._own.settle(measured=measured, next_measured=self.schedule.armed)
+        cost = ProbeCost(self.name, self._clock.take(), measured, replaced, own_s, own_steps)
         if not measured:
             return LayerDrift(step=step, l1={}, numel=dict(self._numel), measured=False, cost=cost)
         values = self._sums.tolist()
@@ -263,7 +258,7 @@ class StepHookProbe:
         """Drop what was counted so far (a restore wrote new weights, or a seek to ``next_step - 1``)
         and arm for the next step (:meth:`DriftSchedule.reset`)."""
         self._sums.zero_()
-        self._timing_own = self._replaced = False
+        self._own.reset()
         self.schedule.reset(next_step)
 
     def measure_every(self, every: int) -> None:

@@ -9,7 +9,7 @@ the host to issue the span's work counts too), never an extra sync.
 
 A probe reports what it timed as a :class:`~layercheck.workers.progress.ProbeCost`. A probe that
 runs the whole update in place of the optimizer's own step also times that step, on the unmeasured
-step after each measured one, with a second clock: what its measured step is read against.
+step after each such one (:class:`OwnStep`): what its measured step is read against.
 """
 
 from __future__ import annotations
@@ -53,6 +53,43 @@ class ProbeClock:
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.popleft()
             self._seconds += start.elapsed_time(end) / 1e3
+
+
+class OwnStep:
+    """The optimizer's own step, timed on the step after each step whose update a probe ran in
+    its place (the fused step): what that step stands in for. The probe says when it replaced a
+    step (:meth:`replaced`), opens :meth:`span` around the optimizer's step (a span only where one
+    is due) and :meth:`settle` s once per training step."""
+
+    def __init__(self) -> None:
+        self.clock = ProbeClock()
+        self._due = False  # the next step is timed
+        self._timed = False
+        self._replaced = False
+
+    def replaced(self) -> None:
+        """The probe ran the update in place of the optimizer's step."""
+        self._replaced = True
+
+    def span(self, device: torch.device) -> Span | None:
+        """A span around the optimizer's own step where this step is timed, else ``None``."""
+        if not self._due:
+            return None
+        self._timed = True
+        return self.clock.span(device)
+
+    def settle(self, *, measured: bool, next_measured: bool) -> tuple[bool, float, int]:
+        """At the end of a training step: whether it was a measured step the probe replaced, the own
+        steps' seconds finished since the last call and how many steps were timed (0 or 1); the
+        next step is timed if this one was replaced and the next is not measured."""
+        replaced, timed = self._replaced and measured, self._timed
+        self._replaced = self._timed = False
+        self._due = replaced and not next_measured
+        return replaced, self.clock.take(), int(timed)
+
+    def reset(self) -> None:
+        """A restore or a seek: nothing is due (the step before is not the one just timed)."""
+        self._due = self._replaced = False
 
 
 class Span:
