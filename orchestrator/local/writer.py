@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from layercheck.orchestrator.core.memory_reads import header_block
 from layercheck.orchestrator.core.memory_tier import CacheStats, HeldShard, ShardCache
+from layercheck.orchestrator.core.storage_waits import StorageWaits
 from layercheck.orchestrator.core.write_queue import SupersedingQueue
 from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.local.mailbox import Mailbox
@@ -51,6 +52,7 @@ class LocalWriter:
         self.recycle: Callable[[LayerShard], None] | None = None
         """Given each shard once it is written (or its write failed) or superseded: not read again."""
         self.stats = WriterStats()
+        self._waits = StorageWaits()
         self._memory = ShardCache(memory_bytes)  # guarded by _changed: the recovery reads it from another thread
         self._queue: SupersedingQueue[_Entry] = SupersedingQueue(lambda e: e.shard.nbytes)
         self._writing_bytes = 0
@@ -86,16 +88,11 @@ class LocalWriter:
             self._changed.notify_all()
             if self.inflight_bytes <= self.max_inflight_bytes or self.unbounded or memory:
                 return
-            started = time.monotonic()
-            logger.warning(
-                "rank %d: %d snapshot bytes in flight > %d: waiting for storage",
-                shard.rank,
-                self.inflight_bytes,
-                self.max_inflight_bytes,
-            )
+            started = self._waits.begin(shard.rank, self.inflight_bytes, self.max_inflight_bytes)
             while self.inflight_bytes > self.max_inflight_bytes and not self._closed:
                 self._changed.wait()
-            self.stats.blocked_s += time.monotonic() - started
+            self._waits.end(started)
+            self.stats.blocked_s = self._waits.blocked_s
 
     def drain(self, timeout_s: float) -> bool:
         """Wait until everything queued is written and its receipt posted; False at the deadline."""

@@ -19,6 +19,7 @@ import ray
 import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from layercheck.orchestrator.core.storage_waits import StorageWaits
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
@@ -105,7 +106,7 @@ class RayCoordinator:
         self.max_inflight_bytes = max_inflight_bytes
         self._steps_ended = False
         self._inflight: dict[str, _Submission] = {}  # the newest submission per layer
-        self.blocked_s = 0.0
+        self._waits = StorageWaits()
         self.last_report: ray.ObjectRef | None = None
         # the calls made every step leave from a thread of their own, in order: a Ray submission
         # is ~0.7 ms of CPU (measured on a 2-core VM), the training thread only queues them
@@ -119,6 +120,11 @@ class RayCoordinator:
         self._plan: dict[int, PersistDecision] = {}
         """The quiet steps' decisions the last measured step's answer carried (``PolicyService.plan``)."""
         self._stop = False
+
+    @property
+    def blocked_s(self) -> float:
+        """Seconds the training thread waited for storage (the in-flight byte bound)."""
+        return self._waits.blocked_s
 
     def report(self, drift: LayerDrift, lr: float) -> tuple[int, Future[ray.ObjectRef]]:
         """Hand the step's report to the sending thread (its Ray submission costs more than the
@@ -246,13 +252,7 @@ class RayCoordinator:
             inflight = self._inflight_bytes()
         if inflight <= self.max_inflight_bytes:
             return
-        started = time.monotonic()
-        logger.warning(
-            "rank %d: %d snapshot bytes in flight > %d: waiting for storage",
-            self.rank,
-            inflight,
-            self.max_inflight_bytes,
-        )
+        started = self._waits.begin(self.rank, inflight, self.max_inflight_bytes)
         if (failed := self._handed(wait=True)) is not None:
             raise failed
         inflight = self._inflight_bytes()  # (the putting thread forgot what was written meanwhile)
@@ -264,7 +264,7 @@ class RayCoordinator:
             ray.wait([sub.result])
             inflight -= sub.nbytes
         self._settle_done()
-        self.blocked_s += time.monotonic() - started
+        self._waits.end(started)
 
     def _inflight_bytes(self) -> int:
         """Snapshot bytes (past step 0) handed over and not known to be written."""
