@@ -144,6 +144,19 @@ def test_values_reflect_the_central_view():
     assert value(metrics, "layercheck_drain_bytes_per_second") == 25000.0
 
 
+def test_a_probe_run_in_place_of_the_optimizers_step_shows_what_it_adds_to_that_step():
+    """``optimizer (fused)`` and ``fused (in place of your AdamW)`` time the whole update; the gauge
+    shows it less the optimizer's own step, as the summary does (``ProbeAccount``)."""
+    metrics = RunMetrics("r1", NUMEL)
+    metrics.step_done(10, 0.1, {"embed": 8, "block.0": 9, "block.1": 10})
+    fused = {"probe": "optimizer (fused)", "s_per_step": 0.0007, "s_per_measured_step": 0.007}
+    fused |= {"s_per_own_step": 0.005, "added_s_per_measured_step": 0.002, "added_s_per_step": 0.0002}
+    run = status()
+    run["account"] = {**run["account"], "drift_probe": fused}
+    metrics.refresh(run, [WriterStats()], POLICY, now=1.0)
+    assert value(metrics, "layercheck_drift_probe_seconds", probe="optimizer (fused)") == 0.0002
+
+
 def test_counters_stay_monotonic_across_a_worker_group_restart():
     metrics = RunMetrics("r1", NUMEL)
     writers = [WriterStats(written_bytes=1200)]

@@ -279,7 +279,8 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         Gauge,
         "layercheck_drift_probe_seconds",
-        "Rank 0's drift probe: its own work per step, mean over the run (on a GPU, device time).",
+        "Rank 0's drift probe: its own work per step, mean over the run (on a GPU, device time); for a "
+        "probe that runs the whole update in place of the optimizer's step, what it adds to that step.",
         ("probe",),
     ),
     Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),

@@ -301,7 +301,9 @@ class RunMetrics:
         self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
         probe = status["account"].get("drift_probe")
         if probe:
-            self._set("layercheck_drift_probe_seconds", probe["s_per_step"], probe["probe"])
+            # a probe that runs the whole update in place of the optimizer's step: what it adds to that step
+            per_step = probe.get("added_s_per_step", probe["s_per_step"])
+            self._set("layercheck_drift_probe_seconds", per_step, probe["probe"])
         if not math.isnan(status["loss"]):
             self._set("layercheck_training_loss", status["loss"])
         self._set("layercheck_learning_rate", status["lr"])
