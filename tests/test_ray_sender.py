@@ -230,3 +230,33 @@ def test_flush_keeps_to_its_timeout_while_a_snapshot_is_still_being_handed_over(
     store.gate.set()
     assert not stuck
     assert rank.wait_sent(10) and ("submit", "a@7", "layercheck-put-0_0") in store.calls
+
+
+def test_a_failed_put_gives_every_buffer_of_its_hand_over_back_and_fails_the_next_persist(monkeypatch):
+    """A put that raises on the putting thread (the object store full, say): the shards after it are
+    not handed over, and none of the hand-over's buffers stays given away (the loop's pool would
+    allocate new ones for good); the error reaches the training thread at its next ``persist``."""
+    import pytest
+
+    store = _Store()
+    store.install(monkeypatch)
+
+    def put(wire):
+        assert store.gate.wait(30)  # (opened once the first persist returned)
+        if wire.layer == "b":
+            raise MemoryError("object store full")
+        return f"{wire.layer}@{wire.step}"
+
+    from layercheck.orchestrator.runtime import ray_coordinator
+
+    monkeypatch.setattr(ray_coordinator.ray, "put", put)
+    rank = RayCoordinator(rank=0, policy=None, writer=store.writer, supervisor=None, max_inflight_bytes=1 << 30)
+    recycled: list = []
+    rank.keep_host_buffers(lambda s: recycled.append(s.layer), pinned=False)
+    rank.persist([_shard(x, 4) for x in "abc"], base=False)
+    store.gate.set()
+    assert rank.wait_sent(10)
+    assert sorted(recycled) == ["a", "b", "c"] and [c[1] for c in store.calls if c[0] == "submit"] == ["a@4"]
+    with pytest.raises(MemoryError, match="object store full"):
+        rank.persist([_shard("d", 5)], base=False)
+    assert rank.wait_sent(10)  # (d's hand-over, queued before the error was raised, is done with the stand-ins)

@@ -196,6 +196,9 @@ class RayCoordinator:
             except BaseException:
                 with self._lock:
                     self._putting -= sum(bounded[index:])  # (none of the rest is handed over)
+                if self._recycle is not None:  # nor kept: their buffers go back to the loop's pool
+                    for rest in shards[index + 1 :]:
+                        self._recycle(rest)
                 raise
             finally:
                 if self._recycle is not None:
