@@ -6,9 +6,12 @@ On a GPU that time comes before the launch, so the GPU waits it out (the H200 ru
 the tensors' sizes, only on their number and grouping, so this benchmark builds the 0.5B shape's
 structure (290 tensors in 50 layer groups) from tiny CPU tensors and replaces the launch with a
 no-op: the figure is the step's bookkeeping (step counts, groups, the kernel's tables; what
-DriftAdamW keeps of them from step to step is checked, not rebuilt), nothing of the update. The
-Triton eligibility test is not counted (it needs CUDA tensors; it runs when a plan is built and
-when the gradients' addresses change).
+DriftAdamW keeps of them from step to step is checked, not rebuilt), nothing of the update. It is
+timed twice: with the gradients kept from step to step (DeepSpeed's flat ZeRO 1-3 buffers), and
+with new gradient tensors at every step (a loop that sets them to ``None``, DeepSpeed's fp32 copies
+of bf16 ones), where the kernel's address table is built anew and the new gradients are checked
+for the kernel (:func:`~layercheck.workers.drift_fused.kernel_takes`: the test it makes of CUDA
+tensors, here of CPU ones).
 
     python -m layercheck.bench.fused_issue                 # the table
     python -m layercheck.bench.fused_issue --json --steps 100
@@ -63,7 +66,7 @@ def _kernel_launching_nothing() -> Iterator[None]:
 
     kernel, eligible = drift_triton._adamw_l1_kernel, drift_fused.triton_eligible
     drift_triton._adamw_l1_kernel = _NoLaunch()
-    drift_fused.triton_eligible = lambda tensors: True
+    drift_fused.triton_eligible = drift_fused.kernel_takes  # (as for CUDA tensors, less the device's kind)
     try:
         yield
     finally:
@@ -89,28 +92,29 @@ def _groups() -> list[dict[str, Any]]:
 
 
 def run(steps: int) -> dict[str, Any]:
+    """The step's host time with its gradients kept (``host_s``) and with new ones at every step
+    (``host_new_grads_s``), medians and 90th percentiles over ``steps`` after 20 warm-up steps."""
     from layercheck.workers.drift_adamw import DriftAdamW
 
     groups = _groups()
-    optimizer = DriftAdamW(groups, lr=1e-5, drift_step="fused")
-    for group in groups:
-        for p in group["params"]:
-            p.grad = torch.randn_like(p)
-    samples = []
+    params = [p for group in groups for p in group["params"]]
+    out: dict[str, Any] = {"tensors": len(params), "groups": len(groups), "steps": steps}
     with _kernel_launching_nothing():
-        for i in range(20 + steps):
-            start = time.perf_counter()
-            optimizer.step()
-            optimizer.take_drift()
-            if i >= 20:
-                samples.append(time.perf_counter() - start)
-    return {
-        "tensors": sum(len(g["params"]) for g in groups),
-        "groups": len(groups),
-        "steps": steps,
-        "host_s": statistics.median(samples),
-        "host_s_p90": statistics.quantiles(samples, n=10)[-1],
-    }
+        for name, sets in (("host", 1), ("host_new_grads", 2)):
+            optimizer = DriftAdamW(groups, lr=1e-5, drift_step="fused")
+            grads = [[torch.randn_like(p) for p in params] for _ in range(sets)]
+            samples = []
+            for i in range(20 + steps):
+                for p, grad in zip(params, grads[i % sets]):  # (the same tensors, or the other set's)
+                    p.grad = grad
+                start = time.perf_counter()
+                optimizer.step()
+                optimizer.take_drift()
+                if i >= 20:
+                    samples.append(time.perf_counter() - start)
+            out[f"{name}_s"] = statistics.median(samples)
+            out[f"{name}_s_p90"] = statistics.quantiles(samples, n=10)[-1]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,9 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"fused drift step, host time before its launch: {result['tensors']} tensors in {result['groups']} groups")
-    print(
-        f"median {result['host_s'] * 1e3:.3f} ms, p90 {result['host_s_p90'] * 1e3:.3f} ms over {result['steps']} steps"
-    )
+    for name, label in (("host", "gradients kept"), ("host_new_grads", "new gradients each step")):
+        print(
+            f"{label:<24} median {result[f'{name}_s'] * 1e3:.3f} ms, p90 {result[f'{name}_s_p90'] * 1e3:.3f} ms "
+            f"over {result['steps']} steps"
+        )
 
 
 if __name__ == "__main__":

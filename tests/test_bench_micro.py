@@ -77,6 +77,7 @@ def test_fused_issue_times_the_steps_bookkeeping_and_puts_everything_back():
     result = fused_issue.run(steps=5)
     assert result["tensors"] == 290 and result["groups"] == 50 and result["steps"] == 5
     assert 0 < result["host_s"] <= result["host_s_p90"]
+    assert 0 < result["host_new_grads_s"] <= result["host_new_grads_s_p90"]
     assert drift_fused.triton_eligible is eligible
     if importlib.util.find_spec("triton") is None:
         assert "triton" not in sys.modules and "layercheck.workers.drift_triton" not in sys.modules

@@ -8,6 +8,7 @@ AdamW); the kernel's arithmetic on CPU under Triton's interpreter where Triton i
 
 from __future__ import annotations
 
+import operator
 import os
 
 import pytest
@@ -371,7 +372,7 @@ def test_triton_kernel_on_a_kept_plan_under_the_interpreter():
             AdamWScalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=step),
             AdamWScalars(lr=3e-3, beta1=0.3, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step),
         ]
-        addrs = [t.data_ptr() for quad in zip(*kernel.tensor_lists(grads)) for t in quad]
+        addrs = [[t.data_ptr() for t in ts] for ts in kernel.tensor_lists(grads)]
         got = adamw_l1_triton_plan(kernel, addrs, scalars)
         assert kernel.tables["addrs"] == addrs
         expected = adamw_l1_plan(torch_path, grads, scalars)
@@ -481,3 +482,50 @@ def test_auto_is_the_fused_step_where_its_kernel_runs_and_the_foreach_step_elsew
 def test_bad_drift_step_is_rejected():
     with pytest.raises(ValueError, match="drift_step"):
         DriftAdamW([torch.zeros(2, requires_grad=True)], drift_step="triton")
+
+
+def test_a_kept_plan_checks_new_gradients_alone_and_everything_again_when_storage_moved():
+    """Where a loop sets its gradients to ``None`` (or DeepSpeed copies bf16 ones to fp32), every
+    measured step brings new gradient tensors: the kept plan asks whether the kernel takes those
+    alone, and keeps its work table. A tensor whose storage was swapped under it (an offloading
+    optimizer's ``.data =``) has every tensor checked again and the tables built again. With the
+    kernel stubbed out (``bench.fused_issue``'s stand-in), on CPU tensors taken as CUDA ones."""
+    from layercheck.bench.fused_issue import _kernel_launching_nothing
+    from layercheck.workers import drift_fused, drift_fused_work
+    from layercheck.workers.drift_fused_work import FusedPlan
+
+    params = [torch.randn(n) for n in (300, 20, 7)]
+    plan = FusedPlan(
+        names=("a", "b"),
+        starts=(0, 2, 3),
+        params=params,
+        states=[{} for _ in params],
+        exp_avgs=[torch.zeros_like(p) for p in params],
+        exp_avg_sqs=[torch.zeros_like(p) for p in params],
+        windows=[None, None, None],
+        owned=(True, True),
+        state_table={},
+    )
+    scalars = [AdamWScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)] * 2
+    asked: list[list[torch.Tensor]] = []
+    with _kernel_launching_nothing():
+        drift_fused.triton_eligible = lambda tensors: asked.append(list(tensors)) or True  # (put back on exit)
+        grads = [torch.randn_like(p) for p in params]
+        drift_fused.adamw_l1_plan(plan, grads, scalars)
+        rows = plan.tables["rows", drift_fused_work.TRITON_CHUNK]
+        drift_fused.adamw_l1_plan(plan, grads, scalars)  # nothing new: nothing asked
+        assert len(asked) == 1 and len(asked[0]) == 12  # the first launch: all four of each tensor
+
+        grads = [torch.randn_like(p) for p in params]
+        drift_fused.adamw_l1_plan(plan, grads, scalars)
+        assert len(asked) == 2 and asked[1][0] is params[0] and all(map(operator.is_, asked[1][1:], grads))
+        assert plan.tables["rows", drift_fused_work.TRITON_CHUNK] is rows  # kept
+        table = plan.tables["addr_table"].view(-1, 4)
+        assert table[:, 1].tolist() == [g.data_ptr() for g in grads]  # each tensor's row: param, grad, moments
+        assert table[:, 0].tolist() == [p.data_ptr() for p in params]
+
+        params[1].data = params[1].data.clone()  # storage swapped under a parameter
+        drift_fused.adamw_l1_plan(plan, grads, scalars)
+        assert len(asked) == 3 and len(asked[2]) == 12
+        assert plan.tables["addr_table"].view(-1, 4)[1, 0].item() == params[1].data_ptr()
+    assert drift_fused.triton_eligible.__name__ == "triton_eligible"

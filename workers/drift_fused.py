@@ -23,7 +23,6 @@ import functools
 import logging
 import operator
 from collections.abc import Sequence
-from itertools import chain
 
 import torch
 
@@ -47,16 +46,20 @@ TORCH_CHUNK = 1 << 18
 
 
 def triton_eligible(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the Triton kernel can take these tensors (CUDA, contiguous fp32, one device) and
-    Triton imports. Never imports Triton for CPU tensors. Each test is a ``map`` over the tensors
-    (0.39 ms for the 0.5B shape's 1160 on a 2-core CPU; one generator of the same tests took 0.88 ms)."""
+    """Whether the Triton kernel can take these tensors (CUDA, :func:`kernel_takes`) and Triton
+    imports. Never imports Triton for CPU tensors."""
     if not tensors or not tensors[0].is_cuda:
         return False
-    if len(set(map(torch.Tensor.get_device, tensors))) != 1:  # one CUDA device (a CPU tensor is -1)
+    return kernel_takes(tensors) and _triton_available()
+
+
+def kernel_takes(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernel's layout takes these tensors: one device, each contiguous fp32 (which
+    kind of device is :func:`triton_eligible`'s question). Each test is a ``map`` over the tensors
+    (0.39 ms for the 0.5B shape's 1160 on a 2-core CPU; one generator of the same tests took 0.88 ms)."""
+    if len(set(map(torch.Tensor.get_device, tensors))) != 1:  # one device (a CPU tensor is -1)
         return False
-    if set(map(_dtype, tensors)) != {torch.float32} or not all(map(torch.Tensor.is_contiguous, tensors)):
-        return False
-    return _triton_available()
+    return set(map(_dtype, tensors)) == {torch.float32} and all(map(torch.Tensor.is_contiguous, tensors))
 
 
 _dtype = operator.attrgetter("dtype")
@@ -106,13 +109,19 @@ def _torch_l1(group: FusedGroup) -> torch.Tensor:
 def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Sequence[AdamWScalars]) -> torch.Tensor:
     """:func:`adamw_l1_groups` over a kept :class:`FusedPlan` with this step's gradients and each
     slot's scalars: each slot's count, a float64 vector on the device. On CUDA one kernel launch,
-    its tables rebuilt only when an address changed."""
+    its address table rebuilt only when an address changed."""
     tensors = plan.tensor_lists(grads)
     if plan.triton is not False:
-        addrs = list(chain.from_iterable(zip(*(map(torch.Tensor.data_ptr, ts) for ts in tensors))))
-        if addrs != plan.tables.get("addrs"):  # new gradients, or storage moved under a tensor: all checked again
-            plan.tables.clear()
-            plan.triton = triton_eligible([t for ts in tensors for t in ts])
+        addrs = [list(map(torch.Tensor.data_ptr, ts)) for ts in tensors]  # params, grads, exp_avgs, exp_avg_sqs
+        known = plan.tables.get("addrs")
+        if addrs != known:
+            if plan.triton and known is not None and known[0] == addrs[0] and known[2:] == addrs[2:]:
+                # new gradients alone (a loop that sets them to None, DeepSpeed's fp32 copies of
+                # bf16 ones): only they are checked, the work table kept
+                plan.triton = triton_eligible([plan.params[0], *grads])
+            else:  # the first launch, or storage moved under a tensor: all checked again, every table anew
+                plan.tables.clear()
+                plan.triton = triton_eligible([t for ts in tensors for t in ts])
         if plan.triton:
             from layercheck.workers.drift_triton import adamw_l1_triton_plan
 

@@ -37,9 +37,8 @@ class AdamWScalars(NamedTuple):
     def of_group(cls, group: dict[str, Any], count: float) -> AdamWScalars:
         """The scalars of torch param group ``group``'s step at step count ``count``."""
         beta1, beta2 = group["betas"]
-        return cls(
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=count
-        )
+        # positional, in the fields' order: with keywords it took twice as long (1.2 µs; 50 groups a step)
+        return cls(group["lr"], beta1, beta2, group["eps"], group["weight_decay"], count)
 
     @property
     def decay(self) -> float:
@@ -160,11 +159,12 @@ class FusedPlan:
     state_table: Any
     """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it)."""
     triton: bool | None = None
-    """Whether the Triton kernel takes every tensor (decided at the first launch, and again, with
-    the launcher's tables dropped, whenever an address changes: new gradients, or a tensor's
-    storage swapped under it); ``False`` stays: the torch path."""
+    """Whether the Triton kernel takes every tensor (decided at the first launch; again for the
+    gradients alone when only theirs are new; again for all, with the launcher's tables dropped,
+    when a tensor's storage was swapped under it); ``False`` stays: the torch path."""
     tables: dict[Any, Any] = field(default_factory=dict)
-    """The launcher's cache: the work table per chunk size, the address table and its addresses."""
+    """The launcher's cache: the work table per chunk size, the address table and its addresses
+    (a list per role: params, grads, exp_avgs, exp_avg_sqs)."""
 
     def slot_counts(self, counts: Sequence[float]) -> list[float] | None:
         """Each slot's step count, given every tensor's; ``None`` when a slot's tensors differ
