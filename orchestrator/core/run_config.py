@@ -129,7 +129,8 @@ class PersistenceConfig:
     """Writer actors per node; a rank uses writer ``rank % writers_per_node`` of its node."""
     max_inflight_bytes: int = 512 * 2**20
     """Per worker: snapshot bytes handed over but not yet written; past it the worker waits (a
-    stall, counted in the metrics and logged)."""
+    stall, counted in the metrics; logged at the first wait, then at most once a minute with how
+    often and how long it waited)."""
     max_versions_in_flight: int = 2
     """Versions of one layer that may be handed over and not yet committed; the policy holds a
     layer back (defers it) while it has this many, so storage that falls behind lowers the save
