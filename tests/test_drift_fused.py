@@ -162,7 +162,7 @@ def test_step_counts_stay_torchs_whoever_reads_writes_or_replaces_them():
 
 def test_the_fused_step_keeps_its_work_across_steps_and_notices_what_changes():
     """The fused step's per-tensor work (states, windows, the kernel's tables) is kept from step to
-    step; a moment replaced, a gradient dropped, a state dict loaded into the same optimizer, new
+    step; a moment replaced, a parameter's state replaced, a gradient dropped, a state dict loaded into the same optimizer, new
     windows or a new param group are each noticed, and the update stays torch's AdamW's, bit for
     bit, with the drift counted over the windows of the moment."""
     fused_p, ref_p, _ = _copies("cpu", seed=3)
@@ -196,6 +196,12 @@ def test_the_fused_step_keeps_its_work_across_steps_and_notices_what_changes():
 
     for opt, params in ((fused, fused_p), (reference, ref_p)):  # a moment replaced by someone else
         opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"] * 0.5
+    step(2)
+    same()
+    for opt, params in ((fused, fused_p), (reference, ref_p)):  # a parameter's whole state replaced
+        opt.state[params[2]] = {
+            k: v.clone() * (0.5 if k == "exp_avg_sq" else 1) for k, v in opt.state[params[2]].items()
+        }
     step(2)
     same()
     step(3, drop=2)  # a group without a gradient this step

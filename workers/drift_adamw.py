@@ -276,19 +276,31 @@ class DriftAdamW(torch.optim.AdamW):
             windows=windows,
             owned=tuple(any(w is None or w for w in windows[a:b]) for a, b in zip(starts, starts[1:])),
             state_table=self.state,
+            state_entries=(list(self.state), list(self.state.values())),
         )
 
     def _plan_holds(self, plan: FusedPlan, params: list[torch.Tensor]) -> bool:
         """Whether ``plan`` still has this step's tensors: the same parameters, state dicts and
-        moments, by identity (a loaded state dict or a new tensor anywhere builds a new plan)."""
+        moments, by identity (a loaded state dict or a new tensor anywhere builds a new plan).
+
+        The state dicts are looked up only when the state mapping's entries are no longer those
+        the plan last saw: a lookup hashes each parameter in Python (55 µs for the 0.5B shape's
+        290 on a 2-core CPU, against 18 µs to compare the entries)."""
         state = self.state
-        return (
-            plan.state_table is state
-            and len(params) == len(plan.params)
-            and all(map(operator.is_, params, plan.params))
-            and all(map(operator.is_, map(state.__getitem__, params), plan.states))
-            and all(map(operator.is_, map(_EXP_AVG, plan.states), plan.exp_avgs))
-            and all(map(operator.is_, map(_EXP_AVG_SQ, plan.states), plan.exp_avg_sqs))
+        if (
+            plan.state_table is not state
+            or len(params) != len(plan.params)
+            or not all(map(operator.is_, params, plan.params))
+        ):
+            return False
+        keys, values = plan.state_entries
+        same = len(state) == len(keys) and all(map(operator.is_, state, keys))
+        if not (same and all(map(operator.is_, state.values(), values))):  # an entry added, dropped or replaced
+            if not all(map(operator.is_, map(state.__getitem__, params), plan.states)):
+                return False
+            plan.state_entries = (list(state), list(state.values()))
+        return all(map(operator.is_, map(_EXP_AVG, plan.states), plan.exp_avgs)) and all(
+            map(operator.is_, map(_EXP_AVG_SQ, plan.states), plan.exp_avg_sqs)
         )
 
     def _fused_step_by_count(

@@ -158,6 +158,9 @@ class FusedPlan:
     """Whether a slot has a counted element (one without reports no drift, as the foreach step)."""
     state_table: Any
     """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it)."""
+    state_entries: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
+    """That mapping's keys and values, in order, as last seen holding ``states``: while they are
+    the same objects, no parameter's state was replaced (``DriftAdamW._plan_holds``)."""
     triton: bool | None = None
     """Whether the Triton kernel takes every tensor (decided at the first launch; again for the
     gradients alone when only theirs are new; again for all, with the launcher's tables dropped,
