@@ -33,6 +33,7 @@ from layercheck.workers.drift_fused_work import (
     LayerStep,
     Windows,
     counted_runs,
+    only_grads_moved,
     to_device,
 )
 
@@ -115,9 +116,7 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
         addrs = [list(map(torch.Tensor.data_ptr, ts)) for ts in tensors]  # params, grads, exp_avgs, exp_avg_sqs
         known = plan.tables.get("addrs")
         if addrs != known:
-            if plan.triton and known is not None and known[0] == addrs[0] and known[2:] == addrs[2:]:
-                # new gradients alone (a loop that sets them to None, DeepSpeed's fp32 copies of
-                # bf16 ones): only they are checked, the work table kept
+            if plan.triton and only_grads_moved(known, addrs):  # only they are checked, the work table kept
                 plan.triton = triton_eligible([plan.params[0], *grads])
             else:  # the first launch, or storage moved under a tensor: all checked again, every table anew
                 plan.tables.clear()

@@ -65,6 +65,13 @@ def to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
     return pinned.to(device, non_blocking=True)
 
 
+def only_grads_moved(known: Sequence[Sequence[int]] | None, addrs: Sequence[Sequence[int]]) -> bool:
+    """Whether the addresses ``addrs`` of a kept plan's tensors (a list per role: params, grads,
+    exp_avgs, exp_avg_sqs) differ from ``known`` in the gradients alone: new gradient tensors, as
+    a loop that sets them to ``None`` (or DeepSpeed's fp32 copies of bf16 ones) brings each step."""
+    return known is not None and known[0] == addrs[0] and known[2:] == addrs[2:] and known[1] != addrs[1]
+
+
 def counted_runs(numel: int, windows: Windows | None) -> Windows:
     """The runs of a tensor that count: ``windows``, or all of it when it has none."""
     return ((0, numel),) if windows is None else windows
