@@ -21,6 +21,10 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``drift_adamw@10``, ``snapshot_diff@10``, ``step_hooks@10``, ``step_hooks_fused@10``  the probes
                      measuring every 10th step (the default schedule's ``drift_every``), per step:
                      the plain step on the other nine
+* ``adamw/new_grads``, ``drift_fused/new_grads``  the baseline and the fused step with new gradient
+                     tensors at every step (a loop that sets them to ``None``; DeepSpeed's ZeRO-0 fp32
+                     copies of bf16 gradients, the ``qwen2.5-0.5b`` bench preset's case), and their
+                     ratio (``fused_x_adamw_new_grads``)
 
 and the whole training step (forward, backward, optimizer) through the DeepSpeed engine.
 
@@ -223,6 +227,32 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
             f"step_hooks_fused@{SAMPLE_EVERY}": hooked(True, SAMPLE_EVERY),
         }
 
+    def new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], None]:
+        """``step`` with new gradient tensors at every call (two sets, in turn): as a loop that sets
+        them to ``None``, or DeepSpeed's ZeRO-0 fp32 copies of bf16 gradients, brings them."""
+        sets = [[p.grad for p in params], [torch.randn_like(p) * 1e-3 for p in params]]
+        calls = [0]
+
+        def stepped() -> None:
+            calls[0] += 1
+            for p, grad in zip(params, sets[calls[0] % 2]):
+                p.grad = grad
+            step()
+
+        return stepped
+
+    plain_new, plain_new_groups = plain()
+    fused_new = DriftAdamW(_groups(model, device), lr=1e-5, drift_step="fused")
+
+    def fused_new_step() -> None:
+        fused_new.step()
+        torch.stack(list(fused_new.take_drift().values())).cpu()
+
+    new_grad_variants = {
+        "adamw/new_grads": new_grads(plain_new.step, [p for g in plain_new_groups for p in g["params"]]),
+        "drift_fused/new_grads": new_grads(fused_new_step, [p for g in fused_new.param_groups for p in g["params"]]),
+    }
+
     def l1_step() -> None:
         floor.step()
         sums = [torch.stack(torch._foreach_norm([p.detach() for p in g["params"]], 1)).sum() for g in floor_groups]
@@ -239,6 +269,7 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
         f"drift_adamw@{SAMPLE_EVERY}": sampled_drift_steps,
         f"snapshot_diff@{SAMPLE_EVERY}": sampled_snapshot_steps,
         **hook_variants,
+        **new_grad_variants,
     }
 
 
@@ -419,6 +450,8 @@ def run(preset_name: str, steps: int | None, device: str | None = None, sweep: b
         "training_step_s": whole,
         "training_step_fused_s": whole_fused,
         "probes": rows,
+        # the fused step against the plain one where both get new gradient tensors at every step
+        "fused_x_adamw_new_grads": optimizer["drift_fused/new_grads"] / optimizer["adamw/new_grads"],
         "kernel_sweep": swept,
         "machine": describe(),
     }
@@ -430,13 +463,17 @@ def table(result: dict[str, Any]) -> str:
         f"median of {result['steps']} steps",
         f"plain AdamW ({result['baseline']}) step {result['optimizer_step_s'] * 1e3:.3f} ms; whole training "
         f"step {result['training_step_s'] * 1e3:.3f} ms (drift_step=fused: {result['training_step_fused_s'] * 1e3:.3f} ms)",
-        f"{'variant':<14} {'step ms':>10} {'x AdamW':>8} {'extra ms':>10} {'extra/train step':>17}",
+        f"{'variant':<22} {'step ms':>10} {'x AdamW':>8} {'extra ms':>10} {'extra/train step':>17}",
     ]
     for name, row in result["probes"].items():
         lines.append(
-            f"{name:<14} {row['seconds'] * 1e3:10.3f} {row['x_adamw']:8.3f} {row['overhead_s'] * 1e3:10.3f} "
+            f"{name:<22} {row['seconds'] * 1e3:10.3f} {row['x_adamw']:8.3f} {row['overhead_s'] * 1e3:10.3f} "
             f"{row['vs_training_step']:17.4f}"
         )
+    lines.append(
+        f"with new gradient tensors at every step: drift_fused {result['fused_x_adamw_new_grads']:.3f}x "
+        "plain AdamW's step"
+    )
     if result.get("kernel_sweep"):
         lines.append(
             f"{'kernel (BLOCKxWARPSxCHUNK)':<26} {'step ms':>9} {'x fused':>8} {'issue ms':>9} {'bit-equal':>9}"

@@ -28,6 +28,9 @@ def test_drift_probe_times_every_variant_and_the_training_step(tmp_path, capsys)
     result = json.loads(out.read_text())
     assert result["preset"] == "cpu-small" and result["device"] == "cpu" and result["params"] > 0
     assert {"drift_adamw", "drift_fused", "snapshot_diff", "l1_params"} <= set(result["probes"])
+    assert {"adamw/new_grads", "drift_fused/new_grads"} <= set(result["probes"]) and result[
+        "fused_x_adamw_new_grads"
+    ] > 0
     for row in result["probes"].values():
         assert row["seconds"] > 0 and row["x_adamw"] > 0
     assert result["optimizer_step_s"] > 0 and result["training_step_s"] > 0 and result["training_step_fused_s"] > 0
