@@ -193,7 +193,8 @@ def adamw_l1_triton_plan(plan: FusedPlan, addrs: list[list[int]], scalars: Seque
 def _scalar_bytes(s: AdamWScalars) -> bytes:
     """:func:`scalar_row` as float32 bytes, rounded as ``torch.tensor`` would. Kept: a step's slots
     mostly share their scalars (the 0.5B shape's 50 have two rows), and only a new step count or
-    learning rate makes a row anew."""
+    learning rate makes a row anew. (A tensor learning rate, which torch's schedulers change in
+    place, keys by its object: its row is reused only at a step count seen before, after a restore.)"""
     return array("f", scalar_row(s)).tobytes()
 
 
