@@ -197,12 +197,11 @@ class RayCoordinator:
                 with self._lock:
                     self._putting -= sum(bounded[index:])  # (none of the rest is handed over)
                 if self._recycle is not None:  # nor kept: their buffers go back to the loop's pool
-                    for rest in shards[index + 1 :]:
+                    for rest in shards[index:]:
                         self._recycle(rest)
                 raise
-            finally:
-                if self._recycle is not None:
-                    self._recycle(shard)
+            if self._recycle is not None:  # (copied into the object store: the loop may reuse them)
+                self._recycle(shard)
             with self._lock:
                 self._putting -= bounded[index]
                 self._inflight[shard.layer] = _Submission(
