@@ -152,7 +152,7 @@ def _rows_on(
 
 @functools.lru_cache(maxsize=1024)
 def _addrs_on(addrs: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return to_device(torch.tensor(addrs, dtype=torch.int64), device)
+    return to_device(_int64(addrs), device)
 
 
 def scalar_row(s: AdamWScalars) -> list[float]:
