@@ -5,8 +5,16 @@ A layer saved every ``period`` steps from step ``due`` loads the steps ``due, du
 :func:`place` gives new layers their first step, largest first, each where the heaviest step it
 would land on is lightest — with equal periods this is exactly LPT ("largest first into the
 least-loaded slot") over the ``period`` slots, whose peak is at most ``4/3`` of the best possible
-(Graham 1969) and at most ``total/period`` plus the layer that tops the peak slot. Everything here
-is plain integers: no state, no I/O.
+(Graham 1969) and at most ``total/period`` plus the layer that tops the peak slot.
+
+Where fewer layers than steps share a period, many steps tie at nothing handed over. A tie goes
+to the earliest step, so the layers' first saves come on consecutive steps (every layer has a
+version soon after the warm-up, all of about the same age), or, for an item placed ``spread``, to
+the step with the most room around it (:func:`room`), so the saves come evenly over the period:
+storage that writes just the schedule's bytes per step then holds about one layer in flight,
+where saves on consecutive steps leave most of a checkpoint waiting once a period (host memory,
+and past ``persistence.max_inflight_bytes`` the ranks' wait). Everything here is plain numbers:
+no state, no I/O.
 """
 
 from __future__ import annotations
@@ -39,6 +47,9 @@ class Item:
     window: int
     offset: int = 0
     """Its first save no earlier than this many steps after the table's start."""
+    spread: bool = False
+    """Ties go to the offset with the most room around it (saves evenly over the period), not to
+    the earliest."""
 
 
 def horizon_for(periods: Sequence[int | None], window: int = 1) -> int:
@@ -68,25 +79,55 @@ def place(items: Sequence[Item], load: list[int], *, start: int) -> dict[str, in
     """First save step of each item, largest first; adds them to ``load`` (mutated).
 
     An item goes to the offset in ``[offset, offset + window)`` whose heaviest occurrence in the table is
-    lightest; ties go to the lightest first occurrence, then the earliest step (deterministic:
-    the same layers and sizes always get the same phases)."""
+    lightest; ties go to the lightest first occurrence, then (an item placed ``spread``) to the
+    offset with the most room around it (:func:`room`), then to the earliest (deterministic: the
+    same layers and sizes always get the same phases)."""
     horizon = len(load)
     order = sorted(range(len(items)), key=lambda i: (-items[i].size, i))
+    # the bytes per step storage must take for the whole plan: what its saves' room is counted in
+    rate = (sum(load) + sum(i.size * horizon / (i.period or horizon) for i in items)) / horizon
     dues: dict[str, int] = {}
     for i in order:
         item = items[i]
         first = min(item.offset, horizon - 1)
         candidates = range(first, max(first + 1, min(first + item.window, horizon)))
         step = item.period if item.period is not None else horizon
-        best = min(candidates, key=lambda o: (max(load[o::step]), load[o], o))
+        free = room(load, item.size, rate) if item.spread else [0.0] * horizon
+        best = min(candidates, key=lambda o: (max(load[o::step]), load[o], -min(free[o::step]), o))
         for j in range(best, horizon, step):
             load[j] += item.size
         dues[item.name] = start + best
     return dues
 
 
-def lpt_phases(sizes: Mapping[str, int], period: int) -> dict[str, int]:
-    """Offsets in ``[0, period)`` of layers all saved every ``period`` steps: LPT over the slots."""
-    load = [0] * period
-    items = [Item(name=name, size=size, period=period, window=period) for name, size in sizes.items()]
+def room(load: Sequence[int], size: int, rate: float) -> list[float]:
+    """Per step of the table, the steps of slack a save of ``size`` bytes there would have where
+    storage writes ``rate`` bytes per step: each save keeps storage busy for ``bytes / rate``
+    steps from its step, and the slack is the lesser of the time since storage last fell idle
+    before it and the time from its own write's end to the next save (negative: they overlap).
+    Two passes: O(steps)."""
+    horizon = len(load)
+    if rate <= 0:
+        return [0.0] * horizon
+    out = [float(horizon)] * horizon
+    busy_until = None  # when storage is done with the saves before each step
+    for i in range(horizon):
+        if busy_until is not None:
+            out[i] = i - busy_until
+        if load[i]:
+            busy_until = max(busy_until or 0.0, i + load[i] / rate)
+    following = None  # the next loaded step after each one
+    for i in reversed(range(horizon)):
+        if following is not None:
+            out[i] = min(out[i], following - i - size / rate)
+        if load[i]:
+            following = i
+    return [min(v, -1.0) if load[i] else v for i, v in enumerate(out)]
+
+
+def lpt_phases(sizes: Mapping[str, int], period: int, *, spread: bool = False) -> dict[str, int]:
+    """Offsets in ``[0, period)`` of layers all saved every ``period`` steps: LPT over the slots
+    (over two periods of steps, so a save late in one sees the next period's first)."""
+    load = [0] * horizon_for([period])
+    items = [Item(name=name, size=size, period=period, window=period, spread=spread) for name, size in sizes.items()]
     return place(items, load, start=0)

@@ -37,6 +37,11 @@ class SimulationResult:
     """For fixed-interval full checkpoints (:func:`simulate_interval`), their interval."""
     peak_step_bytes: int = 0
     """The most bytes handed over at one step (a whole checkpoint for full checkpoints)."""
+    peak_backlog_bytes: float = 0.0
+    """The most bytes waiting to be written at once where storage writes the run's mean bytes per
+    step, no faster: what the ranks hold in host memory meanwhile, and past
+    ``persistence.max_inflight_bytes`` what they wait for. About a whole checkpoint for full
+    checkpoints; about the largest layer for saves spread evenly over the steps."""
 
     @property
     def bytes_per_event(self) -> float:
@@ -67,14 +72,15 @@ def simulate(
     drift_max = 0.0
     evaluated = 0
     series: list[tuple[int, int, float]] = []
+    handed: list[int] = []  # bytes handed over at each step
     for obs in trace.filled().steps:  # a sampled run's unmeasured steps: estimated
         for name in trace.layers:
             unsaved[name] += obs.drift.get(name, 0.0)
         seen = obs if drift_measured(obs.step, drift_every) else replace(obs, drift={}, measured=False)
         decision = policy.observe(seen)
+        step_bytes = 0
         if decision:
             events += 1
-            step_bytes = 0
             for name in decision.names:
                 persists[name] += 1
                 step_bytes += numel[name] * bytes_per_param
@@ -82,6 +88,7 @@ def simulate(
                 unsaved[name] = 0.0
             written += step_bytes
             peak = max(peak, step_bytes)
+        handed.append(step_bytes)
         if obs.step < eval_from:
             continue
         evaluated += 1
@@ -105,7 +112,21 @@ def simulate(
         max_unsaved_drift=drift_max,
         staleness_series=tuple(series),
         peak_step_bytes=peak,
+        peak_backlog_bytes=peak_backlog(handed),
     )
+
+
+def peak_backlog(handed: Sequence[int]) -> float:
+    """The most bytes of ``handed`` (per step) waiting at once where storage writes their mean per
+    step: each step adds what it hands over and takes away the mean (never below nothing)."""
+    if not handed:
+        return 0.0
+    rate = sum(handed) / len(handed)
+    backlog = peak = 0.0
+    for step_bytes in handed:
+        backlog = max(0.0, backlog + step_bytes - rate)
+        peak = max(peak, backlog)
+    return peak
 
 
 def simulate_config(

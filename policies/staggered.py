@@ -337,8 +337,9 @@ class StaggeredPolicy:
 
     def _place(self, t: int) -> None:
         """Phase every unplaced layer on the least-loaded steps: a first save within one mean
-        period from ``t`` (its own period, if shorter); a layer with a version and a new period
-        within that period from half of it after its last save."""
+        period from ``t`` (its own period, if shorter; evenly over it with ``spread_phases``); a
+        layer with a version and a new period (a re-plan, a recovery) as early as the load allows
+        from half of that period after its last save."""
         window = max(1, min(math.ceil(self.mean_period), self.config.smax))
         scheduled = {
             n: Recurring(size=self.size[n], due=d, period=self.period[n])
@@ -351,7 +352,10 @@ class StaggeredPolicy:
                 continue
             period, last = self.period[n], self.last_persisted[n]
             if last is None or period is None:
-                items.append(Item(name=n, size=self.size[n], period=period, window=min(window, period or window)))
+                spread = self.config.spread_phases
+                items.append(
+                    Item(name=n, size=self.size[n], period=period, window=min(window, period or window), spread=spread)
+                )
             else:
                 items.append(
                     Item(name=n, size=self.size[n], period=period, window=period, offset=max(0, last + period // 2 - t))

@@ -9,6 +9,7 @@ from layercheck.policies.simulate import (
     BYTES_PER_PARAM,
     compare,
     match_interval,
+    peak_backlog,
     simulate_config,
     simulate_interval,
     sweep_k0,
@@ -181,6 +182,22 @@ def test_cli_prints_the_default_schedule_beside_the_oracle_with_peak_bytes(capsy
     full = sum(synthetic_trace(blocks=3, steps=1).numel.values()) * BYTES_PER_PARAM
     assert 0 < comparison["result"]["peak_step_bytes"] < full
     assert comparison["matched_drift"]["peak_step_bytes"] == full  # a whole checkpoint at each save
+    # storage at each one's own mean rate: most of a checkpoint waits for it after a full save
+    assert 0 < comparison["result"]["peak_backlog_bytes"] < comparison["matched_drift"]["peak_backlog_bytes"]
+    assert comparison["matched_drift"]["peak_backlog_bytes"] > 0.9 * full
+    assert main(["simulate", "--steps", "400", "--blocks", "3", "--period", "20", "--spread-phases", "--json"]) == 0
+    (spread,) = json.loads(capsys.readouterr().out)["comparisons"]
+    assert spread["result"]["policy"] == "staggered period=20 spread"
+    assert spread["result"]["bytes_written"] == comparison["result"]["bytes_written"]
+    assert spread["result"]["peak_backlog_bytes"] < comparison["result"]["peak_backlog_bytes"]
     assert 0.9 <= comparison["bytes_vs_oracle_matched_drift"] <= 1.1
     assert main(["simulate", "--steps", "300", "--blocks", "2", "--policy", "interval", "--interval", "30"]) == 0
     assert "oracle @ same drift" in capsys.readouterr().out
+
+
+def test_the_peak_backlog_is_what_waits_where_storage_writes_the_mean_per_step():
+    assert peak_backlog([]) == 0.0
+    assert peak_backlog([0, 0, 0]) == 0.0
+    assert peak_backlog([5, 5, 5]) == 0.0  # as fast as it comes
+    assert peak_backlog([12, 0, 0, 0]) == 9.0  # a burst: 3 a step drained
+    assert peak_backlog([6, 0, 6, 0]) == 3.0  # the same bytes spread out

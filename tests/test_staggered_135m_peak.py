@@ -1,7 +1,10 @@
 """The staggered schedule's bound on the bytes of one step, on a real model's shape,
 deterministically (no timing, no weights): on a SmolLM-135M-shaped model the staggered schedule
 hands over at most max(1/8 of a full checkpoint, the largest layer) in one step, where full
-checkpoints hand over a whole one at each save, and writes no more than they do over the run."""
+checkpoints hand over a whole one at each save, and writes no more than they do over the run;
+and, with ``spread_phases``, where storage writes just the schedule's bytes per step no more than
+its largest layer waits to be written at once, where full checkpoints leave most of a checkpoint
+waiting."""
 
 import random
 
@@ -58,3 +61,20 @@ def test_the_peak_step_is_at_most_an_eighth_of_a_checkpoint_or_the_largest_layer
     assert interval.peak_step_bytes == full
     assert staggered.peak_step_bytes <= bound
     assert staggered.bytes_written <= interval.bytes_written * 1.01  # integer periods, the run's ends
+
+
+@pytest.mark.parametrize("period", [8, 20, 50, 100, 200])
+def test_spread_phases_leave_at_most_the_largest_layer_waiting_for_storage_at_the_schedules_rate(numel, period):
+    """Saves evenly over the period, not on consecutive steps: at 100 steps those leave 0.69 of a
+    checkpoint waiting once a period (200 steps: 0.85), as full checkpoints do (0.99)."""
+    trace = alike(numel)
+    full = sum(numel.values()) * BYTES_PER_PARAM
+    largest = max(numel.values()) * BYTES_PER_PARAM
+    spread = simulate_config(trace, StaggeredConfig(period=period, spread_phases=True), label="spread")
+    packed = simulate_config(trace, StaggeredConfig(period=period), label="packed")
+    interval = simulate_interval(trace, period)
+    assert interval.peak_backlog_bytes >= 0.85 * full
+    assert spread.peak_backlog_bytes <= largest
+    assert spread.bytes_written == packed.bytes_written
+    if period >= 50:  # more steps than the model's 32 layers: consecutive saves pile up
+        assert packed.peak_backlog_bytes > 1.5 * largest

@@ -88,6 +88,12 @@ def test_lpt_phase_assignment():
     phases = lpt_phases({f"b{i}": 10 for i in range(8)}, 4)
     assert sorted(phases.values()) == [0, 0, 1, 1, 2, 2, 3, 3]
     assert lpt_phases({"embed": 100, "x": 1, "y": 1}, 5)["embed"] == 0  # the largest first, alone
+    # fewer layers than steps: packed from the first step, or (spread) evenly over the period
+    assert lpt_phases({f"b{i}": 10 for i in range(4)}, 20) == {"b0": 0, "b1": 1, "b2": 2, "b3": 3}
+    assert lpt_phases({f"b{i}": 10 for i in range(4)}, 20, spread=True) == {"b0": 0, "b1": 10, "b2": 5, "b3": 15}
+    # spread: a larger layer keeps storage busy longer, and the others keep their distance from it
+    phases = lpt_phases({"embed": 40, **{f"b{i}": 10 for i in range(4)}}, 40, spread=True)
+    assert phases["embed"] == 0 and min(phases[f"b{i}"] for i in range(4)) >= 15  # (its write: 20 steps)
 
 
 def test_a_135m_like_model_hands_over_at_most_an_eighth_or_its_embedding():
