@@ -32,6 +32,7 @@ def test_the_first_wait_is_said_with_its_remedy_then_at_most_once_a_period_with_
         first = caplog.records[0].getMessage()
         assert "rank 0: 700 snapshot bytes in flight > 512: waiting for storage" in first
         assert "persistence.max_inflight_bytes" in first and "at most every 60 s" in first
+        assert "policy.spread_phases = true" in first  # what spreads a burst of saves
         clock.now += 11.0  # 61 s after the first warning
         wait(waits, clock, 1.0, inflight=900)
     assert len(caplog.records) == 2

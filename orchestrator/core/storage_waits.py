@@ -40,7 +40,8 @@ class StorageWaits:
             self._warned_at = now
             logger.warning(
                 "rank %d: %d snapshot bytes in flight > %d: waiting for storage (it writes slower than the "
-                "schedule hands over; a larger persistence.max_inflight_bytes absorbs bursts; "
+                "schedule hands over; a larger persistence.max_inflight_bytes absorbs bursts, and "
+                "the staggered schedule's policy.spread_phases = true spreads its saves over the period; "
                 "said again at most every %.0f s)",
                 rank,
                 inflight_bytes,
