@@ -84,45 +84,57 @@ def place(items: Sequence[Item], load: list[int], *, start: int) -> dict[str, in
     same layers and sizes always get the same phases)."""
     horizon = len(load)
     order = sorted(range(len(items)), key=lambda i: (-items[i].size, i))
-    # the bytes per step storage must take for the whole plan: what its saves' room is counted in
-    rate = (sum(load) + sum(i.size * horizon / (i.period or horizon) for i in items)) / horizon
+    rate = _plan_rate(items, load) if any(item.spread for item in items) else 0.0
     dues: dict[str, int] = {}
     for i in order:
         item = items[i]
         first = min(item.offset, horizon - 1)
         candidates = range(first, max(first + 1, min(first + item.window, horizon)))
         step = item.period if item.period is not None else horizon
-        free = room(load, item.size, rate) if item.spread else [0.0] * horizon
-        best = min(candidates, key=lambda o: (max(load[o::step]), load[o], -min(free[o::step]), o))
+        if item.spread:
+            free = room(load, item.size, rate)
+            best = min(candidates, key=lambda o: (max(load[o::step]), load[o], -min(free[o::step]), o))
+        else:
+            best = min(candidates, key=lambda o: (max(load[o::step]), load[o], o))
         for j in range(best, horizon, step):
             load[j] += item.size
         dues[item.name] = start + best
     return dues
 
 
+def _plan_rate(items: Sequence[Item], load: Sequence[int]) -> float:
+    """The bytes per step storage takes for the whole plan (the table's saves and the items'),
+    the unit :func:`room` counts a save's time in."""
+    horizon = len(load)
+    if not horizon:
+        return 0.0
+    return (sum(load) + sum(i.size * horizon / (i.period or horizon) for i in items)) / horizon
+
+
 def room(load: Sequence[int], size: int, rate: float) -> list[float]:
     """Per step of the table, the steps of slack a save of ``size`` bytes there would have where
-    storage writes ``rate`` bytes per step: each save keeps storage busy for ``bytes / rate``
-    steps from its step, and the slack is the lesser of the time since storage last fell idle
-    before it and the time from its own write's end to the next save (negative: they overlap).
-    Two passes: O(steps)."""
+    storage writes ``rate`` bytes per step. Each save alone keeps storage busy for ``bytes / rate``
+    steps from its step (saves that overlap are not queued behind each other: a heuristic); the
+    slack is the lesser of the time since the latest such write before the step ended and the
+    time from this save's own write's end to the next save (negative: they overlap). A loaded
+    step has no slack. Two passes: O(steps)."""
     horizon = len(load)
     if rate <= 0:
         return [0.0] * horizon
     out = [float(horizon)] * horizon
-    busy_until = None  # when storage is done with the saves before each step
+    busy_until = None  # when the latest write of the saves before each step ends
     for i in range(horizon):
         if busy_until is not None:
             out[i] = i - busy_until
-        if load[i]:
+        if load[i] > 0:
             busy_until = max(busy_until or 0.0, i + load[i] / rate)
     following = None  # the next loaded step after each one
     for i in reversed(range(horizon)):
         if following is not None:
             out[i] = min(out[i], following - i - size / rate)
-        if load[i]:
+        if load[i] > 0:
             following = i
-    return [min(v, -1.0) if load[i] else v for i, v in enumerate(out)]
+    return [min(v, -1.0) if load[i] > 0 else v for i, v in enumerate(out)]
 
 
 def lpt_phases(sizes: Mapping[str, int], period: int, *, spread: bool = False) -> dict[str, int]:

@@ -39,7 +39,7 @@ class SimulationResult:
     """The most bytes handed over at one step (a whole checkpoint for full checkpoints)."""
     peak_backlog_bytes: float = 0.0
     """The most bytes waiting to be written at once where storage writes the run's mean bytes per
-    step, no faster: what the ranks hold in host memory meanwhile, and past
+    step (from its first save on), no faster: what the ranks hold in host memory meanwhile, and past
     ``persistence.max_inflight_bytes`` what they wait for. About a whole checkpoint for full
     checkpoints; about the largest layer for saves spread evenly over the steps."""
 
@@ -118,12 +118,16 @@ def simulate(
 
 def peak_backlog(handed: Sequence[int]) -> float:
     """The most bytes of ``handed`` (per step) waiting at once where storage writes their mean per
-    step: each step adds what it hands over and takes away the mean (never below nothing)."""
-    if not handed:
+    step from the first step that hands anything over (a warm-up before it saves nothing, and
+    storage is not sized for it): each step adds what it hands over and takes away that mean
+    (never below nothing)."""
+    first = next((i for i, step_bytes in enumerate(handed) if step_bytes), len(handed))
+    saving = handed[first:]
+    if not saving:
         return 0.0
-    rate = sum(handed) / len(handed)
+    rate = sum(saving) / len(saving)
     backlog = peak = 0.0
-    for step_bytes in handed:
+    for step_bytes in saving:
         backlog = max(0.0, backlog + step_bytes - rate)
         peak = max(peak, backlog)
     return peak

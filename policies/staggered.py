@@ -338,8 +338,8 @@ class StaggeredPolicy:
     def _place(self, t: int) -> None:
         """Phase every unplaced layer on the least-loaded steps: a first save within one mean
         period from ``t`` (its own period, if shorter; evenly over it with ``spread_phases``); a
-        layer with a version and a new period (a re-plan, a recovery) as early as the load allows
-        from half of that period after its last save."""
+        layer with a version and a new period (a re-plan) as early as the load allows from half of
+        that period after its last save."""
         window = max(1, min(math.ceil(self.mean_period), self.config.smax))
         scheduled = {
             n: Recurring(size=self.size[n], due=d, period=self.period[n])

@@ -201,3 +201,4 @@ def test_the_peak_backlog_is_what_waits_where_storage_writes_the_mean_per_step()
     assert peak_backlog([5, 5, 5]) == 0.0  # as fast as it comes
     assert peak_backlog([12, 0, 0, 0]) == 9.0  # a burst: 3 a step drained
     assert peak_backlog([6, 0, 6, 0]) == 3.0  # the same bytes spread out
+    assert peak_backlog([0, 0, 0, 6, 0, 6, 0]) == 3.0  # a warm-up that saves nothing does not count

@@ -74,7 +74,10 @@ def test_spread_phases_leave_at_most_the_largest_layer_waiting_for_storage_at_th
     packed = simulate_config(trace, StaggeredConfig(period=period), label="packed")
     interval = simulate_interval(trace, period)
     assert interval.peak_backlog_bytes >= 0.85 * full
-    assert spread.peak_backlog_bytes <= largest
+    assert spread.peak_backlog_bytes <= 1.05 * largest  # (0.95-0.99 of it here)
     assert spread.bytes_written == packed.bytes_written
+    assert spread.mean_unsaved_drift <= 1.01 * packed.mean_unsaved_drift  # (no warm-up: 0.95-1.0 of it)
+    warmed = simulate_config(trace, StaggeredConfig(period=period, warmup_steps=period, spread_phases=True), label="w")
+    assert warmed.peak_backlog_bytes <= 1.05 * largest  # storage sized from the first save on
     if period >= 50:  # more steps than the model's 32 layers: consecutive saves pile up
         assert packed.peak_backlog_bytes > 1.5 * largest

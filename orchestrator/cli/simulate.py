@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pol.add_argument(
         "--spread-phases",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
         help="staggered: the layers' first saves evenly over the first period, not on consecutive steps",
     )
