@@ -317,7 +317,7 @@ def _comparison_table(comparisons: list[Comparison], *, full_checkpoint: int) ->
         "\n(bytes ratio = policy bytes / full-checkpoint bytes at matched freshness; < 1 means the policy writes less."
         f"\n vs oracle = policy bytes / the oracle's at the same unsaved drift. Full checkpoints hand over a whole "
         f"checkpoint, {human_bytes(full_checkpoint)}, at each save.\n peak backlog = the most bytes waiting to be "
-        "written at once where storage writes the policy's mean bytes per step, no faster.)"
+        "written at once where storage writes the policy's mean bytes per step from its first save on, no faster.)"
     )
 
 
