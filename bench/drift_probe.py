@@ -38,6 +38,7 @@ and the whole training step (forward, backward, optimizer) through the DeepSpeed
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -150,15 +151,16 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     moments, moments_groups = plain()
     floor, floor_groups = plain()
 
-    def drift_step() -> None:
-        drift.step()
-        values = drift.take_drift()
-        torch.stack(list(values.values())).cpu()
+    def read_after_step(optimizer: DriftAdamW) -> Callable[[], None]:
+        """``optimizer``'s step, then its drift read to the host (the probe's one sync a step)."""
 
-    def fused_step() -> None:
-        fused.step()
-        values = fused.take_drift()
-        torch.stack(list(values.values())).cpu()
+        def stepped() -> None:
+            optimizer.step()
+            torch.stack(list(optimizer.take_drift().values())).cpu()
+
+        return stepped
+
+    drift_step, fused_step = read_after_step(drift), read_after_step(fused)
 
     def snapshot_diff_step() -> None:
         snap.step()
@@ -232,27 +234,22 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     def new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], None]:
         """``step`` with new gradient tensors at every call (two sets, in turn): as a loop that sets
         them to ``None``, or DeepSpeed's ZeRO-0 fp32 copies of bf16 gradients, brings them."""
-        sets: list[list[torch.Tensor | None]] = [[p.grad for p in params], [torch.randn_like(p) * 1e-3 for p in params]]
-        calls = [0]
+        sets = itertools.cycle([[torch.randn_like(p) * 1e-3 for p in params], [p.grad for p in params]])
 
         def stepped() -> None:
-            calls[0] += 1
-            for p, grad in zip(params, sets[calls[0] % 2]):
+            for p, grad in zip(params, next(sets)):
                 p.grad = grad
             step()
 
         return stepped
 
     fused_new = DriftAdamW(_groups(model, device), lr=1e-5, drift_step="fused")
-
-    def fused_new_step() -> None:
-        fused_new.step()
-        torch.stack(list(fused_new.take_drift().values())).cpu()
-
     new_grad_variants = {
         # the baseline's own optimizer: torch's step keeps nothing of its tensors from step to step
         "adamw/new_grads": new_grads(adamw.step, [p for g in adamw_groups for p in g["params"]]),
-        "drift_fused/new_grads": new_grads(fused_new_step, [p for g in fused_new.param_groups for p in g["params"]]),
+        "drift_fused/new_grads": new_grads(
+            read_after_step(fused_new), [p for g in fused_new.param_groups for p in g["params"]]
+        ),
     }
 
     def l1_step() -> None:
