@@ -12,22 +12,15 @@ from layercheck.orchestrator.core.policy_service import DECISION_HISTORY
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.runtime import policy_actor
 from layercheck.policies.configs import IntervalConfig, StaggeredConfig
+from tests.support.clock import ManualClock
 
 NUMEL = {"embed": 100, "block.0": 50, "norm": 10}
 #: (drift every step: each step's news reaches the next observation; quiet steps: tests/test_quiet_steps.py)
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock(monkeypatch):
-    fake = _Clock()
+    fake = ManualClock()
     monkeypatch.setattr(policy_actor.time, "monotonic", fake)
     return fake
 

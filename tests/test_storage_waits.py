@@ -4,24 +4,17 @@ is slower than its schedule waits at every save, several times a second on a lar
 import logging
 
 from layercheck.orchestrator.core.storage_waits import StorageWaits
+from tests.support.clock import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def wait(waits: StorageWaits, clock: Clock, seconds: float, inflight: int = 700) -> None:
+def wait(waits: StorageWaits, clock: ManualClock, seconds: float, inflight: int = 700) -> None:
     started = waits.begin(0, inflight, 512)
     clock.now += seconds
     waits.end(started)
 
 
 def test_the_first_wait_is_said_with_its_remedy_then_at_most_once_a_period_with_what_the_waits_added_up_to(caplog):
-    clock = Clock()
+    clock = ManualClock(100.0)
     waits = StorageWaits(every_s=60.0, clock=clock)
     with caplog.at_level(logging.WARNING, logger="layercheck.orchestrator.core.storage_waits"):
         wait(waits, clock, 0.5)
