@@ -234,7 +234,8 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
     def new_grads(step: Callable[[], Any], params: list[torch.Tensor]) -> Callable[[], None]:
         """``step`` with new gradient tensors at every call (two sets, in turn): as a loop that sets
         them to ``None``, or DeepSpeed's ZeRO-0 fp32 copies of bf16 gradients, brings them."""
-        sets = itertools.cycle([[torch.randn_like(p) * 1e-3 for p in params], [p.grad for p in params]])
+        new: list[torch.Tensor | None] = [torch.randn_like(p) * 1e-3 for p in params]
+        sets = itertools.cycle([new, [p.grad for p in params]])
 
         def stepped() -> None:
             for p, grad in zip(params, next(sets)):
