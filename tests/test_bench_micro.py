@@ -1,5 +1,5 @@
 """The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`,
-`layercheck.bench.fused_issue`) run end to end on CPU and
+`layercheck.bench.fused_issue`, `layercheck.bench.ray_answer`) run end to end on CPU and
 report every figure they promise; the timing helpers they share count what they say."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from layercheck.bench import drift_probe, fused_issue, snapshot_stall, timing
+from layercheck.bench import drift_probe, fused_issue, ray_answer, snapshot_stall, timing
 
 
 def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():
@@ -84,3 +84,13 @@ def test_fused_issue_times_the_steps_bookkeeping_and_puts_everything_back():
     assert drift_fused.triton_eligible is eligible
     if importlib.util.find_spec("triton") is None:
         assert "triton" not in sys.modules and "layercheck.workers.drift_triton" not in sys.modules
+
+
+def test_ray_answer_times_both_ways_of_collecting_the_policys_answer(local_ray, capsys):
+    result = ray_answer.run(steps=10, step_s=0.01)  # each collection checks it got its own step's answer
+    assert result["steps"] == 10
+    for way in ray_answer.WAYS:
+        assert 0 < result[f"{way}_s"] <= result[f"{way}_s_p90"]
+    assert result["future_vs_wait_get"] == result["future_s"] / result["wait_get_s"]
+    ray_answer.main(["--steps", "10", "--step-s", "0.01"])
+    assert "future / wait+get" in capsys.readouterr().out

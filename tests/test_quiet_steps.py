@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
-from layercheck.orchestrator.runtime import policy_actor, train_fn
+from layercheck.orchestrator.runtime import policy_actor
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import KnowsQuietSteps, build_policy
@@ -142,27 +142,28 @@ def test_a_restart_in_a_quiet_window_plans_the_rest_of_it_from_the_rebased_sched
     assert not svc.plan() and not svc.quiet(11)
 
 
-class _Answer:
-    """A policy actor's answer in hand, as its object reference (``ray.get`` is patched)."""
+class _Answer(Future):
+    """A policy actor's answer, in: the future the sending thread hands back. Without a value, one
+    the rank must not collect."""
 
     def __init__(self, value=None) -> None:
-        self.value = value
+        super().__init__()
+        self.set_result(value)
+
+    def result(self, timeout=None):
+        value = super().result(timeout)
+        assert value is not None, "collected the answer of a planned quiet step"
+        return value
 
 
 def sent(answer: _Answer) -> Future:
-    """The report as the sending thread hands it back: its call's reference."""
+    """The report as the sending thread hands it back, once it has left: its answer's future."""
     future: Future = Future()
     future.set_result(answer)
     return future
 
 
-def test_the_policy_actor_hands_the_plan_with_the_measured_steps_answer_and_a_rank_collects_no_other(monkeypatch):
-    def get(ref: _Answer):
-        assert ref.value is not None, "collected the answer of a planned quiet step"
-        return ref.value
-
-    monkeypatch.setattr(train_fn.ray, "get", get)
-    monkeypatch.setattr(train_fn.ray, "wait", lambda refs, **_: (refs, []))  # every answer is in
+def test_the_policy_actor_hands_the_plan_with_the_measured_steps_answer_and_a_rank_collects_no_other():
     config = StaggeredConfig(period=4, drift_every=EVERY)
     actor = policy_actor.PolicyActor.__ray_actor_class__(config, NUMEL, 1, 1)
 

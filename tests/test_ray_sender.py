@@ -7,6 +7,7 @@ actor is Ray's own."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 from layercheck.orchestrator.runtime import train_fn
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
@@ -14,25 +15,37 @@ from layercheck.workers.drift import LayerDrift
 from layercheck.workers.progress import StepProgress
 
 
+class _Ref:
+    """A call's object reference: its ``future()`` is the answer, in (``answered``) or never."""
+
+    def __init__(self, value: dict, answered: bool) -> None:
+        self.value, self.answered = value, answered
+
+    def future(self) -> Future:
+        future: Future = Future()
+        if self.answered:
+            future.set_result(self.value)
+        return future
+
+
 class _Method:
-    def __init__(self, calls: list, name: str, gate: threading.Event) -> None:
-        self.calls, self.name, self.gate = calls, name, gate
+    def __init__(self, calls: list, name: str, gate: threading.Event, *, answers: bool = True) -> None:
+        self.calls, self.name, self.gate, self.answers = calls, name, gate, answers
 
     def remote(self, *args):
         assert self.gate.wait(30), "the submission was made on the training thread"  # held until the test opens it
         step = args[0].step if isinstance(args[0], StepProgress) else args[0]
         self.calls.append((self.name, step, threading.current_thread().name))
-        return {"step": step, "layers": {"embed": "schedule"}, "stop": False, "plan": []}
+        return _Ref({"step": step, "layers": {"embed": "schedule"}, "stop": False, "plan": []}, self.answers)
 
 
 class _Actor:
-    def __init__(self, calls: list, method: str, gate: threading.Event) -> None:
-        setattr(self, method, _Method(calls, method, gate))
+    def __init__(self, calls: list, method: str, gate: threading.Event, *, answers: bool = True) -> None:
+        setattr(self, method, _Method(calls, method, gate, answers=answers))
 
 
 def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for_them(monkeypatch):
-    monkeypatch.setattr(train_fn.ray, "get", lambda answer: answer)  # the stand-in answers at once
-    monkeypatch.setattr(train_fn.ray, "wait", lambda refs, **_: (refs, []))
+    monkeypatch.setattr(train_fn.ray, "wait", lambda refs, **_: (refs, []))  # (flush) every answer is in
     calls: list = []
     gate = threading.Event()  # submissions wait until it opens
     rank = RayCoordinator(
@@ -71,16 +84,18 @@ def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_releas
     from layercheck.workers.collective_abort import CollectiveAbort, PeerLost
 
     polls: list[float] = []
+    waits = ray_coordinator.wait_for
 
-    def never(refs, timeout=None, **_):
+    def wait_for(futures, timeout=None):
         polls.append(timeout)
-        return [], refs
+        return waits(futures, timeout=timeout)
 
-    monkeypatch.setattr(ray_coordinator.ray, "wait", never)
+    monkeypatch.setattr(ray_coordinator, "wait_for", wait_for)
     monkeypatch.setattr(ray_coordinator, "RELEASE_POLL_S", 0.01)
     gate = threading.Event()
     gate.set()
-    rank = RayCoordinator(rank=0, policy=_Actor([], "report", gate), writer=None, supervisor=None, max_inflight_bytes=1)
+    never = _Actor([], "report", gate, answers=False)
+    rank = RayCoordinator(rank=0, policy=never, writer=None, supervisor=None, max_inflight_bytes=1)
     watcher = collective_abort.install(CollectiveAbort(backend="gloo"))
     try:
         watcher.arm()
