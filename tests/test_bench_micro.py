@@ -1,5 +1,5 @@
 """The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`,
-`layercheck.bench.fused_issue`, `layercheck.bench.ray_answer`) run end to end on CPU and
+`layercheck.bench.fused_issue`, `layercheck.bench.ray_answer`, `layercheck.bench.sender_gil`) run end to end on CPU and
 report every figure they promise; the timing helpers they share count what they say."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from layercheck.bench import drift_probe, fused_issue, ray_answer, snapshot_stall, timing
+from layercheck.bench import drift_probe, fused_issue, ray_answer, sender_gil, snapshot_stall, timing
 
 
 def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():
@@ -94,3 +94,13 @@ def test_ray_answer_times_both_ways_of_collecting_the_policys_answer(local_ray, 
     assert result["future_vs_wait_get"] == result["future_s"] / result["wait_get_s"]
     ray_answer.main(["--steps", "10", "--step-s", "0.01"])
     assert "future / wait+get" in capsys.readouterr().out
+
+
+def test_sender_gil_times_the_step_beside_every_kind_of_sending_thread(local_ray, capsys):
+    result = sender_gil.run(rounds=6, ops=100, busy_ms=0.2)
+    assert result["none_excess_s"] == 0
+    for mode in sender_gil.MODES:
+        assert result[f"{mode}_s"] > 0
+        assert result[f"{mode}_excess_s"] == result[f"{mode}_s"] - result["none_s"]
+    sender_gil.main(["--rounds", "4", "--ops", "50", "--busy-ms", "0.1"])
+    assert "report+progress" in capsys.readouterr().out

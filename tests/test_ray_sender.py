@@ -16,12 +16,15 @@ from layercheck.workers.progress import StepProgress
 
 
 class _Ref:
-    """A call's object reference: its ``future()`` is the answer, in (``answered``) or never."""
+    """A call's object reference: its ``future()`` is the answer, in (``answered``) or never;
+    ``futures`` records the threads that took one."""
 
     def __init__(self, value: dict, answered: bool) -> None:
         self.value, self.answered = value, answered
+        self.futures: list[str] = []
 
     def future(self) -> Future:
+        self.futures.append(threading.current_thread().name)
         future: Future = Future()
         if self.answered:
             future.set_result(self.value)
@@ -31,12 +34,14 @@ class _Ref:
 class _Method:
     def __init__(self, calls: list, name: str, gate: threading.Event, *, answers: bool = True) -> None:
         self.calls, self.name, self.gate, self.answers = calls, name, gate, answers
+        self.refs: list[_Ref] = []
 
     def remote(self, *args):
         assert self.gate.wait(30), "the submission was made on the training thread"  # held until the test opens it
         step = args[0].step if isinstance(args[0], StepProgress) else args[0]
         self.calls.append((self.name, step, threading.current_thread().name))
-        return _Ref({"step": step, "layers": {"embed": "schedule"}, "stop": False, "plan": []}, self.answers)
+        self.refs.append(_Ref({"step": step, "layers": {"embed": "schedule"}, "stop": False, "plan": []}, self.answers))
+        return self.refs[-1]
 
 
 class _Actor:
@@ -69,6 +74,24 @@ def test_the_calls_leave_in_order_from_a_thread_of_their_own_and_flush_waits_for
         (name, step) for step in (1, 2, 3) for name in ("report", "progress")
     ]
     assert {thread for _, _, thread in calls} == {"layercheck-send-0_0"}
+
+
+def test_a_measured_steps_answer_is_taken_as_a_future_as_the_report_leaves_and_a_quiet_steps_only_if_read():
+    """A measured step's answer is read a step later: the sending thread takes its future as the
+    report leaves (Ray completes it on its own thread). A quiet step's answer is read only where
+    no plan holds its decision (right after a start): its future is taken then, on the training
+    thread, and not at all where the plan answers (taking one costs the interpreter lock)."""
+    gate = threading.Event()
+    gate.set()
+    policy = _Actor([], "report", gate)
+    rank = RayCoordinator(rank=0, policy=policy, writer=None, supervisor=None, max_inflight_bytes=1)
+    quiet = rank.report(LayerDrift(step=1, l1={}, numel={}, measured=False), 1e-3)
+    measured = rank.report(LayerDrift(step=2, l1={"embed": 0.5}, numel={"embed": 4}, measured=True), 1e-3)
+    assert rank.decision(quiet).names == ("embed",)  # no plan yet: the answer itself
+    assert rank.decision(measured).names == ("embed",)
+    first, second = policy.report.refs
+    assert first.futures == [threading.current_thread().name]  # taken when read
+    assert second.futures == ["layercheck-send-0_0"]  # taken as the report left
 
 
 def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_released(monkeypatch):

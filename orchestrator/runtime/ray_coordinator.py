@@ -58,6 +58,9 @@ SUBMIT_TRIES = 2
 FINAL_FLUSH_S = 300.0
 #: How often a rank waiting for a decision looks whether it was told that a peer is gone.
 RELEASE_POLL_S = 0.5
+#: What the sending thread hands back for a report: its answer's future (a measured step), or the
+#: call's reference (a quiet step, whose answer is rarely read).
+Sent = Future[Any] | ray.ObjectRef
 #: The longest a rank waits for a decision. Every rank has sent its report of the step by then
 #: (the rank finished the next step with them), so only a lost report makes it this long.
 DECISION_TIMEOUT_S = 600.0
@@ -127,32 +130,36 @@ class RayCoordinator:
         """Seconds the training thread waited for storage (the in-flight byte bound)."""
         return self._waits.blocked_s
 
-    def report(self, drift: LayerDrift, lr: float) -> tuple[int, Future[Future[Any]]]:
+    def report(self, drift: LayerDrift, lr: float) -> tuple[int, Future[Sent]]:
         """Hand the step's report to the sending thread (its Ray submission costs more than the
-        rest of the per-step protocol); the handle resolves, once the report has left, to the
-        future of the policy actor's answer."""
+        rest of the per-step protocol); the handle resolves once the report has left."""
         counts = dict(drift.numel) if drift.measured else {}  # (unused where nothing was measured)
         return drift.step, self._sender.submit(
             self._send_report, drift.step, self.rank, lr, dict(drift.l1), counts, drift.measured
         )
 
-    def _send_report(self, *args: Any) -> Future[Any]:
-        """Send the report; its answer as a future that Ray completes (fetched and deserialized)
-        on a thread of its own as soon as the policy actor answers. The training thread collects
-        the answer a whole step later, when it is long in: reading the future then costs ~40 µs,
-        where fetching the answer itself (``ray.wait`` and ``ray.get``) cost 0.4 ms on an idle
-        2-core VM and 1-6 ms beside training (measured, ``layercheck demo``)."""
-        self.last_report = self.policy.report.remote(*args)
-        return self.last_report.future()
+    def _send_report(
+        self, step: int, rank: int, lr: float, l1: dict[str, float], counts: dict[str, int], measured: bool
+    ) -> Sent:
+        """Send the report. A measured step's answer is collected a whole step later, long after
+        it came: it is taken as a future, which Ray completes (fetched and deserialized) on a thread
+        of its own as the answer comes, so the training thread reads it in ~20 µs instead of
+        fetching it then (``ray.wait`` and ``ray.get``: 0.36 ms on an idle 2-core VM, 1-6 ms beside
+        training; ``python -m layercheck.bench.ray_answer``). A quiet step's answer is read only
+        where no plan holds its decision (the quiet steps right after a start): its reference, the
+        future taken then, since taking one costs the process ~0.2 ms of the interpreter lock."""
+        self.last_report = self.policy.report.remote(step, rank, lr, l1, counts, measured)
+        return self.last_report.future() if measured else self.last_report
 
-    def decision(self, handle: tuple[int, Future[Future[Any]]]) -> PersistDecision | None:
+    def decision(self, handle: tuple[int, Future[Sent]]) -> PersistDecision | None:
         """The step's decision: from the plan a measured step's answer carried (a quiet step: no
         answer collected), else the policy actor's answer."""
         step, sent = handle
         planned = self._plan.pop(step, None)
         if planned is not None:
             return planned
-        data = self._answer(sent.result(), step)
+        answer = sent.result()
+        data = self._answer(answer if isinstance(answer, Future) else answer.future(), step)
         if data is None:
             return None
         self._stop = self._stop or bool(data.get("stop"))
