@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import ray
+
+from layercheck.bench.local_ray import local_ray
 
 WAYS = ("wait_get", "future")
 
@@ -53,10 +54,7 @@ def _collectors() -> dict[str, tuple[Callable[[ray.ObjectRef], Any], Callable[[A
 
 def run(steps: int, step_s: float, plan_steps: int = 9) -> dict[str, Any]:
     """Medians and 90th percentiles of each way's collection time over ``steps`` after 10 warm-up steps."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
-    try:
+    with local_ray():
         policy = _Policy.remote()  # type: ignore[attr-defined]  # @ray.remote class (python/mypy#3135)
         ray.get(policy.report.remote(0, plan_steps))
         ways = _collectors()
@@ -70,15 +68,12 @@ def run(steps: int, step_s: float, plan_steps: int = 9) -> dict[str, Any]:
                 if step > 10:
                     samples[way].append(time.perf_counter() - start)
                 assert answer["step"] == step
-        out: dict[str, Any] = {"steps": steps, "step_s": step_s}
-        for way, times in samples.items():
-            out[f"{way}_s"] = statistics.median(times)
-            out[f"{way}_s_p90"] = statistics.quantiles(times, n=10)[-1]
-        out["future_vs_wait_get"] = out["future_s"] / out["wait_get_s"]
-        return out
-    finally:
-        if started:
-            ray.shutdown()
+    out: dict[str, Any] = {"steps": steps, "step_s": step_s}
+    for way, times in samples.items():
+        out[f"{way}_s"] = statistics.median(times)
+        out[f"{way}_s_p90"] = statistics.quantiles(times, n=10)[-1]
+    out["future_vs_wait_get"] = out["future_s"] / out["wait_get_s"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

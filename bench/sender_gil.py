@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from typing import Any
 
 import ray
 import torch
+
+from layercheck.bench.local_ray import local_ray
 
 MODES = ("none", "report", "report+future", "report+progress", "python", "native")
 
@@ -82,11 +83,7 @@ def _senders(busy_s: float) -> dict[str, Callable[[int], None] | None]:
 def run(rounds: int, ops: int = 1500, busy_ms: float = 1.0) -> dict[str, Any]:
     """Per mode, the stand-in step's median and its excess over ``none``'s, over ``rounds`` after 20 warm-up rounds."""
     torch.set_num_threads(1)
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
-    sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender")
-    try:
+    with local_ray(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="sender") as sender:
         senders = _senders(busy_ms / 1e3)
         x = torch.zeros(16)
         samples: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -103,16 +100,12 @@ def run(rounds: int, ops: int = 1500, busy_ms: float = 1.0) -> dict[str, Any]:
                     samples[mode].append(time.perf_counter() - start)
                 sender.submit(lambda: None).result()  # the sends are done before the next mode's step
                 time.sleep(0.002)
-        out: dict[str, Any] = {"rounds": rounds, "ops": ops, "busy_ms": busy_ms}
-        base = statistics.median(samples["none"])
-        for mode, times in samples.items():
-            out[f"{mode}_s"] = statistics.median(times)
-            out[f"{mode}_excess_s"] = statistics.median(times) - base
-        return out
-    finally:
-        sender.shutdown()
-        if started:
-            ray.shutdown()
+    medians = {mode: statistics.median(times) for mode, times in samples.items()}
+    out: dict[str, Any] = {"rounds": rounds, "ops": ops, "busy_ms": busy_ms}
+    for mode, median in medians.items():
+        out[f"{mode}_s"] = median
+        out[f"{mode}_excess_s"] = median - medians["none"]
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
