@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass
 
 from layercheck.orchestrator.runtime import in_place
+from layercheck.workers import collective_abort
 from layercheck.workers.collective_abort import AbortDecision
 
 
@@ -50,6 +51,9 @@ class _Supervisor:
 
 def test_a_replaced_worker_promotes_a_spare_and_every_other_worker_is_asked_to_release(monkeypatch):
     monkeypatch.setattr(in_place.ray, "get", lambda value, timeout=None: value)
+    # no watcher in this process, whatever an earlier test in it installed and ended
+    monkeypatch.setattr(collective_abort, "_installed", None)
+    monkeypatch.setattr(collective_abort, "_ended_after_raise", False)
     logged = threading.Event()
     answers: dict = {}
 
