@@ -127,7 +127,7 @@ class LayerCheckTrainer:
         try:
             run = self._fit(cfg, layers, lease)
         finally:
-            lease.release()
+            lease.release(wait_s=cfg.persistence.stop_drain_s)  # a renewal hung on storage is not waited for
         return FitResult(run=run, summary=summarize(run))
 
     def _record_model(self, fs: StoreFS) -> None:
@@ -180,6 +180,7 @@ class LayerCheckTrainer:
             policy=cfg.policy,
             in_place=cfg.in_place,
             regroup_timeout_s=cfg.regroup_timeout_s,
+            stop_drain_s=cfg.persistence.stop_drain_s,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None

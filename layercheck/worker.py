@@ -28,6 +28,10 @@ from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.runtime.train_fn import fault_hook, recover
+from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.model_identity import recorded_model_changes
+from layercheck.orchestrator.store.model_record import MODEL_FILE
+from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.configs import schedule_warnings
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec
 from layercheck.workers import collective_abort
@@ -38,7 +42,8 @@ logger = logging.getLogger(__name__)
 
 
 class LayerMismatchError(ValueError):
-    """The workers' model does not have the layers the driver planned the run with."""
+    """The workers' model is not the one the driver planned the run with (its layers, or the config
+    fields the run's ``model.json`` records)."""
 
 
 class Attachment:
@@ -54,8 +59,10 @@ class Attachment:
         kill: Any,
         save_final: bool = True,
         policy: Any = None,
+        drain_s: float = 120.0,
     ) -> None:
         self._attached = attached
+        self._drain_s = drain_s
         self._policy = policy
         self._save_final = save_final
         self._protocol = protocol
@@ -130,7 +137,7 @@ class Attachment:
             self._protocol.finish(save_final=self._save_final)
             coordinator = self._protocol.coordinator
             if isinstance(coordinator, RayCoordinator):
-                coordinator.flush(timeout_s=300)
+                coordinator.flush(timeout_s=self._drain_s)  # (persistence.stop_drain_s)
         return self._protocol.result
 
     def __enter__(self) -> Attachment:
@@ -151,7 +158,8 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     ``layer_map`` / ``drift_probe`` override the trainer's :class:`layercheck.CheckpointConfig`.
     Raises before training: ``UnplacedParameterError`` (parameters no layer holds: pass a
     ``layer_map``), ``UnsupportedOptimizerError`` (not an Adam-family optimizer),
-    :class:`LayerMismatchError` (not the model the trainer was given).
+    :class:`LayerMismatchError` (not the model the trainer was given: other layer sizes, or other
+    config fields than the run's ``model.json`` records, e.g. the attention heads).
     """
     ctx = context.current()
     if ctx is None:
@@ -166,6 +174,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         drift_every=ctx.policy.drift_every if ctx.policy is not None else 1,
     )
     _check_layers(attached.layer_map, ctx.layer_numel)
+    _check_recorded_model(engine, ctx.storage_uri)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     names = RunNames(ctx.run_id)
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
@@ -227,6 +236,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         kill=fault_hook(ctx.fault, rank, resume.attempt, coordinator),
         save_final=ctx.save_final,
         policy=ctx.policy,
+        drain_s=ctx.stop_drain_s,
     )
 
 
@@ -236,6 +246,20 @@ def _destroy(engine: Any) -> None:
         engine.destroy()
     except Exception as error:  # noqa: BLE001 - the group is broken: what is left goes with it
         logger.info("destroying the engine after the loop raised: %r", error)
+
+
+def _check_recorded_model(engine: Any, storage_uri: str) -> None:
+    """The engine's model against the run's ``model.json`` (the driver's ``model=``), config field by
+    field: heads of another size can give every layer the same parameter count, and the composite
+    would load into a model other than the one the store records (and exports). Before this rank
+    joins the run, so a refused attach writes nothing."""
+    changes = recorded_model_changes(StoreFS.open(storage_uri), getattr(engine, "module", engine))
+    if changes:
+        raise LayerMismatchError(
+            f"the engine's model is not the one the run in {redact_uri(storage_uri)} records in {MODEL_FILE} "
+            f"({', '.join(changes)}): give LayerCheckTrainer(model=...) the model this loop trains, "
+            "or build this loop's model from the recorded config"
+        )
 
 
 def _check_layers(layers: LayerMap, planned: Any) -> None:

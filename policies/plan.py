@@ -200,8 +200,8 @@ def _source(v: VersionRef, elements: int, ranks: Mapping[str, tuple[int, ...]]) 
 
 
 def newest_recoverable_step(layer_names: Collection[str], versions: Iterable[VersionRef]) -> int | None:
-    """The newest step at which every layer has some version (the default ``t_fail``, where a
-    ``--resume`` or a restarted driver continues): the step of the newest version, whole or
+    """The newest step at which every layer has some version (over the versions found usable, the
+    default ``t_fail``, where a ``--resume`` or a restarted driver continues): the step of the newest version, whole or
     partial, provided every layer has a whole version at all (a partial one holds only some
     ranks' slices). A partial version is committed only at or before the ``t_fail`` of the
     failure that left it (``CommitTracker.take_incomplete``), so its step is one the run

@@ -20,6 +20,7 @@ from layercheck.policies.trace import DriftTrace
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
 from tests.support.ray_runs import EVERY_STEP, UNBOUNDED, train_demo
+from tests.support.store_helpers import flip_data_byte
 
 pytestmark = pytest.mark.slow
 
@@ -270,6 +271,31 @@ def assert_same_losses_after(t_fail: int, failed, clean) -> None:
     assert sorted(history) == sorted(reference)
     for step in range(t_fail + 1, max(reference) + 1):
         assert history[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7), step
+
+
+def test_a_resume_whose_newest_version_has_a_corrupt_tensor_falls_back_to_the_previous_one(
+    local_ray, clean_run, tmp_path
+):
+    """``--resume`` of a copy of the ``clean_run`` fixture's store (12 steps, every layer every step)
+    in which one byte near the end of block.1's step-12 data is flipped: its size and header still
+    match, so the pre-check passes it and the rank's load finds it. That rank reports the version
+    and raises before any step is trained: the run is retried (not ended as a setup error), the
+    retry's plan takes block.1 from step 11, and the run continues at step 13."""
+    shutil.copytree(clean_run.config.storage_uri, tmp_path / "bad")
+    store = LayerStore.open(str(tmp_path / "bad"))
+    bad = max((v for v in store.versions() if v.layer == "block.1"), key=lambda v: v.step)
+    assert bad.step == 12
+    flip_data_byte(store, bad, rank=0)
+    resumed = train_demo(
+        tmp_path, "bad", policy=EVERY_STEP, resume=True, **{"cluster.num_workers": 1, "steps": 14, "log_every": 1}
+    )
+    account = resumed.status["account"]
+    assert resumed.status["attempt"] == 2  # the resume's group, then its retry
+    assert [(r["t_fail"], r["resumed_at"]) for r in account["recoveries"]] == [(12, 13), (12, 13)]
+    history = {int(k): v[0] for k, v in account["history"].items()}
+    assert sorted(history) == [13, 14]  # nothing skipped, nothing repeated
+    first_losses = {int(k): v[0] for k, v in clean_run.status["account"]["history"].items()}
+    assert abs(history[13] - first_losses[12]) < 0.3  # the trained weights came back
 
 
 def test_a_failure_before_any_layer_was_saved_resumes_at_t_fail_plus_one(local_ray, tmp_path):

@@ -158,7 +158,7 @@ def test_store_tools_leave_run_json_alone(run, capsys):
     store = LayerStore.open(uri)
     (Path(uri) / DRIFT_TRACE_FILE).write_text('{"layers": [], "steps": []}')
     root_files = {name: (Path(uri) / name).read_bytes() for name in (RUN_CONFIG_FILE, DRIFT_TRACE_FILE)}
-    orphan = Path(uri) / "layers" / "embed" / "orphan.safetensors"
+    orphan = Path(uri) / "layers" / "embed" / "0000000099-rank00000of00001-0a0b0c0d.safetensors"  # its naming
     orphan.write_bytes(b"never committed")
     report = collect_garbage(store, GcConfig(grace_s=0.0))
     assert orphan.name in " ".join(report.orphans) and not orphan.exists()

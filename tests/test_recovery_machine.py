@@ -37,7 +37,7 @@ from layercheck.orchestrator.core.recovery_machine import (
 )
 from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
-from tests.support.store_helpers import receipt, write_layer
+from tests.support.store_helpers import receipt, relabel_version, write_layer
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
@@ -219,6 +219,41 @@ def test_a_resumed_run_starts_at_the_stores_newest_recoverable_step(store):
     record = of(RecordRecovery, actions)
     assert not record.lost_group and record.groups_lost == 0
     assert of(RebasePolicy, actions).world_size == 1
+
+
+def test_a_resumed_run_continues_after_the_newest_step_of_versions_the_plan_accepts(store):
+    """The version that would set the resume step (embed's, renamed consistently from step 6 to
+    step 30: its files' headers still say 6) is rejected by the plan: the step too."""
+    commit_all(store, 5, base=True)
+    relabel_version(store, write_layer(store, "embed", 6)[0], 30)
+    sup = RecoveryMachine(config=CONFIG, resume=True)
+    planned = plan_composite(store, NUMEL, of(PlanComposite, sup.handle(joined(0, "a0", world_size=1))))
+    assert planned.t_fail == 5 and planned.records["embed"].step == 5
+    assert of(PublishResume, sup.handle(planned)).resume.start_step == 6
+
+
+def test_a_resume_lost_in_its_load_is_resumed_again_from_the_versions_still_usable(store):
+    """A --resume's group lost before it trained a step (a rank's load found a version of its
+    composite corrupt): the retry plans as a --resume, at the newest step of the versions the plan
+    still accepts, not at the step the rejected version set. Once it trained, a loss is a failure
+    at the step reached."""
+    commit_all(store, 5, base=True)
+    bad, _ = write_layer(store, "norm", 9)
+    sup = RecoveryMachine(config=CONFIG, resume=True)
+    planned = plan_composite(store, NUMEL, of(PlanComposite, sup.handle(joined(0, "a0", world_size=1))))
+    assert of(PublishResume, sup.handle(planned)).resume.start_step == 10 and sup.state.from_store
+    assert not sup.plan_found_unusable
+    sup.handle(VersionUnusable(version_id=bad.version_id, reason="checksum"))
+    assert sup.plan_found_unusable  # a retry does other work: not a setup error
+    actions = sup.handle(joined(0, "b0", world_size=1, last=9))  # the policy was rebased to 9; nothing trained
+    assert actions == [DrainWriters(attempt=2, deadline_s=5.0)] and sup.state.t_fail is None
+    plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
+    assert plan == PlanComposite(attempt=2, t_fail=None, skip={bad.version_id: "checksum"})
+    resume = of(PublishResume, sup.handle(plan_composite(store, NUMEL, plan))).resume
+    assert resume.start_step == 6 and resume.records["norm"].step == 5
+    assert sup.state.from_store and not sup.plan_found_unusable
+    sup.handle(joined(0, "c0", world_size=1, last=7))  # this one trained steps 6 and 7, then was lost
+    assert sup.state.t_fail == 7
 
 
 def test_a_writer_that_never_answers_the_drain_is_written_off():

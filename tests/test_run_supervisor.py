@@ -1,6 +1,7 @@
 """RunSupervisor, the shell any runtime hosts, in one process (no Ray): a real store and policy
 service; writers are fakes that script what a writer did (committed while drained, hung)."""
 
+import math
 import threading
 
 import pytest
@@ -8,9 +9,21 @@ import pytest
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
+from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.recovery_source import VersionReader
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig
-from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, written_receipts
+from layercheck.workers.shard import STATE_KEYS
+from tests.support.store_helpers import (
+    PARAMS,
+    cut_shards,
+    even_cuts,
+    faulty_store,
+    flip_data_byte,
+    layer_state,
+    write_layer,
+    written_receipts,
+)
 
 LAYERS = ("embed", "block.0", "norm")
 NUMEL = {name: 42 for name in LAYERS}  # PARAMS: 6*5 + 5 + 7 elements per layer
@@ -117,6 +130,46 @@ def test_a_group_grown_back_resumes_every_rank_at_the_same_step(store):
     assert run.join(0, 2, "c0") == grown
     recoveries = run.status()["account"]["recoveries"]
     assert [(r["t_fail"], r["resumed_at"]) for r in recoveries] == [(4, 5), (8, 9)]
+
+
+def _load(store, records):
+    """What each rank's load reads (``load_composite`` through ``VersionReader``s): every element
+    of every state of every layer, each tensor's checksum checked."""
+    for record in records.values():
+        with VersionReader(store, record) as reader:
+            for key in STATE_KEYS:
+                for name, shape in PARAMS.items():
+                    reader.read(name, key, 0, math.prod(shape))
+
+
+def test_a_resume_whose_load_finds_a_corrupt_tensor_is_retried_without_it_on_every_rank(store):
+    """``--resume`` of a run stopped after step 5, whose only step-5 version (block.0's) has a byte
+    flipped near the end of its data: the plan checks headers only and takes it; the load's read
+    of that tensor fails. The rank reports the version and raises before any step was trained,
+    which must not end the run as a setup error (a retry plans without the version); the retried
+    group's ranks all get the same plan: block.0 from its previous version, and the resume step
+    from the versions that plan accepts (step 4's), not from the rejected one."""
+    for layer in LAYERS:
+        write_layer(store, layer, 3, base=True)
+    for layer in ("embed", "norm"):
+        write_layer(store, layer, 4)
+    bad, _ = write_layer(store, "block.0", 5)
+    flip_data_byte(store, bad, rank=1)
+    run, _ = make(store, Writers(), resume=True)
+    first = run.join(0, 2, "a0")
+    assert run.join(1, 2, "a1") == first and first.start_step == 6 and first.records["block.0"] == bad
+    assert not run.worth_retrying()  # a rank that raises now, with nothing found, is a setup error
+    with pytest.raises(CorruptShardError) as found:
+        _load(store, first.records)
+    assert found.value.version_id == bad.version_id
+    run.version_unusable(found.value.version_id, str(found.value))  # train_fn.recover, before it raises
+    assert not run.trained() and run.worth_retrying()
+    again = run.join(1, 2, "b1")
+    assert run.join(0, 2, "b0") == again and again.attempt == 2
+    assert {layer: r.step for layer, r in again.records.items()} == {"embed": 4, "block.0": 3, "norm": 4}
+    assert again.start_step == 5
+    _load(store, again.records)  # every rank's load now succeeds
+    assert not run.worth_retrying()  # the retry's plan skips it: nothing new to skip
 
 
 def test_a_hung_writer_does_not_hang_recovery_and_its_versions_count_lost(store):

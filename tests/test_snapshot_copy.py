@@ -247,3 +247,47 @@ def test_a_holder_may_hand_the_buffers_back_before_persist_returns():
     handover.take(["a"], 2, base=False)
     handover.flush(wait=True)
     assert {id(t) for t in held[1].tensors.values()} == {id(t) for t in held[0].tensors.values()}
+
+
+def test_rank_0s_progress_names_the_layers_it_handed_over_as_versions_of_that_step():
+    """What storage owes the run starts at the hand-over: rank 0's progress of step ``t`` names the
+    layers whose state after ``t`` it handed to its writer (step ``t - 1``'s decision carried out),
+    which the supervisor counts as unwritten until they settle."""
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.AdamW([param])
+    param.grad = torch.ones(4)
+    optimizer.step()  # the moments a snapshot takes exist
+    piece = Piece(ParamSlice("a.0", (4,), 0, 4), param, 0)
+    layout = StateLayout(
+        stage=1,
+        rank=0,
+        world_size=1,
+        layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
+        layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
+        engine=None,
+        optimizer=optimizer,
+    )
+
+    class Coordinator:
+        def __init__(self) -> None:
+            self.handed: list[int] = []
+            self.progress_log: list = []
+
+        def report(self, drift, lr):
+            return drift.step
+
+        def decision(self, step):
+            return PersistDecision.of(step, {"a": Reason.SCHEDULE}) if step == 1 else PersistDecision(step=step)
+
+        def persist(self, shards, *, base):
+            self.handed.append(shards[0].step)
+
+        def progress(self, progress):
+            self.progress_log.append(progress)
+
+    coordinator = Coordinator()
+    protocol = loop.StepProtocol(layout, coordinator, rank=0)
+    for t in (1, 2, 3):
+        protocol.after_step(t, LayerDrift(step=t, l1={}, numel={}, measured=False), loss=1.0, lr=0.1, compute_s=0)
+    assert coordinator.handed == [2]  # (a host copy: handed over at once)
+    assert [(p.step, p.handed_over) for p in coordinator.progress_log] == [(1, ()), (2, ("a",)), (3, ())]

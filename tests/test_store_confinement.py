@@ -87,11 +87,11 @@ def test_a_record_that_is_not_json_keeps_every_uncommitted_file(tmp_path):
     store, records = _history(tmp_path)
     with open(store.fs.path(record_path(records[30].version_id)), "w") as f:
         f.write('{"format": 1, "shards": [')  # torn
-    stray = store.fs.path("layers/A/stray.safetensors")
+    stray = store.fs.path("layers/A/0000000050-rank00000of00002-0a0b0c0d.safetensors")  # LayerCheck's naming
     with open(stray, "wb") as f:
         f.write(b"x")
     report = collect_garbage(store, GcConfig(grace_s=0))
-    assert "layers/A/stray.safetensors" in report.kept_files and not report.orphans
+    assert "layers/A/0000000050-rank00000of00002-0a0b0c0d.safetensors" in report.kept_files and not report.orphans
     assert os.path.exists(stray)
     assert all(os.path.exists(store.fs.path(s.path)) for s in records[30].shards)
 

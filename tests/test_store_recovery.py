@@ -15,7 +15,7 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
 from layercheck.policies.plan import NoUsableVersionError
 from layercheck.workers.shard import STATE_KEYS, LayerShard
-from tests.support.store_helpers import PARAMS, cut_shards, layer_state, write_layer
+from tests.support.store_helpers import PARAMS, cut_shards, layer_state, relabel_version, write_layer
 
 LAYERS = {"embed": 48, "block.0": 48, "norm": 48}
 
@@ -129,7 +129,8 @@ def test_unusable_version_falls_back_to_the_previous_one(history, how, caplog):
     _damage(store, bad, how)
     resolved = resolve_plan(store, LAYERS)
     assert resolved.records["block.0"].step == 150
-    assert resolved.plan.t_fail == 200 and resolved.plan.max_staleness == 100
+    # the rejected version was the only one at 200: the newest step the others reach is norm's 180
+    assert resolved.plan.t_fail == 180 and resolved.plan.max_staleness == 80
     assert bad.shards[1].path in resolved.skipped[bad.version_id]
     assert f"version {bad.version_id} of layer block.0 is unusable" in caplog.text
     _assert_loads(store, resolved.records["block.0"], written[("block.0", 150)][1])
@@ -148,6 +149,43 @@ def test_shallow_check_leaves_data_errors_to_the_reader_which_names_the_version(
     assert info.value.version_id == bad.version_id and "fails its checksum" in str(info.value)
     again = resolve_plan(store, LAYERS, deep=False, skip={bad.version_id: str(info.value)})
     assert again.records["block.0"].step == 150
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["headers", "every-byte"])
+def test_the_default_step_comes_only_from_versions_the_plan_accepts(history, deep, caplog):
+    """A run stopped after step 200; embed's version of step 210 renamed consistently to step 500
+    (record, version id, file names) while its files' headers still say 210. The plan rejects it:
+    the step a resume continues after must not be 500 either (300 steps of data order and
+    learning-rate schedule skipped), but the newest step of the versions left."""
+    store, _ = history
+    renamed = relabel_version(store, write_layer(store, "embed", 210)[0], 500)
+    resolved = resolve_plan(store, LAYERS, deep=deep)
+    assert "holds (layer, step, rank, world) ('embed', 210" in resolved.skipped[renamed.version_id]
+    assert resolved.plan.t_fail == 200 and resolved.records["embed"].step == 100
+    assert resolved.plan.max_staleness == 100  # staleness counted from 200, not 500
+    assert f"version {renamed.version_id} of layer embed is unusable" in caplog.text
+
+
+def test_the_default_step_is_recomputed_until_every_version_left_is_usable(history):
+    """After each rejection the default step is recomputed from what is left: block.0's versions
+    of 200 and 150 both fail in turn, so the run's newest usable step is norm's 180."""
+    store, written = history
+    renamed = relabel_version(store, write_layer(store, "embed", 210)[0], 500)
+    for step in (200, 150):
+        store.fs.delete(written[("block.0", step)][0].shards[0].path)
+    resolved = resolve_plan(store, LAYERS)
+    assert resolved.plan.t_fail == 180
+    assert {layer: r.step for layer, r in resolved.records.items()} == {"embed": 100, "block.0": 100, "norm": 180}
+    assert renamed.version_id in resolved.skipped and len(resolved.skipped) == 3
+
+
+def test_a_given_step_stays_whatever_is_rejected(history):
+    """A live recovery's ``t_fail`` is the step the group reached: a rejected version changes the
+    versions chosen, never that step."""
+    store, written = history
+    store.fs.delete(written[("block.0", 200)][0].shards[0].path)
+    resolved = resolve_plan(store, LAYERS, 200)
+    assert resolved.plan.t_fail == 200 and resolved.records["block.0"].step == 150
 
 
 def test_falls_back_to_the_base(history):

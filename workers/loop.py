@@ -237,6 +237,7 @@ class StepProtocol:
                     stall_s=stall_s,
                     coordination_s=result.coordination_s - coordination_before,
                     probe=drift.cost,
+                    handed_over=result.persisted.get(step, ()),
                 )
             )
         return stall_s

@@ -41,3 +41,6 @@ class StepProgress:
     """Time in the policy protocol (drift report and decision)."""
     probe: ProbeCost | None = None
     """What measuring the step's drift cost (``None``: not timed)."""
+    handed_over: tuple[str, ...] = ()
+    """The layers whose state after this step the rank handed to its writer (the step's decision
+    carried out; every rank hands over the same): versions storage now owes the run."""

@@ -16,6 +16,8 @@ import argparse
 import logging
 
 from layercheck.orchestrator.local.export import FORMATS, ExportError, export
+from layercheck.orchestrator.store.errors import StoreUnavailableError
+from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -62,8 +64,8 @@ def run_export(args: argparse.Namespace) -> int:
             config_path=args.config,
             merge=args.merge,
         )
-    except (ExportError, ConfigError) as error:
+    except (ExportError, ConfigError, StoreUnavailableError) as error:
         print(f"error: {error}")
         return 2
-    print(f"exported {args.run} ({args.fmt}) to {written}")
+    print(f"exported {redact_uri(args.run)} ({args.fmt}) to {written}")
     return 0

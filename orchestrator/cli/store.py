@@ -6,15 +6,19 @@ RUN is a store URI or path (``/data/run1``, ``file:///…``, ``s3://bucket/run1`
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import pyarrow.fs as pafs
 
+from layercheck.orchestrator.store.errors import StoreUnavailableError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import Manifest
 from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
+from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.plan import newest_recoverable_step
 from layercheck.policies.retention import RetentionConfig
@@ -28,13 +32,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("run", help="store URI or path")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=run_inspect)
+    p.set_defaults(func=answered(run_inspect))
 
     p = subparsers.add_parser(
         "verify", help="re-read every committed shard and check sizes and checksums", description=__doc__
     )
     p.add_argument("run", help="store URI or path")
-    p.set_defaults(func=run_verify)
+    p.set_defaults(func=answered(run_verify))
 
     p = subparsers.add_parser(
         "gc",
@@ -51,7 +55,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds an uncommitted file is left alone (a write may be in progress)",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be freed, delete nothing")
-    p.set_defaults(func=run_gc)
+    p.set_defaults(func=answered(run_gc))
+
+
+def answered(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``command``, with a storage that stops answering (or refuses the credentials) midway said in
+    one line and exit status 2: nothing about the run follows from it (``StoreUnavailableError``)."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except StoreUnavailableError as error:
+            print(f"error: {error}")
+            return 2
+
+    return run
 
 
 def model_order(layer: str) -> tuple[int, int, str]:
@@ -114,8 +133,11 @@ def _open(run: str) -> LayerStore | None:
     try:
         store = LayerStore.open(run, fsync=False)
         found = store.fs.info("").type == pafs.FileType.Directory or bool(store.fs.list_files("manifest"))
-    except (OSError, ValueError) as error:
-        print(f"error: cannot open store {run}: {error}")
+    except StoreUnavailableError as error:  # it names the store already, and the cause
+        print(f"error: {error}")
+        return None
+    except (OSError, ValueError) as error:  # (a URI's user:password@ must not reach the screen)
+        print(f"error: cannot open store {redact_uri(run)}: {error}")
         return None
     if not found:
         print(f"error: no store at {store.uri}")
@@ -219,11 +241,18 @@ def run_gc(args: argparse.Namespace) -> int:
     for version_id, why in report.damaged.items():
         print(f"warning: damaged version {version_id} kept, and the versions a recovery falls back to instead: {why}")
     if report.damaged:
-        print(f"warning: {len(report.damaged)} damaged version(s); run layercheck verify {args.run}")
+        print(f"warning: {len(report.damaged)} damaged version(s); run layercheck verify {redact_uri(args.run)}")
     if report.kept_files:
         print(
             f"warning: kept {len(report.kept_files)} uncommitted file(s) that a damaged commit record may name; "
-            f"run layercheck verify {args.run}, then move or repair the record it names"
+            f"run layercheck verify {redact_uri(args.run)}, then move or repair the record it names"
+        )
+    if report.foreign:
+        for rel in report.foreign:
+            print(f"kept foreign {rel}")
+        print(
+            f"warning: kept {len(report.foreign)} file(s) LayerCheck did not write in its layers/ and manifest/ "
+            "(not its naming: never deleted); a run directory should hold only LayerCheck's files, move them away"
         )
     for message in report.errors:
         print(f"error: {message}")

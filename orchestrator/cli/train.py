@@ -14,7 +14,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from layercheck.orchestrator.store.errors import StoreBusyError, StoreWriteError, UnsafeStoreError
+from layercheck.orchestrator.store.errors import (
+    StoreBusyError,
+    StoreUnavailableError,
+    StoreWriteError,
+    UnsafeStoreError,
+)
 from layercheck.orchestrator.store.lease import LEASE_LOST
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
@@ -151,8 +156,10 @@ def train_and_report(
         StoreBusyError,
         ResumeError,
         StoreWriteError,
+        StoreUnavailableError,
     ) as error:
-        # each is a setup the driver refused before it wrote anything (ConfigError: data and model)
+        # each is a setup the driver refused before it wrote anything (ConfigError: data and model;
+        # StoreUnavailableError: the storage refused the credentials or did not answer)
         print(f"layercheck train: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # before training started: nothing to save

@@ -30,7 +30,9 @@ id, or whose group has another size (an elastic group Ray Train shrank or grew: 
 be any rank), is the first of a new group: the old one was lost after ``t_fail`` (the policy's last
 complete step, carried by the join), and recovery drains the writers, plans the composite at ``t_fail`` and
 rebases the policy before the ranks are answered with ``t_fail + 1`` — or step 1 from the initial
-weights when no composite exists (a failure in warm-up). A new group during a recovery overtakes
+weights when no composite exists (a failure in warm-up); a ``--resume``'s group lost before it trained
+a step (a rank's load found a version corrupt: :attr:`RecoveryMachine.plan_found_unusable`) is
+resumed again as the ``--resume`` was, without that version. A new group during a recovery overtakes
 it: the recovery restarts under the new attempt and the stale results of the old one are dropped.
 A join retried by the same worker changes nothing. ``handle`` is not thread-safe: a shell with
 threads serialises calls to it (and carries out actions outside that lock).
@@ -104,6 +106,9 @@ class Running:
     world_size: int
     members: Mapping[int, str]
     resume: ResumeInfo
+    from_store: bool = False
+    """Its composite is a ``--resume``'s: planned at the store's newest recoverable step, not at
+    a lost group's ``t_fail``."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,17 @@ class RecoveryMachine:
     def attempt(self) -> int:
         """The newest worker group's attempt (0 before the first join)."""
         return self._last_attempt
+
+    @property
+    def plan_found_unusable(self) -> bool:
+        """A rank found a version of the running group's composite unusable: the next group's
+        plan skips it, so a retry does not repeat what failed."""
+        state = self.state
+        if not isinstance(state, Running) or state.resume.records is None:
+            return False
+        chosen = {r.version_id for r in state.resume.records.values()}
+        chosen |= {o.version_id for layer in state.resume.overlays.values() for o in layer}
+        return not chosen.isdisjoint(self.unusable)
 
     def handle(self, event: Event) -> list[Action]:
         """Take one event; move to the next state; return the actions to carry out, in order."""
@@ -238,6 +254,15 @@ class RecoveryMachine:
                 f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
                 f"{state.attempt} was lost after step {t_fail}; recovering with {event.world_size} workers"
             )
+            if state.from_store and not grown_from and event.last_complete_step < state.resume.start_step:
+                # lost in a --resume's load (a corrupt tensor, say) before it trained a step: the
+                # retry plans as the --resume did, from the store's versions it still finds usable
+                t_fail = None
+                why = (
+                    f"rank {event.rank} joined as a new worker ({event.worker_id}): the group of attempt "
+                    f"{state.attempt} was lost before it trained a step of the --resume; resuming again "
+                    f"with {event.world_size} workers"
+                )
             if grown_from:
                 groups = 0  # a planned restart (Ray Train's elastic policy found room), not a failure
                 why = (
@@ -306,7 +331,8 @@ class RecoveryMachine:
             actions.append(
                 AbandonIncomplete(reason=f"the group of attempt {state.attempt - 1} was lost", keep_upto=state.t_fail)
             )
-        self._move(replace(state, phase="planning"), f"writers drained; planning the composite at step {state.t_fail}")
+        at = "the store's newest recoverable step" if state.t_fail is None else f"step {state.t_fail}"
+        self._move(replace(state, phase="planning"), f"writers drained; planning the composite at {at}")
         actions.append(PlanComposite(attempt=state.attempt, t_fail=state.t_fail, skip=dict(self.unusable)))
         return actions
 
@@ -346,7 +372,14 @@ class RecoveryMachine:
             weighted_staleness=getattr(event, "weighted_staleness", 0.0),
             sources=dict(getattr(event, "sources", {})),
         )
-        self._move(Running(attempt=state.attempt, world_size=state.world_size, members=state.members, resume=info), why)
+        running = Running(
+            attempt=state.attempt,
+            world_size=state.world_size,
+            members=state.members,
+            resume=info,
+            from_store=state.t_fail is None and records is not None,
+        )
+        self._move(running, why)
         return [
             RebasePolicy(world_size=state.world_size, resume_after=resume_after, persisted_steps=persisted),
             record,

@@ -25,20 +25,23 @@ def plan_composite(
     memory: Sequence[VersionRecord] = (),
     held: Collection[str] | None = None,
 ) -> CompositePlanned | NoComposite:
-    """The composite at ``action.t_fail`` (``None``: the store's newest recoverable step), or why
+    """The composite at ``action.t_fail`` (``None``: the newest step the store's usable versions
+    reach, a ``--resume``'s; a version found unusable never sets it), or why
     there is none, stamped with ``clock()`` when planning ended. ``memory``: the writers' memory
     versions, weighed with the stored ones; ``held``: the files the live writers hold (``None``:
     not known, every memory version counts as held)."""
-    t_fail = action.t_fail
-    if t_fail is None:
-        t_fail = newest_recoverable_step(list(layer_numel), store.manifest().refs()) or 0
     try:
-        resolved = resolve_plan(store, layer_numel, t_fail, deep=False, skip=action.skip, memory=memory, held=held)
+        resolved = resolve_plan(
+            store, layer_numel, action.t_fail, deep=False, skip=action.skip, memory=memory, held=held
+        )
     except NoUsableVersionError as error:
+        t_fail = action.t_fail
+        if t_fail is None:
+            t_fail = newest_recoverable_step(list(layer_numel), store.manifest().refs()) or 0
         return NoComposite(attempt=action.attempt, t_fail=t_fail, reason=str(error), now=clock())
     return CompositePlanned(
         attempt=action.attempt,
-        t_fail=t_fail,
+        t_fail=resolved.plan.t_fail,
         records=dict(resolved.records),
         max_staleness=resolved.plan.max_staleness,
         weighted_staleness=resolved.plan.weighted_staleness,

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS
+from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS, DEFAULT_HUNG_WRITE_S
 from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
 from layercheck.policies.configs import (
@@ -141,17 +141,28 @@ class PersistenceConfig:
     """After the last step (or a requested stop), every layer's state at that step is persisted
     like any version, so the store holds the trained model and ``export`` writes it."""
     on_staleness_breach: str = "stop"
-    """What a run does when storage failures (a full or read-only disk, an object-store outage)
-    let a layer's staleness pass the policy's ``smax`` plus the pipeline lag: ``stop`` (stop the
-    workers after the current step, persist what it can, report the error; resume once storage is
-    fixed) or ``warn`` (keep training, log the error; the metric and alert fire)."""
+    """What a run does when storage failures (a full or read-only disk, an object-store outage),
+    or storage that does not answer (``hung_write_s``), let a layer's staleness pass the policy's
+    ``smax`` plus the pipeline lag: ``stop`` (stop the workers after the current step, persist
+    what it can, report the error; resume once storage is fixed) or ``warn`` (keep training, log
+    the error; the metric and alert fire). Storage that is merely slow (it writes, late) is no
+    breach: a warning."""
     # Default "stop": the staleness bound is what LayerCheck promises. Training on past it means
     # the next worker failure rolls back further than the operator agreed to, for as long as the
     # storage stays broken (hours, on a week-long run nobody watches at night); a stopped run
     # loses nothing and resumes with one command. "warn" is for those who watch the alert.
+    hung_write_s: float = DEFAULT_HUNG_WRITE_S
+    """Seconds storage may leave the oldest version handed to the writers unanswered (neither
+    committed nor failed, and nothing else committed meanwhile) before it counts as storage that
+    does not answer: once a layer is past ``smax`` plus the lag, that is a breach
+    (``on_staleness_breach``). The default is 4 requests (a shard's directory marker, upload and
+    completion, and the version's commit) each as slow as LayerCheck's S3 client allows before it
+    fails (3 attempts × (3 s connect + 5 s request timeout)); a slow store commits well within it."""
     stop_drain_s: float = 120.0
     """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
-    step and for the writers to commit what they hold, before it gives up on them."""
+    step. At every end, stopped or not: how long after the last step the ranks wait for their last
+    snapshots to be written and the writers to commit what they hold; what is not written by then
+    is counted lost (storage that hangs costs this long, not until it answers)."""
     capture: bool = True
     """When a worker dies, each surviving rank hands the slices it holds of every layer at its last
     step to its writer before it exits (persisted as a partial version), and recovery takes them
@@ -194,6 +205,7 @@ class PersistenceConfig:
             " or ".join(repr(a) for a in BREACH_ACTIONS),
             self.on_staleness_breach,
         )
+        require(self.hung_write_s > 0, "hung_write_s", "> 0", self.hung_write_s)
         require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
         require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)

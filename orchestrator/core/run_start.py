@@ -5,8 +5,9 @@ order that keeps a user's data safe (no Ray here):
    wrong (warnings);
 2. the storage location (never ``/``, home, the working directory or a parent of it);
 3. the store's lease: one owner at a time (``orchestrator/store/lease.py``);
-4. ``--resume``: a composite in which every layer has a usable version, at a step below
-   ``steps`` — else an error naming the layer and the options;
+4. ``--resume``: the stored run's model (its layers and sizes, and the config fields that shape
+   the state: ``run.json``, else an own loop's ``model.json``); a composite in which every layer
+   has a usable version, at a step below ``steps`` — else an error naming the layer and the options;
    a fresh run: an empty store, or ``--overwrite``, which deletes only what LayerCheck wrote;
 5. ``run.json``.
 
@@ -17,8 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from layercheck.orchestrator.core.run_config import (
     RunConfig,
@@ -27,16 +29,20 @@ from layercheck.orchestrator.core.run_config import (
     config_warnings,
     parse_run_config,
 )
+from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.initial_state import record_initial
 from layercheck.orchestrator.store.layer_store import PREVIOUS_RUN_CONFIG_FILE, RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.lease import LEASE_FILE, StoreLease
+from layercheck.orchestrator.store.model_identity import identity_changes, model_identity, recorded_identity
+from layercheck.orchestrator.store.model_record import MODEL_FILE, read_model_record
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_plan
 from layercheck.orchestrator.store.run_dir import check_run_location, clear_run
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.layer_map import describe_layers
 from layercheck.policies.plan import NoUsableVersionError
+from layercheck.workers.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,24 +155,39 @@ def _refuse_existing_run(store: LayerStore, options: StartOptions) -> None:
         )
 
 
-def check_same_model(store: LayerStore, layer_numel: dict[str, int]) -> None:
-    """:class:`ResumeError` unless the config's model has the stored run's layers, each with as
-    many parameters: a resume with another model would drop layers or load wrong shapes (the
-    world size and ZeRO stage may change: the composite is resliced). Compared with the stored
-    ``run.json``'s model, else with the layers the manifest holds."""
-    stored = _stored_layer_numel(store)
-    if stored is None:
+@dataclass(frozen=True, kw_only=True)
+class StoredModel:
+    """What a store says of the model its run trained."""
+
+    record: str
+    """Where it says so: ``run.json`` (the built-in loop), ``model.json`` (an own loop's driver)."""
+    layer_numel: dict[str, int] | None
+    """The layer sizes of the recorded model; ``None`` where they cannot be rebuilt from the record."""
+    identity: dict[str, Any]
+    """Its config fields that shape the state (``model_identity.py``); those the record has."""
+
+
+def check_same_model(store: LayerStore, layer_numel: dict[str, int], identity: Mapping[str, Any]) -> None:
+    """:class:`ResumeError` unless the config's model is the stored run's: the same layers, each with
+    as many parameters, and the same config fields that shape the state (``identity``, of
+    :func:`model_config_identity`: 8 heads of 8 have the sizes of 4 heads of 16). Another model would
+    drop layers, load wrong shapes, or load the right shapes into the wrong model (the world size and
+    ZeRO stage may change: the composite is resliced). Compared with the stored ``run.json``'s
+    model, else an own loop's ``model.json``, else with the layers the manifest holds."""
+    stored = _stored_model(store)
+    if stored is None or stored.layer_numel is None:
         stored_layers = store.manifest().layers()
         removed, added, resized = [n for n in stored_layers if n not in layer_numel], [], []
     else:
-        removed = [n for n in stored if n not in layer_numel]
-        added = [n for n in layer_numel if n not in stored]
+        numel = stored.layer_numel
+        removed = [n for n in numel if n not in layer_numel]
+        added = [n for n in layer_numel if n not in numel]
         resized = [
-            f"{n} {stored[n]:,} -> {layer_numel[n]:,}"
-            for n in stored
-            if n in layer_numel and stored[n] != layer_numel[n]
+            f"{n} {numel[n]:,} -> {layer_numel[n]:,}" for n in numel if n in layer_numel and numel[n] != layer_numel[n]
         ]
+    fields = identity_changes(stored.identity, identity) if stored is not None else []
     changes = [
+        *([f"model config changed: {', '.join(fields)}"] if fields else []),
         *([f"layers the store has and the model not: {describe_layers(removed)}"] if removed else []),
         *([f"layers the model has and the store not: {describe_layers(added)}"] if added else []),
         *(
@@ -176,22 +197,52 @@ def check_same_model(store: LayerStore, layer_numel: dict[str, int]) -> None:
         ),
     ]
     if changes:
+        record = stored.record if stored is not None else RUN_CONFIG_FILE
         raise ResumeError(
             f"--resume refused: the config's model is not the one the run in {store.uri} trained ("
             + "; ".join(changes)
-            + "). Resume with the run's own model settings (its run.json), or start a new run elsewhere: "
+            + f"). Resume with the run's own model settings (its {record}), or start a new run elsewhere: "
             "layercheck train CONFIG --restart-into NEW_STORAGE"
         )
 
 
-def _stored_layer_numel(store: LayerStore) -> dict[str, int] | None:
-    """The layer sizes of the model in the store's ``run.json``; ``None`` without a readable one."""
+def model_config_identity(model: ModelConfig) -> dict[str, Any]:
+    """The config fields of ``model`` that shape its state, as ``transformers`` builds its config
+    (defaults filled in); ``{}`` for a ``model.path`` whose ``config.json`` cannot be read."""
+    if model.hf_config is not None:
+        return recorded_identity(model.hf_config)
+    from transformers import AutoConfig
+
+    try:
+        return model_identity(AutoConfig.from_pretrained(model.path, local_files_only=True))
+    except (OSError, ValueError) as error:  # a stored run's checkpoint folder that has moved since
+        logger.info("--resume: no config fields of %s to compare (%s)", model.path, error)
+        return {}
+
+
+def _stored_model(store: LayerStore) -> StoredModel | None:
+    """The model the store's ``run.json`` names, else the one an own loop's ``model.json`` records;
+    ``None`` without a readable one of either."""
     try:
         stored = parse_run_config(json.loads(store.fs.read_bytes(RUN_CONFIG_FILE)))
-        return check_model(stored.model).numel
     except (FileNotFoundError, ValueError, TypeError) as error:  # ConfigError is a ValueError
-        logger.info("--resume: comparing the model with the manifest's layers only (%s)", error)
+        logger.info("--resume: no readable %s (%s)", RUN_CONFIG_FILE, error)
+    else:
+        try:
+            numel: dict[str, int] | None = check_model(stored.model).numel
+        except (ValueError, TypeError) as error:  # ConfigError: e.g. its model.path has moved
+            logger.info("--resume: comparing the model with the manifest's layers only (%s)", error)
+            numel = None
+        return StoredModel(record=RUN_CONFIG_FILE, layer_numel=numel, identity=model_config_identity(stored.model))
+    try:
+        record = read_model_record(store.fs)
+    except ManifestError as error:
+        logger.warning("--resume: %s is not compared with (%s)", MODEL_FILE, error)
         return None
+    if record is None:
+        return None
+    # an own loop's layers may follow its own layer map: compared with the manifest's, not rebuilt
+    return StoredModel(record=MODEL_FILE, layer_numel=None, identity=recorded_identity(record.hf_config))
 
 
 def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunConfig) -> ResolvedPlan:
@@ -200,7 +251,7 @@ def check_resumable(store: LayerStore, layer_numel: dict[str, int], config: RunC
     :class:`ConfigError` when the stored run is already at ``steps``."""
     if not store.versions():
         raise FileNotFoundError(f"--resume: {store.uri} holds no committed versions to resume from")
-    check_same_model(store, layer_numel)
+    check_same_model(store, layer_numel, model_config_identity(config.model))
     try:
         resolved = resolve_plan(store, layer_numel, deep=False)
     except NoUsableVersionError as error:

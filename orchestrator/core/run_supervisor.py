@@ -13,7 +13,10 @@ API::
     run.write_failed(layer, step); run.version_unusable(vid, why); run.loaded(load_s)
     run.writer_died(lost=[(layer, step), ...], reason=..., replaced=True)  # lost versions free the gate
     run.request_stop(reason)                          # Ctrl-C: ranks stop after the same step
+    run.lease_renewed(valid_until)                    # the driver's renewal reached the store
     run.progress(StepProgress(step=..., loss=..., lr=..., compute_s=..., stall_s=...))
+    run.final_drain(drain_s)                          # the end: bounded; what is left is lost
+    run.steps_ended()                                 # the staleness verdict on the final counts
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
 
 Thread-safe by construction: one lock guards the cores and is held only while they decide —
@@ -36,6 +39,9 @@ from layercheck.orchestrator.core.commit_path import (
     CommitPath,
     CommitSucceeded,
     CommitVersion,
+    HandedOver,
+    RunClosed,
+    ShardFailed,
     ShardWritten,
     VersionsLost,
 )
@@ -61,9 +67,11 @@ from layercheck.orchestrator.core.recovery_events import (
 from layercheck.orchestrator.core.recovery_machine import RecoveryMachine
 from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.core.staleness_guard import StalenessGuard, StalenessLimits
+from layercheck.orchestrator.core.staleness_guard import StalenessBreach, StalenessGuard, StalenessLimits
+from layercheck.orchestrator.store.errors import LeaseLapsedError, LeaseLostError
 from layercheck.orchestrator.store.layer_store import LayerStore
-from layercheck.orchestrator.store.lease import LEASE_LOST, LeaseLostError
+from layercheck.orchestrator.store.lease import LEASE_LOST
+from layercheck.orchestrator.store.lease_term import LEASE_LAPSED
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 from layercheck.workers.progress import StepProgress
 
@@ -86,6 +94,16 @@ class WritersPort(Protocol):
         :meth:`RunSupervisor.shard_written`) what it holds; the names of those that did not answer."""
 
     def replace(self, names: tuple[str, ...]) -> None: ...
+
+
+@runtime_checkable
+class KnowsUnfinished(Protocol):
+    """The optional part of a :class:`WritersPort` that can say what writers that did not answer a
+    drain still hold (the run's final drain counts it lost)."""
+
+    def unfinished(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
+        """The versions ``(layer, step)`` of the shards the writers ``names`` have queued, are
+        writing, or are having committed."""
 
 
 @runtime_checkable
@@ -133,6 +151,14 @@ def recovery_step(last_complete: int, captured_step: int | None) -> int:
     return last_complete
 
 
+def _stop_reason(breach: StalenessBreach) -> str:
+    when = " after the last step" if breach.at_end else ""
+    return (
+        f"{breach.culprit} broke the staleness bound{when} ({breach.layer}: {breach.staleness} "
+        f"steps stale > {breach.limit})"
+    )
+
+
 class JoinDismissed(RuntimeError):
     """A rank's group was replaced by a newer one, or its recovery failed, before it was answered."""
 
@@ -163,7 +189,7 @@ class RunSupervisor:
         self._lock = threading.Lock()  # the cores and the answers; held only while they decide
         self._answered = threading.Condition(self._lock)
         self.supervision = RecoveryMachine(config=config, resume=resume)
-        self.commits = CommitPath(layers=list(layer_numel), config=config)
+        self.commits = CommitPath(layers=list(layer_numel), config=config, clock=clock)
         self.view = RunView(
             run_id=run_id, layer_numel=self.layer_numel, account=RunAccount(started=clock()), in_place=in_place
         )
@@ -218,11 +244,25 @@ class RunSupervisor:
         self._carry_out(actions)
 
     def write_failed(self, layer: str, step: int) -> None:
-        """A rank's shard of ``layer`` at ``step`` could not be written: that version will never be
-        whole, so the policy may persist the layer again."""
+        """A rank's shard of ``layer`` at ``step`` could not be written (or was refused: the lease
+        lapsed): that version will never be whole, so the policy may persist the layer again."""
         with self._lock:
             self.view.write_failures += 1
+            self.commits.handle(ShardFailed(layer=layer, step=step))
         self.policy.settled(layer, step)
+        self._check_lease()
+
+    def lease_renewed(self, valid_until: float) -> None:
+        """The driver's renewal wrote the lease's new expiry, ``valid_until`` (wall clock), to the store."""
+        if self.store.term is not None:
+            self.store.term.renewed(valid_until)
+        self._check_lease()
+
+    def _check_lease(self) -> None:
+        """Stop the run once the lease has lapsed (the store then refuses every write and commit)."""
+        lapsed = self.store.term.lapsed() if self.store.term is not None else ""
+        if lapsed:
+            self._lease_lost(lapsed, lapsed_lease=True)
 
     def writer_died(self, *, lost: list[tuple[str, int]], reason: str, replaced: bool = True) -> None:
         """A rank found its writer dead (``replaced``: this report replaced it; others find it
@@ -271,38 +311,94 @@ class RunSupervisor:
         """Rank 0 finished a step; returns each layer's newest committed step (for metrics)."""
         with self._lock:
             self.view.step_done(progress, now=self.clock())
+            if progress.handed_over:  # versions storage owes from now on
+                self.commits.handle(HandedOver(layers=tuple(progress.handed_over), step=progress.step))
             last_steps = self.commits.last_steps()
-            breach = self.guard.check(
-                step=progress.step,
-                last_steps=last_steps,
-                storage_failures=self.view.storage_failures(self.commits),
-                writers_replaced=self.view.writers_replaced,
-            )
-            if breach is not None:
-                self.view.breach = breach.to_json()
-            if self.guard.lag is not None and self.view.staleness_lag is None:
-                self.view.staleness_lag = self.guard.lag.to_json()
+            breach = self._check_staleness(progress.step)
         if breach is not None and breach.action == "stop":
-            self.request_stop(
-                f"storage failures broke the staleness bound ({breach.layer}: {breach.staleness} "
-                f"steps stale > {breach.limit})"
-            )
+            self.request_stop(_stop_reason(breach))
+        self._check_lease()
         return last_steps
 
-    def _lease_lost(self, reason: str) -> None:
-        """The store's lease is someone else's: every rank stops after the same step (once)."""
+    def _lease_lost(self, reason: str, *, lapsed_lease: bool = False) -> None:
+        """The store's lease is someone else's (``lapsed_lease``: it lapsed, and may be): every rank
+        stops after the same step (once)."""
         with self._lock:
             first, self.lease_lost = not self.lease_lost, reason
         if first:
             logger.error("%s: stopping the run", reason)
-            self.request_stop(f"{LEASE_LOST} ({reason})")
+            self.request_stop(f"{LEASE_LAPSED if lapsed_lease else LEASE_LOST} ({reason})")
+
+    def final_drain(self, drain_s: float) -> tuple[str, ...]:
+        """The end of the run: wait for the writers until ``drain_s`` after the last step rank 0
+        reported (the deadline the ranks' own final hand-over waits within: ``persistence.stop_drain_s``),
+        then count what the writers that did not answer still hold as lost and commit nothing
+        more, so the run ends with its summary however long storage hangs. The names of the
+        writers that did not answer."""
+        last_step_at = self.view.account.last_progress
+        now = self.clock()
+        left = drain_s if last_step_at is None else max(0.0, last_step_at + drain_s - now)
+        unanswered = tuple(self.writers.drain(left))
+        self.steps_ended()  # before what is left is written off: a version unanswered all along is a hang
+        unfinished: list[tuple[str, int]] = []
+        if unanswered and isinstance(self.writers, KnowsUnfinished):
+            unfinished = sorted(set(self.writers.unfinished(unanswered)), key=lambda v: (v[1], v[0]))
+        reason = (
+            f"still in writer(s) {', '.join(unanswered)} {drain_s:g}s after the last step "
+            "(persistence.stop_drain_s): storage did not take them in time"
+            if unanswered
+            else "the run's final drain is over"
+        )
+        with self._lock:
+            self.commits.handle(RunClosed(unfinished=tuple(unfinished), reason=reason))
+        if unfinished:
+            logger.error(
+                "the final drain ended %gs after the last step with %d version(s) unwritten in writer(s) %s: "
+                "counted lost",
+                drain_s,
+                len(unfinished),
+                ", ".join(unanswered),
+            )
+        elif unanswered:  # (a bound already spent asks without waiting: an idle writer may not be in yet)
+            logger.info(
+                "writer(s) %s had not answered the final drain, and hold nothing unwritten", ", ".join(unanswered)
+            )
+        return unanswered
 
     def trained(self) -> bool:
         """Whether rank 0 has reported any trained step, in any attempt."""
         with self._lock:
             return bool(self.view.account.history)
 
+    def worth_retrying(self) -> bool:
+        """Whether a new worker group would do other work than the one that just failed before it
+        trained (Ray Train's controller: else its error is a setup error, not retried): a step was
+        trained, or a rank found a version of the group's plan unusable (a ``--resume`` whose load
+        read a corrupt tensor), which the next plan skips."""
+        with self._lock:
+            return bool(self.view.account.history) or self.supervision.plan_found_unusable
+
+    def steps_ended(self) -> None:
+        """No step follows and the writers have drained: the staleness verdict on the final counts
+        (failures, and versions storage left unanswered, that came after the last step make a lag
+        a breach), stopping the run by config — so the driver reports it as the run's error."""
+        with self._lock:
+            breach = self._check_staleness(self.view.progress.step, at_end=True)
+        if breach is not None and breach.action == "stop":
+            self.request_stop(_stop_reason(breach))
+
+    def _check_staleness(self, step: int, *, at_end: bool = False) -> StalenessBreach | None:
+        """The guard's verdict at ``step`` on the run's facts now (hold the lock); the view shows
+        the breach or lag as the guard keeps it (a breach's counts follow the run's)."""
+        facts = self.view.storage_facts(self.commits, now=self.clock())
+        breach = self.guard.check(step=step, last_steps=self.commits.last_steps(), facts=facts, at_end=at_end)
+        self.view.breach = self.guard.breach.to_json() if self.guard.breach is not None else None
+        self.view.staleness_lag = self.guard.lag.to_json() if self.guard.lag is not None else None
+        return breach
+
     def finish(self, ok: bool, reason: str = "") -> None:
+        with self._lock:  # failures that came after the final drain; the driver has read its verdict
+            self._check_staleness(self.view.progress.step, at_end=True)
         self._carry_out(self._feed(RunEnded(ok=ok, reason=reason or ("" if ok else "the trainer raised"))))
 
     # ---- views --------------------------------------------------------------------------
@@ -363,6 +459,8 @@ class RunSupervisor:
         )
 
     def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
+        with self._lock:  # staleness counts from the versions the group resumes from (a --resume's too)
+            self.commits.rebased(action.persisted_steps)
         self.policy.restart(
             world_size=action.world_size, resume_after=action.resume_after, persisted_steps=dict(action.persisted_steps)
         )
@@ -388,13 +486,7 @@ class RunSupervisor:
     def _execute_commit(self, action: CommitVersion) -> list[Any]:
         if action.delay_s > 0:
             self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
-        try:
-            event: Any = CommitSucceeded(record=self.store.commit(list(action.receipts), partial=action.partial))
-        except LeaseLostError as error:  # another run owns the store now: stop, do not mix versions with it
-            event = CommitFailed(action=action, error=str(error), retry=False)
-            self._lease_lost(str(error))
-        except Exception as error:  # storage trouble: retried, then counted lost; training goes on
-            event = CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
+        event = self._commit(action)
         with self._lock:
             actions = list(self.commits.handle(event))
         if action.partial:
@@ -405,6 +497,17 @@ class RunSupervisor:
             first = action.receipts[0]
             self.policy.settled(first.layer, first.step)
         return actions
+
+    def _commit(self, action: CommitVersion) -> CommitSucceeded | CommitFailed:
+        if self.commits.closed:  # the run's end counted it lost, and the driver gives the store up next
+            return CommitFailed(action=action, error=self.commits.closed, retry=False)
+        try:
+            return CommitSucceeded(record=self.store.commit(list(action.receipts), partial=action.partial))
+        except LeaseLostError as error:  # another run owns (or may own) the store now: stop, mix nothing with it
+            self._lease_lost(str(error), lapsed_lease=isinstance(error, LeaseLapsedError))
+            return CommitFailed(action=action, error=str(error), retry=False)
+        except Exception as error:  # storage trouble: retried, then counted lost; training goes on
+            return CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
 
 
 _EXECUTORS: dict[type, str] = {

@@ -10,6 +10,7 @@ from typing import Any
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, Recovery, RunAccount
 from layercheck.orchestrator.core.commit_path import CommitPath
 from layercheck.orchestrator.core.recovery_events import RecordRecovery
+from layercheck.orchestrator.core.staleness_guard import StorageFacts
 from layercheck.workers.progress import StepProgress
 
 
@@ -32,9 +33,10 @@ class RunView:
     writers_replaced: int = 0
     """Writer actors found dead and replaced (each one's versions in flight counted lost)."""
     breach: dict[str, Any] | None = None
-    """The staleness breach (``StalenessBreach.to_json``), if storage failures broke ``smax``."""
+    """The staleness breach (``StalenessBreach.to_json``), if storage failures or storage that
+    does not answer broke ``smax``."""
     staleness_lag: dict[str, Any] | None = None
-    """The first pass of ``smax`` while no write had failed (slow or hung storage), if any."""
+    """The first pass of ``smax`` by storage that neither failed nor stopped answering (slow), if any."""
     stop_reason: str | None = None
     """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
     in_place: bool = False
@@ -117,10 +119,16 @@ class RunView:
             last.add_sources(sources or {})
             last.rank_ready(start or RankStart(), now=now)
 
-    def storage_failures(self, commits: CommitPath) -> int:
-        """Failed writes and failed commits so far (not lost worker groups, nor writers that died:
-        their snapshots are handed to a replacement, nothing is lost)."""
-        return self.write_failures + commits.commit_retries
+    def storage_facts(self, commits: CommitPath, *, now: float) -> StorageFacts:
+        """What storage has done so far: failed writes and failed commit tries (not lost worker
+        groups, nor writers that died: their snapshots are handed to a replacement, nothing is
+        lost), and the oldest version it has left unanswered, as of ``now``."""
+        return StorageFacts(
+            write_failures=self.write_failures,
+            commit_failures=commits.commit_failures,
+            writers_replaced=self.writers_replaced,
+            unwritten=commits.unwritten.oldest(now=now),
+        )
 
     def status(
         self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None, now: float

@@ -42,5 +42,9 @@ class SupersedingQueue(Generic[T]):
         self.nbytes -= self._size(item)
         return item
 
+    def waiting(self) -> list[T]:
+        """The waiting items, next first."""
+        return list(self._items.values())
+
     def __len__(self) -> int:
         return len(self._items)

@@ -13,14 +13,19 @@
 
 The run's config comes from ``run.json`` in the store root (written by ``layercheck train``),
 or from a run file named explicitly.
+
+Every format is written into a temporary sibling of the output directory and renamed into place
+once complete (``export_dir.py``): an export that fails or is killed midway leaves no output that
+looks like a checkpoint, and the next export to the same place clears what a killed one left.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,9 +34,10 @@ import torch
 
 from layercheck.orchestrator.core.composite import CompositeMismatchError, check_fits
 from layercheck.orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
+from layercheck.orchestrator.local.export_dir import publish, publish_tag, staging_dir
 from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
 from layercheck.orchestrator.store.composite_reader import CompositeReader
-from layercheck.orchestrator.store.errors import ManifestError
+from layercheck.orchestrator.store.errors import ManifestError, StoreUnavailableError
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
 from layercheck.orchestrator.store.model_record import MODEL_FILE, ModelRecord, read_model_record
@@ -65,8 +71,10 @@ def open_run(uri: str) -> LayerStore:
     store = LayerStore.open(uri, fsync=False)
     try:
         manifest = store.manifest()
+    except StoreUnavailableError as error:  # it names the store (never its credentials) and the cause
+        raise ExportError(str(error)) from error
     except OSError as error:
-        raise ExportError(f"cannot read run {uri}: {error}") from error
+        raise ExportError(f"cannot read run {store.uri}: {error}") from error
     if not manifest.records:
         raise ExportError(f"run {store.uri} holds no committed layer versions: nothing to export")
     return store
@@ -179,6 +187,18 @@ def _check_empty_dir(out: Path, what: str) -> None:
         raise ExportError(f"{out} already exists and is not an empty directory; {what} needs a fresh one")
 
 
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[Path]:
+    """Where to write an export to ``out``: a temporary sibling the block renames into place once
+    complete (``export_dir.py``: ``out`` is whole or absent, whatever stops the export); an
+    ``OSError`` of the block as :class:`ExportError` naming ``out``."""
+    try:
+        with staging_dir(out) as staging:
+            yield staging
+    except OSError as error:
+        raise ExportError(f"cannot write the export to {out}: {error}") from error
+
+
 # ---- Hugging Face -----------------------------------------------------------------------------
 def composite_model(
     run: RunConfig,
@@ -258,9 +278,11 @@ def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Pa
     _check_empty_dir(out, "a Hugging Face export")
     tokenizer = run_tokenizer(run)  # before anything is written: a missing tokenizer fails the export
     model = composite_model(run, store, resolved.records, overlays=resolved.overlays)
-    model.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+    with _writing(out) as staging:
+        model.save_pretrained(str(staging))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staging))
+        publish(staging, out)
     logger.info("wrote the composite at step %d as a Hugging Face model to %s", resolved.plan.t_fail, out)
     return out
 
@@ -331,9 +353,11 @@ def export_adapter(record: ModelRecord, store: LayerStore, step: int | None, out
     check_composite_fits(store, resolved.records, layer_map, overlays=resolved.overlays)
     fill_from_composite(model, layer_map, store, resolved.records, overlays=resolved.overlays)
     written = model.merge_and_unload() if merge else model
-    written.save_pretrained(str(out))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+    with _writing(out) as staging:
+        written.save_pretrained(str(staging))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(staging))
+        publish(staging, out)
     what = "the base model with the adapter merged in" if merge else "a peft adapter"
     logger.info("wrote the composite at step %d as %s to %s", resolved.plan.t_fail, what, out)
     return out
@@ -351,19 +375,19 @@ def export_deepspeed(
     tag_dir = out / deepspeed_tag(step)
     if tag_dir.exists():
         raise ExportError(f"{tag_dir} already exists; export into another directory or delete it")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ExportError(f"cannot create the export directory {out}: {error}") from error
-    job = _DeepSpeedJob(
-        run_json=run.to_json(),
-        store_uri=store.uri,
-        records=dict(resolved.records),
-        overlays=dict(resolved.overlays),
-        step=step,
-        out=str(out),
-    )
-    _spawn(job, world_size, timeout_s)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a directory; a DeepSpeed export writes a checkpoint directory")
+    with _writing(out) as staging:  # the ranks write the whole checkpoint there; its tag then moves in
+        job = _DeepSpeedJob(
+            run_json=run.to_json(),
+            store_uri=store.uri,
+            records=dict(resolved.records),
+            overlays=dict(resolved.overlays),
+            step=step,
+            out=str(staging),
+        )
+        _spawn(job, world_size, timeout_s)
+        publish_tag(staging, out, deepspeed_tag(step))
     logger.info("wrote the composite at step %d as a %d-rank DeepSpeed checkpoint to %s", step, world_size, tag_dir)
     return tag_dir
 

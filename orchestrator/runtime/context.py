@@ -44,6 +44,9 @@ class WorkerContext:
     """A lost peer does not end this worker: it runs the loop again in a new process group
     (``CheckpointConfig.in_place``; :func:`layercheck.orchestrator.runtime.in_place.train_in_place`)."""
     regroup_timeout_s: float = 600.0
+    stop_drain_s: float = 120.0
+    """How long ``lc.finish()`` waits for this rank's last snapshots to be written (``persistence.stop_drain_s``:
+    the driver's final drain counts what is not written by then as lost)."""
 
 
 @dataclass

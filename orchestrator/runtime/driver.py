@@ -15,6 +15,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -33,12 +34,15 @@ from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
-from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease
+from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease, stopped_for_the_lease
 from layercheck.orchestrator.store.recovery_source import stored_at
 from layercheck.policies.configs import PolicyConfig
 from layercheck.policies.trace import DriftTrace
 
 logger = logging.getLogger(__name__)
+
+#: Seconds the driver's calls to the run's actors at the end may take beyond their own bounds.
+ANSWER_S = 60.0
 
 
 @dataclass
@@ -148,7 +152,8 @@ def train(
             shutil.rmtree(scratch, ignore_errors=True)
         return finish_run(handles, error=error, config=config)
     finally:
-        lease.release()  # also when setup fails after the lease was taken
+        # also when setup fails after the lease was taken; a renewal hung on storage is not waited for
+        lease.release(wait_s=config.persistence.stop_drain_s)
 
 
 def _trainer_class(config: RunConfig) -> type:
@@ -204,7 +209,9 @@ def start_run(
         layer_numel=layer_numel,
         policy_actor=policy_actor,
         resume=resume,
-        limits=StalenessLimits.of(policy, on_breach=persistence.on_staleness_breach),
+        limits=StalenessLimits.of(
+            policy, on_breach=persistence.on_staleness_breach, hung_write_s=persistence.hung_write_s
+        ),
         capture_grace_s=persistence.capture_grace_s,
         capture_timeout_s=persistence.capture_timeout_s,
         fault=fault,
@@ -213,10 +220,13 @@ def start_run(
         lease_epoch=lease.epoch.epoch if lease is not None else None,
         in_place=in_place,
         spares=(num_workers, spares) if spares else None,
+        lease_valid_until=lease.valid_until if lease is not None else None,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
         lease.on_lost = lambda reason: supervisor.request_stop.remote(f"{LEASE_LOST} ({reason})")
+        # each renewal that reached the store moves the writers' and the commits' deadline on
+        lease.on_renewed = lambda valid_until: supervisor.lease_renewed.remote(valid_until)
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
     return RunHandles(
         run_id=run_id,
@@ -228,6 +238,7 @@ def start_run(
         metrics_url=metrics_url,
         discovery_file=discovery_file,
         stop_drain_s=persistence.stop_drain_s,
+        lease=lease,
     )
 
 
@@ -240,8 +251,16 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     trace = DriftTrace.from_json(
         {"steps": [], "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}
     )
-    drain_s = handles.stop_drain_s if handles.interrupted else None
-    _at_end("draining the writers", end_errors, lambda: ray.get(supervisor.drain.remote(), timeout=drain_s))
+    # persistence.stop_drain_s after the last step, also for a run that ended by itself: the ranks'
+    # final hand-over waits within the same bound, and what the writers have not written by then is
+    # counted lost, so storage that hangs costs that long and not until it answers (the timeout
+    # here only guards against a supervisor that does not answer at all)
+    drain_s = handles.stop_drain_s
+    _at_end(
+        "draining the writers",
+        end_errors,
+        lambda: ray.get(supervisor.drain.remote(drain_s), timeout=drain_s + ANSWER_S),
+    )
     status = _at_end(
         "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default=status
     )
@@ -265,8 +284,8 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         ),
         default=trace,
     )
-    if str(status.get("stop_reason") or "").startswith(LEASE_LOST):  # the store is another run's now
-        logger.warning("not writing %s: this run lost its store's lease", DRIFT_TRACE_FILE)
+    if stopped_for_the_lease(status.get("stop_reason")) or _lapsed(handles.lease):  # (maybe) another run's now
+        logger.warning("not writing %s: this run no longer holds its store's lease", DRIFT_TRACE_FILE)
     else:
         _at_end(
             f"writing {DRIFT_TRACE_FILE}",
@@ -274,6 +293,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
             lambda: LayerStore.open(handles.storage_uri).fs.write_bytes(
                 DRIFT_TRACE_FILE, json.dumps(trace.to_json()).encode()
             ),
+            timeout_s=drain_s,
         )
     schedule = _at_end(
         "reading the schedule's figures",
@@ -298,6 +318,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         "reading what the store holds",
         end_errors,
         lambda: stored_at(LayerStore.open(handles.storage_uri), handles.layer_numel, int(status.get("step") or 0)),
+        timeout_s=drain_s,
     )
     status = {**status, "stored": stored} if stored else status
     train_reports = _at_end(
@@ -329,16 +350,46 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     return result
 
 
-def _at_end(what: str, errors: list[str], fn: Callable[[], Any], default: Any = None) -> Any:
-    """``fn()``, or — if it raises — ``default``, with the error logged and listed in ``errors``."""
+def _at_end(
+    what: str, errors: list[str], fn: Callable[[], Any], default: Any = None, *, timeout_s: float | None = None
+) -> Any:
+    """``fn()``, or — if it raises — ``default``, with the error logged and listed in ``errors``.
+    ``timeout_s``: ``fn`` reads or writes the store, which may hang past any client timeout (an NFS
+    mount that stopped answering): it runs in a thread of its own, and after ``timeout_s`` the
+    driver goes on without it (``default``, listed as an error; the thread ends with the process)."""
     started = time.monotonic()
     try:
-        return fn()
+        return fn() if timeout_s is None else _within(fn, timeout_s)
     except Exception as error:  # noqa: BLE001 - the driver's end must always reach the summary
         message = f"{what} failed after {time.monotonic() - started:.1f}s: {type(error).__name__}: {error}"
         logger.error("%s", message)
         errors.append(message)
         return default
+
+
+def _within(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """``fn()`` in a daemon thread, waited for at most ``timeout_s``: :class:`TimeoutError` after that."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - carried to the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=run, name="layercheck-end-io", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"storage did not answer within {timeout_s:g}s (persistence.stop_drain_s)")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def _lapsed(lease: StoreLease | None) -> bool:
+    """The driver's own lease has expired without a renewal reaching the store."""
+    return lease is not None and lease.valid_until <= time.time()
 
 
 def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | None, str | None]:

@@ -8,12 +8,15 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from layercheck.orchestrator.core.accounting import format_sources
 from layercheck.policies.configs import PolicyConfig
+
+if TYPE_CHECKING:
+    from layercheck.orchestrator.store.lease import StoreLease
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,10 @@ class RunHandles:
     discovery_file: str | None = None
     """The Prometheus ``file_sd`` file naming the exporter (removed when the run ends)."""
     stop_drain_s: float = 120.0
-    """On Ctrl-C: how long to wait for the ranks to stop and the writers to commit."""
+    """On Ctrl-C: how long to wait for the ranks to stop; at every end, how long after the last
+    step the writers may take to commit (``persistence.stop_drain_s``)."""
+    lease: StoreLease | None = None
+    """The driver's lease on the store (``None``: none)."""
     interrupted: bool = False
     interrupted_by: str = "Ctrl-C"
 

@@ -183,8 +183,9 @@ SPECS: tuple[Spec, ...] = (
     Spec(
         Gauge,
         "layercheck_staleness_breach",
-        "1 once storage failures let a layer's staleness pass Smax plus the pipeline lag (the run's bound is "
-        "broken; persistence.on_staleness_breach says whether it stops), else 0.",
+        "1 once storage failures, or storage that does not answer (persistence.hung_write_s), let a layer's "
+        "staleness pass Smax plus the pipeline lag (the run's bound is broken; persistence.on_staleness_breach "
+        "says whether it stops), else 0.",
     ),
     Spec(
         Gauge,

@@ -54,8 +54,6 @@ class _Submission:
 
 #: Writers a snapshot is handed to before it is counted lost (the first, and one replacement).
 SUBMIT_TRIES = 2
-#: How long a rank waits at the end for its last snapshots to be written before it exits.
-FINAL_FLUSH_S = 300.0
 #: How often a rank waiting for a decision looks whether it was told that a peer is gone.
 RELEASE_POLL_S = 0.5
 #: What the sending thread hands back for a report: its answer's future (a measured step), or the

@@ -7,7 +7,10 @@ same way (three retries: 97 s for one assertion, and a summary of empty recoveri
 controller asks :class:`SetupErrorsEndTheRun` about every worker error: while no step of the run has
 been trained (the supervisor's account), an error that a worker *raised* — not a worker that died,
 nor a collective broken by a peer that died — is a setup error, and the run ends with it, not
-retried. Once training began, every failure is LayerCheck's to recover.
+retried. Once training began, every failure is LayerCheck's to recover; so is a load that found a
+version of its composite corrupt (a ``--resume`` whose newest version of a layer has a damaged
+tensor): the rank reported the version before it raised, and the retry's plan skips it
+(``RunSupervisor.worth_retrying``), as a live recovery's does.
 """
 
 from __future__ import annotations
@@ -76,11 +79,11 @@ class SetupErrorsEndTheRun(user_callback_base()):  # type: ignore[misc]
 
     def after_exception(self, run_context: object, worker_exceptions: dict[int, Exception]) -> None:
         try:
-            trained = bool(ray.get(self.supervisor.trained.remote(), timeout=10))
+            retry = bool(ray.get(self.supervisor.worth_retrying.remote(), timeout=10))
         except Exception as error:  # noqa: BLE001 - unknown: leave it to Ray Train's retries
-            logger.warning("cannot ask the supervisor whether the run trained (%s): Ray Train retries", error)
+            logger.warning("cannot ask the supervisor whether a retry would differ (%s): Ray Train retries", error)
             return
-        if trained:
+        if retry:
             return
         message = setup_failure(worker_exceptions)
         if message is None:

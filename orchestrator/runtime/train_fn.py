@@ -26,7 +26,7 @@ from layercheck.orchestrator.runtime.context import Incarnation, process_started
 from layercheck.orchestrator.runtime.in_place import form_group, recovers_in_place
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
-from layercheck.orchestrator.runtime.ray_coordinator import FINAL_FLUSH_S, RayCoordinator
+from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.store.errors import CorruptShardError
@@ -225,7 +225,9 @@ def _run(
             report_step=reporter,
             abort=abort,
         )
-        coordinator.flush(timeout_s=FINAL_FLUSH_S)  # the final snapshots leave this process first
+        # the final snapshots leave this process first; on storage that hangs, no longer than the
+        # driver's final drain waits for them (what is not written by then is counted lost there)
+        coordinator.flush(timeout_s=run.persistence.stop_drain_s)
     last = max(result.losses) if result is not None and result.losses else run.steps
     loss = result.losses.get(last) if result is not None else None
     reporter.final(last, loss, blocked_s=coordinator.blocked_s)

@@ -38,6 +38,7 @@ from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
+from layercheck.orchestrator.store.lease_term import LeaseTerm
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class PersistenceWriter:
         policy: Any = None,
         fault: FaultConfig | None = None,
         memory_bytes: int = 0,
+        *,
+        lease_valid_until: float | None = None,
     ) -> None:
         configure_process_logging()  # the actor process has no main of ours
         import torch  # noqa: F401 - shards arrive as arrays and become tensors (wire.py): load it now, not at the first write
@@ -69,6 +72,8 @@ class PersistenceWriter:
         self._stall_s = 0.0  # of the write in progress (one at a time: see _run)
         hook = self._stall_in_write if self.fault is not None else None
         self.store = LayerStore.open(store_uri, fsync=fsync, hook=hook)
+        if lease_valid_until is not None:  # past it, every write is refused and fails (lease_term.py)
+            self.store.term = LeaseTerm(uri=self.store.uri, valid_until=lease_valid_until)
         self.supervisor = supervisor
         self.name = name
         self.policy = policy
@@ -85,6 +90,8 @@ class PersistenceWriter:
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
+        self._current: WireShard | None = None
+        """The shard being written, or handed to the supervisor to commit (see :meth:`unfinished`)."""
 
     def _start(self) -> None:
         if self._worker is None:
@@ -138,7 +145,9 @@ class PersistenceWriter:
             while (entry := self._queue.pop()) is not None:
                 self._count_queue()
                 wire, future = entry
+                self._current = wire
                 future.set_result(await self._write(loop, wire))
+                self._current = None
             idle.set()
 
     def _count_queue(self) -> None:
@@ -267,6 +276,17 @@ class PersistenceWriter:
             if held is not None and block:
                 out[path] = (block, held.data.nbytes)
         return out
+
+    def lease_renewed(self, valid_until: float) -> None:
+        """The run's lease was renewed: valid until ``valid_until`` (wall clock)."""
+        if self.store.term is not None:
+            self.store.term.renewed(valid_until)
+
+    def unfinished(self) -> list[tuple[str, int]]:
+        """The versions ``(layer, step)`` of the shards this writer has not finished with: queued,
+        being written, or being committed (the run's final drain counts them lost)."""
+        wires = [wire for wire, _ in self._queue.waiting()] + ([self._current] if self._current is not None else [])
+        return [(wire.layer, wire.step) for wire in wires]
 
     async def drain(self) -> None:
         """Returns once everything queued so far is written and handed to the supervisor."""

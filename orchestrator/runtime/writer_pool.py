@@ -32,6 +32,7 @@ class WriterPool:
         fault: FaultConfig | None = None,
         memory_bytes: int = 0,
         memory_mirror: bool = False,
+        lease_valid_until: float | None = None,
     ) -> None:
         self.store_uri = store_uri
         self.fsync = fsync
@@ -45,6 +46,9 @@ class WriterPool:
         """Each writer's budget for shard files kept in memory (``persistence.memory_bytes``)."""
         self.memory_mirror = memory_mirror and memory_bytes > 0
         """Each writer sends its shards to a writer on another node (``persistence.memory_mirror``)."""
+        self.lease_valid_until = lease_valid_until
+        """Until when the run's lease is valid, as last renewed: each writer starts with it and hears
+        of each renewal (``None``: no lease, nothing to check)."""
         self._lock = threading.Lock()  # the dicts below; never held across a Ray call that waits
         self._by_node: dict[str, list[str]] = {}
         self._handles: dict[str, Any] = {}
@@ -66,7 +70,14 @@ class WriterPool:
                     self._handles[name] = PersistenceWriter.options(  # type: ignore[attr-defined]
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
                     ).remote(
-                        self.store_uri, self.fsync, self.supervisor, name, self.policy, self.fault, self.memory_bytes
+                        self.store_uri,
+                        self.fsync,
+                        self.supervisor,
+                        name,
+                        self.policy,
+                        self.fault,
+                        self.memory_bytes,
+                        lease_valid_until=self.lease_valid_until,
                     )
                     names.append(name)
                 self._by_node[node_id] = names
@@ -145,6 +156,31 @@ class WriterPool:
             except Exception as error:  # a dead writer answers with its death
                 logger.error("writer %s failed its drain: %s", refs[ref], error)
         return tuple(sorted(set(writers) - answered))
+
+    def unfinished(self, names: tuple[str, ...], timeout_s: float = 10.0) -> list[tuple[str, int]]:
+        """The versions ``(layer, step)`` the writers ``names`` (which did not answer a drain) still
+        hold: queued, being written, or being committed. A writer that does not say within
+        ``timeout_s`` (dead with its node) is left out, and logged."""
+        handles = {name: h for name, h in self._all().items() if name in names}
+        refs = {h.unfinished.remote(): name for name, h in handles.items()}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        versions: list[tuple[str, int]] = []
+        for ref in ready:
+            try:
+                versions += [(str(layer), int(step)) for layer, step in ray.get(ref)]
+            except Exception as error:  # noqa: BLE001 - a dead writer's versions are not known
+                logger.error("writer %s cannot say what it still holds: %s", refs[ref], error)
+        for name in sorted(set(names) - {refs[ref] for ref in ready}):
+            logger.error("writer %s did not say what it still holds within %gs", name, timeout_s)
+        return versions
+
+    def lease_renewed(self, valid_until: float) -> None:
+        """The run's lease was renewed until ``valid_until``: every writer hears it (without waiting;
+        a writer started from now on starts with it)."""
+        with self._lock:
+            self.lease_valid_until = valid_until
+        for writer in self._all().values():
+            writer.lease_renewed.remote(valid_until)
 
     def replace(self, names: tuple[str, ...]) -> None:
         """Forget (and kill) these writers; their nodes get new ones on next use."""

@@ -34,8 +34,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from layercheck.orchestrator.store.errors import LeaseLostError, ManifestError, StoreBusyError
-from layercheck.orchestrator.store.fs import StoreFS, create_exclusive
+from layercheck.orchestrator.store.errors import LeaseLostError, ManifestError, StoreBusyError, StoreUnavailableError
+from layercheck.orchestrator.store.fs import TMP_PATTERN, StoreFS, create_exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,11 @@ _EPOCH_FILE = re.compile(r"^(\d{10})\.json$")
 
 def epoch_path(epoch: int) -> str:
     return f"{EPOCHS_DIR}/{epoch:010d}.json"
+
+
+#: An epoch file's path as :func:`epoch_path` names it, or the temporary of its exclusive create:
+#: a file LayerCheck wrote (``run_dir.owned_file``).
+EPOCH_FILE = re.compile(rf"^{EPOCHS_DIR}/\d{{10}}\.json({TMP_PATTERN})?$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +169,8 @@ def read_epochs(fs: StoreFS, *, record_epochs: Collection[int] | None = None) ->
             epoch = Epoch.from_json(json.loads(fs.read_bytes(rel)), source=fs.uri(rel))
         except FileNotFoundError:
             continue
+        except StoreUnavailableError:
+            raise  # not an answer about the file: its records are neither fenced nor damaged by it
         except (OSError, ValueError) as error:
             problems.append(f"{fs.uri(rel)}: unreadable epoch file ({error})")
             continue

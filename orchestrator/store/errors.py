@@ -8,6 +8,18 @@ class StoreWriteError(OSError):
     a failed write leaves at most an uncommitted temporary or orphan file that GC collects."""
 
 
+class StoreUnavailableError(OSError):
+    """The storage did not answer (a network failure, a timeout, throttling, a server error) while
+    LayerCheck read or listed it: nothing about the store's contents follows from it. A record or
+    shard that could not be read is not damaged, so readers raise this instead of planning around
+    it; the caller reports it or tries again once the storage answers."""
+
+
+class StoreAccessError(StoreUnavailableError):
+    """The storage refused this process's credentials or permissions (access denied, a signature
+    or key it does not accept, an expired token): the message names the store and the cause."""
+
+
 class ShardFormatError(ValueError):
     """A shard file is not a well-formed LayerCheck safetensors file (or does not match the
     version record that names it)."""
@@ -52,3 +64,8 @@ class StoreBusyError(RuntimeError):
 
 class LeaseLostError(StoreBusyError):
     """The store's lease now belongs to another run (or to nobody): this run must not write it."""
+
+
+class LeaseLapsedError(LeaseLostError):
+    """The run's lease on the store expired without a renewal reaching the store: another run may
+    take the store over from then on, so this run writes and commits nothing more."""

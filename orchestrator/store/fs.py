@@ -13,12 +13,14 @@ sees a half-written file under a final name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import posixpath
+import re
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,6 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from layercheck.orchestrator.store.errors import PathOutsideStoreError, StoreWriteError
+from layercheck.orchestrator.store.unavailable import ACCESS_HINT, is_refusal, unavailable_error
 from layercheck.orchestrator.store.uri import open_uri
 
 logger = logging.getLogger(__name__)
@@ -40,6 +43,12 @@ _SCHEMES = {"s3": "s3", "gcs": "gs", "abfs": "abfs", "hdfs": "hdfs"}
 #: Suffix of a file being written; never referenced by the manifest.
 TMP_SUFFIX = ".tmp"
 
+#: What :func:`new_token` returns, as a regular expression (for the names LayerCheck recognises as its own).
+TOKEN_PATTERN = r"[0-9a-f]{8}"
+#: What :meth:`StoreFS.write_atomic` and :func:`create_exclusive` append to the name of a file
+#: being written (``.{token}.tmp``), as a regular expression.
+TMP_PATTERN = rf"\.{TOKEN_PATTERN}{re.escape(TMP_SUFFIX)}"
+
 #: ``hook(event, path)``: called at fixed points of a write so that tests can crash the writer
 #: exactly there. Events: ``"opened"``, ``"partial"`` (by the writer callback), ``"closed"``,
 #: ``"renamed"``.
@@ -47,13 +56,14 @@ FaultHook = Callable[[str, str], None]
 
 
 def new_token() -> str:
-    """A short random token that keeps names written by concurrent writers apart."""
+    """A short random token that keeps names written by concurrent writers apart (:data:`TOKEN_PATTERN`)."""
     return secrets.token_hex(4)
 
 
 def write_error(location: str, error: BaseException) -> StoreWriteError:
-    """A :class:`StoreWriteError` for ``location`` that keeps the errno of ``error``."""
-    message = f"cannot write {location}: {_cause(error)}"
+    """A :class:`StoreWriteError` for ``location`` that keeps the errno of ``error`` (and, when the
+    storage refused the credentials, says what to check)."""
+    message = f"cannot write {location}: {_cause(error)}" + (f"; {ACCESS_HINT}" if is_refusal(error) else "")
     errno = getattr(error, "errno", None)
     return StoreWriteError(errno, message) if errno else StoreWriteError(message)
 
@@ -187,22 +197,28 @@ class StoreFS:
             pass  # it may never have been created; GC collects it otherwise
 
     # ---- reading and listing --------------------------------------------------------------
+    # Each raises :class:`StoreUnavailableError` (:class:`StoreAccessError`) naming the store when
+    # the storage did not answer (refused the credentials): not an answer about the file.
     def read_bytes(self, rel: str) -> bytes:
-        with self.fs.open_input_stream(self.path(rel)) as stream:
+        with self.answered(rel), self.fs.open_input_stream(self.path(rel)) as stream:
             return stream.read()
 
     def open_input(self, rel: str) -> pa.NativeFile:
-        return self.fs.open_input_file(self.path(rel))
+        with self.answered(rel):
+            return self.fs.open_input_file(self.path(rel))
 
     def info(self, rel: str) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path(rel))
+        with self.answered(rel):
+            return self.fs.get_file_info(self.path(rel))
 
     def list_files(self, rel_dir: str, *, recursive: bool = False) -> list[tuple[str, pafs.FileInfo]]:
         """``(relative path, info)`` of every file under ``rel_dir``; empty if it does not exist."""
         selector = pafs.FileSelector(self.path(rel_dir), allow_not_found=True, recursive=recursive)
         prefix = self.root.rstrip("/") + "/"
         out = []
-        for info in self.fs.get_file_info(selector):
+        with self.answered(rel_dir):
+            listed = self.fs.get_file_info(selector)
+        for info in listed:
             if info.type == pafs.FileType.File:
                 out.append((info.path[len(prefix) :] if info.path.startswith(prefix) else info.path, info))
         return sorted(out, key=lambda item: item[0])
@@ -210,10 +226,24 @@ class StoreFS:
     def delete(self, rel: str) -> bool:
         """Delete ``rel``; False if it was already gone."""
         try:
-            self.fs.delete_file(self.path(rel))
+            with self.answered(rel):
+                self.fs.delete_file(self.path(rel))
             return True
         except FileNotFoundError:
             return False
+
+    @contextlib.contextmanager
+    def answered(self, rel: str) -> Iterator[None]:
+        """Re-raise an ``OSError`` of the block that says the storage did not answer (or refused
+        this process) as :class:`StoreUnavailableError` (:class:`StoreAccessError`) naming
+        ``rel``'s location; any other error (a missing file, a local disk's) passes unchanged."""
+        try:
+            yield
+        except OSError as error:
+            unavailable = unavailable_error(self.uri(rel), error)
+            if unavailable is None:
+                raise
+            raise unavailable from error
 
 
 def create_exclusive(fs: StoreFS, rel: str, data: bytes, *, what: str) -> None:
@@ -221,7 +251,7 @@ def create_exclusive(fs: StoreFS, rel: str, data: bytes, *, what: str) -> None:
     fsynced temporary file). :class:`FileExistsError` if it does; :class:`StoreWriteError` naming
     ``what`` if the storage refuses the write. No temporary is left either way."""
     target = fs.path(rel)
-    staging = f"{target}.{new_token()}.tmp"
+    staging = f"{target}.{new_token()}{TMP_SUFFIX}"
     try:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         with open(staging, "wb") as file:

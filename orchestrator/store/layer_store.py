@@ -16,6 +16,7 @@ See ``STORE_LAYOUT.md`` beside this file for the layout of a run.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,10 +25,18 @@ import pyarrow as pa
 
 from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.epochs import EpochFence, epoch_numbers
-from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError, ShardFormatError
-from layercheck.orchestrator.store.fs import FaultHook, StoreFS, new_token, write_error
+from layercheck.orchestrator.store.errors import (
+    ManifestError,
+    PathOutsideStoreError,
+    ShardFormatError,
+    StoreUnavailableError,
+)
+from layercheck.orchestrator.store.fs import TMP_PATTERN, TOKEN_PATTERN, FaultHook, StoreFS, new_token, write_error
+from layercheck.orchestrator.store.lease_term import LeaseTerm
 from layercheck.orchestrator.store.manifest import (
+    LAYER_NAME_PATTERN,
     LAYERS_DIR,
+    MANIFEST_DIR,
     MEMORY_ORIGIN,
     ORIGINS,
     Manifest,
@@ -51,8 +60,12 @@ PREVIOUS_RUN_CONFIG_FILE = "run.previous.json"
 DRIFT_TRACE_FILE = "drift_trace.json"
 
 
+#: Origins a shard file's name carries (``policy`` is the unmarked default).
+_NAMED_ORIGINS = ("capture", MEMORY_ORIGIN)
+
+
 def shard_path(shard: LayerShard, *, base: bool, token: str, origin: str = "policy") -> str:
-    kind = ("-base" if base else "") + (f"-{origin}" if origin in ("capture", "memory") else "")
+    kind = ("-base" if base else "") + (f"-{origin}" if origin in _NAMED_ORIGINS else "")
     return (
         f"{LAYERS_DIR}/{shard.layer}/{shard.step:010d}{kind}-rank{shard.rank:05d}of{shard.world_size:05d}"
         f"-{token}.safetensors"
@@ -61,6 +74,22 @@ def shard_path(shard: LayerShard, *, base: bool, token: str, origin: str = "poli
 
 def _version_id(layer: str, step: int, *, base: bool, partial: bool = False) -> str:
     return f"{layer}@{step:010d}{'-base' if base else ''}{'-partial' if partial else ''}-{new_token()}"
+
+
+# What LayerCheck's naming above says it wrote (``run_dir.owned_file``: what --overwrite and GC may
+# delete; anything else is a user's and never touched). A change to the names must change these.
+_STORED_ORIGINS = "|".join(o for o in _NAMED_ORIGINS if o != MEMORY_ORIGIN)  # a memory version is never stored
+#: A shard file's path as :func:`shard_path` names it (any origin stored, base or not), or the
+#: temporary of its atomic write.
+SHARD_FILE = re.compile(
+    rf"^{LAYERS_DIR}/{LAYER_NAME_PATTERN}/\d{{10}}(-base)?(-(?:{_STORED_ORIGINS}))?-rank\d{{5}}of\d{{5}}"
+    rf"-{TOKEN_PATTERN}\.safetensors({TMP_PATTERN})?$"
+)
+#: A commit record's path (``record_path`` of a :func:`_version_id`: base, partial or both), or
+#: the temporary of its atomic write.
+RECORD_FILE = re.compile(
+    rf"^{MANIFEST_DIR}/{LAYER_NAME_PATTERN}@\d{{10}}(-base)?(-partial)?-{TOKEN_PATTERN}\.json({TMP_PATTERN})?$"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +139,10 @@ class LayerStore:
         """The run's epoch: each commit record carries it, and its check before each commit
         refuses the commit once another run has taken the store over. ``None``: no lease (a
         process-local run, a test); its records take the store's newest epoch, so they count."""
+        self.term: LeaseTerm | None = None
+        """Until when the run's lease is valid, as its driver last renewed it: once it has lapsed,
+        every shard write and commit is refused (``LeaseLapsedError``) before it touches the
+        store. ``None``: no lease (a process-local run, a test)."""
 
     @classmethod
     def open(cls, uri: str, *, fsync: bool = True, hook: FaultHook | None = None) -> LayerStore:
@@ -128,6 +161,7 @@ class LayerStore:
         """Write one rank's shard of a version; visible to readers only after :meth:`commit`.
         ``origin="capture"``: a survivor's hand-over at a failure (see :data:`ORIGINS`)."""
         _never_stored(origin)
+        self._check_term()
         rel = _checked_path(shard, base=base, origin=origin)
         started = time.monotonic()
         digest = self.fs.write_atomic(
@@ -150,6 +184,7 @@ class LayerStore:
     def write_prepared(self, prepared: PreparedShard) -> ShardReceipt:
         """Write a prepared shard file, as :meth:`write_shard` would (atomic, fsynced, same hook points)."""
         _never_stored(prepared.receipt.origin)
+        self._check_term()
         rel, data, split = prepared.receipt.path, prepared.encoded.data, prepared.encoded.header_nbytes
         started = time.monotonic()
 
@@ -173,11 +208,12 @@ class LayerStore:
         at most one of each) of one (layer, step, world size, base, origin) or, with
         ``check_files``, if a file is missing or has another size than its receipt;
         :class:`StoreWriteError` if the record cannot be written; :class:`LeaseLostError` if
-        :attr:`fence` finds the store taken over.
+        :attr:`fence` finds the store taken over, or :attr:`term` lapsed (``LeaseLapsedError``).
         Either way nothing is committed.
         """
         first = _check_receipts(receipts, partial=partial)
         _never_stored(first.origin)
+        self._check_term()
         version_id = _version_id(first.layer, first.step, base=first.base, partial=partial)
         if check_files:
             try:
@@ -201,6 +237,7 @@ class LayerStore:
         )
         if self.fence is not None:
             self.fence.check()
+        self._check_term()  # again: the checks above read the store, which may have hung past the expiry
         self.fs.write_bytes(record_path(record.version_id), encode_record(record))
         logger.info(
             "committed %s: layer %s step %d%s, %s ranks, %d bytes",
@@ -212,6 +249,10 @@ class LayerStore:
             record.nbytes,
         )
         return record
+
+    def _check_term(self) -> None:
+        if self.term is not None:
+            self.term.check()
 
     def write_version(self, shards: Sequence[LayerShard], *, base: bool = False) -> VersionRecord:
         """Write every rank's shard of one version from this process, then commit it."""
@@ -240,7 +281,8 @@ class LayerStore:
     def check_version(self, record: VersionRecord, *, deep: bool = True) -> list[str]:
         """Problems that make ``record`` unusable (empty if none). Always: every file exists,
         has its recorded size, its header matches the record and its checksum; with ``deep``
-        every tensor's checksum too (reads every byte)."""
+        every tensor's checksum too (reads every byte). Raises :class:`StoreUnavailableError`
+        when the storage did not answer a read: that says nothing of the version."""
         problems = []
         for entry in record.shards:
             problem = self.check_shard(record, entry, deep=deep)
@@ -251,19 +293,22 @@ class LayerStore:
     def check_shard(self, record: VersionRecord, entry: ShardEntry, *, deep: bool) -> str:
         where = self.fs.uri(entry.path)
         try:
-            file = self.open_file(entry.path)
-            try:
-                if file.size() != entry.nbytes:
-                    return f"{where}: {file.size()} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
-                header = tensorfile.read_header(file, path=where)
-                _check_header_matches(record, entry, header, where)
-                if deep:
-                    for item in header.entries.values():
-                        tensorfile.read_entry(file, item, path=where, count=0)
-            finally:
-                file.close()
+            with self.fs.answered(entry.path):  # a read the storage did not answer finds no damage
+                file = self.open_file(entry.path)
+                try:
+                    if file.size() != entry.nbytes:
+                        return f"{where}: {file.size()} bytes, the manifest says {entry.nbytes} (truncated or replaced)"
+                    header = tensorfile.read_header(file, path=where)
+                    _check_header_matches(record, entry, header, where)
+                    if deep:
+                        for item in header.entries.values():
+                            tensorfile.read_entry(file, item, path=where, count=0)
+                finally:
+                    file.close()
         except FileNotFoundError:
             return f"{where}: missing"
+        except StoreUnavailableError:
+            raise
         except (OSError, ShardFormatError, PathOutsideStoreError) as error:
             return str(error)
         return ""

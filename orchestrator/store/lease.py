@@ -39,6 +39,7 @@ from typing import Any
 from layercheck.orchestrator.store.epochs import Epoch, EpochFence, epoch_numbers, open_epoch
 from layercheck.orchestrator.store.errors import LeaseLostError, StoreBusyError
 from layercheck.orchestrator.store.fs import StoreFS, create_exclusive
+from layercheck.orchestrator.store.lease_term import LEASE_LAPSED
 from layercheck.orchestrator.store.manifest import listed_version_ids
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,12 @@ def read_lease(fs: StoreFS) -> LeaseInfo | None:
 LEASE_LOST = "the store's lease was lost"
 
 
+def stopped_for_the_lease(stop_reason: str | None) -> bool:
+    """Whether a run stopped because its store may be another run's now: its lease was found
+    taken (:data:`LEASE_LOST`) or lapsed unrenewed (``lease_term.LEASE_LAPSED``)."""
+    return str(stop_reason or "").startswith((LEASE_LOST, LEASE_LAPSED))
+
+
 def _publish(fs: StoreFS, info: LeaseInfo, *, exclusive: bool, settle_s: float) -> None:
     data = json.dumps(info.to_json(), indent=1).encode()
     if exclusive and fs.fs.type_name == "local":
@@ -159,6 +166,9 @@ class StoreLease:
         self.on_lost: Callable[[str], None] | None = None
         """Called (from the renewal thread) with the reason once the lease is found lost: the
         driver stops the run."""
+        self.on_renewed: Callable[[float], None] | None = None
+        """Called (from the renewal thread) with :attr:`valid_until` after each renewal that reached
+        the store: the driver hands it to whoever writes and commits (``lease_term.LeaseTerm``)."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -198,6 +208,12 @@ class StoreLease:
         return cls(fs, info, ttl_s, epoch)
 
     @property
+    def valid_until(self) -> float:
+        """When the lease expires (wall clock), as the last write of it that succeeded says: what
+        another run sees, so this run may write to the store until then and no longer."""
+        return self.info.expires_at
+
+    @property
     def fence(self) -> EpochFence:
         """The check that keeps this run's commits out once another run has opened a newer epoch."""
         return EpochFence(self.fs, self.epoch.epoch)
@@ -222,12 +238,16 @@ class StoreLease:
             )
 
     def renew(self) -> None:
-        """Extend the lease by its TTL; :class:`LeaseLostError` (and ``lost``) if another run has
-        opened a newer epoch."""
+        """Extend the lease by its TTL, counted from before the store is asked anything (the store
+        may take long to answer); :class:`LeaseLostError` (and ``lost``) if another run has opened a
+        newer epoch. :attr:`valid_until` moves only once the new expiry is written: a renewal that
+        fails leaves it where the store has it."""
+        renewed = LeaseInfo(**{**asdict(self.info), "expires_at": time.time() + self.ttl_s})
         self._check_still_ours()
-        now = time.time()
-        self.info = LeaseInfo(**{**asdict(self.info), "expires_at": now + self.ttl_s})
-        self.fs.write_bytes(LEASE_FILE, json.dumps(self.info.to_json(), indent=1).encode())
+        self.fs.write_bytes(LEASE_FILE, json.dumps(renewed.to_json(), indent=1).encode())
+        self.info = renewed
+        if self.on_renewed is not None:
+            self.on_renewed(renewed.expires_at)
 
     def keep_alive(self) -> None:
         """Renew the lease from a daemon thread every third of its TTL until :meth:`release`."""
@@ -235,7 +255,14 @@ class StoreLease:
         self._thread.start()
 
     def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        # every third of the TTL from the start of the previous try, not from its end: a renewal on
+        # storage that does not answer takes the store's timeouts (each request's, times its
+        # retries) before it fails, and waiting a whole period after that would leave no second try
+        # before the expiry
+        period = self.ttl_s / 3
+        began = time.monotonic()
+        while not self._stop.wait(max(0.0, began + period - time.monotonic())):
+            began = time.monotonic()
             try:
                 self.renew()
             except StoreBusyError as error:
@@ -243,14 +270,30 @@ class StoreLease:
                 if self.on_lost is not None:
                     self.on_lost(str(error))
                 return
-            except OSError as error:  # storage hiccup: try again next period, the TTL has slack for two
-                logger.warning("could not renew the lease on %s: %s", self.fs.uri(), error)
+            except Exception as error:  # noqa: BLE001 - storage trouble: try again next period; the thread must not die
+                logger.warning(
+                    "could not renew the lease on %s (it stays valid until %s): %s",
+                    self.fs.uri(),
+                    _clock(self.valid_until),
+                    error,
+                )
 
-    def release(self) -> None:
-        """Stop renewing and delete the lease, if it is still ours."""
+    def release(self, *, wait_s: float | None = None) -> None:
+        """Stop renewing and delete the lease, if it is still ours. ``wait_s``: how long to wait for
+        a renewal under way (``None``: until it ends); if it has not ended by then (storage that
+        does not answer), the lease is left to expire by itself: deleted now, it would be written
+        again by that renewal should it land later."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(wait_s)
+            if self._thread.is_alive():
+                logger.warning(
+                    "a renewal of the lease on %s did not end within %gs: leaving the lease to expire by itself at %s",
+                    self.fs.uri(),
+                    wait_s,
+                    _clock(self.valid_until),
+                )
+                return
         try:
             current = read_lease(self.fs)
             if current is not None and current.owner == self.info.owner:

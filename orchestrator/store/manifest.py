@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from layercheck.orchestrator.store.epochs import EpochHistory, read_epochs
-from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError
+from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS, check_relative
 from layercheck.policies.plan import INITIAL_ORIGIN, VersionRef
 
@@ -35,7 +35,9 @@ MEMORY_ORIGIN = "memory"
 ORIGINS = ("policy", "capture", MEMORY_ORIGIN)
 MANIFEST_DIR = "manifest"
 LAYERS_DIR = "layers"
-_LAYER_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+#: The characters of a layer name (:func:`check_layer_name`), as a regular expression.
+LAYER_NAME_PATTERN = r"[A-Za-z0-9_.\-]+"
+_LAYER_NAME = re.compile(rf"^{LAYER_NAME_PATTERN}$")
 
 
 def check_layer_name(layer: str) -> str:
@@ -259,6 +261,8 @@ def _read_record(store: StoreFS, rel: str) -> VersionRecord | _Unreadable | None
         raw = store.read_bytes(rel)
     except FileNotFoundError:
         return None  # deleted by GC between listing and reading: not committed any more
+    except StoreUnavailableError:
+        raise  # the storage did not answer: nothing is known of the record, least of all that it is torn
     except OSError as error:
         return _Unreadable(f"{store.uri(rel)}: unreadable commit record ({error})", None)
     try:

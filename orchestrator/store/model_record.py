@@ -37,11 +37,10 @@ class ModelRecord:
 def describe_model(model: Any) -> ModelRecord | None:
     """What export needs of ``model`` (a ``transformers`` config, a model carrying one, or a
     ``peft`` model around one); ``None`` for anything else (a bare ``torch.nn.Module``, a layer map)."""
-    peft_configs = getattr(model, "peft_config", None)
-    base = model.get_base_model() if peft_configs and hasattr(model, "get_base_model") else model
-    config = base if hasattr(base, "to_diff_dict") else getattr(base, "config", None)
-    if config is None or not hasattr(config, "to_diff_dict"):
+    config = transformers_config(model)
+    if config is None:
         return None
+    peft_configs = getattr(model, "peft_config", None)
     hf_config = dict(config.to_diff_dict())
     hf_config.setdefault("model_type", config.model_type)
     adapter = None
@@ -53,6 +52,15 @@ def describe_model(model: Any) -> ModelRecord | None:
         peft=adapter,
         base_model=getattr(config, "name_or_path", None) or None if adapter is not None else None,
     )
+
+
+def transformers_config(model: Any) -> Any | None:
+    """The ``transformers`` config of ``model`` (a config, a model carrying one, or a ``peft`` model
+    around one: its base model's); ``None`` for anything else."""
+    peft_configs = getattr(model, "peft_config", None)
+    base = model.get_base_model() if peft_configs and hasattr(model, "get_base_model") else model
+    config = base if hasattr(base, "to_diff_dict") else getattr(base, "config", None)
+    return config if config is not None and hasattr(config, "to_diff_dict") else None
 
 
 def _json_safe(value: Any) -> Any:

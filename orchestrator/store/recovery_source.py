@@ -31,10 +31,12 @@ from layercheck.orchestrator.store.errors import CorruptShardError, ManifestErro
 from layercheck.orchestrator.store.initial_state import read_initial
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, Manifest, VersionRecord
+from layercheck.orchestrator.store.unavailable import unavailable_error
 from layercheck.policies.overlay import LayerSource, Span
 from layercheck.policies.plan import (
     NoUsableVersionError,
     RecoveryPlan,
+    VersionRef,
     newest_recoverable_step,
     plan_recovery,
     with_sources,
@@ -74,9 +76,10 @@ def resolve_plan(
     memory: Sequence[VersionRecord] = (),
     held: Collection[str] | None = None,
 ) -> ResolvedPlan:
-    """Plan recovery at ``t_fail`` (default: the newest recoverable step) from versions that are
-    usable: the stored ones and the writers' ``memory`` versions (``persistence.memory_period``),
-    a memory version usable while the live writers hold all its files (``held``; ``None``: not
+    """Plan recovery at ``t_fail`` (default: the newest recoverable step of the versions found
+    usable, recomputed after each rejection: a ``--resume``'s, a restarted driver's, ``export``'s)
+    from versions that are usable: the stored ones and the writers' ``memory`` versions
+    (``persistence.memory_period``), a memory version usable while the live writers hold all its files (``held``; ``None``: not
     known, then it counts as held and a file gone by the load falls back as a corrupt one does). ``deep`` reads every byte of each chosen version to verify its checksums; without
     it only sizes and headers are checked and :class:`VersionReader` catches a bad tensor later
     (raising :class:`CorruptShardError`; call again with that version in ``skip``).
@@ -89,18 +92,22 @@ def resolve_plan(
     extra = [*initial, *(r for r in memory if r.layer in layer_numel)]
     by_id = {**manifest.by_id(), **{r.version_id: r for r in extra}}
     refs = manifest.refs() + [r.ref for r in extra]
-    if t_fail is None:
-        t_fail = newest_recoverable_step(list(layer_numel), refs)
-        if t_fail is None:
-            have = {r.layer for r in refs}
-            raise NoUsableVersionError(
-                f"{store.uri}: no recovery point: no committed version of {sorted(set(layer_numel) - have)}"
-            )
     skipped: dict[str, str] = dict(skip) if isinstance(skip, Mapping) else dict.fromkeys(skip, "skipped by caller")
     usable: dict[str, dict[str, list[Span]]] = {}
+    # the default step is where the versions the plan accepts say the run got to: a rejected
+    # version's step (a record renamed to a later step, say) must not skip steps of data and schedule
+    default = t_fail is None
+    step = _recovery_point(layer_numel, refs, skipped) if t_fail is None else t_fail
+    if step is None:
+        have = {r.layer for r in refs if not r.partial and r.version_id not in skipped}
+        why = "; ".join(f"{vid}: {reason}" for vid, reason in skipped.items())
+        raise NoUsableVersionError(
+            f"{store.uri}: no recovery point: no committed version of {sorted(set(layer_numel) - have)}"
+            + (f". Unusable: {why}" if why else "")
+        )
     while True:
         try:
-            plan = plan_recovery(layer_numel, refs, t_fail, skip=skipped)
+            plan = plan_recovery(layer_numel, refs, step, skip=skipped)
         except NoUsableVersionError as error:
             why = "; ".join(f"{vid}: {reason}" for vid, reason in skipped.items())
             raise NoUsableVersionError(f"{store.uri}: {error}" + (f". Unusable: {why}" if why else "")) from error
@@ -122,6 +129,16 @@ def resolve_plan(
                     )
         if not fresh_problems:
             break
+        if default:
+            # (None: a layer has no usable version left; the plan at the old step names it and what was tried)
+            newest = _recovery_point(layer_numel, refs, skipped)
+            if newest is not None and newest != step:
+                logger.warning(
+                    "recovery: without the unusable versions the newest recoverable step is %d, not %d",
+                    newest,
+                    step,
+                )
+                step = newest
     ranks = {vid: tuple(s.rank for s in by_id[vid].shards) for vid in usable}
     plan = with_sources(plan, layer_numel, usable, ranks)
     overlays = {c.layer: tuple(by_id[o.version_id] for o in c.overlays) for c in plan.choices if c.overlays}
@@ -141,6 +158,11 @@ def resolve_plan(
         skipped=skipped,
         overlays=overlays,
     )
+
+
+def _recovery_point(layer_numel: Mapping[str, int], refs: Sequence[VersionRef], skipped: Collection[str]) -> int | None:
+    """The newest recoverable step of the versions not in ``skipped`` (``None``: some layer has none)."""
+    return newest_recoverable_step(list(layer_numel), [r for r in refs if r.version_id not in skipped])
 
 
 def stored_at(store: LayerStore, layer_numel: Mapping[str, int], step: int) -> dict[str, Any]:
@@ -239,6 +261,16 @@ class VersionReader:
         path = self.store.fs.uri(self.record.shards[index].path)
         return CorruptShardError(version_id=self.record.version_id, path=path, reason=reason)
 
+    def _failed(self, index: int, error: Exception) -> OSError | CorruptShardError:
+        """What a failed read of rank file ``index`` means: storage that did not answer or refused
+        this process says nothing about the file (:class:`StoreUnavailableError`, never a reason to
+        skip the version); any other failure makes the version corrupt."""
+        if isinstance(error, OSError):
+            unavailable = unavailable_error(self.store.fs.uri(self.record.shards[index].path), error)
+            if unavailable is not None:
+                return unavailable
+        return self._corrupt(index, str(error))
+
     def _file(self, index: int) -> tensorfile.RandomAccess:
         file = self._files[index]
         if file is None:
@@ -247,7 +279,7 @@ class VersionReader:
             except FileNotFoundError as error:
                 raise self._corrupt(index, "missing") from error
             except OSError as error:
-                raise self._corrupt(index, str(error)) from error
+                raise self._failed(index, error) from error
         return file
 
     def headers(self) -> list[tensorfile.ShardHeader]:
@@ -259,7 +291,7 @@ class VersionReader:
                 try:
                     header = tensorfile.read_header(file, path=self.store.fs.uri(entry.path))
                 except (ShardFormatError, OSError) as error:
-                    raise self._corrupt(index, str(error)) from error
+                    raise self._failed(index, error) from error
                 if header.checksum != entry.checksum or header.file_nbytes != entry.nbytes:
                     raise self._corrupt(
                         index,
@@ -312,7 +344,7 @@ class VersionReader:
                 verify=verify,
             )
         except (ShardFormatError, OSError) as error:
-            raise self._corrupt(piece.file_index, str(error)) from error
+            raise self._failed(piece.file_index, error) from error
         self._verified.add((piece.file_index, entry.name))
         return data
 

@@ -9,6 +9,10 @@ Safe against a concurrent commit:
 
 * an unreachable version loses its commit record first, then its files — a reader that lists
   the manifest afterwards never sees it half deleted;
+* only files LayerCheck's own naming says it wrote are ever candidates (``run_dir.owned_file``:
+  shard files and their temporaries in ``layers/<layer>/``, record temporaries in ``manifest/``);
+  anything else there (a user's notes, another run nested in this one's tree, a file at a depth
+  LayerCheck never writes) is *foreign*: kept, logged and reported, never deleted;
 * a file no commit record names (an orphan: its writer crashed, or its commit never came) and
   a leftover ``*.tmp`` are deleted only once older than ``grace_s``: a version being written
   right now is younger than that. The shard files are listed *before* the manifest is read,
@@ -30,6 +34,7 @@ from layercheck.orchestrator.store.errors import PathOutsideStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR, Manifest
+from layercheck.orchestrator.store.run_dir import owned_file
 from layercheck.policies.retention import RetentionConfig, RetentionDecision, plan_retention
 
 logger = logging.getLogger(__name__)
@@ -64,6 +69,33 @@ class GcReport:
     fenced: tuple[str, ...] = ()
     """Versions a superseded run committed after its store was taken over (``epochs.py``):
     never counted by any reader, deleted (listed in ``deleted_versions`` too)."""
+    foreign: tuple[str, ...] = ()
+    """Files under ``layers/`` and ``manifest/`` that LayerCheck's naming says it did not write
+    (``run_dir.owned_file``): a user's, another run's nested here; kept, never deleted."""
+
+
+_MAX_LOGGED = 5
+
+
+def _listed(store: LayerStore) -> tuple[list, tuple[str, ...]]:
+    """The files GC may collect: shard files and their temporaries under ``layers/``, record
+    temporaries under ``manifest/`` (a record itself goes only with its version); and the foreign
+    files found there, which it never touches."""
+    candidates, foreign = [], []
+    for rel, info in store.fs.list_files(LAYERS_DIR, recursive=True) + store.fs.list_files(MANIFEST_DIR):
+        if not owned_file(rel):
+            foreign.append(rel)
+        elif rel.startswith(LAYERS_DIR + "/") or rel.endswith(TMP_SUFFIX):
+            candidates.append((rel, info))
+    if foreign:
+        logger.warning(
+            "gc: keeping %d file(s) in %s that LayerCheck did not write (not its naming; never deleted): %s%s",
+            len(foreign),
+            store.fs.uri(),
+            ", ".join(foreign[:_MAX_LOGGED]),
+            f" and {len(foreign) - _MAX_LOGGED} more" if len(foreign) > _MAX_LOGGED else "",
+        )
+    return candidates, tuple(foreign)
 
 
 def _orphans(
@@ -124,8 +156,7 @@ def collect_garbage(
 ) -> GcReport:
     """Delete the versions no recovery point in the window needs, and old orphans."""
     now = time.time() if now is None else now
-    listed = store.fs.list_files(LAYERS_DIR, recursive=True)
-    listed += [(rel, info) for rel, info in store.fs.list_files(MANIFEST_DIR) if rel.endswith(TMP_SUFFIX)]
+    listed, foreign = _listed(store)
     manifest = store.manifest()
     decision, unusable = _verified_plan(
         store, manifest, config, list(layers) if layers is not None else list(manifest.layers())
@@ -191,4 +222,5 @@ def collect_garbage(
         damaged=unusable,
         kept_files=kept_files,
         fenced=tuple(r.version_id for r in fenced),
+        foreign=foreign,
     )

@@ -1,5 +1,6 @@
-"""The run directory as a whole: is it a safe place for a run, and clearing what LayerCheck
-wrote there (``layercheck train --overwrite``).
+"""The run directory as a whole: is it a safe place for a run, which of its files LayerCheck
+wrote (:func:`owned_file`: what ``--overwrite`` and ``layercheck gc`` may delete), and clearing
+what LayerCheck wrote there (``layercheck train --overwrite``).
 
 An overwrite deletes only what LayerCheck writes (``STORE_LAYOUT.md``): ``layers/`` with shard
 files, ``manifest/`` with commit records, the run files in the root (``run.json``,
@@ -7,26 +8,37 @@ files, ``manifest/`` with commit records, the run files in the root (``run.json`
 file in the directory means it is not only a LayerCheck run: the overwrite is refused and
 nothing is deleted. A store at ``/``, the home directory, the working directory or one of its
 parents (``storage = ""`` or ``"."``) is refused outright: a mistyped path must not turn a
-source tree into a run directory, nor an overwrite into ``rm -r``.
+source tree into a run directory, nor an overwrite into ``rm -r``. So is a store inside another
+run's directory, or one holding another run below it: each run's GC and overwrite work on its
+whole tree, and the other run's files are not theirs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import posixpath
 import re
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
 
-from layercheck.orchestrator.store.epochs import EPOCHS_DIR
+from layercheck.orchestrator.store.epochs import EPOCH_FILE, EPOCHS_DIR
 from layercheck.orchestrator.store.errors import UnsafeStoreError
-from layercheck.orchestrator.store.fs import OBJECT_STORES, StoreFS
+from layercheck.orchestrator.store.fs import OBJECT_STORES, TMP_PATTERN, StoreFS
 from layercheck.orchestrator.store.initial_state import INITIAL_FILE
-from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, PREVIOUS_RUN_CONFIG_FILE, RUN_CONFIG_FILE
+from layercheck.orchestrator.store.layer_store import (
+    DRIFT_TRACE_FILE,
+    PREVIOUS_RUN_CONFIG_FILE,
+    RECORD_FILE,
+    RUN_CONFIG_FILE,
+    SHARD_FILE,
+)
 from layercheck.orchestrator.store.lease import LEASE_FILE
-from layercheck.orchestrator.store.manifest import LAYERS_DIR, MANIFEST_DIR
+from layercheck.orchestrator.store.manifest import LAYER_NAME_PATTERN, LAYERS_DIR, MANIFEST_DIR
 from layercheck.orchestrator.store.model_record import MODEL_FILE
+from layercheck.orchestrator.store.unavailable import unavailable_error
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +48,9 @@ RUN_ROOT_FILES: frozenset[str] = frozenset(
     {RUN_CONFIG_FILE, PREVIOUS_RUN_CONFIG_FILE, DRIFT_TRACE_FILE, LEASE_FILE, INITIAL_FILE, MODEL_FILE}
 )
 
-_TMP = r"(\.[0-9a-f]{8}\.tmp)?"
-_SHARD_FILE = re.compile(
-    r"^[A-Za-z0-9_.\-]+/\d{10}(-base)?(-capture)?-rank\d{5}of\d{5}-[0-9a-f]{8}\.safetensors" + _TMP + "$"
-)
-_RECORD_FILE = re.compile(r"^[A-Za-z0-9_.\-]+@\d{10}(-base)?(-partial)?-[0-9a-f]{8}\.json" + _TMP + "$")
-_EPOCH_FILE = re.compile(r"^\d{10}\.json" + _TMP + "$")
+_ROOT_TMP = re.compile(rf"(.*){TMP_PATTERN}")
+#: Directories LayerCheck makes: ``layers/``, ``layers/<layer>/``, ``manifest/``, ``epochs/``.
+_OWN_DIR = re.compile(rf"{LAYERS_DIR}(/{LAYER_NAME_PATTERN})?|{MANIFEST_DIR}|{EPOCHS_DIR}")
 _MAX_NAMED = 5
 
 
@@ -56,10 +65,11 @@ class RunDirContents:
 
 
 def check_run_location(fs: StoreFS, *, cwd: str | None = None, home: str | None = None) -> None:
-    """Raise :class:`UnsafeStoreError` if ``fs`` is no place for a run (see :func:`location_problem`)."""
+    """Raise :class:`UnsafeStoreError` if ``fs`` is no place for a run (see :func:`location_problem`
+    and :func:`nesting_problem`). Reads only: run before anything is written."""
     problem = location_problem(
         fs.fs.type_name, fs.root, uri=fs.uri(), cwd=cwd or os.getcwd(), home=home or os.path.expanduser("~")
-    )
+    ) or nesting_problem(fs)
     if problem:
         raise UnsafeStoreError(problem)
 
@@ -92,8 +102,97 @@ def location_problem(kind: str, root: str, *, uri: str, cwd: str, home: str) -> 
     return ""
 
 
+def nesting_problem(fs: StoreFS) -> str:
+    """Why a run must not live at ``fs``'s root because of another LayerCheck run ("" if none):
+    the root lies inside another run's directory, or holds one below it. A run's GC and
+    ``--overwrite`` work on its whole tree; another run's files in it are not theirs to judge
+    (a GC that took them for orphans once deleted a whole nested run)."""
+    outer = _enclosing_run(fs)
+    if outer is not None:
+        where, why = outer
+        beside = posixpath.dirname(where)  # a sibling of the outer run ("": it is a bucket)
+        example = f", e.g. {_uri_of(fs, posixpath.join(beside, posixpath.basename(_real_root(fs))))}" if beside else ""
+        return (
+            f"storage {fs.uri()} lies inside the LayerCheck run in {_uri_of(fs, where)} ({why}); a run needs a "
+            f"directory of its own outside any other run's{example}"
+        )
+    inner = _nested_run(fs)
+    if inner is not None:
+        where, why = inner
+        return (
+            f"storage {fs.uri()} contains another LayerCheck run in {fs.uri(where)} ({why}); move that run out "
+            "of this directory first, or give this run a directory of its own"
+        )
+    return ""
+
+
+def _run_mark(rel: str) -> str:
+    """Why ``rel`` (``…/epochs/<file>`` or ``…/manifest/<file>``) shows its directory's parent is
+    a LayerCheck run ("" if it does not): only LayerCheck's own names count, so another tool's
+    ``epochs/`` or ``manifest/`` beside a run is no run."""
+    tail = "/".join(rel.split("/")[-2:])
+    if EPOCH_FILE.fullmatch(tail):
+        return f"it holds the epoch {tail}"
+    if RECORD_FILE.fullmatch(tail):
+        return f"it holds the commit record {tail}"
+    return ""
+
+
+def _real_root(fs: StoreFS) -> str:
+    return os.path.realpath(fs.root) if fs.fs.type_name == "local" else fs.root.rstrip("/")
+
+
+def _uri_of(fs: StoreFS, path: str) -> str:
+    """The location of ``path`` (a full path in ``fs``'s filesystem) for a message, as ``fs.uri()`` names its root."""
+    return dataclasses.replace(fs, root=path).uri()
+
+
+def _raise_if_unavailable(fs: StoreFS, path: str, error: OSError) -> None:
+    """A listing the storage did not answer (or refused) is the run's first store error, said as
+    such, not a directory to pass over."""
+    unavailable = unavailable_error(_uri_of(fs, path), error)
+    if unavailable is not None:
+        raise unavailable from error
+
+
+def _enclosing_run(fs: StoreFS) -> tuple[str, str] | None:
+    """The nearest ancestor of the root that is a LayerCheck run, and why; two listings (its
+    ``epochs/`` and ``manifest/``, usually absent) per ancestor, up to the filesystem root or bucket."""
+    path = _real_root(fs)
+    while (parent := posixpath.dirname(path)) and parent != path:
+        path = parent
+        for sub in (EPOCHS_DIR, MANIFEST_DIR):
+            try:
+                listed = fs.fs.get_file_info(pafs.FileSelector(posixpath.join(path, sub), allow_not_found=True))
+            except OSError as error:  # e.g. no permission to list there: nothing to see
+                _raise_if_unavailable(fs, posixpath.join(path, sub), error)
+                logger.debug("not checking %s for a LayerCheck run: %s", posixpath.join(path, sub), error)
+                continue
+            why = next((w for info in listed if info.type == pafs.FileType.File and (w := _run_mark(info.path))), "")
+            if why:
+                return path, why
+    return None
+
+
+def _nested_run(fs: StoreFS) -> tuple[str, str] | None:
+    """A LayerCheck run below the root (its path relative to the root), and why; one recursive listing."""
+    selector = pafs.FileSelector(fs.root, allow_not_found=True, recursive=True)
+    prefix = fs.root.rstrip("/") + "/"
+    try:
+        listed = fs.fs.get_file_info(selector)
+    except OSError as error:
+        _raise_if_unavailable(fs, fs.root, error)
+        logger.warning("could not check %s for another LayerCheck run below it: %s", fs.uri(), error)
+        return None
+    for info in sorted(listed, key=lambda i: i.path):
+        rel = info.path[len(prefix) :] if info.path.startswith(prefix) else info.path
+        if info.type == pafs.FileType.File and rel.count("/") >= 2 and (why := _run_mark(rel)):
+            return rel.rsplit("/", 2)[0], why
+    return None
+
+
 def _root_name(rel: str) -> str:
-    match = re.match(r"^(.*)\.[0-9a-f]{8}\.tmp$", rel)
+    match = _ROOT_TMP.fullmatch(rel)
     return match.group(1) if match else rel
 
 
@@ -106,23 +205,27 @@ def run_dir_contents(fs: StoreFS) -> RunDirContents:
     for info in fs.fs.get_file_info(selector):
         rel = info.path[len(prefix) :] if info.path.startswith(prefix) else info.path
         if info.type == pafs.FileType.Directory:
-            parts = rel.split("/")
-            if not (rel in (LAYERS_DIR, MANIFEST_DIR, EPOCHS_DIR) or (len(parts) == 2 and parts[0] == LAYERS_DIR)):
+            if not _OWN_DIR.fullmatch(rel):
                 foreign.append(rel + "/")
-        elif _owned_file(rel):
+        elif owned_file(rel):
             owned.append(rel)
         else:
             foreign.append(rel)
     return RunDirContents(owned=tuple(sorted(owned)), foreign=tuple(sorted(foreign)))
 
 
-def _owned_file(rel: str) -> bool:
+def owned_file(rel: str) -> bool:
+    """Whether LayerCheck's own naming says it wrote ``rel`` (a path relative to a run's root): a
+    shard file under ``layers/<layer>/`` (``layer_store.SHARD_FILE``), a commit record under
+    ``manifest/`` (``RECORD_FILE``), an epoch (``EPOCH_FILE``), a run file in the root
+    (:data:`RUN_ROOT_FILES`), or the temporary of any of them. The one definition of what
+    ``--overwrite`` and GC may delete: anything else, at any other place or depth, is a user's."""
     if rel.startswith(LAYERS_DIR + "/"):
-        return bool(_SHARD_FILE.match(rel[len(LAYERS_DIR) + 1 :]))
+        return bool(SHARD_FILE.fullmatch(rel))
     if rel.startswith(MANIFEST_DIR + "/"):
-        return bool(_RECORD_FILE.match(rel[len(MANIFEST_DIR) + 1 :]))
+        return bool(RECORD_FILE.fullmatch(rel))
     if rel.startswith(EPOCHS_DIR + "/"):
-        return bool(_EPOCH_FILE.match(rel[len(EPOCHS_DIR) + 1 :]))
+        return bool(EPOCH_FILE.fullmatch(rel))
     return "/" not in rel and _root_name(rel) in RUN_ROOT_FILES
 
 

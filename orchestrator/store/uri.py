@@ -27,6 +27,7 @@ from urllib.parse import parse_qsl, unquote_plus, urlsplit, urlunsplit
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from layercheck.orchestrator.store.s3_limits import CONNECT_TIMEOUT_S, REQUEST_TIMEOUT_S, RETRY_MAX_ATTEMPTS
 from layercheck.policies.config_loader import ConfigError
 
 #: LayerCheck's own query options of an ``s3://`` URI (see the module docstring).
@@ -40,9 +41,9 @@ _SECRET_KEY = re.compile(r"key|secret|token|password|passwd|sig|credential", re.
 class S3ClientOptions:
     """The S3 client's timeouts and retries; each is bounded by default (see the module docstring)."""
 
-    connect_timeout: float = 3.0
-    request_timeout: float = 5.0
-    retry_max_attempts: int = 3
+    connect_timeout: float = CONNECT_TIMEOUT_S
+    request_timeout: float = REQUEST_TIMEOUT_S
+    retry_max_attempts: int = RETRY_MAX_ATTEMPTS
 
     @classmethod
     def from_query(cls, values: dict[str, str], *, uri: str) -> S3ClientOptions:

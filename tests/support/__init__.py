@@ -11,9 +11,10 @@ not in a test module.
 - ``ray_runs``: the demo config shortened, the in-process local Ray, the runs several modules read.
 - ``bench_runs``: the benchmark run the harness and capture tests share.
 - ``store_helpers``, ``store_writer_proc``: shards of known state, receipts, failing filesystems,
-  a writer process that kills itself mid-write.
+  a writer process that kills itself mid-write (or keeps committing for a while).
+- ``export_proc``: ``layercheck`` in a process that kills itself as an export writes its weights.
 - ``train_proc``, ``example_runs``: ``layercheck train`` and the examples run as a user runs them.
-- ``s3_server``, ``prometheus``, ``dashboards``: a loopback S3 server, a real Prometheus, the
-  dashboard files.
+- ``s3_server``, ``prometheus``, ``dashboards``: a loopback S3 server (cut, flapping, or checking
+  credentials), a real Prometheus, the dashboard files.
 - ``devices``: the CPU / CUDA switch of the device-dependent tests.
 """

@@ -200,3 +200,41 @@ def bad_input_job(rank: int, world_size: int) -> dict[str, Any]:
     except UnsupportedOptimizerError as error:
         out["optimizer"] = str(error)
     return out
+
+
+def recorded_model_job(rank: int, world_size: int, storage: str, heads: int, kv_heads: int) -> str:
+    """``layercheck.attach`` of an engine with ``heads``/``kv_heads`` attention heads, in a run (no
+    Ray: attach must raise before it looks for the run's actors) whose layer sizes match it; the
+    error attach raised, as ``"Name: message"``, or ``"attached"``."""
+    env.init_distributed()
+    import deepspeed
+    import transformers
+
+    from layercheck.orchestrator.core.run_config import FaultConfig
+    from layercheck.orchestrator.runtime.context import WorkerContext, call_with_context
+    from layercheck.policies.layer_map import layer_map_of
+    from layercheck.worker import attach
+
+    hf = {**TINY_LLAMA, "num_attention_heads": heads, "num_key_value_heads": kv_heads}
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(hf.pop("model_type"), **hf), dtype=torch.float32
+    )
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=LR), config=config
+    )
+    context = WorkerContext(
+        run_id="recorded-model",
+        storage_uri=storage,
+        fsync=False,
+        max_inflight_bytes=1 << 20,
+        fault=FaultConfig(),
+        drift_probe="snapshot_diff",
+        layer_map=None,
+        layer_numel=dict(layer_map_of(model).numel),  # the sizes agree: only the config tells them apart
+    )
+    try:
+        call_with_context(lambda: attach(engine), context)
+    except Exception as error:  # noqa: BLE001 - the test reads which error it was
+        return f"{type(error).__name__}: {error}"
+    return "attached"

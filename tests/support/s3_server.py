@@ -1,14 +1,20 @@
 """A loopback S3-compatible server for the object-store tests: moto's server on 127.0.0.1
 behind a TCP proxy that a test can cut (an outage: connections are reset, the stored objects
-stay in moto's memory) and restore."""
+stay in moto's memory) and restore, or cut on and off (``flapping``), or hang (connections
+accepted and never answered); and moto enforcing
+credentials for a while (``iam_enforced``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import socket
 import struct
 import threading
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -31,13 +37,17 @@ FAST_FAIL: dict[str, str] = {"connect_timeout": "1", "request_timeout": "2", "re
 class CuttableProxy:
     """Forwards TCP connections from ``127.0.0.1:port`` to ``target`` until :meth:`cut`; while
     cut, live connections are dropped and new ones reset at once (what a client sees when the
-    server is down). :meth:`restore` forwards again."""
+    server is down). While :meth:`hang` is on, nothing more is forwarded either way and new
+    connections are accepted and never answered (a hung server or load balancer: only the
+    client's timeouts end a request). :meth:`restore` forwards again."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._cut = threading.Event()
+        self._hung = threading.Event()
+        self._silent: list[socket.socket] = []  # accepted while hung, never answered
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._live: set[socket.socket] = set()
@@ -55,11 +65,20 @@ class CuttableProxy:
         for sock in live:
             _reset(sock)
 
+    def hang(self) -> None:
+        self._hung.set()
+
     def restore(self) -> None:
         self._cut.clear()
+        self._hung.clear()
+        with self._lock:
+            silent, self._silent = self._silent, []
+        for sock in silent:  # their clients reconnect
+            _reset(sock)
 
     def close(self) -> None:
         self._closed.set()
+        self.restore()
         self.cut()
         self._listener.close()
         self._thread.join(timeout=5)
@@ -76,6 +95,10 @@ class CuttableProxy:
             if self._cut.is_set():
                 _reset(client)
                 continue
+            if self._hung.is_set():
+                with self._lock:
+                    self._silent.append(client)
+                continue
             try:
                 upstream = socket.create_connection(self.target, timeout=5)
             except OSError:
@@ -91,7 +114,8 @@ class CuttableProxy:
             while chunk := src.recv(65536):
                 if self._cut.is_set():
                     break
-                dst.sendall(chunk)
+                if not self._hung.is_set():  # (hung: swallowed, the peer waits for an answer)
+                    dst.sendall(chunk)
         except OSError:
             pass
         for sock in (src, dst):
@@ -146,3 +170,59 @@ def new_bucket(target: tuple[str, int]) -> LoopbackS3:
     s3 = LoopbackS3(proxy=proxy, bucket=f"lc-{secrets.token_hex(4)}")
     s3.filesystem().create_dir(s3.bucket)
     return s3
+
+
+@contextmanager
+def iam_enforced(target: tuple[str, int]) -> Iterator[dict[str, str]]:
+    """moto checking every request's signature and IAM permissions, for the ``with`` block:
+    yields the environment of a new IAM user allowed ``s3:*`` (``AWS_ACCESS_KEY_ID``,
+    ``AWS_SECRET_ACCESS_KEY``). By moto's server-mode switch (``/moto-api/reset-auth``, its
+    ``INITIAL_NO_AUTH_ACTION_COUNT``), restored after: the other tests' dummy keys work again."""
+    import boto3
+
+    endpoint = f"http://{target[0]}:{target[1]}"
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name=S3_ENV["AWS_REGION"])
+    user = f"lc-{secrets.token_hex(4)}"
+    iam.create_user(UserName=user)
+    allow_s3 = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]}
+    iam.put_user_policy(UserName=user, PolicyName="s3", PolicyDocument=json.dumps(allow_s3))
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    previous = _reset_auth(endpoint, "0")
+    try:
+        yield {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
+    finally:
+        _reset_auth(endpoint, previous)
+
+
+def _reset_auth(endpoint: str, count: str) -> str:
+    """Set moto's ``INITIAL_NO_AUTH_ACTION_COUNT`` (``"0"``: check every request); the previous value."""
+    request = urllib.request.Request(
+        f"{endpoint}/moto-api/reset-auth", data=count.encode(), headers={"Content-Type": "text/plain"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"]
+
+
+@contextmanager
+def flapping(proxy: CuttableProxy, *, up_s: float, down_s: float) -> Iterator[list[int]]:
+    """``proxy`` cut for ``down_s`` every ``up_s + down_s`` seconds (an endpoint failing on and
+    off) for the ``with`` block; yields a list that counts the outages begun (one element per
+    outage). Restored at the end."""
+    outages: list[int] = []
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(up_s):
+            proxy.cut()
+            outages.append(1)
+            stop.wait(down_s)
+            proxy.restore()
+
+    thread = threading.Thread(target=run, name="s3-flapping", daemon=True)
+    thread.start()
+    try:
+        yield outages
+    finally:
+        stop.set()
+        thread.join(timeout=up_s + down_s + 5)
+        proxy.restore()

@@ -9,6 +9,8 @@ import math
 import time
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -17,7 +19,7 @@ import torch
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_FILE, LeaseInfo
-from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import ShardReceipt, VersionRecord, record_path
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 
 PARAMS: dict[str, tuple[int, ...]] = {"w": (6, 5), "b": (5,), "g": (7,)}
@@ -245,3 +247,38 @@ class FaultyLocalFS(pafs.FileSystemHandler):
 def faulty_store(root: str) -> tuple[LayerStore, FaultyLocalFS]:
     handler = FaultyLocalFS()
     return LayerStore(StoreFS(fs=pafs.PyFileSystem(handler), root=root)), handler
+
+
+def flip_data_byte(store: LayerStore, record: VersionRecord, *, rank: int = 0) -> None:
+    """Flip one byte near the end of rank ``rank``'s file of ``record``: in its tensor data (the
+    last state buffer), so the header, its size and its checksum still match the record — only a
+    read of that tensor finds it."""
+    path = Path(store.fs.path(record.shards[rank].path))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x55
+    path.write_bytes(bytes(data))
+
+
+def relabel_version(store: LayerStore, record: VersionRecord, step: int) -> VersionRecord:
+    """``record`` renamed consistently to ``step``: its commit record (``version_id``, ``step``,
+    shard paths) and its files' names, the files themselves untouched (their headers still hold
+    the step they were taken at). The relabelled record."""
+    old, new = f"{record.step:010d}", f"{step:010d}"
+    shards = []
+    for entry in record.shards:
+        path = entry.path.replace(f"/{old}", f"/{new}", 1)
+        Path(store.fs.path(entry.path)).rename(store.fs.path(path))
+        shards.append(replace(entry, path=path))
+    relabelled = replace(
+        record, version_id=record.version_id.replace(f"@{old}", f"@{new}", 1), step=step, shards=tuple(shards)
+    )
+    manifest = Path(store.fs.path(record_path(record.version_id)))
+    text = json.loads(manifest.read_text())
+    text.update(
+        version_id=relabelled.version_id,
+        step=step,
+        shards=[{**s, "path": e.path} for s, e in zip(text["shards"], shards, strict=True)],
+    )
+    Path(store.fs.path(record_path(relabelled.version_id))).write_text(json.dumps(text))
+    manifest.unlink()
+    return relabelled

@@ -3,13 +3,18 @@
 the n-th time (default first) the store reaches it — a crash that leaves what a real one would.
 
     python -m tests.support.store_writer_proc RUN --layers a,b --steps 10,20 [--world-size 2]
+
+With ``--for-s S`` it writes steps on from the first of ``--steps`` (one a step) until ``S``
+seconds have passed, a run that keeps committing, and prints ``last step N`` when it is done.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
+import time
 
 from layercheck.orchestrator.store.layer_store import LayerStore
 from tests.support.store_helpers import write_layer
@@ -35,12 +40,18 @@ def main() -> None:
     parser.add_argument("--layers", required=True)
     parser.add_argument("--steps", required=True)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--for-s", type=float, default=None, help="write steps on from the first until then")
     args = parser.parse_args()
     spec = os.environ.get("LAYERCHECK_TEST_KILL_AT")
     store = LayerStore.open(args.run, hook=kill_hook(spec) if spec else None)
-    for step in (int(s) for s in args.steps.split(",")):
+    steps = [int(s) for s in args.steps.split(",")]
+    end = None if args.for_s is None else time.monotonic() + args.for_s
+    for step in steps if end is None else itertools.count(steps[0]):
         for layer in args.layers.split(","):
             write_layer(store, layer, step, world_size=args.world_size)
+        if end is not None and time.monotonic() >= end:
+            print(f"last step {step}", flush=True)
+            break
 
 
 if __name__ == "__main__":
