@@ -1,5 +1,5 @@
 """Micro-benchmark: how long a survivor's capture takes per GB, the figure the capture window
-(``persistence.capture_timeout_s``, :mod:`layercheck.orchestrator.core.capture_window`) must cover.
+(``persistence.capture_timeout_s``, :mod:`layercheck.orchestrator.core.recovery.capture_window`) must cover.
 
 One rank (gloo, world size 1, ZeRO-0 so it holds the whole model) trains a step of a model built
 from a transformers config, then, ``--repeats`` times:

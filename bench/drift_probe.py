@@ -11,11 +11,11 @@ Variants of the optimizer step over the model's layer-aligned param groups (fp32
 * ``drift_fused``    DriftAdamW with ``drift_step="fused"`` (drift counted inside the update; a
                      Triton kernel on CUDA), plus the same read
 * ``snapshot_diff``  baseline step + |theta_t - reference| per layer, then the reference refreshed
-                     (``layercheck.workers.drift_diff.SnapshotDiffProbe``): the probe for a user's optimizer
+                     (``layercheck.workers.drift.diff.SnapshotDiffProbe``): the probe for a user's optimizer
 * ``moments``        baseline step + the Adam update recomputed from exp_avg / exp_avg_sq, its L1
                      per layer (an alternative for Adam-family optimizers; not shipped, see docs/drift-probes.md)
 * ``l1_params``      baseline step + an L1 norm over the params (the cost floor the probe aims at)
-* ``step_hooks``     the user's AdamW with ``layercheck.workers.drift_hooks.StepHookProbe`` around its
+* ``step_hooks``     the user's AdamW with ``layercheck.workers.drift.hooks.StepHookProbe`` around its
                      step (a copy before, the diff after): ``attach``'s and the callback's probe
 * ``step_hooks_fused``  (CPU) the same probe running the fused step in the user's AdamW's place
 * ``drift_adamw@10``, ``snapshot_diff@10``, ``step_hooks@10``, ``step_hooks_fused@10``  the probes
@@ -123,8 +123,8 @@ def _groups(model: torch.nn.Module, device: str) -> list[dict[str, Any]]:
 
 def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callable[[], None]]:
     from layercheck.policies.layer_map import layer_map_of
-    from layercheck.workers.drift_adamw import DriftAdamW
-    from layercheck.workers.drift_fused import triton_eligible
+    from layercheck.workers.drift.adamw import DriftAdamW
+    from layercheck.workers.drift.fused import triton_eligible
 
     fast: dict[str, Any] = {"fused": True} if device == "cuda" else {"foreach": True}  # AdamW's kernel switch
 
@@ -276,9 +276,9 @@ def optimizer_variants(model: torch.nn.Module, device: str) -> dict[str, Callabl
 def _hook_probe(
     optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], layer_map: LayerMap, *, fused: bool, every: int
 ) -> Any:
-    """A :class:`~layercheck.workers.drift_hooks.StepHookProbe` on ``optimizer`` (built over
+    """A :class:`~layercheck.workers.drift.hooks.StepHookProbe` on ``optimizer`` (built over
     ``groups``' params, in order), each parameter its own master, owned whole, in its group's layer."""
-    from layercheck.workers.drift_hooks import StepHookProbe
+    from layercheck.workers.drift.hooks import StepHookProbe
     from layercheck.workers.layout import LayerLayout, Piece, StateLayout
     from layercheck.workers.shard import ParamSlice
 
@@ -307,7 +307,7 @@ SAMPLE_EVERY = 10
 
 
 #: Kernel configurations ``--sweep`` times on CUDA: (BLOCK, NUM_WARPS, TRITON_CHUNK) of
-#: :mod:`layercheck.workers.drift_triton`; the first is the default.
+#: :mod:`layercheck.workers.drift.triton_step`; the first is the default.
 SWEEP: tuple[tuple[int, int, int], ...] = (
     (1024, 4, 1 << 14),
     (1024, 4, 1 << 16),
@@ -322,8 +322,9 @@ def kernel_sweep(model: torch.nn.Module, device: str, steps: int) -> list[dict[s
     """The fused step under each :data:`SWEEP` configuration beside torch's fused AdamW: time per
     step, host issue time, and whether one step from the same state gives bit-equal parameters
     to the default configuration's (the configurations only change how work is split)."""
-    from layercheck.workers import drift_fused_work, drift_triton
-    from layercheck.workers.drift_adamw import DriftAdamW
+    from layercheck.workers.drift import fused_work as drift_fused_work
+    from layercheck.workers.drift import triton_step as drift_triton
+    from layercheck.workers.drift.adamw import DriftAdamW
 
     def configure(config: tuple[int, int, int]) -> None:
         drift_triton.BLOCK, drift_triton.NUM_WARPS, drift_fused_work.TRITON_CHUNK = config
@@ -494,7 +495,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--sweep",
         action="store_true",
-        help="CUDA: also time the fused kernel's configurations (layercheck.workers.drift_triton)",
+        help="CUDA: also time the fused kernel's configurations (layercheck.workers.drift.triton_step)",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", default=None, help="also write the JSON to this file")

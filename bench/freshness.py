@@ -83,7 +83,7 @@ def _mean_abs(train_engine: TrainEngine, weights: Mapping[str, torch.Tensor]) ->
 def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
     """Load the composite at ``t`` from ``store``, train ``horizon`` steps; this rank's losses,
     the versions loaded and the exact per-layer distance to the lost state (all ranks)."""
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.orchestrator.local.run import wipe_training_state
     from layercheck.orchestrator.store.recovery_source import resolve_plan
     from layercheck.policies.plan import NoUsableVersionError

@@ -10,7 +10,7 @@ DriftAdamW keeps of them from step to step is checked, not rebuilt), nothing of 
 timed twice: with the gradients kept from step to step (DeepSpeed's flat ZeRO 1-3 buffers), and
 with new gradient tensors at every step (a loop that sets them to ``None``, DeepSpeed's fp32 copies
 of bf16 ones), where the kernel's address table is built anew and the new gradients are checked
-for the kernel (:func:`~layercheck.workers.drift_fused.kernel_takes`: the test it makes of CUDA
+for the kernel (:func:`~layercheck.workers.drift.fused.kernel_takes`: the test it makes of CUDA
 tensors, here of CPU ones).
 
     python -m layercheck.bench.fused_issue                 # the table
@@ -44,10 +44,10 @@ class _NoLaunch:
 
 @contextlib.contextmanager
 def _kernel_launching_nothing() -> Iterator[None]:
-    """:mod:`layercheck.workers.drift_triton` with its kernel replaced and every tensor taken as
+    """:mod:`layercheck.workers.drift.triton_step` with its kernel replaced and every tensor taken as
     the kernel's; where Triton is not installed, against a stand-in module (torch's dynamo probes
     Triton at import: it goes first). Everything is put back on the way out."""
-    from layercheck.workers import drift_fused
+    from layercheck.workers.drift import fused as drift_fused
 
     added = []
     if importlib.util.find_spec("triton") is None:
@@ -61,8 +61,8 @@ def _kernel_launching_nothing() -> Iterator[None]:
         for name, module in (("triton", triton), ("triton.language", language)):
             sys.modules[name] = module
             added.append(name)
-        added.append("layercheck.workers.drift_triton")
-    from layercheck.workers import drift_triton
+        added.append("layercheck.workers.drift.triton_step")
+    from layercheck.workers.drift import triton_step as drift_triton
 
     kernel, eligible = drift_triton._adamw_l1_kernel, drift_fused.triton_eligible
     drift_triton._adamw_l1_kernel = _NoLaunch()
@@ -74,9 +74,9 @@ def _kernel_launching_nothing() -> Iterator[None]:
         for name in added:
             sys.modules.pop(name, None)
         if added:  # the stand-in's kernel module must not outlive it
-            import layercheck.workers
+            import layercheck.workers.drift
 
-            delattr(layercheck.workers, "drift_triton")
+            delattr(layercheck.workers.drift, "triton_step")
 
 
 def _groups() -> list[dict[str, Any]]:
@@ -94,7 +94,7 @@ def _groups() -> list[dict[str, Any]]:
 def run(steps: int) -> dict[str, Any]:
     """The step's host time with its gradients kept (``host_s``) and with new ones at every step
     (``host_new_grads_s``), medians and 90th percentiles over ``steps`` after 20 warm-up steps."""
-    from layercheck.workers.drift_adamw import DriftAdamW
+    from layercheck.workers.drift.adamw import DriftAdamW
 
     groups = _groups()
     params = [p for group in groups for p in group["params"]]

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from layercheck.bench.baselines import make_baseline
+from layercheck.bench.formulas import trace_of
 from layercheck.bench.matched import matched_settings
-from layercheck.bench.metrics import trace_of
 from layercheck.bench.presets import Workload
 from layercheck.bench.run_record import (
     broadcast,
@@ -67,7 +67,7 @@ from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.trace import filled
 
 if TYPE_CHECKING:
-    from layercheck.workers.drift import DriftReader, LayerDrift
+    from layercheck.workers.drift.probe import DriftReader, LayerDrift
     from layercheck.workers.shard import LayerShard
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Runner:
         import deepspeed  # noqa: F401 — imported before timing the engine build
         import transformers  # noqa: F401
 
-        from layercheck.workers.data import DataConfig, SequenceDataset
+        from layercheck.workers.data.dataset import DataConfig, SequenceDataset
         from layercheck.workers.engine import build_engine
         from layercheck.workers.env import init_distributed
         from layercheck.workers.host_buffers import HostBufferPool

@@ -4,11 +4,11 @@ After every strategy has run once, the interval baselines run again (``layerchec
 matched_variants``) at the interval of full checkpoints that matches ``layercheck``:
 
 - ``@stal`` / ``@drift``: its measured mean weighted staleness / mean unsaved drift, on the
-  ``none`` run's drift trace (``layercheck.policies.simulate.match_interval``);
+  ``none`` run's drift trace (``layercheck.policies.simulation.match_interval``);
 - ``@bytes``: the bytes LayerCheck wrote (``layercheck+capture``'s, which include the
   survivors' captures, else ``layercheck``'s), per baseline from the measured size of one of its
   own full checkpoints, counted from the warm-up step W on as ``layercheck.bench.report.bytes_from`` counts
-  (:func:`layercheck.bench.metrics.bytes_matched_interval`).
+  (:func:`layercheck.bench.formulas.bytes_matched_interval`).
 
 Every interval is floored at ``min_matched_interval``; the result says where the floor bound.
 Pure: the first pass's results in, the intervals and their reasons out.
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from layercheck.bench.metrics import bytes_matched_interval, matched_intervals
+from layercheck.bench.formulas import bytes_matched_interval, matched_intervals
 from layercheck.bench.presets import Workload
 from layercheck.bench.strategies import BYTES_MATCHABLE, Strategy
 from layercheck.orchestrator.table import human_bytes

@@ -32,7 +32,7 @@ import ray
 import torch
 
 from layercheck.bench.s3_loopback import S3_ENV, loopback_s3
-from layercheck.orchestrator.core.memory_reads import MemoryFirstOpener, files_to_fetch
+from layercheck.orchestrator.core.memory.reads import MemoryFirstOpener, files_to_fetch
 from layercheck.orchestrator.runtime.memory_fetch import WriterCopies
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter

@@ -60,7 +60,7 @@ def bytes_vs_staleness(report: Mapping[str, Any], path: Path) -> Path:
 def _full_frontier(report: Mapping[str, Any]) -> list[tuple[float, float]]:
     """(staleness, MiB) of every-layer checkpoints every N steps: staleness replayed on the
     reference run's drift trace, bytes = measured size of one such checkpoint x checkpoints."""
-    from layercheck.policies.simulate import simulate_interval
+    from layercheck.policies.simulation import simulate_interval
     from layercheck.policies.trace import DriftTrace
 
     rows = report["strategies"]

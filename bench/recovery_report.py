@@ -25,7 +25,7 @@ REFERENCE = "layercheck"
 AT_BYTES = "full-resume@bytes"
 
 
-#: A recovery's loaded bytes by source (``layercheck.orchestrator.core.memory_reads.LoadSources``, summed over ranks).
+#: A recovery's loaded bytes by source (``layercheck.orchestrator.core.memory.reads.LoadSources``, summed over ranks).
 MEMORY_SOURCES = ("memory_local", "memory_remote")
 
 

@@ -11,14 +11,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from layercheck.bench import recovery_report, schedule_report
-from layercheck.bench.matched import describe_bytes_match
-from layercheck.bench.metrics import (
+from layercheck.bench.formulas import (
     checkpoints_in,
     loss_deviation,
     matched_intervals,
     measured_ettr,
     post_failure_windows,
 )
+from layercheck.bench.matched import describe_bytes_match
 from layercheck.orchestrator.table import format_table, human_bytes
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from layercheck.bench.metrics import FreshnessTracker
+from layercheck.bench.formulas import FreshnessTracker
 from layercheck.bench.presets import Workload
 from layercheck.bench.strategies import Recovery, Strategy
 from layercheck.orchestrator.local.coordinator import LocalCoordinator

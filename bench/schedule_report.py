@@ -1,6 +1,6 @@
 """The schedule's figures in the benchmark report: peak bytes handed over in one step for every
 strategy, and each layer-wise policy's bytes at its own mean unsaved drift against full
-checkpoints and against the offline oracle (:func:`layercheck.policies.simulate.oracle_at_drift`).
+checkpoints and against the offline oracle (:func:`layercheck.policies.simulation.oracle_at_drift`).
 
 Units. Layer-wise strategies hand over layer state: fp32 weights and both Adam moments, 12 bytes
 a parameter (``handed_state_bytes`` in the raw results, all ranks). A full checkpoint counts
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from layercheck.bench.metrics import checkpoints_in, matched_intervals
+from layercheck.bench.formulas import checkpoints_in, matched_intervals
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.staggered import BYTES_PER_PARAM
 
@@ -64,7 +64,7 @@ def add_drift_matched(
     """Per layer-wise policy row, ``at_matched_drift``: its handed state bytes, full checkpoints'
     bytes at the interval matching its mean unsaved drift (from step W on), the oracle's bytes at
     the same drift, and the two ratios."""
-    from layercheck.policies.simulate import oracle_at_drift
+    from layercheck.policies.simulation import oracle_at_drift
     from layercheck.policies.trace import DriftTrace
 
     if "trace" not in results.get("none", {}):

@@ -120,7 +120,7 @@ def summary_markdown(
             "parameter: fp32 weight and both Adam moments, all ranks), full checkpoints at the interval with the "
             "same unsaved drift on the `none` run's trace (`full N`; counted from step W, each holding every "
             "trainable parameter's state and the frozen parameters' fp32 weights), and the offline oracle "
-            "(`layercheck.policies.simulate.oracle_at_drift`: per-layer periods ~ 1/sqrt(mean drift rate over the whole "
+            "(`layercheck.policies.simulation.oracle_at_drift`: per-layer periods ~ 1/sqrt(mean drift rate over the whole "
             "trace), staggered, swept over its byte budget to the same drift). `peak/step`: the most bytes handed "
             "over at one step; `peak/full`: that over one full checkpoint.",
             "",
@@ -131,7 +131,7 @@ def summary_markdown(
             "",
             f"LayerCheck's measured mean weighted staleness {m['target_staleness']:.3g} steps is matched by full "
             f"checkpoints every **{m['staleness']}** steps; its mean unsaved drift {m['target_drift']:.3g} by every "
-            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `layercheck.policies.simulate.match_interval`)"
+            f"**{m['drift']}** steps (intervals found on the `none` run's drift trace, `layercheck.policies.simulation.match_interval`)"
             + (
                 f"; both floored at `min_matched_interval` = {m['clipped_to_min_interval']}."
                 if m.get("clipped_to_min_interval")

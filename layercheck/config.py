@@ -8,11 +8,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig
-from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, require
 from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config
-from layercheck.workers.drift_diff import PROBES
+from layercheck.workers.drift.diff import PROBES
 
 __all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig", "WriteBudgetConfig"]
 

@@ -29,7 +29,7 @@ from layercheck.orchestrator.runtime.cluster import check_shared_storage, connec
 from layercheck.orchestrator.runtime.context import WorkerContext, with_context
 from layercheck.orchestrator.runtime.driver import RunResult, finish_run, start_run
 from layercheck.orchestrator.runtime.fit_watch import fit_watched
-from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import StoreLease

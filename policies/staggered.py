@@ -79,7 +79,7 @@ def predicted_gain(weights: Mapping[str, float], size: Mapping[str, int]) -> flo
 
 class StaggeredPolicy:
     """Staggered periodic saves (see the module docstring). ``rates`` fixes each layer's drift
-    rate instead of estimating it online: the offline oracle (:mod:`layercheck.policies.simulate`)."""
+    rate instead of estimating it online: the offline oracle (:mod:`layercheck.policies.simulation`)."""
 
     config_type: ClassVar[type] = StaggeredConfig
 

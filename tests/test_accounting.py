@@ -81,7 +81,7 @@ def _view(in_place: bool = True):
 
 
 def _recover(view, t_fail: int, now: float):
-    from layercheck.orchestrator.core.recovery_events import RecordRecovery
+    from layercheck.orchestrator.core.recovery.events import RecordRecovery
 
     view.record_recovery(
         RecordRecovery(t_fail=t_fail, resumed_at=t_fail + 1, lost_group=True, detected_at=now, plan_s=0.0)

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from layercheck.policies.layer_map import UnplacedParameterError, layer_map_from
-from layercheck.workers.drift_hooks import FUSED_IN_PLACE
+from layercheck.workers.drift.hooks import FUSED_IN_PLACE
 from tests.support import attach_jobs
 from tests.support.dist_harness import run_jobs, run_ranks
 

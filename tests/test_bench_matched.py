@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
+from layercheck.bench.formulas import bytes_matched_interval, checkpoints_in, trace_of
 from layercheck.bench.matched import bytes_settings, describe_bytes_match, matched_settings
-from layercheck.bench.metrics import bytes_matched_interval, checkpoints_in, trace_of
 from layercheck.bench.presets import preset
 from layercheck.bench.strategies import default_strategies, select
 

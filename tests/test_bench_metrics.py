@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layercheck.bench.metrics import (
+from layercheck.bench.formulas import (
     FreshnessTracker,
     loss_deviation,
     matched_intervals,
@@ -13,7 +13,7 @@ from layercheck.bench.metrics import (
     trace_of,
 )
 from layercheck.policies.configs import IntervalConfig
-from layercheck.policies.simulate import simulate_config
+from layercheck.policies.simulation import simulate_config
 
 
 def test_tracker_weights_staleness_by_parameters():

@@ -74,7 +74,7 @@ def test_fused_issue_times_the_steps_bookkeeping_and_puts_everything_back():
     import importlib.util
     import sys
 
-    from layercheck.workers import drift_fused
+    from layercheck.workers.drift import fused as drift_fused
 
     eligible = drift_fused.triton_eligible
     result = fused_issue.run(steps=5)
@@ -83,7 +83,7 @@ def test_fused_issue_times_the_steps_bookkeeping_and_puts_everything_back():
     assert 0 < result["host_new_grads_s"] <= result["host_new_grads_s_p90"]
     assert drift_fused.triton_eligible is eligible
     if importlib.util.find_spec("triton") is None:
-        assert "triton" not in sys.modules and "layercheck.workers.drift_triton" not in sys.modules
+        assert "triton" not in sys.modules and "layercheck.workers.drift.triton_step" not in sys.modules
 
 
 def test_ray_answer_times_both_ways_of_collecting_the_policys_answer(local_ray, capsys):

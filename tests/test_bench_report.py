@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from layercheck.bench import ettr, render_readme, report, summary
-from layercheck.bench.metrics import trace_of
+from layercheck.bench.formulas import trace_of
 from layercheck.bench.presets import preset
 
 STEPS, FAILURES = 10, (6,)

@@ -2,7 +2,7 @@
 
 import threading
 
-from layercheck.orchestrator.core.capture_window import CaptureReport, CaptureWindow, capture_figures
+from layercheck.orchestrator.core.recovery.capture_window import CaptureReport, CaptureWindow, capture_figures
 from layercheck.orchestrator.core.run_supervisor import recovery_step
 
 

@@ -1,4 +1,4 @@
-"""The commit path (``layercheck.orchestrator.core.commit_path``), stepped one event at a time (no
+"""The commit path (``layercheck.orchestrator.core.persistence.commit_path``), stepped one event at a time (no
 Ray): a version is committed once every rank's shard is written; a failed commit is retried with
 backoff, then counted lost with its reason, and not retried once a newer version committed; a
 lost group's incomplete versions are committed as partial versions up to t_fail, or abandoned."""
@@ -6,14 +6,14 @@ lost group's incomplete versions are committed as partial versions up to t_fail,
 import dataclasses
 import logging
 
-from layercheck.orchestrator.core.commit_path import (
+from layercheck.orchestrator.core.persistence.commit_path import (
     CommitFailed,
     CommitPath,
     CommitSucceeded,
     CommitVersion,
     ShardWritten,
 )
-from layercheck.orchestrator.core.recovery_events import AbandonIncomplete, SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import AbandonIncomplete, SupervisionConfig
 from tests.support.store_helpers import faulty_store, receipt, write_layer, written_receipts
 
 LAYERS = ("embed", "block.0", "norm")
@@ -47,7 +47,7 @@ def test_a_commit_that_fails_for_good_is_counted_lost_with_its_reason(caplog):
     commits = CommitPath(layers=LAYERS, config=CONFIG)
     commits.handle(ShardWritten(receipt=receipt("norm", 7, 0)))
     (action,) = commits.handle(ShardWritten(receipt=receipt("norm", 7, 1)))
-    caplog.set_level(logging.ERROR, logger="layercheck.orchestrator.core.commit_path")
+    caplog.set_level(logging.ERROR, logger="layercheck.orchestrator.core.persistence.commit_path")
     delays = []
     while action is not None:
         retries = commits.handle(CommitFailed(action=action, error="StoreWriteError: disk full"))

@@ -1,7 +1,7 @@
-"""The commit tracker (``layercheck.orchestrator.core.commit_tracker``): a version is whole once every
+"""The commit tracker (``layercheck.orchestrator.core.persistence.commit_tracker``): a version is whole once every
 rank's receipt is in; older incomplete versions are abandoned once a newer one commits."""
 
-from layercheck.orchestrator.core.commit_tracker import CommitTracker
+from layercheck.orchestrator.core.persistence.commit_tracker import CommitTracker
 from tests.support.store_helpers import receipt
 
 

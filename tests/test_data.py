@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from layercheck.policies.config_loader import ConfigError, from_mapping
-from layercheck.workers.data import BYTE_VOCAB, DataConfig, SequenceDataset, tokenize
+from layercheck.workers.data.dataset import BYTE_VOCAB, DataConfig, SequenceDataset, tokenize
 
 
 def dataset(n_tokens=640, seq_len=8, seed=0):

@@ -13,10 +13,10 @@ import torch
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.core.run_config import check_data, load_run_config
 from layercheck.policies.config_loader import ConfigError, from_mapping
-from layercheck.workers.batch import IGNORE_INDEX, Batch, model_inputs
-from layercheck.workers.data import DataConfig, load_data
-from layercheck.workers.sft_data import load_tokenizer
-from layercheck.workers.sft_jsonl import DataError
+from layercheck.workers.data.batch import IGNORE_INDEX, Batch, model_inputs
+from layercheck.workers.data.dataset import DataConfig, load_data
+from layercheck.workers.data.sft import load_tokenizer
+from layercheck.workers.data.sft_jsonl import DataError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = str(ROOT / "examples" / "data" / "sft-tokenizer")
@@ -98,7 +98,7 @@ def test_packing_places_every_example_once_and_masks_the_padding(tmp_path, tok):
 def test_too_long_examples_are_cut_or_dropped_and_counted(tmp_path, tok, caplog):
     long_prompt = {"prompt": "Q: " + "What is 1 + 1? " * 20 + "\nA:", "completion": " 2"}
     path = write_jsonl(tmp_path / "d.jsonl", [PAIR, long_prompt])
-    with caplog.at_level(logging.WARNING, logger="layercheck.workers.sft_data"):
+    with caplog.at_level(logging.WARNING, logger="layercheck.workers.data.sft"):
         _, summary = load_data(sft(path, seq_len=16))
     assert summary.rows == 1 and (summary.fit.truncated, summary.fit.dropped) == (1, 1)
     assert "1 of 2 examples are longer than seq_len=16" in caplog.text

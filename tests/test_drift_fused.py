@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
-from layercheck.workers import drift_fused
-from layercheck.workers.drift_adamw import DriftAdamW
-from layercheck.workers.drift_fused import adamw_l1_torch, triton_eligible
-from layercheck.workers.drift_fused_work import AdamWScalars, work_rows
+from layercheck.workers.drift import fused as drift_fused
+from layercheck.workers.drift.adamw import DriftAdamW
+from layercheck.workers.drift.fused import adamw_l1_torch, triton_eligible
+from layercheck.workers.drift.fused_work import AdamWScalars, work_rows
 from tests.support.devices import devices, require
 
 SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
@@ -301,8 +301,8 @@ def test_triton_kernel_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from layercheck.workers.drift_fused_work import FusedGroup
-    from layercheck.workers.drift_triton import adamw_l1_triton_groups
+    from layercheck.workers.drift.fused_work import FusedGroup
+    from layercheck.workers.drift.triton_step import adamw_l1_triton_groups
 
     torch.manual_seed(4)
     specs = [
@@ -344,9 +344,9 @@ def test_triton_kernel_on_a_kept_plan_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from layercheck.workers.drift_fused import adamw_l1_plan
-    from layercheck.workers.drift_fused_work import FusedPlan
-    from layercheck.workers.drift_triton import adamw_l1_triton_plan
+    from layercheck.workers.drift.fused import adamw_l1_plan
+    from layercheck.workers.drift.fused_work import FusedPlan
+    from layercheck.workers.drift.triton_step import adamw_l1_triton_plan
 
     torch.manual_seed(5)
     shapes, windows = [(64, 100), (5000,), (300,)], [((0, 2000), (2500, 3000)), None, ()]
@@ -396,9 +396,9 @@ def test_triton_kernel_counting_into_layers_under_the_interpreter():
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (with triton installed) to run the CUDA kernel on CPU")
     pytest.importorskip("triton")
-    from layercheck.workers.drift_fused import adamw_l1_layers
-    from layercheck.workers.drift_fused_work import LayerStep
-    from layercheck.workers.drift_triton import adamw_l1_triton_layers
+    from layercheck.workers.drift.fused import adamw_l1_layers
+    from layercheck.workers.drift.fused_work import LayerStep
+    from layercheck.workers.drift.triton_step import adamw_l1_triton_layers
 
     torch.manual_seed(6)
     numels = [40000, 300, 129]
@@ -447,7 +447,8 @@ def test_triton_kernel_compiles_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from layercheck.workers import drift_fused_work, drift_triton
+    from layercheck.workers.drift import fused_work as drift_fused_work
+    from layercheck.workers.drift import triton_step as drift_triton
 
     signature = {"rows_ptr": "*i64", "addrs_ptr": "*i64", "scalars_ptr": "*fp32", "acc_ptr": "*fp64"}
     constexprs = {
@@ -497,8 +498,9 @@ def test_a_kept_plan_checks_new_gradients_alone_and_everything_again_when_storag
     optimizer's ``.data =``) has every tensor checked again and the tables built again. With the
     kernel stubbed out (``bench.fused_issue``'s stand-in), on CPU tensors taken as CUDA ones."""
     from layercheck.bench.fused_issue import _kernel_launching_nothing
-    from layercheck.workers import drift_fused, drift_fused_work
-    from layercheck.workers.drift_fused_work import FusedPlan
+    from layercheck.workers.drift import fused as drift_fused
+    from layercheck.workers.drift import fused_work as drift_fused_work
+    from layercheck.workers.drift.fused_work import FusedPlan
 
     params = [torch.randn(n) for n in (300, 20, 7)]
     plan = FusedPlan(

@@ -1,4 +1,4 @@
-"""The drift probe around a user's optimizer step (workers/drift_hooks.py), on torch alone: the
+"""The drift probe around a user's optimizer step (workers/drift/hooks.py), on torch alone: the
 fused step in place of torch's AdamW is bit-equal to it, the counts are each layer's exact L1,
 and what it cannot replace it says. (Under DeepSpeed ZeRO 0-3: tests/test_attach_engine.py.)"""
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from layercheck.policies.configs import drift_measured
-from layercheck.workers.drift_fused import TORCH_CHUNK
-from layercheck.workers.drift_hooks import FUSED_IN_PLACE, StepHookProbe, fused_refusal
+from layercheck.workers.drift.fused import TORCH_CHUNK
+from layercheck.workers.drift.hooks import FUSED_IN_PLACE, StepHookProbe, fused_refusal
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import ParamSlice
 from tests.support.devices import devices, require
@@ -221,7 +221,7 @@ def test_a_second_probe_on_an_optimizer_takes_the_first_ones_place():
 
 
 def test_a_failed_fused_step_gives_the_gradients_back(monkeypatch):
-    from layercheck.workers import drift_fused
+    from layercheck.workers.drift import fused as drift_fused
 
     params = masters()
     optimizer = adamw(params)

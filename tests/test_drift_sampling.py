@@ -15,10 +15,10 @@ from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.configs import LayerCheckConfig, StaggeredConfig, drift_measured, policy_config
 from layercheck.policies.decision import StepObservation
-from layercheck.policies.simulate import simulate, simulate_config
+from layercheck.policies.simulation import simulate, simulate_config
 from layercheck.policies.staggered import StaggeredPolicy
 from layercheck.policies.trace import DriftTrace, filled
-from layercheck.workers.drift import DriftSchedule
+from layercheck.workers.drift.probe import DriftSchedule
 
 NUMEL = {"embed": 3000, "block.0": 1000, "block.1": 1000, "frozen": 2000, "lm_head": 3000}
 RATES = {"embed": 4e-6, "block.0": 1e-6, "block.1": 2e-6, "frozen": 0.0, "lm_head": 3e-6}

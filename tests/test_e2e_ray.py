@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader
 from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
@@ -164,7 +164,7 @@ def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_releas
     from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
     from layercheck.workers import collective_abort
     from layercheck.workers.collective_abort import CollectiveAbort, PeerLost
-    from layercheck.workers.drift import LayerDrift
+    from layercheck.workers.drift.probe import LayerDrift
 
     numel = {"embed": 10}
     policy = PolicyActor.remote(IntervalConfig(interval=1), numel, 2, 4)
@@ -242,7 +242,7 @@ def test_with_zero0_an_in_place_recovery_with_a_warm_spare_is_exact_under_a_spar
     engine, and the replacement becomes the next spare. So recovery loses nothing although the
     stored versions are stale: every loss after it equals the failure-free run's — with dropout on,
     since each step's RNG seed is a function of the run's seed and the step's rows
-    (``layercheck.workers.order.step_seed``). The capture's exactness under a full restart:
+    (``layercheck.workers.data.order.step_seed``). The capture's exactness under a full restart:
     ``test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit``; in place without a
     spare: ``tests/test_own_loop.py``."""
     sparse = IntervalConfig(interval=4)

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from layercheck.orchestrator.cli.main import main
-from layercheck.orchestrator.local.export import (
+from layercheck.orchestrator.offline.exporter import (
     ExportError,
     composite_model,
     export,
@@ -22,8 +22,8 @@ from layercheck.orchestrator.local.export import (
     plan_export,
     run_config_of,
 )
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.engine import build_model
 from layercheck.workers.shard import STATE_KEYS

@@ -6,9 +6,9 @@ byte for byte, and reported."""
 import pytest
 
 from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import StoreLease
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.orchestrator.store.run_dir import owned_file
 from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state, write_layer
 

@@ -5,9 +5,9 @@ recoverable."""
 import pytest
 
 from layercheck.orchestrator.cli.main import main
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import resolve_plan
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.plan import VersionRef
 from layercheck.policies.retention import RetentionConfig, plan_retention
 from tests.support.store_helpers import write_layer

@@ -3,7 +3,8 @@
 policies/ is pure decision logic (no Ray, storage, distributed or file I/O). workers/ runs inside
 a training process and knows neither Ray nor the orchestrator. Inside orchestrator/, the storage
 format (store/), the Ray-free protocol cores (core/) and the plain torch.distributed runtime
-(local/) import no Ray; only the Ray runtime (runtime/) does. Nothing but the CLI imports
+(local/) and the offline tools over a store (offline/: export) import no Ray; only the Ray runtime
+(runtime/) does. Nothing but the CLI imports
 bench/, and nothing imports the CLI.
 """
 
@@ -52,10 +53,21 @@ _BENCH = "layercheck.bench"
 FORBIDDEN: dict[str, tuple[str, ...]] = {
     "layercheck.policies": tuple(POLICIES_FORBIDDEN) + ("layercheck.workers", _ORCH, _BENCH) + API,
     "layercheck.workers": ("ray", _ORCH, _BENCH) + API,
-    f"{_ORCH}.store": ("ray", f"{_ORCH}.core", f"{_ORCH}.runtime", f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
-    f"{_ORCH}.core": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
-    f"{_ORCH}.local": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.cli", _BENCH) + API,
-    f"{_ORCH}.runtime": (f"{_ORCH}.local", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.store": (
+        "ray",
+        f"{_ORCH}.core",
+        f"{_ORCH}.runtime",
+        f"{_ORCH}.local",
+        f"{_ORCH}.offline",
+        f"{_ORCH}.cli",
+        _BENCH,
+    )
+    + API,
+    f"{_ORCH}.core": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.local", f"{_ORCH}.offline", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.local": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.offline", f"{_ORCH}.cli", _BENCH) + API,
+    f"{_ORCH}.runtime": (f"{_ORCH}.local", f"{_ORCH}.offline", f"{_ORCH}.cli", _BENCH) + API,
+    # offline tools over a store (export): no Ray, nothing of a live run's runtime
+    f"{_ORCH}.offline": ("ray", f"{_ORCH}.runtime", f"{_ORCH}.cli", _BENCH) + API,
     f"{_ORCH}.cli": API,
     _ORCH: (f"{_ORCH}.cli", _BENCH) + API,  # modules at the package root
     _BENCH: (f"{_ORCH}.cli",) + API,

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from layercheck.orchestrator.core.accounting import Recovery
-from layercheck.orchestrator.core.memory_reads import (
+from layercheck.orchestrator.core.memory.reads import (
     HeldHeader,
     LoadSources,
     MemoryFirstOpener,
     files_to_fetch,
     header_block,
 )
-from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
+from layercheck.orchestrator.core.memory.tier import HeldShard, ShardCache
 from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.layer_store import LayerStore

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from layercheck.orchestrator.core.memory_versions import MemoryVersions
+from layercheck.orchestrator.core.memory.versions import MemoryVersions
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
 from layercheck.orchestrator.store.recovery_source import resolve_plan

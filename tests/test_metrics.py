@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from layercheck.orchestrator.core.writer_stats import WriterStats
+from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, series_names
 from layercheck.orchestrator.runtime.metrics import RunMetrics
 from layercheck.workers.env import free_port

@@ -18,12 +18,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from layercheck.orchestrator.core.recovery_events import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import SupervisionConfig
 from layercheck.orchestrator.core.run_config import load_run_config
 from layercheck.orchestrator.runtime.cluster import connect
 from layercheck.orchestrator.runtime.driver import train
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
-from layercheck.orchestrator.runtime.summary import summarize
+from layercheck.orchestrator.runtime.run_summary import summarize
 from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX
 from layercheck.orchestrator.store.layer_store import LayerStore

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from layercheck.workers.order import EpochOrder, first_index, step_seed
+from layercheck.workers.data.order import EpochOrder, first_index, step_seed
 
 
 def test_a_steps_rows_are_the_same_at_any_world_size_with_the_same_global_batch():

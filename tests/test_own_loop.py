@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from layercheck.workers.drift_hooks import FUSED_IN_PLACE
+from layercheck.workers.drift.hooks import FUSED_IN_PLACE
 from tests.support.example_runs import assert_exact_recovery, run_examples
 
 STEPS = 10

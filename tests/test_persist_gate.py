@@ -1,6 +1,6 @@
 """One version of a layer in flight at a time: the gate between the policy and the writers."""
 
-from layercheck.orchestrator.core.persist_gate import PersistGate
+from layercheck.orchestrator.core.persistence.persist_gate import PersistGate
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import IntervalConfig

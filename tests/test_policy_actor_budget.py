@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
+from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import DECISION_HISTORY
-from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.runtime import policy_actor
 from layercheck.policies.configs import IntervalConfig, StaggeredConfig
 from tests.support.clock import ManualClock

@@ -1,4 +1,4 @@
-"""The drift probe's clock (workers/probe_clock.py): the time of the spans a probe opens around its
+"""The drift probe's clock (workers/drift/clock.py): the time of the spans a probe opens around its
 own work, by the wall clock on CPU and by CUDA events on a GPU, read once the device has passed
 them (never a synchronisation of its own)."""
 
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from layercheck.workers import probe_clock
-from layercheck.workers.probe_clock import ProbeClock
+from layercheck.workers.drift import clock as probe_clock
+from layercheck.workers.drift.clock import ProbeClock
 from tests.support.devices import devices, require
 
 

@@ -34,7 +34,7 @@ def test_the_run_summary_names_its_endpoint(scraped):
     assert result.error is None, result.error
     port = result.config.metrics.port
     assert result.metrics_url == f"http://127.0.0.1:{port}/metrics"
-    from layercheck.orchestrator.runtime.summary import format_summary, summarize
+    from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 
     assert result.metrics_url in format_summary(summarize(result))
 

@@ -29,7 +29,7 @@ from layercheck.policies.configs import StaggeredConfig, drift_measured
 from layercheck.policies.decision import PersistDecision
 from layercheck.policies.staggered import StaggeredPolicy
 from layercheck.policies.trace import observation_json
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 from tests.support.dist_harness import run_ranks
 
 NUMEL = {"embed": 4000, "block.0": 1000, "block.1": 1000, "block.2": 1000, "lm_head": 3000}

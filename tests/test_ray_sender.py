@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 from layercheck.orchestrator.runtime import train_fn
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.progress import StepProgress
 
 

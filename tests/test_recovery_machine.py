@@ -1,4 +1,4 @@
-"""The recovery machine (``layercheck.orchestrator.core.recovery_machine``), stepped one event at a
+"""The recovery machine (``layercheck.orchestrator.core.recovery.state_machine``), stepped one event at a
 time (no Ray, no DeepSpeed): every transition of membership and recovery. Plans are made by the
 real planner against a real store; fakes only script what went wrong. (The commit path it drives:
 tests/test_commit_path.py.)"""
@@ -8,8 +8,8 @@ import logging
 import pytest
 
 from layercheck.orchestrator.core.accounting import RunAccount
-from layercheck.orchestrator.core.commit_path import CommitPath, ShardWritten
-from layercheck.orchestrator.core.recovery_events import (
+from layercheck.orchestrator.core.persistence.commit_path import CommitPath, ShardWritten
+from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     CompositePlanned,
     DismissJoins,
@@ -27,7 +27,8 @@ from layercheck.orchestrator.core.recovery_events import (
     VersionUnusable,
     WritersDrained,
 )
-from layercheck.orchestrator.core.recovery_machine import (
+from layercheck.orchestrator.core.recovery.plan_composite import plan_composite
+from layercheck.orchestrator.core.recovery.state_machine import (
     Failed,
     Finished,
     Recovering,
@@ -35,7 +36,6 @@ from layercheck.orchestrator.core.recovery_machine import (
     Running,
     Starting,
 )
-from layercheck.orchestrator.core.recovery_plan import plan_composite
 from layercheck.orchestrator.core.run_view import RunView
 from tests.support.store_helpers import receipt, relabel_version, write_layer
 
@@ -94,7 +94,7 @@ def test_a_lost_group_recovers_at_t_fail_plus_one(store, caplog):
     commit_all(store, 3, base=True)
     commit_all(store, 6)
     sup = running()
-    caplog.set_level(logging.INFO, logger="layercheck.orchestrator.core.recovery_machine")
+    caplog.set_level(logging.INFO, logger="layercheck.orchestrator.core.recovery.state_machine")
     actions = sup.handle(joined(1, "b1", last=6, now=10.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and sup.state.t_fail == 6 and sup.state.phase == "draining"
@@ -125,7 +125,7 @@ def test_a_failure_in_warm_up_restarts_from_the_initial_weights(store, caplog):
     plan = of(PlanComposite, sup.handle(WritersDrained(attempt=2)))
     planned = plan_composite(store, NUMEL, plan)  # nothing committed yet: no base
     assert isinstance(planned, NoComposite) and planned.t_fail == 2
-    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery_machine")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery.state_machine")
     actions = sup.handle(planned)
     assert "restarts from the initial weights" in caplog.text
     assert of(PublishResume, actions).resume == ResumeInfo(2, 1, None)
@@ -178,7 +178,7 @@ def test_a_grown_group_is_new_whichever_rank_joins_first(caplog):
     rank 0 resumes at t_fail + 1, and the ranks would train different steps: the run stalled)."""
     sup = RecoveryMachine(config=CONFIG)
     sup.handle(joined(0, "a0", world_size=1))  # training alone (the other node lost)
-    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery_machine")
+    caplog.set_level(logging.WARNING, logger="layercheck.orchestrator.core.recovery.state_machine")
     actions = sup.handle(joined(1, "b1", world_size=2, last=12, now=5.0))
     assert actions == [DrainWriters(attempt=2, deadline_s=5.0)]
     assert isinstance(sup.state, Recovering) and (sup.state.world_size, sup.state.t_fail) == (2, 12)

@@ -1,4 +1,4 @@
-"""The rendezvous of an in-place run's ranks (orchestrator/core/rendezvous.py): a generation forms
+"""The rendezvous of an in-place run's ranks (orchestrator/core/recovery/rendezvous.py): a generation forms
 when every rank is in, each rank gets rank 0's address, a survivor and a replacement form the next
 one, and a rank that waits in vain raises instead of hanging."""
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from layercheck.orchestrator.core.rendezvous import GroupAddress, Rendezvous, RendezvousTimeout
+from layercheck.orchestrator.core.recovery.rendezvous import GroupAddress, Rendezvous, RendezvousTimeout
 
 
 def arrive_all(point: Rendezvous, arrivals: list[tuple[int, int, str, int]], timeout_s: float = 5.0) -> dict:

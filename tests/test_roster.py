@@ -1,9 +1,9 @@
-"""The warm spares' roster (``layercheck.orchestrator.core.roster``): which Ray Train worker trains
+"""The warm spares' roster (``layercheck.orchestrator.core.recovery.roster``): which Ray Train worker trains
 which rank and which waits, through replacements, promotions and the run's end."""
 
 import pytest
 
-from layercheck.orchestrator.core.roster import END, SPARE, TRAIN, Role, Roster
+from layercheck.orchestrator.core.recovery.roster import END, SPARE, TRAIN, Role, Roster
 
 
 def test_the_first_workers_train_their_own_ranks_and_the_rest_wait_as_spares():

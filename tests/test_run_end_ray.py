@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from layercheck.orchestrator.local.export import export
+from layercheck.orchestrator.offline.exporter import export
 from layercheck.orchestrator.runtime.driver import train
-from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
 from layercheck.policies.configs import LayerCheckConfig

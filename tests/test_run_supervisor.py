@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
 from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.orchestrator.store.recovery_source import VersionReader

@@ -5,7 +5,7 @@ import pytest
 from layercheck.orchestrator.cli.main import main
 from layercheck.policies.configs import LayerCheckConfig, NeverConfig
 from layercheck.policies.decision import StepObservation
-from layercheck.policies.simulate import (
+from layercheck.policies.simulation import (
     BYTES_PER_PARAM,
     compare,
     match_interval,

@@ -12,7 +12,7 @@ import torch
 from layercheck.policies.decision import PersistDecision, Reason
 from layercheck.policies.layer_map import Layer, LayerMap, ParamInfo
 from layercheck.workers import loop
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice

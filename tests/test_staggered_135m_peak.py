@@ -12,7 +12,7 @@ import pytest
 
 from layercheck.policies.configs import StaggeredConfig
 from layercheck.policies.decision import StepObservation
-from layercheck.policies.simulate import BYTES_PER_PARAM, simulate_config, simulate_interval
+from layercheck.policies.simulation import BYTES_PER_PARAM, simulate_config, simulate_interval
 from layercheck.policies.trace import DriftTrace
 from layercheck.workers.config import ModelConfig
 from layercheck.workers.engine import layer_map_for

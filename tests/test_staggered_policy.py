@@ -17,7 +17,7 @@ from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.configs import StaggeredConfig, policy_config, policy_name
 from layercheck.policies.decision import Reason, StepObservation
 from layercheck.policies.schedule_phases import lpt_phases
-from layercheck.policies.simulate import BYTES_PER_PARAM, compare, full_bytes_at, oracle_at_drift, simulate
+from layercheck.policies.simulation import BYTES_PER_PARAM, compare, full_bytes_at, oracle_at_drift, simulate
 from layercheck.policies.staggered import StaggeredPolicy, predicted_gain
 from layercheck.policies.trace import DriftTrace
 

@@ -8,6 +8,13 @@ import logging
 
 import pytest
 
+from layercheck.orchestrator.core.persistence.staleness_guard import (
+    HUNG_WRITE_REQUESTS,
+    PIPELINE_LAG,
+    StalenessGuard,
+    StalenessLimits,
+    StorageFacts,
+)
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.run_config import (
     RAY_JOB_ENV,
@@ -16,13 +23,6 @@ from layercheck.orchestrator.core.run_config import (
     load_run_config,
 )
 from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
-from layercheck.orchestrator.core.staleness_guard import (
-    HUNG_WRITE_REQUESTS,
-    PIPELINE_LAG,
-    StalenessGuard,
-    StalenessLimits,
-    StorageFacts,
-)
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.uri import S3ClientOptions
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
@@ -188,7 +188,7 @@ def test_storage_that_is_slow_but_commits_is_lag_even_while_one_version_waits_lo
 def test_a_writer_that_died_on_slow_storage_is_named_not_blamed_on_storage_and_does_not_stop(tmp_path, caplog):
     """A writer killed while storage is slow: its snapshots go to a replacement (nothing lost), so
     the bound passed meanwhile is lag that names the dead writer, not a storage failure that stops."""
-    from layercheck.orchestrator.runtime.summary import _trouble_rows
+    from layercheck.orchestrator.runtime.run_summary import _trouble_rows
 
     run, service = make(tmp_path, on_breach="stop")
     run.writer_died(lost=[], reason="their writer died twice (ActorDiedError)")
@@ -257,7 +257,7 @@ def test_failures_known_after_the_bound_was_passed_turn_the_lag_into_a_breach_th
     the final check makes it a breach, and the summary's breach row names the same failures its
     counts row shows, with no "no write failed" row beside them."""
     from layercheck.orchestrator.runtime.driver import RunResult
-    from layercheck.orchestrator.runtime.summary import format_summary, summarize
+    from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
     from layercheck.policies.trace import DriftTrace
 
     store, disk = faulty_store(str(tmp_path / "store"))

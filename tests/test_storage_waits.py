@@ -3,7 +3,7 @@ is slower than its schedule waits at every save, several times a second on a lar
 
 import logging
 
-from layercheck.orchestrator.core.storage_waits import StorageWaits
+from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
 from tests.support.clock import ManualClock
 
 
@@ -16,7 +16,7 @@ def wait(waits: StorageWaits, clock: ManualClock, seconds: float, inflight: int 
 def test_the_first_wait_is_said_with_its_remedy_then_at_most_once_a_period_with_what_the_waits_added_up_to(caplog):
     clock = ManualClock(100.0)
     waits = StorageWaits(every_s=60.0, clock=clock)
-    with caplog.at_level(logging.WARNING, logger="layercheck.orchestrator.core.storage_waits"):
+    with caplog.at_level(logging.WARNING, logger="layercheck.orchestrator.core.persistence.storage_waits"):
         wait(waits, clock, 0.5)
         for _ in range(99):  # 0.25 s apart, 0.25 s each: the next 49.5 s of the run
             clock.now += 0.25

@@ -11,9 +11,9 @@ import pytest
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.store.errors import PathOutsideStoreError
 from layercheck.orchestrator.store.fs import StoreFS
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import record_path
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from tests.support.store_helpers import write_layer
 
 

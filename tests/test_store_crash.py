@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from tests.support.store_helpers import PARAMS, layer_state, seed_of, write_layer
 
 REPO = Path(__file__).resolve().parent.parent

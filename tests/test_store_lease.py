@@ -140,3 +140,39 @@ def test_a_full_or_read_only_store_is_one_clear_error_and_leaves_no_temporary(tm
     with pytest.raises(StoreWriteError, match=r"owner\.json \(the run's lease; is the storage read-only or full\?\)"):
         StoreLease.acquire(StoreFS.open(str(tmp_path)), run="r")
     assert list(tmp_path.iterdir()) == []  # no owner.json, no owner.json.*.tmp
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_starts_taking_over_one_stale_lease_at_once_get_one_owner(tmp_path, request, monkeypatch, where):
+    """Two ``--resume`` of a store whose driver was killed, started together: both find its lease
+    stale, and the second's whole start runs between the first's read of that lease and its next
+    step (scripted exactly: the rest is the real store). Both aim at the epoch after the newest
+    they saw before reading the lease; the second opened it, so the first is refused naming it,
+    and the store has one owner, whose lease and renewals stand."""
+    import layercheck.orchestrator.store.lease as lease_module
+    from layercheck.orchestrator.store.epochs import epoch_numbers
+
+    uri = request.getfixturevalue("s3").uri("runs/x") if where == "s3" else str(tmp_path / "run")
+    killed = StoreLease.acquire(StoreFS.open(uri, fsync=False), run="killed", settle_s=0)  # epoch 1
+    lapsed = LeaseInfo(**{**killed.info.__dict__, "host": "gone-host", "expires_at": time.time() - 1})
+    killed.fs.write_bytes(LEASE_FILE, json.dumps(lapsed.to_json()).encode())  # its driver died long ago
+
+    read_the_stale_lease = lease_module.stale_reason
+    second: list[StoreLease] = []
+
+    def the_second_start_runs_meanwhile(info, **kwargs):
+        reason = read_the_stale_lease(info, **kwargs)
+        if not second:
+            second.append(None)  # (its own read of the lease comes here too)
+            second[0] = StoreLease.acquire(StoreFS.open(uri, fsync=False), run="second", settle_s=0)
+        return reason
+
+    monkeypatch.setattr(lease_module, "stale_reason", the_second_start_runs_meanwhile)
+    fs = StoreFS.open(uri, fsync=False)
+    with pytest.raises(StoreBusyError, match=r"epoch 2 \(run 'second'"):
+        StoreLease.acquire(fs, run="first", settle_s=0)
+    owner = second[0]
+    assert epoch_numbers(fs) == [1, 2] and owner.epoch.epoch == 2
+    assert read_lease(fs).owner == owner.info.owner  # the refused start left the owner's lease alone
+    owner.renew()
+    assert not owner.lost and read_lease(fs).owner == owner.info.owner

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import resolve_plan
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.policies.plan import NoUsableVersionError, VersionRef, newest_recoverable_step, plan_recovery
 from layercheck.policies.retention import RetentionConfig, plan_retention
 from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, faulty_store, layer_state, write_layer

@@ -9,8 +9,8 @@ import pyarrow.fs as pafs
 import pytest
 
 from layercheck.orchestrator.cli.main import main
-from layercheck.orchestrator.core.commit_path import CommitFailed, CommitPath, CommitSucceeded, ShardWritten
-from layercheck.orchestrator.core.recovery_events import SupervisionConfig
+from layercheck.orchestrator.core.persistence.commit_path import CommitFailed, CommitPath, CommitSucceeded, ShardWritten
+from layercheck.orchestrator.core.recovery.events import SupervisionConfig
 from layercheck.orchestrator.core.run_start import StartOptions, claim_store
 from layercheck.orchestrator.store.errors import StoreAccessError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import StoreFS

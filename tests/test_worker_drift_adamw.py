@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift.adamw import DriftAdamW
 
 
 def _pair(seed: int = 0, **torch_kind):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from layercheck.orchestrator.core.persistence.write_budget import DrainBudget, StepClock, WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.decision import PersistDecision, StepObservation
 

@@ -5,7 +5,7 @@ schedule stretches, and the summary reports the budget, the drain bandwidth and 
 import pytest
 
 from layercheck.orchestrator.runtime.driver import train
-from layercheck.orchestrator.runtime.summary import format_summary, summarize
+from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.configs import StaggeredConfig
 from tests.support.ray_runs import demo_config

@@ -1,7 +1,7 @@
-"""The writers' superseding queue (``layercheck.orchestrator.core.write_queue``): one pending shard
+"""The writers' superseding queue (``layercheck.orchestrator.core.persistence.write_queue``): one pending shard
 per layer and rank, a newer one replacing the unwritten older one."""
 
-from layercheck.orchestrator.core.write_queue import SupersedingQueue
+from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
 
 
 def test_superseding_queue_keeps_one_pending_shard_per_layer_and_rank():

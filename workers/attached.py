@@ -15,8 +15,8 @@ from typing import Any
 
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
 from layercheck.workers import ds_internals
-from layercheck.workers.drift import DriftReader
-from layercheck.workers.drift_diff import probe_for
+from layercheck.workers.drift.diff import probe_for
+from layercheck.workers.drift.probe import DriftReader
 from layercheck.workers.layout import StateLayout, build_layout
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import torch
 from layercheck.policies.layer_map import LayerMap, build_layer_map, layer_map_of
 from layercheck.workers import ds_internals, env
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.drift import DriftProbe, DriftReader
-from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift.adamw import DriftAdamW
+from layercheck.workers.drift.probe import DriftProbe, DriftReader
 from layercheck.workers.freeze import apply_freeze, lr_scale
 from layercheck.workers.layout import StateLayout, build_layout
 from layercheck.workers.lr_schedule import make_scheduler, seek_scheduler

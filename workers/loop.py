@@ -26,13 +26,13 @@ from layercheck.policies.decision import PersistDecision
 from layercheck.workers import optim_state
 from layercheck.workers.capture import DEVICE_WAIT_S, StepMark, capture_shards, mark, refusal, state_step
 from layercheck.workers.collective_abort import CollectiveAbort
-from layercheck.workers.data import TrainData
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.data.dataset import TrainData
+from layercheck.workers.data.order import first_index, step_seed
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.engine import TrainEngine
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.lr_schedule import lr_at
-from layercheck.workers.order import first_index, step_seed
 from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 from layercheck.workers.snapshot_copy import Handover, copier_for, settle

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ProbeCost:
-    """What measuring drift cost one rank over one step (:mod:`layercheck.workers.probe_clock`)."""
+    """What measuring drift cost one rank over one step (:mod:`layercheck.workers.drift.clock`)."""
 
     probe: str
     """Which probe ran: ``snapshot_diff``, ``optimizer (foreach)`` or ``optimizer (fused)``."""

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from layercheck.workers.batch import MicroBatch, model_inputs
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.data.batch import MicroBatch, model_inputs
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.engine import TrainEngine
 
 logger = logging.getLogger(__name__)

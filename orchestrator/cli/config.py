@@ -13,6 +13,7 @@ import inspect
 import textwrap
 import typing
 
+from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.core.run_config import (
     ClusterConfig,
     FaultConfig,
@@ -20,10 +21,9 @@ from layercheck.orchestrator.core.run_config import (
     PersistenceConfig,
     RunConfig,
 )
-from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
 from layercheck.policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.data_config import DataConfig
+from layercheck.workers.data.config import DataConfig
 
 #: (TOML table, config class), in the order a run file reads.
 SECTIONS: tuple[tuple[str, type], ...] = (

@@ -16,7 +16,7 @@ from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.config_loader import ConfigError
 from layercheck.policies.configs import POLICY_CONFIGS, LayerCheckConfig, PolicyConfig, policy_config, policy_name
-from layercheck.policies.simulate import (
+from layercheck.policies.simulation import (
     BYTES_PER_PARAM,
     Comparison,
     OracleMatch,

@@ -15,9 +15,9 @@ from typing import Any
 import pyarrow.fs as pafs
 
 from layercheck.orchestrator.store.errors import StoreUnavailableError
+from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import Manifest
-from layercheck.orchestrator.store.retention import GcConfig, collect_garbage
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.plan import newest_recoverable_step

@@ -205,7 +205,7 @@ class Recovery:
         self.ready_at = max(self.ready_at, now)
 
     def add_sources(self, sources: Mapping[str, float]) -> None:
-        """Add one rank's ``LoadSources`` (``orchestrator/core/memory_reads.py``) to the totals."""
+        """Add one rank's ``LoadSources`` (``orchestrator/core/memory/reads.py``) to the totals."""
         for name in LOAD_SOURCE_FIELDS:
             setattr(self, name, getattr(self, name) + int(sources.get(name, 0)))
 

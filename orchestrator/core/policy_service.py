@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-from layercheck.orchestrator.core.persist_gate import PersistGate
+from layercheck.orchestrator.core.persistence.persist_gate import PersistGate
 from layercheck.policies.checkpoint_policy import CheckpointPolicy, KnowsQuietSteps
 from layercheck.policies.configs import drift_measured
 from layercheck.policies.decision import PersistDecision, StepObservation
@@ -104,7 +104,7 @@ class PolicyService:
         return step < cast(KnowsQuietSteps, self.policy).decides_nothing_before(self.write_budget_bytes)
 
     def set_write_budget(self, budget_bytes: int | None) -> None:
-        """The runtime's measured write budget (:mod:`layercheck.orchestrator.core.write_budget`), put on
+        """The runtime's measured write budget (:mod:`layercheck.orchestrator.core.persistence.write_budget`), put on
         every step completed from now on (with quiet steps: from the next measured one)."""
         if self.drift_every > 1:
             self._news.write_budget_bytes, self._news.budget_changed = budget_bytes, True

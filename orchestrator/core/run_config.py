@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from layercheck.orchestrator.core.staleness_guard import BREACH_ACTIONS, DEFAULT_HUNG_WRITE_S
-from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.orchestrator.core.persistence.staleness_guard import BREACH_ACTIONS, DEFAULT_HUNG_WRITE_S
+from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
 from layercheck.policies.configs import (
     DEFAULT_POLICY,
@@ -32,7 +32,7 @@ from layercheck.policies.configs import (
 )
 from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.data_config import DataConfig, DataSummary
+from layercheck.workers.data.config import DataConfig, DataSummary
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -384,7 +384,7 @@ def check_data(config: RunConfig) -> DataSummary:
     """Read and check the run's data on the driver, before any worker starts: a malformed JSONL
     line, a missing chat template, an empty data set, a ``seq_len`` no example fits in, or a
     tokenizer larger than the model's vocabulary raises :class:`ConfigError`."""
-    from layercheck.workers.data import load_data  # torch: only where the data is checked
+    from layercheck.workers.data.dataset import load_data  # torch: only where the data is checked
 
     _, summary = load_data(config.data)
     vocab = _model_vocab_size(config)

@@ -34,7 +34,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
-from layercheck.orchestrator.core.commit_path import (
+from layercheck.orchestrator.core.memory.versions import MemoryVersions
+from layercheck.orchestrator.core.persistence.commit_path import (
     CommitFailed,
     CommitPath,
     CommitSucceeded,
@@ -45,9 +46,9 @@ from layercheck.orchestrator.core.commit_path import (
     ShardWritten,
     VersionsLost,
 )
-from layercheck.orchestrator.core.memory_versions import MemoryVersions
+from layercheck.orchestrator.core.persistence.staleness_guard import StalenessBreach, StalenessGuard, StalenessLimits
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery_events import (
+from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     DismissJoins,
     DrainWriters,
@@ -64,10 +65,9 @@ from layercheck.orchestrator.core.recovery_events import (
     VersionUnusable,
     WritersDrained,
 )
-from layercheck.orchestrator.core.recovery_machine import RecoveryMachine
-from layercheck.orchestrator.core.recovery_plan import plan_composite
+from layercheck.orchestrator.core.recovery.plan_composite import plan_composite
+from layercheck.orchestrator.core.recovery.state_machine import RecoveryMachine
 from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.core.staleness_guard import StalenessBreach, StalenessGuard, StalenessLimits
 from layercheck.orchestrator.store.errors import LeaseLapsedError, LeaseLostError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, Recovery, RunAccount
-from layercheck.orchestrator.core.commit_path import CommitPath
-from layercheck.orchestrator.core.recovery_events import RecordRecovery
-from layercheck.orchestrator.core.staleness_guard import StorageFacts
+from layercheck.orchestrator.core.persistence.commit_path import CommitPath
+from layercheck.orchestrator.core.persistence.staleness_guard import StorageFacts
+from layercheck.orchestrator.core.recovery.events import RecordRecovery
 from layercheck.workers.progress import StepProgress
 
 

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from layercheck.orchestrator.core.persistence.write_budget import DrainBudget, WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery_events import ResumeInfo, SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import ResumeInfo, SupervisionConfig
 from layercheck.orchestrator.core.run_supervisor import RunSupervisor
-from layercheck.orchestrator.core.write_budget import DrainBudget, WriteBudgetConfig
 from layercheck.orchestrator.local.exchange import DecisionExchange, RankNews, SettledAtNextReport
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.local.receipts import ReceiptPump
@@ -49,7 +49,7 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
 from layercheck.policies.checkpoint_policy import CheckpointPolicy
 from layercheck.policies.decision import PersistDecision
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 

@@ -17,11 +17,11 @@ reach the same persist decisions without a policy actor: each keeps a replica of
 * **write budget** (``budget``, from the run config's ``persistence.write_budget``; ``None``:
   off): each exchanged report also carries the rank's writer totals (bytes, write seconds) and its
   step time (:class:`RankNews`); every replica turns the gathered totals into the same budget
-  (:class:`~layercheck.orchestrator.core.write_budget.DrainBudget`) and the policy service puts it
+  (:class:`~layercheck.orchestrator.core.persistence.write_budget.DrainBudget`) and the policy service puts it
   on the step's observation, so a budget-aware schedule stretches its periods when storage is
   slower than its plan.
 * **settlements**: a layer is persisted again only once its previous version has committed
-  (:mod:`layercheck.orchestrator.core.persist_gate`). Rank 0's supervisor learns of commits
+  (:mod:`layercheck.orchestrator.core.persistence.persist_gate`). Rank 0's supervisor learns of commits
   through :class:`SettledAtNextReport`, which adds the newest settled version of each layer to
   rank 0's next exchanged report, so every replica applies the same settlements at the same step
   and the replicas never diverge.
@@ -38,12 +38,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from layercheck.orchestrator.core.persistence.write_budget import DrainBudget
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.run_supervisor import LocalPolicy
-from layercheck.orchestrator.core.write_budget import DrainBudget
 from layercheck.orchestrator.local.writers_port import writer_name
 from layercheck.policies.decision import PersistDecision
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 
 logger = logging.getLogger(__name__)
 

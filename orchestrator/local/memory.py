@@ -1,5 +1,5 @@
 """A recovering rank's shard files from the writers' memory: the local runtime's side of
-:class:`~layercheck.orchestrator.core.memory_reads.MemoryFirstOpener` (the Ray runtime's is
+:class:`~layercheck.orchestrator.core.memory.reads.MemoryFirstOpener` (the Ray runtime's is
 :mod:`layercheck.orchestrator.runtime.memory_fetch`).
 
 Each rank's writer thread keeps the newest shard files it wrote (``memory_bytes``, see
@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-from layercheck.orchestrator.core.memory_reads import HeldHeader, LoadSources, MemoryFirstOpener, Needs, files_to_fetch
+from layercheck.orchestrator.core.memory.reads import HeldHeader, LoadSources, MemoryFirstOpener, Needs, files_to_fetch
 from layercheck.orchestrator.local.writer import LocalWriter
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord

@@ -1,5 +1,5 @@
 """Recovery of a local run after a failure: a thin shell over the run's supervisor, which
-decides it as it does under Ray (:mod:`layercheck.orchestrator.core.recovery_machine`).
+decides it as it does under Ray (:mod:`layercheck.orchestrator.core.recovery.state_machine`).
 
 Every rank calls :func:`recover` at the same point (it is collective):
 
@@ -26,8 +26,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from layercheck.orchestrator.core.composite import load_composite
-from layercheck.orchestrator.core.memory_reads import LoadSources, needed_spans
+from layercheck.orchestrator.core.memory.reads import LoadSources, needed_spans
+from layercheck.orchestrator.core.recovery.composite import load_composite
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.memory import memory_first_store
 from layercheck.orchestrator.store.errors import CorruptShardError

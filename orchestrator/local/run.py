@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from layercheck.workers.data import SequenceDataset
+from layercheck.workers.data.dataset import SequenceDataset
 from layercheck.workers.engine import TrainEngine
 from layercheck.workers.loop import Coordinator, run_loop
 

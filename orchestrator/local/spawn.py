@@ -3,7 +3,7 @@ rendezvous variables torch.distributed reads. The benchmark, ``layercheck export
 start their DeepSpeed ranks through :func:`spawn_ranks`.
 
 A rank's result travels back as a JSON file (so ``fn`` returns something JSON-serialisable),
-and the rank then ends without interpreter teardown (:func:`layercheck.workers.spawn.exit_without_teardown`).
+and the rank then ends without interpreter teardown (:func:`layercheck.workers.rank_exit.exit_without_teardown`).
 A rank that raises, dies, or is still running at the deadline ends the whole group: its peers
 would otherwise wait in a collective forever, so they are killed, and the error says which
 rank failed (or which were still running) and why.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from layercheck.workers.env import free_port
-from layercheck.workers.spawn import exit_without_teardown
+from layercheck.workers.rank_exit import exit_without_teardown
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 """One rank's writer: a thread that moves the rank's layer snapshots to the store, as the Ray
 runtime's persistence pool does, through the same :class:`SupersedingQueue` (every step's shard
-is written; see :mod:`layercheck.orchestrator.core.write_queue`) and the same in-flight byte bound: past
+is written; see :mod:`layercheck.orchestrator.core.persistence.write_queue`) and the same in-flight byte bound: past
 ``max_inflight_bytes`` (queued plus being written) the training thread waits, and says so.
 Each written shard's receipt (or the news that it failed) goes through the :class:`Mailbox` to
 rank 0, whose :class:`~layercheck.orchestrator.core.run_supervisor.RunSupervisor` commits whole versions.
 
 With ``memory_bytes > 0`` the writer also keeps the newest shard files it wrote in a
-:class:`~layercheck.orchestrator.core.memory_tier.ShardCache` (the Ray writer actor's in-memory tier): each
+:class:`~layercheck.orchestrator.core.memory.tier.ShardCache` (the Ray writer actor's in-memory tier): each
 file is serialised once, written, then held, so a recovery opens it from memory
 (:mod:`layercheck.orchestrator.local.memory`).
 
@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from layercheck.orchestrator.core.memory_reads import header_block
-from layercheck.orchestrator.core.memory_tier import CacheStats, HeldShard, ShardCache
-from layercheck.orchestrator.core.storage_waits import StorageWaits
-from layercheck.orchestrator.core.write_queue import SupersedingQueue
-from layercheck.orchestrator.core.writer_stats import WriterStats
+from layercheck.orchestrator.core.memory.reads import header_block
+from layercheck.orchestrator.core.memory.tier import CacheStats, HeldShard, ShardCache
+from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
+from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
+from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN

@@ -1,5 +1,5 @@
 """Holding Ray Train's teardown of a broken worker group until its survivors have handed over
-their state (:mod:`layercheck.workers.capture`, :mod:`layercheck.orchestrator.core.capture_window`).
+their state (:mod:`layercheck.workers.capture`, :mod:`layercheck.orchestrator.core.recovery.capture_window`).
 
 Ray Train v2 restarts a group whose worker died by shutting the whole group down
 (``WorkerGroup.shutdown``: its callbacks' ``before_worker_group_shutdown``, then each worker's

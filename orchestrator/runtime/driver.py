@@ -25,9 +25,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLimits
 from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
-from layercheck.orchestrator.core.staleness_guard import StalenessLimits
 from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
 from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched
 from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery

@@ -5,7 +5,7 @@ Ray Train 2.60 replaces only the failing workers when the backend declares repli
 (``has_replica_groups``, as its torchft backend does): it keeps the placement group and the
 surviving workers, starts a new worker in the freed slot and runs the train function there from
 the top (``WorkerGroup.replace_replica_group``). It then forms no process group across the
-workers, so the ranks form theirs through the supervisor (:class:`~layercheck.orchestrator.core.rendezvous.Rendezvous`),
+workers, so the ranks form theirs through the supervisor (:class:`~layercheck.orchestrator.core.recovery.rendezvous.Rendezvous`),
 one generation after each loss. What a survivor does when its step raises is in
 :func:`layercheck.orchestrator.runtime.train_fn.train_fn`; if anything on that path fails, the
 survivor's train function raises and Ray Train replaces it too, like a lost worker (it restarts the

@@ -1,5 +1,5 @@
 """A recovering rank's shard files from the writers' memory: the Ray side of
-:class:`~layercheck.orchestrator.core.memory_reads.MemoryFirstOpener`.
+:class:`~layercheck.orchestrator.core.memory.reads.MemoryFirstOpener`.
 
 The supervisor says once which writers hold which files (:meth:`Supervisor.memory_index`, the
 rank's own node first). The rank then asks those writers, one call each, for the headers of the
@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from layercheck.orchestrator.core.memory_reads import HeldHeader, MemoryFirstOpener, Needs, files_to_fetch
+from layercheck.orchestrator.core.memory.reads import HeldHeader, MemoryFirstOpener, Needs, files_to_fetch
 from layercheck.orchestrator.store.layer_store import LayerStore
 
 logger = logging.getLogger(__name__)

@@ -10,14 +10,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
 from layercheck.orchestrator.core.accounting import RECOVERY_PHASES as TIMELINE_PHASES
-from layercheck.orchestrator.core.recovery_machine import STATE_NAMES
+from layercheck.orchestrator.core.recovery.state_machine import STATE_NAMES
 from layercheck.policies.staggered import (
     BYTES_PER_PARAM,
 )  # fp32 weight + Adam exp_avg + exp_avg_sq: a full checkpoint's
 
 #: The window of the "recent" gauges (ETTR, bytes per second).
 RECENT_WINDOW_S = 60.0
-#: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.recovery_machine`).
+#: The supervisor's states, exported as one 0/1 series each (see :mod:`layercheck.orchestrator.core.recovery.state_machine`).
 STATES = STATE_NAMES
 #: A recovery's phases (``accounting.RECOVERY_PHASES``) and its total, failure to next step.
 RECOVERY_PHASES = (*TIMELINE_PHASES, "total")

@@ -22,8 +22,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
 from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
-from layercheck.orchestrator.core.capture_window import capture_figures
-from layercheck.orchestrator.core.memory_reads import SOURCES
+from layercheck.orchestrator.core.memory.reads import SOURCES
+from layercheck.orchestrator.core.recovery.capture_window import capture_figures
 from layercheck.orchestrator.runtime.metric_specs import (
     BYTES_PER_PARAM,
     RECENT_WINDOW_S,
@@ -160,7 +160,7 @@ class RunMetrics:
     # ---- refresh ------------------------------------------------------------------------
     def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
         """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
-        :class:`~layercheck.orchestrator.core.writer_stats.WriterStats` of every writer; ``policy``:
+        :class:`~layercheck.orchestrator.core.persistence.writer_stats.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
         with self._lock:
             self._refresh_layers(status, policy)

@@ -16,7 +16,7 @@ order: a report waits until the same rank's report of the step before is in.
 The write budget (``persistence.write_budget``): each writer actor pushes its running totals
 (bytes written, seconds spent writing) here after every write, fire-and-forget, and the actor
 times the steps itself (the interval between completed steps), so nothing is added to the ranks'
-per-step path; :class:`~layercheck.orchestrator.core.write_budget.DrainBudget` turns them into the budget
+per-step path; :class:`~layercheck.orchestrator.core.persistence.write_budget.DrainBudget` turns them into the budget
 the next steps' observations carry. The actor also keeps the most bytes one step's decision
 handed over (the run's peak), for the summary and the metrics.
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 import ray
 
+from layercheck.orchestrator.core.persistence.write_budget import DrainBudget, StepClock, WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.write_budget import DrainBudget, StepClock, WriteBudgetConfig
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import PolicyConfig

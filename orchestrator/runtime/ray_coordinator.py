@@ -20,12 +20,12 @@ import ray
 import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from layercheck.orchestrator.core.storage_waits import StorageWaits
+from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
 from layercheck.workers.collective_abort import PeerLost
-from layercheck.workers.drift import LayerDrift
+from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.loop import (
     SEND_WAIT_S,
     BoundedHandover,

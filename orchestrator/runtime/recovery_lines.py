@@ -1,4 +1,4 @@
-"""How the closing summary of a run (:mod:`layercheck.orchestrator.runtime.summary`) tells its
+"""How the closing summary of a run (:mod:`layercheck.orchestrator.runtime.run_summary`) tells its
 recoveries: for each, where it went (in place or a full restart, and why), its time from the
 failure to the next step and where that went, the elements it brought back and from where; then
 the survivors' captures, the warm spares and the recovered elements over all recoveries."""

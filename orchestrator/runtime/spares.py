@@ -1,5 +1,5 @@
 """Warm spares (``cluster.spares``): workers that have done their imports and built their model,
-and wait to take a lost rank's place (:mod:`layercheck.orchestrator.core.roster` decides which).
+and wait to take a lost rank's place (:mod:`layercheck.orchestrator.core.recovery.roster` decides which).
 
 Three parts meet:
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from layercheck.orchestrator.core.roster import END, SPARE, TRAIN, Role, Roster
+from layercheck.orchestrator.core.recovery.roster import END, SPARE, TRAIN, Role, Roster
 
 logger = logging.getLogger(__name__)
 

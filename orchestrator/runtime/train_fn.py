@@ -17,9 +17,9 @@ import ray.train
 import torch
 
 from layercheck.orchestrator.core.accounting import RankStart
-from layercheck.orchestrator.core.composite import load_composite
-from layercheck.orchestrator.core.memory_reads import describe_sources, needed_spans
-from layercheck.orchestrator.core.roster import END, SPARE
+from layercheck.orchestrator.core.memory.reads import describe_sources, needed_spans
+from layercheck.orchestrator.core.recovery.composite import load_composite
+from layercheck.orchestrator.core.recovery.roster import END, SPARE
 from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import Incarnation, process_started_at
@@ -31,7 +31,7 @@ from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.workers import collective_abort
-from layercheck.workers.data import load_dataset
+from layercheck.workers.data.dataset import load_dataset
 from layercheck.workers.engine import build_engine, build_model, leave_group, seek_step, shutdown, warm_engine_imports
 from layercheck.workers.env import init_distributed
 from layercheck.workers.loop import (

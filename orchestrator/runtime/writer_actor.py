@@ -2,7 +2,7 @@
 
 Workers hand a snapshot over with :meth:`PersistenceWriter.submit` and go on training; the
 call resolves when the shard is written. Every shard handed over is written (see
-:mod:`layercheck.orchestrator.core.write_queue` for why none is dropped); the policy's ``PersistGate`` keeps
+:mod:`layercheck.orchestrator.core.persistence.write_queue` for why none is dropped); the policy's ``PersistGate`` keeps
 the number of a layer's versions in flight bounded when storage falls behind. After writing, the
 writer hands the receipt to the supervisor, which commits a version once every rank's shard of it
 is in.
@@ -13,7 +13,7 @@ write a writer tells the policy actor its running totals (bytes, seconds spent w
 waiting: the drain bandwidth behind the schedule's write budget.
 
 Each writer also keeps the newest shard files it wrote in memory, within
-``persistence.memory_bytes`` (:mod:`layercheck.orchestrator.core.memory_tier`), and sends a copy to a peer
+``persistence.memory_bytes`` (:mod:`layercheck.orchestrator.core.memory.tier`), and sends a copy to a peer
 writer on another node where the cluster has one: a recovering rank opens its shards from there
 (:mod:`layercheck.orchestrator.runtime.memory_fetch`) and reads storage only for what no memory holds.
 """
@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import ray
 
-from layercheck.orchestrator.core.memory_reads import header_block
-from layercheck.orchestrator.core.memory_tier import HeldShard, ShardCache
+from layercheck.orchestrator.core.memory.reads import header_block
+from layercheck.orchestrator.core.memory.tier import HeldShard, ShardCache
+from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
+from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.core.run_config import FaultConfig
-from layercheck.orchestrator.core.write_queue import SupersedingQueue
-from layercheck.orchestrator.core.writer_stats import WriterStats
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from layercheck.orchestrator.core.writer_stats import WriterStats
+from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
 
 if TYPE_CHECKING:

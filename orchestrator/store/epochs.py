@@ -34,6 +34,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.fs as pafs
+
 from layercheck.orchestrator.store.errors import LeaseLostError, ManifestError, StoreBusyError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import TMP_PATTERN, StoreFS, create_exclusive
 
@@ -181,34 +183,54 @@ def read_epochs(fs: StoreFS, *, record_epochs: Collection[int] | None = None) ->
     return EpochHistory(numbers=numbers, epochs=epochs, problems=tuple(problems))
 
 
-def open_epoch(fs: StoreFS, *, owner: str, run: str, sealed: frozenset[str], steps: int | None = None) -> Epoch:
-    """Open the next epoch for ``owner``, sealing the records ``sealed``; ``steps``: the last
-    step its run may train, if known. Raises :class:`StoreBusyError` if another owner opened it
-    at the same moment."""
+def next_epoch(fs: StoreFS) -> int:
+    """The number the next epoch opened on the store gets (one listing)."""
     numbers = epoch_numbers(fs)
-    epoch = Epoch(
-        epoch=(numbers[-1] if numbers else 0) + 1,
-        owner=owner,
-        run=run,
-        opened_at=time.time(),
-        sealed=sealed,
-        steps=steps,
-    )
-    data = json.dumps(epoch.to_json(), indent=1).encode()
-    rel = epoch_path(epoch.epoch)
-    if fs.fs.type_name == "local":
-        _create_exclusive(fs, rel, data)
-    else:
-        fs.write_bytes(rel, data)
-    logger.info("opened epoch %d on %s (%d earlier version(s) sealed)", epoch.epoch, fs.uri(), len(sealed))
-    return epoch
+    return (numbers[-1] if numbers else 0) + 1
 
 
-def _create_exclusive(fs: StoreFS, rel: str, data: bytes) -> None:
+def refuse_if_opened(fs: StoreFS, epoch: int) -> None:
+    """Raise :class:`StoreBusyError` naming its owner if ``epoch`` has been opened already."""
+    if fs.info(epoch_path(epoch)).type != pafs.FileType.NotFound:
+        raise _taken_meanwhile(fs, epoch)
+
+
+def _taken_meanwhile(fs: StoreFS, epoch: int) -> StoreBusyError:
     try:
-        create_exclusive(fs, rel, data, what="the run's epoch")
-    except FileExistsError:
-        raise StoreBusyError(f"{fs.uri(rel)} was opened at the same moment by another run") from None
+        opened = Epoch.from_json(json.loads(fs.read_bytes(epoch_path(epoch))), source="").describe()
+    except (OSError, ValueError):
+        opened = f"epoch {epoch}"
+    return StoreBusyError(
+        f"{fs.uri()} was taken at the same moment by another run, which opened {opened} first. Two runs "
+        "must not write one store: let it finish, or stop it."
+    )
+
+
+def open_epoch(
+    fs: StoreFS, *, epoch: int, owner: str, run: str, sealed: frozenset[str], steps: int | None = None
+) -> Epoch:
+    """Open epoch ``epoch`` (:func:`next_epoch`, listed before the lease it comes with was read)
+    for ``owner``, sealing the records ``sealed``; ``steps``: the last step its run may train, if
+    known. Raises :class:`StoreBusyError` naming its owner if another start opened it first.
+
+    The number is fixed before the lease is read, not listed again here: two starts that both
+    found the lease free or stale then aim at the same epoch, and only one can open it (an
+    exclusive create on local disk; on object stores, which have none, a check just before the
+    write narrows the race to the moment between the two). Listed again, the later one would
+    open the next epoch and go on beside the first until the fence stopped that one."""
+    opened = Epoch(epoch=epoch, owner=owner, run=run, opened_at=time.time(), sealed=sealed, steps=steps)
+    data = json.dumps(opened.to_json(), indent=1).encode()
+    rel = epoch_path(epoch)
+    if fs.fs.type_name == "local":
+        try:
+            create_exclusive(fs, rel, data, what="the run's epoch")
+        except FileExistsError:
+            raise _taken_meanwhile(fs, epoch) from None
+    else:
+        refuse_if_opened(fs, epoch)
+        fs.write_bytes(rel, data)
+    logger.info("opened epoch %d on %s (%d earlier version(s) sealed)", epoch, fs.uri(), len(sealed))
+    return opened
 
 
 @dataclass(frozen=True)

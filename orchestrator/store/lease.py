@@ -36,7 +36,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from layercheck.orchestrator.store.epochs import Epoch, EpochFence, epoch_numbers, open_epoch
+from layercheck.orchestrator.store.epochs import (
+    Epoch,
+    EpochFence,
+    epoch_numbers,
+    next_epoch,
+    open_epoch,
+    refuse_if_opened,
+)
 from layercheck.orchestrator.store.errors import LeaseLostError, StoreBusyError
 from layercheck.orchestrator.store.fs import StoreFS, create_exclusive
 from layercheck.orchestrator.store.lease_term import LEASE_LAPSED
@@ -187,6 +194,10 @@ class StoreLease:
         (``steps``: the last step the run may train, if known); or raise :class:`StoreBusyError`
         naming its live owner."""
         host, pid, now = socket.gethostname(), os.getpid(), time.time()
+        # the epoch this start opens is fixed before the lease is read: two starts that both find
+        # it free or stale (two --resume after a killed driver) then aim at one epoch, which only
+        # one of them can open; the other is refused, not let on beside it until the fence
+        epoch_number = next_epoch(fs)
         current = read_lease(fs)
         if current is not None:
             reason = "--take-over" if take_over else stale_reason(current, now=now, host=host, pid=pid)
@@ -200,10 +211,13 @@ class StoreLease:
         info = LeaseInfo(
             owner=secrets.token_hex(8), host=host, pid=pid, run=run, acquired_at=now, expires_at=now + ttl_s
         )
+        refuse_if_opened(fs, epoch_number)  # a start that got there first keeps its lease file
         _publish(fs, info, exclusive=current is None, settle_s=settle_s)
         # sealed: the ids of the records committed so far (a listing, nothing read); a frozen
         # previous owner's commit from now on is sealed by no epoch and never counts
-        epoch = open_epoch(fs, owner=info.owner, run=run, sealed=listed_version_ids(fs), steps=steps)
+        epoch = open_epoch(
+            fs, epoch=epoch_number, owner=info.owner, run=run, sealed=listed_version_ids(fs), steps=steps
+        )
         logger.info("took the lease on %s (owner %s, epoch %d)", fs.uri(), info.owner, epoch.epoch)
         return cls(fs, info, ttl_s, epoch)
 

@@ -30,7 +30,7 @@ RECORD_FORMAT = "layercheck.version/1"
 #: Where a version's data came from: a snapshot the policy scheduled, a survivor's hand-over of
 #: what it held when its worker group broke (see ``layercheck.orchestrator.core.capture``), or a
 #: memory version (``persistence.memory_period``: held in the writers' memory, never stored, so
-#: never a commit record: see ``orchestrator/core/memory_versions.py``).
+#: never a commit record: see ``orchestrator/core/memory/versions.py``).
 MEMORY_ORIGIN = "memory"
 ORIGINS = ("policy", "capture", MEMORY_ORIGIN)
 MANIFEST_DIR = "manifest"

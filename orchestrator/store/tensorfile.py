@@ -47,7 +47,7 @@ def entry_name(key: str, param: str) -> str:
 
 class RandomAccess(Protocol):
     """What a shard file is read through: a ``pyarrow`` input file, or a recovery's
-    ``ShardFile`` (``orchestrator/core/memory_reads.py``)."""
+    ``ShardFile`` (``orchestrator/core/memory/reads.py``)."""
 
     def size(self) -> int: ...
 
@@ -166,7 +166,7 @@ def write_shard(
 @dataclass(frozen=True, kw_only=True)
 class EncodedShard:
     """A shard file serialised in memory: written to storage as is, and kept by the in-memory
-    tier of recovery (``orchestrator/core/memory_tier.py``)."""
+    tier of recovery (``orchestrator/core/memory/tier.py``)."""
 
     data: pa.Buffer
     digest: FileDigest

@@ -11,7 +11,7 @@ import torch
 
 from layercheck.workers import env
 from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
-from layercheck.workers.drift import global_drift
+from layercheck.workers.drift.probe import global_drift
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
 from tests.support.engines import gather_shards, same, shard_values, token_batch

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from layercheck.orchestrator.core.recovery_events import SupervisionConfig
-from layercheck.orchestrator.core.write_budget import WriteBudgetConfig
+from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
+from layercheck.orchestrator.core.recovery.events import SupervisionConfig
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.run import train_with_failures
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import StaggeredConfig
-from layercheck.workers.data import DataConfig, SequenceDataset
+from layercheck.workers.data.dataset import DataConfig, SequenceDataset
 from layercheck.workers.engine import seek_step, shutdown
 from layercheck.workers.env import init_distributed
 from layercheck.workers.host_buffers import HostBufferPool

@@ -140,7 +140,7 @@ def adam_steps(train_engine: TrainEngine) -> dict[str, int]:
 def load_composite_job(rank: int, world_size: int, store_uri: str, t: int, expect_dir: str) -> dict[str, Any]:
     """A fresh ZeRO-3 engine at this world size loads the composite at ``t`` from the store:
     its state against the expected values, the probe loss, and two more training steps."""
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())
@@ -168,7 +168,7 @@ def check_export_job(
     """Resume from the exported DeepSpeed checkpoint with ``load_checkpoint`` and train; then put
     the composite in place in the same engine (``load_composite`` + ``seek_step``) and train the
     same steps again. Both runs, and the state ``load_checkpoint`` gave."""
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from layercheck.orchestrator.core.recovery_events import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import SupervisionConfig
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
 from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state
@@ -18,7 +18,7 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import build_policy
 from layercheck.policies.configs import IntervalConfig, StaggeredConfig
 from layercheck.policies.decision import PersistDecision, Reason, StepObservation
-from layercheck.workers.data import DataConfig, SequenceDataset
+from layercheck.workers.data.dataset import DataConfig, SequenceDataset
 from layercheck.workers.engine import TrainEngine, seek_step, shutdown
 from layercheck.workers.env import init_distributed
 from layercheck.workers.host_buffers import HostBufferPool

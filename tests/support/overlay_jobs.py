@@ -52,7 +52,7 @@ def _write(
 
 
 def capture_overlay_job(rank: int, world_size: int, store_uri: str) -> dict[str, Any]:
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.orchestrator.store.recovery_source import resolve_plan
 
     train_engine = make_engine(run_config())
@@ -108,7 +108,7 @@ SAVED_AT_S = ("embed", "block.0")
 def initial_overlay_job(rank: int, world_size: int, store_uri: str) -> dict[str, Any]:
     """A store whose run recorded its initial state (``initial.json``): recovery at T into a fresh
     engine takes each never-saved layer from that engine's own rebuilt state, under rank 0's capture."""
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.orchestrator.store.initial_state import record_initial
     from layercheck.orchestrator.store.recovery_source import resolve_plan
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from layercheck.workers.batch import Batch
-from layercheck.workers.data import DataConfig, load_dataset
+from layercheck.workers.data.batch import Batch
+from layercheck.workers.data.dataset import DataConfig, load_dataset
 from layercheck.workers.engine import shutdown
 from layercheck.workers.loop import run_loop
 from layercheck.workers.step import eval_loss

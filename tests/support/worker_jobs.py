@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from layercheck.workers.drift import global_drift
-from layercheck.workers.drift_diff import SnapshotDiffProbe
+from layercheck.workers.drift.diff import SnapshotDiffProbe
+from layercheck.workers.drift.probe import global_drift
 from layercheck.workers.engine import seek_step, shutdown
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import needed_slices, restore_from_shards, snapshot_layers
@@ -115,7 +115,7 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
     import deepspeed
 
     from layercheck.workers import ds_internals
-    from layercheck.workers.drift_adamw import DriftAdamW
+    from layercheck.workers.drift.adamw import DriftAdamW
 
     train_engine = make_engine(stage, precision)
     train_step(train_engine, batches(train_engine, 0, rank))
@@ -266,7 +266,7 @@ def load_snapshot_job(rank: int, world_size: int, stage: int, in_dir: str) -> di
 
 def fused_drift_job(rank: int, world_size: int, stage: int, precision: str) -> dict[str, Any]:
     """The fused step's per-layer drift next to snapshot-and-diff over the same layout, per step."""
-    from layercheck.workers.drift_diff import SnapshotDiffProbe
+    from layercheck.workers.drift.diff import SnapshotDiffProbe
 
     train_engine = make_engine(stage, precision, drift_step="fused")
     reference = SnapshotDiffProbe(train_engine.layout)

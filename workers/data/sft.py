@@ -1,6 +1,6 @@
 """SFT training rows from JSONL examples: answer-only labels, padded or packed to ``seq_len``.
 
-Every example becomes tokens with a loss mask (:mod:`layercheck.workers.sft_jsonl`). One longer than
+Every example becomes tokens with a loss mask (:mod:`layercheck.workers.data.sft_jsonl`). One longer than
 ``seq_len`` is cut to ``seq_len``; one whose answer then starts past the cut has nothing left to
 train on and is dropped, and the count is logged (an error when every example is dropped).
 Rows are then either one example each, padded to ``seq_len`` (pad tokens: attention 0, label
@@ -9,7 +9,7 @@ tail padded. Packed examples share a row's causal attention (as TRL's ``packing=
 padding-free kernel): prompts are masked, so no answer token is a target across a boundary.
 
 The order the rows are trained in is the same pure function of (seed, step, rank, world size)
-as the text corpus's (:class:`layercheck.workers.data.EpochOrder`).
+as the text corpus's (:class:`layercheck.workers.data.dataset.EpochOrder`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from layercheck.workers.batch import IGNORE_INDEX, Batch
-from layercheck.workers.order import EpochOrder, first_index
-from layercheck.workers.sft_jsonl import DataError, Encoded, check_chat_template, encode, read_records
+from layercheck.workers.data.batch import IGNORE_INDEX, Batch
+from layercheck.workers.data.order import EpochOrder, first_index
+from layercheck.workers.data.sft_jsonl import DataError, Encoded, check_chat_template, encode, read_records
 
 logger = logging.getLogger(__name__)
 

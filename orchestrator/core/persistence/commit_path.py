@@ -18,7 +18,7 @@ A whole version's commit is tried ``config.commit_tries`` times, the retries aft
 ``commit_backoff_s``, doubling; then the version is counted lost and logged with the last error.
 A retry is not made when a newer version of the layer committed meanwhile (the older one would
 never be planned). Every version rank 0 handed over stays in :attr:`CommitPath.unwritten` until
-it settles (:mod:`~layercheck.orchestrator.core.unwritten_versions`). Thread-safety is the
+it settles (:mod:`~layercheck.orchestrator.core.persistence.unwritten_versions`). Thread-safety is the
 shell's: serialise calls to :meth:`CommitPath.handle`.
 """
 
@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from layercheck.orchestrator.core.commit_tracker import CommitTracker
-from layercheck.orchestrator.core.recovery_events import AbandonIncomplete, SupervisionConfig
-from layercheck.orchestrator.core.unwritten_versions import UnwrittenVersions
+from layercheck.orchestrator.core.persistence.commit_tracker import CommitTracker
+from layercheck.orchestrator.core.persistence.unwritten_versions import UnwrittenVersions
+from layercheck.orchestrator.core.recovery.events import AbandonIncomplete, SupervisionConfig
 from layercheck.orchestrator.store.manifest import ShardReceipt, VersionRecord
 
 logger = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ retried call: same layer, rank and step) replaces the waiting one instead of bei
 
 The writers key by (layer, rank, step) and never drop another step's shard: a rank that did would
 keep a step of the layer its peers did not, and no version of it would be whole. Memory is bounded
-upstream instead, by the policy's :class:`~layercheck.orchestrator.core.persist_gate.PersistGate` (at most
+upstream instead, by the policy's :class:`~layercheck.orchestrator.core.persistence.persist_gate.PersistGate` (at most
 ``max_versions_in_flight`` versions of a layer handed over and not yet committed)."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What one fused AdamW-and-drift step works on: its per-step scalars, its groups of tensors,
 the windows of each tensor that count towards drift, and the Triton kernel's table of work rows.
 
-Both paths of the fused step read these (:mod:`layercheck.workers.drift_fused`, the torch path
-and the dispatcher; :mod:`layercheck.workers.drift_triton`, the kernel), so they live here, below
+Both paths of the fused step read these (:mod:`layercheck.workers.drift.fused`, the torch path
+and the dispatcher; :mod:`layercheck.workers.drift.triton_step`, the kernel), so they live here, below
 both, and neither module imports the other at its top.
 """
 
@@ -178,7 +178,7 @@ class FusedPlan:
 
     def slot_counts(self, counts: Sequence[float]) -> list[float] | None:
         """Each slot's step count, given every tensor's; ``None`` when a slot's tensors differ
-        (then its parts step apart: :func:`layercheck.workers.drift_adamw._by_count`)."""
+        (then its parts step apart: :func:`layercheck.workers.drift.adamw._by_count`)."""
         if counts.count(counts[0]) == len(counts):  # the usual case: one count for all
             return [counts[0]] * len(self.names)
         out = []

@@ -4,10 +4,10 @@ Two kinds (``data.format``). ``text``: one UTF-8 file cut into non-overlapping `
 windows, causal-LM loss on every token; tokenized byte-level (vocabulary 256) by default, so the
 bundled corpus trains with no tokenizer download, or with a local Hugging Face tokenizer. ``sft``:
 a JSONL file of prompt/completion pairs and chats, loss on the answers only, padded or packed to
-``seq_len`` (:mod:`layercheck.workers.sft_data`).
+``seq_len`` (:mod:`layercheck.workers.data.sft`).
 
 The row a rank trains on at step ``t`` is a pure function of (seed, step, rank, world size,
-batch shape) for both (:mod:`layercheck.workers.order`): no iterator state to save, so a recovered run
+batch shape) for both (:mod:`layercheck.workers.data.order`): no iterator state to save, so a recovered run
 continues with exactly the batches it would have seen.
 """
 
@@ -18,11 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
-from layercheck.workers.batch import MicroBatch
-from layercheck.workers.data_config import BYTE_VOCAB, DataConfig, DataSummary
-from layercheck.workers.order import EpochOrder, first_index
-from layercheck.workers.sft_data import SftDataset, build_rows, load_tokenizer
-from layercheck.workers.sft_jsonl import DataError
+from layercheck.workers.data.batch import MicroBatch
+from layercheck.workers.data.config import BYTE_VOCAB, DataConfig, DataSummary
+from layercheck.workers.data.order import EpochOrder, first_index
+from layercheck.workers.data.sft import SftDataset, build_rows, load_tokenizer
+from layercheck.workers.data.sft_jsonl import DataError
 
 logger = logging.getLogger(__name__)
 

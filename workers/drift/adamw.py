@@ -7,7 +7,7 @@ CUDA, where this optimizer keeps its step counts on the host), so the trajectory
 whichever steps are measured. On a measured step (``measuring``) each group's owned elements are
 copied before the update and the L1 of the difference is taken after (one ``_foreach_norm``),
 into a per-group accumulator kept on the device: exact, with the copy of one group alive at a
-time. No host synchronisation happens here; :class:`layercheck.workers.drift.DriftProbe` reads all
+time. No host synchronisation happens here; :class:`layercheck.workers.drift.probe.DriftProbe` reads all
 groups at once, one sync per measured step.
 
 DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeRO-0 bf16) or
@@ -16,7 +16,7 @@ the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily tri
 keyed by each group's unique ``name``, never by list position.
 
 ``drift_step="fused"`` counts the drift inside the update instead, with no copy and no second
-pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift_fused`);
+pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift.fused`);
 its parameters and moments are those of ``torch.optim.AdamW(foreach=False)`` op for op, so its
 measured steps round differently from the others. ``drift_step="auto"`` (the default) is
 ``fused`` where the Triton kernel takes the parameters (CUDA) and ``foreach`` elsewhere.
@@ -35,9 +35,9 @@ import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from layercheck.workers.config import DRIFT_STEPS
-from layercheck.workers.drift_fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
-from layercheck.workers.drift_fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
-from layercheck.workers.probe_clock import OwnStep, ProbeClock
+from layercheck.workers.drift.clock import OwnStep, ProbeClock
+from layercheck.workers.drift.fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
+from layercheck.workers.drift.fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
 
 logger = logging.getLogger(__name__)
 

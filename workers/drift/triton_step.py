@@ -1,18 +1,18 @@
 """The Triton kernel of DriftAdamW's fused step (CUDA): AdamW and the drift count in one pass.
 
-Imported only by :mod:`layercheck.workers.drift_fused` (``adamw_l1_groups``, ``adamw_l1_plan``)
+Imported only by :mod:`layercheck.workers.drift.fused` (``adamw_l1_groups``, ``adamw_l1_plan``)
 once it has seen CUDA tensors and an importable Triton, so a CPU machine never imports Triton.
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (Triton's interpreter), which is
 how its arithmetic is tested without a GPU (``tests/test_drift_fused.py``).
 
 One launch covers a whole optimizer step: every param group and step count is a *slot* with its
 own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see
-:func:`layercheck.workers.drift_fused_work.work_rows`) gives each program a chunk of one tensor and its slot, and
+:func:`layercheck.workers.drift.fused_work.work_rows`) gives each program a chunk of one tensor and its slot, and
 an address table gives each tensor's ``param, grad, exp_avg, exp_avg_sq`` pointers. Each program
 reads the four once, writes three, and adds ``sum |new - old|`` of its counted elements to its
 slot's accumulator with one atomic add. Measured on an H200 (``layercheck.bench.drift_probe --sweep``), a
 launch per group left the step CPU-bound on issuing 50 launches; one launch per step is issued
-once. DriftAdamW keeps a step's tensors in a plan (:class:`~layercheck.workers.drift_fused_work.FusedPlan`)
+once. DriftAdamW keeps a step's tensors in a plan (:class:`~layercheck.workers.drift.fused_work.FusedPlan`)
 and with it the work table, built once, and the address table, built again only when an address
 changes (new gradients); the scalar table changes with the learning rate and is copied each step.
 
@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from layercheck.workers import drift_fused_work
-from layercheck.workers.drift_fused_work import (
+from layercheck.workers.drift import fused_work as drift_fused_work
+from layercheck.workers.drift.fused_work import (
     AdamWScalars,
     FusedGroup,
     FusedPlan,
@@ -165,7 +165,7 @@ def scalar_row(s: AdamWScalars) -> list[float]:
 
 def adamw_l1_triton_plan(plan: FusedPlan, addrs: list[list[int]], scalars: Sequence[AdamWScalars]) -> torch.Tensor:
     """One launch for a kept plan, ``addrs`` its tensors' addresses this step, a list per role
-    (params, grads, exp_avgs, exp_avg_sqs; see :func:`layercheck.workers.drift_fused.adamw_l1_plan`):
+    (params, grads, exp_avgs, exp_avg_sqs; see :func:`layercheck.workers.drift.fused.adamw_l1_plan`):
     the work table is built once per chunk size, the address table again only when an address changed."""
     device = plan.params[0].device
     acc = torch.zeros(len(plan.names), dtype=torch.float64, device=device)
@@ -251,7 +251,7 @@ def adamw_l1_triton_groups(groups: Sequence[FusedGroup]) -> torch.Tensor:
 
 def adamw_l1_triton_layers(step: LayerStep) -> torch.Tensor:
     """One launch over ``step``'s tensors, each row counting into its window's accumulator (see
-    :func:`layercheck.workers.drift_fused.adamw_l1_layers`): the accumulators, float64 on the device."""
+    :func:`layercheck.workers.drift.fused.adamw_l1_layers`): the accumulators, float64 on the device."""
     device = step.params[0].device
     acc = torch.zeros(step.count, dtype=torch.float64, device=device)
     chunk = drift_fused_work.TRITON_CHUNK

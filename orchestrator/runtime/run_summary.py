@@ -9,14 +9,14 @@ import math
 from typing import Any
 
 from layercheck.orchestrator.core.accounting import ELEMENT_KINDS
-from layercheck.orchestrator.core.capture_window import capture_figures
+from layercheck.orchestrator.core.recovery.capture_window import capture_figures
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.recovery_lines import recovered, recovery_rows
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.configs import policy_name
 from layercheck.policies.layer_map import describe_layers
-from layercheck.policies.simulate import BYTES_PER_PARAM, compare
+from layercheck.policies.simulation import BYTES_PER_PARAM, compare
 
 
 def summarize(result: RunResult) -> dict[str, Any]:
@@ -356,7 +356,7 @@ def _protocol_cost(summary: dict[str, Any]) -> str:
     )
 
 
-#: What each drift probe's timed work is (:mod:`layercheck.workers.probe_clock`).
+#: What each drift probe's timed work is (:mod:`layercheck.workers.drift.clock`).
 PROBE_WORK = {
     "snapshot_diff": "the diff against a copy of the weights and the next copy",
     "optimizer (foreach)": "the copies and norms beside torch's update",

@@ -1,7 +1,7 @@
 """The drift probe for any optimizer: keep a copy of each layer's owned fp32 elements and, after
 each step, take the L1 of the difference, then refresh the copy.
 
-:class:`layercheck.workers.drift.DriftProbe` reads the drift off :class:`~layercheck.workers.drift_adamw.DriftAdamW`
+:class:`layercheck.workers.drift.probe.DriftProbe` reads the drift off :class:`~layercheck.workers.drift.adamw.DriftAdamW`
 almost for free, but needs that optimizer and layer-aligned param groups. A user's optimizer
 (torch AdamW, DeepSpeed FusedAdam / CPUAdam, any param groups) gives no such hook; comparing the
 master weights before and after is exact whatever it does. It costs one extra fp32 copy of this
@@ -15,11 +15,11 @@ from collections.abc import Mapping
 
 import torch
 
-from layercheck.workers.drift import DriftProbe, DriftReader, DriftSchedule, LayerDrift
-from layercheck.workers.drift_adamw import DriftAdamW
-from layercheck.workers.drift_hooks import StepHookProbe, fused_refusal
+from layercheck.workers.drift.adamw import DriftAdamW
+from layercheck.workers.drift.clock import ProbeClock
+from layercheck.workers.drift.hooks import StepHookProbe, fused_refusal
+from layercheck.workers.drift.probe import DriftProbe, DriftReader, DriftSchedule, LayerDrift
 from layercheck.workers.layout import StateLayout, state_view
-from layercheck.workers.probe_clock import ProbeClock
 from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class SnapshotDiffProbe:
 #: ``drift_probe`` choices. ``auto``: ``optimizer`` where the engine steps DriftAdamW over
 #: layer-aligned groups (the built-in loop); for a user's torch AdamW that the fused step can
 #: replace bit for bit (CPU), ``fused`` in its place; else ``snapshot_diff``. ``fused``: DriftAdamW's
-#: fused step, or the fused step in place of the user's AdamW (:mod:`layercheck.workers.drift_hooks`;
+#: fused step, or the fused step in place of the user's AdamW (:mod:`layercheck.workers.drift.hooks`;
 #: on CUDA its Triton kernel, within float rounding of torch's step). ``step_hooks``: a copy before
 #: the user's step and the diff after, no reference copy held.
 PROBES: tuple[str, ...] = ("auto", "optimizer", "fused", "step_hooks", "snapshot_diff")

@@ -1,7 +1,7 @@
 """Metric formulas of the benchmark: staleness and unsaved drift along a run, loss deviation
 after a recovery, measured ETTR, and the intervals that match LayerCheck's freshness or its bytes.
 
-Pure: values in, values out. The definitions follow ``policies/simulate.py`` so that a
+Pure: values in, values out. The definitions follow ``policies/simulation.py`` so that a
 measured run and a replayed trace are comparable: from ``eval_from`` on, per step, the
 parameter-weighted staleness ``sum(numel * (t - t_last)) / sum(numel)`` and the weighted drift
 accumulated since each layer's last save; a layer never saved counts from step 0.
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from layercheck.policies.decision import StepObservation
-from layercheck.policies.simulate import match_interval
+from layercheck.policies.simulation import match_interval
 from layercheck.policies.trace import DriftTrace
 
 
@@ -135,7 +135,7 @@ def matched_intervals(
     trace: DriftTrace, *, target_staleness: float, target_drift: float, eval_from: int
 ) -> MatchedIntervals:
     """Fixed intervals whose full checkpoints give, on ``trace``, the mean weighted staleness and
-    the mean unsaved drift LayerCheck was measured at (``layercheck.policies.simulate.match_interval``)."""
+    the mean unsaved drift LayerCheck was measured at (``layercheck.policies.simulation.match_interval``)."""
     by_stal = match_interval(trace, target_staleness, lambda r: r.mean_weighted_staleness, eval_from=eval_from)
     by_drift = match_interval(trace, target_drift, lambda r: r.mean_unsaved_drift, eval_from=eval_from)
     assert by_stal.interval is not None and by_drift.interval is not None  # match_interval's are interval runs

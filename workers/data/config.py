@@ -1,6 +1,6 @@
 """What the training data is (``[data]`` of a run config) and what loading it found: plain
 dataclasses without torch, so that the driver and the actors that only read a run config (the
-supervisor, the policy) do not import it. Loading is :mod:`layercheck.workers.data`."""
+supervisor, the policy) do not import it. Loading is :mod:`layercheck.workers.data.dataset`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 from layercheck.policies.config_loader import require
 
 if TYPE_CHECKING:
-    from layercheck.workers.sft_data import FitReport
+    from layercheck.workers.data.sft import FitReport
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ thread-safe, that any runtime can host)::
     sup.state                        # Starting | Recovering | Running | Finished | Failed
     sup.state.name, sup.attempt      # "running", ...; the newest worker group's attempt
 
-The shell feeds events (:mod:`layercheck.orchestrator.core.recovery_events`) and carries out the actions
+The shell feeds events (:mod:`layercheck.orchestrator.core.recovery.events`) and carries out the actions
 it gets back, in order, feeding the result of each one that has one back in:
 
 ====================  =========================================================================
@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from layercheck.orchestrator.core.recovery_events import (
+from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     Action,
     CompositePlanned,

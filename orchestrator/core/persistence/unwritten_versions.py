@@ -6,7 +6,7 @@ at that step or later, a failed write of one of its shards, a commit given up, a
 died with it, a lost worker group. What is left is storage's backlog; its oldest version, and
 how long storage has left it unanswered, is what tells storage that does not answer (an endpoint
 that accepts connections and never replies, a hung mount) from storage that is merely slow
-(:mod:`~layercheck.orchestrator.core.staleness_guard`).
+(:mod:`~layercheck.orchestrator.core.persistence.staleness_guard`).
 
 "Unanswered" counts from the version's hand-over or from the last commit, whichever is later: a
 slow store keeps committing other versions while one waits in a writer's queue behind them, and

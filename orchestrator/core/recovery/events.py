@@ -5,7 +5,7 @@ Events are facts the shell observed (a rank joined, the writers drained, a plan 
 actions are what the shell must carry out next (drain the writers, plan a composite, rebase the
 policy, publish the resume point). Every event and action of a recovery carries its ``attempt``,
 so the result of an action that belongs to an attempt overtaken by a newer failure is recognised
-and dropped. See :mod:`layercheck.orchestrator.core.recovery_machine` for the machine and its API.
+and dropped. See :mod:`layercheck.orchestrator.core.recovery.state_machine` for the machine and its API.
 """
 
 from __future__ import annotations

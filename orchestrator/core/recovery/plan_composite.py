@@ -1,4 +1,4 @@
-"""Carrying out a :class:`~layercheck.orchestrator.core.recovery_events.PlanComposite` against a store:
+"""Carrying out a :class:`~layercheck.orchestrator.core.recovery.events.PlanComposite` against a store:
 the one piece of recovery that reads storage, shared by every runtime shell."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-from layercheck.orchestrator.core.recovery_events import CompositePlanned, NoComposite, PlanComposite
+from layercheck.orchestrator.core.recovery.events import CompositePlanned, NoComposite, PlanComposite
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
 from layercheck.orchestrator.store.recovery_source import resolve_plan

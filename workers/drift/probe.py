@@ -1,6 +1,6 @@
 """The drift probe: per layer, how far the last optimizer step moved this rank's shard.
 
-:class:`layercheck.workers.drift_adamw.DriftAdamW` accumulates ``sum |update|`` per param group while it
+:class:`layercheck.workers.drift.adamw.DriftAdamW` accumulates ``sum |update|`` per param group while it
 steps; param groups are layer-aligned, so summing a layer's groups gives the layer's
 ``sum |theta_t - theta_{t-1}|`` on this rank. The probe restricts the optimizer's count to
 the elements this rank owns (see :mod:`layercheck.workers.layout`), pairs each sum with that element
@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from layercheck.policies.configs import drift_measured
-from layercheck.workers.drift_adamw import DriftAdamW
+from layercheck.workers.drift.adamw import DriftAdamW
 from layercheck.workers.layout import StateLayout
 from layercheck.workers.progress import ProbeCost
 

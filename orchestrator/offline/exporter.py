@@ -2,7 +2,7 @@
 
 * **DeepSpeed** (:func:`export_deepspeed`): ``world_size`` local ranks (torch.multiprocessing,
   gloo on CPU; no Ray) each build the run's engine, load the composite straight from the store
-  (:func:`layercheck.orchestrator.core.composite.load_composite`), move to step ``T`` and call DeepSpeed's own
+  (:func:`layercheck.orchestrator.core.recovery.composite.load_composite`), move to step ``T`` and call DeepSpeed's own
   ``save_checkpoint``. The result is an ordinary DeepSpeed checkpoint directory: the same
   engine config resumes from it with ``engine.load_checkpoint(DIR)``, and DeepSpeed's
   ``zero_to_fp32`` reads it. It is DeepSpeed's format, pickle included: load it only where you
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from layercheck.orchestrator.core.composite import CompositeMismatchError, check_fits
+from layercheck.orchestrator.core.recovery.composite import CompositeMismatchError, check_fits
 from layercheck.orchestrator.core.run_config import RunConfig, load_run_config, parse_run_config
-from layercheck.orchestrator.local.export_dir import publish, publish_tag, staging_dir
 from layercheck.orchestrator.local.spawn import RanksFailedError, spawn_ranks
+from layercheck.orchestrator.offline.export_dir import publish, publish_tag, staging_dir
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.errors import ManifestError, StoreUnavailableError
 from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStore
@@ -45,7 +45,7 @@ from layercheck.orchestrator.store.recovery_source import ResolvedPlan, resolve_
 from layercheck.policies.layer_map import LayerMap
 from layercheck.policies.plan import NoUsableVersionError, newest_recoverable_step
 from layercheck.workers.config import ModelConfig
-from layercheck.workers.data_config import DataConfig
+from layercheck.workers.data.config import DataConfig
 from layercheck.workers.engine import layer_map_for
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ def check_composite_fits(
     overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
 ) -> None:
     """:class:`ExportError` unless the composite fits the run config's model (see
-    :func:`layercheck.orchestrator.core.composite.check_fits`)."""
+    :func:`layercheck.orchestrator.core.recovery.composite.check_fits`)."""
     records = {layer: r for layer, r in records.items() if not r.is_initial}  # the model's own: it fits
     with CompositeReader(store, records, overlays=overlays) as read:
         try:
@@ -296,7 +296,7 @@ def run_tokenizer(run: RunConfig) -> Any:
 def tokenizer_named(name: str) -> Any:
     """The tokenizer ``name`` (a local directory; ``bytes``: none); :class:`ExportError` if it
     cannot be loaded, before anything is written."""
-    from layercheck.workers.sft_data import load_tokenizer
+    from layercheck.workers.data.sft import load_tokenizer
 
     if name == "bytes":
         logger.info("the run trained on byte tokens (data.tokenizer = 'bytes'): no tokenizer to export")
@@ -425,7 +425,7 @@ def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
 
 def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     """One export rank: build the engine, load the composite, seek to ``T``, save."""
-    from layercheck.orchestrator.core.composite import load_composite
+    from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.workers.engine import build_engine, seek_step, shutdown
 
     run = parse_run_config(job.run_json)

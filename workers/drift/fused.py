@@ -1,12 +1,12 @@
 """DriftAdamW's fused step: update each tensor and count ``sum |theta_t - theta_{t-1}|`` in one pass.
 
-The ``foreach`` step (:meth:`layercheck.workers.drift_adamw.DriftAdamW._diff_step`) copies every owned
+The ``foreach`` step (:meth:`layercheck.workers.drift.adamw.DriftAdamW._diff_step`) copies every owned
 element before torch's AdamW step and diffs it after. Here the count rides along with the update:
 
 * on CUDA, with Triton importable and every tensor contiguous fp32, one kernel launch per
   optimizer step (every param group and step count a slot) reads ``param, grad, exp_avg,
   exp_avg_sq`` once, writes them once, and adds ``|new - old|`` of the owned elements into the
-  slot's float64 accumulator on the device (:mod:`layercheck.workers.drift_triton`, imported only then);
+  slot's float64 accumulator on the device (:mod:`layercheck.workers.drift.triton_step`, imported only then);
 * everywhere else (CPU; CUDA without Triton, where it is slower than the ``foreach`` step),
   torch ops over cache-sized chunks of each tensor, in the order torch's
   single-tensor AdamW uses, so the parameters and moments are bit-equal to
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from layercheck.workers.drift_fused_work import (
+from layercheck.workers.drift.fused_work import (
     AdamWScalars,
     FusedGroup,
     FusedPlan,
@@ -91,7 +91,7 @@ def adamw_l1_groups(groups: Sequence[FusedGroup]) -> list[torch.Tensor]:
         return []
     device = groups[0].params[0].device
     if triton_eligible([t for g in groups for t in g.tensors()]):
-        from layercheck.workers.drift_triton import adamw_l1_triton_groups
+        from layercheck.workers.drift.triton_step import adamw_l1_triton_groups
 
         return list(adamw_l1_triton_groups(groups).unbind())
     if device.type == "cuda":
@@ -122,7 +122,7 @@ def adamw_l1_plan(plan: FusedPlan, grads: Sequence[torch.Tensor], scalars: Seque
                 plan.tables.clear()
                 plan.triton = triton_eligible([t for ts in tensors for t in ts])
         if plan.triton:
-            from layercheck.workers.drift_triton import adamw_l1_triton_plan
+            from layercheck.workers.drift.triton_step import adamw_l1_triton_plan
 
             return adamw_l1_triton_plan(plan, addrs, scalars)
     if plan.params[0].is_cuda:
@@ -152,7 +152,7 @@ def adamw_l1_layers(step: LayerStep) -> torch.Tensor:
     elsewhere the torch path."""
     device = step.params[0].device
     if triton_eligible(step.tensors()):
-        from layercheck.workers.drift_triton import adamw_l1_triton_layers
+        from layercheck.workers.drift.triton_step import adamw_l1_triton_layers
 
         return adamw_l1_triton_layers(step)
     if device.type == "cuda":

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from layercheck.orchestrator.core.unwritten_versions import OldestUnwritten
+from layercheck.orchestrator.core.persistence.unwritten_versions import OldestUnwritten
 from layercheck.orchestrator.store.s3_limits import worst_request_s
 
 if TYPE_CHECKING:

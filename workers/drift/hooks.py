@@ -1,7 +1,7 @@
 """The drift probe for a user's own optimizer (``layercheck.attach``, the Hugging Face callback):
 measured around its step, through torch's optimizer step hooks.
 
-:class:`~layercheck.workers.drift_adamw.DriftAdamW` counts drift inside its own update, but a
+:class:`~layercheck.workers.drift.adamw.DriftAdamW` counts drift inside its own update, but a
 user's optimizer is theirs: torch's ``AdamW`` with their groups, DeepSpeed's ``FusedAdam`` or
 ``DeepSpeedCPUAdam`` from their config, stepped by DeepSpeed over flat partitions that span
 layers. Every one of them is a ``torch.optim.Optimizer``, whose ``step`` runs the pre- and
@@ -12,7 +12,7 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
   of the difference after (the same work as snapshot-and-diff, but the copy is made for the
   step and let go after it: no fp32 copy of the shard held between steps);
 * ``fused``: for torch's ``AdamW`` (or ``Adam`` without weight decay), the AdamW update itself
-  with each layer's count inside it (:func:`~layercheck.workers.drift_fused.adamw_l1_layers`: no
+  with each layer's count inside it (:func:`~layercheck.workers.drift.fused.adamw_l1_layers`: no
   copy, no second pass; one Triton launch on CUDA): the pre-step hook steps every parameter that
   has a gradient and hides the gradients from torch's own step, the post-step hook gives them
   back. On CPU the parameters and moments are bit-equal to the step torch would have taken (its
@@ -38,11 +38,11 @@ import torch
 from torch.optim import optimizer as optimizer_module
 
 from layercheck.workers import optim_state
-from layercheck.workers.drift import DriftSchedule, LayerDrift
-from layercheck.workers.drift_fused import adamw_l1_layers
-from layercheck.workers.drift_fused_work import AdamWScalars, LayerStep, Windows, to_device
+from layercheck.workers.drift.clock import OwnStep, ProbeClock, Span
+from layercheck.workers.drift.fused import adamw_l1_layers
+from layercheck.workers.drift.fused_work import AdamWScalars, LayerStep, Windows, to_device
+from layercheck.workers.drift.probe import DriftSchedule, LayerDrift
 from layercheck.workers.layout import StateLayout
-from layercheck.workers.probe_clock import OwnStep, ProbeClock, Span
 from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
