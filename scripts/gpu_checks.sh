@@ -37,7 +37,7 @@ while (( $# )); do
 done
 BUDGET=${GPU_CHECKS_BUDGET_S:-3600}
 START=$SECONDS
-EXACTNESS_TESTS="tests/test_drift_fused.py tests/test_drift_hooks.py tests/test_snapshot_copy.py tests/test_drift_fused_dist.py tests/test_capture_device.py tests/test_probe_clock.py"
+EXACTNESS_TESTS="tests/workers/test_drift_fused.py tests/workers/test_drift_hooks.py tests/workers/test_snapshot_copy.py tests/workers/test_drift_fused_dist.py tests/workers/test_capture_device.py tests/workers/test_probe_clock.py"
 
 die() { echo "gpu_checks: $*" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -119,7 +119,7 @@ if wanted e2e_nccl_bf16; then
         fi
         echo "$e2e" >"$RESULTS/e2e_overrides.json"
         LAYERCHECK_E2E_OVERRIDES=$e2e check e2e_nccl_bf16 360 $PY -m pytest -q -p no:cacheprovider -m "" -rs \
-            --junitxml="$RESULTS/e2e.xml" tests/test_e2e_ray.py -k per_step_versions
+            --junitxml="$RESULTS/e2e.xml" tests/e2e/test_e2e_ray.py -k per_step_versions
     fi
 fi
 

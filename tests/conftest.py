@@ -153,8 +153,8 @@ def tiny_benchmark(tmp_path_factory):
 @pytest.fixture(scope="session")
 def local_runtime(tmp_path_factory):
     """The local (no Ray) runtime's 2-rank jobs, one after the other in one spawn: the loop's
-    scenarios (tests/test_local_loop.py) and the write budget's runs
-    (tests/test_local_write_budget.py); ``{"loop": per-rank results, "budget": per-rank results}``."""
+    scenarios (tests/orchestrator/local/test_local_loop.py) and the write budget's runs
+    (tests/orchestrator/local/test_local_write_budget.py); ``{"loop": per-rank results, "budget": per-rank results}``."""
     from tests.support import budget_jobs, local_jobs
     from tests.support.dist_harness import run_jobs
 
@@ -176,9 +176,9 @@ def tied_llama_jobs(tmp_path_factory):
     """The 2-rank jobs on the tied-embedding Llama, one after another in one spawn:
     ``store``: ``train_and_store_job`` at ZeRO-3 (tests/support/composite_jobs.py) wrote
     ``(store uri, expected-values dir, the saver's probe loss at each persisting step)``, with its
-    ``run.json`` (tests/test_composite_reslice.py and tests/test_export_deepspeed.py only read it);
-    ``overlay``: the capture-overlay job's results (tests/test_capture_overlay.py); ``capture``:
-    ``{zero stage: the capture job's results}``, ZeRO-0 (tests/test_capture_pieces.py)."""
+    ``run.json`` (tests/workers/test_composite_reslice.py and tests/orchestrator/offline/test_export_deepspeed.py only read it);
+    ``overlay``: the capture-overlay job's results (tests/workers/test_capture_overlay.py); ``capture``:
+    ``{zero stage: the capture job's results}``, ZeRO-0 (tests/workers/test_capture_pieces.py)."""
     from tests.support import capture_jobs, composite_jobs, overlay_jobs
     from tests.support.dist_harness import run_jobs
 

@@ -5,7 +5,7 @@ inside DeepSpeed's optimizer wrappers, and to make restored master weights reach
 DeepSpeed has no public API for either at ZeRO 1/2 or for the low-precision copy at ZeRO 3.
 Each function here touches one private attribute or method, checks it exists, and raises
 :class:`DeepSpeedInternalsError` naming it when it does not — so a DeepSpeed upgrade breaks here,
-loudly, and ``tests/test_worker_ds_internals.py`` says which piece moved.
+loudly, and ``tests/workers/test_worker_ds_internals.py`` says which piece moved.
 
 A moved attribute is the easy case; a private attribute that keeps its name but changes meaning
 (an offset counted differently, a partition laid out anew) would corrupt checkpoints silently.
@@ -32,10 +32,10 @@ from packaging.version import InvalidVersion, Version
 logger = logging.getLogger(__name__)
 
 #: The DeepSpeed releases every function here was verified against (``pyproject.toml`` pins the
-#: same range; ``tests/test_worker_ds_internals.py`` fails when the installed one is outside it).
+#: same range; ``tests/workers/test_worker_ds_internals.py`` fails when the installed one is outside it).
 VERIFIED_DEEPSPEED = ">=0.19.8,<0.20"
 #: Set to ``1`` to run on a DeepSpeed outside :data:`VERIFIED_DEEPSPEED` anyway (an error is
-#: logged instead of raised): for verifying a new release with ``tests/test_worker_ds_internals.py``.
+#: logged instead of raised): for verifying a new release with ``tests/workers/test_worker_ds_internals.py``.
 ALLOW_UNVERIFIED_ENV = "LAYERCHECK_ALLOW_UNVERIFIED_DEEPSPEED"
 
 
@@ -62,7 +62,7 @@ def check_deepspeed_version(version: str) -> None:
         f"DeepSpeed {version} is outside the range LayerCheck's use of its private API "
         f"(workers/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
         f"(pip install 'deepspeed{VERIFIED_DEEPSPEED}') or, to try this release, run "
-        f"tests/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1"
+        f"tests/workers/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1"
     )
     if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
         logger.error("%s (going on: %s=1)", message, ALLOW_UNVERIFIED_ENV)

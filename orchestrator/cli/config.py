@@ -2,7 +2,7 @@
 the config classes themselves (each field's docstring), so the reference cannot drift.
 
 ``layercheck config --markdown`` prints the same reference as the Markdown page
-``docs/configuration.md``, which is committed as this prints it (``tests/test_config_doc.py``)."""
+``docs/configuration.md``, which is committed as this prints it (``tests/orchestrator/cli/test_config_doc.py``)."""
 
 from __future__ import annotations
 

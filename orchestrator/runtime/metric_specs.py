@@ -1,6 +1,6 @@
 """Every metric a LayerCheck run exports, in one table (:data:`SPECS`): name, kind, help text
 and labels. :class:`~layercheck.orchestrator.runtime.metrics.RunMetrics` builds and sets them; the
-dashboards and alert rules may use only these names (``tests/test_dashboards.py``)."""
+dashboards and alert rules may use only these names (``tests/orchestrator/runtime/test_dashboards.py``)."""
 
 from __future__ import annotations
 

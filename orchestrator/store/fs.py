@@ -217,7 +217,13 @@ class StoreFS:
         prefix = self.root.rstrip("/") + "/"
         out = []
         with self.answered(rel_dir):
-            listed = self.fs.get_file_info(selector)
+            try:
+                listed = self.fs.get_file_info(selector)
+            except FileNotFoundError:
+                # created while it was listed (another run's first write into it: two starts at
+                # once both list epochs/): pyarrow found it missing, then present, and raises
+                # despite allow_not_found; listed again, it is there
+                listed = self.fs.get_file_info(selector)
         for info in listed:
             if info.type == pafs.FileType.File:
                 out.append((info.path[len(prefix) :] if info.path.startswith(prefix) else info.path, info))

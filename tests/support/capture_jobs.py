@@ -1,4 +1,4 @@
-"""Rank jobs for tests/test_capture_pieces.py (spawned processes import them from here)."""
+"""Rank jobs for tests/workers/test_capture_pieces.py (spawned processes import them from here)."""
 
 from __future__ import annotations
 

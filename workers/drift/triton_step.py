@@ -3,7 +3,7 @@
 Imported only by :mod:`layercheck.workers.drift.fused` (``adamw_l1_groups``, ``adamw_l1_plan``)
 once it has seen CUDA tensors and an importable Triton, so a CPU machine never imports Triton.
 Under ``TRITON_INTERPRET=1`` the same kernel runs on CPU tensors (Triton's interpreter), which is
-how its arithmetic is tested without a GPU (``tests/test_drift_fused.py``).
+how its arithmetic is tested without a GPU (``tests/workers/test_drift_fused.py``).
 
 One launch covers a whole optimizer step: every param group and step count is a *slot* with its
 own AdamW scalars (a row of a float32 table) and its own float64 accumulator. A work table (see

@@ -1,0 +1,67 @@
+"""The run config (``layercheck.orchestrator.core.run_config``): the example configs load, a bad
+value (``inf``, ``nan`` too) is an error naming its field, the injected write stall's
+scope, relative storage made absolute for the workers."""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from layercheck.orchestrator.core.run_config import load_run_config, parse_run_config
+from layercheck.policies.config_loader import ConfigError
+
+
+def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
+    config = load_run_config("examples/demo.toml")
+    assert config.engine.zero_stage == 3 and config.cluster.num_workers == 2 and config.fault.kill_at_step > 0
+    assert parse_run_config(config.to_json()) == config  # what the workers receive
+    for overrides, field in [
+        ({"policy.period": -1}, "policy.period"),
+        ({"engine.zero_stage": 7}, "zero_stage"),
+        ({"stepz": 3}, "stepz"),
+        ({"policy.ema": float("inf")}, "policy.ema"),
+        ({"policy.k0": 1e-3}, "policy: unknown key"),  # the demo's staggered schedule has no threshold
+        ({"policy.name": "sometimes"}, "policy.name"),
+        ({"cluster.max_failures": -1}, "max_failures"),
+        ({"fault.stall_writes_s": float("nan")}, "stall_writes_s"),
+        ({"fault.stall_writes_s": -1.0}, "stall_writes_s"),
+    ]:
+        with pytest.raises(ConfigError, match=field):
+            load_run_config("examples/demo.toml", overrides)
+    (tmp_path / "x.yaml").write_text("steps: 5\nmodel: {hf_config: {model_type: llama}}\npolicy: {name: never}\n")
+    assert load_run_config(tmp_path / "x.yaml").policy_name == "never"
+    with pytest.raises(ConfigError, match="model"):
+        parse_run_config({"steps": 3})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_run_config(tmp_path / "missing.toml")
+    assert math.isfinite(config.optim.lr)
+
+
+def test_an_injected_write_stall_hits_the_chosen_nodes_writers_after_the_chosen_step():
+    fault = load_run_config(
+        "examples/demo.toml",
+        {"fault.stall_writes_s": 2.5, "fault.stall_writes_node": "n2", "fault.stall_writes_after_step": 6},
+    ).fault
+    assert [fault.stall_s(node_id=n, step=s) for n, s in (("n2", 7), ("n2", 6), ("n1", 7))] == [2.5, 0.0, 0.0]
+    anywhere = load_run_config("examples/demo.toml", {"fault.stall_writes_s": 1.0}).fault
+    assert anywhere.stall_s(node_id="n1", step=1) == 1.0
+    assert load_run_config("examples/demo.toml").fault.stall_s(node_id="n1", step=99) == 0.0
+
+
+def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_run_config(Path(__file__).resolve().parents[3] / "examples/demo.toml")
+    assert config.storage_uri == "runs/demo"
+    assert config.with_absolute_storage().storage_uri == str(tmp_path / "runs/demo")
+    remote = parse_run_config({**config.to_json(), "storage": "s3://bucket/run"})
+    assert remote.with_absolute_storage().storage_uri == "s3://bucket/run"
+
+
+def test_memory_versions_need_the_memory_tier():
+    from layercheck.orchestrator.core.run_config import PersistenceConfig
+
+    assert PersistenceConfig(memory_period=5).memory_period == 5
+    with pytest.raises(ConfigError, match=r"memory_period: must be 0 while memory_bytes is 0"):
+        PersistenceConfig(memory_period=5, memory_bytes=0)
+    with pytest.raises(ConfigError, match=r"memory_period: must be >= 0"):
+        PersistenceConfig(memory_period=-1)
