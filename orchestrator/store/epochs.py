@@ -20,8 +20,10 @@ covers. Stores written before epochs existed have none; their records are epoch 
 until a run opens epoch 1 over them.
 
 On local disk an epoch file is created exclusively (a hard link: two owners cannot open the
-same epoch); object stores have no exclusive create, and the lease's own settle-and-check
-(``StoreLease.acquire``) is what keeps two simultaneous starts from both getting that far.
+same epoch), and a start fixes the number it opens before it reads the lease, so of two starts
+that both found the lease free or stale only one gets on; object stores have no exclusive create,
+and the lease's own settle-and-check (``StoreLease.acquire``) with a check just before the epoch's
+write is what keeps two simultaneous starts from both getting that far.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ what LayerCheck wrote there (``layercheck train --overwrite``).
 
 An overwrite deletes only what LayerCheck writes (``STORE_LAYOUT.md``): ``layers/`` with shard
 files, ``manifest/`` with commit records, the run files in the root (``run.json``,
-``drift_trace.json``, the owner lease) and the temporaries of their atomic writes. Any other
+``drift_trace.json``, the owner lease), the tokenizer files of ``tokenizer/`` and the
+temporaries of their atomic writes. Any other
 file in the directory means it is not only a LayerCheck run: the overwrite is refused and
 nothing is deleted. A store at ``/``, the home directory, the working directory or one of its
 parents (``storage = ""`` or ``"."``) is refused outright: a mistyped path must not turn a
@@ -37,7 +38,7 @@ from layercheck.orchestrator.store.layer_store import (
 )
 from layercheck.orchestrator.store.lease import LEASE_FILE
 from layercheck.orchestrator.store.manifest import LAYER_NAME_PATTERN, LAYERS_DIR, MANIFEST_DIR
-from layercheck.orchestrator.store.model_record import MODEL_FILE
+from layercheck.orchestrator.store.model_record import MODEL_FILE, TOKENIZER_DIR, TOKENIZER_FILE
 from layercheck.orchestrator.store.unavailable import unavailable_error
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,8 @@ RUN_ROOT_FILES: frozenset[str] = frozenset(
 )
 
 _ROOT_TMP = re.compile(rf"(.*){TMP_PATTERN}")
-#: Directories LayerCheck makes: ``layers/``, ``layers/<layer>/``, ``manifest/``, ``epochs/``.
-_OWN_DIR = re.compile(rf"{LAYERS_DIR}(/{LAYER_NAME_PATTERN})?|{MANIFEST_DIR}|{EPOCHS_DIR}")
+#: Directories LayerCheck makes: ``layers/``, ``layers/<layer>/``, ``manifest/``, ``epochs/``, ``tokenizer/``.
+_OWN_DIR = re.compile(rf"{LAYERS_DIR}(/{LAYER_NAME_PATTERN})?|{MANIFEST_DIR}|{EPOCHS_DIR}|{TOKENIZER_DIR}")
 _MAX_NAMED = 5
 
 
@@ -147,10 +148,10 @@ def _uri_of(fs: StoreFS, path: str) -> str:
     return dataclasses.replace(fs, root=path).uri()
 
 
-def _raise_if_unavailable(fs: StoreFS, path: str, error: OSError) -> None:
-    """A listing the storage did not answer (or refused) is the run's first store error, said as
-    such, not a directory to pass over."""
-    unavailable = unavailable_error(_uri_of(fs, path), error)
+def _raise_if_unavailable(fs: StoreFS, error: OSError) -> None:
+    """A listing of the store's own directory that the storage did not answer (or refused) is the
+    run's first store error, said as such and naming the store, not a directory to pass over."""
+    unavailable = unavailable_error(fs.uri(), error)
     if unavailable is not None:
         raise unavailable from error
 
@@ -165,7 +166,8 @@ def _enclosing_run(fs: StoreFS) -> tuple[str, str] | None:
             try:
                 listed = fs.fs.get_file_info(pafs.FileSelector(posixpath.join(path, sub), allow_not_found=True))
             except OSError as error:  # e.g. no permission to list there: nothing to see
-                _raise_if_unavailable(fs, posixpath.join(path, sub), error)
+                # (credentials scoped to the run's own prefix may not list its parents: the
+                # store's own operations, next, say whether the storage answers this process)
                 logger.debug("not checking %s for a LayerCheck run: %s", posixpath.join(path, sub), error)
                 continue
             why = next((w for info in listed if info.type == pafs.FileType.File and (w := _run_mark(info.path))), "")
@@ -181,7 +183,7 @@ def _nested_run(fs: StoreFS) -> tuple[str, str] | None:
     try:
         listed = fs.fs.get_file_info(selector)
     except OSError as error:
-        _raise_if_unavailable(fs, fs.root, error)
+        _raise_if_unavailable(fs, error)
         logger.warning("could not check %s for another LayerCheck run below it: %s", fs.uri(), error)
         return None
     for info in sorted(listed, key=lambda i: i.path):
@@ -218,10 +220,14 @@ def owned_file(rel: str) -> bool:
     """Whether LayerCheck's own naming says it wrote ``rel`` (a path relative to a run's root): a
     shard file under ``layers/<layer>/`` (``layer_store.SHARD_FILE``), a commit record under
     ``manifest/`` (``RECORD_FILE``), an epoch (``EPOCH_FILE``), a run file in the root
-    (:data:`RUN_ROOT_FILES`), or the temporary of any of them. The one definition of what
-    ``--overwrite`` and GC may delete: anything else, at any other place or depth, is a user's."""
+    (:data:`RUN_ROOT_FILES`), a file of the run's tokenizer directly in ``tokenizer/``
+    (``run_tokenizer.py``: named as ``save_pretrained`` names them), or the temporary of any of
+    them. The one definition of what ``--overwrite`` and GC may delete: anything else, at any other
+    place or depth, is a user's."""
     if rel.startswith(LAYERS_DIR + "/"):
         return bool(SHARD_FILE.fullmatch(rel))
+    if rel.startswith(TOKENIZER_DIR + "/"):
+        return bool(TOKENIZER_FILE.fullmatch(rel[len(TOKENIZER_DIR) + 1 :]))
     if rel.startswith(MANIFEST_DIR + "/"):
         return bool(RECORD_FILE.fullmatch(rel))
     if rel.startswith(EPOCHS_DIR + "/"):
@@ -232,7 +238,7 @@ def owned_file(rel: str) -> bool:
 def clear_run(fs: StoreFS, *, keep: frozenset[str] = frozenset()) -> int:
     """Delete every file LayerCheck wrote in the run directory (but ``keep``, e.g. the lease of
     the run that is clearing it, and the epochs, which are never deleted: a new run's epoch must
-    stay newer than any earlier owner's) and the then-empty ``layers/`` and ``manifest/``; returns the
+    stay newer than any earlier owner's) and the then-empty ``layers/``, ``manifest/`` and ``tokenizer/``; returns the
     number of files deleted. Refuses (:class:`UnsafeStoreError`, nothing deleted) a location
     :func:`check_run_location` rejects or a directory holding anything LayerCheck did not write."""
     check_run_location(fs)
@@ -247,7 +253,7 @@ def clear_run(fs: StoreFS, *, keep: frozenset[str] = frozenset()) -> int:
     doomed = [rel for rel in contents.owned if rel not in keep and not rel.startswith(EPOCHS_DIR + "/")]
     for rel in doomed:
         fs.delete(rel)
-    for rel in (LAYERS_DIR, MANIFEST_DIR):
+    for rel in (LAYERS_DIR, MANIFEST_DIR, TOKENIZER_DIR):
         try:
             fs.fs.delete_dir(fs.path(rel))
         except FileNotFoundError:

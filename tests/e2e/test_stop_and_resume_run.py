@@ -1,5 +1,5 @@
 """One ``layercheck train`` run on S3 (a local Ray; storage on the loopback S3 server, the moto
-fixture), stopped three ways and resumed with ``--resume`` on the same store after each, as a
+fixture), stopped four ways and resumed with ``--resume`` on the same store after each, as a
 user would:
 
 1. its driver is SIGKILLed (``kill -9``, the OOM killer): nothing it committed is lost;
@@ -7,9 +7,11 @@ user would:
    + 1; S3 then goes away: the writes fail, the staleness bound's breach stops the run cleanly
    with its summary and the resume command, and what was committed before the outage stays;
 3. once the outage is over, ``--resume`` continues again, and Ctrl-C stops it with the summary,
-   every layer's final state in the store and the resume command.
+   every layer's final state in the store and the resume command;
+4. ``--resume`` again, and SIGTERM to its driver alone (``kill PID``, a scheduler stopping the
+   job) stops it the same way, saying so.
 
-One chain of three runs rather than a run and its resume for each (each run is a Ray start and
+One chain of four runs rather than a run and its resume for each (each run is a Ray start and
 its workers' imports): each resume also checks that the previous stop left a resumable store."""
 
 import os
@@ -19,7 +21,8 @@ import signal
 
 import pytest
 
-from layercheck.orchestrator.core.run_config import check_model, load_run_config
+from layercheck.orchestrator.core.run_checks import check_model
+from layercheck.orchestrator.core.run_config import load_run_config
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.plan import newest_recoverable_step
 from tests.support.s3_server import FAST_FAIL
@@ -100,3 +103,16 @@ def test_a_killed_an_s3_starved_and_an_interrupted_run_each_resume_where_they_st
     final = newest_steps(uri)
     stopped = max(final.values())
     assert stopped >= newest + 4 and set(final.values()) == {stopped}  # every layer's final state, at the stop step
+
+    # 4. resumed again; then SIGTERM to the driver alone, as `kill PID` or a scheduler sends it
+    terminated = start_train(tmp_path, *SETTINGS, f"storage={uri}", ray_tmp=ray_tmp, args=("--resume",))
+    terminated.wait_for_step(stopped + 4)
+    os.kill(terminated.proc.pid, signal.SIGTERM)
+    out = terminated.finish(timeout=300)
+    err = terminated.stderr
+    assert f"continuing at step {stopped + 1} of {STEPS}" in err, err[-3000:]
+    assert terminated.proc.returncode == 130, err[-3000:]
+    assert "stopped after step" in out and "interrupted (SIGTERM)" in out, out[-3000:]
+    assert shlex.quote(f"storage={uri}") in err and "--resume" in err, err[-3000:]
+    final = newest_steps(uri)
+    assert max(final.values()) >= stopped + 4 and set(final.values()) == {max(final.values())}

@@ -107,3 +107,34 @@ def test_inspect_into_a_pipe_that_closes_early_is_no_error(run, monkeypatch):
     monkeypatch.setattr("sys.stdout", stdout)
     assert main(["inspect", run.uri]) == 0
     stdout.close()
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["length-prefix", "header", "first-data-byte", "middle-data-byte", "last-data-byte", "truncated"],
+)
+def test_verify_names_a_single_flipped_bit_anywhere_in_a_shard(run, capsys, where):
+    """One bit flipped (or the file cut short by a byte) anywhere in a committed shard: in the
+    header's length prefix, the JSON header, or any byte of the tensor data. ``verify`` reads every
+    byte (the record's size and header checksum, each tensor's checksum): it exits 1 naming the
+    file, and every other version stays OK."""
+    victim = [r for r in run.versions() if r.layer == "norm" and r.step == 180][0]
+    path = Path(run.fs.path(victim.shards[0].path))
+    data = bytearray(path.read_bytes())
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    at = {
+        "length-prefix": 0,
+        "header": header_end // 2,
+        "first-data-byte": header_end,
+        "middle-data-byte": (header_end + len(data)) // 2,
+        "last-data-byte": len(data) - 1,
+    }
+    if where == "truncated":
+        del data[-1]
+    else:
+        data[at[where]] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert main(["verify", run.uri]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD version {victim.version_id}" in out and victim.shards[0].path in out, out
+    assert "1 problem(s)" in out, out  # the only one: every other version checks

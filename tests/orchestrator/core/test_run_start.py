@@ -349,3 +349,70 @@ def test_directories_named_like_a_runs_but_not_layercheck_s_are_no_run(tmp_path)
         (where / "run.json").write_text("{}")
     claim_store(str(tmp_path / "project" / "runs" / "x"), run="x", options=StartOptions()).release()
     claim_store(str(tmp_path / "out"), run="y", options=StartOptions()).release()
+
+
+_RESUMER = """
+import sys, time
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.run_start import StartOptions, open_run_store
+from layercheck.orchestrator.store.errors import StoreBusyError
+config = load_run_config(sys.argv[1], {"storage": sys.argv[2], "name": sys.argv[3]}).with_absolute_storage()
+print("ready", flush=True)
+start = float(sys.stdin.readline())
+while time.time() < start:
+    pass
+try:
+    lease = open_run_store(config, StartOptions(resume=True))
+except StoreBusyError as error:
+    print("refused:", error, flush=True)
+else:
+    print("resumed", flush=True)
+    time.sleep(3)  # a live run: the other start must see its lease, not a dead process's
+    lease.release()
+"""
+
+
+@pytest.mark.slow
+def test_two_resumes_of_a_killed_runs_store_started_together_get_one_owner(tmp_path):
+    """``layercheck train --resume`` twice on the store of a run whose driver was killed (its lease
+    names a process gone from this host, so both find it stale), started at the same moment in two
+    processes, as far as each start's checks and lease (no Ray): one resumes, the other is refused
+    naming it, and only one epoch is opened over the killed run's."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from layercheck.orchestrator.store.epochs import epoch_numbers
+    from tests.support.store_helpers import foreign_lease
+
+    open_run_store(_config(tmp_path), StartOptions()).release()  # the killed run's start: epoch 1
+    _stored_run(tmp_path / "run")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    fs = StoreFS.open(str(tmp_path / "run"), fsync=False)
+    foreign_lease(fs, host=socket.gethostname(), pid=dead.pid)  # what its SIGKILL left
+    env = {**os.environ, "PYTHONPATH": str(DEMO.parents[1])}
+    resumers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RESUMER, str(DEMO), str(tmp_path / "run"), f"resume{i}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        for i in range(2)
+    ]
+    for resumer in resumers:  # both imported and configured: the start below is the same moment
+        assert resumer.stdout.readline().strip() == "ready"
+    start = time.time() + 0.5
+    for resumer in resumers:
+        resumer.stdin.write(f"{start}\n")
+        resumer.stdin.flush()
+    outcomes = {f"resume{i}": resumer.communicate(timeout=120)[0].strip() for i, resumer in enumerate(resumers)}
+    (winner,) = [name for name, said in outcomes.items() if said == "resumed"]
+    (loser,) = set(outcomes) - {winner}
+    assert outcomes[loser].startswith("refused:") and f"run '{winner}'" in outcomes[loser], outcomes
+    assert epoch_numbers(fs) == [1, 2]

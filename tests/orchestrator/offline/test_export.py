@@ -14,14 +14,10 @@ import torch
 import transformers
 
 from layercheck.orchestrator.cli.main import main
-from layercheck.orchestrator.offline.exporter import (
-    ExportError,
-    composite_model,
-    export,
-    export_deepspeed,
-    plan_export,
-    run_config_of,
-)
+from layercheck.orchestrator.offline.export_deepspeed import export_deepspeed
+from layercheck.orchestrator.offline.export_hf import composite_model
+from layercheck.orchestrator.offline.export_run import ExportError, plan_export, run_config_of
+from layercheck.orchestrator.offline.exporter import export
 from layercheck.orchestrator.store.gc import GcConfig, collect_garbage
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, RUN_CONFIG_FILE, LayerStore
 from layercheck.policies.layer_map import layer_map_of
@@ -276,3 +272,82 @@ def test_a_damaged_model_record_is_named(tmp_path, capsys):
     assert main(["export", uri, "--format", "hf", "--out", str(tmp_path / "hf")]) == 2
     out = capsys.readouterr().out
     assert "model.json: not a valid model record" in out and "--config" in out
+
+
+def test_an_export_of_a_store_a_live_run_writes_is_the_composite_at_the_newest_step_it_planned(tmp_path, monkeypatch):
+    """``layercheck export`` of a store a live run is writing: the run holds the store's lease and
+    a thread of it commits a version of every layer at every step, while the export plans and,
+    once it has planned, two steps past the plan's before the export reads a byte. The model written
+    is the composite at the newest recoverable step the plan saw, byte for byte: each layer's
+    version at or before that step and no older than its newest committed before the plan;
+    nothing committed since leaks in, and the export is not refused for the live owner."""
+    import threading
+
+    import layercheck.orchestrator.offline.exporter as exporter
+    from layercheck.orchestrator.store.fs import StoreFS
+    from layercheck.orchestrator.store.lease import StoreLease
+
+    uri = str(tmp_path / "run")
+    config = dataclasses.replace(jobs.run_config(), steps=1_000_000)
+    lease = StoreLease.acquire(StoreFS.open(uri, fsync=False), run="live", settle_s=0, steps=config.steps)
+    store = LayerStore(lease.fs)
+    store.fence = lease.fence
+    jobs.write_run_json(uri, config)
+    layers = layer_map_of(build_model(config.model)).layers
+    weights = {(layer.name, 10): _write_layer(store, layer, 10, base=True, seed=i) for i, layer in enumerate(layers)}
+    newest = dict.fromkeys((layer.name for layer in layers), 10)  # each layer's newest committed step
+    committed = threading.Condition()
+    until = [12]  # the run trains up to this step, then waits (the test paces it, not a clock)
+    stop = threading.Event()
+
+    def train() -> None:  # the live run: every layer committed at every step
+        while True:
+            with committed:
+                committed.wait_for(lambda: stop.is_set() or min(newest.values()) < until[0])
+            if stop.is_set():
+                return
+            step = min(newest.values()) + 1
+            for i, layer in enumerate(layers):
+                weights[(layer.name, step)] = _write_layer(store, layer, step, base=False, seed=1000 * step + i)
+                with committed:
+                    newest[layer.name] = step
+                    committed.notify_all()
+
+    plans = []
+
+    def plan_then_let_the_run_go_on(*args, **kwargs):
+        with committed:
+            before = dict(newest)
+            until[0] = max(before.values()) + 1  # one more step may land while the export plans
+            committed.notify_all()
+        resolved = plan_export(*args, **kwargs)
+        plans.append((before, resolved))
+        with committed:  # and commits every layer two steps past the plan before the export reads
+            until[0] = max(resolved.plan.t_fail + 2, max(newest.values()))
+            committed.notify_all()
+            assert committed.wait_for(lambda: min(newest.values()) >= resolved.plan.t_fail + 2, timeout=60)
+        return resolved
+
+    monkeypatch.setattr(exporter, "plan_export", plan_then_let_the_run_go_on)
+    writer = threading.Thread(target=train, daemon=True)
+    writer.start()
+    with committed:
+        committed.wait_for(lambda: min(newest.values()) >= 12, timeout=60)
+    out = tmp_path / "hf"
+    try:
+        assert main(["export", uri, "--format", "hf", "--out", str(out)]) == 0
+    finally:
+        with committed:
+            stop.set()
+            committed.notify_all()
+        writer.join(timeout=60)
+        lease.release()
+    ((before, resolved),) = plans
+    step = resolved.plan.t_fail
+    assert step >= max(before.values()) and min(newest.values()) >= step + 2
+    loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(str(out)).named_parameters())
+    for layer in layers:
+        chosen = resolved.records[layer.name].step
+        assert before[layer.name] <= chosen <= step, (layer.name, before[layer.name], chosen, step)
+        for param, expected in weights[(layer.name, chosen)].items():
+            assert torch.equal(loaded[param].detach().reshape(-1), expected), (layer.name, chosen, param)

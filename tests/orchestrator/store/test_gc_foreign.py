@@ -91,3 +91,19 @@ def test_every_shard_name_layer_store_writes_is_its_own(tmp_path, base, origin):
     receipt = store.write_shard(shard, base=base, origin=origin)  # never committed
     assert owned_file(receipt.path) and owned_file(receipt.path + ".0123abcd.tmp")
     assert collect_garbage(store, GcConfig(grace_s=0)).orphans == (receipt.path,)
+
+
+@pytest.mark.parametrize(
+    "rel,owned",
+    [
+        ("tokenizer/tokenizer.json", True),
+        ("tokenizer/chat_template.jinja.0123abcd.tmp", True),
+        ("tokenizer/sub/vocab.json", False),  # deeper than save_pretrained writes
+        ("tokenizer/.hidden", False),
+        ("tokenizers/tokenizer.json", False),
+    ],
+)
+def test_the_runs_tokenizer_files_are_its_own_and_only_those(rel, owned):
+    """The callback keeps the Trainer's tokenizer under ``tokenizer/`` (``run_tokenizer.py``):
+    --overwrite deletes those files with the run's others, and nothing else there."""
+    assert owned_file(rel) is owned

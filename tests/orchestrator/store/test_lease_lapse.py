@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
+from layercheck.orchestrator.core.supervision_ports import LocalPolicy
 from layercheck.orchestrator.store.errors import LeaseLapsedError, StoreWriteError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
@@ -26,6 +27,8 @@ from tests.support.store_helpers import faulty_store, written_receipts
 
 LAYERS = ("embed", "block.0", "norm")
 TTL_S = 2.0
+#: The Ray test's first lease term: a writer actor starts well within it, even on a loaded CI machine.
+ACTOR_START_S = 12.0
 
 
 class Writers:
@@ -199,12 +202,16 @@ def test_writer_actors_write_while_their_lease_is_renewed_and_refuse_once_it_lap
     shard = cut_shards("block.0", 4, PARAMS, layer_state(PARAMS, seed=4), even_cuts(total, 2))[0]
     node = ray.get_runtime_context().get_node_id()
     sink = Supervisor.remote()
-    expires = time.time() + TTL_S
+    # long enough for the actor to start and hear the renewal under a loaded machine (a renewal
+    # that reaches it after the expiry is too late, by design); the test then waits past it
+    expires = time.time() + ACTOR_START_S
     renewed = WriterPool(
         store_uri=str(tmp_path / "a"), fsync=False, per_node=1, supervisor=sink, lease_valid_until=expires
     )
     (writer,) = renewed.for_node(node)
     renewed.lease_renewed(expires + 600)  # a renewal reached the store
+    ray.get(writer.get_stats.remote())  # the actor is up and, its calls being ordered, has the renewal
+    assert time.time() < expires, "the writer actor took longer than ACTOR_START_S to start"
     time.sleep(max(0.0, expires - time.time()) + 0.1)  # past the expiry the writer started with
     assert ray.get(writer.submit.remote(to_wire(shard, base=False))) == "written"
 

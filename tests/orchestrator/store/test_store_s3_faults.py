@@ -7,10 +7,11 @@ import re
 
 import pyarrow.fs as pafs
 import pytest
+import ray  # at collection: Ray's log handler keeps the stderr it was made with, not a test's capture
 
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.core.persistence.commit_path import CommitFailed, CommitPath, CommitSucceeded, ShardWritten
-from layercheck.orchestrator.core.recovery.events import SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.run_start import StartOptions, claim_store
 from layercheck.orchestrator.store.errors import StoreAccessError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import StoreFS
@@ -52,8 +53,6 @@ def test_wrong_s3_credentials_stop_train_with_one_line_before_anything_is_writte
     """`layercheck train` (and a LayerCheckTrainer's claim of its store) with the right key id and a
     wrong secret: refused at the driver's first store operation with one line naming the store
     and the cause; no traceback, no secret, no Ray, nothing written in the bucket."""
-    import ray
-
     with iam_enforced(moto_server) as good:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", good["AWS_ACCESS_KEY_ID"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", WRONG_SECRET)
@@ -93,6 +92,49 @@ def test_wrong_s3_credentials_fail_the_store_commands_with_one_line(s3, moto_ser
                     assert secret not in out + err, (args, out + err)
                 assert "Traceback" not in out + err
         assert _bucket_files(s3, good, monkeypatch) == before
+
+
+def _missing_bucket(s3) -> str:
+    """``s3://nosuchbucket/run`` on the loopback server: a bucket nobody created."""
+    return s3.uri("run").replace(f"s3://{s3.bucket}/", "s3://nosuchbucket/")
+
+
+def _no_such_bucket_made(s3) -> bool:
+    return s3.filesystem().get_file_info("nosuchbucket").type == pafs.FileType.NotFound
+
+
+def test_a_missing_bucket_fails_the_store_commands_and_a_runs_start_with_one_line(s3, capsys, tmp_path):
+    """Storage ``s3://nosuchbucket/run``: inspect, verify, gc and export exit 2 with one line naming
+    the store, no traceback; a run's start (``layercheck train``'s lease and ``LayerCheckTrainer``'s
+    claim: the first write) fails naming the lease file and that the bucket was not found. No
+    bucket is created, nothing written."""
+    from layercheck.orchestrator.store.errors import StoreWriteError
+
+    uri = _missing_bucket(s3)
+    for command in (["inspect"], ["verify"], ["gc", "--grace", "0"], ["export", "--format", "hf"]):
+        args = [command[0], uri, *command[1:]] + (["--out", str(tmp_path / "out")] if command[0] == "export" else [])
+        assert main(args) == 2, args
+        out, err = capsys.readouterr()
+        line = _one_error_line(out, "error:")
+        assert "s3://nosuchbucket/run" in line and ("no store at" in line or "no committed" in line), line
+        assert "Traceback" not in out + err
+    with pytest.raises(StoreWriteError, match=r"s3://nosuchbucket/run/owner\.json.*Bucket 'nosuchbucket' not found"):
+        claim_store(uri, run="run", options=StartOptions())
+    assert _no_such_bucket_made(s3) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_missing_bucket_stops_train_with_one_line_before_any_worker(s3, capsys):
+    """``layercheck train`` with ``storage = s3://nosuchbucket/run``: exit 2 with one line naming the
+    lease file and that the bucket was not found; no traceback, no bucket made. A missing bucket
+    reads as an empty store, so the start gets as far as its first write: the lease, taken after
+    Ray was joined and before any worker is started."""
+    code = main(["train", "examples/demo.toml", "--set", f"storage={_missing_bucket(s3)}", "--set", "metrics.port=0"])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    line = _one_error_line(err, "layercheck train:")
+    assert "s3://nosuchbucket/run/owner.json" in line and "Bucket 'nosuchbucket' not found" in line, line
+    assert "Traceback" not in out + err and _no_such_bucket_made(s3)
 
 
 def _shards(layer: str, step: int):
