@@ -11,7 +11,7 @@ from typing import Any
 
 from layercheck.bench import ettr as ettr_model
 from layercheck.bench import report as reports
-from layercheck.bench import summary
+from layercheck.bench import report_text, summary
 from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.s3_loopback import STORES
 from layercheck.bench.strategies import default_strategies, select
@@ -126,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
         report = with_measured_restarts(report, args.recovery_paths or previous.get("restart_by_path"))
         if args.out:
             write_outputs(report, args.out)
-        print(json.dumps(report, indent=1) if args.json else reports.text(report))
+        print(json.dumps(report, indent=1) if args.json else report_text.text(report))
         return 0
     try:
         workload = workload_from_args(args)
@@ -150,7 +150,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.out:
         write_outputs(report, args.out)
         (args.out / PARTIAL).unlink(missing_ok=True)  # bench.json has it all
-    print(json.dumps(report, indent=1) if args.json else reports.text(report))
+    print(json.dumps(report, indent=1) if args.json else report_text.text(report))
     return 0
 
 

@@ -1,5 +1,8 @@
 """Micro-benchmark: what the drift probe costs, next to the plain optimizer step and the whole
 training step, measured in one run on the same model.
+One file because it is one measurement: its figures are ratios between variants timed interleaved
+in one process on one model, so the variants, the kernel sweep and the training step it divides by
+share the presets, the parameter groups and the timing, and are read only together (``run``).
 
 Variants of the optimizer step over the model's layer-aligned param groups (fp32 masters):
 

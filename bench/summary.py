@@ -1,4 +1,4 @@
-"""The benchmark's markdown summary (``summary.md``): the tables of :mod:`layercheck.bench.report` with
+"""The benchmark's markdown summary (``summary.md``): the tables of :mod:`layercheck.bench.report_text` with
 what each column means, the reading of the numbers and the ETTR table.
 
 Pure: a report dict in, markdown out. Every figure comes from the report.
@@ -12,7 +12,7 @@ from typing import Any
 
 from layercheck.bench import recovery_report, schedule_report
 from layercheck.bench.matched import describe_bytes_match
-from layercheck.bench.report import main_table, pairs_table
+from layercheck.bench.report_text import main_table, pairs_table
 from layercheck.orchestrator.table import format_table
 
 

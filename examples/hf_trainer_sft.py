@@ -131,7 +131,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     trainer: transformers.Trainer = SFTTrainer(
         model=model,
         args=args,
-        processing_class=tokenizer,
+        processing_class=tokenizer,  # the callback keeps it in the store: `layercheck export` ships it
         train_dataset=datasets.Dataset.from_list(sft_rows(config["rows"])),
         peft_config=peft_config,
     )
@@ -217,7 +217,6 @@ def main() -> None:
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
             storage=args.storage,
             name="hf-sft",
-            tokenizer=str(DATA / "sft-tokenizer"),  # kept in the store: `layercheck export` ships it
             policy=policy,
             overwrite=True,
             persistence=persistence,

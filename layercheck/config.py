@@ -8,8 +8,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
-from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig
+from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig
 from layercheck.policies.config_loader import ConfigError, require
 from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config
 from layercheck.workers.drift.diff import PROBES
@@ -36,7 +37,7 @@ class CheckpointConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     """The Prometheus endpoint (``port=0`` disables it)."""
     fault: FaultConfig = field(default_factory=FaultConfig)
-    """Failure injection for demos and tests: SIGKILL ``kill_rank`` after ``kill_at_step`` (0: never)."""
+    """The recovery rehearsal (a demo's): SIGKILL ``kill_rank`` after ``kill_at_step`` (0: never)."""
     drift_probe: str = "auto"
     """``auto`` (the optimizer probe where LayerCheck built the optimizer; for your torch
     ``AdamW``/``Adam`` on CPU, the fused step in its place, bit-equal to it; else snapshot-and-diff),
@@ -53,8 +54,9 @@ class CheckpointConfig:
     """Delete checkpoints an earlier run left in ``storage`` (else such a store is refused)."""
     tokenizer: str | None = None
     """Where the run's tokenizer comes from (a local directory or a Hugging Face name), kept in the
-    store so that ``layercheck export --format hf`` ships it beside the model; ``None``: the
-    export has none, and says so."""
+    store so that ``layercheck export --format hf`` ships it beside the model; ``None``: with the
+    Hugging Face callback, the ``Trainer``'s own (its ``processing_class``), its files kept in the
+    store; else the export has none, and says so."""
     in_place: bool = False
     """Recover from a lost worker in place: Ray Train replaces only that worker; each survivor
     captures its slices, leaves the broken process group and runs ``train_loop_per_worker`` again

@@ -13,6 +13,11 @@ its first step; on a restarted worker group that loads the composite and moves t
 counters, learning-rate schedule), ``state.global_step`` and the data to ``t_fail + 1``. After each
 optimizer step it calls ``after_step``; at the end of training, ``finish``. The ``Trainer``'s own
 checkpoints stay as the user configured them (``save_strategy="no"`` is fine).
+
+Unless the run named a tokenizer (``CheckpointConfig(tokenizer=...)``), rank 0 keeps the
+``Trainer``'s own (its ``processing_class``) in the run's store as it attaches, so that
+``layercheck export --format hf`` ships it beside the model
+(:mod:`layercheck.orchestrator.store.run_tokenizer`).
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class LayerCheckCallback(TrainerCallback):
                 "resumes a restarted worker group itself"
             )
         self.attachment = (self._attach or self._attach_engine)(self.trainer)
+        self._keep_tokenizer()
         check_steps = getattr(self.attachment, "check_steps", None)
         if check_steps is not None and state.max_steps:
             check_steps(int(state.max_steps))
@@ -96,6 +102,24 @@ class LayerCheckCallback(TrainerCallback):
 
         return attach(deepspeed_engine(trainer), layer_map=self.layer_map, drift_probe=self.drift_probe)
 
+    def _keep_tokenizer(self) -> None:
+        """The ``Trainer``'s tokenizer into the run's store, once per run, by rank 0, where the run
+        named none (:func:`~layercheck.orchestrator.store.run_tokenizer.keep_tokenizer`). Outside a
+        ``LayerCheckTrainer`` run there is no store. A failure costs the export its tokenizer, not
+        the training: it is logged."""
+        from layercheck.orchestrator.runtime import context
+        from layercheck.orchestrator.store.fs import StoreFS
+        from layercheck.orchestrator.store.run_tokenizer import keep_tokenizer
+
+        ctx = context.current()
+        tokenizer = trainer_tokenizer(self.trainer)
+        if ctx is None or tokenizer is None or not _rank_zero(self.trainer):
+            return
+        try:
+            keep_tokenizer(StoreFS.open(ctx.storage_uri, fsync=ctx.fsync), tokenizer)
+        except (OSError, ValueError) as error:
+            logger.error("the Trainer's tokenizer was not kept in the run's store (the export will lack it): %s", error)
+
     def _resume(self, state: Any, loader: Any, done: int) -> None:
         """Move the ``Trainer`` (its step, its data) to ``done`` steps; the engine is already there."""
         if loader is None:
@@ -125,6 +149,26 @@ class LayerCheckCallback(TrainerCallback):
         is its growth over the step. NaN when a ``Trainer`` version keeps no such sum."""
         total = getattr(self.trainer, "_tr_loss", None)
         return float("nan") if total is None else float(total)
+
+
+def trainer_tokenizer(trainer: Any) -> Any:
+    """The ``Trainer``'s tokenizer: its ``processing_class``, or a processor's tokenizer; ``None``
+    where it has neither."""
+    from transformers import PreTrainedTokenizerBase
+
+    found = getattr(trainer, "processing_class", None)
+    if found is not None and not isinstance(found, PreTrainedTokenizerBase):
+        found = getattr(found, "tokenizer", None)  # a processor (text and images, say) holds one
+    return found if isinstance(found, PreTrainedTokenizerBase) else None
+
+
+def _rank_zero(trainer: Any) -> bool:
+    check = getattr(trainer, "is_world_process_zero", None)
+    if callable(check):
+        return bool(check())
+    import torch
+
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def require_deepspeed(trainer: Any) -> None:

@@ -4,6 +4,10 @@ Every layer is saved periodically; the layers' phases are spread over the steps 
 into the least-loaded step, :mod:`layercheck.policies.schedule_phases`), so each step hands over a slice of
 the model instead of a whole checkpoint every ``N`` steps.
 
+One file because it is one schedule: the derivation below and the class that carries it out
+(estimate each layer's drift rate, plan periods within the budget, place phases, save) share one
+state, re-planned together; the phase placement itself is :mod:`~layercheck.policies.schedule_phases`.
+
 **Periods.** Layer ``l`` has ``n_l`` parameters, ``b_l = 12 n_l`` bytes (fp32 weight and two Adam
 moments) and drifts ``r_l`` per step (mean ``|Δθ|``, an online estimate: an exponential moving
 average of its per-step drift). Saved every ``P_l`` steps, it writes ``b_l / P_l`` bytes per step

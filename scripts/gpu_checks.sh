@@ -5,10 +5,13 @@
 #                 against torch's fused AdamW and snapshot-and-diff,
 #                 in real DeepSpeed on one NCCL rank; snapshots copied on a side stream; a survivor's
 #                 capture after torch's abort of its NCCL groups (ZeRO 1-3, bf16), bit for bit
-#   fused_issue   layercheck.bench.fused_issue: the fused step's host bookkeeping on this machine's CPU
+#   default_step  bench/probes/default_step.py on the Qwen2.5-0.5B shape: the built-in loop's default step
+#                 (drift_step="auto": torch's fused AdamW, snapshot-and-diff every 10th step) against torch's
+#                 fused AdamW, alone and in the whole training step (issue 55's goal: <= 1% of the step)
+#   fused_issue   bench/probes/fused_issue.py: the fused step's host bookkeeping on this machine's CPU
 #                 (seconds; the launch a no-op), to compare its host with the one where the code was timed
 #   bench_0.5b    layercheck.bench.drift_probe on the Qwen2.5-0.5B shape (bf16, 4x1024): the probe's cost
-#   snapshot_stall layercheck.bench.snapshot_stall on the same shape: the training stream's stall per persisted
+#   snapshot_stall bench/probes/snapshot_stall.py on the same shape: the training stream's stall per persisted
 #                 layer, side-stream copy vs the joined host copy, against the pinned copy time
 #   e2e_nccl_bf16 the e2e recovery test (SIGKILL, t_fail + 1, bit-equal losses) with NCCL and bf16
 #   bench_small   layercheck.bench.drift_probe on the small model
@@ -26,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 DRY=0
-ONLY="exactness,fused_issue,bench_0.5b,snapshot_stall,e2e_nccl_bf16,bench_small"
+ONLY="exactness,default_step,fused_issue,bench_0.5b,snapshot_stall,e2e_nccl_bf16,bench_small"
 while (( $# )); do
     case $1 in
         --dry-run) DRY=1 ;;
@@ -87,8 +90,16 @@ if wanted exactness; then
         $EXACTNESS_TESTS
 fi
 
+if wanted default_step; then
+    if (( DRY )); then
+        check default_step 600 $PY bench/probes/default_step.py --steps 1 --out "$RESULTS/default_step.json"
+    else
+        check default_step 240 $PY bench/probes/default_step.py --preset h200-0.5b --out "$RESULTS/default_step-qwen0.5b.json"
+    fi
+fi
+
 if wanted fused_issue; then  # CPU only: runs on the dry run too
-    check fused_issue 60 $PY -m layercheck.bench.fused_issue --json
+    check fused_issue 60 $PY bench/probes/fused_issue.py --json
 fi
 
 if wanted bench_0.5b; then
@@ -101,9 +112,9 @@ fi
 
 if wanted snapshot_stall; then
     if (( DRY )); then
-        check snapshot_stall 300 $PY -m layercheck.bench.snapshot_stall --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
+        check snapshot_stall 300 $PY bench/probes/snapshot_stall.py --preset cpu-small --steps 2 --out "$RESULTS/snapshot_stall.json"
     else
-        check snapshot_stall 240 $PY -m layercheck.bench.snapshot_stall --preset h200-0.5b --profile --out "$RESULTS/snapshot_stall-qwen0.5b.json"
+        check snapshot_stall 240 $PY bench/probes/snapshot_stall.py --preset h200-0.5b --profile --out "$RESULTS/snapshot_stall-qwen0.5b.json"
     fi
 fi
 

@@ -23,8 +23,8 @@ Precision = Literal["fp32", "bf16"]
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 #: How DriftAdamW computes a measured step: ``foreach`` (torch's step, then the L1 of what it moved),
-#: ``fused`` (the L1 counted inside the update), or ``auto`` (``fused`` where its Triton kernel takes
-#: the tensors, that is on CUDA with Triton, else ``foreach``).
+#: ``fused`` (the L1 counted inside the update), or ``auto`` (the cheapest by the committed benchmark
+#: figures on the parameters' device: :mod:`layercheck.workers.drift.choice`; ``foreach`` on CPU and CUDA today).
 DRIFT_STEPS: tuple[str, ...] = ("auto", "foreach", "fused")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
@@ -88,12 +88,14 @@ class OptimConfig:
     gives every layer ``lr``."""
     drift_step: Literal["auto", "foreach", "fused"] = "auto"
     """How the optimizer measures each layer's drift on the steps it measures: ``foreach``
-    (torch's own AdamW step, fused on CPU, foreach on CUDA, with the owned elements copied before
-    and diffed after), ``fused`` (counted inside the update: no copy, no second pass; a Triton
-    kernel on CUDA where Triton imports, cache-sized chunks elsewhere, in the arithmetic order of
-    ``torch.optim.AdamW(foreach=False)``), or ``auto``: ``fused`` where the Triton kernel takes the
-    tensors (CUDA, contiguous fp32, Triton importable), else ``foreach``. Both give the same drift;
-    the steps not measured are torch's own AdamW step either way."""
+    (torch's own AdamW step, its fused kernel on CPU and CUDA, with the owned elements copied before
+    and diffed after: snapshot-and-diff), ``fused`` (counted inside the update: no copy, no second
+    pass; a Triton kernel on CUDA where Triton imports, cache-sized chunks elsewhere, in the
+    arithmetic order of ``torch.optim.AdamW(foreach=False)``), or ``auto``: the one with the lowest
+    committed cost per step on the parameters' device (``layercheck.workers.drift.choice``;
+    ``foreach`` on CPU and CUDA today). Both give the same drift; the steps not measured are torch's
+    own AdamW step either way (fused on CPU and CUDA; foreach beside ``fused`` on CUDA, whose
+    Triton step reads the step counts on the host)."""
 
     def __post_init__(self) -> None:
         require_finite(self)

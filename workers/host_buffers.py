@@ -58,7 +58,7 @@ class HostBufferPool:
         """``shard``'s buffers leave the pool: whoever holds the shard keeps them (the pool takes new
         ones) until it hands them back with :meth:`recycle`. Pinned buffers are costly to make: only
         a holder that hands them back within moments should keep them
-        (:class:`~layercheck.workers.loop.KeepsHostBuffers`)."""
+        (:class:`~layercheck.workers.coordinator.KeepsHostBuffers`)."""
         with self._lock:
             for tensor in shard.tensors.values():
                 buffer = self._lent.pop(id(tensor), None)

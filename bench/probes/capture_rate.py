@@ -10,9 +10,9 @@ from a transformers config, then, ``--repeats`` times:
                 writer actor's ``hold`` (the writer copies it into its own memory and answers; the
                 write to storage happens after, off the clock), against a real local Ray.
 
-    python -m layercheck.bench.capture_rate                    # ~0.5 GB of state
-    python -m layercheck.bench.capture_rate --hidden 1536      # bigger
-    python -m layercheck.bench.capture_rate --json
+    python bench/probes/capture_rate.py                    # ~0.5 GB of state
+    python bench/probes/capture_rate.py --hidden 1536      # bigger
+    python bench/probes/capture_rate.py --json
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) ->
     import torch
 
     from layercheck.orchestrator.runtime.wire import to_wire
-    from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
+    from layercheck.orchestrator.runtime.writer_actor import WriterActor
     from layercheck.workers.capture import capture_shards
     from layercheck.workers.engine import build_engine, shutdown
     from layercheck.workers.host_buffers import HostBufferPool
@@ -88,7 +88,7 @@ def _rank(rank: int, world_size: int, hidden: int, layers: int, repeats: int) ->
         train_step(train_engine, [torch.randint(0, 256, (1, 32))])
         pool = HostBufferPool()
         with tempfile.TemporaryDirectory() as store:
-            writer = PersistenceWriter.remote(store, False, _receipts_sink())  # type: ignore[attr-defined]  # @ray.remote class (python/mypy#3135)
+            writer = WriterActor.remote(store, False, _receipts_sink())  # type: ignore[attr-defined]  # @ray.remote class (python/mypy#3135)
             copy_s, handover_s, nbytes = [], [], 0
             for _ in range(repeats):
                 started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Which freshness predicts the damage: many failure points per strategy, cheaply.
 
-    python -m layercheck.bench.freshness [--preset tiny] [--workload default] [--points 12] [--horizon 20] [--json]
+    python bench/probes/freshness.py [--preset tiny] [--workload default] [--points 12] [--horizon 20] [--json]
 
 On one spawn of the ranks (as :mod:`layercheck.bench.harness`): the reference (``none``) trains the workload
 failure-free, recording its losses, its drift trace and, at every failure point, each layer's
@@ -10,7 +10,7 @@ wiped, the composite at ``t`` (the newest committed version of every layer at or
 what a drained recovery loads) is loaded by the product's ``load_composite``, and ``horizon``
 steps are trained from ``t + 1`` on the same batches: the loss deviation is
 ``|loss - reference loss|`` over those steps. All runs are failure-free, so every point starts
-from the same history and costs ``horizon`` steps. The measures (:mod:`layercheck.bench.correlation`) are
+from the same history and costs ``horizon`` steps. The measures (``correlation.py`` beside it) are
 taken at each point, and each one's Pearson and Spearman correlation with the loss deviation is
 reported, pooled over strategies and per strategy.
 """
@@ -30,9 +30,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import correlation  # beside it in bench/probes/
 import torch
 
-from layercheck.bench import correlation
 from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.strategies import Kind, Strategy, default_strategies, select
 from layercheck.orchestrator.logs import configure_process_logging
@@ -110,7 +110,8 @@ def _replay(runner: Any, store: Any, t: int, horizon: int, at_t: Mapping[str, to
 
 
 def rank_main(rank: int, world_size: int, payload: Mapping[str, Any]) -> dict[str, Any]:
-    from layercheck.bench.harness import Runner, quiet_rank
+    from layercheck.bench.harness import quiet_rank
+    from layercheck.bench.runner import Runner
     from layercheck.orchestrator.store.layer_store import LayerStore
     from layercheck.workers.engine import shutdown
 
@@ -254,7 +255,7 @@ def run_sweep(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m layercheck.bench.freshness", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python bench/probes/freshness.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--workload", choices=VARIANTS, default="default")
     p.add_argument(

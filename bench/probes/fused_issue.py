@@ -13,8 +13,8 @@ of bf16 ones), where the kernel's address table is built anew and the new gradie
 for the kernel (:func:`~layercheck.workers.drift.fused.kernel_takes`: the test it makes of CUDA
 tensors, here of CPU ones).
 
-    python -m layercheck.bench.fused_issue                 # the table
-    python -m layercheck.bench.fused_issue --json --steps 100
+    python bench/probes/fused_issue.py                 # the table
+    python bench/probes/fused_issue.py --json --steps 100
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Recovery load time from the writers' memory against from storage, on an S3-compatible server.
 
-    python -m layercheck.bench.memory_tier [--layers 6] [--params 2000000] [--world 2] [--repeats 3] [--json]
+    python bench/probes/memory_tier.py [--layers 6] [--params 2000000] [--world 2] [--repeats 3] [--json]
 
 A real persistence writer actor (local Ray) writes every rank's shard of one version of each
 layer to an S3 bucket on a moto server on loopback (a separate process), keeping the files in
@@ -35,7 +35,7 @@ from layercheck.bench.s3_loopback import S3_ENV, loopback_s3
 from layercheck.orchestrator.core.memory.reads import MemoryFirstOpener, files_to_fetch
 from layercheck.orchestrator.runtime.memory_fetch import WriterCopies
 from layercheck.orchestrator.runtime.wire import to_wire
-from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
+from layercheck.orchestrator.runtime.writer_actor import WriterActor
 from layercheck.orchestrator.store.composite_reader import CompositeReader
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import ShardReceipt
@@ -111,7 +111,7 @@ def run(*, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]
 def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) -> dict[str, Any]:
     # both are @ray.remote classes, which mypy types as the class itself (python/mypy#3135)
     sink = _Receipts.remote()  # type: ignore[attr-defined]
-    writer = PersistenceWriter.remote(uri, False, sink, "bench-writer", None, None, 8 * 2**30)  # type: ignore[attr-defined]
+    writer = WriterActor.remote(uri, False, sink, "bench-writer", None, 8 * 2**30)  # type: ignore[attr-defined]
     names = [f"block.{i}" for i in range(layers)]
     ray.get([writer.submit.remote(to_wire(s, base=False)) for name in names for s in _shards(name, params, world)])
     store = LayerStore.open(uri, fsync=False)
@@ -160,7 +160,7 @@ def _measure(uri: str, *, layers: int, params: int, world: int, repeats: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m layercheck.bench.memory_tier", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python bench/probes/memory_tier.py", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--params", type=int, default=2_000_000, help="parameters per layer")
     parser.add_argument("--world", type=int, default=2, help="ranks the shards were written by")

@@ -10,8 +10,8 @@ Each step sends one call per way to a local actor answering as the policy actor 
 with a plan of quiet steps), sleeps a step's time, then collects both answers, in alternating order,
 so the machine's noise falls on both alike.
 
-    python -m layercheck.bench.ray_answer                 # the table
-    python -m layercheck.bench.ray_answer --json --steps 300
+    python bench/probes/ray_answer.py                 # the table
+    python bench/probes/ray_answer.py --json --steps 300
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-
-from layercheck.bench.local_ray import local_ray
+from local_ray import local_ray  # beside it in bench/probes/
 
 WAYS = ("wait_get", "future")
 

@@ -14,8 +14,8 @@ alone and with, submitted to a sending thread at its start, each of:
 
 Every mode runs once per round, in alternating order, so the machine's noise falls on all alike.
 
-    python -m layercheck.bench.sender_gil                 # the table
-    python -m layercheck.bench.sender_gil --json --rounds 300
+    python bench/probes/sender_gil.py                 # the table
+    python bench/probes/sender_gil.py --json --rounds 300
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ from typing import Any
 
 import ray
 import torch
-
-from layercheck.bench.local_ray import local_ray
+from local_ray import local_ray  # beside it in bench/probes/
 
 MODES = ("none", "report", "report+future", "report+progress", "python", "native")
 

@@ -19,8 +19,8 @@ to name what the training stream waits for.
 Target (issue 16): ``stall_side`` ≤ 1.2 × ``copy_s`` per persisted layer. On CPU the copier is
 the host one (nothing to overlap with), so a CPU run only checks the plumbing.
 
-    python -m layercheck.bench.snapshot_stall --preset h200-0.5b --out stall.json   # on a GPU machine
-    python -m layercheck.bench.snapshot_stall --preset cpu-small --steps 3           # the plumbing, on CPU
+    python bench/probes/snapshot_stall.py --preset h200-0.5b --out stall.json   # on a GPU machine
+    python bench/probes/snapshot_stall.py --preset cpu-small --steps 3           # the plumbing, on CPU
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ import inspect
 import textwrap
 import typing
 
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.core.run_config import (
     ClusterConfig,
     FaultConfig,
     MetricsConfig,
-    PersistenceConfig,
     RunConfig,
 )
 from layercheck.policies.configs import DriftOptimalConfig, IntervalConfig, LayerCheckConfig, StaggeredConfig

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import logging
 
-from layercheck.orchestrator.offline.exporter import FORMATS, ExportError, export
+from layercheck.orchestrator.offline.export_run import ExportError
+from layercheck.orchestrator.offline.exporter import FORMATS, export
 from layercheck.orchestrator.store.errors import StoreUnavailableError
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError

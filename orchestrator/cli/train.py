@@ -129,7 +129,8 @@ def train_and_report(
 ) -> int:
     from layercheck.orchestrator.core.run_start import ResumeError
     from layercheck.orchestrator.runtime.driver import train
-    from layercheck.orchestrator.runtime.run_summary import ProgressLines, format_summary, summarize
+    from layercheck.orchestrator.runtime.progress_lines import ProgressLines
+    from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 
     progress = ProgressLines(config.log_every)
     # Ctrl-C stops the run cleanly (fit_watch.fit_watched); a shell that starts us in the background

@@ -1,6 +1,10 @@
 """Where a run's wall-clock time went, and its ETTR (effective training time ratio):
 productive step time ÷ wall-clock time, with checkpoint stalls, failure detection and restart,
-and recovery broken out. Pure bookkeeping over timestamps the supervisor is given."""
+and recovery broken out. Pure bookkeeping over timestamps the supervisor is given.
+
+One file because it is one ledger: :class:`RunAccount` sums the records kept beside it (a rank's
+start, a :class:`Recovery` with its phases and sources, the drift probe's cost), and each record's
+fields are the ones the account's totals and ``status()`` read."""
 
 from __future__ import annotations
 

@@ -3,6 +3,10 @@
 One table per component; every field is documented on its dataclass and validated when the
 file is loaded, so a typo or a bad value fails on the driver with the field's dotted name
 (``policy.k0: must be > 0``) before any worker starts. ``examples/`` has annotated files.
+A component's table lives beside the component where it has a package of its own (``[persistence]``:
+:mod:`layercheck.orchestrator.core.persistence.config`, ``[policy]``, ``[model]``, ``[data]`` …);
+the run's own sections are here. The checks against the data and the model a config names are in
+:mod:`layercheck.orchestrator.core.run_checks`.
 """
 
 from __future__ import annotations
@@ -19,9 +23,8 @@ from typing import Any
 
 import yaml
 
-from layercheck.orchestrator.core.persistence.staleness_guard import BREACH_ACTIONS, DEFAULT_HUNG_WRITE_S
-from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
-from layercheck.policies.config_loader import ConfigError, from_mapping, require, require_finite, to_mapping
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
+from layercheck.policies.config_loader import ConfigError, from_mapping, require, to_mapping
 from layercheck.policies.configs import (
     DEFAULT_POLICY,
     POLICY_CONFIGS,
@@ -30,9 +33,9 @@ from layercheck.policies.configs import (
     policy_name,
     schedule_warnings,
 )
-from layercheck.policies.layer_map import LayerMap
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.data.config import DataConfig, DataSummary
+from layercheck.workers.data.config import DataConfig
+from layercheck.workers.faults import FAULTS_ENV
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -122,172 +125,49 @@ class ClusterConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PersistenceConfig:
-    """The asynchronous writers that move layer snapshots to storage."""
-
-    writers_per_node: int = 1
-    """Writer actors per node; a rank uses writer ``rank % writers_per_node`` of its node."""
-    max_inflight_bytes: int = 512 * 2**20
-    """Per worker: snapshot bytes handed over but not yet written; past it the worker waits (a
-    stall, counted in the metrics; logged at the first wait, then at most once a minute with how
-    often and how long it waited)."""
-    max_versions_in_flight: int = 2
-    """Versions of one layer that may be handed over and not yet committed; the policy holds a
-    layer back (defers it) while it has this many, so storage that falls behind lowers the save
-    rate instead of piling up snapshots. Every version handed over is written by every rank."""
-    fsync: bool = True
-    """fsync each file before it is committed (local and NFS stores)."""
-    save_final: bool = True
-    """After the last step (or a requested stop), every layer's state at that step is persisted
-    like any version, so the store holds the trained model and ``export`` writes it."""
-    on_staleness_breach: str = "stop"
-    """What a run does when storage failures (a full or read-only disk, an object-store outage),
-    or storage that does not answer (``hung_write_s``), let a layer's staleness pass the policy's
-    ``smax`` plus the pipeline lag: ``stop`` (stop the workers after the current step, persist
-    what it can, report the error; resume once storage is fixed) or ``warn`` (keep training, log
-    the error; the metric and alert fire). Storage that is merely slow (it writes, late) is no
-    breach: a warning."""
-    # Default "stop": the staleness bound is what LayerCheck promises. Training on past it means
-    # the next worker failure rolls back further than the operator agreed to, for as long as the
-    # storage stays broken (hours, on a week-long run nobody watches at night); a stopped run
-    # loses nothing and resumes with one command. "warn" is for those who watch the alert.
-    hung_write_s: float = DEFAULT_HUNG_WRITE_S
-    """Seconds storage may leave the oldest version handed to the writers unanswered (neither
-    committed nor failed, and nothing else committed meanwhile) before it counts as storage that
-    does not answer: once a layer is past ``smax`` plus the lag, that is a breach
-    (``on_staleness_breach``). The default is 4 requests (a shard's directory marker, upload and
-    completion, and the version's commit) each as slow as LayerCheck's S3 client allows before it
-    fails (3 attempts × (3 s connect + 5 s request timeout)); a slow store commits well within it."""
-    stop_drain_s: float = 120.0
-    """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
-    step. At every end, stopped or not: how long after the last step the ranks wait for their last
-    snapshots to be written and the writers to commit what they hold; what is not written by then
-    is counted lost (storage that hangs costs this long, not until it answers)."""
-    capture: bool = True
-    """When a worker dies, each surviving rank hands the slices it holds of every layer at its last
-    step to its writer before it exits (persisted as a partial version), and recovery takes them
-    over the stored versions: under ZeRO-3 only the dead ranks' slices come back stale, under
-    ZeRO-0 nothing does. Ray Train's teardown of the broken group is held back for it (below)."""
-    capture_grace_s: float = 2.0
-    """How long the teardown waits for a survivor to begin its capture. An NCCL survivor blocked
-    in a collective is released first (its process groups aborted, docs/recovery.md "GPU and NCCL"); one that
-    still never begins contributes nothing: its slices come from stored versions."""
-    capture_timeout_s: float = 30.0
-    """The longest the teardown of a broken group is held for the survivors' captures."""
-    memory_bytes: int = 2 * 2**30
-    """Per writer: bytes of shard files kept in host memory after they are written (the newest
-    version of each layer's shards; past the budget the oldest steps go first), so a recovery loads
-    them from memory and reads storage only for what no writer holds. 0: off (recovery reads
-    storage). Storage stays the source of truth: what is evicted is still recoverable from it."""
-    memory_mirror: bool = True
-    """Where the cluster has more than one node, each writer also sends its shard files to a writer
-    on another node, which keeps them within its own ``memory_bytes``: a lost node's shards still
-    load from memory. Costs one network copy of every byte written."""
-    memory_period: int = 0
-    """Every this many steps each rank also hands its slices of every layer to its writer as a
-    *memory version*: held in the writers' memory (and mirrored to another node), never written to
-    storage. A recovery takes a lost rank's slices from the newest of those and the stored versions,
-    so they come back at most ``memory_period`` steps stale whatever the storage bandwidth. Costs a
-    host copy of the rank's state per period and ``memory_bytes`` room for one such version of each
-    layer (beside the stored versions' files). 0: off (needs ``memory_bytes`` > 0)."""
-    write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
-    """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
-    measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
-    the save periods instead of growing a queue."""
-
-    def __post_init__(self) -> None:
-        require(self.writers_per_node >= 1, "writers_per_node", ">= 1", self.writers_per_node)
-        require(self.max_inflight_bytes >= 1, "max_inflight_bytes", ">= 1", self.max_inflight_bytes)
-        require(self.max_versions_in_flight >= 1, "max_versions_in_flight", ">= 1", self.max_versions_in_flight)
-        require(
-            self.on_staleness_breach in BREACH_ACTIONS,
-            "on_staleness_breach",
-            " or ".join(repr(a) for a in BREACH_ACTIONS),
-            self.on_staleness_breach,
-        )
-        require(self.hung_write_s > 0, "hung_write_s", "> 0", self.hung_write_s)
-        require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
-        require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
-        require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
-        require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)
-        require(self.memory_period >= 0, "memory_period", ">= 0 (0 turns memory versions off)", self.memory_period)
-        require(
-            not self.memory_period or self.memory_bytes > 0,
-            "memory_period",
-            "0 while memory_bytes is 0 (memory versions live in the writers' memory tier)",
-            self.memory_period,
-        )
-
-    @property
-    def capture_hand_over_s(self) -> float | None:
-        """How long a survivor waits for its writer to hold its capture (``None``: capture is off)."""
-        return self.capture_timeout_s if self.capture else None
-
-    @property
-    def capture_hold_s(self) -> float | None:
-        """The longest Ray Train's teardown is held for captures (``None``: capture is off)."""
-        return self.capture_grace_s + self.capture_timeout_s if self.capture else None
-
-
-@dataclass(frozen=True, kw_only=True)
 class FaultConfig:
-    """Failure injection, for demos and tests: SIGKILL one worker once, kill a writer, or stall
-    the writers of one node (slow or hanging storage seen from that node)."""
+    """The recovery rehearsal (the demo's): SIGKILL one worker once, mid-run, and watch the run
+    recover. Carried out through :mod:`layercheck.workers.faults`, where the tests inject theirs."""
 
     kill_at_step: int = 0
-    """After this step completes, the worker of ``kill_rank`` kills itself (0: never)."""
+    """After this step completes, the worker of ``kill_rank`` kills itself, once (0: never). The
+    only injected failure a run config holds: the tests inject theirs (killed writers, stalled
+    writes, errors, failed recoveries) through ``LAYERCHECK_FAULTS`` (``layercheck.workers.faults``)."""
     kill_rank: int = 0
     """The rank that is killed (a rank outside the group: none is, with a warning)."""
-    kill_all_ranks: bool = False
-    """Every rank kills itself after ``kill_at_step``, at once, once all have handed their
-    snapshots over: the whole group is lost, no rank survives (``kill_rank`` aside)."""
-    raise_at_step: int = 0
-    """After this step completes, the worker of ``kill_rank`` raises an error of its own out of its
-    loop, once (0: never): a bad batch or a bug on one rank, not a lost peer. Ray Train replaces
-    that rank; in place, the others keep their processes."""
-    kill_writer_at_step: int = 0
-    """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
-    fail_in_place_recovery: bool = False
-    """With ``cluster.in_place`` and ``kill_at_step``: the survivors' first recovery in their own
-    process raises before it loads the composite, as a load that fails once would (the ranks other
-    than ``kill_rank``, in their first incarnation after it). In-place recovery is then off, and
-    Ray Train replaces every rank."""
-    kill_again_in_recovery: bool = False
-    """With ``kill_at_step`` or ``raise_at_step``: the replacement of the rank that failed
-    (``kill_rank``) SIGKILLs itself too, during its recovery
-    (after it joined the run and, in place, formed the new process group; before it loads the
-    composite): a second failure during the recovery. Once: the next replacement recovers."""
-    stall_writes_s: float = 0.0
-    """Each shard write of a stalled writer pauses this long after its header, with its temporary
-    file open, as on a storage mount that hangs (0: none). The writer writes one shard at a time,
-    so what it is handed waits in its queue: versions held, not yet committed."""
-    stall_writes_node: str = ""
-    """The Ray node id (hex) whose writers stall; empty: every node's."""
-    stall_writes_after_step: int = 0
-    """Only shards of versions taken after this step stall (earlier ones, e.g. the first
-    versions of every layer, are written at full speed)."""
-
-    def fails_in_place_recovery(self, *, rank: int, incarnation: int) -> bool:
-        """Whether ``rank``'s recovery in its own process, in ``incarnation``, raises (``fail_in_place_recovery``)."""
-        return self.fail_in_place_recovery and incarnation == 1 and rank != self.kill_rank
-
-    def kills_in_recovery(self, *, rank: int, attempt: int, incarnation: int) -> bool:
-        """Whether ``rank``, a new process in the recovery of the first failure (``attempt`` 2),
-        kills itself before its load (``kill_again_in_recovery``)."""
-        return self.kill_again_in_recovery and rank == self.kill_rank and attempt == 2 and incarnation == 0
-
-    def stall_s(self, *, node_id: str, step: int) -> float:
-        """How long a writer on ``node_id`` stalls in its write of a shard taken at ``step``."""
-        here = not self.stall_writes_node or self.stall_writes_node == node_id
-        return self.stall_writes_s if here and step > self.stall_writes_after_step else 0.0
 
     def __post_init__(self) -> None:
         require(self.kill_at_step >= 0, "kill_at_step", ">= 0", self.kill_at_step)
-        require(self.kill_writer_at_step >= 0, "kill_writer_at_step", ">= 0", self.kill_writer_at_step)
         require(self.kill_rank >= 0, "kill_rank", ">= 0", self.kill_rank)
-        require_finite(self)
-        require(self.stall_writes_s >= 0, "stall_writes_s", ">= 0", self.stall_writes_s)
-        require(self.stall_writes_after_step >= 0, "stall_writes_after_step", ">= 0", self.stall_writes_after_step)
+
+
+#: ``[fault]`` keys that are gone, with the values they had by default. They were test-only: the
+#: tests inject those failures through ``LAYERCHECK_FAULTS`` (:mod:`layercheck.workers.faults`).
+REMOVED_FAULT_KEYS: dict[str, Any] = {
+    "kill_all_ranks": False,
+    "raise_at_step": 0,
+    "kill_writer_at_step": 0,
+    "fail_in_place_recovery": False,
+    "kill_again_in_recovery": False,
+    "stall_writes_s": 0.0,
+    "stall_writes_node": "",
+    "stall_writes_after_step": 0,
+}
+
+
+def _without_removed_fault_keys(data: Mapping[str, Any], *, stored: bool) -> Mapping[str, Any]:
+    """``data`` without the removed ``[fault]`` keys; one is refused by name, unless ``stored`` and
+    at its old default (a ``run.json`` a store kept from before they went holds every key so)."""
+    fault = data.get("fault")
+    if not isinstance(fault, Mapping):
+        return data
+    for key, value in fault.items():
+        if key in REMOVED_FAULT_KEYS and not (stored and value == REMOVED_FAULT_KEYS[key]):
+            raise ConfigError(
+                f"fault.{key}: gone; it was test-only (tests inject such failures through {FAULTS_ENV}, "
+                "layercheck.workers.faults); [fault] keeps kill_at_step and kill_rank"
+            )
+    return {**data, "fault": {k: v for k, v in fault.items() if k not in REMOVED_FAULT_KEYS}}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -380,55 +260,6 @@ class RunConfig:
         return data
 
 
-def check_data(config: RunConfig) -> DataSummary:
-    """Read and check the run's data on the driver, before any worker starts: a malformed JSONL
-    line, a missing chat template, an empty data set, a ``seq_len`` no example fits in, or a
-    tokenizer larger than the model's vocabulary raises :class:`ConfigError`."""
-    from layercheck.workers.data.dataset import load_data  # torch: only where the data is checked
-
-    _, summary = load_data(config.data)
-    vocab = _model_vocab_size(config)
-    require(
-        vocab is None or summary.vocab_size <= vocab,
-        "model.hf_config.vocab_size" if config.model.hf_config else "model.path",
-        f">= the tokenizer's vocabulary ({summary.vocab_size}, data.tokenizer = {config.data.tokenizer!r})",
-        vocab,
-    )
-    return summary
-
-
-def check_model(model: ModelConfig) -> LayerMap:
-    """Build the model's layer map on the driver (no weights allocated), turning what would be a
-    traceback in every worker into a :class:`ConfigError` naming the field: a ``model.path`` that
-    is not a local checkpoint folder, an unknown ``model.hf_config.model_type``, a config
-    ``transformers`` refuses, a model LayerCheck cannot map into layers."""
-    field = "model.path" if model.path is not None else "model.hf_config"
-    if model.path is not None:
-        if not os.path.isdir(model.path):
-            raise ConfigError(
-                f"model.path: no directory {model.path!r} (a local checkpoint folder with "
-                "config.json; LayerCheck downloads nothing)"
-            )
-        if not os.path.isfile(os.path.join(model.path, "config.json")):
-            raise ConfigError(f"model.path: {model.path!r} has no config.json; is it a Hugging Face model folder?")
-    else:
-        from transformers import CONFIG_MAPPING
-
-        model_type = (model.hf_config or {}).get("model_type")
-        if model_type not in CONFIG_MAPPING:
-            raise ConfigError(
-                f"model.hf_config.model_type: unknown model type {model_type!r}; transformers "
-                "knows e.g. llama, qwen2, mistral, gpt2 (see transformers.CONFIG_MAPPING)"
-            )
-        field = "model.hf_config"
-    from layercheck.workers.engine import layer_map_for  # torch and transformers: only when a run starts
-
-    try:
-        return layer_map_for(model)
-    except Exception as error:  # transformers' own message, under the field that caused it
-        raise ConfigError(f"{field}: cannot build the model: {type(error).__name__}: {error}") from None
-
-
 def config_warnings(config: RunConfig) -> list[str]:
     """Settings that are legal but probably not meant, for the driver to show before it starts."""
     warnings = []
@@ -441,7 +272,7 @@ def config_warnings(config: RunConfig) -> list[str]:
         )
     warnings += schedule_warnings(config.policy, config.steps)
     fault = config.fault
-    if fault.kill_at_step and not fault.kill_all_ranks and fault.kill_rank >= config.cluster.num_workers:
+    if fault.kill_at_step and fault.kill_rank >= config.cluster.num_workers:
         # not an error: `--resume --set cluster.num_workers=1` of a demo run must work as written
         warnings.append(
             f"fault.kill_rank = {fault.kill_rank} is not a rank of the {config.cluster.num_workers}-"
@@ -450,22 +281,10 @@ def config_warnings(config: RunConfig) -> list[str]:
     return warnings
 
 
-def _model_vocab_size(config: RunConfig) -> int | None:
-    if config.model.hf_config is not None:
-        vocab = config.model.hf_config.get("vocab_size")
-        return int(vocab) if isinstance(vocab, int) else None
-    from transformers import AutoConfig  # a local checkpoint's config.json
-
-    assert config.model.path is not None  # ModelConfig holds exactly one of hf_config and path
-    try:
-        return int(AutoConfig.from_pretrained(config.model.path, local_files_only=True).vocab_size)
-    except (OSError, ValueError, AttributeError):
-        return None  # the engine build reports an unreadable checkpoint with its own message
-
-
 def parse_run_config(data: Mapping[str, Any]) -> RunConfig:
-    """A validated :class:`RunConfig` from parsed TOML/YAML/JSON."""
-    data = dict(data)
+    """A validated :class:`RunConfig` from parsed TOML/YAML/JSON (a stored ``run.json`` too: a
+    removed ``[fault]`` key is dropped at its old default, refused otherwise)."""
+    data = dict(_without_removed_fault_keys(data, stored=True))
     policy = data.pop("policy", {"name": DEFAULT_POLICY})
     if not isinstance(policy, Mapping) or "name" not in policy:
         raise ConfigError(f"policy: must be a table with a 'name' ({', '.join(POLICY_CONFIGS)})")
@@ -496,7 +315,7 @@ def load_run_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] |
         raise ConfigError(f"{path}: {exc}") from None
     for dotted, value in (overrides or {}).items():
         _set_dotted(data, dotted, value)
-    return parse_run_config(data)
+    return parse_run_config(_without_removed_fault_keys(data, stored=False))
 
 
 def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:

@@ -22,13 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from layercheck.orchestrator.core.run_config import (
-    RunConfig,
-    check_data,
-    check_model,
-    config_warnings,
-    parse_run_config,
-)
+from layercheck.orchestrator.core.run_checks import check_data, check_model
+from layercheck.orchestrator.core.run_config import RunConfig, config_warnings, parse_run_config
 from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.initial_state import record_initial

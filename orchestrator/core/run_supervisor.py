@@ -1,8 +1,14 @@
 """The run's supervision, carried out: feeds the Ray-free cores (:class:`RecoveryMachine`,
 :class:`CommitPath`, :class:`RunView`) their events and executes the actions they return,
-against a store, a policy and a set of writers behind two small protocols. Any runtime hosts it:
-the Ray ``Supervisor`` actor wraps one (with Ray-backed ports); an in-process torch.distributed
-runtime can call it directly (``LocalPolicy`` over its :class:`PolicyService`).
+against a store, a policy and a set of writers behind two small protocols
+(:mod:`~layercheck.orchestrator.core.supervision_ports`). Any runtime hosts it: the Ray
+``SupervisorActor`` wraps one (with Ray-backed ports); an in-process torch.distributed runtime
+can call it directly (``LocalPolicy`` over its :class:`PolicyService`).
+
+One file because it is one class around one lock (below): its entry points feed the cores and its
+``_execute_*`` methods carry out what they return, under the same lock discipline; its ports and
+the step a capture moves the recovery to live apart (``supervision_ports.py``,
+``recovery/capture_window.py``).
 
 API::
 
@@ -31,7 +37,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
 from layercheck.orchestrator.core.memory.versions import MemoryVersions
@@ -47,7 +53,8 @@ from layercheck.orchestrator.core.persistence.commit_path import (
     VersionsLost,
 )
 from layercheck.orchestrator.core.persistence.staleness_guard import StalenessBreach, StalenessGuard, StalenessLimits
-from layercheck.orchestrator.core.policy_service import PolicyService
+from layercheck.orchestrator.core.recovery.capture_window import recovery_step
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     DismissJoins,
@@ -61,13 +68,13 @@ from layercheck.orchestrator.core.recovery.events import (
     ReplaceWriters,
     ResumeInfo,
     RunEnded,
-    SupervisionConfig,
     VersionUnusable,
     WritersDrained,
 )
 from layercheck.orchestrator.core.recovery.plan_composite import plan_composite
 from layercheck.orchestrator.core.recovery.state_machine import RecoveryMachine
 from layercheck.orchestrator.core.run_view import RunView
+from layercheck.orchestrator.core.supervision_ports import HeldPaths, KnowsUnfinished, PolicyPort, WritersPort
 from layercheck.orchestrator.store.errors import LeaseLapsedError, LeaseLostError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST
@@ -76,79 +83,6 @@ from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 from layercheck.workers.progress import StepProgress
 
 logger = logging.getLogger(__name__)
-
-
-class PolicyPort(Protocol):
-    def last_complete_step(self) -> int: ...
-    def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
-    def settled(self, layer: str, version_step: int) -> None:
-        """This version committed or never will: the layer may be persisted again (``PersistGate``)."""
-
-    def request_stop(self, reason: str) -> None:
-        """Every rank stops after the same step (the flag rides on the decisions)."""
-
-
-class WritersPort(Protocol):
-    def drain(self, deadline_s: float | None) -> tuple[str, ...]:
-        """Wait up to ``deadline_s`` until every writer has handed over (through
-        :meth:`RunSupervisor.shard_written`) what it holds; the names of those that did not answer."""
-
-    def replace(self, names: tuple[str, ...]) -> None: ...
-
-
-@runtime_checkable
-class KnowsUnfinished(Protocol):
-    """The optional part of a :class:`WritersPort` that can say what writers that did not answer a
-    drain still hold (the run's final drain counts it lost)."""
-
-    def unfinished(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
-        """The versions ``(layer, step)`` of the shards the writers ``names`` have queued, are
-        writing, or are having committed."""
-
-
-@runtime_checkable
-class HeldPaths(Protocol):
-    """The optional part of a :class:`WritersPort` that can say which shard files its live writers
-    hold in memory (a memory version whose files are all gone cannot be planned from)."""
-
-    def held_paths(self) -> set[str]: ...
-
-
-class LocalPolicy:
-    """A :class:`PolicyService` in this process, as a :class:`PolicyPort`."""
-
-    def __init__(self, service: PolicyService) -> None:
-        self.service = service
-
-    def last_complete_step(self) -> int:
-        return self.service.last_complete_step
-
-    def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
-        self.service.restart(world_size=world_size, resume_after=resume_after, persisted_steps=persisted_steps)
-
-    def settled(self, layer: str, version_step: int) -> None:
-        self.service.settled(layer, version_step)
-
-    def request_stop(self, reason: str) -> None:
-        self.service.request_stop(reason)
-
-
-def recovery_step(last_complete: int, captured_step: int | None) -> int:
-    """The step a lost group is recovered at: the last step every rank reported or, when a
-    survivor's captured state is one step past it, that step. A survivor stands there when it
-    finished its optimizer step ``t + 1`` (its gradients reduced with every rank's, the dead ones'
-    included) before the group broke, while a dead rank's report of ``t + 1`` was lost with it.
-    Recovering at ``t + 1`` uses that exact state; the dead ranks' slices miss ``t + 1``'s update
-    as any stale slice misses updates. Recovering at ``t`` would have to drop the capture (resuming
-    at ``t + 1`` would apply its update twice)."""
-    if captured_step is not None and captured_step == last_complete + 1:
-        logger.warning(
-            "a survivor's state is at step %d, one past the last step every rank reported (%d): recovering there",
-            captured_step,
-            last_complete,
-        )
-        return captured_step
-    return last_complete
 
 
 def _stop_reason(breach: StalenessBreach) -> str:

@@ -1,4 +1,8 @@
-"""The :class:`layercheck.workers.loop.Coordinator` of a run under plain torch.distributed, no Ray.
+"""The :class:`layercheck.workers.coordinator.Coordinator` of a run under plain torch.distributed, no Ray.
+One file because it is one class, a rank's whole side of the protocol: each part below lives in a
+module of its own (``exchange.py``, ``writer.py``, ``writers_port.py``, ``receipts.py``,
+``mailbox.py``); what stays here is how one rank wires them together and joins its group.
+
 It runs the Ray runtime's protocol with the same cores, spread over the ranks instead of actors:
 
 * **decisions**: every rank keeps a replica of the :class:`PolicyService`, fed by a
@@ -7,8 +11,8 @@ It runs the Ray runtime's protocol with the same cores, spread over the ranks in
   the policy is pure, so every replica decides the same. See :mod:`layercheck.orchestrator.local.exchange`.
 * **writes**: each rank's :class:`LocalWriter` thread drains a superseding queue into
   ``LayerStore.write_shard`` under the in-flight byte bound (``PersistenceConfig.max_inflight_bytes``).
-* **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``Supervisor``
-  actor wraps — with :class:`LocalPolicy` over its policy replica and :class:`LocalWriters` over
+* **supervision**: rank 0 hosts the run's :class:`RunSupervisor` — the one the Ray ``SupervisorActor``
+  wraps — with :class:`LocalPolicy` over its policy replica and :class:`LocalWriters` over
   every rank's writer. Receipts reach it through the :class:`Mailbox` (:class:`ReceiptPump`), so
   commits get :class:`CommitPath`'s retries and lost-version accounting; a new worker group
   (:meth:`rejoin`, after a failure) joins it under new worker ids, so :class:`RecoveryMachine` decides
@@ -38,7 +42,8 @@ import torch.distributed as dist
 
 from layercheck.orchestrator.core.persistence.write_budget import DrainBudget, WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery.events import ResumeInfo, SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import ResumeInfo
 from layercheck.orchestrator.core.run_supervisor import RunSupervisor
 from layercheck.orchestrator.local.exchange import DecisionExchange, RankNews, SettledAtNextReport
 from layercheck.orchestrator.local.mailbox import Mailbox
@@ -54,7 +59,7 @@ from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 
 if TYPE_CHECKING:
-    from layercheck.workers.loop import (
+    from layercheck.workers.coordinator import (
         BoundedHandover,
         CapturesOnFailure,
         Coordinator,
@@ -169,7 +174,7 @@ class LocalCoordinator:
         pump = ReceiptPump(self.mailbox, run)
         return pump, port, run
 
-    # ---- layercheck.workers.loop.Coordinator ----------------------------------------------------------
+    # ---- layercheck.workers.coordinator.Coordinator ---------------------------------------------------
     def report(self, drift: LayerDrift, lr: float) -> int:
         return self.exchange.report(drift, lr, news=self._news)
 
@@ -346,7 +351,7 @@ class LocalCoordinator:
         return not self._broadcast(unanswered)
 
     def status(self) -> dict[str, Any] | None:
-        """Rank 0: the run's status (the Ray run's ``Supervisor.status``); ``None`` elsewhere."""
+        """Rank 0: the run's status (the Ray run's ``SupervisorActor.status``); ``None`` elsewhere."""
         return self.run.status() if self.run is not None else None
 
     def committed(self) -> list[tuple[str, int]]:

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from layercheck.orchestrator.core.persistence.write_budget import DrainBudget
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.run_supervisor import LocalPolicy
+from layercheck.orchestrator.core.supervision_ports import LocalPolicy
 from layercheck.orchestrator.local.writers_port import writer_name
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers.drift.probe import LayerDrift

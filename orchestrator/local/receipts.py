@@ -2,7 +2,7 @@
 and feeds them to the run's :class:`RunSupervisor` — a receipt to ``shard_written`` (which
 commits a whole version, retrying, or counts it lost: the Ray runtime's commit path), a failed
 write to ``write_failed``. It is the local counterpart of the writer actors' calls to the Ray
-``Supervisor``; it decides nothing itself.
+``SupervisorActor``; it decides nothing itself.
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
+from layercheck.workers.coordinator import Coordinator
 from layercheck.workers.data.dataset import SequenceDataset
 from layercheck.workers.engine import TrainEngine
-from layercheck.workers.loop import Coordinator, run_loop
+from layercheck.workers.loop import run_loop
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Every rank's writer thread as the :class:`~layercheck.orchestrator.core.run_supervisor.WritersPort` of
+"""Every rank's writer thread as the :class:`~layercheck.orchestrator.core.supervision_ports.WritersPort` of
 rank 0's :class:`RunSupervisor`.
 
 A drain is a round all ranks take part in: each rank drains its own writer with the deadline

@@ -18,6 +18,7 @@ from layercheck.orchestrator.runtime import ray_noise
 from layercheck.orchestrator.runtime.names import NAMESPACE
 from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.workers.ds_internals import ALLOW_UNVERIFIED_ENV
+from layercheck.workers.faults import FAULTS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ def worker_env(*, use_gpu: bool, environ: Mapping[str, str]) -> dict[str, str]:
         env["DS_ACCELERATOR"] = "cpu"
     if ALLOW_UNVERIFIED_ENV in environ:  # the workers check the DeepSpeed version, not the driver
         env[ALLOW_UNVERIFIED_ENV] = environ[ALLOW_UNVERIFIED_ENV]
+    # a test's fault injector (workers/faults.py): a local Ray's processes inherit the driver's
+    # environment anyway, a cluster joined sees only what the job's runtime_env carries
+    if FAULTS_ENV in environ:
+        env[FAULTS_ENV] = environ[FAULTS_ENV]
     return env
 
 

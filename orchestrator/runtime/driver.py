@@ -6,6 +6,9 @@
 actor, supervisor with its writer pool, metrics), ``fit_watch.fit_watched`` (the trainer's ``fit``
 with progress polling, Ctrl-C and SIGTERM) and :func:`finish_run` (drain, final state, drift
 trace, result).
+
+One file because it is one run's life on the driver: those steps hand each other the run's actors
+and handles, and each helper below serves one of them (the watched ``fit`` already lives apart).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLimits
-from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig, PersistenceConfig, RunConfig
+from layercheck.orchestrator.core.run_config import MetricsConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
 from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched
@@ -51,7 +55,7 @@ class RunResult:
     config: RunConfig | None
     """The built-in loop's run config; ``None`` for a user's own loop (``layercheck.LayerCheckTrainer``)."""
     status: dict[str, Any]
-    """The supervisor's final view (see :meth:`Supervisor.status`)."""
+    """The supervisor's final view (see :meth:`SupervisorActor.status`)."""
     trace: DriftTrace
     """The run's drift trace: per step, the learning rate and every layer's drift."""
     layer_numel: dict[str, int]
@@ -118,7 +122,6 @@ def train(
             num_workers=config.cluster.num_workers,
             layer_numel=layer_numel,
             resume=resume,
-            fault=config.fault,
             lease=lease,
             in_place=config.cluster.in_place,
             spares=config.cluster.spares,
@@ -177,19 +180,17 @@ def start_run(
     num_workers: int,
     layer_numel: dict[str, int],
     resume: bool = False,
-    fault: FaultConfig | None = None,
     lease: StoreLease | None = None,
     in_place: bool = False,
     spares: int = 0,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
-    metrics exporter, named after a fresh run id. Ray must be connected. ``fault``: injected
-    write stalls for the writers (the built-in loop's ``[fault]``). ``lease``: the driver's lease
+    metrics exporter, named after a fresh run id. Ray must be connected. ``lease``: the driver's lease
     on the store; commits are fenced by it, and the run stops once it is lost. ``in_place``: the
     run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran.
     ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``)."""
     from layercheck.orchestrator.runtime.policy_actor import PolicyActor
-    from layercheck.orchestrator.runtime.supervisor_actor import Supervisor
+    from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
@@ -201,7 +202,7 @@ def start_run(
     policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
         policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget
     )
-    supervisor = Supervisor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
+    supervisor = SupervisorActor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
         run_id=run_id,
         store_uri=storage_uri,
         fsync=persistence.fsync,
@@ -214,7 +215,6 @@ def start_run(
         ),
         capture_grace_s=persistence.capture_grace_s,
         capture_timeout_s=persistence.capture_timeout_s,
-        fault=fault,
         memory_bytes=persistence.memory_bytes,
         memory_mirror=persistence.memory_mirror,
         lease_epoch=lease.epoch.epoch if lease is not None else None,
@@ -411,8 +411,6 @@ def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | No
 
 def _fault_note(config: RunConfig) -> str:
     fault = config.fault
-    if fault.kill_at_step and fault.kill_all_ranks:
-        return f"injected: every rank SIGKILLs itself after step {fault.kill_at_step}, fault.kill_all_ranks"
     if fault.kill_at_step and fault.kill_rank < config.cluster.num_workers:
         return f"injected: rank {fault.kill_rank} SIGKILLs itself after step {fault.kill_at_step}, fault.kill_at_step"
     return ""

@@ -1,7 +1,7 @@
 """A recovering rank's shard files from the writers' memory: the Ray side of
 :class:`~layercheck.orchestrator.core.memory.reads.MemoryFirstOpener`.
 
-The supervisor says once which writers hold which files (:meth:`Supervisor.memory_index`, the
+The supervisor says once which writers hold which files (:meth:`SupervisorActor.memory_index`, the
 rank's own node first). The rank then asks those writers, one call each, for the headers of the
 plan's files they hold; from the headers it learns which files hold its own slices and asks for
 those files whole at once (the writers send them while the rank reads the ones before). Any

@@ -159,7 +159,7 @@ class RunMetrics:
 
     # ---- refresh ------------------------------------------------------------------------
     def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
-        """Bring every metric up to date. ``status``: :meth:`Supervisor.status`; ``writers``:
+        """Bring every metric up to date. ``status``: :meth:`SupervisorActor.status`; ``writers``:
         :class:`~layercheck.orchestrator.core.persistence.writer_stats.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
         with self._lock:

@@ -1,6 +1,10 @@
 """A Ray run's coordinator on each rank: the policy actor decides, the node's writer actor
 persists, the supervisor hears progress; snapshots are handed over through the object store, so a
-writer's death loses nothing a live rank still holds."""
+writer's death loses nothing a live rank still holds.
+
+One file because it is one class, the rank's side of the Ray protocol: the hand-overs, the
+in-flight bound, the writer replacement and the background sender all act on the same snapshots in
+flight, which none of them could track alone."""
 
 from __future__ import annotations
 
@@ -25,9 +29,7 @@ from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
 from layercheck.workers.collective_abort import PeerLost
-from layercheck.workers.drift.probe import LayerDrift
-from layercheck.workers.loop import (
-    SEND_WAIT_S,
+from layercheck.workers.coordinator import (
     BoundedHandover,
     CapturesOnFailure,
     Coordinator,
@@ -36,6 +38,8 @@ from layercheck.workers.loop import (
     SendsInBackground,
     StopsOnRequest,
 )
+from layercheck.workers.drift.probe import LayerDrift
+from layercheck.workers.loop import SEND_WAIT_S
 from layercheck.workers.progress import StepProgress
 from layercheck.workers.shard import LayerShard
 
@@ -65,7 +69,7 @@ DECISION_TIMEOUT_S = 600.0
 
 
 class RayCoordinator:
-    """The :class:`layercheck.workers.loop.Coordinator` of a Ray run: the policy actor decides, the node's
+    """The :class:`layercheck.workers.coordinator.Coordinator` of a Ray run: the policy actor decides, the node's
     writer actor persists, the supervisor hears progress. In-flight snapshot bytes are bounded:
     past ``max_inflight_bytes`` the rank waits for writes to finish, and says so.
 
@@ -143,7 +147,7 @@ class RayCoordinator:
         it came: it is taken as a future, which Ray completes (fetched and deserialized) on a thread
         of its own as the answer comes, so the training thread reads it in ~20 µs instead of
         fetching it then (``ray.wait`` and ``ray.get``: 0.36 ms on an idle 2-core VM, 1-6 ms beside
-        training; ``python -m layercheck.bench.ray_answer``). A quiet step's answer is read only
+        training; ``python bench/probes/ray_answer.py``). A quiet step's answer is read only
         where no plan holds its decision (the quiet steps right after a start): its reference, the
         future taken then, since taking one costs the process ~0.2 ms of the interpreter lock."""
         self.last_report = self.policy.report.remote(step, rank, lr, l1, counts, measured)

@@ -11,6 +11,7 @@ from typing import Any
 from layercheck.orchestrator.core.accounting import ELEMENT_KINDS
 from layercheck.orchestrator.core.recovery.capture_window import capture_figures
 from layercheck.orchestrator.runtime.driver import RunResult
+from layercheck.orchestrator.runtime.progress_lines import short_number
 from layercheck.orchestrator.runtime.recovery_lines import recovered, recovery_rows
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
@@ -140,7 +141,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ["run", summary["run_id"]],
         ["state", _state(summary)],
         ["steps", summary["steps"]],
-        ["final loss", _num(summary["final_loss"])],
+        ["final loss", short_number(summary["final_loss"])],
         ["failures / recoveries", f"{summary['failures']} / {sum(recovered(r) for r in summary['recoveries'])}"],
     ]
     rows += recovery_rows(summary)
@@ -159,7 +160,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows += _memory_rows(summary)
     rows += _matched_rows(summary)
     rows += [
-        ["staleness now (max / weighted)", f"{summary['max_staleness']} / {_num(summary['weighted_staleness'])}"],
+        [
+            "staleness now (max / weighted)",
+            f"{summary['max_staleness']} / {short_number(summary['weighted_staleness'])}",
+        ],
         [
             "ETTR",
             f"{summary['ettr']:.3f} ({summary['productive_s']:.1f}s productive of {summary['wall_s']:.1f}s; "
@@ -297,29 +301,6 @@ def _trouble_rows(summary: dict[str, Any]) -> list[list[object]]:
     return rows
 
 
-class ProgressLines:
-    """The driver's progress on stdout (``layercheck train``; under ``ray job submit`` what
-    ``ray job logs`` shows): a line when the step crosses a multiple of ``log_every`` or the run's
-    state changes, fed the supervisor's status at every poll. Ray's own dashboard does not show
-    ``ray.train.report`` metrics (Train v2 in Ray 2.60 keeps none without a checkpoint), so this
-    line is where a job's step, loss, staleness and ETTR are read."""
-
-    def __init__(self, log_every: int) -> None:
-        self.log_every = log_every
-        self._step = -1
-        self._state: str | None = None
-
-    def __call__(self, status: dict[str, Any]) -> list[str]:
-        """The lines to print for this status (none between boundaries)."""
-        lines = []
-        if self._state is None and status.get("metrics_url"):
-            lines.append(f"metrics at {status['metrics_url']}")
-        if status["step"] // self.log_every != self._step // self.log_every or status["state"] != self._state:
-            lines.append(format_progress(status))
-            self._step, self._state = status["step"], status["state"]
-        return lines
-
-
 def _partial(summary: dict[str, Any]) -> str:
     """The partial versions' bytes (some ranks' slices of a layer: survivors' captures, the part of
     a version a lost group finished), which the whole versions' figure leaves out."""
@@ -330,21 +311,6 @@ def _partial(summary: dict[str, Any]) -> str:
         f", and {human_bytes(summary['partial_bytes_written'])} in {count} partial version{'s' if count != 1 else ''} "
         "(some ranks' slices: survivors' captures, what a lost group finished)"
     )
-
-
-def format_progress(status: dict[str, Any]) -> str:
-    stale = status["max_staleness"]
-    return (
-        f"[{status['state']}] step {status['step']}  loss {_num(status['loss'])}  lr {status['lr']:.2e}  "
-        f"written {human_bytes(status['bytes_committed'])} ({status['versions_committed']} versions)  "
-        f"max staleness {stale if stale is not None else '-'}  ETTR {status['account']['ettr']:.2f}"
-    )
-
-
-def _num(value: Any) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _protocol_cost(summary: dict[str, Any]) -> str:

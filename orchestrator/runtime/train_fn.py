@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
 import warnings
 from collections.abc import Callable
@@ -14,7 +13,6 @@ from typing import Any
 
 import ray
 import ray.train
-import torch
 
 from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.core.memory.reads import describe_sources, needed_spans
@@ -30,7 +28,7 @@ from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.store.errors import CorruptShardError
-from layercheck.workers import collective_abort
+from layercheck.workers import collective_abort, faults
 from layercheck.workers.data.dataset import load_dataset
 from layercheck.workers.engine import build_engine, build_model, leave_group, seek_step, shutdown, warm_engine_imports
 from layercheck.workers.env import init_distributed
@@ -96,10 +94,6 @@ def train_fn(loop_config: dict[str, Any]) -> None:
             )
 
 
-class InjectedFault(RuntimeError):
-    """An error ``fault.*`` asked for (``fail_in_place_recovery``, ``raise_at_step``)."""
-
-
 @dataclass
 class Stage:
     """How far an incarnation of a rank got."""
@@ -152,11 +146,7 @@ def _train(
             spare=stage.model is not None,
         )
         resume = ray.get(resume_ref)
-        if run.fault.fails_in_place_recovery(rank=rank, incarnation=incarnation):
-            raise InjectedFault(f"fault injection: rank {rank}'s recovery in its own process fails")
-        if run.fault.kills_in_recovery(rank=rank, attempt=resume.attempt, incarnation=incarnation):
-            logger.warning("fault injection: rank %d kills itself during its recovery", rank)
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.fault_point(faults.JOINED, rank=rank, attempt=resume.attempt, incarnation=incarnation)
         if resume.records is not None:
             recover(
                 train_engine,
@@ -271,28 +261,12 @@ def recover(
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:
-    """The injected failures, first attempt only. Raise out of the loop after ``fault.raise_at_step``.
-    SIGKILL this process after ``fault.kill_at_step``
-    — once the step's drift report and the snapshots handed over have left the process, so the
-    failure falls exactly after that step. (A real crash can also take with it messages still in
-    the send queue: then ``t_fail`` is the step before, or the layers whose shards were lost come
-    from their previous versions.) On rank 0, kill this rank's writer actor after
-    ``fault.kill_writer_at_step``: what it holds is lost, the next hand-over finds it dead."""
-    target = fault.kill_at_step if (fault.kill_all_ranks or rank == fault.kill_rank) and attempt == 1 else 0
-    raise_target = fault.raise_at_step if rank == fault.kill_rank and attempt == 1 else 0
-    writer_target = fault.kill_writer_at_step if rank == 0 and attempt == 1 else 0
+    """The loop's ``after_step``: the fault site after each step (:mod:`layercheck.workers.faults`),
+    with the run's recovery rehearsal (``fault.kill_at_step``, ``fault.kill_rank``) installed in
+    this process. Nothing fails there unless an injector is installed."""
+    faults.rehearse(fault.kill_at_step, fault.kill_rank)
 
     def after_step(step: int) -> None:
-        if step == raise_target:
-            raise InjectedFault(f"fault injection: rank {rank}'s own step fails after step {step}")
-        if step == writer_target:
-            logger.warning("fault injection: rank %d kills its persistence writer after step %d", rank, step)
-            ray.kill(coordinator.writer)
-        if step == target:
-            coordinator.flush(timeout_s=60)
-            if fault.kill_all_ranks:  # every rank's hand-over is out before any dies, then all die at once
-                torch.distributed.barrier()
-            logger.warning("fault injection: rank %d kills itself after step %d", rank, step)
-            os.kill(os.getpid(), signal.SIGKILL)
+        faults.fault_point(faults.AFTER_STEP, rank=rank, step=step, attempt=attempt, coordinator=coordinator)
 
     return after_step

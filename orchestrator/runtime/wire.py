@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # imported by the writers (PersistenceWriter), not by the supervisor that starts them
+if TYPE_CHECKING:  # imported by the writers (WriterActor), not by the supervisor that starts them
     import torch
 
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice

@@ -1,6 +1,7 @@
-"""The persistence pool: asynchronous writer actors that move layer snapshots to the store.
+"""A writer actor: one of the run's asynchronous writers that move layer snapshots to the store
+(:class:`~layercheck.orchestrator.runtime.writer_pool.WriterPool` keeps them, per node).
 
-Workers hand a snapshot over with :meth:`PersistenceWriter.submit` and go on training; the
+Workers hand a snapshot over with :meth:`WriterActor.submit` and go on training; the
 call resolves when the shard is written. Every shard handed over is written (see
 :mod:`layercheck.orchestrator.core.persistence.write_queue` for why none is dropped); the policy's ``PersistGate`` keeps
 the number of a layer's versions in flight bounded when storage falls behind. After writing, the
@@ -34,12 +35,12 @@ from layercheck.orchestrator.core.memory.reads import header_block
 from layercheck.orchestrator.core.memory.tier import HeldShard, ShardCache
 from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
-from layercheck.orchestrator.core.run_config import FaultConfig
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease_term import LeaseTerm
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
+from layercheck.workers import faults
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ MIRRORS_IN_FLIGHT = 4
 
 
 @ray.remote(num_cpus=0)
-class PersistenceWriter:
+class WriterActor:
     def __init__(
         self,
         store_uri: str,
@@ -58,7 +59,6 @@ class PersistenceWriter:
         supervisor: Any,
         name: str = "",
         policy: Any = None,
-        fault: FaultConfig | None = None,
         memory_bytes: int = 0,
         *,
         lease_valid_until: float | None = None,
@@ -66,11 +66,8 @@ class PersistenceWriter:
         configure_process_logging()  # the actor process has no main of ours
         import torch  # noqa: F401 - shards arrive as arrays and become tensors (wire.py): load it now, not at the first write
 
-        self.fault = fault if fault is not None and fault.stall_writes_s > 0 else None
-        """Injected stalls (``fault.stall_writes_*``); ``None``: none."""
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._stall_s = 0.0  # of the write in progress (one at a time: see _run)
-        hook = self._stall_in_write if self.fault is not None else None
+        hook = self._in_write if faults.active() else None  # a fault site inside each write (tests)
         self.store = LayerStore.open(store_uri, fsync=fsync, hook=hook)
         if lease_valid_until is not None:  # past it, every write is refused and fails (lease_term.py)
             self.store.term = LeaseTerm(uri=self.store.uri, valid_until=lease_valid_until)
@@ -153,27 +150,14 @@ class PersistenceWriter:
     def _count_queue(self) -> None:
         self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
 
-    def _stall_in_write(self, event: str, rel: str) -> None:
-        """The store's write hook: pause mid-write (header written, temporary file open)."""
-        if event == "partial" and self._stall_s > 0:
-            time.sleep(self._stall_s)
-
-    def _stall_for(self, wire: WireShard) -> float:
-        fault = self.fault
-        stall = fault.stall_s(node_id=self._node_id, step=wire.step) if fault is not None else 0.0
-        if fault is not None and stall > 0 and self.stats.stalled == 0:
-            logger.warning(
-                "fault injection: writer %s stalls %gs in each write of a shard after step %d (fault.stall_writes_s)",
-                self.name,
-                stall,
-                fault.stall_writes_after_step,
-            )
-        self.stats.stalled += int(stall > 0)
-        return stall
+    def _in_write(self, event: str, rel: str) -> None:
+        """The store's write hook: a fault site mid-write (header written, temporary file open)."""
+        current = self._current  # the one shard being written (see _run)
+        if event == "partial" and current is not None:
+            faults.fault_point(faults.SHARD_WRITE, writer=self.name, node_id=self._node_id, step=current.step, path=rel)
 
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()
-        self._stall_s = self._stall_for(wire)
         prepared = None
         try:
             if self.memory.enabled:  # serialised once: the same bytes go to storage and stay in memory

@@ -6,16 +6,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
-from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
-
-if TYPE_CHECKING:
-    from layercheck.orchestrator.core.run_config import FaultConfig
+from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +26,6 @@ class WriterPool:
         per_node: int,
         supervisor: Any,
         policy: Any = None,
-        fault: FaultConfig | None = None,
         memory_bytes: int = 0,
         memory_mirror: bool = False,
         lease_valid_until: float | None = None,
@@ -40,8 +36,6 @@ class WriterPool:
         self.supervisor = supervisor
         self.policy = policy
         """The policy actor: writers report their totals to it (the write budget), and hears of replacements."""
-        self.fault = fault
-        """The run's ``FaultConfig`` (injected write stalls), handed to every writer; ``None``: none."""
         self.memory_bytes = memory_bytes
         """Each writer's budget for shard files kept in memory (``persistence.memory_bytes``)."""
         self.memory_mirror = memory_mirror and memory_bytes > 0
@@ -67,7 +61,7 @@ class WriterPool:
                     # two-node local cluster, 3 of 3 landed elsewhere. The node asking is alive (its
                     # rank is), and a writer off it would cross the network and die with another node.
                     # (The ignore: an @ray.remote class, which mypy types as the class, python/mypy#3135.)
-                    self._handles[name] = PersistenceWriter.options(  # type: ignore[attr-defined]
+                    self._handles[name] = WriterActor.options(  # type: ignore[attr-defined]
                         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
                     ).remote(
                         self.store_uri,
@@ -75,7 +69,6 @@ class WriterPool:
                         self.supervisor,
                         name,
                         self.policy,
-                        self.fault,
                         self.memory_bytes,
                         lease_valid_until=self.lease_valid_until,
                     )
@@ -133,7 +126,7 @@ class WriterPool:
 
     def held_paths(self) -> set[str]:
         """The shard files the live writers hold in memory (the recovery plan's test of a memory
-        version: ``run_supervisor.HeldPaths``)."""
+        version: ``supervision_ports.HeldPaths``)."""
         return set(self.memory_index(node_id=""))
 
     def _all(self) -> dict[str, Any]:

@@ -4,13 +4,15 @@
 (``layercheck.LayerCheckTrainer`` with ``attach`` or the Trainer callback) builds its model
 itself, so its driver records what it knows of it instead: the ``transformers`` config the
 layers were planned from, where the tokenizer came from (``CheckpointConfig(tokenizer=...)``;
-``None`` when the user named none, which ``export`` then says) and, for a ``peft`` adapter, its
+``None`` when the user named none) or which tokenizer files the run keeps in the store instead
+(``tokenizer/``: the ``Trainer``'s own, :mod:`.run_tokenizer`), and, for a ``peft`` adapter, its
 config and where its base weights come from. JSON only.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -19,6 +21,10 @@ from layercheck.orchestrator.store.fs import StoreFS
 
 MODEL_FILE = "model.json"
 MODEL_FORMAT = "layercheck.model/1"
+#: Where a run keeps its tokenizer's files (:mod:`.run_tokenizer`), beside ``model.json``.
+TOKENIZER_DIR = "tokenizer"
+#: A tokenizer file's name there: what ``save_pretrained`` writes (no folder, no leading dot).
+TOKENIZER_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,9 @@ class ModelRecord:
     """``PretrainedConfig.to_diff_dict()`` of the run's (base) model (``model_type`` included)."""
     tokenizer: str | None = None
     """A local tokenizer directory or a Hugging Face name; ``None``: the run named none."""
+    tokenizer_files: tuple[str, ...] = ()
+    """The files of the tokenizer the run keeps in the store, under ``tokenizer/`` (the
+    ``Trainer``'s ``processing_class``, kept by the callback where the run named none); empty: none."""
     peft: dict[str, Any] | None = None
     """A ``peft`` adapter's config (``PeftConfig.to_dict()``, JSON-safe) when the run trained one:
     its layers hold the adapter alone, the base model's weights are not in the store."""
@@ -99,6 +108,15 @@ def read_model_record(fs: StoreFS) -> ModelRecord | None:
         adapter = data.get("peft")
         if adapter is not None and not (isinstance(adapter, dict) and "peft_type" in adapter):
             raise ValueError("peft must be a peft adapter config dict with a peft_type")
+        files = data.get("tokenizer_files", [])
+        if not (isinstance(files, list) and all(isinstance(f, str) and TOKENIZER_FILE.fullmatch(f) for f in files)):
+            raise ValueError(f"tokenizer_files must be a list of file names, got {files!r}")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ManifestError(f"{fs.uri(MODEL_FILE)}: not a valid model record ({error})") from None
-    return ModelRecord(hf_config=hf_config, tokenizer=tokenizer, peft=adapter, base_model=data.get("base_model"))
+    return ModelRecord(
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        tokenizer_files=tuple(files),
+        peft=adapter,
+        base_model=data.get("base_model"),
+    )

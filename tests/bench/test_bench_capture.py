@@ -12,6 +12,7 @@ import math
 import pytest
 
 from layercheck.bench import report as reports
+from layercheck.bench import report_text
 
 
 @pytest.mark.slow
@@ -51,9 +52,9 @@ def test_capture_recovers_the_survivors_slices_exactly(tiny_benchmark):
     report = reports.build_report(raw, workload.to_json(), {"nproc": 2})
     memory_row = report["strategies"]["layercheck+capture+memory"]
     assert memory_row["loaded_memory_share"] == 1.0 and memory_row["load_storage_twin"] == "layercheck+capture"
-    assert "layercheck+capture+memory" in reports.text(report)
+    assert "layercheck+capture+memory" in report_text.text(report)
     row = report["strategies"]["layercheck+capture"]
     assert row["unsaved_at_recovery_vs_layercheck"] == pytest.approx(
         captured["unsaved"]["mean_abs"] / plain["unsaved"]["mean_abs"]
     )
-    assert "layercheck+capture" in reports.text(report)
+    assert "layercheck+capture" in report_text.text(report)

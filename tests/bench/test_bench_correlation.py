@@ -6,7 +6,9 @@ import math
 
 import pytest
 
-from layercheck.bench import correlation as c
+from tests.support.checkout import probe
+
+c = probe("correlation")  # bench/probes/correlation.py
 
 
 def test_pearson_and_spearman_on_known_series():

@@ -6,9 +6,12 @@ import math
 
 import pytest
 
-from layercheck.bench.freshness import failure_points, run_sweep, table
 from layercheck.bench.presets import preset
 from layercheck.bench.strategies import default_strategies, select
+from tests.support.checkout import probe
+
+freshness = probe("freshness")  # bench/probes/freshness.py
+failure_points, run_sweep, table = freshness.failure_points, freshness.run_sweep, freshness.table
 
 
 def test_failure_points_start_after_a_full_period_and_leave_the_horizon():

@@ -1,6 +1,6 @@
-"""The micro-benchmarks (`layercheck.bench.drift_probe`, `layercheck.bench.snapshot_stall`,
-`layercheck.bench.fused_issue`, `layercheck.bench.ray_answer`, `layercheck.bench.sender_gil`) run end to end on CPU and
-report every figure they promise; the timing helpers they share count what they say."""
+"""The micro-benchmarks (`layercheck.bench.drift_probe` and the probes `bench/probes/snapshot_stall.py`,
+`default_step.py`, `fused_issue.py`, `ray_answer.py`, `sender_gil.py`) run end to end on CPU and report every figure they
+promise; the timing helpers they share count what they say."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import json
 
 import pytest
 
-from layercheck.bench import drift_probe, fused_issue, ray_answer, sender_gil, snapshot_stall, timing
+from layercheck.bench import drift_probe, timing
+from tests.support.checkout import probe
+
+default_step, fused_issue, ray_answer, sender_gil, snapshot_stall = map(
+    probe, ("default_step", "fused_issue", "ray_answer", "sender_gil", "snapshot_stall")
+)
 
 
 def test_time_interleaved_runs_each_function_in_turn_and_drops_the_warm_up():
@@ -36,6 +41,20 @@ def test_drift_probe_times_every_variant_and_the_training_step(tmp_path, capsys)
     assert result["optimizer_step_s"] > 0 and result["training_step_s"] > 0 and result["training_step_fused_s"] > 0
     assert result["kernel_sweep"] == []  # the sweep is CUDA-only
     assert "drift_fused" in capsys.readouterr().out  # the table
+
+
+@pytest.mark.slow
+def test_default_step_times_the_built_in_loops_step_against_torchs_fused_adamw(tmp_path, capsys):
+    out = tmp_path / "default.json"
+    default_step.main(["--steps", "1", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and result["choice"]["measured"] == "foreach"
+    assert result["choice"]["torch_step"] == "fused" and "cpu-drift-sampling" in result["choice"]["reason"]
+    assert set(result["optimizer_s"]) == {"adamw_fused", "default@10", "default@1"}
+    assert set(result["training_step_s"]) == {"default@10", "unmeasured"}
+    assert all(s > 0 for s in [*result["optimizer_s"].values(), *result["training_step_s"].values()])
+    assert result["goal"] == 0.01 and isinstance(result["goal_met"], bool)
+    assert "of the training step" in capsys.readouterr().out
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layercheck.bench import recovery_report, render_readme, report, summary
+from layercheck.bench import recovery_report, render_readme, report, report_text, summary
 from layercheck.bench.presets import preset
 from layercheck.bench.unsaved import summarize
 from tests.bench.test_bench_report import FAILURES, MATCHED, STEPS, _raw, _recovery
@@ -60,7 +60,7 @@ def test_tables_show_the_measured_strategies_only(built):
     assert "layercheck+capture" in table and "none" not in table and "0.50x" in table
     assert "embed" in recovery_report.layer_table(built)
     assert "What a recovery brings back" in summary.summary_markdown(built)
-    assert "unsaved drift at recovery per layer" in report.text(built)
+    assert "unsaved drift at recovery per layer" in report_text.text(built)
 
 
 def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over_its_storage_twin():
@@ -99,7 +99,7 @@ def test_a_memory_tier_row_says_where_its_bytes_came_from_and_its_load_time_over
     assert built["headline"]["recovery_load_memory_vs_storage"] == {"layercheck+capture+memory": pytest.approx(0.25)}
     table = recovery_report.load_table(built)
     assert "0.25x of layercheck+capture" in table and "100%" in table
-    assert "recovery loads (store s3-loopback)" in report.text(built)
+    assert "recovery loads (store s3-loopback)" in report_text.text(built)
     assert "Recovery loads: the writers' memory against storage" in summary.summary_markdown(built)
     (line,) = render_readme.memory_lines(built, "b")
     assert "store `s3-loopback`" in line and "**0.25x**" in line and "100% of the bytes from memory" in line
@@ -160,7 +160,7 @@ def test_the_interval_baselines_at_layercheck_s_bytes_in_the_recovery_table_and_
     assert "`full-resume@bytes` every **3** steps" in md and "`layercheck+capture` wrote" in md
     assert "2 floored at `min_matched_interval` = 4" in md and "`/FR@bytes`" in md
     assert "unsaved vs full resume at bytes: `layercheck` **0.25x**" in md
-    assert "full@bytes every 4 steps" in report.text(built)
+    assert "full@bytes every 4 steps" in report_text.text(built)
     assert any(p["matched_on"] == "bytes" for p in built["pairs"])
     (line,) = render_readme.recovery_lines(built, "b")
     assert "**0.12x** that of `full-resume` writing the same bytes (every 3 steps)" in line

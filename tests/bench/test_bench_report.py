@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from layercheck.bench import ettr, render_readme, report, summary
+from layercheck.bench import ettr, render_readme, report, report_text, summary
 from layercheck.bench.formulas import trace_of
 from layercheck.bench.presets import preset
 
@@ -175,7 +175,7 @@ def test_layercheck_variants_get_an_estimate_at_their_own_matched_freshness(buil
 
 
 def test_text_forms(built):
-    assert "layercheck" in report.text(built)
+    assert "layercheck" in report_text.text(built)
     md = summary.summary_markdown(built, plots=["x.png"])
     assert "![x.png](x.png)" in md and "0.50x" in md
 
@@ -219,7 +219,7 @@ def test_peak_bytes_per_step_for_every_strategy(built):
     assert rows["layercheck"]["peak_fraction_of_full"] == pytest.approx(6000 / full_checkpoint)
     assert rows["none"]["peak_step_bytes"] == 0.0
     assert built["headline"]["peak_step_bytes"]["layercheck"] == 6000
-    assert "peak/step" in report.text(built) and "peak/step" in summary.summary_markdown(built)
+    assert "peak/step" in report_text.text(built) and "peak/step" in summary.summary_markdown(built)
 
 
 def test_layer_policies_against_full_and_the_oracle_at_their_own_unsaved_drift(built):
@@ -231,7 +231,7 @@ def test_layer_policies_against_full_and_the_oracle_at_their_own_unsaved_drift(b
     # uniform drift: the oracle is equal periods, so it cannot beat full checkpoints' trainable part by much
     assert 0 < at["oracle_bytes"] <= at["full_bytes"]
     assert built["headline"]["state_bytes_vs_oracle_at_own_matched_drift"]["layercheck"] == at["vs_oracle"]
-    assert "vs oracle" in report.text(built)
+    assert "vs oracle" in report_text.text(built)
 
 
 def test_readme_section_quotes_the_schedule_figures(built):

@@ -151,8 +151,8 @@ def test_capture_is_a_tier_of_the_paper_policy_and_only_of_resuming_strategies()
 
 
 def test_the_memory_tier_rides_on_capture_and_sets_the_writers_budget():
-    from layercheck.bench.harness import coordinator_options
-    from layercheck.orchestrator.core.run_config import PersistenceConfig
+    from layercheck.bench.runner import coordinator_options
+    from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 
     by_name = {s.name: s for s in default_strategies(StrategyOptions())}
     memory, captured = by_name["layercheck+capture+memory"], by_name["layercheck+capture"]

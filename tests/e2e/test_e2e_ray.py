@@ -19,6 +19,7 @@ from layercheck.policies.configs import IntervalConfig, LayerCheckConfig
 from layercheck.policies.trace import DriftTrace
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
+from tests.support.faults import FaultPlan, injected
 from tests.support.ray_runs import EVERY_STEP, UNBOUNDED, train_demo
 from tests.support.store_helpers import flip_data_byte
 
@@ -37,11 +38,11 @@ def assert_failure_free_losses(failed, clean_run) -> None:
 def test_recovery_from_per_step_versions_continues_the_failure_free_trajectory(local_ray, clean_run, tmp_path):
     """With every layer persisted every step, the composite at t_fail is the exact state after
     t_fail: resuming at t_fail + 1 must reproduce the failure-free losses step for step. The run
-    asks for in-place recovery, but every rank dies at once (``fault.kill_all_ranks``): the full
-    restart runs, and the summary and the recovery say why."""
+    asks for in-place recovery, but every rank dies at once after step 6 (the test injector's
+    ``kill_all_ranks_at_step``): the full restart runs, and the summary and the recovery say why."""
     clean = clean_run
-    everyone = {"fault.kill_at_step": 6, "fault.kill_all_ranks": True, "cluster.in_place": True}
-    failed = train_demo(tmp_path, "failed", policy=EVERY_STEP, **{**everyone, **UNBOUNDED})
+    with injected(FaultPlan(kill_all_ranks_at_step=6)):
+        failed = train_demo(tmp_path, "failed", policy=EVERY_STEP, **{"cluster.in_place": True, **UNBOUNDED})
 
     account = failed.status["account"]
     assert account["failures"] == 1
@@ -93,18 +94,14 @@ def test_a_failed_in_place_recovery_falls_back_to_replacing_every_rank_within_on
 ):
     """``cluster.in_place`` with ``cluster.max_failures = 1``, rank 1 SIGKILLed after step 6: Ray
     Train replaces rank 1 (the one failure allowed) and rank 0 recovers in its own process, but
-    that recovery raises (``fault.fail_in_place_recovery``, before its load). Rank 0 says why and
+    that recovery raises (the test injector's ``fail_in_place_recovery``, before its load). Rank 0 says why and
     leaves; that turns in-place recovery off, so rank 1's replacement leaves too as it sees rank
     0 go. Neither leave is charged to ``max_failures`` (one death, one charge, as under a full
     restart): both are replaced, the new processes recover cold, and the run resumes at
     t_fail + 1 on the failure-free trajectory; the summary says why it was no recovery in place."""
-    failing = {
-        "fault.kill_at_step": 6,
-        "cluster.in_place": True,
-        "cluster.max_failures": 1,
-        "fault.fail_in_place_recovery": True,
-    }
-    failed = train_demo(tmp_path, "refused", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
+    failing = {"fault.kill_at_step": 6, "fault.kill_rank": 1, "cluster.in_place": True, "cluster.max_failures": 1}
+    with injected(FaultPlan(kill_rank=1, fail_in_place_recovery=True)):
+        failed = train_demo(tmp_path, "refused", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
     assert failed.status["state"] == "finished"
     account = failed.status["account"]
     recovery = account["recoveries"][-1]
@@ -120,20 +117,15 @@ def test_a_rank_whose_own_step_fails_is_replaced_in_place_and_so_is_its_replacem
     local_ray, clean_run, tmp_path
 ):
     """``cluster.in_place``, two failures in one recovery. Rank 1's loop raises an error of its own
-    after step 6 (no lost peer: ``fault.raise_at_step``): it says so and raises, Ray Train replaces
+    after step 6 (no lost peer: the test injector's ``raise_at_step``): it says so and raises, Ray Train replaces
     it (charged, as any failure), and rank 0 sees it go like a lost peer and recovers in its own
     process. The replacement is SIGKILLed during that recovery (it joined and formed the new group,
-    and had not loaded; ``fault.kill_again_in_recovery``): rank 0 sees the new peer lost like the
+    and had not loaded; ``kill_again_in_recovery``): rank 0 sees the new peer lost like the
     first and recovers in place once more with the next replacement. The run resumes at t_fail + 1
     on the failure-free trajectory, rank 0 in the process it started in, and the summary names the
     rank whose step failed although the recovery that answered it was overtaken."""
-    failing = {
-        "fault.raise_at_step": 6,
-        "fault.kill_rank": 1,
-        "cluster.in_place": True,
-        "fault.kill_again_in_recovery": True,
-    }
-    failed = train_demo(tmp_path, "own-error", policy=EVERY_STEP, **{**failing, **UNBOUNDED})
+    with injected(FaultPlan(raise_at_step=6, kill_rank=1, kill_again_in_recovery=True)):
+        failed = train_demo(tmp_path, "own-error", policy=EVERY_STEP, **{"cluster.in_place": True, **UNBOUNDED})
     assert failed.status["state"] == "finished"
     account = failed.status["account"]
     assert account["failures"] == 2, account["recoveries"]

@@ -34,7 +34,7 @@ def test_sft_trainer_recovers_at_t_fail_plus_one_on_the_failure_free_trajectory(
     assert_exact_recovery(clean, failed, steps=STEPS, kill_at=KILL_AT)
     (recovery,) = failed["summary"]["recoveries"]
     assert recovery["path"] == ("in place" if in_place else "full restart"), recovery
-    # the callback's run exports with no extra file: the model and the tokenizer the example named
+    # the callback's run exports with no extra file: the model, and the Trainer's tokenizer the callback kept
     import transformers
 
     from layercheck.orchestrator.cli.main import main

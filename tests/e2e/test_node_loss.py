@@ -18,7 +18,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from layercheck.orchestrator.core.recovery.events import SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.run_config import load_run_config
 from layercheck.orchestrator.runtime.cluster import connect
 from layercheck.orchestrator.runtime.driver import train
@@ -28,6 +28,8 @@ from layercheck.orchestrator.store.errors import UnsafeStoreError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
+from layercheck.workers.faults import FAULTS_ENV
+from tests.support.faults import FaultPlan, env_spec, injected
 from tests.support.ray_runs import private_ray_tmp
 
 pytestmark = pytest.mark.slow
@@ -69,6 +71,7 @@ def cluster():
     # tests running beside this one (pytest-xdist) into this cluster
     temp = private_ray_tmp()
     mp.setenv("RAY_TMPDIR", str(temp))
+    mp.setenv(FAULTS_ENV, env_spec())  # the test injector in every process of the cluster (tests/support/faults.py)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": FAST_NODE_DEATH})
     cluster.add_node(num_cpus=1)
     cluster.wait_for_nodes()
@@ -227,28 +230,23 @@ def _check_recovered_from_the_loss(result, config, seen, steps):
 
 
 def test_losing_a_node_resumes_at_t_fail_plus_one_from_memory_and_loses_nothing_committed(cluster, tmp_path):
-    """The second node is lost mid-run, and its storage hangs before that (``fault.stall_writes_*``:
-    each write of a version taken after STALL_AFTER_STEP pauses STALL_S mid-file), so at the loss
+    """The second node is lost mid-run, and its storage hangs before that (the test injector's
+    ``stall_writes_*``: each write of a version taken after STALL_AFTER_STEP pauses STALL_S
+    mid-file), so at the loss
     its writer holds versions it has not written: the elastic group resumes at ``t_fail + 1`` on the
     head; nothing committed is lost; the dead writer's versions are written off at once (no wait for
     them, nor for the drain deadline) and counted lost, and its temporary files are no obstacle; the
     survivor's capture and the writers' memory (the lost node's files mirrored to the head) serve the
     recovery."""
     head, second = cluster, _second_node(cluster)
-    config = _config(
-        head,
-        tmp_path,
-        "stalled",
-        **{
-            "cluster.shared_storage": True,
-            "fault.stall_writes_s": STALL_S,
-            "fault.stall_writes_node": second.node_id,
-            "fault.stall_writes_after_step": STALL_AFTER_STEP,
-        },
+    config = _config(head, tmp_path, "stalled", **{"cluster.shared_storage": True})
+    stall = FaultPlan(
+        stall_writes_s=STALL_S, stall_writes_node=second.node_id, stall_writes_after_step=STALL_AFTER_STEP
     )
     seen: dict = {}
     on_progress = _lose_a_node(head, second, config, seen, kill_after=STALL_AFTER_STEP + 4)
-    result = train(config, on_progress=on_progress, poll_s=0.2)
+    with injected(stall):
+        result = train(config, on_progress=on_progress, poll_s=0.2)
     recoveries, _ = _check_recovered_from_the_loss(result, config, seen, STEPS)
     status, lost = result.status, recoveries[0]
     # not waited on: neither for the stalled writes nor for the drain's deadline

@@ -16,6 +16,7 @@ from layercheck.orchestrator.runtime.run_summary import format_summary, summariz
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.manifest import LAYERS_DIR
 from layercheck.policies.configs import LayerCheckConfig
+from tests.support.faults import FaultPlan, injected
 from tests.support.ray_runs import demo_config
 from tests.support.store_helpers import newest_steps
 
@@ -35,19 +36,13 @@ def hf_weights(tmp_path, storage, name):
 def test_a_finished_run_exports_its_trained_model_even_after_its_writer_died(local_ray, clean_run, tmp_path):
     """The reference (the ``clean_run`` session fixture, failure-free) persists every layer every
     step, so its step-12 composite is the trained model. The run under test saves only its base at
-    step 2 (thresholds it never reaches), and its writer actor is killed after step 5: the final
-    state must still reach the store, through a replacement writer, and export to the reference's
-    weights."""
+    step 2 (thresholds it never reaches), and its writer actor is killed after step 5 (the test
+    injector's ``kill_writer_at_step``): the final state must still reach the store, through a
+    replacement writer, and export to the reference's weights."""
     reference = clean_run
     assert reference.config.steps == 12 and reference.status["account"]["failures"] == 0
-    run = train(
-        config(
-            tmp_path,
-            "final",
-            policy=LayerCheckConfig(warmup_steps=2, k0=1e6, k0_embed=1e6, smax=1000),
-            **{"fault.kill_writer_at_step": 5},
-        )
-    )
+    with injected(FaultPlan(kill_writer_at_step=5)):
+        run = train(config(tmp_path, "final", policy=LayerCheckConfig(warmup_steps=2, k0=1e6, k0_embed=1e6, smax=1000)))
     assert run.error is None, run.error
     assert run.status["writers_replaced"] == 1 and run.status["lost_versions"] == 0
     assert newest_steps(str(tmp_path / "final")) == {layer: 12 for layer in run.layer_numel}

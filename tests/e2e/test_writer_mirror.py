@@ -18,7 +18,7 @@ def test_a_peer_assigned_after_the_writes_gets_the_files_already_held(local_ray,
 
     import ray
 
-    from layercheck.orchestrator.runtime.writer_actor import PersistenceWriter
+    from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
     @ray.remote(num_cpus=0)
     class Receipts:
@@ -30,8 +30,8 @@ def test_a_peer_assigned_after_the_writes_gets_the_files_already_held(local_ray,
 
     sink = Receipts.remote()
     store = str(tmp_path / "run")
-    lost = PersistenceWriter.remote(store, False, sink, "lost-node", None, None, 2**20)
-    head = PersistenceWriter.remote(store, False, sink, "head", None, None, 2**20)
+    lost = WriterActor.remote(store, False, sink, "lost-node", None, 2**20)
+    head = WriterActor.remote(store, False, sink, "head", None, 2**20)
     total = sum(math.prod(s) for s in PARAMS.values())
     shards = cut_shards("block.0", 4, PARAMS, layer_state(PARAMS, seed=4), even_cuts(total, 2))
     assert ray.get(lost.submit.remote(to_wire(shards[0], base=False))) == "written"  # no peer yet: not mirrored

@@ -6,6 +6,12 @@ format (store/), the Ray-free protocol cores (core/) and the plain torch.distrib
 (local/) and the offline tools over a store (offline/: export) import no Ray; only the Ray runtime
 (runtime/) does. Nothing but the CLI imports
 bench/, and nothing imports the CLI.
+
+The modules checked are those the wheel installs, read from pyproject's ``[tool.setuptools]``
+``packages`` and ``package-dir`` (``scripts/package_layout.py``, which ``scripts/typecheck.py`` reads
+too), and the research probes of ``bench/probes/``, which are not installed but keep the rules of the
+bench they were part of. A folder of Python under a mapped folder that pyproject does not declare
+fails: it would be missing from the wheel while the checkout still imports it.
 """
 
 import ast
@@ -15,18 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.checkout import package_layout
+
 ROOT = Path(__file__).resolve().parents[2]
-#: Every installed module lives under ``layercheck.``: each folder of the repository is one
-#: subpackage (pyproject's ``package-dir``), the API is the ``layercheck/`` folder itself.
-FOLDERS = {
-    "layercheck": "layercheck",
-    "layercheck.policies": "policies",
-    "layercheck.workers": "workers",
-    "layercheck.orchestrator": "orchestrator",
-    "layercheck.bench": "bench",
-    "layercheck.examples": "examples",
-    "layercheck.dashboards": "dashboards",
-}
+LAYOUT = package_layout()
+PYPROJECT = LAYOUT.read_pyproject(ROOT)
+#: Every installed module (each under ``layercheck.``) and its file in the checkout.
+INSTALLED: dict[str, Path] = {name: ROOT / path for name, path in LAYOUT.installed_modules(PYPROJECT, ROOT)}
 #: The public API's own modules (the ``layercheck/`` folder), which nothing below it may import;
 #: nor may it import the root itself (``import layercheck``, checked apart: a prefix would cover all).
 API = tuple(f"layercheck.{p.stem}" for p in (ROOT / "layercheck").glob("*.py") if p.stem != "__init__")
@@ -79,18 +80,27 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 
 
-def _modules() -> list[Path]:
-    return sorted(p for folder in FOLDERS.values() for p in (ROOT / folder).rglob("*.py"))
-
-
-def _dotted(path: Path) -> str:
-    folder, *rest = path.relative_to(ROOT).with_suffix("").parts
-    package = next(name for name, f in FOLDERS.items() if f == folder)
-    return ".".join([package, *rest]).removesuffix(".__init__")
+#: The part whose rules the probes (bench/probes/: run from a checkout, not installed) follow.
+PROBES_PART = _BENCH
 
 
 def _part(module: str) -> str:
     return max((part for part in FORBIDDEN if module == part or module.startswith(part + ".")), key=len)
+
+
+#: Each module checked: its name (a probe's is its path), its file and its part.
+MODULES: list[tuple[str, Path, str]] = [(name, path, _part(name)) for name, path in INSTALLED.items()] + [
+    (path.as_posix(), ROOT / path, PROBES_PART) for path in LAYOUT.not_installed_modules(ROOT)
+]
+
+
+#: The probes' names as they import one another: top-level modules (their folder is first on
+#: ``sys.path`` when one runs), which no installed module may import.
+PROBE_NAMES = {path.stem for path in LAYOUT.not_installed_modules(ROOT)}
+
+
+def _ids(case: tuple[str, Path, str]) -> str:
+    return str(case[1].relative_to(ROOT))
 
 
 def _imports(tree: ast.AST) -> list[str]:
@@ -107,12 +117,13 @@ def _matches(name: str, prefix: str) -> bool:
     return name == prefix or name.startswith(prefix + ".")
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_module_imports_only_what_its_layer_allows(path):
-    module = _dotted(path)
-    part = _part(module)
+@pytest.mark.parametrize("case", MODULES, ids=_ids)
+def test_module_imports_only_what_its_layer_allows(case):
+    module, path, part = case
     tree = ast.parse(path.read_text(), filename=str(path))
     for name in _imports(tree):
+        if module in INSTALLED:
+            assert name.split(".")[0] not in PROBE_NAMES, f"{module} imports the probe {name}, which the wheel lacks"
         if part not in ("layercheck", "layercheck.examples"):
             assert name != "layercheck", f"{module} ({part}) imports the public API's root, which {part} must not"
         if _matches(name, part):
@@ -121,7 +132,9 @@ def test_module_imports_only_what_its_layer_allows(path):
             assert not _matches(name, prefix), f"{module} ({part}) imports {name}, which {part} must not"
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "policies").glob("*.py")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted(p for m, p, part in MODULES if part == "layercheck.policies"), ids=lambda p: p.name
+)
 def test_policy_module_does_no_io(path):
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
@@ -131,9 +144,8 @@ def test_policy_module_does_no_io(path):
 
 def test_the_rules_see_every_module():
     """A rule-less module would pass silently: every project module falls under one part."""
-    modules = [_dotted(p) for p in _modules()]
-    assert len(modules) > 60
-    assert {_part(m) for m in modules} >= {
+    assert len(INSTALLED) > 60
+    assert {_part(m) for m in INSTALLED} >= {
         "layercheck.policies",
         "layercheck.workers",
         "layercheck.orchestrator.store",
@@ -144,6 +156,38 @@ def test_the_rules_see_every_module():
     }
 
 
+def test_every_folder_of_python_is_a_declared_package():
+    """A subfolder with modules that pyproject's ``packages`` leaves out installs nothing: the
+    checkout imports it, the wheel lacks it. Only the folders ``scripts/package_layout.py`` names as
+    not installed (the probes) may be left out, and they must hold Python and not be packages."""
+    assert LAYOUT.undeclared_folders(PYPROJECT, ROOT) == []
+    declared = set(LAYOUT.package_folders(PYPROJECT).values())
+    for folder in LAYOUT.NOT_INSTALLED:
+        assert folder not in declared and list((ROOT / folder).glob("*.py")), folder
+    assert PROBE_NAMES >= {"fused_issue", "ray_answer", "sender_gil"}
+
+
+def test_a_subpackage_left_out_of_pyproject_is_found(tmp_path):
+    """The check above on a made-up checkout: a mapped folder's undeclared subfolder with a module
+    is named; a declared one, one without modules and the not-installed probes are not."""
+    for module in ("src/a.py", "src/sub/b.py", "src/forgotten/deep/c.py", "bench/probes/p.py", "bench/__init__.py"):
+        (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / module).write_text("")
+    (tmp_path / "src" / "data").mkdir()
+    (tmp_path / "src" / "data" / "corpus.txt").write_text("")
+    pyproject = {
+        "tool": {
+            "setuptools": {
+                "packages": ["x", "x.sub", "x.bench"],
+                "package-dir": {"x": "src", "x.bench": "bench"},
+            }
+        }
+    }
+    assert LAYOUT.package_folders(pyproject) == {"x": Path("src"), "x.sub": Path("src/sub"), "x.bench": Path("bench")}
+    assert LAYOUT.undeclared_folders(pyproject, tmp_path) == [Path("src/forgotten/deep")]
+    assert [name for name, _ in LAYOUT.installed_modules(pyproject, tmp_path)] == ["x.a", "x.sub.b", "x.bench"]
+
+
 #: Scripts a user runs as they are (``python examples/own_loop.py``): entry points of their own.
 USER_SCRIPTS = ("layercheck.examples", "layercheck.dashboards")
 
@@ -152,16 +196,16 @@ USER_SCRIPTS = ("layercheck.examples", "layercheck.dashboards")
 LOGGING_CONFIGURED_IN = {"layercheck.orchestrator.cli.main", "layercheck.orchestrator.logs"}
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_only_entry_points_configure_logging(path):
-    module = _dotted(path)
-    if module in LOGGING_CONFIGURED_IN or _part(module) in USER_SCRIPTS:
+@pytest.mark.parametrize("case", MODULES, ids=_ids)
+def test_only_entry_points_configure_logging(case):
+    module, path, part = case
+    if module in LOGGING_CONFIGURED_IN or part in USER_SCRIPTS:
         return
     tree = ast.parse(path.read_text(), filename=str(path))
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in ("basicConfig", "dictConfig", "fileConfig"):
             pytest.fail(
-                f"{_dotted(path)} configures logging ({node.attr}); call "
+                f"{module} configures logging ({node.attr}); call "
                 "layercheck.orchestrator.logs.configure_process_logging() from the process entry point instead"
             )
 

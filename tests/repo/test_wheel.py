@@ -8,8 +8,9 @@ One module fixture builds once and installs once; each test checks one fact:
   wheel that builds is proof the sdist holds what building needs; the sdist listing is checked
   for the data files as well, and for what it must not carry;
 - the wheel holds every module of every mapped folder and the package data (example configs,
-  the bundled corpus, SFT set and tokenizer, dashboards and alert rules), and installs nothing
-  at the top level of site-packages but ``layercheck`` and its dist-info;
+  the bundled corpus, SFT set and tokenizer, dashboards and alert rules), none of the research
+  probes (``bench/probes/``, run from a checkout), and installs nothing at the top level of
+  site-packages but ``layercheck`` and its dist-info;
 - in the fresh environment ``import layercheck`` resolves to the installed wheel, not to the
   checkout, and the wheel's declared dependencies are met;
 - ``layercheck --help``, ``layercheck config`` and a short ``layercheck demo`` run there; the
@@ -54,7 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import tomllib
+
+from tests.support.checkout import package_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPS_PTH = "_layercheck_test_deps.pth"
@@ -185,20 +187,22 @@ def installed(tmp_path_factory) -> Installed:
     return Installed(sdist=sdist, wheel=wheel, build_log=build_log, venv=venv, site=site, cwd=cwd)
 
 
+LAYOUT = package_layout()
+
+
 def _pyproject() -> dict:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return LAYOUT.read_pyproject(ROOT)
 
 
 def _package_data_files() -> list[tuple[str, str]]:
     """Every file the package-data globs of pyproject match in the checkout: its path in the
     checkout (and the sdist) and its path in the wheel, e.g. ``("examples/demo.toml",
     "layercheck/examples/demo.toml")``. Each glob must match something."""
-    setuptools = _pyproject()["tool"]["setuptools"]
-    folders = setuptools["package-dir"]
+    pyproject = _pyproject()
+    folders = LAYOUT.package_folders(pyproject)
     found = []
-    for package, globs in setuptools["package-data"].items():
-        top = max((p for p in folders if package == p or package.startswith(p + ".")), key=len)
-        folder = Path(folders[top], *package[len(top) :].split(".")[1:])
+    for package, globs in pyproject["tool"]["setuptools"]["package-data"].items():
+        folder = folders[package]
         for pattern in globs:
             matched = [p.relative_to(ROOT / folder) for p in (ROOT / folder).glob(pattern) if p.is_file()]
             assert matched, f"{package}: {pattern} matches nothing in {folder}"
@@ -232,8 +236,9 @@ def test_the_wheel_is_built_from_the_sdist_which_holds_the_sources_and_data(inst
         assert f"{folder}/__init__.py" in names, package
     data = {source for source, _ in _package_data_files()}
     assert data <= names, sorted(data - names)
-    # MANIFEST.in: neither the test suite (it needs the checkout) nor the committed bench results
-    assert not [n for n in names if n.startswith(("tests/", "bench/results/")) and not n.endswith("/")]
+    # MANIFEST.in: neither the test suite (it needs the checkout), the committed bench results nor the probes
+    left_out = ("tests/", "bench/results/", *(f"{folder.as_posix()}/" for folder in LAYOUT.NOT_INSTALLED))
+    assert not [n for n in names if n.startswith(left_out) and not n.endswith("/")]
     assert not [n for n in names if n.endswith((".pyc", ".pyo"))]
 
 
@@ -244,16 +249,22 @@ def test_the_wheel_holds_every_module_and_the_package_data(installed):
     assert set(REQUIRED_DATA) <= names, sorted(set(REQUIRED_DATA) - names)
     data = {in_wheel for _, in_wheel in _package_data_files()}
     assert data <= names, sorted(data - names)
-    # every module of every mapped folder: a subpackage left out of [tool.setuptools] packages
-    # would be missing here (and from an installed layercheck) while the checkout still works
+    # every module of every mapped folder but the probes: a subpackage left out of
+    # [tool.setuptools] packages would be missing here (and from an installed layercheck) while the
+    # checkout still works
+    probes = [ROOT / folder for folder in LAYOUT.NOT_INSTALLED]
     for package, folder in _pyproject()["tool"]["setuptools"]["package-dir"].items():
         modules = {
             f"{package.replace('.', '/')}/{p.relative_to(ROOT / folder).as_posix()}"
             for p in (ROOT / folder).rglob("*.py")
-            if "__pycache__" not in p.parts
+            if "__pycache__" not in p.parts and not any(p.is_relative_to(probe) for probe in probes)
         }
         assert modules and modules <= names, (package, sorted(modules - names))
     assert not [n for n in names if "/bench/results/" in n or n.endswith(".pyc")]
+    # the probes (bench/probes/) are no part of it, under their folder or beside the bench's modules
+    probe_files = LAYOUT.not_installed_modules(ROOT)
+    assert probe_files and not [n for n in names if n.startswith("layercheck/bench/probes/")]
+    assert not {f"layercheck/bench/{p.name}" for p in probe_files} & names
 
 
 @pytest.mark.slow

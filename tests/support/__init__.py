@@ -17,4 +17,6 @@ not in a test module.
 - ``s3_server``, ``prometheus``, ``dashboards``: a loopback S3 server (cut, flapping, or checking
   credentials), a real Prometheus, the dashboard files.
 - ``devices``: the CPU / CUDA switch of the device-dependent tests.
+- ``faults``: the test-only failures of a live run (killed writers, stalled writes, a rank's own
+  error, failed recoveries), injected through ``LAYERCHECK_FAULTS`` (``injected(FaultPlan(...))``).
 """

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from layercheck.orchestrator.core.recovery.events import SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.local.coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
 from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state

@@ -56,14 +56,17 @@ _OURS = {"ray": False}
 
 def ensure_local_ray() -> None:
     """A local Ray in this process, as ``layercheck train`` starts it for the demo config (with the
-    device overrides); kept until a test that does not ask for ``local_ray`` comes next
-    (tests/conftest.py), so adjacent tests share it."""
+    device overrides), its processes with the test fault injector (``tests/support/faults.py``:
+    nothing fails outside ``injected``); kept until a test that does not ask for ``local_ray``
+    comes next (tests/conftest.py), so adjacent tests share it."""
     import ray
 
     from layercheck.orchestrator.runtime.cluster import connect
+    from tests.support.faults import faults_env
 
     if not ray.is_initialized():
-        connect(load_run_config("examples/demo.toml", device_overrides()))
+        with faults_env():
+            connect(load_run_config("examples/demo.toml", device_overrides()))
         _OURS["ray"] = True
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from layercheck.orchestrator.cli.main import main
-from layercheck.orchestrator.core.run_config import check_data, load_run_config
+from layercheck.orchestrator.core.run_checks import check_data
+from layercheck.orchestrator.core.run_config import load_run_config
 from layercheck.policies.config_loader import ConfigError, from_mapping
 from layercheck.workers.data.batch import IGNORE_INDEX, Batch, model_inputs
 from layercheck.workers.data.dataset import DataConfig, load_data

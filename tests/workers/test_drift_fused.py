@@ -16,8 +16,10 @@ import torch
 
 from layercheck.workers.drift import fused as drift_fused
 from layercheck.workers.drift.adamw import DriftAdamW
+from layercheck.workers.drift.choice import choose_steps
 from layercheck.workers.drift.fused import adamw_l1_torch, triton_eligible
 from layercheck.workers.drift.fused_work import AdamWScalars, work_rows
+from tests.support.checkout import probe
 from tests.support.devices import devices, require
 
 SHAPES = [(40, 33), (700,), (3, 5, 7), (1,)]
@@ -468,22 +470,34 @@ def test_triton_kernel_compiles_for_hopper():
 
 
 @pytest.mark.parametrize("device", devices())
-def test_auto_is_the_fused_step_where_its_kernel_runs_and_the_foreach_step_elsewhere(device):
-    """The default, ``drift_step="auto"``: on CUDA with Triton the fused step, bit for bit; on CPU
-    the foreach one (torch's own fused CPU step), bit for bit."""
+def test_auto_is_torchs_fused_adamw_copied_and_diffed_measured_or_not(device):
+    """The default, ``drift_step="auto"``, picks by the committed figures: on CPU and on CUDA every
+    step is torch's fused AdamW, bit for bit (its step counts on the parameters' device, where
+    torch keeps them for that kernel), and a measured step's drift is the L1 of what it moved."""
     dev = require(device)
-    auto_p, expected_p, _ = _copies(dev, seed=3)
+    auto_p, ref_p, _ = _copies(dev, seed=3)
     auto = DriftAdamW(_groups(auto_p), **HYPER)
     assert auto.drift_step == "auto"
-    expected = DriftAdamW(_groups(expected_p), **HYPER, drift_step="fused" if dev.type == "cuda" else "foreach")
-    for step in range(3):
-        _set_grads(step, auto_p, expected_p)
+    reference = torch.optim.AdamW(
+        [{k: v for k, v in g.items() if k != "name"} for g in _groups(ref_p)], **HYPER, fused=True
+    )
+    for step in range(4):
+        auto.measuring = step % 2 == 0
+        _set_grads(step, auto_p, ref_p)
+        before = [p.detach().clone() for p in auto_p]
         auto.step()
-        expected.step()
-        drift, expected_drift = auto.take_drift(), expected.take_drift()
-        assert {k: v.item() for k, v in drift.items()} == {k: v.item() for k, v in expected_drift.items()}
-    for p, q in zip(auto_p, expected_p):
+        reference.step()
+        drift = {name: value.item() for name, value in auto.take_drift().items()}
+        moved = [(p - b).abs().sum().item() for p, b in zip(auto_p, before)]
+        expected = {"a/decay": moved[0] + moved[1], "a/no_decay": moved[2], "b/decay": moved[3]}
+        assert drift == (pytest.approx(expected, rel=1e-5) if auto.measuring else {})
+    assert auto.steps == choose_steps("auto", dev.type)
+    assert (auto.steps.measured, auto.steps.torch_step) == ("foreach", "fused")
+    for p, q in zip(auto_p, ref_p):
         assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(auto.state[p][key], reference.state[q][key]), key
+        assert auto.state[p]["step"].device == reference.state[q]["step"].device == p.device
 
 
 def test_bad_drift_step_is_rejected():
@@ -496,8 +510,8 @@ def test_a_kept_plan_checks_new_gradients_alone_and_everything_again_when_storag
     measured step brings new gradient tensors: the kept plan asks whether the kernel takes those
     alone, and keeps its work table. A tensor whose storage was swapped under it (an offloading
     optimizer's ``.data =``) has every tensor checked again and the tables built again. With the
-    kernel stubbed out (``bench.fused_issue``'s stand-in), on CPU tensors taken as CUDA ones."""
-    from layercheck.bench.fused_issue import _kernel_launching_nothing
+    kernel stubbed out (``bench/probes/fused_issue.py``'s stand-in), on CPU tensors taken as CUDA ones."""
+    _kernel_launching_nothing = probe("fused_issue")._kernel_launching_nothing
     from layercheck.workers.drift import fused as drift_fused
     from layercheck.workers.drift import fused_work as drift_fused_work
     from layercheck.workers.drift.fused_work import FusedPlan

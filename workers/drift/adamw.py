@@ -2,13 +2,13 @@
 
 The drift probe needs ``sum |theta_t - theta_{t-1}|`` per layer on the steps it measures (every
 step for the paper's threshold policy, every ``drift_every``-th for the default schedule). Every
-step is ``torch.optim.AdamW``'s own (:func:`torch.optim.adamw.adamw`: fused on CPU, foreach on
-CUDA, where this optimizer keeps its step counts on the host), so the trajectory is torch's
-whichever steps are measured. On a measured step (``measuring``) each group's owned elements are
-copied before the update and the L1 of the difference is taken after (one ``_foreach_norm``),
-into a per-group accumulator kept on the device: exact, with the copy of one group alive at a
-time. No host synchronisation happens here; :class:`layercheck.workers.drift.probe.DriftProbe` reads all
-groups at once, one sync per measured step.
+step is ``torch.optim.AdamW``'s own (:func:`torch.optim.adamw.adamw`: its fused kernel on CPU and
+CUDA, with the step counts on the parameters' device as torch keeps them for it), so the trajectory
+is torch's whichever steps are measured. On a measured step (``measuring``) each group's owned
+elements are copied before the update and the L1 of the difference is taken after (one
+``_foreach_norm``), into a per-group accumulator kept on the device: exact, with the copy of one
+group alive at a time. No host synchronisation happens here; :class:`layercheck.workers.drift.probe.DriftProbe`
+reads all groups at once, one sync per measured step.
 
 DeepSpeed hands this optimizer flat fp32 partitions (ZeRO 1-3), fp32 copies (ZeRO-0 bf16) or
 the model's own parameters (ZeRO-0 fp32), and may step it with a temporarily trimmed
@@ -18,8 +18,9 @@ keyed by each group's unique ``name``, never by list position.
 ``drift_step="fused"`` counts the drift inside the update instead, with no copy and no second
 pass (a Triton kernel on CUDA, cache-sized chunks elsewhere; :mod:`layercheck.workers.drift.fused`);
 its parameters and moments are those of ``torch.optim.AdamW(foreach=False)`` op for op, so its
-measured steps round differently from the others. ``drift_step="auto"`` (the default) is
-``fused`` where the Triton kernel takes the parameters (CUDA) and ``foreach`` elsewhere.
+measured steps round differently from the others. ``drift_step="auto"`` (the default) picks the
+measured step by the committed benchmark figures (:mod:`layercheck.workers.drift.choice`): today
+``foreach``, on CPU and on CUDA.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 from torch.optim.adamw import adamw as adamw_functional
 
 from layercheck.workers.config import DRIFT_STEPS
+from layercheck.workers.drift.choice import StepChoice, choose_steps
 from layercheck.workers.drift.clock import OwnStep, ProbeClock
 from layercheck.workers.drift.fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
 from layercheck.workers.drift.fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
@@ -86,10 +88,9 @@ class DriftAdamW(torch.optim.AdamW):
         weight_decay: float = 1e-2,
         drift_step: str = "auto",
     ) -> None:
-        if drift_step not in DRIFT_STEPS:
-            raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {drift_step!r}")
+        self._choice: tuple[str, StepChoice] | None = None  # (device type, choice), made at first use
+        self._drift_step = "auto"
         self.drift_step = drift_step
-        self._fused_here: bool | None = None  # drift_step "auto", decided at the first measured step
         self.measuring = True
         """Whether the next steps count the L1 of what they move. The probe turns it off on the
         steps it does not measure: those cost what ``torch.optim.AdamW``'s step costs."""
@@ -111,12 +112,26 @@ class DriftAdamW(torch.optim.AdamW):
         if any(g["name"] == param_group["name"] for g in self.param_groups):
             raise ValueError(f"duplicate param group name {param_group['name']!r}")
         super().add_param_group(param_group)
-        self._fused_here = None  # "auto" decides again over the new set of parameters
+        self._choice = None  # decided again over the new set of parameters
         self._plans.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._plans.clear()  # they hold the tensors being replaced
         super().load_state_dict(state_dict)
+        self._choice = None  # the loaded step counts go where the choice keeps them, at the next use
+
+    @property
+    def drift_step(self) -> str:
+        """How a measured step runs (:data:`~layercheck.workers.config.DRIFT_STEPS`); set it to
+        change that (the steps are chosen again, the step counts moved where they then live)."""
+        return self._drift_step
+
+    @drift_step.setter
+    def drift_step(self, value: str) -> None:
+        if value not in DRIFT_STEPS:
+            raise ValueError(f"drift_step: must be one of {DRIFT_STEPS}, got {value!r}")
+        self._drift_step = value
+        self._choice = None
 
     def set_drift_windows(self, tensor: torch.Tensor, windows: Sequence[tuple[int, int]]) -> None:
         """Count only these element runs of ``tensor`` towards drift (default: all of it).
@@ -135,7 +150,8 @@ class DriftAdamW(torch.optim.AdamW):
         """The state of ``p``, created (step 0, zero moments) if it has none yet."""
         state = self.state[p]
         if len(state) == 0:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            on_device = self._steps_on([p]).counts_on_device  # as torch keeps them for its fused kernel
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device if on_device else "cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -168,38 +184,55 @@ class DriftAdamW(torch.optim.AdamW):
     @property
     def measured_step(self) -> str | None:
         """How a measured step runs: ``fused`` or ``foreach`` (``None``: no parameters yet)."""
-        if self.drift_step != "auto":
-            return self.drift_step
-        if self._fused_here is None:  # asked before the first measured step (a resume on an unmeasured one)
-            params = [p for group in self.param_groups for p in group["params"]]
-            if not params:
-                return None
-            self._decide(params)
-        return "fused" if self._fused_here else "foreach"
+        return self.steps.measured if self.steps is not None else None
+
+    @property
+    def steps(self) -> StepChoice | None:
+        """The steps this optimizer runs on its parameters' kind of device
+        (:func:`~layercheck.workers.drift.choice.choose_steps`); ``None``: no parameters yet.
+        Decided at first use (after DeepSpeed moved the parameters) and again when they move."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        return self._steps_on(params) if params else None
 
     def _fused(self, stepped: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> bool:
-        """Whether a measured step is the fused one: ``drift_step="fused"``, or ``"auto"`` where
-        the Triton kernel takes the parameters (decided once, at the first measured step: on a
-        GPU the fused step cost 0.27x the foreach one on the 0.5B shape, 9.6 against 35.3 ms,
-        ``bench/results/gpu-2026-12-04-NVIDIA-H200``; on CPU the foreach one is torch's fused kernel)."""
-        if self.drift_step != "auto":
-            return self.drift_step == "fused"
-        if self._fused_here is None:
-            params = [p for _, group_params in stepped for p in group_params]
-            if not params:
-                return False
-            self._decide(params)
-        return bool(self._fused_here)
+        """Whether a measured step is the fused one (:attr:`steps`)."""
+        params = [p for _, group_params in stepped for p in group_params[:1]]
+        return bool(params) and self._steps_on(params).measured == "fused"
 
-    def _decide(self, params: list[torch.Tensor]) -> None:
-        """``drift_step="auto"``'s choice over ``params``: fused where the Triton kernel takes them."""
-        self._fused_here = triton_eligible(params)
-        logger.info("DriftAdamW drift_step='auto': %s", "fused (Triton)" if self._fused_here else "foreach")
+    def _steps_on(self, params: list[torch.Tensor]) -> StepChoice:
+        """The choice for ``params``' kind of device, made once per kind: logged with its reason,
+        and the step counts that exist moved to where it keeps them."""
+        device_type = params[0].device.type
+        if self._choice is not None and self._choice[0] == device_type:
+            return self._choice[1]
+        everything = [p for group in self.param_groups for p in group["params"]] or params
+        choice = choose_steps(self.drift_step, device_type, triton=lambda: triton_eligible(everything))
+        self._choice = (device_type, choice)
+        self._place_counts(everything, choice)
+        logger.info(
+            "DriftAdamW on %s: measured steps %s, torch's %s AdamW on the others (%s)",
+            device_type,
+            choice.measured,
+            choice.torch_step,
+            choice.reason,
+        )
+        return choice
+
+    def _place_counts(self, params: list[torch.Tensor], choice: StepChoice) -> None:
+        """Move each step count of ``params`` to where ``choice`` keeps them (a loaded state dict's,
+        or those of a choice before): on the parameter's device, or on the host."""
+        for p in params:
+            state = self.state.get(p) or {}
+            step = state.get("step")
+            device = p.device if choice.counts_on_device else torch.device("cpu")
+            if isinstance(step, torch.Tensor) and step.device != device:
+                state["step"] = step.to(device)
 
     def _torch_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """``torch.optim.AdamW``'s step of one group: its fused kernel where the step counts live
-        on the parameters' device (CPU), else its foreach one."""
+        """``torch.optim.AdamW``'s step of one group: its fused kernel (CPU, CUDA; the step counts
+        on the parameters' device) or its foreach one, as :attr:`steps` says."""
         beta1, beta2 = group["betas"]
+        fused = self._steps_on(params).torch_step == "fused"
         states = [self.init_state(p) for p in params]
         adamw_functional(
             params,
@@ -208,8 +241,8 @@ class DriftAdamW(torch.optim.AdamW):
             [s["exp_avg_sq"] for s in states],
             [],
             [s["step"] for s in states],
-            foreach=params[0].device.type != "cpu",
-            fused=params[0].device.type == "cpu",
+            foreach=not fused,
+            fused=fused,
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,

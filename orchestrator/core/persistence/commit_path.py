@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 from layercheck.orchestrator.core.persistence.commit_tracker import CommitTracker
 from layercheck.orchestrator.core.persistence.unwritten_versions import UnwrittenVersions
-from layercheck.orchestrator.core.recovery.events import AbandonIncomplete, SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import AbandonIncomplete
 from layercheck.orchestrator.store.manifest import ShardReceipt, VersionRecord
 
 logger = logging.getLogger(__name__)

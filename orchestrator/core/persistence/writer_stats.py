@@ -27,8 +27,6 @@ class WriterStats:
     memory_versions: int = 0
     """Memory versions' shards held (``persistence.memory_period``: in memory only, never written)."""
     """Survivors' capture shards taken into this writer's memory (the writer actor's ``hold``)."""
-    stalled: int = 0
-    """Writes stalled by fault injection (``fault.stall_writes_s``)."""
     memory_bytes: int = 0
     """Shard bytes held in memory for recovery (own and mirror copies; see ``core/memory_tier``)."""
     memory_shards: int = 0

@@ -197,3 +197,21 @@ def capture_figures(capture: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def recovery_step(last_complete: int, captured_step: int | None) -> int:
+    """The step a lost group is recovered at: the last step every rank reported or, when a
+    survivor's captured state is one step past it, that step. A survivor stands there when it
+    finished its optimizer step ``t + 1`` (its gradients reduced with every rank's, the dead ones'
+    included) before the group broke, while a dead rank's report of ``t + 1`` was lost with it.
+    Recovering at ``t + 1`` uses that exact state; the dead ranks' slices miss ``t + 1``'s update
+    as any stale slice misses updates. Recovering at ``t`` would have to drop the capture (resuming
+    at ``t + 1`` would apply its update twice)."""
+    if captured_step is not None and captured_step == last_complete + 1:
+        logger.warning(
+            "a survivor's state is at step %d, one past the last step every rank reported (%d): recovering there",
+            captured_step,
+            last_complete,
+        )
+        return captured_step
+    return last_complete

@@ -45,6 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     Action,
@@ -61,7 +62,6 @@ from layercheck.orchestrator.core.recovery.events import (
     ReplaceWriters,
     ResumeInfo,
     RunEnded,
-    SupervisionConfig,
     VersionUnusable,
     WritersDrained,
 )

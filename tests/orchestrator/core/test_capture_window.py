@@ -2,8 +2,12 @@
 
 import threading
 
-from layercheck.orchestrator.core.recovery.capture_window import CaptureReport, CaptureWindow, capture_figures
-from layercheck.orchestrator.core.run_supervisor import recovery_step
+from layercheck.orchestrator.core.recovery.capture_window import (
+    CaptureReport,
+    CaptureWindow,
+    capture_figures,
+    recovery_step,
+)
 
 
 def _report(rank, *, held=True, attempt=1):

@@ -13,7 +13,8 @@ from layercheck.orchestrator.core.persistence.commit_path import (
     CommitVersion,
     ShardWritten,
 )
-from layercheck.orchestrator.core.recovery.events import AbandonIncomplete, SupervisionConfig
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import AbandonIncomplete
 from tests.support.store_helpers import faulty_store, receipt, write_layer, written_receipts
 
 LAYERS = ("embed", "block.0", "norm")

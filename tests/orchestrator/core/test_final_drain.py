@@ -10,8 +10,10 @@ import time
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.run_config import check_model, load_run_config
-from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.run_checks import check_model
+from layercheck.orchestrator.core.run_config import load_run_config
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
+from layercheck.orchestrator.core.supervision_ports import LocalPolicy
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy
 from layercheck.policies.configs import LayerCheckConfig

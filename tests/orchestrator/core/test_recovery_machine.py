@@ -9,6 +9,7 @@ import pytest
 
 from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.persistence.commit_path import CommitPath, ShardWritten
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
     CompositePlanned,
@@ -23,7 +24,6 @@ from layercheck.orchestrator.core.recovery.events import (
     ReplaceWriters,
     ResumeInfo,
     RunEnded,
-    SupervisionConfig,
     VersionUnusable,
     WritersDrained,
 )

@@ -1,13 +1,14 @@
 """The run config (``layercheck.orchestrator.core.run_config``): the example configs load, a bad
-value (``inf``, ``nan`` too) is an error naming its field, the injected write stall's
-scope, relative storage made absolute for the workers."""
+value (``inf``, ``nan`` too) is an error naming its field, the test-only ``[fault]`` keys refused
+by name (a store's ``run.json`` from before they went still reads), relative storage made
+absolute for the workers."""
 
 import math
 from pathlib import Path
 
 import pytest
 
-from layercheck.orchestrator.core.run_config import load_run_config, parse_run_config
+from layercheck.orchestrator.core.run_config import REMOVED_FAULT_KEYS, load_run_config, parse_run_config
 from layercheck.policies.config_loader import ConfigError
 
 
@@ -23,8 +24,7 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
         ({"policy.k0": 1e-3}, "policy: unknown key"),  # the demo's staggered schedule has no threshold
         ({"policy.name": "sometimes"}, "policy.name"),
         ({"cluster.max_failures": -1}, "max_failures"),
-        ({"fault.stall_writes_s": float("nan")}, "stall_writes_s"),
-        ({"fault.stall_writes_s": -1.0}, "stall_writes_s"),
+        ({"fault.kill_at_step": -1}, "fault.kill_at_step"),
     ]:
         with pytest.raises(ConfigError, match=field):
             load_run_config("examples/demo.toml", overrides)
@@ -37,15 +37,19 @@ def test_example_configs_load_and_bad_values_name_the_field(tmp_path):
     assert math.isfinite(config.optim.lr)
 
 
-def test_an_injected_write_stall_hits_the_chosen_nodes_writers_after_the_chosen_step():
-    fault = load_run_config(
-        "examples/demo.toml",
-        {"fault.stall_writes_s": 2.5, "fault.stall_writes_node": "n2", "fault.stall_writes_after_step": 6},
-    ).fault
-    assert [fault.stall_s(node_id=n, step=s) for n, s in (("n2", 7), ("n2", 6), ("n1", 7))] == [2.5, 0.0, 0.0]
-    anywhere = load_run_config("examples/demo.toml", {"fault.stall_writes_s": 1.0}).fault
-    assert anywhere.stall_s(node_id="n1", step=1) == 1.0
-    assert load_run_config("examples/demo.toml").fault.stall_s(node_id="n1", step=99) == 0.0
+@pytest.mark.parametrize("key", sorted(REMOVED_FAULT_KEYS))
+def test_a_removed_test_only_fault_key_is_refused_by_name(key):
+    """The eight test-only ``[fault]`` keys are gone (tests/support/faults.py injects those failures);
+    a config that names one, even at its old default, says so in one line."""
+    with pytest.raises(ConfigError, match=rf"^fault\.{key}: gone; it was test-only .*LAYERCHECK_FAULTS[^\n]*$"):
+        load_run_config("examples/demo.toml", {f"fault.{key}": REMOVED_FAULT_KEYS[key]})
+    stored = load_run_config("examples/demo.toml").to_json()
+    assert set(stored["fault"]) == {"kill_at_step", "kill_rank"}
+    # a store's run.json from before: every key at its old default, read as the rehearsal alone
+    old = {**stored, "fault": {**stored["fault"], **REMOVED_FAULT_KEYS}}
+    assert parse_run_config(old).fault == parse_run_config(stored).fault
+    with pytest.raises(ConfigError, match=f"fault.{key}: gone"):
+        parse_run_config({**stored, "fault": {**stored["fault"], key: "not the default"}})
 
 
 def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
@@ -58,7 +62,7 @@ def test_relative_storage_is_made_absolute_for_the_workers(tmp_path, monkeypatch
 
 
 def test_memory_versions_need_the_memory_tier():
-    from layercheck.orchestrator.core.run_config import PersistenceConfig
+    from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 
     assert PersistenceConfig(memory_period=5).memory_period == 5
     with pytest.raises(ConfigError, match=r"memory_period: must be 0 while memory_bytes is 0"):

@@ -7,8 +7,10 @@ import threading
 import pytest
 
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.core.recovery.events import ResumeInfo, SupervisionConfig
-from layercheck.orchestrator.core.run_supervisor import JoinDismissed, LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.recovery.config import SupervisionConfig
+from layercheck.orchestrator.core.recovery.events import ResumeInfo
+from layercheck.orchestrator.core.run_supervisor import JoinDismissed, RunSupervisor
+from layercheck.orchestrator.core.supervision_ports import LocalPolicy
 from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.orchestrator.store.recovery_source import VersionReader
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.staleness_guard import (
     HUNG_WRITE_REQUESTS,
     PIPELINE_LAG,
@@ -18,11 +19,11 @@ from layercheck.orchestrator.core.persistence.staleness_guard import (
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.run_config import (
     RAY_JOB_ENV,
-    PersistenceConfig,
     check_relative_storage,
     load_run_config,
 )
-from layercheck.orchestrator.core.run_supervisor import LocalPolicy, RunSupervisor
+from layercheck.orchestrator.core.run_supervisor import RunSupervisor
+from layercheck.orchestrator.core.supervision_ports import LocalPolicy
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.uri import S3ClientOptions
 from layercheck.policies.checkpoint_policy import LayerCheckPolicy

@@ -17,7 +17,8 @@ import torch
 import transformers
 
 from layercheck.orchestrator.cli.main import main
-from layercheck.orchestrator.offline.exporter import ExportError, export
+from layercheck.orchestrator.offline.export_run import ExportError
+from layercheck.orchestrator.offline.exporter import export
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.engine import build_model
