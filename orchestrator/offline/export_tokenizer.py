@@ -46,15 +46,12 @@ def recorded_tokenizer(record: ModelRecord, store: LayerStore) -> Any:
 
 def tokenizer_named(name: str) -> Any:
     """The tokenizer ``name`` (a local directory); :class:`ExportError` if it cannot be loaded."""
-    from transformers import AutoTokenizer
+    from layercheck.workers.data.sft import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError) as error:
-        raise ExportError(
-            f"the run's tokenizer is needed beside the model, and {name!r} does not load as one (a local "
-            f"Hugging Face tokenizer directory; nothing is downloaded): {error}"
-        ) from None
+        return load_tokenizer(name)
+    except ValueError as error:  # DataError names where it looked and why it failed
+        raise ExportError(f"the run's tokenizer is needed beside the model: {error}") from None
 
 
 class StoredTokenizer:
