@@ -25,7 +25,7 @@ import torch
 
 from layercheck.bench import delta as deltas
 from layercheck.bench.strategies import Kind, Strategy
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
 from layercheck.workers.engine import TrainEngine, seek_step
 from layercheck.workers.host_buffers import HostBufferPool

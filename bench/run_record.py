@@ -12,7 +12,7 @@ import torch
 from layercheck.bench.formulas import FreshnessTracker
 from layercheck.bench.presets import Workload
 from layercheck.bench.strategies import Recovery, Strategy
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.policies.staggered import BYTES_PER_PARAM
 
 

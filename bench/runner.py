@@ -44,7 +44,7 @@ from layercheck.bench.s3_loopback import LoopbackBucket
 from layercheck.bench.strategies import Kind, Strategy
 from layercheck.bench.unsaved import owned_weights, unsaved_at_recovery
 from layercheck.orchestrator.core.persistence.config import PersistenceConfig
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
 from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state
 from layercheck.orchestrator.store.layer_store import LayerStore

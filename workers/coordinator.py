@@ -2,7 +2,7 @@
 drift, collect a decision, hand snapshots over, report progress) and its optional parts, each a
 protocol of its own that :class:`~layercheck.workers.loop.StepProtocol` asks for with
 ``isinstance``. The Ray runtime (``orchestrator/runtime/ray_coordinator.py``), the local runtime
-(``orchestrator/local/coordinator.py``) and the tests' fakes implement it."""
+(``orchestrator/local/local_coordinator.py``) and the tests' fakes implement it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the ranks of a run under plain torch.distributed (:mod:`layercheck.orchestrator.local.coordinator`)
+"""How the ranks of a run under plain torch.distributed (:mod:`layercheck.orchestrator.local.local_coordinator`)
 reach the same persist decisions without a policy actor: each keeps a replica of the run's
 :class:`PolicyService` and feeds it every rank's drift report, exchanged among the ranks.
 

@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 class _Group(Protocol):
-    """What the exchange needs of a :class:`~layercheck.orchestrator.local.coordinator.LocalCoordinator`."""
+    """What the exchange needs of a :class:`~layercheck.orchestrator.local.local_coordinator.LocalCoordinator`."""
 
     writer: LocalWriter
     store: LayerStore

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from layercheck.orchestrator.core.memory.reads import LoadSources, needed_spans
 from layercheck.orchestrator.core.recovery.composite import load_composite
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.memory import memory_first_store
 from layercheck.orchestrator.store.errors import CorruptShardError
 from layercheck.orchestrator.store.manifest import VersionRecord

@@ -7,7 +7,7 @@ from typing import Any
 
 from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.orchestrator.core.recovery.config import SupervisionConfig
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.run import train_with_failures
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.policies.checkpoint_policy import build_policy

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from layercheck.orchestrator.core.recovery.config import SupervisionConfig
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
 from layercheck.orchestrator.local.run import train_with_failures, wipe_training_state
 from layercheck.orchestrator.store.layer_store import LayerStore

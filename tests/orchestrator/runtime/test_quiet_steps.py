@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layercheck.orchestrator.core.policy_service import PolicyService
-from layercheck.orchestrator.local.coordinator import LocalCoordinator
+from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.runtime import policy_actor
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.store.layer_store import LayerStore
