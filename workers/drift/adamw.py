@@ -188,7 +188,10 @@ class DriftAdamW(torch.optim.AdamW):
     @property
     def measured_step(self) -> str | None:
         """How a measured step runs: ``fused`` or ``foreach`` (``None``: no parameters yet)."""
-        return self.steps.measured if self.steps is not None else None
+        steps = self.steps
+        if steps is None and self._choice is not None:  # ZeRO-3 hands its groups their params only to step them
+            steps = self._choice[1]
+        return steps.measured if steps is not None else None
 
     @property
     def steps(self) -> StepChoice | None:

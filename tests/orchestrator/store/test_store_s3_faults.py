@@ -7,12 +7,13 @@ import re
 
 import pyarrow.fs as pafs
 import pytest
-import ray  # at collection: Ray's log handler keeps the stderr it was made with, not a test's capture
+import ray  # noqa: F401 - at collection: Ray's log handler keeps the stderr it was made with, not a test's capture
 
 from layercheck.orchestrator.cli.main import main
 from layercheck.orchestrator.core.persistence.commit_path import CommitFailed, CommitPath, CommitSucceeded, ShardWritten
 from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.run_start import StartOptions, claim_store
+from layercheck.orchestrator.runtime import driver
 from layercheck.orchestrator.store.errors import StoreAccessError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
@@ -56,13 +57,14 @@ def test_wrong_s3_credentials_stop_train_with_one_line_before_anything_is_writte
     with iam_enforced(moto_server) as good:
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", good["AWS_ACCESS_KEY_ID"])
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", WRONG_SECRET)
+        # refused before the cluster, so before any worker (this process's Ray may be up already)
+        monkeypatch.setattr(driver, "connect", lambda config: pytest.fail("joined Ray before the store refused"))
         code = main(["train", "examples/demo.toml", "--set", f"storage={s3.uri('runs/{name}')}"])
         out, err = capsys.readouterr()
         assert code == 2, out + err
         line = _one_error_line(err, "layercheck train:")
         assert f"s3://{s3.bucket}/runs/demo" in line and REFUSED.search(line) and "credentials" in line, line
         assert "Traceback" not in out + err and WRONG_SECRET not in out + err
-        assert not ray.is_initialized()  # refused before the cluster, so before any worker
 
         with pytest.raises(StoreAccessError) as refused:  # LayerCheckTrainer.fit's first store operation
             claim_store(s3.uri("runs/own"), run="own", options=StartOptions())
