@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +67,7 @@ class StateLayout:
     """Every layer's :class:`LayerLayout`, in model order, and the engine it describes."""
 
     stage: int
+    """The ZeRO stage; 3 for FSDP2, partitioned alike (a rank owns and needs exactly its shard)."""
     rank: int
     world_size: int
     layers: Mapping[str, LayerLayout]
@@ -74,6 +75,9 @@ class StateLayout:
     engine: Any
     optimizer: Any
     """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`layercheck.workers.optim_state`."""
+    refresh: Callable[[Sequence[str]], None] | None = None
+    """How the forward comes to read masters a restore wrote, given the layers restored (another
+    engine's way, :mod:`layercheck.workers.engines`); ``None``: DeepSpeed's, by ZeRO stage."""
 
     def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
         """The client optimizer's current param groups holding ``layer``."""
@@ -110,7 +114,17 @@ def state_runs(optimizer: Any, pieces: Sequence[Piece], key: str) -> list[torch.
 
 def _state_of(optimizer: Any, master: torch.Tensor, key: str) -> torch.Tensor:
     base = master if key == "fp32" else optimizer.state[master][key]
-    return base.detach().view(-1)
+    return local_part(base).detach().view(-1)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The elements of ``tensor`` this rank holds: a DTensor's local shard (FSDP2: its master is
+    the DTensor parameter, which keys the optimizer's state), any other tensor itself."""
+    to_local = getattr(tensor, "to_local", None)  # duck-typed: importing DTensor here costs 0.5 s
+    if to_local is None:
+        return tensor
+    with torch.no_grad():  # the local tensor itself, not an autograd view of it
+        return to_local()
 
 
 def zero0_owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -271,9 +285,11 @@ def refresh_forward_weights(layout: StateLayout, layers: Sequence[str]) -> None:
     """Make the forward read the fp32 masters just written for ``layers``.
 
     Collective at ZeRO 1-3 (every rank must call it, with any ``layers``); ZeRO-0 copies only
-    the restored layers' parameters.
+    the restored layers' parameters; another engine's layout brings its own ``refresh``.
     """
-    if layout.stage == 0:
+    if layout.refresh is not None:
+        layout.refresh(layers)
+    elif layout.stage == 0:
         wanted = {id(p.master) for name in layers for p in layout[name].needed}
         pairs = [(lp, hp) for lp, hp in ds_internals.zero0_master_pairs(layout.engine) if id(hp) in wanted]
         ds_internals.zero0_refresh_lp(pairs)

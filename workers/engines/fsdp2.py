@@ -1,0 +1,206 @@
+"""PyTorch FSDP2's state as a :class:`~layercheck.workers.layout.StateLayout`.
+
+``fully_shard`` (each decoder layer, then the root) over a 1-D device mesh makes every parameter
+a DTensor placed ``(Shard(0),)``: this rank holds a contiguous run of rows, so a contiguous run of
+the flattened parameter's elements, which torch's ``Adam``/``AdamW`` step in place, and the
+moments ``exp_avg``/``exp_avg_sq`` are DTensors placed alike. No other rank holds that run, so a
+rank owns and needs exactly it (as at ZeRO-3). Where the run starts is read from the DTensor
+itself (the chunk ``torch.distributed.checkpoint`` saves), so uneven and empty shards need no
+arithmetic here.
+
+A layer's masters are its DTensor parameters: they key the optimizer's state (moments and step
+count), and :func:`~layercheck.workers.layout.local_part` reads their local shard at each access
+(FSDP2 may swap a parameter's local tensor for a re-padded one when it initialises lazily).
+
+One private torch name is used: ``torch.distributed.checkpoint.state_dict._get_fqns`` (a
+parameter's canonical name, as DCP saves it), checked with torch 2.13. Not reachable from
+``attach`` or the built-in loop yet (issue 54).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from layercheck.policies.layer_map import Layer, LayerMap
+from layercheck.workers import optim_state
+from layercheck.workers.layout import LayerLayout, Piece, StateLayout, local_part
+from layercheck.workers.shard import ParamSlice
+
+logger = logging.getLogger(__name__)
+
+#: What this layout maps, for the refusals.
+SUPPORTED_SHARDING = (
+    "a model sharded with torch.distributed.fsdp.fully_shard (each decoder layer, then the root) "
+    "over a 1-D mesh of all ranks, its parameters DTensors placed (Shard(dim=0),)"
+)
+SUPPORTED_OPTIMIZERS = "torch.optim.Adam or torch.optim.AdamW (foreach or fused, any param groups)"
+
+
+class UnsupportedShardingError(TypeError):
+    """A parameter is not placed the way :func:`build_fsdp2_layout` maps."""
+
+
+def build_fsdp2_layout(model: torch.nn.Module, optimizer: Any, layer_map: LayerMap) -> StateLayout:
+    """Map every layer of ``layer_map`` onto ``model``'s FSDP2 shards and ``optimizer``'s state.
+
+    Raises :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for an optimizer other
+    than torch's Adam/AdamW, :class:`UnsupportedShardingError` for a parameter that is not a DTensor
+    placed ``(Shard(0),)`` on a 1-D mesh of every rank, ``KeyError`` for a layer-map parameter the
+    model does not have, ``ValueError`` for one no param group holds.
+    """
+    check_optimizer(optimizer)
+    params = named_parameters(model)
+    missing = [p.name for layer in layer_map.layers for p in layer.params if p.name not in params]
+    if missing:
+        raise KeyError(f"the layer map names parameters the model does not have: {missing[:8]}")
+    for layer in layer_map.layers:
+        for info in layer.params:
+            check_placement(info.name, params[info.name])
+    group_of = _group_of(optimizer, params, layer_map)
+    layers = {layer.name: _layer_layout(layer, params, optimizer, group_of) for layer in layer_map.layers}
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    logger.info(
+        "state layout: FSDP2, rank %d of %d, %d layers over %d param groups (%s)",
+        rank,
+        world_size,
+        len(layers),
+        len(optimizer.param_groups),
+        type(optimizer).__name__,
+    )
+    return StateLayout(
+        stage=3,  # partitioned like ZeRO-3: a rank owns and needs exactly its shard
+        rank=rank,
+        world_size=world_size,
+        layers=layers,
+        layer_map=layer_map,
+        engine=model,
+        optimizer=optimizer,
+        refresh=partial(reshard_all, model),
+    )
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Raise :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` unless ``optimizer``
+    is torch's Adam or AdamW (AdamW subclasses Adam) without amsgrad."""
+    if not isinstance(optimizer, torch.optim.Adam):
+        raise optim_state.UnsupportedOptimizerError(
+            f"LayerCheck cannot checkpoint the optimizer {type(optimizer).__module__}.{type(optimizer).__name__} "
+            f"of an FSDP2 model: a layer state is Adam's (exp_avg, exp_avg_sq, step); use {SUPPORTED_OPTIMIZERS}"
+        )
+    optim_state.check_supported(optimizer)  # amsgrad
+
+
+def check_placement(name: str, param: torch.Tensor) -> None:
+    """Raise :class:`UnsupportedShardingError` unless ``param`` is a DTensor placed ``(Shard(0),)``
+    on a 1-D mesh of every rank."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        raise UnsupportedShardingError(
+            f"parameter {name!r} is a {type(param).__name__}, not a DTensor (a model not sharded with fully_shard, "
+            f"or FSDP1's FullyShardedDataParallel); LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING}"
+        )
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim != 1 or placements != (Shard(0),):
+        raise UnsupportedShardingError(
+            f"parameter {name!r} is placed {placements} on a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
+            f"LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING} (HSDP's 2-D mesh, Shard(1) and tensor "
+            "parallelism are not supported yet)"
+        )
+    if mesh.size() != torch.distributed.get_world_size():
+        raise UnsupportedShardingError(
+            f"parameter {name!r} is sharded over {mesh.size()} of {torch.distributed.get_world_size()} ranks; "
+            f"LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING}"
+        )
+
+
+def named_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s parameters by name, each also under its canonical FQN where that differs
+    (torch's own mapping: without activation-checkpoint wrappers, ``torch.compile``'s ``_orig_mod.``)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        out[name] = param
+        for fqn in _get_fqns(model, name):
+            out.setdefault(fqn, param)
+    return out
+
+
+def shard_range(param: torch.Tensor) -> tuple[int, int]:
+    """(offset, length) of this rank's shard of ``param`` (a DTensor placed ``(Shard(0),)``) in
+    the flattened parameter: its first row times the row length, and its element count."""
+    chunks = param.__create_chunk_list__()  # type: ignore[attr-defined]  # DTensor's chunk, as DCP saves it
+    if len(chunks) != 1:
+        raise UnsupportedShardingError(f"a DTensor with {len(chunks)} local chunks, expected one")
+    offsets, sizes = tuple(chunks[0].offsets), tuple(chunks[0].sizes)
+    if any(offsets[1:]) or sizes[1:] != tuple(param.shape[1:]):
+        raise UnsupportedShardingError(
+            f"a shard at {offsets} of size {sizes} is not whole rows of {tuple(param.shape)}"
+        )
+    row = math.prod(param.shape[1:])
+    length = math.prod(sizes)
+    return (offsets[0] * row if length else 0), length
+
+
+def reshard_all(model: torch.nn.Module, layers: Sequence[str] = ()) -> None:
+    """Make the next forward all-gather every FSDP module's parameters from the sharded masters
+    a restore wrote: free the unsharded copies any module still holds (the root keeps its own
+    after a forward until the backward). Not collective; ``layers`` is the layout's ``refresh``
+    signature: resharding is per module and cheap, so all are."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def _group_of(optimizer: Any, params: Mapping[str, torch.Tensor], layer_map: LayerMap) -> dict[str, int]:
+    index_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    group_of = {p.name: index_of.get(id(params[p.name]), -1) for layer in layer_map.layers for p in layer.params}
+    orphans = [name for name, index in group_of.items() if index < 0]
+    if orphans:
+        raise ValueError(f"no param group of the optimizer holds the trainable parameter(s) {orphans[:8]}")
+    return group_of
+
+
+def _layer_layout(
+    layer: Layer, params: Mapping[str, torch.Tensor], optimizer: Any, group_of: Mapping[str, int]
+) -> LayerLayout:
+    pieces: list[Piece] = []
+    for info in layer.params:
+        param = params[info.name]
+        offset, length = shard_range(param)
+        if length:  # an empty shard (fewer rows than ranks) holds nothing of this parameter
+            pieces.append(Piece(ParamSlice(info.name, info.shape, offset, length), param, 0))
+        state = optim_state.init_state(optimizer, param)  # a restore into a fresh optimizer writes into these
+        _check_moments(info.name, param, state)
+    indices = sorted({group_of[p.name] for p in layer.params})
+    return LayerLayout(
+        name=layer.name,
+        owned=tuple(pieces),
+        needed=tuple(pieces),
+        masters=tuple(params[p.name] for p in layer.params),
+        groups=tuple(optimizer.param_groups[i] for i in indices),
+        group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
+        group_indices=tuple(indices),
+    )
+
+
+def _check_moments(name: str, param: torch.Tensor, state: Mapping[str, Any]) -> None:
+    """The moments must hold this rank's elements as the parameter does (torch's Adam makes them
+    with ``zeros_like`` of the DTensor parameter): else their local views would misalign."""
+    want = tuple(local_part(param).shape)
+    for key in ("exp_avg", "exp_avg_sq"):
+        got = tuple(local_part(state[key]).shape)
+        if got != want or not local_part(state[key]).is_contiguous():
+            raise UnsupportedShardingError(
+                f"parameter {name!r}'s {key} holds a local shard of shape {got}, the parameter {want}: "
+                "its optimizer state is not placed like the parameter"
+            )
