@@ -176,6 +176,12 @@ def train_and_report(
             file=sys.stderr,
             flush=True,
         )
+    elif result.supervisor_lost and resume_command:  # (the summary's state row says why, in the same words)
+        print(
+            f"\n{result.supervisor_lost}. To continue this run from its newest recoverable step:\n  {resume_command}",
+            file=sys.stderr,
+            flush=True,
+        )
     elif stopped and resume_command:
         print(
             f"\nstopped after step {summary.get('steps')}; to continue this run:\n  {resume_command}",

@@ -137,6 +137,9 @@ class RunSupervisor:
         self.not_draining.set()
         self.memory_versions = MemoryVersions()
         """The writers' memory versions (``persistence.memory_period``), weighed by the recovery plan."""
+        self._trained_step = 0
+        """Rank 0's newest step since the policy was last rebased (the rebase point before it
+        reports one): where a lost group is recovered when the policy lost its own count."""
 
     # ---- events from the runtime --------------------------------------------------------
     def join(self, rank: int, world_size: int, worker_id: str, *, captured_step: int | None = None) -> ResumeInfo:
@@ -147,7 +150,7 @@ class RunSupervisor:
             rank=rank,
             world_size=world_size,
             worker_id=worker_id,
-            last_complete_step=recovery_step(self.policy.last_complete_step(), captured_step),
+            last_complete_step=recovery_step(self._last_complete_step(), captured_step),
             now=self.clock(),
         )
         with self._lock:
@@ -164,6 +167,21 @@ class RunSupervisor:
             if attempt in self._published:
                 return self._published[attempt]
             raise JoinDismissed(f"attempt {attempt}: {self._dismissed[attempt]}")
+
+    def _last_complete_step(self) -> int:
+        """The policy's last complete step; when it lost its count (its actor was rebuilt after
+        its process died), the newest step rank 0 reported since the last rebase: every rank has
+        passed that step's collectives, and a survivor's capture one step past it is taken as
+        after any loss (``recovery_step``)."""
+        complete = self.policy.last_complete_step()
+        if complete is not None:
+            return complete
+        with self._lock:
+            trained = self._trained_step
+        logger.warning(
+            "the policy lost its count of complete steps (rebuilt): rank 0's last step, %d, stands in", trained
+        )
+        return trained
 
     def shard_written(self, receipt: ShardReceipt, write_s: float) -> None:
         """A writer wrote one rank's shard; the version's commit (and its retries) run in this call.
@@ -245,6 +263,7 @@ class RunSupervisor:
         """Rank 0 finished a step; returns each layer's newest committed step (for metrics)."""
         with self._lock:
             self.view.step_done(progress, now=self.clock())
+            self._trained_step = max(self._trained_step, progress.step)
             if progress.handed_over:  # versions storage owes from now on
                 self.commits.handle(HandedOver(layers=tuple(progress.handed_over), step=progress.step))
             last_steps = self.commits.last_steps()
@@ -395,9 +414,13 @@ class RunSupervisor:
     def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
         with self._lock:  # staleness counts from the versions the group resumes from (a --resume's too)
             self.commits.rebased(action.persisted_steps)
+            self._trained_step = action.resume_after
+            stop = self.view.stop_reason
         self.policy.restart(
             world_size=action.world_size, resume_after=action.resume_after, persisted_steps=dict(action.persisted_steps)
         )
+        if stop is not None:  # a rebuilt policy forgot the run's stop: the new group stops at once, as it would
+            self.policy.request_stop(stop)
         return []
 
     def _execute_record(self, action: RecordRecovery) -> list[Any]:

@@ -13,7 +13,10 @@ from layercheck.orchestrator.core.policy_service import PolicyService
 
 
 class PolicyPort(Protocol):
-    def last_complete_step(self) -> int: ...
+    def last_complete_step(self) -> int | None:
+        """The last step every rank reported; ``None``: the policy lost its count (a policy actor
+        rebuilt after its process died, not restarted since)."""
+
     def restart(self, *, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None: ...
     def settled(self, layer: str, version_step: int) -> None:
         """This version committed or never will: the layer may be persisted again (``PersistGate``)."""

@@ -33,9 +33,10 @@ from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLi
 from layercheck.orchestrator.core.run_config import MetricsConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
 from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
-from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched
+from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched, supervisor_gone
 from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.supervisor_loss import supervisor_died
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST, StoreLease, stopped_for_the_lease
@@ -77,6 +78,9 @@ class RunResult:
     schedule: dict[str, Any] = field(default_factory=dict)
     """The policy actor's :meth:`~layercheck.orchestrator.runtime.policy_actor.PolicyActor.schedule_view`
     at the end: peak bytes per step, the write budget and the drain bandwidth (empty if unread)."""
+    supervisor_lost: str = ""
+    """Why the run's supervisor died ("": it did not): the run ended with it, and its store
+    resumes (``layercheck train`` prints the command)."""
 
     def __post_init__(self) -> None:
         if self.config is not None:
@@ -189,7 +193,7 @@ def start_run(
     on the store; commits are fenced by it, and the run stops once it is lost. ``in_place``: the
     run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran.
     ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``)."""
-    from layercheck.orchestrator.runtime.policy_actor import PolicyActor
+    from layercheck.orchestrator.runtime.policy_actor import MAX_RESTARTS, PolicyActor
     from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
@@ -198,10 +202,12 @@ def start_run(
     # worker node must not take the supervisor, the policy or the metrics exporter with it
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     # both are @ray.remote classes, which mypy types as the class itself (python/mypy#3135): the
-    # ignores below are for Ray's ActorClass.options
-    policy_actor = PolicyActor.options(name=names.policy, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
-        policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget
-    )
+    # ignores below are for Ray's ActorClass.options. The policy actor is rebuilt when its process
+    # dies (the group it served is recovered: policy_actor.py); the supervisor is not: its loss
+    # ends the run (fit_watch.py)
+    policy_actor = PolicyActor.options(  # type: ignore[attr-defined]
+        name=names.policy, namespace=NAMESPACE, scheduling_strategy=here, max_restarts=MAX_RESTARTS
+    ).remote(policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget)
     supervisor = SupervisorActor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
         run_id=run_id,
         store_uri=storage_uri,
@@ -244,34 +250,23 @@ def start_run(
 
 def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | None = None) -> RunResult:
     """Let the writers finish, record the final state and the drift trace, stop the actors.
-    Never raises: what fails here is logged and listed in ``RunResult.end_errors``."""
+    Never raises: what fails here is logged and listed in ``RunResult.end_errors``. A supervisor
+    that died ends the run with its one-line reason (``supervisor_loss.py``), in place of the
+    error Ray Train raised for it; what is known then comes from the driver's last poll, the
+    policy actor and the store."""
     supervisor, policy = handles.supervisor, handles.policy
     end_errors: list[str] = []
-    status: dict[str, Any] = {}
+    if not handles.supervisor_lost and _supervisor_died(supervisor):
+        supervisor_gone(handles)
+    lost = handles.supervisor_lost
+    if lost:
+        error = lost
+        status = {**handles.last_status, "state": "failed"} if "account" in handles.last_status else {}
+    else:
+        status, error = _end_with_the_supervisor(supervisor, handles.stop_drain_s, error, end_errors)
+    drain_s = handles.stop_drain_s
     trace = DriftTrace.from_json(
         {"steps": [], "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}
-    )
-    # persistence.stop_drain_s after the last step, also for a run that ended by itself: the ranks'
-    # final hand-over waits within the same bound, and what the writers have not written by then is
-    # counted lost, so storage that hangs costs that long and not until it answers (the timeout
-    # here only guards against a supervisor that does not answer at all)
-    drain_s = handles.stop_drain_s
-    _at_end(
-        "draining the writers",
-        end_errors,
-        lambda: ray.get(supervisor.drain.remote(drain_s), timeout=drain_s + ANSWER_S),
-    )
-    status = _at_end(
-        "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default=status
-    )
-    if status.get("setup_error"):  # the trainer's error wraps it in Ray Train's ControllerError
-        error = status["setup_error"]
-    if error is None and status.get("stop_reason"):
-        error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
-    _at_end(
-        "recording the end of the run",
-        end_errors,
-        lambda: ray.get(supervisor.finish.remote(error is None, error or ""), timeout=60),
     )
     trace = _at_end(
         "collecting the drift trace",
@@ -301,19 +296,8 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         lambda: ray.get(policy.schedule_view.remote(), timeout=60),
         default={},
     )
-    status = _at_end(
-        "reading the run's final status",
-        end_errors,
-        lambda: ray.get(supervisor.status.remote(), timeout=60),
-        default=status,
-    )
-    memory = _at_end(
-        "reading what the writers hold in memory",
-        end_errors,
-        lambda: ray.get(supervisor.memory_view.remote(), timeout=60),
-        default={},
-    )
-    status = {**status, "memory": memory} if memory else status
+    if not lost:
+        status = _final_status(supervisor, status, end_errors)
     stored = _at_end(
         "reading what the store holds",
         end_errors,
@@ -321,11 +305,15 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         timeout_s=drain_s,
     )
     status = {**status, "stored": stored} if stored else status
-    train_reports = _at_end(
-        "reading the Ray Train reports",
-        end_errors,
-        lambda: ray.get(supervisor.train_reports.remote(), timeout=60),
-        default=[],
+    train_reports = (
+        []
+        if lost
+        else _at_end(
+            "reading the Ray Train reports",
+            end_errors,
+            lambda: ray.get(supervisor.train_reports.remote(), timeout=60),
+            default=[],
+        )
     )
     result = RunResult(
         run_id=handles.run_id,
@@ -341,13 +329,69 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         train_reports=train_reports,
         end_errors=end_errors,
         schedule=schedule,
+        supervisor_lost=lost,
     )
-    if handles.metrics_url is not None:  # the final values reach Prometheus before the exporter ends
+    if handles.metrics_url is not None and not lost:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
     remove_discovery(handles.discovery_file)  # the exporter ends with the supervisor: stop pointing at it
     for actor in (supervisor, policy):
         _at_end("stopping the run's actors", end_errors, functools.partial(ray.kill, actor))
     return result
+
+
+def _supervisor_died(supervisor: Any) -> bool:
+    """Whether the run's supervisor is dead for good (a call to it says so)."""
+    try:
+        ray.get(supervisor.status.remote(), timeout=60)
+    except Exception as error:  # noqa: BLE001 - only its death counts: the end's own calls say the rest
+        return supervisor_died(error)
+    return False
+
+
+def _end_with_the_supervisor(
+    supervisor: Any, drain_s: float, error: str | None, end_errors: list[str]
+) -> tuple[dict[str, Any], str | None]:
+    """The supervisor's part of the end: the final drain, its status, and the end recorded; the
+    status and the run's error (a setup error or a stop's reason where the trainer raised none)."""
+    # persistence.stop_drain_s after the last step, also for a run that ended by itself: the ranks'
+    # final hand-over waits within the same bound, and what the writers have not written by then is
+    # counted lost, so storage that hangs costs that long and not until it answers (the timeout
+    # here only guards against a supervisor that does not answer at all)
+    _at_end(
+        "draining the writers",
+        end_errors,
+        lambda: ray.get(supervisor.drain.remote(drain_s), timeout=drain_s + ANSWER_S),
+    )
+    status: dict[str, Any] = _at_end(
+        "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default={}
+    )
+    if status.get("setup_error"):  # the trainer's error wraps it in Ray Train's ControllerError
+        error = status["setup_error"]
+    if error is None and status.get("stop_reason"):
+        error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
+    _at_end(
+        "recording the end of the run",
+        end_errors,
+        lambda: ray.get(supervisor.finish.remote(error is None, error or ""), timeout=60),
+    )
+    return status, error
+
+
+def _final_status(supervisor: Any, status: dict[str, Any], end_errors: list[str]) -> dict[str, Any]:
+    """The supervisor's status after the end was recorded, with what the writers hold in memory."""
+    status = _at_end(
+        "reading the run's final status",
+        end_errors,
+        lambda: ray.get(supervisor.status.remote(), timeout=60),
+        default=status,
+    )
+    memory = _at_end(
+        "reading what the writers hold in memory",
+        end_errors,
+        lambda: ray.get(supervisor.memory_view.remote(), timeout=60),
+        default={},
+    )
+    return {**status, "memory": memory} if memory else status
 
 
 def _at_end(

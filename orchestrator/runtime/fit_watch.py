@@ -1,18 +1,20 @@
 """Running a ``TorchTrainer``'s ``fit`` under LayerCheck's eye, on the driver: the supervisor
-polled for progress (and a lost worker group announced in LayerCheck's own words), and Ctrl-C or
-SIGTERM turned into a clean stop after the same step on every rank (:func:`fit_watched`)."""
+polled for progress (and a lost worker group announced in LayerCheck's own words), Ctrl-C or
+SIGTERM turned into a clean stop after the same step on every rank (:func:`fit_watched`), and a
+supervisor found dead turned into the same stop (``supervisor_loss.py``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.orchestrator.runtime.supervisor_loss import lost_reason, supervisor_died
 from layercheck.policies.configs import PolicyConfig
 
 if TYPE_CHECKING:
@@ -41,6 +43,10 @@ class RunHandles:
     """The driver's lease on the store (``None``: none)."""
     interrupted: bool = False
     interrupted_by: str = "Ctrl-C"
+    last_status: dict[str, Any] = field(default_factory=dict)
+    """The supervisor's status at the driver's last poll (what is known of a run whose supervisor died)."""
+    supervisor_lost: str = ""
+    """Why the run's supervisor is gone ("": it is not): the run ends, its store resumes."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -81,9 +87,7 @@ def fit_watched(
     stop = threading.Event()
     # after ray.init, which installs its own SIGTERM handler; only the main thread may set one
     previous = raise_on_sigterm() if threading.current_thread() is threading.main_thread() else None
-    watcher = threading.Thread(
-        target=_watch, args=(handles.supervisor, on_progress, stop, poll_s, fault_note), daemon=True
-    )
+    watcher = threading.Thread(target=_watch, args=(handles, on_progress, stop, poll_s, fault_note), daemon=True)
     watcher.start()
     outcome: dict[str, str] = {}
     # waited on through an Event: a KeyboardInterrupt inside Thread.join can leave the thread
@@ -144,7 +148,7 @@ def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
 
 
 def _watch(
-    supervisor: Any,
+    handles: RunHandles,
     on_progress: Callable[[dict[str, Any]], None] | None,
     stop: threading.Event,
     poll_s: float,
@@ -153,12 +157,30 @@ def _watch(
     seen = {"state": "", "recoveries": 0}
     while not stop.wait(poll_s):
         try:
-            status = ray.get(supervisor.status.remote(), timeout=10)
+            status = ray.get(handles.supervisor.status.remote(), timeout=10)
+            handles.last_status = status
             announce_failures(status, seen, fault_note)
             if on_progress is not None:
                 on_progress(status)
         except Exception as error:  # progress display must never end the run
+            if supervisor_died(error):
+                supervisor_gone(handles)
+                return
             logger.debug("progress poll failed: %s", error)
+
+
+def supervisor_gone(handles: RunHandles) -> None:
+    """The supervisor died: say so once, and ask every rank (through the policy actor, which the
+    ranks hear from at each measured step) to stop after the same step, rather than train on with
+    nothing committed until a hand-over to a dead writer fails."""
+    if handles.supervisor_lost:
+        return
+    handles.supervisor_lost = lost_reason(handles.last_status.get("step"))
+    logger.error("LAYERCHECK: %s", handles.supervisor_lost)
+    try:
+        handles.policy.request_stop.remote(handles.supervisor_lost)
+    except Exception as error:  # noqa: BLE001 - the ranks then find out at their next hand-over
+        logger.warning("could not ask the ranks to stop: %s", error)
 
 
 def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:

@@ -19,6 +19,23 @@ times the steps itself (the interval between completed steps), so nothing is add
 per-step path; :class:`~layercheck.orchestrator.core.persistence.write_budget.DrainBudget` turns them into the budget
 the next steps' observations carry. The actor also keeps the most bytes one step's decision
 handed over (the run's peak), for the summary and the metrics.
+
+**A rebuilt actor.** The driver starts this actor with ``max_restarts`` (:data:`MAX_RESTARTS`):
+when its process dies (SIGKILL, OOM), Ray starts a new one with the same arguments, under the same
+name and handles. Its state died with the old process: the drift accumulated since each layer's
+last save, the decisions and plans already handed out, which ranks reported which step. So a
+rebuilt actor decides nothing until the supervisor restarts it for the next worker group: it
+answers every report with a refusal (the rank raises :class:`PolicyActorLost`, as it does when its
+call died with the old process) and its ``last_complete_step`` is ``None`` (unknown: the
+supervisor recovers after rank 0's last reported step instead). The group fails, Ray Train restarts
+it, and the existing recovery rebuilds the state: the composite from the store and the survivors'
+captures, the policy rebased on the versions it loaded, every rank resuming at ``t_fail + 1``. Why
+every rank gets the same decision for every step: a step's decision comes from one process only.
+Steps up to the death were decided by the old one (a rank that read one and a rank whose call
+died may differ in what they *did*, never in what they were told; the version only the first one
+handed over stays partial, as a lost peer's would), and the rebuilt one decides only the steps of
+the group started after its restart. Re-deriving the old answers instead would need the old
+process's drift totals, which no other process holds.
 """
 
 from __future__ import annotations
@@ -26,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,6 +62,27 @@ logger = logging.getLogger(__name__)
 
 #: The longest a rank's report waits for the rank's report of the step before (see the module).
 REPORT_ORDER_WAIT_S = 30.0
+#: Ray restarts a dead policy actor this often (-1: always). Each rebuild costs the run the worker
+#: group it fails, one of ``cluster.max_failures``, which bounds them.
+MAX_RESTARTS = -1
+#: The supervisor's calls that a recovery waits on, retried on the rebuilt actor (each gives the same
+#: result twice). A rank's report is not: the old process's answer is gone.
+_RETRIED = ray.method(max_task_retries=-1)
+
+
+class PolicyActorLost(RuntimeError):
+    """A rank's report was answered by no live policy actor (its process died, or was rebuilt and
+    not restarted yet): this rank's group fails and is recovered, as after a lost peer."""
+
+
+def _was_rebuilt() -> bool:
+    """Whether Ray restarted this actor's process (``max_restarts``); False outside an actor."""
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # (Ray 2.60's property reads its own deprecated ``actor_id``)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)
 
 
 @ray.remote(num_cpus=0)
@@ -81,6 +120,13 @@ class PolicyActor:
         budget = write_budget if write_budget is not None and write_budget.enabled else None
         self._drain = DrainBudget(budget) if budget is not None else None
         self._clock = StepClock(budget.ema if budget is not None else 0.0)
+        self.rebuilt = _was_rebuilt()
+        """Ray restarted this actor and the supervisor has not restarted it since: it knows nothing of the run."""
+        if self.rebuilt:
+            logger.error(
+                "the policy actor's process died and Ray started this one: it refuses the current group's "
+                "reports (the group is recovered) until the supervisor restarts it for the next group"
+            )
 
     async def report(
         self,
@@ -93,7 +139,11 @@ class PolicyActor:
     ) -> dict[str, Any] | None:
         """This rank's drift for ``step`` (``measured`` false: none measured, ``drift_every``);
         returns the step's decision (as JSON) once all ranks are in, or ``None`` if the worker
-        group was restarted before they were."""
+        group was restarted before they were; ``{"refused": why}`` from a rebuilt actor."""
+        if self.rebuilt:
+            return {
+                "refused": f"the policy actor was rebuilt after its process died; rank {rank}'s step {step} is undecided"
+            }
         group = self._group
         if not await self._in_turn(rank, step, group):
             return None  # held for a group that was lost meanwhile
@@ -189,19 +239,25 @@ class PolicyActor:
         for old in [s for s in self._plans if s < step]:
             del self._plans[old]
 
-    def last_complete_step(self) -> int:
-        return self.service.last_complete_step
+    @_RETRIED
+    def last_complete_step(self) -> int | None:
+        """The last step every rank reported; ``None`` on a rebuilt actor (it lost its count)."""
+        return None if self.rebuilt else self.service.last_complete_step
 
     def settled(self, layer: str, version_step: int) -> None:
         """The supervisor: this version of ``layer`` committed or never will (see ``PersistGate``)."""
         self.service.settled(layer, version_step)
 
+    @_RETRIED
     def request_stop(self, reason: str) -> None:
         """Ask every rank to stop after the same step (Ctrl-C on the driver, a staleness breach)."""
         self.service.request_stop(reason)
 
+    @_RETRIED
     def restart(self, world_size: int, resume_after: int, persisted_steps: Mapping[str, int]) -> None:
-        """A new worker group: release waiters of the lost attempt and rebase the policy."""
+        """A new worker group: release waiters of the lost attempt and rebase the policy (a
+        rebuilt actor: its state from the versions the group resumes from, as after any loss)."""
+        self.rebuilt = False
         for event in self._ready.values():
             event.set()
         self._ready.clear()

@@ -25,6 +25,7 @@ import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
+from layercheck.orchestrator.runtime.policy_actor import PolicyActorLost
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
 from layercheck.workers import collective_abort
@@ -164,6 +165,8 @@ class RayCoordinator:
         data = self._answer(answer if isinstance(answer, Future) else answer.future(), step)
         if data is None:
             return None
+        if data.get("refused"):  # a rebuilt policy actor: it decides nothing for this group
+            raise PolicyActorLost(f"rank {self.rank}: {data['refused']}: this group is recovered")
         self._stop = self._stop or bool(data.get("stop"))
         self._plan = {d.step: d for d in map(PersistDecision.from_json, data.get("plan", ()))}
         return PersistDecision.from_json(data)
@@ -174,14 +177,21 @@ class RayCoordinator:
         left: this rank then waits outside any collective, where nothing fails. It raises
         :class:`PeerLost` once the rank is told a peer is gone (by Ray Train's controller,
         :mod:`layercheck.workers.collective_abort`), as its next step would, and a ``TimeoutError``
-        after :data:`DECISION_TIMEOUT_S` if it is never told."""
+        after :data:`DECISION_TIMEOUT_S` if it is never told. A call that died with the policy
+        actor's process raises :class:`PolicyActorLost`: the group is recovered (``policy_actor.py``)."""
         deadline = time.monotonic() + DECISION_TIMEOUT_S
         while not wait_for([answer], timeout=RELEASE_POLL_S).done:
             if lost := collective_abort.peer_lost():
                 raise PeerLost(f"rank {self.rank}: no decision for step {step}, and a peer is gone ({lost})")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rank {self.rank}: no decision for step {step} in {DECISION_TIMEOUT_S:g}s")
-        return answer.result()
+        try:
+            return answer.result()
+        except (RayActorError, ActorUnavailableError) as error:
+            raise PolicyActorLost(
+                f"rank {self.rank}: the policy actor died before it answered step {step} "
+                f"({type(error).__name__}): this group is recovered"
+            ) from error
 
     def stop_requested(self) -> bool:
         """The last decision carried the run's request to stop (same on every rank)."""

@@ -11,6 +11,9 @@ retried. Once training began, every failure is LayerCheck's to recover; so is a 
 version of its composite corrupt (a ``--resume`` whose newest version of a layer has a damaged
 tensor): the rank reported the version before it raised, and the retry's plan skips it
 (``RunSupervisor.worth_retrying``), as a live recovery's does.
+
+A supervisor found dead here ends the run too (:class:`SupervisorLost`): a new group could not
+join it, so every retry would fail the same way (``supervisor_loss.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Mapping
 
 import ray
 
+from layercheck.orchestrator.runtime.policy_actor import PolicyActorLost
+from layercheck.orchestrator.runtime.supervisor_loss import SupervisorLost, lost_reason, supervisor_died
 from layercheck.orchestrator.runtime.train_report import user_callback_base
 
 logger = logging.getLogger(__name__)
@@ -42,8 +47,8 @@ class SetupError(RuntimeError):
 def peer_gone(error: BaseException) -> bool:
     """``error`` says a process went away (the worker itself, or a peer of its collective)
     rather than what the worker's own code did wrong."""
-    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return True
+    if isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, PolicyActorLost)):
+        return True  # (the policy actor's process: it is rebuilt, and the group recovered)
     try:
         import torch.distributed
 
@@ -72,7 +77,8 @@ def setup_failure(worker_exceptions: Mapping[int, BaseException]) -> str | None:
 
 class SetupErrorsEndTheRun(user_callback_base()):  # type: ignore[misc]
     """Runs in Ray Train's controller: raising from its hook makes the worker errors a
-    non-retryable controller error, so ``fit`` ends with :class:`SetupError`."""
+    non-retryable controller error, so ``fit`` ends with :class:`SetupError` (or
+    :class:`SupervisorLost`, when the supervisor is dead)."""
 
     def __init__(self, supervisor: ray.actor.ActorHandle) -> None:
         self.supervisor = supervisor
@@ -81,6 +87,10 @@ class SetupErrorsEndTheRun(user_callback_base()):  # type: ignore[misc]
         try:
             retry = bool(ray.get(self.supervisor.worth_retrying.remote(), timeout=10))
         except Exception as error:  # noqa: BLE001 - unknown: leave it to Ray Train's retries
+            if supervisor_died(error):  # no new group could join it: end the run, do not retry
+                lost = lost_reason(None)
+                logger.error("LAYERCHECK: %s", lost)
+                raise SupervisorLost(lost) from None
             logger.warning("cannot ask the supervisor whether a retry would differ (%s): Ray Train retries", error)
             return
         if retry:

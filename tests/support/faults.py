@@ -50,6 +50,12 @@ class FaultPlan:
     that rank; in place, the others keep their processes."""
     kill_writer_at_step: int = 0
     """After this step, rank 0 kills its persistence writer actor, once (0: never)."""
+    kill_policy_actor_at_step: int = 0
+    """After this step, rank 0 SIGKILLs the run's policy actor's process, once (0: never), as
+    ``kill -9`` of ``ray::PolicyActor`` would: Ray rebuilds it, and the group is recovered."""
+    kill_supervisor_at_step: int = 0
+    """After this step, rank 0 SIGKILLs the run's supervisor actor's process, once (0: never): its
+    writers die with it, and the run ends."""
     fail_in_place_recovery: bool = False
     """With ``cluster.in_place`` and a killed rank: the survivors' first recovery in their own
     process raises before it loads the composite, as a load that fails once would (the ranks other
@@ -73,6 +79,8 @@ class FaultPlan:
         require(self.kill_rank >= 0, "kill_rank", ">= 0", self.kill_rank)
         require(self.kill_all_ranks_at_step >= 0, "kill_all_ranks_at_step", ">= 0", self.kill_all_ranks_at_step)
         require(self.kill_writer_at_step >= 0, "kill_writer_at_step", ">= 0", self.kill_writer_at_step)
+        for name in ("kill_policy_actor_at_step", "kill_supervisor_at_step"):
+            require(getattr(self, name) >= 0, name, ">= 0", getattr(self, name))
         require_finite(self)
         require(self.stall_writes_s >= 0, "stall_writes_s", ">= 0", self.stall_writes_s)
         require(self.stall_writes_after_step >= 0, "stall_writes_after_step", ">= 0", self.stall_writes_after_step)
@@ -102,6 +110,10 @@ class FaultPlan:
             ray.kill(coordinator.writer)
         if step == self.kill_all_ranks_at_step:  # every rank's hand-over is out before any dies
             die_after_step(rank, step, coordinator, barrier=True)
+        if rank == 0 and step == self.kill_policy_actor_at_step:
+            sigkill_actor(coordinator.policy, "policy actor", step, coordinator)
+        if rank == 0 and step == self.kill_supervisor_at_step:
+            sigkill_actor(coordinator.supervisor, "supervisor", step, coordinator)
 
     def _joined(self, *, rank: int, attempt: int, incarnation: int) -> None:
         if self.fail_in_place_recovery and incarnation == 1 and rank != self.kill_rank:
@@ -117,6 +129,17 @@ class FaultPlan:
 
             logger.warning("fault injection: writer %s stalls %gs in its write of %s", writer, stall, path)
             time.sleep(stall)
+
+
+def sigkill_actor(actor: Any, what: str, step: int, coordinator: Any) -> None:
+    """SIGKILL ``actor``'s process (on this machine: the test's local Ray) once this rank's report
+    and progress of ``step`` have left it."""
+    import ray
+
+    coordinator.wait_sent(10)
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    logger.warning("fault injection: rank 0 SIGKILLs the %s (pid %d) after step %d", what, pid, step)
+    os.kill(pid, signal.SIGKILL)
 
 
 class PlannedFaults:

@@ -291,3 +291,107 @@ def test_a_run_whose_lease_was_taken_over_commits_nothing_more_and_stops(tmp_pat
     assert status["stop_reason"].startswith(LEASE_LOST) and "second" in status["stop_reason"]
     assert run.lease_lost and service.stop_reason == status["stop_reason"]
     assert run.commits.commit_retries == 0, "a commit refused for a lost lease was retried"
+
+
+class RebuiltPolicy(LocalPolicy):
+    """A policy actor as the supervision sees it across a rebuild (``policy_actor.py``): after
+    :meth:`rebuild` (its process died, Ray started a new one with the same arguments) its state is
+    a fresh service's, and its count is unknown until the supervisor restarts it."""
+
+    def __init__(self, service):
+        super().__init__(service)
+        self.lost_count = False
+
+    def rebuild(self):
+        self.service, self.lost_count = policy_service(), True
+
+    def last_complete_step(self):
+        return None if self.lost_count else super().last_complete_step()
+
+    def restart(self, **kwargs):
+        self.lost_count = False
+        super().restart(**kwargs)
+
+
+def progress(run, steps):
+    """Rank 0's progress after each of ``steps``."""
+    from layercheck.workers.progress import StepProgress
+
+    for step in steps:
+        run.progress(StepProgress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0))
+
+
+def make_rebuildable(store, writers):
+    policy = RebuiltPolicy(policy_service())
+    run = RunSupervisor(
+        run_id="r",
+        store=store,
+        layer_numel=NUMEL,
+        policy=policy,
+        writers=writers,
+        config=SupervisionConfig(drain_deadline_s=5.0, commit_backoff_s=0.5),
+    )
+    writers.run = run
+    return run, policy
+
+
+def test_a_group_whose_policy_actor_was_rebuilt_is_recovered_after_rank_0s_last_step(store):
+    """The policy actor's process died after step 5 and Ray rebuilt it: its count is gone, and the
+    group fails at its next answer. The new group is recovered after step 5, the last step rank 0
+    reported (every rank passed its collectives), from what the store holds; the rebuilt actor is
+    rebased there and decides the new group's steps; a stop the run had asked for still holds."""
+    writers = Writers()
+    run, policy = make_rebuildable(store, writers)
+    run.join(0, 2, "a0"), run.join(1, 2, "a1")
+    train(policy.service, range(1, 6))
+    progress(run, range(1, 6))
+    persist_all(run, store, 3)
+    run.request_stop("interrupted (Ctrl-C)")
+    policy.rebuild()
+    resume = run.join(0, 2, "b0")
+    assert run.join(1, 2, "b1") == resume
+    assert (resume.attempt, resume.start_step) == (2, 6) and {r.step for r in resume.records.values()} == {3}
+    (recovery,) = run.status()["account"]["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"]) == (5, 6)
+    assert policy.last_complete_step() == 5 and policy.service.last_complete_step == 5  # rebased
+    assert policy.service.stopping(6), "the rebuilt policy forgot the run's stop"
+    train(policy.service, [6])
+    assert policy.service.decision(6) is not None
+
+
+def test_a_survivors_capture_one_step_past_rank_0s_last_report_is_taken_after_a_rebuild(store):
+    """Rank 0 reported step 5; every rank then finished step 6 and failed reading the dead actor's
+    answer, capturing its state at step 6: the recovery is at step 6, as after a lost peer."""
+    writers = Writers()
+    run, policy = make_rebuildable(store, writers)
+    run.join(0, 2, "a0"), run.join(1, 2, "a1")
+    train(policy.service, range(1, 6))
+    progress(run, range(1, 6))
+    persist_all(run, store, 3)
+    for layer in LAYERS:  # each rank's slices at step 6 (both survived)
+        state = layer_state(PARAMS, seed=60)
+        shards = cut_shards(layer, 6, PARAMS, state, even_cuts(42, 2))
+        store.commit([store.write_shard(shard, origin="capture") for shard in shards], partial=True)
+    policy.rebuild()
+    resume = run.join(0, 2, "b0", captured_step=6)
+    assert resume.start_step == 7 and {o.step for layer in resume.overlays.values() for o in layer} == {6}
+    assert policy.service.last_complete_step == 6
+
+
+def test_a_policy_actor_rebuilt_again_before_the_new_group_reports_recovers_at_the_same_step(store):
+    """Rebuilt once, recovered after step 5; rebuilt again before the new group's rank 0 reported a
+    step: the next recovery is again after step 5 (the rebase point), not after the lost group's steps."""
+    writers = Writers()
+    run, policy = make_rebuildable(store, writers)
+    run.join(0, 2, "a0"), run.join(1, 2, "a1")
+    train(policy.service, range(1, 8))
+    progress(run, range(1, 8))
+    persist_all(run, store, 5)
+    run.join(0, 2, "b0", captured_step=None)  # a lost peer: recovered after step 7 (the policy's count)
+    run.join(1, 2, "b1")
+    policy.rebuild()
+    third = run.join(0, 2, "c0")
+    assert third.start_step == 8
+    progress(run, [8, 9])
+    policy.rebuild()
+    assert run.join(0, 2, "d0").start_step == 10
