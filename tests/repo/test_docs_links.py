@@ -6,7 +6,9 @@
   URL, no absolute path, nothing that resolves outside the checkout (``../shared/DESIGN.md``).
 * docs/performance.md holds, between its markers, what ``python -m layercheck.bench.render_readme``
   generates from the committed results now.
-* Every figure of the README's results table is one that docs/performance.md states.
+* docs/README.md, the documentation's index, links every page under docs/.
+
+Figures quoted from bench/results/ are checked against their files in ``test_docs_figures.py``.
 """
 
 import re
@@ -129,15 +131,13 @@ def test_the_performance_page_holds_what_the_generator_makes_now():
     )
 
 
-def _results_table(readme: str) -> str:
-    section = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-    return "\n".join(line for line in section.splitlines() if line.startswith("|"))
+def unindexed(index: Path) -> list[str]:
+    """The pages beside ``index`` (docs/*.md) that it does not link."""
+    linked = {(index.parent / unquote(t.partition("#")[0])).resolve() for t in links(index.read_text())}
+    return [p.name for p in sorted(index.parent.glob("*.md")) if p != index and p.resolve() not in linked]
 
 
-def test_every_figure_of_the_readmes_results_table_is_on_the_performance_page():
-    table = _results_table((REPO / "README.md").read_text())
-    figures = re.findall(r"\d+(?:[.,]\d+)+(?: ?(?:x|×|%|s|ms|GiB))?", table)
-    assert len(figures) > 15, "the README's results table is where this test looks"
-    performance = (REPO / render_readme.DEFAULT_PAGE).read_text()
-    missing = [f for f in figures if f not in performance]
-    assert not missing, f"README's results quote figures docs/performance.md does not state: {missing}"
+def test_the_docs_index_links_every_page_under_docs():
+    index = REPO / "docs" / "README.md"
+    assert len(list(index.parent.glob("*.md"))) > 10, "docs/ is where this test looks"
+    assert not unindexed(index), f"docs/README.md does not link {unindexed(index)}: add each to its index"
