@@ -298,9 +298,7 @@ def _hook_probe(
         )
         for name, ps in by_layer.items()
     }
-    layout = StateLayout(
-        stage=0, rank=0, world_size=1, layers=layers, layer_map=layer_map, engine=None, optimizer=optimizer
-    )
+    layout = StateLayout(stage=0, rank=0, world_size=1, layers=layers, layer_map=layer_map, optimizer=optimizer)
     return StepHookProbe(layout, every=every, fused=fused)
 
 

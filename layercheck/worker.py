@@ -1,12 +1,21 @@
-"""Worker side: attach LayerCheck to the DeepSpeed engine of your own training loop.
+"""Worker side: attach LayerCheck to the engine of your own training loop.
 
-Inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
+Inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``, with DeepSpeed::
 
     engine, *_ = deepspeed.initialize(model=model, config=ds_config, ...)
     lc = layercheck.attach(engine)            # a restarted worker group: loads the composite first
     for step in range(lc.start_step, total_steps + 1):
         loss = my_loss(engine, batch_at(step)); engine.backward(loss); engine.step()
         lc.after_step(step, loss=loss)        # drift report, the decision, snapshots
+    lc.finish()
+
+or with FSDP2 (``fully_shard`` on each decoder layer, then the root, over a 1-D mesh)::
+
+    lc = layercheck.attach(model, optimizer, lr_scheduler=scheduler)
+    for step in range(lc.start_step, total_steps + 1):
+        loss = my_loss(model, batch_at(step)); loss.backward(); optimizer.step(); scheduler.step()
+        optimizer.zero_grad()
+        lc.after_step(step, loss=loss)
     lc.finish()
 
 Steps count from 1: ``after_step(t)`` follows the ``t``-th optimizer step. The per-step protocol
@@ -35,7 +44,7 @@ from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.configs import schedule_warnings
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec
 from layercheck.workers import collective_abort
-from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
+from layercheck.workers.attached import AttachedEngine, attach_engine
 from layercheck.workers.loop import LoopResult, StepProtocol
 
 logger = logging.getLogger(__name__)
@@ -68,7 +77,7 @@ class Attachment:
         self._protocol = protocol
         self._kill = kill
         self._next_step = start_step
-        self._lr = current_lr(attached.engine)
+        self._lr = attached.adapter.current_lr()
         self._since = time.monotonic()
         self._finished = False
         self.start_step = start_step
@@ -95,11 +104,12 @@ class Attachment:
                 f"after_step({step}): expected step {self._next_step} (call it once after each "
                 "optimizer step, counting from lc.start_step)"
             )
-        engine_step = int(self._attached.engine.global_steps)
+        engine_step = self._attached.adapter.steps_taken()
         if engine_step != step:
             raise ValueError(
                 f"after_step({step}) but the engine has taken {engine_step} optimizer steps: call it "
-                "after engine.step() at a gradient-accumulation boundary, once per optimizer step"
+                "after the optimizer step (DeepSpeed: engine.step() at a gradient-accumulation boundary; "
+                "FSDP2: optimizer.step()), once per optimizer step"
             )
         compute_s = time.monotonic() - self._since
         drift = self._attached.probe.collect(step)
@@ -107,7 +117,7 @@ class Attachment:
         self._protocol.after_step(step, drift, loss=value, lr=self._lr, compute_s=compute_s)
         self._kill(step)
         self._next_step = step + 1
-        self._lr = current_lr(self._attached.engine)  # the rate the next step will use
+        self._lr = self._attached.adapter.current_lr()  # the rate the next step will use
         self._since = time.monotonic()
 
     def check_steps(self, total_steps: int) -> list[str]:
@@ -148,16 +158,32 @@ class Attachment:
             self.finish()
 
 
-def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: str | None = None) -> Attachment:
-    """Attach LayerCheck to ``engine`` (what ``deepspeed.initialize`` returned: any ZeRO stage,
-    your own DeepSpeed config, an Adam-family optimizer with any param groups) inside a
-    :class:`layercheck.LayerCheckTrainer` run. Every rank calls it, after ``deepspeed.initialize``
-    and before the first step. On a restarted worker group it first loads the composite and moves
-    the engine (step counters, ``engine.lr_scheduler``) to ``start_step - 1``.
+def attach(
+    engine: Any,
+    optimizer: Any = None,
+    *,
+    lr_scheduler: Any = None,
+    layer_map: LayerMapSpec | None = None,
+    drift_probe: str | None = None,
+) -> Attachment:
+    """Attach LayerCheck to your loop's engine inside a :class:`layercheck.LayerCheckTrainer` run:
+
+    - DeepSpeed: ``attach(engine)``, what ``deepspeed.initialize`` returned (any ZeRO stage, your own
+      DeepSpeed config, an Adam-family optimizer with any param groups);
+    - FSDP2: ``attach(model, optimizer, lr_scheduler=scheduler)``, a model sharded with
+      ``fully_shard`` (each decoder layer, then the root) over a 1-D mesh of all ranks, torch's
+      ``Adam``/``AdamW`` (foreach or fused, any param groups), the scheduler optional (one you
+      step once per optimizer step; LayerCheck moves it on a recovery).
+
+    Every rank calls it, after the engine is built and before the first step. On a restarted worker
+    group it first loads the composite and moves the engine (its step count and scheduler) to
+    ``start_step - 1``.
 
     ``layer_map`` / ``drift_probe`` override the trainer's :class:`layercheck.CheckpointConfig`.
     Raises before training: ``UnplacedParameterError`` (parameters no layer holds: pass a
     ``layer_map``), ``UnsupportedOptimizerError`` (not an Adam-family optimizer),
+    ``UnsupportedShardingError`` (FSDP1, a model not sharded with ``fully_shard``, a placement other
+    than ``Shard(0)`` on a 1-D mesh),
     :class:`LayerMismatchError` (not the model the trainer was given: other layer sizes, or other
     config fields than the run's ``model.json`` records, e.g. the attention heads).
     """
@@ -169,12 +195,14 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
         )
     attached = attach_engine(
         engine,
+        optimizer,
+        lr_scheduler=lr_scheduler,
         layer_map=layer_map if layer_map is not None else ctx.layer_map,
         drift_probe=drift_probe or ctx.drift_probe,
         drift_every=ctx.policy.drift_every if ctx.policy is not None else 1,
     )
     _check_layers(attached.layer_map, ctx.layer_numel)
-    _check_recorded_model(engine, ctx.storage_uri)
+    _check_recorded_model(attached.adapter.module, ctx.storage_uri)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     names = RunNames(ctx.run_id)
     supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
@@ -182,7 +210,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     runtime = ray.get_runtime_context()
     incarnation = context.incarnation()
     worker_id = incarnation.worker_id(runtime.get_actor_id() or f"pid{os.getpid()}")
-    resume = ray.get(supervisor.join.remote(rank, world_size, worker_id))
+    resume = ray.get(supervisor.join.remote(rank, world_size, worker_id, attached.adapter.kind))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
     start = RankStart(
@@ -202,7 +230,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
             overlays=resume.overlays,
             start=start,
         )
-        seek_engine(attached.engine, resume.start_step - 1)
+        attached.adapter.seek(resume.start_step - 1)
         attached.probe.reset(resume.start_step)  # it measures the steps a run without the failure would
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
     elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
@@ -224,7 +252,7 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     protocol = StepProtocol(attached.layout, coordinator, rank=rank, abort=abort)
     context.on_failure(protocol.on_failure)  # the loop raised (a peer died): hand over what this rank holds
     if ctx.in_place:  # then release the engine: this process builds the next one (LayerCheckTrainer's in_place)
-        context.on_failure(lambda error: _destroy(attached.engine))
+        context.on_failure(lambda error: _release(attached))
     incarnation.attached = True
     if resume.records is None:  # from scratch: LayerCheck cannot rebuild what this loop built, so it keeps it
         protocol.hand_over_initial()
@@ -240,20 +268,20 @@ def attach(engine: Any, *, layer_map: LayerMapSpec | None = None, drift_probe: s
     )
 
 
-def _destroy(engine: Any) -> None:
+def _release(attached: AttachedEngine) -> None:
     """Best effort: the engine of a loop that raised, before its process leaves the group."""
     try:
-        engine.destroy()
+        attached.adapter.release()
     except Exception as error:  # noqa: BLE001 - the group is broken: what is left goes with it
         logger.info("destroying the engine after the loop raised: %r", error)
 
 
-def _check_recorded_model(engine: Any, storage_uri: str) -> None:
+def _check_recorded_model(model: torch.nn.Module, storage_uri: str) -> None:
     """The engine's model against the run's ``model.json`` (the driver's ``model=``), config field by
     field: heads of another size can give every layer the same parameter count, and the composite
     would load into a model other than the one the store records (and exports). Before this rank
     joins the run, so a refused attach writes nothing."""
-    changes = recorded_model_changes(StoreFS.open(storage_uri), getattr(engine, "module", engine))
+    changes = recorded_model_changes(StoreFS.open(storage_uri), model)
     if changes:
         raise LayerMismatchError(
             f"the engine's model is not the one the run in {redact_uri(storage_uri)} records in {MODEL_FILE} "

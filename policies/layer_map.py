@@ -35,6 +35,19 @@ _NORM = re.compile(r"(?:^|\.)(norm|ln_f|final_layer_norm|final_layernorm|final_n
 _HEAD = re.compile(r"(?:^|\.)(lm_head|embed_out)\.|^output\.")
 
 
+#: Module wrappers whose attribute is no part of a parameter's name in a checkpoint, stripped from
+#: every name LayerCheck records, whichever engine ran: torch.compile's ``OptimizedModule``
+#: (``_orig_mod.``) and activation checkpointing's wrapper (``_checkpoint_wrapped_module.``), as torch's
+#: own checkpointing strips them. A peft model's prefix (``base_model.model.``) is kept: it is part of
+#: the adapter's own names, which a LoRA export writes.
+WRAPPER_SEGMENTS: tuple[str, ...] = ("_orig_mod", "_checkpoint_wrapped_module")
+
+
+def canonical_name(name: str) -> str:
+    """``name`` without the wrappers' segments (:data:`WRAPPER_SEGMENTS`)."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
 class UnplacedParameterError(ValueError):
     """Parameters whose names fit none of the layers."""
 
@@ -232,7 +245,7 @@ def trainable_only(layer_map: LayerMap, trainable: Iterable[str]) -> LayerMap:
 def layer_map_of(model: _HasNamedParameters) -> LayerMap:
     """The layer map of a live model (anything with ``named_parameters()``), trainable only.
     Layers are placed over all parameters first, so freezing some blocks leaves the others' numbers."""
-    params = list(model.named_parameters())
+    params = [(canonical_name(name), param) for name, param in model.named_parameters()]
     full = build_layer_map((name, tuple(param.shape)) for name, param in params)
     return trainable_only(full, (name for name, param in params if param.requires_grad))
 
@@ -275,8 +288,9 @@ def _by_prefix(spec: Mapping[str, Sequence[str]]) -> Callable[[str], str | None]
 
 def model_layer_map(model: _HasNamedParameters, spec: LayerMapSpec | None = None) -> LayerMap:
     """The layer map of a live model's trainable parameters: by ``spec`` if given, else by name.
-    Shapes are the full ones also under ZeRO-3, where a module's parameters are empty partitions."""
-    named = list(model.named_parameters())
+    Shapes are the full ones also under ZeRO-3, where a module's parameters are empty partitions
+    (and FSDP2's DTensors report theirs); names are :func:`canonical_name`'s."""
+    named = [(canonical_name(name), param) for name, param in model.named_parameters()]
     trainable = [name for name, param in named if param.requires_grad]
     if spec is not None:
         keep = set(trainable)

@@ -3,8 +3,8 @@
 # local `ray start --head`:
 #   1. `ray job submit -- layercheck train` (the demo, shortened, with an injected failure,
 #      recovered in place by a warm spare);
-#   2. `ray job submit -- python examples/own_loop.py` (the Python API in the user's own loop,
-#      recovered in place);
+#   2. `ray job submit -- python examples/own_loop_fsdp2.py` (the Python API in the user's own
+#      PyTorch FSDP2 loop, recovered in place; the DeepSpeed one: tests/e2e/test_own_loop.py);
 #   3. a driver on the head with RAY_ADDRESS unset (what `layercheck train` does first): it joins
 #      the running cluster instead of starting its own.
 #   scripts/check_job_submit.sh [STORAGE_DIR]    # each run's store is a folder below it
@@ -70,10 +70,10 @@ submit --working-dir . -- \
   --set fault.kill_at_step=8 --set cluster.in_place=true --set cluster.spares=1 --set "storage=$STORAGE/demo"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/demo" >/dev/null
 
-echo "== 2. ray job submit: your own loop (examples/own_loop.py), the API's default schedule, in place"
+echo "== 2. ray job submit: your own FSDP2 loop (examples/own_loop_fsdp2.py), the API's default schedule, in place"
 # (period 100: no layer is saved by the policy before the failure; attach's step-0 versions protect it)
 submit --working-dir . -- \
-  "$PY" examples/own_loop.py --steps 12 --period 100 --kill-at-step 6 --in-place --storage "$STORAGE/own-loop"
+  "$PY" examples/own_loop_fsdp2.py --steps 12 --period 100 --kill-at-step 6 --in-place --storage "$STORAGE/own-loop"
 "$PY" -m layercheck.orchestrator.cli.main inspect "$STORAGE/own-loop" >/dev/null
 "$PY" -m layercheck.orchestrator.cli.main export "$STORAGE/own-loop" --format hf --out "$STORAGE/own-loop-hf"
 

@@ -1,7 +1,7 @@
 """Typed, validated configuration of one worker's training engine.
 
 Three small frozen dataclasses, one per concern: which model (``ModelConfig``), how the
-optimizer and its learning-rate schedule behave (``OptimConfig``) and how DeepSpeed runs it
+optimizer and its learning-rate schedule behave (``OptimConfig``) and which engine runs it and how
 (``EngineConfig``). Every bad value raises at construction with a message naming the field,
 so a typo in a run file fails on the driver, not half-way through a distributed start.
 """
@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 Schedule = Literal["cosine", "linear", "constant"]
 Precision = Literal["fp32", "bf16"]
+Backend = Literal["deepspeed", "fsdp2"]
 
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 #: How DriftAdamW computes a measured step: ``foreach`` (torch's step, then the L1 of what it moved),
@@ -28,6 +29,7 @@ SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
 DRIFT_STEPS: tuple[str, ...] = ("auto", "foreach", "fused")
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16")
 ZERO_STAGES: tuple[int, ...] = (0, 1, 2, 3)
+BACKENDS: tuple[str, ...] = ("deepspeed", "fsdp2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,10 +130,16 @@ _UNSET = object()
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """How DeepSpeed runs the model: ZeRO stage, precision, batch shape and clipping."""
+    """Which engine runs the model and how: DeepSpeed's ZeRO stage or FSDP2, precision, batch
+    shape and clipping."""
 
+    backend: Backend = "deepspeed"
+    """``deepspeed`` (ZeRO ``zero_stage``) or ``fsdp2`` (PyTorch's ``fully_shard`` on each decoder
+    layer and the root over a 1-D mesh of all ranks; bf16 through FSDP's ``MixedPrecisionPolicy``
+    over fp32 sharded masters)."""
     zero_stage: int = 0
-    """DeepSpeed ZeRO stage, 0-3 (3 shards weights, gradients and optimizer state)."""
+    """DeepSpeed ZeRO stage, 0-3 (3 shards weights, gradients and optimizer state); with
+    ``backend = "fsdp2"`` unset or 3 (FSDP2 always shards like ZeRO-3)."""
     precision: Precision = "fp32"
     """Model compute dtype; optimizer master weights and moments are fp32 in both cases."""
     micro_batch: int = 1
@@ -145,6 +153,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         require_finite(self)
+        require(self.backend in BACKENDS, "backend", f"one of {BACKENDS}", self.backend)
+        if self.backend == "fsdp2":
+            # FSDP2 shards weights, gradients and optimizer state as ZeRO-3 does: 3 says so, 0 is the default
+            require(self.zero_stage in (0, 3), "zero_stage", 'unset or 3 with backend = "fsdp2"', self.zero_stage)
+            require(
+                not self.extra_ds_config, "extra_ds_config", 'empty with backend = "fsdp2"', dict(self.extra_ds_config)
+            )
         require(self.zero_stage in ZERO_STAGES, "zero_stage", f"one of {ZERO_STAGES}", self.zero_stage)
         require(self.precision in PRECISIONS, "precision", f"one of {PRECISIONS}", self.precision)
         require(self.micro_batch >= 1, "micro_batch", "at least 1", self.micro_batch)

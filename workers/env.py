@@ -120,35 +120,28 @@ def reach_store(host: str, port: int, world_size: int, timeout_s: float) -> torc
     return torch.distributed.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def init_distributed(store: torch.distributed.Store | None = None) -> None:
-    """Join (or create) the default process group DeepSpeed will use: through ``store`` if given
+def init_distributed(store: torch.distributed.Store | None = None, *, engine: str = "deepspeed") -> None:
+    """Join (or create) the default process group the engine will use: through ``store`` if given
     (with ``RANK`` and ``WORLD_SIZE`` from the environment; every rank of the group passes one,
-    :func:`serve_store`, :func:`reach_store`), else ``env://``.
-
-    A process that left an earlier group (an in-place recovery's survivor) keeps DeepSpeed's
-    communication backend object, which reads the group from torch.distributed on every call: it
-    forms only torch's group. DeepSpeed's inference-only CPU communication op is never built
-    (:func:`~layercheck.workers.ds_internals.skip_inference_comm_op`), also where torch's group
-    was formed before (by Ray Train) and ``deepspeed.initialize`` starts DeepSpeed's backend."""
+    :func:`serve_store`, :func:`reach_store`), else ``env://``. ``engine="deepspeed"`` (also for a
+    user's loop, whose engine is not known yet) also starts DeepSpeed's communication backend over
+    it (:func:`layercheck.workers.engines.deepspeed.join_group`); ``"fsdp2"``: torch's group only."""
     prepare_environment()
-    from layercheck.workers import ds_internals
+    if engine == "deepspeed":
+        from layercheck.workers.engines.deepspeed import join_group
 
-    # late: must follow prepare_environment; and before DeepSpeed's backend starts, even over a
-    # group Ray Train formed (then deepspeed.initialize starts it)
-    ds_internals.skip_inference_comm_op()
+        join_group(store)
+        return
+    form_group(store)
+
+
+def form_group(store: torch.distributed.Store | None) -> None:
+    """torch's default group through ``store`` (``RANK``/``WORLD_SIZE`` from the environment), or
+    ``env://``; nothing if one is formed already (by Ray Train)."""
     if torch.distributed.is_initialized():
         return
-    from deepspeed import comm
-
-    fresh = comm.cdb is None
-    if fresh:
-        check_build_locks()
     if store is not None:
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         torch.distributed.init_process_group(backend=comm_backend(), store=store, rank=rank, world_size=world_size)
-    elif not fresh:
+    else:
         torch.distributed.init_process_group(backend=comm_backend(), init_method="env://")
-    if fresh:  # DeepSpeed's backend object, over torch's group if formed above
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=comm_backend(), auto_mpi_discovery=False)

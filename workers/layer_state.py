@@ -113,7 +113,7 @@ def snapshot_layers(
     joined once at the end (``join=False``: not joined; the caller orders them by an event, see
     :mod:`layercheck.workers.snapshot_copy`). Release the shards to ``pool`` when they are written.
     """
-    step = int(layout.engine.global_steps) if step is None else step
+    step = layout.steps_taken() if step is None else step
     shards = []
     on_device = False
     for name in layers:

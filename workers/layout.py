@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from layercheck.policies.layer_map import LayerMap
-from layercheck.workers import ds_internals, optim_state
+from layercheck.policies.layer_map import LayerMap, canonical_name
 from layercheck.workers.shard import ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -62,22 +61,36 @@ class LayerLayout:
         return sum(p.slice.length for p in self.owned)
 
 
+def _no_refresh(layers: Sequence[str]) -> None:
+    """For a forward that reads the masters themselves (no separate compute copy)."""
+
+
+def _untrained() -> int:
+    return 0
+
+
 @dataclass(frozen=True, eq=False)
 class StateLayout:
-    """Every layer's :class:`LayerLayout`, in model order, and the engine it describes."""
+    """Every layer's :class:`LayerLayout`, in model order, on this rank: what the snapshot, the
+    restore and the drift probe read, whichever engine built it (:mod:`layercheck.workers.engines`)."""
 
     stage: int
-    """The ZeRO stage; 3 for FSDP2, partitioned alike (a rank owns and needs exactly its shard)."""
+    """How the state is split: 0 replicated (DeepSpeed ZeRO-0: a rank owns a ``1/world_size``
+    slice of each parameter but needs it whole), else partitioned (ZeRO 1-3, FSDP2 as 3: a rank
+    owns and needs exactly its shard)."""
     rank: int
     world_size: int
     layers: Mapping[str, LayerLayout]
     layer_map: LayerMap
-    engine: Any
     optimizer: Any
-    """The client optimizer (the one DeepSpeed steps): an Adam-family one, see :mod:`layercheck.workers.optim_state`."""
-    refresh: Callable[[Sequence[str]], None] | None = None
-    """How the forward comes to read masters a restore wrote, given the layers restored (another
-    engine's way, :mod:`layercheck.workers.engines`); ``None``: DeepSpeed's, by ZeRO stage."""
+    """The client optimizer (the one the engine steps): an Adam-family one, see :mod:`layercheck.workers.optim_state`."""
+    steps_taken: Callable[[], int] = _untrained
+    """The optimizer steps the engine has taken (a snapshot's step, a restore's check of a fresh engine)."""
+    refresh: Callable[[Sequence[str]], None] = _no_refresh
+    """How the forward comes to read masters a restore wrote, given the layers restored: the
+    engine's own way (:func:`refresh_forward_weights`)."""
+    kind: str = ""
+    """Which engine built it (``deepspeed``, ``fsdp2``): for the logs and the summary only."""
 
     def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
         """The client optimizer's current param groups holding ``layer``."""
@@ -88,6 +101,16 @@ class StateLayout:
             return self.layers[layer]
         except KeyError:
             raise KeyError(f"no layer {layer!r}; layers are {list(self.layers)}") from None
+
+
+def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """``model``'s parameters by name, each also under its
+    :func:`~layercheck.policies.layer_map.canonical_name` (the layer map's)."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters():
+        out[name] = param
+        out.setdefault(canonical_name(name), param)
+    return out
 
 
 def state_view(optimizer: Any, piece: Piece, key: str) -> torch.Tensor:
@@ -134,166 +157,8 @@ def zero0_owned_range(numel: int, rank: int, world_size: int) -> tuple[int, int]
     return offset, max(0, min(chunk, numel - offset))
 
 
-def build_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
-    """Map every layer of ``layer_map`` onto ``engine``'s optimizer state on this rank.
-
-    Raises :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for an optimizer whose state
-    is not Adam's, and ``KeyError`` for a layer-map parameter the engine's model does not have.
-    """
-    stage = int(engine.zero_optimization_stage())
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    optimizer = ds_internals.client_optimizer(engine)
-    optim_state.check_supported(optimizer)
-    params = dict(engine.module.named_parameters())
-    missing = [p.name for layer in layer_map.layers for p in layer.params if p.name not in params]
-    if missing:
-        raise KeyError(f"the layer map names parameters the model does not have: {missing[:8]}")
-    group_of = _group_of_param(engine, stage, params)
-    if stage == 0:
-        pieces = _zero0_pieces(engine, layer_map, params, rank, world_size)
-    elif stage in (1, 2):
-        pieces = _zero12_pieces(engine.optimizer, layer_map, params, group_of)
-    else:
-        pieces = _zero3_pieces(engine.optimizer, layer_map, params, group_of)
-    layers: dict[str, LayerLayout] = {}
-    for layer in layer_map.layers:
-        owned, needed, masters = pieces[layer.name]
-        indices = sorted({group_of[p.name] for p in layer.params})
-        layers[layer.name] = LayerLayout(
-            name=layer.name,
-            owned=owned,
-            needed=needed,
-            masters=masters,
-            groups=tuple(optimizer.param_groups[i] for i in indices),
-            group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
-            group_indices=tuple(indices),
-        )
-        for master in masters:
-            optim_state.init_state(optimizer, master)  # restore into a fresh engine needs moments to write into
-    logger.info(
-        "state layout: ZeRO-%d, rank %d of %d, %d layers over %d param groups (%s)",
-        stage,
-        rank,
-        world_size,
-        len(layers),
-        len(optimizer.param_groups),
-        type(optimizer).__name__,
-    )
-    return StateLayout(
-        stage=stage,
-        rank=rank,
-        world_size=world_size,
-        layers=layers,
-        layer_map=layer_map,
-        engine=engine,
-        optimizer=optimizer,
-    )
-
-
-_Pieces = dict[str, tuple[tuple[Piece, ...], tuple[Piece, ...], tuple[torch.Tensor, ...]]]
-
-
-def _group_of_param(engine: Any, stage: int, params: Mapping[str, torch.nn.Parameter]) -> dict[str, int]:
-    """Per model parameter name, the index of the client param group that holds it."""
-    if stage == 0:
-        master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
-        index_of = {
-            id(p): i for i, g in enumerate(ds_internals.client_optimizer(engine).param_groups) for p in g["params"]
-        }
-        return {name: index_of[id(master_of[id(p)])] for name, p in params.items() if id(p) in master_of}
-    groups = (
-        ds_internals.zero12_param_groups(engine.optimizer)
-        if stage in (1, 2)
-        else ds_internals.zero3_param_groups(engine.optimizer)
-    )
-    index_of = {id(p): i for i, group in enumerate(groups) for p in group}
-    return {name: index_of[id(p)] for name, p in params.items() if id(p) in index_of}
-
-
-def _unique(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    seen: dict[int, torch.Tensor] = {}
-    for t in tensors:
-        seen.setdefault(id(t), t)
-    return tuple(seen.values())
-
-
-def _zero0_pieces(
-    engine: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], rank: int, world_size: int
-) -> _Pieces:
-    master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
-    out: _Pieces = {}
-    for layer in layer_map.layers:
-        owned, needed = [], []
-        for info in layer.params:
-            master = master_of[id(params[info.name])]
-            offset, length = zero0_owned_range(info.numel, rank, world_size)
-            if length:
-                owned.append(Piece(ParamSlice(info.name, info.shape, offset, length), master, offset))
-            needed.append(Piece(ParamSlice(info.name, info.shape, 0, info.numel), master, 0))
-        masters = _unique([p.master for p in needed])
-        out[layer.name] = (tuple(owned), tuple(needed), masters)
-    return out
-
-
-def _zero12_pieces(
-    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
-) -> _Pieces:
-    flats = ds_internals.zero12_flat_partitions(zero_optimizer)  # one per param group, same order
-    out: _Pieces = {}
-    for layer in layer_map.layers:
-        owned: list[Piece] = []
-        for info in layer.params:
-            fragment = ds_internals.zero12_fragment(params[info.name])
-            if fragment is not None:
-                owned.append(
-                    Piece(
-                        ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
-                        flats[fragment.flat_index],
-                        fragment.flat_start,
-                    )
-                )
-        masters = _unique([flats[i] for i in sorted({group_of[p.name] for p in layer.params})])
-        out[layer.name] = (tuple(owned), tuple(owned), masters)
-    return out
-
-
-def _zero3_pieces(
-    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
-) -> _Pieces:
-    flats = ds_internals.zero3_flat_partitions(zero_optimizer)  # one per sub-group
-    group_of_sub = ds_internals.zero3_sub_group_to_group(zero_optimizer)
-    out: _Pieces = {}
-    for layer in layer_map.layers:
-        owned: list[Piece] = []
-        for info in layer.params:
-            fragment = ds_internals.zero3_fragment(zero_optimizer, params[info.name])
-            if fragment.length:
-                owned.append(
-                    Piece(
-                        ParamSlice(info.name, info.shape, fragment.param_offset, fragment.length),
-                        flats[fragment.flat_index],
-                        fragment.flat_start,
-                    )
-                )
-        mine = {group_of[p.name] for p in layer.params}
-        masters = _unique([flats[s] for s, g in sorted(group_of_sub.items()) if g in mine])
-        out[layer.name] = (tuple(owned), tuple(owned), masters)
-    return out
-
-
 def refresh_forward_weights(layout: StateLayout, layers: Sequence[str]) -> None:
-    """Make the forward read the fp32 masters just written for ``layers``.
-
-    Collective at ZeRO 1-3 (every rank must call it, with any ``layers``); ZeRO-0 copies only
-    the restored layers' parameters; another engine's layout brings its own ``refresh``.
-    """
-    if layout.refresh is not None:
-        layout.refresh(layers)
-    elif layout.stage == 0:
-        wanted = {id(p.master) for name in layers for p in layout[name].needed}
-        pairs = [(lp, hp) for lp, hp in ds_internals.zero0_master_pairs(layout.engine) if id(hp) in wanted]
-        ds_internals.zero0_refresh_lp(pairs)
-    elif layout.stage in (1, 2):
-        ds_internals.zero12_refresh_lp(layout.engine.optimizer)
-    else:
-        ds_internals.zero3_refresh_lp(layout.engine.optimizer)
+    """Make the forward read the fp32 masters just written for ``layers`` (the engine's own way,
+    :attr:`StateLayout.refresh`). Collective where the engine's is (DeepSpeed ZeRO 1-3: every rank
+    calls it, with any ``layers``)."""
+    layout.refresh(layers)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -40,15 +42,37 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.lr * lr_factor(step, cfg)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` following :func:`lr_factor` (every group starts at ``cfg.lr``)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, cfg=cfg))
+class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A ``LambdaLR`` following :func:`lr_factor`, which can be put at any step at once."""
+
+    def seek(self, step: int) -> None:
+        """Put the schedule where it is after ``step`` updates, setting every group's lr."""
+        self.last_epoch = step
+        lrs = [base * fn(step) for base, fn in zip(self.base_lrs, self.lr_lambdas)]
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs  # what get_last_lr() reports
 
 
-def seek_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
-    """Put ``scheduler`` where it is after ``step`` updates, setting every group's lr."""
-    scheduler.last_epoch = step
-    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() reports
+def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> StepSchedule:
+    """The built-in loop's schedule (every group starts at its own lr, scaled by :func:`lr_factor`)."""
+    return StepSchedule(optimizer, partial(lr_factor, cfg=cfg))
+
+
+def seek_scheduler(scheduler: Any, step: int) -> None:
+    """Move a scheduler to ``step`` updates: a :class:`StepSchedule` is set there at once;
+    DeepSpeed's own schedulers (``last_batch_iteration``) jump there; any other torch scheduler,
+    fresh, is stepped ``step`` times, which is what training would have done. ``None``: nothing."""
+    if scheduler is None:
+        return
+    if isinstance(scheduler, StepSchedule):
+        scheduler.seek(step)
+    elif step == 0:
+        return
+    elif hasattr(scheduler, "last_batch_iteration"):  # deepspeed.runtime.lr_schedules
+        scheduler.step(step - 1)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()"
+            for _ in range(step):
+                scheduler.step()

@@ -298,6 +298,8 @@ class RunAccount:
     coordination_seconds: list[float] = field(default_factory=list)
     """Per step reported, rank 0's time in the policy protocol (drift report + decision)."""
     probe: ProbeAccount = field(default_factory=ProbeAccount)
+    engine: str = ""
+    """The training engine the ranks said they run (``deepspeed``, ``fsdp2``; ``""`` before any joined)."""
 
     def step_done(
         self,
@@ -375,6 +377,7 @@ class RunAccount:
             "ettr": self.ettr(now),
             "coordination_s_per_step": _percentiles(self.coordination_seconds),
             "drift_probe": self.probe.summary(),
+            "engine": self.engine,
             "step_s_per_step": _percentiles(list(self.step_seconds.values())),
             "history": {step: list(values) for step, values in sorted(self.history.items())},
         }

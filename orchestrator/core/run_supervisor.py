@@ -142,10 +142,15 @@ class RunSupervisor:
         reports one): where a lost group is recovered when the policy lost its own count."""
 
     # ---- events from the runtime --------------------------------------------------------
-    def join(self, rank: int, world_size: int, worker_id: str, *, captured_step: int | None = None) -> ResumeInfo:
+    def join(
+        self, rank: int, world_size: int, worker_id: str, *, captured_step: int | None = None, engine: str = ""
+    ) -> ResumeInfo:
         """A rank of a (new) worker group starts; returns, once its group's recovery (if any) is
         done, the :class:`ResumeInfo` every rank of the group gets. Raises :class:`JoinDismissed`.
-        ``captured_step``: the newest step a survivor of the current group captured its state at."""
+        ``captured_step``: the newest step a survivor of the current group captured its state at;
+        ``engine``: the training engine the rank runs (the summary's and the metrics')."""
+        if engine:
+            self.view.account.engine = engine
         event = RankJoined(
             rank=rank,
             world_size=world_size,

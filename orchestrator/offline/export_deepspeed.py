@@ -9,6 +9,7 @@ format, pickle included: load it only where you would load any DeepSpeed checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from layercheck.orchestrator.offline.export_run import ExportError, writing
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.manifest import VersionRecord
 from layercheck.orchestrator.store.recovery_source import ResolvedPlan
+from layercheck.workers.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,13 +91,21 @@ def _spawn(job: _DeepSpeedJob, world_size: int, timeout_s: float) -> None:
         raise ExportError(str(error)) from None
 
 
+def deepspeed_engine_config(engine: EngineConfig) -> EngineConfig:
+    """The DeepSpeed engine a run's checkpoint is made for: the run's own, or for an FSDP2 run
+    ZeRO-3, which shards as FSDP2 does (the store holds layers, not engine files: either loads it)."""
+    if engine.backend == "deepspeed":
+        return engine
+    return dataclasses.replace(engine, backend="deepspeed", zero_stage=3)
+
+
 def _rank_main(rank: int, world_size: int, job: _DeepSpeedJob) -> None:
     """One export rank: build the engine, load the composite, seek to ``T``, save."""
     from layercheck.orchestrator.core.recovery.composite import load_composite
     from layercheck.workers.engine import build_engine, seek_step, shutdown
 
     run = parse_run_config(job.run_json)
-    train_engine = build_engine(run.model, run.optim, run.engine)
+    train_engine = build_engine(run.model, run.optim, deepspeed_engine_config(run.engine))
     try:
         load_composite(train_engine, LayerStore.open(job.store_uri, fsync=False), job.records, overlays=job.overlays)
         seek_step(train_engine, job.step)

@@ -17,7 +17,7 @@ from layercheck.orchestrator.core.shared_storage import shared_storage_problem
 from layercheck.orchestrator.runtime import ray_noise
 from layercheck.orchestrator.runtime.names import NAMESPACE
 from layercheck.orchestrator.store.errors import UnsafeStoreError
-from layercheck.workers.ds_internals import ALLOW_UNVERIFIED_ENV
+from layercheck.workers.engines import WORKER_ENV
 from layercheck.workers.faults import FAULTS_ENV
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,9 @@ def worker_env(*, use_gpu: bool, environ: Mapping[str, str]) -> dict[str, str]:
     }
     if not use_gpu:
         env["DS_ACCELERATOR"] = "cpu"
-    if ALLOW_UNVERIFIED_ENV in environ:  # the workers check the DeepSpeed version, not the driver
-        env[ALLOW_UNVERIFIED_ENV] = environ[ALLOW_UNVERIFIED_ENV]
+    for name in WORKER_ENV:  # e.g. the workers check the DeepSpeed version, not the driver
+        if name in environ:
+            env[name] = environ[name]
     # a test's fault injector (workers/faults.py): a local Ray's processes inherit the driver's
     # environment anyway, a cluster joined sees only what the job's runtime_env carries
     if FAULTS_ENV in environ:

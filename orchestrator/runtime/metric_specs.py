@@ -294,6 +294,7 @@ SPECS: tuple[Spec, ...] = (
 #: Every metric name the code exports, as Prometheus sees it.
 METRIC_NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
 
+    Spec(Gauge, "layercheck_engine_info", "1 for the training engine the ranks run (deepspeed, fsdp2).", ("engine",)),
 
 def series_names() -> frozenset[str]:
     """Every series name a query may use: the metric names plus the histograms' sample names."""

@@ -310,3 +310,6 @@ class RunMetrics:
         self._set("layercheck_worker_group_attempt", status["attempt"])
         for state in STATES:
             self._set("layercheck_supervisor_state", 1.0 if status["state"] == state else 0.0, state)
+        engine = status["account"].get("engine")
+        if engine:
+            self._set("layercheck_engine_info", 1, engine)

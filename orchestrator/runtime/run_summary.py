@@ -56,6 +56,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "stall_s": account["stall_s"],
         "coordination_s_per_step": account["coordination_s_per_step"],
         "drift_probe": account.get("drift_probe"),
+        "engine": account.get("engine") or "",
         "step_s_per_step": account["step_s_per_step"],
         "write_failures": status["write_failures"],
         "commit_retries": status.get("commit_retries", 0),
@@ -147,6 +148,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows += recovery_rows(summary)
     rows += _stored_rows(summary)
     rows += [
+        *([["engine", ENGINE_NAMES.get(summary["engine"], summary["engine"])]] if summary.get("engine") else []),
         [
             "bytes written",
             f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
@@ -191,6 +193,10 @@ def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
     what = "the schedule handed over" if ours is not None else "the policy wrote"
     ours = ours if ours is not None else summary["bytes_written"]
     rows: list[list[object]] = []
+#: How the summary names each engine the ranks report (:data:`layercheck.workers.engines.base.ENGINE_KINDS`).
+ENGINE_NAMES = {"deepspeed": "DeepSpeed", "fsdp2": "PyTorch FSDP2 (fully_shard)"}
+
+
     sampled = summary.get("drift_measured_steps")
     for key, label in (("full_at_same_staleness", "staleness"), ("full_at_same_drift", "unsaved drift")):
         matched = summary.get(key)

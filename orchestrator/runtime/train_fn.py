@@ -122,7 +122,7 @@ def _train(
     policy = ray.get_actor(names.policy, namespace=NAMESPACE)
     runtime = ray.get_runtime_context()
     incarnation_id = Incarnation(number=incarnation).worker_id(worker_id)
-    resume_ref = supervisor.join.remote(rank, world_size, incarnation_id)
+    resume_ref = supervisor.join.remote(rank, world_size, incarnation_id, run.engine.backend)
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
     train_engine = None
     try:
@@ -133,7 +133,7 @@ def _train(
             build_s = time.time() - building
             group = form_group(supervisor, rank, world_size, timeout_s=run.cluster.regroup_timeout_s)
             formed = time.time()  # the wait for the others is their start and build, not this rank's
-            init_distributed(store=group.store)
+            init_distributed(store=group.store, engine=run.engine.backend)
             group_s = time.time() - formed
         building = time.time()
         train_engine = build_engine(run.model, run.optim, run.engine, model=model)

@@ -1,6 +1,6 @@
 """How a user reaches a running Ray cluster, exactly as they do it, against one local
 `ray start --head` (scripts/check_job_submit.sh): `ray job submit` of `layercheck train` and of
-the own-loop example, each with an injected failure recovered in place, and a driver on the head joining the running
+the own-loop FSDP2 example (examples/own_loop_fsdp2.py), each with an injected failure recovered in place, and a driver on the head joining the running
 cluster with RAY_ADDRESS unset (what `layercheck train` does first). Its `ray start` keeps to a Ray
 temp folder of its own and stops only its own cluster, so other tests run beside it."""
 
@@ -36,7 +36,9 @@ def test_ray_job_submit_and_a_driver_on_the_head_reach_the_running_cluster(tmp_p
     # from the step-0 versions attach handed over (no layer was saved by the policy before the kill)
     # (without them the run would restart from the initial weights: "resumed at 1")
     assert "recovery after step 6" in proc.stdout and "resumed at 7" in proc.stdout
-    assert "in place (1 rank kept its process)" in proc.stdout[proc.stdout.index("== 2.") :]
+    own_loop = proc.stdout[proc.stdout.index("== 2.") :]
+    assert "in place (1 rank kept its process)" in own_loop
+    assert "PyTorch FSDP2 (fully_shard)" in own_loop  # the engine the ranks reported
     # ... and it exports with no extra file (model.json)
     import transformers
 

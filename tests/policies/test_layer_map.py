@@ -94,3 +94,23 @@ def test_an_untied_head_is_placed_under_a_wrappers_prefix():
     layer_map = build_layer_map(names)
     assert layer_map.names == ("embed", "block.0", "norm", "lm_head")
     assert [p.name for p in layer_map["lm_head"].params] == ["base_model.model.lm_head.weight"]
+
+
+def test_a_compiled_or_checkpoint_wrapped_model_records_the_names_of_the_plain_one():
+    """torch.compile's ``_orig_mod.`` and activation checkpointing's ``_checkpoint_wrapped_module.``
+    are no part of a recorded name (as torch's own checkpointing strips them): a store written by one
+    engine's wrapped model is read by the other's plain one (and the other way round)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from layercheck.policies.layer_map import canonical_name, model_layer_map
+
+    plain = tiny_model("llama")
+    wrapped = tiny_model("llama")
+    wrapped.model.layers[0] = checkpoint_wrapper(wrapped.model.layers[0])
+    compiled = torch.compile(wrapped)  # an OptimizedModule: nothing compiles before a forward
+    names = [name for name, _ in compiled.named_parameters()]
+    assert any("_orig_mod." in n for n in names) and any("_checkpoint_wrapped_module." in n for n in names)
+    assert model_layer_map(compiled) == model_layer_map(plain) == layer_map_of(compiled)
+    assert canonical_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == (
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"  # peft's names are its own
+    )

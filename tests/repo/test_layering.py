@@ -132,6 +132,37 @@ def test_module_imports_only_what_its_layer_allows(case):
             assert not _matches(name, prefix), f"{module} ({part}) imports {name}, which {part} must not"
 
 
+#: The engines' own libraries and LayerCheck's readers of their internals: only the engine adapters
+#: (``layercheck.workers.engines``) import them; the policy, store, recovery, supervisor and runtime
+#: see an engine through its protocol. Benchmarks (a DeepSpeed checkpoint baseline) and examples
+#: (a user's loop) are not the product's core.
+ENGINE_INTERNALS = (
+    "deepspeed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "layercheck.workers.engines.ds_internals",
+)
+ENGINE_ADAPTERS = "layercheck.workers.engines"
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in MODULES if c[2] not in (_BENCH, PROBES_PART, "layercheck.examples")], ids=_ids
+)
+def test_only_the_engine_adapters_import_an_engine_s_internals(case):
+    module, path, _ = case
+    if _matches(module, ENGINE_ADAPTERS):
+        return
+    for name in _imports(ast.parse(path.read_text(), filename=str(path))):
+        for prefix in ENGINE_INTERNALS:
+            assert not _matches(name, prefix), f"{module} imports {name}: only {ENGINE_ADAPTERS} may"
+
+
+def test_the_engine_rule_sees_the_adapters():
+    adapters = {m for m, _, _ in MODULES if _matches(m, ENGINE_ADAPTERS)}
+    assert {f"{ENGINE_ADAPTERS}.deepspeed", f"{ENGINE_ADAPTERS}.fsdp2", f"{ENGINE_ADAPTERS}.ds_internals"} <= adapters
+
+
 @pytest.mark.parametrize(
     "path", sorted(p for m, p, part in MODULES if part == "layercheck.policies"), ids=lambda p: p.name
 )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from layercheck.workers import env
-from layercheck.workers.attached import AttachedEngine, attach_engine, current_lr, seek_engine
+from layercheck.workers.attached import AttachedEngine, attach_engine
 from layercheck.workers.drift.probe import global_drift
 from layercheck.workers.host_buffers import HostBufferPool
 from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
@@ -84,7 +84,7 @@ def _step(engine: Any, step: int, rank: int) -> float:
 def _full(att: AttachedEngine, name: str, stage: int) -> torch.Tensor:
     import deepspeed
 
-    from layercheck.workers import ds_internals
+    from layercheck.workers.engines import ds_internals
 
     param = dict(att.engine.module.named_parameters())[name]
     if stage == 0:
@@ -116,14 +116,14 @@ def user_engine_job(rank: int, world_size: int, stage: int, optimizer: str, prob
     pool = HostBufferPool()
     snap = snapshot_layers(att.layout, layers, pool)
     out["trained"] = _digest(shard_values(snap))  # each probe's run, bit for bit the user's step
-    lr_at_snap = current_lr(engine)
+    lr_at_snap = att.adapter.current_lr()
     first = [_step(engine, 4 + i, rank) for i in range(3)]
     end = shard_values(snapshot_layers(att.layout, layers, pool))
     restore_from_shards(att.layout, gather_shards(snap) if stage == 0 else snap)
     att.probe.reset()
     _rewind_scheduler(engine)  # as on a restarted worker: a fresh schedule, moved to the snapshot's step
-    seek_engine(engine, 3)
-    out["lr"] = (lr_at_snap, current_lr(engine))
+    att.adapter.seek(3)
+    out["lr"] = (lr_at_snap, att.adapter.current_lr())
     second = [_step(engine, 4 + i, rank) for i in range(3)]
     out["losses"] = (first, second)
     out["end_state_equal"] = all(

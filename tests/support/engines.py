@@ -59,7 +59,7 @@ def batches(train_engine: TrainEngine, step: int, rank: int) -> list[torch.Tenso
     rows, vocab = train_engine.engine_cfg.micro_batch, train_engine.model_cfg.hf_config["vocab_size"]
     return [
         token_batch(step, rank, micro=micro, rows=rows, vocab=vocab)
-        for micro in range(train_engine.engine.gradient_accumulation_steps())
+        for micro in range(train_engine.engine_cfg.grad_accum)
     ]
 
 
@@ -74,7 +74,7 @@ def full_fp32(train_engine: TrainEngine, name: str) -> torch.Tensor:
     they exist (collective at ZeRO-3): an independent reference for the layout code."""
     import deepspeed
 
-    from layercheck.workers import ds_internals
+    from layercheck.workers.engines import ds_internals
 
     param = dict(train_engine.engine.module.named_parameters())[name]
     if train_engine.engine_cfg.zero_stage == 0:

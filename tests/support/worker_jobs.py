@@ -114,8 +114,8 @@ def internals_job(rank: int, world_size: int, stage: int, precision: str) -> dic
     """Each ds_internals wrapper against DeepSpeed's public helpers or the model itself."""
     import deepspeed
 
-    from layercheck.workers import ds_internals
     from layercheck.workers.drift.adamw import DriftAdamW
+    from layercheck.workers.engines import ds_internals
 
     train_engine = make_engine(stage, precision)
     train_step(train_engine, batches(train_engine, 0, rank))

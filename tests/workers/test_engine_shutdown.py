@@ -1,4 +1,4 @@
-"""Releasing an engine on the way out (workers/engine.py ``shutdown``): where a lost group's
+"""Releasing a DeepSpeed engine on the way out (workers/engine.py ``shutdown``): where a lost group's
 teardown has destroyed the process group first, the release's own error does not replace the
 error the rank leaves with; with the group still up, a release that fails says so."""
 
@@ -8,9 +8,15 @@ import pytest
 import torch
 
 from layercheck.workers import engine
+from layercheck.workers.engines.deepspeed import DeepSpeedAdapter
 
 
 class _Engine:
+    """A DeepSpeedEngine whose ``destroy`` fails."""
+
+    basic_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+    zero_optimization_stage = module = None
+
     def __init__(self, error: Exception) -> None:
         self.error = error
 
@@ -20,7 +26,7 @@ class _Engine:
 
 class _TrainEngine:
     def __init__(self, error: Exception) -> None:
-        self.engine = _Engine(error)
+        self.adapter = DeepSpeedAdapter(_Engine(error))
 
 
 def test_a_release_that_fails_because_the_group_is_gone_does_not_hide_the_rank_s_own_error(monkeypatch):

@@ -191,7 +191,6 @@ def test_a_snapshot_handed_over_at_a_later_step_is_that_steps_stall(monkeypatch)
         world_size=1,
         layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
         layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
-        engine=None,
         optimizer=optimizer,
     )
 
@@ -264,7 +263,6 @@ def test_rank_0s_progress_names_the_layers_it_handed_over_as_versions_of_that_st
         world_size=1,
         layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
         layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
-        engine=None,
         optimizer=optimizer,
     )
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from layercheck.policies.layer_map import layer_map_of
 from layercheck.workers.config import EngineConfig, ModelConfig, OptimConfig
-from layercheck.workers.engine import build_model, deepspeed_config, param_groups
+from layercheck.workers.engine import build_model, param_groups
+from layercheck.workers.engines.deepspeed import deepspeed_config
 from layercheck.workers.lr_schedule import lr_at, lr_factor
 from tests.support.models import TINY_LLAMA
 

@@ -1,4 +1,4 @@
-"""Each private-DeepSpeed wrapper in workers/ds_internals.py, checked against public helpers.
+"""Each private-DeepSpeed wrapper in workers/engines/ds_internals.py, checked against public helpers.
 
 If a DeepSpeed upgrade moves an attribute, these tests say which wrapper broke.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import tomllib
 
-from layercheck.workers import ds_internals
+from layercheck.workers.engines import ds_internals
 from tests.support import worker_jobs
 from tests.support.dist_harness import run_jobs
 
@@ -31,7 +31,7 @@ def test_missing_attribute_is_a_loud_named_error():
 def test_installed_deepspeed_is_one_the_wrappers_were_verified_against():
     installed = importlib.metadata.version("deepspeed")
     assert ds_internals.deepspeed_is_verified(installed), (
-        f"DeepSpeed {installed} is installed, but workers/ds_internals.py was verified against "
+        f"DeepSpeed {installed} is installed, but workers/engines/ds_internals.py was verified against "
         f"{ds_internals.VERIFIED_DEEPSPEED}: run the slow tests of this file against it, fix what moved, "
         "then widen VERIFIED_DEEPSPEED and the pin in pyproject.toml together"
     )
@@ -68,7 +68,7 @@ def test_an_unverified_deepspeed_is_refused_unless_the_user_opts_in(monkeypatch,
     ):
         ds_internals.check_deepspeed_version("0.21.0")
     monkeypatch.setenv(ds_internals.ALLOW_UNVERIFIED_ENV, "1")
-    with caplog.at_level(logging.ERROR, logger="layercheck.workers.ds_internals"):
+    with caplog.at_level(logging.ERROR, logger="layercheck.workers.engines.ds_internals"):
         ds_internals.check_deepspeed_version("0.21.0")
     assert "DeepSpeed 0.21.0 is outside" in caplog.text
 

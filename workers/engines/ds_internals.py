@@ -29,14 +29,13 @@ import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from layercheck.workers.engines import ALLOW_UNVERIFIED_ENV
+
 logger = logging.getLogger(__name__)
 
 #: The DeepSpeed releases every function here was verified against (``pyproject.toml`` pins the
 #: same range; ``tests/workers/test_worker_ds_internals.py`` fails when the installed one is outside it).
 VERIFIED_DEEPSPEED = ">=0.19.8,<0.20"
-#: Set to ``1`` to run on a DeepSpeed outside :data:`VERIFIED_DEEPSPEED` anyway (an error is
-#: logged instead of raised): for verifying a new release with ``tests/workers/test_worker_ds_internals.py``.
-ALLOW_UNVERIFIED_ENV = "LAYERCHECK_ALLOW_UNVERIFIED_DEEPSPEED"
 
 
 class DeepSpeedInternalsError(RuntimeError):
@@ -60,7 +59,7 @@ def check_deepspeed_version(version: str) -> None:
         return
     message = (
         f"DeepSpeed {version} is outside the range LayerCheck's use of its private API "
-        f"(workers/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
+        f"(workers/engines/ds_internals.py) was verified against ({VERIFIED_DEEPSPEED}); install one "
         f"(pip install 'deepspeed{VERIFIED_DEEPSPEED}') or, to try this release, run "
         f"tests/workers/test_worker_ds_internals.py against it and set {ALLOW_UNVERIFIED_ENV}=1"
     )
@@ -76,7 +75,7 @@ def _attr(obj: Any, name: str) -> Any:
     except AttributeError:
         raise DeepSpeedInternalsError(
             f"{type(obj).__name__} has no attribute {name!r}; DeepSpeed internals changed "
-            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/engines/ds_internals.py"
         ) from None
 
 
@@ -212,7 +211,7 @@ def reset_for_next_engine() -> None:
     if not (isinstance(defaults, tuple) and len(defaults) == 1 and isinstance(defaults[0], list)):
         raise DeepSpeedInternalsError(
             "DeepSpeedZeRoOffload._register_deepspeed_module no longer counts modules in a mutable default "
-            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/engines/ds_internals.py"
         )
     defaults[0][:] = [0]
 
@@ -237,7 +236,7 @@ def skip_inference_comm_op() -> None:
     if not isinstance(compatible, dict):
         raise DeepSpeedInternalsError(
             "deepspeed.ops.__compatible_ops__ is no longer a dict of op names "
-            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/ds_internals.py"
+            f"(LayerCheck was verified with DeepSpeed {VERIFIED_DEEPSPEED}): update workers/engines/ds_internals.py"
         )
     compatible[SHM_COMM_OP] = False
 

@@ -12,24 +12,31 @@ A layer's masters are its DTensor parameters: they key the optimizer's state (mo
 count), and :func:`~layercheck.workers.layout.local_part` reads their local shard at each access
 (FSDP2 may swap a parameter's local tensor for a re-padded one when it initialises lazily).
 
+:class:`FSDP2Adapter` is FSDP2 behind LayerCheck's engine protocol: a user's ``fully_shard`` model,
+optimizer and scheduler (``layercheck.attach(model, optimizer, lr_scheduler=...)``), or the built-in
+loop's (:func:`build_fsdp2`). FSDP2 keeps no step counter: the adapter counts the optimizer's steps
+(a post-step hook) and moves it, and the scheduler, on a seek.
+
 One private torch name is used: ``torch.distributed.checkpoint.state_dict._get_fqns`` (a
-parameter's canonical name, as DCP saves it), checked with torch 2.13. Not reachable from
-``attach`` or the built-in loop yet (issue 54).
+parameter's canonical name, as DCP saves it), checked with torch 2.13.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from layercheck.policies.layer_map import Layer, LayerMap
 from layercheck.workers import optim_state
+from layercheck.workers.config import EngineConfig
+from layercheck.workers.data.batch import MicroBatch, model_inputs
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout, local_part
+from layercheck.workers.lr_schedule import seek_scheduler
 from layercheck.workers.shard import ParamSlice
 
 logger = logging.getLogger(__name__)
@@ -46,7 +53,9 @@ class UnsupportedShardingError(TypeError):
     """A parameter is not placed the way :func:`build_fsdp2_layout` maps."""
 
 
-def build_fsdp2_layout(model: torch.nn.Module, optimizer: Any, layer_map: LayerMap) -> StateLayout:
+def build_fsdp2_layout(
+    model: torch.nn.Module, optimizer: Any, layer_map: LayerMap, steps_taken: Callable[[], int] = lambda: 0
+) -> StateLayout:
     """Map every layer of ``layer_map`` onto ``model``'s FSDP2 shards and ``optimizer``'s state.
 
     Raises :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for an optimizer other
@@ -79,9 +88,10 @@ def build_fsdp2_layout(model: torch.nn.Module, optimizer: Any, layer_map: LayerM
         world_size=world_size,
         layers=layers,
         layer_map=layer_map,
-        engine=model,
         optimizer=optimizer,
+        steps_taken=steps_taken,
         refresh=partial(reshard_all, model),
+        kind="fsdp2",
     )
 
 
@@ -204,3 +214,168 @@ def _check_moments(name: str, param: torch.Tensor, state: Mapping[str, Any]) -> 
                 f"parameter {name!r}'s {key} holds a local shard of shape {got}, the parameter {want}: "
                 "its optimizer state is not placed like the parameter"
             )
+
+
+class FSDP2Adapter:
+    """A ``fully_shard`` model, its optimizer and (optionally) its scheduler as a
+    :class:`~layercheck.workers.engines.base.TrainingEngine`. Raises before any step:
+    :class:`UnsupportedShardingError` for a model not sharded with ``fully_shard`` (FSDP1's
+    ``FullyShardedDataParallel`` included), ``UnsupportedOptimizerError`` for a non-Adam optimizer."""
+
+    @property
+    def kind(self) -> Literal["fsdp2"]:
+        return "fsdp2"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any = None,
+        *,
+        grad_clip: float = 0.0,
+        grad_accum: int | None = None,
+    ) -> None:
+        check_model(model)
+        check_optimizer(optimizer)
+        self._model = model
+        self._optimizer = optimizer
+        self._scheduler = lr_scheduler
+        self._grad_clip = grad_clip
+        self._grad_accum = grad_accum
+        self._steps = 0
+        self._hook = optimizer.register_step_post_hook(self._count)
+
+    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._steps += 1
+
+    @property
+    def native(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optimizer
+
+    def describe(self) -> str:
+        return f"FSDP2 over {torch.distributed.get_world_size()} ranks"
+
+    def build_layout(self, layer_map: LayerMap) -> StateLayout:
+        return build_fsdp2_layout(self._model, self._optimizer, layer_map, self.steps_taken)
+
+    def steps_taken(self) -> int:
+        return self._steps
+
+    def current_lr(self) -> float:
+        return float(self._optimizer.param_groups[0]["lr"])
+
+    def seek(self, step: int) -> None:
+        """The step count and the scheduler (stepped ``step`` times if a torch one the user made,
+        as training would have; the built-in loop's is set there at once)."""
+        self._steps = step
+        seek_scheduler(self._scheduler, step)
+        logger.info("FSDP2 engine moved to step %d (lr %.3g)", step, self.current_lr())
+
+    def train_step(self, micro_batches: Sequence[MicroBatch]) -> float:
+        """Forward and backward each micro-batch (its loss over the count, as DeepSpeed scales it),
+        clip the gradients' global norm, step the optimizer and the scheduler."""
+        if self._grad_accum is not None and len(micro_batches) != self._grad_accum:
+            raise ValueError(f"expected {self._grad_accum} micro-batches, got {len(micro_batches)}")
+        device = self._device()
+        total = torch.zeros((), device=device)
+        for micro_batch in micro_batches:
+            loss = self._model(**model_inputs(micro_batch, device)).loss
+            (loss / len(micro_batches)).backward()
+            total += loss.detach().float()
+        if self._grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self._model.parameters(), self._grad_clip)
+        self._optimizer.step()
+        if self._scheduler is not None:
+            self._scheduler.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        return float(total) / len(micro_batches)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batch: MicroBatch) -> float:
+        return float(self._model(**model_inputs(micro_batch, self._device())).loss)
+
+    def release(self) -> None:
+        """Nothing to free but the step counter's hook: the sharded model goes with the process's
+        references to it (a new group needs a model sharded over its own mesh)."""
+        self._hook.remove()
+
+    def _device(self) -> torch.device:
+        first = next(iter(self._model.parameters()))
+        return local_part(first).device
+
+
+def check_model(model: Any) -> None:
+    """Raise :class:`UnsupportedShardingError` unless ``model`` is a module sharded with
+    ``fully_shard`` at its root (FSDP2); FSDP1 and a DeepSpeed engine are named."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if hasattr(model, "zero_optimization_stage"):
+        raise TypeError(
+            "got a DeepSpeedEngine and an optimizer: for DeepSpeed call layercheck.attach(engine) alone "
+            "(its optimizer is the engine's); attach(model, optimizer, lr_scheduler=...) is for FSDP2"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"expected the model sharded with fully_shard, got {type(model).__name__}")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise UnsupportedShardingError(
+            "the model is wrapped in FSDP1's FullyShardedDataParallel, which LayerCheck does not map "
+            "(transformers and torch deprecate it); shard it with torch.distributed.fsdp.fully_shard "
+            "(FSDP2: each decoder layer, then the root), or use DeepSpeed"
+        )
+    if not isinstance(model, FSDPModule):
+        raise UnsupportedShardingError(
+            f"the {type(model).__name__} is not sharded with fully_shard at its root; LayerCheck's FSDP2 "
+            f"support maps {SUPPORTED_SHARDING}: call fully_shard(model, mesh=mesh) after the layers'"
+        )
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules to shard one by one: those of the classes transformers keeps whole
+    (``model._no_split_modules``: the decoder layers), as accelerate's transformer auto-wrap does."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise UnsupportedShardingError(
+            f"cannot find the decoder layers of a {type(model).__name__} to shard (its _no_split_modules "
+            f"is {sorted(names) or 'empty'}); the built-in loop's FSDP2 needs a transformers causal LM"
+        )
+    return blocks
+
+
+def build_fsdp2(
+    model: torch.nn.Module,
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+    make_scheduler: Callable[[torch.optim.Optimizer], Any],
+    cfg: EngineConfig,
+) -> FSDP2Adapter:
+    """The built-in loop's FSDP2 engine: ``model`` sharded with ``fully_shard`` (each decoder layer,
+    then the root) over a 1-D mesh of every rank of the default group, bf16 compute over fp32
+    sharded masters where ``cfg.precision`` says so, and the optimizer and scheduler made here over
+    the sharded parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if cfg.micro_batch < 1:
+        raise ValueError(f"micro_batch must be at least 1, got {cfg.micro_batch}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        model.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.precision == "bf16"
+        else MixedPrecisionPolicy()
+    )
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=precision)
+    fully_shard(model, mesh=mesh, mp_policy=precision)
+    optimizer = make_optimizer(model)
+    return FSDP2Adapter(model, optimizer, make_scheduler(optimizer), grad_clip=cfg.grad_clip, grad_accum=cfg.grad_accum)

@@ -121,10 +121,11 @@ def _without_initial(
     if not initial:
         return dict(records), {}
     layout = train_engine.layout
-    if int(getattr(layout.engine, "global_steps", 0) or 0) != 0:
+    trained = layout.steps_taken()
+    if trained != 0:
         raise InitialStateError(
             f"cannot take {describe_layers(initial)} from the initial state: this engine has trained "
-            f"{layout.engine.global_steps} step(s); build a fresh one to recover into"
+            f"{trained} step(s); build a fresh one to recover into"
         )
     kept = {layer: record for layer, record in records.items() if not record.is_initial}
     overlaid = [layer for layer in initial if overlays.get(layer)]

@@ -74,6 +74,7 @@ def status(
             "drift_probe": {"probe": "snapshot_diff", "s_per_step": 0.0004, "s_per_measured_step": 0.004},
         },
     }
+            "engine": "fsdp2",
 
 
 def samples(metrics):
@@ -175,6 +176,7 @@ def test_counters_stay_monotonic_across_a_worker_group_restart():
     # the group is lost: productive time of its late steps is discarded, the new group is loading
     metrics.refresh(
         status(
+    assert value(metrics, "layercheck_engine_info", engine="fsdp2") == 1
             step=10,
             productive=4.8,
             failures=1,
