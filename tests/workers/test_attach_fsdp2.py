@@ -96,3 +96,21 @@ def test_the_adapter_counts_optimizer_steps_and_moves_the_scheduler_on_a_seek():
     )
     fresh.seek(5)  # a recovery's: the count and a fresh scheduler stepped 5 times, as training would have
     assert fresh.steps_taken() == 5 and fresh.current_lr() == pytest.approx(1 / 6)
+
+
+def test_a_lora_adapter_under_fully_shard_is_tracked_alone_on_two_ranks():
+    """peft's LoRA on the tiny Llama, sharded with fully_shard on 2 gloo ranks: only the adapter's
+    parameters are layers (the frozen base is not), each rank snapshots its half of them, and the
+    drift is measured. (The store is the same as DeepSpeed's: a LoRA run's export,
+    tests/orchestrator/offline/test_export_peft.py.)"""
+    from tests.support.dist_harness import run_ranks
+    from tests.support.fsdp2_attach_jobs import lora_job
+
+    ranks = run_ranks(lora_job, 2)
+    numel = ranks[0]["numel"]
+    assert set(numel) == {"block.0", "block.1"} and ranks[1]["numel"] == numel
+    assert all("lora_" in name for name in ranks[0]["params"]), ranks[0]["params"]
+    for layer, total in numel.items():
+        assert sum(rank["snapshot"][layer] for rank in ranks) == total  # the two halves tile the layer
+        assert all(rank["drift"][layer] > 0 for rank in ranks)
+    assert [rank["step"] for rank in ranks] == [2, 2]
