@@ -32,17 +32,7 @@ EXPECTED = "expected.safetensors"
 def sharded_llama(world_size: int, *, fused: bool = False) -> tuple[torch.nn.Module, torch.optim.AdamW]:
     """The tiny Llama (same seed on every rank) under ``fully_shard`` over a 1-D mesh of
     ``world_size`` CPU ranks, and AdamW over a decay and a no-decay group."""
-    import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(7)
-    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
-    model = transformers.LlamaForCausalLM(config)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = sharded_model(world_size)
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     rest = [p for _, p in model.named_parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
@@ -55,6 +45,23 @@ def sharded_llama(world_size: int, *, fused: bool = False) -> tuple[torch.nn.Mod
         fused=fused,
     )
     return model, optimizer
+
+
+def sharded_model(world_size: int, **config: Any) -> torch.nn.Module:
+    """The tiny Llama (``config`` overriding some of its sizes; same seed on every rank) under
+    ``fully_shard``, each decoder layer then the root, over a 1-D mesh of ``world_size`` CPU ranks."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(7)
+    sizes = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**sizes, **config}))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def batch(step: int, rank: int) -> torch.Tensor:

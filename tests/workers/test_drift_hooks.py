@@ -44,7 +44,7 @@ def layout(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -
             masters=tuple({id(p.master): p.master for p in owned}.values()),
             groups=(),
         )
-    return StateLayout(stage=1, rank=0, world_size=1, layers=layers, layer_map=None, engine=None, optimizer=optimizer)
+    return StateLayout(stage=1, rank=0, world_size=1, layers=layers, layer_map=None, optimizer=optimizer)
 
 
 def adamw(params: list[torch.nn.Parameter], **kind) -> torch.optim.AdamW:

@@ -22,6 +22,10 @@ measured steps round differently from the others. ``drift_step="auto"`` (the def
 measured step by the committed benchmark figures (:mod:`layercheck.workers.drift.choice`): today
 ``foreach``, on CPU and on CUDA.
 
+Under FSDP2 the parameters and moments are DTensors: every step, measured or not, runs on their
+local shards (:mod:`layercheck.workers.drift.local`), the same ops torch's AdamW would dispatch
+through DTensor to them, without the dispatch.
+
 One file over 400 lines, and one idea: the optimizer whose every step is torch's and whose
 measured steps also count the drift; the fused variant's own work lives in ``fused.py`` and
 ``triton_step.py``, the choice between them in ``choice.py``.
@@ -44,6 +48,8 @@ from layercheck.workers.drift.choice import StepChoice, choose_steps
 from layercheck.workers.drift.clock import OwnStep, ProbeClock
 from layercheck.workers.drift.fused import adamw_l1_groups, adamw_l1_plan, triton_eligible
 from layercheck.workers.drift.fused_work import AdamWScalars, FusedGroup, FusedPlan, Windows
+from layercheck.workers.drift.local import LocalTensors, has_dtensors, local_tensors
+from layercheck.workers.layout import local_part
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +115,7 @@ class DriftAdamW(torch.optim.AdamW):
         # the fused step's step counts, one tensor per set of groups stepped together (_count_steps)
         self._step_banks: dict[tuple[Any, ...], tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
         self._plans: dict[tuple[Any, ...], FusedPlan] = {}  # the fused step's, per set of groups
+        self._dtensors = False  # whether a group holds DTensors (FSDP2): then every step takes their local shards
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -116,6 +123,7 @@ class DriftAdamW(torch.optim.AdamW):
         if any(g["name"] == param_group["name"] for g in self.param_groups):
             raise ValueError(f"duplicate param group name {param_group['name']!r}")
         super().add_param_group(param_group)
+        self._dtensors = self._dtensors or has_dtensors(self.param_groups[-1]["params"])
         self._choice = None  # decided again over the new set of parameters
         self._plans.clear()
 
@@ -143,7 +151,7 @@ class DriftAdamW(torch.optim.AdamW):
         Used to skip ZeRO padding and, under ZeRO-0 where every rank updates whole parameters,
         to make each rank report only its own slice so that sums over ranks are not doubled.
         """
-        numel = tensor.numel()
+        numel = local_part(tensor).numel()  # (a DTensor's windows are runs of its local shard)
         for start, length in windows:
             if start < 0 or length < 0 or start + length > numel:
                 raise ValueError(f"drift window ({start}, {length}) outside a tensor of {numel} elements")
@@ -213,7 +221,7 @@ class DriftAdamW(torch.optim.AdamW):
         if self._choice is not None and self._choice[0] == device_type:
             return self._choice[1]
         everything = [p for group in self.param_groups for p in group["params"]] or params
-        choice = choose_steps(self.drift_step, device_type, triton=lambda: triton_eligible(everything))
+        choice = choose_steps(self.drift_step, device_type, triton=lambda: triton_eligible(local_tensors(everything)))
         self._choice = (device_type, choice)
         self._place_counts(everything, choice)
         logger.info(
@@ -241,11 +249,12 @@ class DriftAdamW(torch.optim.AdamW):
         beta1, beta2 = group["betas"]
         fused = self._steps_on(params).torch_step == "fused"
         states = [self.init_state(p) for p in params]
+        local_params, grads, exp_avgs, exp_avg_sqs = self._tensors(params, states)
         adamw_functional(
-            params,
-            _grads(params),
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
+            local_params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
             [],
             [s["step"] for s in states],
             foreach=not fused,
@@ -258,6 +267,12 @@ class DriftAdamW(torch.optim.AdamW):
             eps=group["eps"],
             maximize=False,
         )
+
+    def _tensors(self, params: list[torch.Tensor], states: list[dict[str, Any]]) -> tuple[list[torch.Tensor], ...]:
+        """``params``, their gradients, exp_avgs and exp_avg_sqs as a step computes on them: a
+        DTensor's local shard (read at each step: FSDP2 may swap it), any other tensor itself."""
+        tensors = (params, _grads(params), list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states)))
+        return tuple(map(local_tensors, tensors)) if self._dtensors else tensors
 
     def _diff_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
         """:meth:`_torch_step`, and the L1 of what it moved over the elements this rank owns."""
@@ -292,8 +307,9 @@ class DriftAdamW(torch.optim.AdamW):
             self._fused_step_by_count(stepped, plan.states, counts)
             return
         scalars = [AdamWScalars.of_group(group, count) for (group, _), count in zip(stepped, slot_counts)]
+        grads = _grads(params) if plan.sources is None else local_tensors(_grads(params))
         with self.probe_clock.span(params[0].device):
-            l1 = adamw_l1_plan(plan, _grads(params), scalars)
+            l1 = adamw_l1_plan(plan, grads, scalars)
         self.own_step.replaced()
         for name, owned, value in zip(plan.names, plan.owned, l1.unbind()):
             if owned:  # as the foreach step: no owned element, no entry (the kernel counts it anyway)
@@ -306,6 +322,9 @@ class DriftAdamW(torch.optim.AdamW):
         windows = [self._windows_of(p) for p in params]
         starts = tuple(accumulate((len(group_params) for _, group_params in stepped), initial=0))
         exp_avgs, exp_avg_sqs = list(map(_EXP_AVG, states)), list(map(_EXP_AVG_SQ, states))
+        sources = (params, exp_avgs, exp_avg_sqs) if self._dtensors else None
+        if sources is not None:  # the plan steps their local shards
+            params, exp_avgs, exp_avg_sqs = map(local_tensors, sources)
         return FusedPlan(
             names=tuple(g["name"] for g, _ in stepped),
             starts=starts,
@@ -317,20 +336,25 @@ class DriftAdamW(torch.optim.AdamW):
             owned=tuple(any(w is None or w for w in windows[a:b]) for a, b in zip(starts, starts[1:])),
             state_table=self.state,
             state_entries=(list(self.state), list(self.state.values())),
+            sources=sources,
+            local_params=LocalTensors(sources[0]) if sources is not None else None,
         )
 
     def _plan_holds(self, plan: FusedPlan, params: list[torch.Tensor]) -> bool:
         """Whether ``plan`` still has this step's tensors: the same parameters, state dicts and
-        moments, by identity (a loaded state dict or a new tensor anywhere builds a new plan).
+        moments, by identity (a loaded state dict or a new tensor anywhere builds a new plan),
+        and the same local shards of DTensor parameters (FSDP2 may swap one).
 
         The state dicts are looked up only when the state mapping's entries are no longer those
         the plan last saw: a lookup hashes each parameter in Python (55 µs for the 0.5B shape's
         290 on a 2-core CPU, against 18 µs to compare the entries)."""
         state = self.state
+        own_params, own_exp_avgs, own_exp_avg_sqs = plan.keys()
         if (
             plan.state_table is not state
-            or len(params) != len(plan.params)
-            or not all(map(operator.is_, params, plan.params))
+            or len(params) != len(own_params)
+            or not all(map(operator.is_, params, own_params))
+            or (plan.local_params is not None and plan.local_params.swapped())
         ):
             return False
         keys, values = plan.state_entries
@@ -339,8 +363,8 @@ class DriftAdamW(torch.optim.AdamW):
             if not all(map(operator.is_, map(state.__getitem__, params), plan.states)):
                 return False
             plan.state_entries = (list(state), list(state.values()))
-        return all(map(operator.is_, map(_EXP_AVG, plan.states), plan.exp_avgs)) and all(
-            map(operator.is_, map(_EXP_AVG_SQ, plan.states), plan.exp_avg_sqs)
+        return all(map(operator.is_, map(_EXP_AVG, plan.states), own_exp_avgs)) and all(
+            map(operator.is_, map(_EXP_AVG_SQ, plan.states), own_exp_avg_sqs)
         )
 
     def _fused_step_by_count(
@@ -359,14 +383,15 @@ class DriftAdamW(torch.optim.AdamW):
             group_counts = counts[offset : offset + len(params)]
             offset += len(params)
             for count, members, member_states in _by_count(group_counts, params, group_states):
+                local_members, grads, exp_avgs, exp_avg_sqs = self._tensors(members, member_states)
                 work.append(
                     (
                         group["name"],
                         FusedGroup(
-                            params=members,
-                            grads=_grads(members),
-                            exp_avgs=[s["exp_avg"] for s in member_states],
-                            exp_avg_sqs=[s["exp_avg_sq"] for s in member_states],
+                            params=local_members,
+                            grads=grads,
+                            exp_avgs=exp_avgs,
+                            exp_avg_sqs=exp_avg_sqs,
                             windows=[self._windows_of(p) for p in members],
                             scalars=AdamWScalars.of_group(group, count),
                         ),
@@ -416,11 +441,12 @@ class DriftAdamW(torch.optim.AdamW):
         views: list[torch.Tensor] = []
         for p in params:
             windows = self._windows_of(p)
+            local = local_part(p).detach()  # (a DTensor's windows are runs of its local shard)
             if windows is None:
-                views.append(p.detach())
-            elif not p.is_contiguous():
-                raise ValueError(f"drift windows on a non-contiguous tensor of shape {tuple(p.shape)}")
+                views.append(local)
+            elif not local.is_contiguous():
+                raise ValueError(f"drift windows on a non-contiguous tensor of shape {tuple(local.shape)}")
             else:
-                flat = p.detach().view(-1)
+                flat = local.view(-1)
                 views.extend(flat.narrow(0, s, n) for s, n in windows)
         return views

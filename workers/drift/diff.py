@@ -18,6 +18,7 @@ import torch
 from layercheck.workers.drift.adamw import DriftAdamW
 from layercheck.workers.drift.clock import ProbeClock
 from layercheck.workers.drift.hooks import StepHookProbe, fused_refusal
+from layercheck.workers.drift.local import LocalTensors
 from layercheck.workers.drift.probe import DriftProbe, DriftReader, DriftSchedule, LayerDrift
 from layercheck.workers.layout import StateLayout, state_view
 from layercheck.workers.progress import ProbeCost
@@ -32,10 +33,11 @@ class SnapshotDiffProbe:
         self.schedule = DriftSchedule(every)
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}
-        self._views = {
-            name: [state_view(layout.optimizer, p, "fp32") for p in layer.owned]
-            for name, layer in layout.layers.items()
-        }
+        self._optimizer = layout.optimizer
+        self._owned = {name: layer.owned for name, layer in layout.layers.items()}
+        # FSDP2's masters are DTensors: the views are of their local shards, taken again when one is swapped
+        self._locals = LocalTensors(p.master for pieces in self._owned.values() for p in pieces)
+        self._views = self._take_views()
         self._previous = {name: [v.detach().clone() for v in views] for name, views in self._views.items()}
         firsts = [v for views in self._views.values() for v in views[:1]]
         self._device = firsts[0].device if firsts else torch.device("cpu")
@@ -46,6 +48,16 @@ class SnapshotDiffProbe:
     @property
     def numel(self) -> Mapping[str, int]:
         return dict(self._numel)
+
+    def _take_views(self) -> dict[str, list[torch.Tensor]]:
+        return {name: [state_view(self._optimizer, p, "fp32") for p in pieces] for name, pieces in self._owned.items()}
+
+    def _current_views(self) -> dict[str, list[torch.Tensor]]:
+        """The owned elements' views, taken again if FSDP2 swapped a master's local tensor since
+        (:mod:`layercheck.workers.drift.local`; the reference copies hold the values, not the memory)."""
+        if self._locals.swapped():
+            self._views = self._take_views()
+        return self._views
 
     @torch.no_grad()
     def collect(self, step: int) -> LayerDrift:
@@ -68,8 +80,9 @@ class SnapshotDiffProbe:
     def _diffs(self) -> list[torch.Tensor]:
         """Each layer's L1 against its reference, a float64 scalar on the device."""
         sums = []
+        current = self._current_views()
         for name in self._layers:
-            views, previous = self._views[name], self._previous[name]
+            views, previous = current[name], self._previous[name]
             if not views:
                 sums.append(torch.zeros((), dtype=torch.float64, device=self._device))
                 continue
@@ -93,7 +106,7 @@ class SnapshotDiffProbe:
         self.reset()
 
     def _copy_reference(self) -> None:
-        for name, views in self._views.items():
+        for name, views in self._current_views().items():
             if views:
                 torch._foreach_copy_(self._previous[name], views)
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from layercheck.workers.drift.local import LocalTensors
 
 #: (start, length) runs of a tensor's flattened elements that count towards drift.
 Windows = tuple[tuple[int, int], ...]
@@ -157,6 +160,7 @@ class FusedPlan:
     starts: tuple[int, ...]
     """Each slot's first tensor, and the number of tensors at the end."""
     params: list[torch.Tensor]
+    """The tensors stepped: the optimizer's own, or their local shards (see ``sources``)."""
     states: list[dict[str, Any]]
     exp_avgs: list[torch.Tensor]
     exp_avg_sqs: list[torch.Tensor]
@@ -175,6 +179,16 @@ class FusedPlan:
     tables: dict[Any, Any] = field(default_factory=dict)
     """The launcher's cache: the work table per chunk size, the address table and its addresses
     (a list per role: params, grads, exp_avgs, exp_avg_sqs)."""
+    sources: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
+    """Where the optimizer holds DTensors (FSDP2): its params, exp_avgs and exp_avg_sqs, whose
+    local shards the fields above are; ``None``: they are the optimizer's own tensors."""
+    local_params: LocalTensors | None = None
+    """With ``sources``: which local shard each param holds, to notice FSDP2 swapping one (the
+    plan then holds no longer)."""
+
+    def keys(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The optimizer's own params, exp_avgs and exp_avg_sqs, as the plan was built over them."""
+        return self.sources or (self.params, self.exp_avgs, self.exp_avg_sqs)
 
     def slot_counts(self, counts: Sequence[float]) -> list[float] | None:
         """Each slot's step count, given every tensor's; ``None`` when a slot's tensors differ

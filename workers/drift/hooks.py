@@ -22,6 +22,9 @@ an LR scheduler's wrapper, once per ZeRO-3 sub-group). On a step the probe measu
   would come after the update; a post-step one before it would see no gradients), or of an
   optimizer that has changed since into one :func:`fused_refusal` refuses, is measured by ``copy``.
 
+Under FSDP2 the parameters are DTensors: both modes copy, diff and step their local shards
+(:mod:`layercheck.workers.drift.local`), read again at every measured step (FSDP2 may swap them).
+
 On a step it does not measure, the hooks return at once: the user's step is untouched. The one
 exception, in ``fused`` mode: the step after each measured one is timed (not changed), so that the
 summary can set the fused step against the user's own step it replaces.
@@ -41,8 +44,9 @@ from layercheck.workers import optim_state
 from layercheck.workers.drift.clock import OwnStep, ProbeClock, Span
 from layercheck.workers.drift.fused import adamw_l1_layers
 from layercheck.workers.drift.fused_work import AdamWScalars, LayerStep, Windows, to_device
+from layercheck.workers.drift.local import has_dtensors, local_tensors
 from layercheck.workers.drift.probe import DriftSchedule, LayerDrift
-from layercheck.workers.layout import StateLayout
+from layercheck.workers.layout import StateLayout, local_part
 from layercheck.workers.progress import ProbeCost
 
 logger = logging.getLogger(__name__)
@@ -87,7 +91,10 @@ class StepHookProbe:
     def __init__(self, layout: StateLayout, *, every: int = 1, fused: bool = False, exact: bool = True) -> None:
         optimizer = layout.optimizer
         if fused and (reason := fused_refusal(optimizer, exact=exact)) is not None:
-            raise ValueError(f"drift_probe='fused' cannot step this optimizer in its place: {reason}")
+            raise ValueError(
+                f"drift_probe='fused' cannot step this optimizer in its place: {reason}; "
+                "drift_probe='step_hooks' or 'snapshot_diff' measures it as it steps"
+            )
         self.schedule = DriftSchedule(every)
         self.fused = fused
         self._exact = exact
@@ -110,6 +117,7 @@ class StepHookProbe:
         }
         masters = [p for layer in layout.layers.values() for p in layer.masters]
         self._device = masters[0].device if masters else torch.device("cpu")
+        self._dtensors = has_dtensors(masters)  # FSDP2: the fused step takes their local shards
         self._sums = torch.zeros(len(self._layers), dtype=torch.float64, device=self._device)
         self._copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (owned run, its copy, layer)
         self._hidden: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its gradient) hidden from torch's step
@@ -163,7 +171,7 @@ class StepHookProbe:
                 return
             for p in stepped:
                 runs, layers = self._runs.get(id(p), ((), ()))
-                flat = p.detach().view(-1)
+                flat = local_part(p).detach().view(-1)  # (a DTensor's: its runs are of the local shard)
                 for (start, length), layer in zip(runs, layers):
                     run = flat.narrow(0, start, length)
                     self._copies.append((run, run.clone(), layer))
@@ -223,11 +231,16 @@ class StepHookProbe:
             p.grad = None
         try:
             runs = [self._runs.get(id(p), ((), ())) for p in stepped]
+            moments = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
+            if self._dtensors:  # their local shards, read at each step: FSDP2 may have swapped one since
+                params, grads, exp_avgs, exp_avg_sqs = (local_tensors(ts) for ts in (stepped, grads, *moments))
+            else:
+                params, (exp_avgs, exp_avg_sqs) = [p.detach() for p in stepped], moments
             step = LayerStep(
-                params=[p.detach() for p in stepped],
+                params=params,
                 grads=grads,
-                exp_avgs=[state["exp_avg"] for state in states],
-                exp_avg_sqs=[state["exp_avg_sq"] for state in states],
+                exp_avgs=exp_avgs,
+                exp_avg_sqs=exp_avg_sqs,
                 windows=[windows for windows, _ in runs],
                 accumulators=[layers for _, layers in runs],
                 slots=slots,
