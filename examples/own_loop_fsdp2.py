@@ -10,6 +10,7 @@ and a no-decay group, a warm-up/decay ``LambdaLR`` and the loop. LayerCheck adds
     python examples/own_loop_fsdp2.py --kill-at-step 0     # no failure
     python examples/own_loop_fsdp2.py --in-place --memory-period 1   # the survivor keeps its process; nothing lost
     python examples/own_loop_fsdp2.py --bf16               # bf16 compute over fp32 sharded masters
+    python examples/own_loop_fsdp2.py --workers 4 --hsdp 2 # HSDP: 2 replicas x 2 shards
     ray job submit --working-dir . -- python examples/own_loop_fsdp2.py --storage /shared/own-loop-fsdp2
 """
 
@@ -80,14 +81,18 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def sharded_model(world: int, bf16: bool) -> torch.nn.Module:
-    """The model, sharded with FSDP2 over all ranks: each decoder layer, then the root."""
+def sharded_model(world: int, bf16: bool, replicas: int = 1) -> torch.nn.Module:
+    """The model, sharded with FSDP2 over all ranks: each decoder layer, then the root; with
+    ``replicas`` > 1, HSDP (a replicate x shard mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
+    if replicas > 1:
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
     options: dict[str, Any] = {"mesh": mesh, **({"mp_policy": precision} if precision else {})}
     for layer in model.model.layers:
@@ -114,7 +119,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
-    model = sharded_model(world, config["bf16"])
+    model = sharded_model(world, config["bf16"], config["hsdp"])
     optimizer, schedule = optimizer_and_schedule(model, config["steps"])
     pairs = make_pairs()
     # LayerCheck: on a restart, loads the composite into the shards and moves the schedule; says where to start
@@ -137,6 +142,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (FSDP's MixedPrecisionPolicy)")
+    parser.add_argument(
+        "--hsdp", type=int, default=1, help="HSDP: this many replicas of the shards (--workers divisible)"
+    )
     parser.add_argument(
         "--storage",
         default=os.path.join(tempfile.gettempdir(), "layercheck-own-loop-fsdp2"),
@@ -180,7 +188,7 @@ def main() -> None:
     )
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
-        train_loop_config={"steps": args.steps, "micro": args.micro, "bf16": args.bf16},
+        train_loop_config={"steps": args.steps, "micro": args.micro, "bf16": args.bf16, "hsdp": args.hsdp},
         model=MODEL,  # LayerCheck plans the layers from it (no weights are built)
         checkpoint=layercheck.CheckpointConfig(  # LayerCheck
             storage=args.storage,

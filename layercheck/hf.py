@@ -1,5 +1,5 @@
 """LayerCheck for a Hugging Face ``Trainer`` (or TRL's ``SFTTrainer``, any ``Trainer`` subclass)
-running DeepSpeed inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
+running DeepSpeed or FSDP2 (``fsdp_config={"fsdp_version": 2}``: accelerate shards only on GPUs) inside a :class:`layercheck.LayerCheckTrainer`'s ``train_loop_per_worker``::
 
     trainer = SFTTrainer(model=model, args=SFTConfig(deepspeed=ds_config, save_strategy="no", ...), ...)
     trainer.add_callback(layercheck.LayerCheckCallback(trainer))
@@ -51,7 +51,7 @@ class LayerCheckCallback(TrainerCallback):
         """``layer_map`` / ``drift_probe`` override the run's :class:`layercheck.CheckpointConfig`.
         ``attach`` (``trainer -> Attachment``) replaces attaching to the trainer's engine (tests
         script it)."""
-        require_deepspeed(trainer)
+        require_supported_engine(trainer)
         self.trainer = trainer
         self.layer_map = layer_map
         self.drift_probe = drift_probe
@@ -100,7 +100,11 @@ class LayerCheckCallback(TrainerCallback):
     def _attach_engine(self, trainer: Any) -> Any:
         from layercheck.worker import attach
 
-        return attach(deepspeed_engine(trainer), layer_map=self.layer_map, drift_probe=self.drift_probe)
+        options = {"layer_map": self.layer_map, "drift_probe": self.drift_probe}
+        if runs_fsdp2(trainer):
+            model, optimizer, scheduler = fsdp2_parts(trainer)
+            return attach(model, optimizer, lr_scheduler=scheduler, **options)
+        return attach(deepspeed_engine(trainer), **options)
 
     def _keep_tokenizer(self) -> None:
         """The ``Trainer``'s tokenizer into the run's store, once per run, by rank 0, where the run
@@ -171,22 +175,63 @@ def _rank_zero(trainer: Any) -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def require_deepspeed(trainer: Any) -> None:
+def require_supported_engine(trainer: Any) -> None:
     """Raise :class:`TrainerSetupError` unless ``trainer`` is a ``Trainer`` set up for DeepSpeed
-    (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin)."""
+    (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin) or for FSDP2
+    (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``, accelerate's ``is_fsdp2``); FSDP1,
+    and an FSDP run accelerate turned into DDP (it shards only on GPUs), are named."""
     args = getattr(trainer, "args", None)
     if args is None or not hasattr(trainer, "model_wrapped"):
         raise TrainerSetupError(
             "LayerCheckCallback(trainer): pass the transformers.Trainer (or TRL SFTTrainer) "
             f"itself, got {type(trainer).__name__}"
         )
-    if not getattr(args, "deepspeed", None) and not getattr(trainer, "is_deepspeed_enabled", False):
-        raise TrainerSetupError(
-            "LayerCheck needs the Trainer to run DeepSpeed: set TrainingArguments(deepspeed=...) "
-            "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
-            'optimizer ("optimizer": {"type": "AdamW", "params": {"lr": "auto"}} or '
-            "the Trainer's own)"
-        )
+    if getattr(args, "deepspeed", None) or getattr(trainer, "is_deepspeed_enabled", False):
+        return
+    if getattr(args, "fsdp", None):
+        accelerator = getattr(trainer, "accelerator", None)
+        if not getattr(trainer, "is_fsdp_enabled", False):
+            raise TrainerSetupError(
+                "the Trainer was asked for FSDP but accelerate runs it as "
+                f"{getattr(getattr(accelerator, 'state', None), 'distributed_type', 'another kind')} (accelerate "
+                "shards only on GPUs: on CPU FSDP falls back to DDP, which LayerCheck cannot checkpoint "
+                "layer by layer); run it on GPUs, or use DeepSpeed (TrainingArguments(deepspeed=...))"
+            )
+        if not getattr(accelerator, "is_fsdp2", False):
+            raise TrainerSetupError(
+                "the Trainer runs FSDP1 (FullyShardedDataParallel), which LayerCheck does not map (transformers "
+                'and torch deprecate it): set fsdp_config={"fsdp_version": 2}'
+            )
+        return
+    raise TrainerSetupError(
+        "LayerCheck needs the Trainer to run DeepSpeed or FSDP2: set TrainingArguments(deepspeed=...) "
+        "(SFTConfig too) to a DeepSpeed config dict or JSON file path, ZeRO stage 0-3, with an "
+        'optimizer ("optimizer": {"type": "AdamW", "params": {"lr": "auto"}} or '
+        'the Trainer\'s own), or TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2}) on GPUs'
+    )
+
+
+def runs_fsdp2(trainer: Any) -> bool:
+    """Whether ``trainer`` trains under accelerate's FSDP2 (checked by :func:`require_supported_engine`)."""
+    return bool(getattr(trainer, "is_fsdp_enabled", False)) and bool(
+        getattr(getattr(trainer, "accelerator", None), "is_fsdp2", False)
+    )
+
+
+def fsdp2_parts(trainer: Any) -> tuple[Any, Any, Any]:
+    """The ``fully_shard`` model, the torch optimizer and scheduler a ``Trainer`` under FSDP2 trains
+    with: accelerate wraps the optimizer (``AcceleratedOptimizer.optimizer``) and the scheduler
+    (``AcceleratedScheduler.scheduler``), whose inner objects LayerCheck counts steps on and moves."""
+    model = getattr(trainer, "model_wrapped", None) or trainer.model
+    optimizer = getattr(trainer, "optimizer", None)
+    if optimizer is None:
+        raise TrainerSetupError("the Trainer has no optimizer yet: add LayerCheckCallback before trainer.train()")
+    scheduler = getattr(trainer, "lr_scheduler", None)
+    return (
+        model,
+        getattr(optimizer, "optimizer", optimizer),
+        getattr(scheduler, "scheduler", scheduler) if scheduler is not None else None,
+    )
 
 
 def deepspeed_engine(trainer: Any) -> Any:

@@ -10,7 +10,9 @@ slices on the layers' whole versions, so only the dead ranks' slices come back s
 
 What a rank captures:
 
-* ZeRO 1-3: its own partition (the only copy of those elements anywhere);
+* ZeRO 1-3, FSDP2: its own partition (the only copy of those elements anywhere); under HSDP its
+  whole shard, which its replicas hold too (each writes only a run of it): a lost replica's run
+  comes back from any live twin, exact;
 * ZeRO-0 (every rank holds everything): the slice it owns and its neighbours' (ranks ``r - 1``
   and ``r + 1``: one contiguous run of each parameter, as a shard lists a parameter once), so any
   single death is covered by either neighbour at ``3/W`` of the model per survivor, not a whole
@@ -89,8 +91,8 @@ def _optimizer_step(layout: StateLayout) -> int:
 
 def capture_pieces(layout: StateLayout) -> dict[str, tuple[Piece, ...]]:
     """For each layer, the pieces this rank captures (see the module docstring)."""
-    if layout.stage != 0:
-        return {name: layout[name].owned for name in layout.layer_map.names}
+    if layout.stage != 0:  # what it needs is what it holds (ZeRO 1-3, FSDP2: what it owns; HSDP: its whole shard)
+        return {name: layout[name].needed for name in layout.layer_map.names}
     first, last = max(0, layout.rank - 1), min(layout.world_size - 1, layout.rank + 1)
     out: dict[str, tuple[Piece, ...]] = {}
     for name in layout.layer_map.names:

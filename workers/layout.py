@@ -77,7 +77,8 @@ class StateLayout:
     stage: int
     """How the state is split: 0 replicated (DeepSpeed ZeRO-0: a rank owns a ``1/world_size``
     slice of each parameter but needs it whole), else partitioned (ZeRO 1-3, FSDP2 as 3: a rank
-    owns and needs exactly its shard)."""
+    needs exactly its shard, and owns it; under HSDP its replicas hold the same shard and each
+    owns a ``1/replicas`` run of it)."""
     rank: int
     world_size: int
     layers: Mapping[str, LayerLayout]

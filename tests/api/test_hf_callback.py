@@ -160,7 +160,7 @@ def run_trainer(
 def no_deepspeed_check(monkeypatch):
     """The data tests use a real Trainer without DeepSpeed (the engine is scripted away)."""
     pytest.importorskip("accelerate", reason="the Trainer needs accelerate (the test extra)")
-    monkeypatch.setattr(hf, "require_deepspeed", lambda trainer: None)
+    monkeypatch.setattr(hf, "require_supported_engine", lambda trainer: None)
 
 
 @pytest.mark.parametrize("grad_accum,start_step", [(1, 4), (1, 8), (1, 13), (2, 3), (2, 5)])
@@ -212,3 +212,45 @@ def test_a_restart_over_an_iterable_dataset_is_refused_naming_it():
     cb = LayerCheckCallback(trainer, attach=lambda t: FakeAttachment(start_step=3))
     with pytest.raises(TrainerSetupError, match="IterableDataset"):
         cb.on_train_begin(trainer.args, transformers.TrainerState(), None, train_dataloader=iter([]))
+
+
+def test_a_trainer_asked_for_fsdp_on_cpu_is_refused_as_the_ddp_it_fell_back_to():
+    """accelerate shards only on GPUs: a distributed Trainer given fsdp=... on CPU runs DDP
+    (``MULTI_CPU``; a lone process refuses fsdp itself), which LayerCheck says before training."""
+    fell_back = SimpleNamespace(
+        args=SimpleNamespace(deepspeed=None, fsdp="full_shard", gradient_accumulation_steps=1),
+        model_wrapped=None,
+        is_fsdp_enabled=False,
+        accelerator=SimpleNamespace(is_fsdp2=False, state=SimpleNamespace(distributed_type="MULTI_CPU")),
+    )
+    with pytest.raises(TrainerSetupError, match=r"asked for FSDP but accelerate runs it as MULTI_CPU .*DDP"):
+        LayerCheckCallback(fell_back)
+
+
+def test_fsdp1_is_refused_and_fsdp2s_parts_are_the_wrapped_optimizer_and_scheduler():
+    """A Trainer under accelerate's FSDP (what a GPU run gives): FSDP1 refused; under FSDP2 the
+    callback attaches to the model with the optimizer and scheduler inside accelerate's wrappers."""
+    from layercheck.hf import fsdp2_parts, runs_fsdp2
+
+    def fsdp_trainer(version: int) -> SimpleNamespace:
+        model = torch.nn.Linear(2, 2)
+        inner = torch.optim.AdamW(model.parameters())
+        schedule = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: 1.0)
+        return SimpleNamespace(
+            args=SimpleNamespace(deepspeed=None, fsdp="full_shard", gradient_accumulation_steps=1),
+            model_wrapped=model,
+            model=model,
+            is_fsdp_enabled=True,
+            accelerator=SimpleNamespace(is_fsdp2=version == 2),
+            optimizer=SimpleNamespace(optimizer=inner),  # accelerate's AcceleratedOptimizer
+            lr_scheduler=SimpleNamespace(scheduler=schedule),  # its AcceleratedScheduler
+        )
+
+    with pytest.raises(TrainerSetupError, match=r"runs FSDP1 .*fsdp_version.: 2"):
+        LayerCheckCallback(fsdp_trainer(1))
+    trainer = fsdp_trainer(2)
+    LayerCheckCallback(trainer)
+    assert runs_fsdp2(trainer)
+    model, optimizer, scheduler = fsdp2_parts(trainer)
+    assert model is trainer.model_wrapped
+    assert optimizer is trainer.optimizer.optimizer and scheduler is trainer.lr_scheduler.scheduler

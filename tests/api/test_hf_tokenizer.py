@@ -61,7 +61,7 @@ def trainer_run(tmp_path, monkeypatch):
         layer_numel={},
     )
     monkeypatch.setattr(context, "_current", ctx)
-    monkeypatch.setattr("layercheck.hf.require_deepspeed", lambda trainer: None)  # the engine is scripted away
+    monkeypatch.setattr("layercheck.hf.require_supported_engine", lambda trainer: None)  # the engine is scripted away
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(SFT_TOKENIZER), local_files_only=True)
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
     trainer = transformers.Trainer(model=TinyLM(), args=args, processing_class=tokenizer)

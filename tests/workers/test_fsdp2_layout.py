@@ -106,9 +106,14 @@ def test_uneven_and_empty_shards_tile_their_parameters(ran):
     "case, message",
     [
         ("shard1", r"UnsupportedShardingError: parameter '[\w.]+' is placed \(Shard\(dim=1\),\) on a 1-D mesh"),
-        ("hsdp", r"UnsupportedShardingError: .* on a 2-D mesh of shape \(1, 1\).*HSDP"),
         ("replicate", r"UnsupportedShardingError: parameter 'weight' is placed \(Replicate\(\),\)"),
     ],
 )
 def test_placements_it_does_not_map_are_refused(ran, case, message):
     assert re.search(message, ran["refused"][case]), ran["refused"][case]
+
+
+@pytest.mark.slow
+def test_hsdps_replicate_by_shard_mesh_is_mapped(ran):
+    """HSDP's 2-D mesh (here 1 x 1) is mapped (its replicas: tests/workers/test_hsdp.py)."""
+    assert ran["refused"]["hsdp"] == "accepted"

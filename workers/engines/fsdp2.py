@@ -8,6 +8,12 @@ rank owns and needs exactly it (as at ZeRO-3). Where the run starts is read from
 itself (the chunk ``torch.distributed.checkpoint`` saves), so uneven and empty shards need no
 arithmetic here.
 
+HSDP (``fully_shard`` over a 2-D replicate x shard mesh) places parameters ``(Replicate(), Shard(0))``:
+the ranks along the replicate dimension hold the same shard. Each needs all of it, and owns (writes,
+measures the drift of) a ``1/replicas`` run of it, so every element is written once however many
+replicas there are; a survivor's capture is its whole shard, so a lost replica's run comes back
+from a live twin, exact.
+
 A layer's masters are its DTensor parameters: they key the optimizer's state (moments and step
 count), and :func:`~layercheck.workers.layout.local_part` reads their local shard at each access
 (FSDP2 may swap a parameter's local tensor for a re-padded one when it initialises lazily).
@@ -35,7 +41,7 @@ from layercheck.policies.layer_map import Layer, LayerMap
 from layercheck.workers import optim_state
 from layercheck.workers.config import EngineConfig
 from layercheck.workers.data.batch import MicroBatch, model_inputs
-from layercheck.workers.layout import LayerLayout, Piece, StateLayout, local_part
+from layercheck.workers.layout import LayerLayout, Piece, StateLayout, local_part, zero0_owned_range
 from layercheck.workers.lr_schedule import seek_scheduler
 from layercheck.workers.shard import ParamSlice
 
@@ -44,7 +50,8 @@ logger = logging.getLogger(__name__)
 #: What this layout maps, for the refusals.
 SUPPORTED_SHARDING = (
     "a model sharded with torch.distributed.fsdp.fully_shard (each decoder layer, then the root) "
-    "over a 1-D mesh of all ranks, its parameters DTensors placed (Shard(dim=0),)"
+    "over a mesh of all ranks, 1-D (its parameters DTensors placed (Shard(dim=0),)) or HSDP's 2-D "
+    "replicate x shard mesh (placed (Replicate(), Shard(dim=0)))"
 )
 SUPPORTED_OPTIMIZERS = "torch.optim.Adam or torch.optim.AdamW (foreach or fused, any param groups)"
 
@@ -83,7 +90,7 @@ def build_fsdp2_layout(
         type(optimizer).__name__,
     )
     return StateLayout(
-        stage=3,  # partitioned like ZeRO-3: a rank owns and needs exactly its shard
+        stage=3,  # partitioned like ZeRO-3: a rank needs exactly its shard (owns it, or its replica's run of it)
         rank=rank,
         world_size=world_size,
         layers=layers,
@@ -108,8 +115,8 @@ def check_optimizer(optimizer: Any) -> None:
 
 def check_placement(name: str, param: torch.Tensor) -> None:
     """Raise :class:`UnsupportedShardingError` unless ``param`` is a DTensor placed ``(Shard(0),)``
-    on a 1-D mesh of every rank."""
-    from torch.distributed.tensor import DTensor, Shard
+    on a 1-D mesh of every rank, or ``(Replicate(), Shard(0))`` on HSDP's 2-D mesh of every rank."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(param, DTensor):
         raise UnsupportedShardingError(
@@ -117,11 +124,11 @@ def check_placement(name: str, param: torch.Tensor) -> None:
             f"or FSDP1's FullyShardedDataParallel); LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING}"
         )
     mesh, placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1 or placements != (Shard(0),):
+    if placements not in ((Shard(0),), (Replicate(), Shard(0))):
         raise UnsupportedShardingError(
             f"parameter {name!r} is placed {placements} on a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; "
-            f"LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING} (HSDP's 2-D mesh, Shard(1) and tensor "
-            "parallelism are not supported yet)"
+            f"LayerCheck's FSDP2 layout maps {SUPPORTED_SHARDING} (Shard(1) and tensor parallelism are "
+            "not supported yet)"
         )
     if mesh.size() != torch.distributed.get_world_size():
         raise UnsupportedShardingError(
@@ -159,6 +166,17 @@ def shard_range(param: torch.Tensor) -> tuple[int, int]:
     return (offsets[0] * row if length else 0), length
 
 
+def replica_of(param: torch.Tensor) -> tuple[int, int]:
+    """(this rank's replica, the replicas) of ``param``'s shard: ``(0, 1)`` on a 1-D mesh; on HSDP's
+    2-D mesh, the rank's coordinate along the replicate dimension and its size. Every replica holds
+    the same shard, so each writes a ``1/replicas`` run of it (as ZeRO-0's ranks split their writes)
+    and needs all of it on restore."""
+    mesh = param.device_mesh  # type: ignore[attr-defined]
+    if mesh.ndim == 1:
+        return 0, 1
+    return int(mesh.get_local_rank(0)), int(mesh.size(0))
+
+
 def reshard_all(model: torch.nn.Module, layers: Sequence[str] = ()) -> None:
     """Make the next forward all-gather every FSDP module's parameters from the sharded masters
     a restore wrote: free the unsharded copies any module still holds (the root keeps its own
@@ -183,19 +201,24 @@ def _group_of(optimizer: Any, params: Mapping[str, torch.Tensor], layer_map: Lay
 def _layer_layout(
     layer: Layer, params: Mapping[str, torch.Tensor], optimizer: Any, group_of: Mapping[str, int]
 ) -> LayerLayout:
-    pieces: list[Piece] = []
+    needed: list[Piece] = []
+    owned: list[Piece] = []
     for info in layer.params:
         param = params[info.name]
         offset, length = shard_range(param)
         if length:  # an empty shard (fewer rows than ranks) holds nothing of this parameter
-            pieces.append(Piece(ParamSlice(info.name, info.shape, offset, length), param, 0))
+            needed.append(Piece(ParamSlice(info.name, info.shape, offset, length), param, 0))
+            replica, replicas = replica_of(param)
+            start, count = zero0_owned_range(length, replica, replicas)  # HSDP: the replicas split the shard's writes
+            if count:
+                owned.append(Piece(ParamSlice(info.name, info.shape, offset + start, count), param, start))
         state = optim_state.init_state(optimizer, param)  # a restore into a fresh optimizer writes into these
         _check_moments(info.name, param, state)
     indices = sorted({group_of[p.name] for p in layer.params})
     return LayerLayout(
         name=layer.name,
-        owned=tuple(pieces),
-        needed=tuple(pieces),
+        owned=tuple(owned),
+        needed=tuple(needed),
         masters=tuple(params[p.name] for p in layer.params),
         groups=tuple(optimizer.param_groups[i] for i in indices),
         group_params=tuple(tuple(p.name for p in layer.params if group_of[p.name] == i) for i in indices),
