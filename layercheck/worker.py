@@ -32,7 +32,6 @@ from typing import Any
 import ray
 import torch
 
-from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
@@ -202,6 +201,7 @@ def attach(
         drift_every=ctx.policy.drift_every if ctx.policy is not None else 1,
     )
     _check_layers(attached.layer_map, ctx.layer_numel)
+    _check_in_place(attached, ctx.in_place)
     _check_recorded_model(attached.adapter.module, ctx.storage_uri)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     names = RunNames(ctx.run_id)
@@ -212,13 +212,7 @@ def attach(
     worker_id = incarnation.worker_id(runtime.get_actor_id() or f"pid{os.getpid()}")
     resume = ray.get(supervisor.join.remote(rank, world_size, worker_id, attached.adapter.kind))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
-    entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
-    start = RankStart(
-        start_s=entered - context.process_started_at() if incarnation.number == 0 else 0.0,
-        group_s=incarnation.group_s,
-        build_s=time.time() - entered,
-        kept_process=incarnation.number > 0,
-    )
+    start = incarnation.rank_start(rank, time.time())  # the loop's own work so far (a promoted spare's: since then)
     if resume.records is not None:
         recover(
             attached,
@@ -266,6 +260,19 @@ def attach(
         policy=ctx.policy,
         drain_s=ctx.stop_drain_s,
     )
+
+
+def _check_in_place(attached: AttachedEngine, in_place: bool) -> None:
+    """In place, a survivor must learn of the loss from its own collective. With gloo that happens
+    only in a collective with the lost rank: under HSDP a survivor can wait in its replicate or shard
+    group on a live peer that already left (torch's gloo closes a group's connections only when the
+    process ends; an abort does not), and would hang. NCCL's survivors are aborted instead."""
+    if in_place and attached.layout.subgroups and torch.distributed.get_backend() == "gloo":
+        raise ValueError(
+            "in-place recovery (CheckpointConfig(in_place=True)) of an HSDP model on gloo: a survivor waiting "
+            "in its replicate or shard group on a live peer would never be released; run HSDP in place on "
+            "NCCL (GPUs), or without in_place (a full restart recovers it)"
+        )
 
 
 def _release(attached: AttachedEngine) -> None:

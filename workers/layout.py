@@ -92,6 +92,9 @@ class StateLayout:
     engine's own way (:func:`refresh_forward_weights`)."""
     kind: str = ""
     """Which engine built it (``deepspeed``, ``fsdp2``): for the logs and the summary only."""
+    subgroups: bool = False
+    """The engine's collectives run in groups smaller than the world (HSDP's replicate and shard
+    groups): a survivor may wait on a live peer rather than on the lost one."""
 
     def groups_of(self, layer: str) -> tuple[dict[str, Any], ...]:
         """The client optimizer's current param groups holding ``layer``."""

@@ -82,6 +82,7 @@ def hsdp_recovery_job(rank: int, world_size: int, store_uri: str) -> dict[str, A
     again = train_step(model, optimizer, T + 1, rank)
     return {
         "owned": owned,
+        "subgroups": layout.subgroups,
         "needed": needed,
         "drift": drift,
         "mismatches": sorted(k for k in at_t if not torch.equal(got[k], at_t[k])),

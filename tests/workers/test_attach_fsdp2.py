@@ -114,3 +114,18 @@ def test_a_lora_adapter_under_fully_shard_is_tracked_alone_on_two_ranks():
         assert sum(rank["snapshot"][layer] for rank in ranks) == total  # the two halves tile the layer
         assert all(rank["drift"][layer] > 0 for rank in ranks)
     assert [rank["step"] for rank in ranks] == [2, 2]
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_hsdp_in_place_on_gloo_is_refused_before_a_step():
+    """Under HSDP a gloo survivor may wait on a live peer in its replicate or shard group, which
+    torch never releases (measured: only the peer's process exit does): in place is refused there."""
+    from types import SimpleNamespace
+
+    from layercheck.worker import _check_in_place
+
+    hsdp = SimpleNamespace(layout=SimpleNamespace(subgroups=True))
+    with pytest.raises(ValueError, match=r"in-place recovery .* HSDP model on gloo.*NCCL.*without in_place"):
+        _check_in_place(hsdp, True)
+    _check_in_place(hsdp, False)  # a full restart recovers it
+    _check_in_place(SimpleNamespace(layout=SimpleNamespace(subgroups=False)), True)

@@ -38,6 +38,7 @@ def test_the_replicas_split_the_writes_of_their_shard_and_every_element_is_writt
     assert mesh == [0, 1, 2, 3]
     assert ranks[1]["needed"] == ranks[3]["needed"] != ranks[0]["needed"]
     assert set(_runs(ranks[1]["owned"])).isdisjoint(_runs(ranks[3]["owned"]))
+    assert all(r["subgroups"] for r in ranks)  # what refuses in place on gloo (test_attach_fsdp2.py)
 
 
 def test_a_lost_ranks_slices_come_back_from_its_live_twin_exactly(ranks):

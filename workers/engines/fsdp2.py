@@ -99,6 +99,7 @@ def build_fsdp2_layout(
         steps_taken=steps_taken,
         refresh=partial(reshard_all, model),
         kind="fsdp2",
+        subgroups=any(replica_of(params[p.name])[1] > 1 for layer in layer_map.layers for p in layer.params),
     )
 
 
