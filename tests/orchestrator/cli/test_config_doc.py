@@ -23,7 +23,7 @@ def test_every_run_config_field_is_documented(table, cls):
 def test_config_command_prints_the_reference(capsys):
     assert main(["config"]) == 0
     out = capsys.readouterr().out
-    assert "[engine]\n  zero_stage = 0" in out and "smax = 1000" in out and "kill_at_step = 0" in out
+    assert "[engine]\n  backend = 'deepspeed'" in out and "smax = 1000" in out and "kill_at_step = 0" in out
 
 
 def test_the_committed_reference_page_is_what_the_generator_makes_now():
