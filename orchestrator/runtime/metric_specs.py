@@ -284,6 +284,7 @@ SPECS: tuple[Spec, ...] = (
         "probe that runs the whole update in place of the optimizer's step, what it adds to that step.",
         ("probe",),
     ),
+    Spec(Gauge, "layercheck_engine_info", "1 for the training engine the ranks run (deepspeed, fsdp2).", ("engine",)),
     Spec(Gauge, "layercheck_training_step", "The latest step rank 0 completed."),
     Spec(Gauge, "layercheck_training_loss", "Loss of the latest step."),
     Spec(Gauge, "layercheck_learning_rate", "Learning rate of the latest step."),
@@ -294,7 +295,6 @@ SPECS: tuple[Spec, ...] = (
 #: Every metric name the code exports, as Prometheus sees it.
 METRIC_NAMES: tuple[str, ...] = tuple(spec.name for spec in SPECS)
 
-    Spec(Gauge, "layercheck_engine_info", "1 for the training engine the ranks run (deepspeed, fsdp2).", ("engine",)),
 
 def series_names() -> frozenset[str]:
     """Every series name a query may use: the metric names plus the histograms' sample names."""

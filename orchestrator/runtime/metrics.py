@@ -299,6 +299,9 @@ class RunMetrics:
         self._set("layercheck_training_step", status["step"])
         self._set("layercheck_step_seconds", status["step_s"])
         self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
+        engine = status["account"].get("engine")
+        if engine:
+            self._set("layercheck_engine_info", 1, engine)
         probe = status["account"].get("drift_probe")
         if probe:
             # a probe that runs the whole update in place of the optimizer's step: what it adds to that step
@@ -310,6 +313,3 @@ class RunMetrics:
         self._set("layercheck_worker_group_attempt", status["attempt"])
         for state in STATES:
             self._set("layercheck_supervisor_state", 1.0 if status["state"] == state else 0.0, state)
-        engine = status["account"].get("engine")
-        if engine:
-            self._set("layercheck_engine_info", 1, engine)

@@ -141,6 +141,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows: list[list[object]] = [
         ["run", summary["run_id"]],
         ["state", _state(summary)],
+        *([["engine", ENGINE_NAMES.get(summary["engine"], summary["engine"])]] if summary.get("engine") else []),
         ["steps", summary["steps"]],
         ["final loss", short_number(summary["final_loss"])],
         ["failures / recoveries", f"{summary['failures']} / {sum(recovered(r) for r in summary['recoveries'])}"],
@@ -148,7 +149,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows += recovery_rows(summary)
     rows += _stored_rows(summary)
     rows += [
-        *([["engine", ENGINE_NAMES.get(summary["engine"], summary["engine"])]] if summary.get("engine") else []),
         [
             "bytes written",
             f"{human_bytes(summary['bytes_written'])} in {summary['versions_written']} layer versions "
@@ -185,6 +185,10 @@ def format_summary(summary: dict[str, Any]) -> str:
     return format_table(["", ""], rows)
 
 
+#: How the summary names each engine the ranks report (:data:`layercheck.workers.engines.base.ENGINE_KINDS`).
+ENGINE_NAMES = {"deepspeed": "DeepSpeed", "fsdp2": "PyTorch FSDP2 (fully_shard)"}
+
+
 def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
     """Full checkpoints at the run's freshness, against what the schedule handed over (12 bytes
     a parameter, as they count; without the final save, which full checkpoints would make too),
@@ -193,10 +197,6 @@ def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
     what = "the schedule handed over" if ours is not None else "the policy wrote"
     ours = ours if ours is not None else summary["bytes_written"]
     rows: list[list[object]] = []
-#: How the summary names each engine the ranks report (:data:`layercheck.workers.engines.base.ENGINE_KINDS`).
-ENGINE_NAMES = {"deepspeed": "DeepSpeed", "fsdp2": "PyTorch FSDP2 (fully_shard)"}
-
-
     sampled = summary.get("drift_measured_steps")
     for key, label in (("full_at_same_staleness", "staleness"), ("full_at_same_drift", "unsaved drift")):
         matched = summary.get(key)

@@ -72,9 +72,9 @@ def status(
             "ettr": 0.5,
             "coordination_s_per_step": {"mean": 0.003, "p50": 0.002, "p90": 0.005, "max": 0.01},
             "drift_probe": {"probe": "snapshot_diff", "s_per_step": 0.0004, "s_per_measured_step": 0.004},
+            "engine": "fsdp2",
         },
     }
-            "engine": "fsdp2",
 
 
 def samples(metrics):
@@ -140,6 +140,7 @@ def test_values_reflect_the_central_view():
     assert sum(value(metrics, "layercheck_supervisor_state", state=s) for s in STATES) == 1
     assert value(metrics, "layercheck_policy_protocol_seconds") == 0.003
     assert value(metrics, "layercheck_drift_probe_seconds", probe="snapshot_diff") == 0.0004
+    assert value(metrics, "layercheck_engine_info", engine="fsdp2") == 1
     assert value(metrics, "layercheck_peak_step_bytes") == 4800
     assert value(metrics, "layercheck_write_budget_bytes_per_step") == 2000
     assert value(metrics, "layercheck_drain_bytes_per_second") == 25000.0
@@ -176,7 +177,6 @@ def test_counters_stay_monotonic_across_a_worker_group_restart():
     # the group is lost: productive time of its late steps is discarded, the new group is loading
     metrics.refresh(
         status(
-    assert value(metrics, "layercheck_engine_info", engine="fsdp2") == 1
             step=10,
             productive=4.8,
             failures=1,
