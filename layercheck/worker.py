@@ -32,6 +32,7 @@ from typing import Any
 import ray
 import torch
 
+from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
@@ -212,7 +213,13 @@ def attach(
     worker_id = incarnation.worker_id(runtime.get_actor_id() or f"pid{os.getpid()}")
     resume = ray.get(supervisor.join.remote(rank, world_size, worker_id, attached.adapter.kind))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
-    start = incarnation.rank_start(rank, time.time())  # the loop's own work so far (a promoted spare's: since then)
+    entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
+    start = RankStart(
+        start_s=entered - context.process_started_at() if incarnation.number == 0 else 0.0,
+        group_s=incarnation.group_s,
+        build_s=time.time() - entered,
+        kept_process=incarnation.number > 0,
+    )
     if resume.records is not None:
         recover(
             attached,
