@@ -3,7 +3,8 @@
 The loop, the drift reports and the policy service are LayerCheck's (a ``never`` policy for
 the DeepSpeed baselines, the ``interval`` policy for the full part of ``diff``); what differs is
 here: DeepSpeed's ``save_checkpoint`` (synchronous, or with an asynchronous checkpoint engine)
-with rollback recovery, and the differential baseline's per-step top-k deltas.
+with rollback recovery, and the differential baseline's per-step top-k deltas (under FSDP2, DCP's
+saves take DeepSpeed's place: :mod:`layercheck.bench.dcp_baseline`).
 
 Each baseline has ``after_step(step)``, ``recover(t_fail) -> dict`` (after the in-memory state
 was wiped; returns the step to resume at and its timings), ``finish() -> (bytes, events)``, and
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from layercheck.bench import delta as deltas
+from layercheck.bench.dcp_baseline import DCPFull
 from layercheck.bench.strategies import Kind, Strategy
 from layercheck.orchestrator.local.local_coordinator import LocalCoordinator
 from layercheck.orchestrator.local.recovery import recover
@@ -277,11 +279,18 @@ def make_baseline(
     batches: Callable[[int], list[torch.Tensor]],
     losses: Callable[[], dict[int, float]],
     reset: Callable[[], None],
-) -> DeepSpeedFull | Differential | None:
+) -> DeepSpeedFull | DCPFull | Differential | None:
     """The strategy's own checkpointing, or ``None`` where LayerCheck's path is all of it. A
     rollback needs the batches of a step, the losses recorded so far and a reset to the initial weights."""
     if strategy.kind in (Kind.DEEPSPEED_SYNC, Kind.DEEPSPEED_ASYNC):
+        if train_engine.adapter.kind != "deepspeed":
+            raise ValueError(
+                f"strategy {strategy.name}: DeepSpeed's save_checkpoint needs the DeepSpeed engine, not "
+                f"{train_engine.adapter.describe()} (under --engine fsdp2 the baselines are dcp and dcp-async)"
+            )
         return DeepSpeedFull(train_engine, strategy, root, coordinator, batches=batches, losses=losses, reset=reset)
+    if strategy.kind in (Kind.DCP_SYNC, Kind.DCP_ASYNC):
+        return DCPFull(train_engine, strategy, root, coordinator, batches=batches, losses=losses, reset=reset)
     if strategy.kind is Kind.DIFFERENTIAL:
         return Differential(train_engine, strategy, root, coordinator)
     return None

@@ -15,6 +15,7 @@ from layercheck.bench import report_text, summary
 from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.s3_loopback import STORES
 from layercheck.bench.strategies import default_strategies, select
+from layercheck.workers.config import BACKENDS
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--world-size", type=int, help="ranks (override; GPU presets use one GPU per rank)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="DeepSpeed ZeRO stage (override)")
+    p.add_argument(
+        "--engine",
+        choices=BACKENDS,
+        default="deepspeed",
+        help="the engine every strategy trains on: deepspeed (ZeRO; baselines full, full-async: save_checkpoint) "
+        "or fsdp2 (fully_shard; baselines dcp, dcp-async: torch.distributed.checkpoint's save and async_save)",
+    )
     p.add_argument("--strategies", help="comma-separated subset (none is always run: it is the reference)")
     p.add_argument("--no-matched", action="store_true", help="skip the matched-freshness runs")
     p.add_argument("--repeats", type=int, default=1, help="run every strategy this many times (times: median)")
@@ -112,6 +120,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         memory_period=getattr(args, "memory_period", None),
         world_size=args.world_size,
         zero_stage=getattr(args, "zero_stage", None),
+        engine=getattr(args, "engine", None),
     )
     return variant(base, getattr(args, "workload", "default"))
 
@@ -131,7 +140,7 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         workload = workload_from_args(args)
         names = [n.strip() for n in args.strategies.split(",")] if args.strategies else None
-        strategies = select(default_strategies(workload.strategy), names)
+        strategies = select(default_strategies(workload.strategy, workload.engine), names, engine=workload.engine)
     except ValueError as error:
         raise SystemExit(f"layercheck bench: {error}") from None
     machine = describe()

@@ -249,7 +249,7 @@ def costs_from_bench(
                 bytes_per_event=row["bytes_per_event"],
                 recovery_s=row["recovery_s"],
                 restart_s=restart,
-                sync_write=row["kind"] == "deepspeed-sync",
+                sync_write=row["kind"] in ("deepspeed-sync", "dcp-sync"),
             )
         )
     return out

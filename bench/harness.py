@@ -117,7 +117,7 @@ def _model_figures(runner: Runner) -> dict[str, Any]:
     """The trained model's size: its layers' parameters, each layer's, and the frozen rest."""
     layers = dict(runner.train_engine.layer_map.numel)
     model_params = sum(
-        p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.train_engine.engine.module.parameters()
+        p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in runner.train_engine.adapter.module.parameters()
     )
     return {"params": sum(layers.values()), "layers": layers, "frozen_params": model_params - sum(layers.values())}
 

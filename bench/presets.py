@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from layercheck.bench.strategies import StrategyOptions
-from layercheck.workers.config import Precision
+from layercheck.workers.config import BACKENDS, Backend, Precision
 
 DEMO_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -66,7 +66,11 @@ class Workload:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
+    engine: Backend = "deepspeed"
+    """The engine every strategy trains on: ``deepspeed`` (ZeRO ``zero_stage``) or ``fsdp2``
+    (``fully_shard``; the full-checkpoint baselines are then DCP's, ``layercheck bench --engine``)."""
     zero_stage: int = 3
+    """DeepSpeed's ZeRO stage (FSDP2 shards as ZeRO-3 does: 3, or 0 read as unset)."""
     precision: Precision = "fp32"
     world_size: int = 2
     device: str = "cpu"
@@ -82,6 +86,12 @@ class Workload:
     def __post_init__(self) -> None:
         if self.steps < 2:
             raise ValueError(f"Workload.steps: must be >= 2, got {self.steps}")
+        if self.engine not in BACKENDS:
+            raise ValueError(f"Workload.engine: one of {BACKENDS}, got {self.engine!r}")
+        if self.engine == "fsdp2" and self.zero_stage not in (0, 3):
+            raise ValueError(
+                f"Workload.zero_stage: FSDP2 shards like ZeRO-3 (3, or 0 for unset), got {self.zero_stage}"
+            )
         if any(not 1 <= f < self.steps for f in self.failures) or list(self.failures) != sorted(set(self.failures)):
             raise ValueError(f"Workload.failures: increasing steps in [1, {self.steps}), got {self.failures}")
         if not 0 <= self.lr_warmup <= self.steps:

@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from layercheck.bench import recovery_report, schedule_report
+from layercheck.bench import dcp_report, recovery_report, schedule_report
 from layercheck.bench.formulas import (
     checkpoints_in,
     loss_deviation,
@@ -67,6 +67,7 @@ def strategy_row(
         "train_s": raw["train_s"],
         "step_s": raw["train_s"] / steps,
         # the critical-path cost measured directly: stalls, plus the probe LayerCheck needs
+        "critical_s": critical,
         "overhead": critical / none["train_s"],
         "wall_overhead": raw["train_s"] / none["train_s"] - 1.0,
         "compute_slowdown": raw.get("compute_median_s", 0.0) / none["compute_median_s"] - 1.0
@@ -165,7 +166,12 @@ def build_report(raw: Mapping[str, Any], workload: Mapping[str, Any], machine: M
         "loss_curves": {name: r["losses"] for name, r in results.items()},
         "raw": dict(raw),  # everything measured, so the report can be rebuilt without a rerun
     }
-    report["headline"] = {**headline(report), **schedule_report.headline(rows), **recovery_report.headline(rows)}
+    report["headline"] = {
+        **headline(report),
+        **schedule_report.headline(rows),
+        **recovery_report.headline(rows),
+        **dcp_report.headline(rows),
+    }
     return report
 
 
@@ -179,7 +185,7 @@ def bytes_from(row: Mapping[str, Any], *, since: int, steps: int, per_full_event
         return 0.0
     if kind == "layer-policy":
         return row["bytes_written"]  # nothing before the base at W
-    if kind in ("deepspeed-sync", "deepspeed-async", "layer-interval"):
+    if kind in ("deepspeed-sync", "deepspeed-async", "dcp-sync", "dcp-async", "layer-interval"):
         return row["bytes_per_event"] * checkpoints_in(n, since, steps)
     if kind == "differential" and per_full_event:
         fulls = steps // n

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from layercheck.bench import recovery_report, schedule_report
+from layercheck.bench import dcp_report, recovery_report, schedule_report
 from layercheck.bench.matched import describe_bytes_match
 from layercheck.orchestrator.table import format_table, human_bytes
 
@@ -117,7 +117,8 @@ def text(report: Mapping[str, Any]) -> str:
     w = report["workload"]
     m = report.get("matched") or {}
     lines = [
-        f"workload {w['name']}: {report['params'] / 1e6:.2f}M params, {w['steps']} steps, ZeRO-{w['zero_stage']} "
+        f"workload {w['name']}: {report['params'] / 1e6:.2f}M params, {w['steps']} steps, "
+        f"{'FSDP2' if w.get('engine') == 'fsdp2' else 'ZeRO-' + str(w['zero_stage'])} "
         f"{w['precision']}, {w['world_size']} ranks on {w['device']}, failures after steps {w['failures']}",
         main_table(report),
         "",
@@ -156,4 +157,8 @@ def text(report: Mapping[str, Any]) -> str:
         if describe_bytes_match(m):
             lines.append(describe_bytes_match(m).replace("`", "").replace("**", ""))
         lines.append(pairs_table(report))
+    side_by_side = dcp_report.side_by_side(report)
+    if side_by_side:
+        lines += ["", "against DCP's async save (critical s: stalls, + probe and exchange for a layer-wise policy):"]
+        lines += [side_by_side, *dcp_report.verdicts(report)]
     return "\n".join(lines)

@@ -98,7 +98,13 @@ def _configs(w: Workload) -> tuple[Any, Any, Any]:
             schedule="cosine",
             layer_lr_decay=w.layer_lr_decay,
         ),
-        EngineConfig(zero_stage=w.zero_stage, precision=w.precision, micro_batch=w.micro_batch, grad_clip=w.grad_clip),
+        EngineConfig(
+            backend=w.engine,
+            zero_stage=w.zero_stage,
+            precision=w.precision,
+            micro_batch=w.micro_batch,
+            grad_clip=w.grad_clip,
+        ),
     )
 
 
@@ -115,8 +121,7 @@ class Runner:
     """One rank's benchmark: the engine, the data, and one method per strategy run."""
 
     def __init__(self, workload: Workload, root: Path, *, keep: bool = False, s3: LoopbackBucket | None = None) -> None:
-        import deepspeed  # noqa: F401 — imported before timing the engine build
-        import transformers  # noqa: F401
+        import transformers  # noqa: F401 — imported before timing the engine build
 
         from layercheck.workers.data.dataset import DataConfig, SequenceDataset
         from layercheck.workers.engine import build_engine
@@ -131,7 +136,10 @@ class Runner:
         """Where the layer stores go (``--store s3-loopback``); ``None``: under ``root``."""
         self._runs = 0  # strategy runs so far (alike on every rank): a fresh S3 prefix per run
         model_cfg, optim_cfg, engine_cfg = _configs(workload)
-        init_distributed()  # outside the timed build: a one-off JIT of DeepSpeed's shm op on CPU
+        if workload.engine == "deepspeed":
+            import deepspeed  # noqa: F401 — imported before timing the engine build
+        # outside the timed build: a one-off JIT of DeepSpeed's shm op on CPU
+        init_distributed(engine=workload.engine)
         started = time.monotonic()
         self.train_engine = build_engine(model_cfg, optim_cfg, engine_cfg)
         self.build_s = time.monotonic() - started

@@ -26,7 +26,8 @@ FROZEN_BYTES_PER_PARAM = 4
 """A frozen parameter in a full checkpoint: its fp32 weight, no moments."""
 
 LAYER_KINDS = ("layer-interval", "layer-policy", "differential")
-DEEPSPEED_KINDS = ("deepspeed-sync", "deepspeed-async")
+ENGINE_SAVE_KINDS = ("deepspeed-sync", "deepspeed-async", "dcp-sync", "dcp-async")
+"""The engines' own full checkpoints (DeepSpeed's, and DCP's under FSDP2): their peak is one save's files."""
 
 
 def full_checkpoint_bytes(params: int, frozen_params: int) -> int:
@@ -39,7 +40,7 @@ def peak_step_bytes(row: Mapping[str, Any], raw: Mapping[str, Any]) -> float | N
     ``diff``: its full saves (its per-step deltas, ~density of the state, come on top)."""
     if row["kind"] == "none":
         return 0.0
-    if row["kind"] in DEEPSPEED_KINDS:
+    if row["kind"] in ENGINE_SAVE_KINDS:
         return row["bytes_per_event"]
     handed = raw.get("handed_state_bytes")
     return float(handed["peak_step"]) if handed else None

@@ -28,6 +28,18 @@ drift-optimal   per-layer period ~ 1/sqrt(drift), mean N     composite, resume a
 diff            every layer every N + per-step top-k delta   last full + replay of the deltas
 =============== ============================================ =====================================
 
+Under ``--engine fsdp2`` DeepSpeed's ``full`` and ``full-async`` have no engine to call; the
+FSDP2 user's own full checkpoints take their place (:mod:`layercheck.bench.dcp_baseline`):
+
+=============== ============================================ =====================================
+dcp             ``torch.distributed.checkpoint.save`` of     ``dcp.load``, re-run lost steps
+                ``get_state_dict(model, optimizer)`` every
+                N, on the training thread
+dcp-async       the same with ``dcp.async_save``: staged to  the same
+                host memory (pinned, on a GPU) on the
+                training thread, written by a thread
+=============== ============================================ =====================================
+
 A failure is a fail-stop of the last rank (:func:`layercheck.orchestrator.local.run.train_with_failures`);
 the recovery tiers above storage a resuming strategy uses are its :class:`Tier` s (``+capture``,
 ``+memory``).
@@ -62,6 +74,8 @@ class Kind(str, enum.Enum):
     NONE = "none"
     DEEPSPEED_SYNC = "deepspeed-sync"  # engine.save_checkpoint on the training thread
     DEEPSPEED_ASYNC = "deepspeed-async"  # same files; host copy on the thread, writes in the background
+    DCP_SYNC = "dcp-sync"  # torch.distributed.checkpoint.save on the training thread (FSDP2)
+    DCP_ASYNC = "dcp-async"  # dcp.async_save: staged on the thread, written in the background (FSDP2)
     LAYER_INTERVAL = "layer-interval"  # every layer every N steps through the LayerStore
     LAYER_POLICY = "layer-policy"  # the LayerCheck policy through the LayerStore
     DIFFERENTIAL = "differential"  # LayerStore full every N + compressed per-step deltas
@@ -94,16 +108,37 @@ RECOVERY_OF: Mapping[Kind, Recovery] = {
     Kind.NONE: Recovery.RESTART,
     Kind.DEEPSPEED_SYNC: Recovery.ROLLBACK,
     Kind.DEEPSPEED_ASYNC: Recovery.ROLLBACK,
+    Kind.DCP_SYNC: Recovery.ROLLBACK,
+    Kind.DCP_ASYNC: Recovery.ROLLBACK,
     Kind.LAYER_INTERVAL: Recovery.RESUME,
     Kind.LAYER_POLICY: Recovery.RESUME,
     Kind.DIFFERENTIAL: Recovery.REPLAY_DELTAS,
 }
 
-#: Strategies whose recovery state is an interval of full checkpoints, run again at matched freshness.
-MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL)
+#: Strategies whose recovery state is an interval of full checkpoints, run again at matched freshness
+#: (under FSDP2 the user's baseline is DCP's asynchronous save, so it is the one matched).
+MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.DCP_ASYNC, Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL)
 #: Of those, the ones that write nothing but full checkpoints, run again at matched bytes (``diff``'s
 #: per-step deltas make its bytes no multiple of one checkpoint).
-BYTES_MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.LAYER_INTERVAL)
+BYTES_MATCHABLE: tuple[Kind, ...] = (Kind.DEEPSPEED_SYNC, Kind.DCP_ASYNC, Kind.LAYER_INTERVAL)
+#: The engine-bound baselines: the engine whose own checkpoint call each needs.
+ENGINE_OF: Mapping[Kind, str] = {
+    Kind.DEEPSPEED_SYNC: "deepspeed",
+    Kind.DEEPSPEED_ASYNC: "deepspeed",
+    Kind.DCP_SYNC: "fsdp2",
+    Kind.DCP_ASYNC: "fsdp2",
+}
+#: Each engine's full-checkpoint baselines (name -> what it calls), for the refusals.
+ENGINE_BASELINES: Mapping[str, Mapping[str, str]] = {
+    "deepspeed": {
+        "full": "DeepSpeed's engine.save_checkpoint",
+        "full-async": "DeepSpeed's save_checkpoint with an asynchronous checkpoint engine",
+    },
+    "fsdp2": {
+        "dcp": "torch.distributed.checkpoint.save",
+        "dcp-async": "torch.distributed.checkpoint.async_save",
+    },
+}
 #: What a matched variant was matched on, and its name suffix.
 MATCHED_ON: Mapping[str, str] = {"staleness": "stal", "drift": "drift", "bytes": "bytes"}
 
@@ -134,6 +169,8 @@ class Strategy:
         needs_interval = self.kind in (
             Kind.DEEPSPEED_SYNC,
             Kind.DEEPSPEED_ASYNC,
+            Kind.DCP_SYNC,
+            Kind.DCP_ASYNC,
             Kind.LAYER_INTERVAL,
             Kind.DIFFERENTIAL,
         )
@@ -175,7 +212,7 @@ class Strategy:
     def loop_policy(self) -> PolicyConfig:
         """The policy LayerCheck's loop runs for this strategy: its own (``layer-policy``), every
         layer every N (``layer-interval`` and the full part of ``differential``), or never (the
-        DeepSpeed baselines and ``none``, whose checkpointing is their own)."""
+        DeepSpeed and DCP baselines and ``none``, whose checkpointing is their own)."""
         if self.policy is not None:
             return self.policy
         if self.kind in (Kind.LAYER_INTERVAL, Kind.DIFFERENTIAL):
@@ -252,13 +289,27 @@ def layercheck_configs(options: StrategyOptions) -> dict[str, LayerCheckConfig]:
     }
 
 
-def default_strategies(options: StrategyOptions) -> list[Strategy]:
-    """The strategies of a benchmark run, ``none`` first (it is the reference)."""
+def full_baselines(interval: int, engine: str = "deepspeed") -> list[Strategy]:
+    """The engine's own full checkpoints every ``interval`` steps, with rollback: DeepSpeed's
+    ``save_checkpoint`` (``full``, ``full-async``), or for FSDP2 DCP's ``save`` and ``async_save``
+    (``dcp``, ``dcp-async``)."""
+    if engine == "fsdp2":
+        return [
+            Strategy(name="dcp", kind=Kind.DCP_SYNC, interval=interval),
+            Strategy(name="dcp-async", kind=Kind.DCP_ASYNC, interval=interval),
+        ]
+    return [
+        Strategy(name="full", kind=Kind.DEEPSPEED_SYNC, interval=interval),
+        Strategy(name="full-async", kind=Kind.DEEPSPEED_ASYNC, interval=interval),
+    ]
+
+
+def default_strategies(options: StrategyOptions, engine: str = "deepspeed") -> list[Strategy]:
+    """The strategies of a benchmark run on ``engine``, ``none`` first (it is the reference)."""
     n = options.interval
     out = [
         Strategy(name="none", kind=Kind.NONE),
-        Strategy(name="full", kind=Kind.DEEPSPEED_SYNC, interval=n),
-        Strategy(name="full-async", kind=Kind.DEEPSPEED_ASYNC, interval=n),
+        *full_baselines(n, engine),
         Strategy(name="full-resume", kind=Kind.LAYER_INTERVAL, interval=n),
     ]
     # the default schedule at the baselines' mean period, starting at the paper policy's warm-up step
@@ -337,11 +388,20 @@ def matched_variants(
     return out
 
 
-def select(strategies: list[Strategy], names: list[str] | None) -> list[Strategy]:
-    """The strategies named (in the given order, ``none`` always first), or all of them."""
+def select(strategies: list[Strategy], names: list[str] | None, *, engine: str = "deepspeed") -> list[Strategy]:
+    """The strategies named (in the given order, ``none`` always first), or all of them. A
+    baseline of another engine than ``engine`` is refused naming its counterpart here."""
     if not names:
         return strategies
     by_name = {s.name: s for s in strategies}
+    for other, baselines in ENGINE_BASELINES.items():
+        foreign = [n for n in names if n in baselines and n not in by_name and other != engine]
+        if foreign:
+            ours = ", ".join(f"{n} ({what})" for n, what in ENGINE_BASELINES.get(engine, {}).items())
+            raise ValueError(
+                f"{', '.join(foreign)}: {' and '.join(baselines[n] for n in foreign)}, which needs the {other} "
+                f"engine; with --engine {engine} the full-checkpoint baselines are {ours or 'none'}"
+            )
     unknown = [n for n in names if n not in by_name]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; known: {sorted(by_name)}")

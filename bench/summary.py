@@ -10,7 +10,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from layercheck.bench import recovery_report, schedule_report
+from layercheck.bench import dcp_report, recovery_report, schedule_report
 from layercheck.bench.matched import describe_bytes_match
 from layercheck.bench.report_text import main_table, pairs_table
 from layercheck.orchestrator.table import format_table
@@ -37,7 +37,7 @@ def summary_markdown(
         "",
         f"- model: `{w['model'].get('model_type')}` {report['params']:,} parameters ({len(report['layers'])} layers), "
         f"random init, seq {w['seq_len']}, micro-batch {w['micro_batch']} per rank",
-        f"- {w['steps']} steps, AdamW lr {w['lr']:g} cosine (warm-up {w['lr_warmup']}), ZeRO-{w['zero_stage']} "
+        f"- {w['steps']} steps, AdamW lr {w['lr']:g} cosine (warm-up {w['lr_warmup']}), {_engine_words(w)} "
         f"{w['precision']}, {w['world_size']} ranks on {w['device']}",
         f"- failures after steps {', '.join(map(str, w['failures']))} (all strategies); full interval N = "
         f"{w['strategy']['interval']}; LayerCheck warm-up W = {w['strategy']['layercheck_warmup']}, other constants "
@@ -57,12 +57,10 @@ def summary_markdown(
         "## How it is measured",
         "",
         "- One spawn of the ranks (torch.multiprocessing; gloo on CPU, NCCL on CUDA) trains every strategy in turn "
-        "on one DeepSpeed engine, reset to the same initial weights and step 0 before each; the losses before the "
-        "first failure are identical across strategies (checked by the smoke test).",
-        "- `full`: `engine.save_checkpoint` every N steps on the training thread; `full-async`: the same call with a "
-        "checkpoint engine that copies the state dict to host memory and `torch.save`s it from a thread. Both roll "
-        "back with `engine.load_checkpoint` and re-run the lost steps (timed). DeepSpeed's files are not fsynced; "
-        "the LayerStore's are (the project's default), which favours the DeepSpeed baselines.",
+        f"on one {'FSDP2 (`fully_shard`) model' if _is_fsdp2(w) else 'DeepSpeed engine'}, reset to the same initial "
+        "weights and step 0 before each; the losses before the first failure are identical across strategies "
+        "(checked by the smoke test).",
+        _baselines_line(w),
         "- Every strategy runs the product's loop (`layercheck.workers.loop.run_loop`) and protocol through the local "
         "runtime (`orchestrator/local/`): each rank keeps a replica of the policy service, fed by an asynchronous "
         "all_gather of every rank's drift report, so the decision for step t is carried out after step t+1 as under "
@@ -148,6 +146,7 @@ def summary_markdown(
             "restarts from step 0, while the baselines already checkpoint); this is the like-for-like figure.",
             "",
         ]
+    out += dcp_section(report, ettr)
     out += reading(report)
     out += ["## Headline ratios", ""]
     for key in (
@@ -199,6 +198,63 @@ def summary_markdown(
     for plot in plots:
         out += [f"![{plot}]({plot})", ""]
     return "\n".join(out)
+
+
+def _is_fsdp2(w: Mapping[str, Any]) -> bool:
+    return w.get("engine", "deepspeed") == "fsdp2"  # reports from before the engine choice: DeepSpeed
+
+
+def _engine_words(w: Mapping[str, Any]) -> str:
+    return "FSDP2 (`fully_shard` per block and root)" if _is_fsdp2(w) else f"ZeRO-{w['zero_stage']}"
+
+
+def _baselines_line(w: Mapping[str, Any]) -> str:
+    """How the engine's own full checkpoints are taken and recovered."""
+    if _is_fsdp2(w):
+        staging = (
+            "DCP's `DefaultStager` into pinned host memory on a side stream, waited for before the next optimizer step"
+            if w["device"] == "cuda"
+            else "`async_save`'s blocking copy to host memory on the training thread (pinned memory and "
+            "non-blocking copies need an accelerator)"
+        )
+        return (
+            "- `dcp`: `torch.distributed.checkpoint.save` of `get_state_dict(model, optimizer)` every N steps on the "
+            "training thread; `dcp-async`: `dcp.async_save` as torchtitan does it: the previous save's upload waited "
+            f"for, then staged by {staging}, then written by DCP's upload thread, its collectives on a gloo group of "
+            "their own. Both roll back with `dcp.load` + `set_state_dict` and re-run the lost steps (timed). DCP's "
+            "files are not fsynced; the LayerStore's are (the project's default), which favours DCP."
+        )
+    return (
+        "- `full`: `engine.save_checkpoint` every N steps on the training thread; `full-async`: the same call with a "
+        "checkpoint engine that copies the state dict to host memory and `torch.save`s it from a thread. Both roll "
+        "back with `engine.load_checkpoint` and re-run the lost steps (timed). DeepSpeed's files are not fsynced; "
+        "the LayerStore's are (the project's default), which favours the DeepSpeed baselines."
+    )
+
+
+def dcp_section(report: Mapping[str, Any], ettr: Mapping[str, Any] | None) -> list[str]:
+    """Under FSDP2: every resuming strategy against DCP's async save (:mod:`layercheck.bench.dcp_report`)."""
+    table = dcp_report.side_by_side(report, ettr)
+    if not table:
+        return []
+    return [
+        "## Against DCP's async save (the FSDP2 user's baseline)",
+        "",
+        "```",
+        table,
+        "```",
+        "",
+        "`critical s`: the seconds a strategy cost the training loop over the run: its stalls (for `dcp-async` the "
+        "staging copy and any wait for the previous upload), plus, for a layer-wise policy, the drift probe's reads "
+        "and the decision exchange it needs. `recovery s`: per failure, plan + load, and for a rollback the re-run "
+        "of the lost steps (`re-run`: steps per failure). `ETTR`: on this run's failures; `ETTR 0.5h`…: the cluster "
+        "model (`layercheck ettr`, `ettr.json`) at those cluster MTBFs. `nearest in bytes`: the `dcp-async` run "
+        "(at N, or at an interval matched to the paper policy's freshness or bytes) whose bytes are nearest the "
+        "strategy's, the one it is held against below; `critical/its`: its critical seconds over that run's.",
+        "",
+        *dcp_report.verdicts(report, ettr),
+        "",
+    ]
 
 
 def drift_spread(report: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -1,11 +1,13 @@
-"""``layercheck export RUN --format deepspeed|hf --out DIR``: write a run's composite as a
+"""``layercheck export RUN --format deepspeed|dcp|hf --out DIR``: write a run's composite as a
 checkpoint other tools load.
 
 The composite at ``--step T`` (default: the newest recoverable step) takes, for every layer, its
 newest usable version at or before ``T``. ``deepspeed``: a DeepSpeed checkpoint directory (tag
 ``stepT``) for ``--world-size`` ranks (default: the run's ``cluster.num_workers``) at the run's
 ZeRO stage and precision; ``engine.load_checkpoint(DIR)`` resumes from it and DeepSpeed's
-``zero_to_fp32.py`` converts it. ``hf``: a Hugging Face model folder (config + safetensors) for
+``zero_to_fp32.py`` converts it. ``dcp``: a PyTorch Distributed Checkpoint of the model under
+``fully_shard`` and its optimizer (``get_state_dict``'s ``{"model": ..., "optim": ...}``), saved by
+``--world-size`` ranks; ``dcp.load`` reads it into an FSDP2 model at any world size. ``hf``: a Hugging Face model folder (config + safetensors) for
 ``AutoModelForCausalLM.from_pretrained``. The run's config is read from ``run.json`` in RUN, or
 from ``--config FILE``.
 """
@@ -16,7 +18,7 @@ import argparse
 import logging
 
 from layercheck.orchestrator.offline.export_run import ExportError
-from layercheck.orchestrator.offline.exporter import FORMATS, export
+from layercheck.orchestrator.offline.exporter import FORMATS, RANKED_FORMATS, export
 from layercheck.orchestrator.store.errors import StoreUnavailableError
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.policies.config_loader import ConfigError
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="write a run's composite as a DeepSpeed or Hugging Face checkpoint",
+        help="write a run's composite as a DeepSpeed, DCP (FSDP2) or Hugging Face checkpoint",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -39,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--world-size",
         type=int,
         default=None,
-        help="deepspeed only: ranks of the checkpoint (default: the run's cluster.num_workers)",
+        help="deepspeed and dcp: ranks that save the checkpoint (default: the run's cluster.num_workers; "
+        "a DCP checkpoint loads at any world size)",
     )
     p.add_argument("--config", default=None, help="the run's config file, when RUN has no run.json")
     p.add_argument(
@@ -52,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    if args.world_size is not None and args.fmt != "deepspeed":
-        print("error: --world-size applies to --format deepspeed only")
+    if args.world_size is not None and args.fmt not in RANKED_FORMATS:
+        print(f"error: --world-size applies to --format {' and '.join(RANKED_FORMATS)} only")
         return 2
     try:
         written = export(

@@ -2,6 +2,9 @@
 
 * **DeepSpeed** (:mod:`.export_deepspeed`): the run's engine on ``world_size`` local ranks saves the
   composite with DeepSpeed's own ``save_checkpoint``; the same engine config resumes from it.
+* **DCP** (:mod:`.export_dcp`): the run's model under ``fully_shard`` on ``world_size`` local ranks
+  saves the composite with ``torch.distributed.checkpoint`` (model and optimizer, as
+  ``get_state_dict`` gives them); ``dcp.load`` reads it into an FSDP2 model at any world size.
 * **Hugging Face** (:mod:`.export_hf`): the model built on the host, filled with its composite
   fp32 weights, written with ``save_pretrained`` (config + safetensors), beside the run's
   tokenizer (:mod:`.export_tokenizer`).
@@ -18,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from layercheck.orchestrator.offline.export_dcp import export_dcp
 from layercheck.orchestrator.offline.export_deepspeed import export_deepspeed
 from layercheck.orchestrator.offline.export_hf import export_hf
 from layercheck.orchestrator.offline.export_peft import adapter_record, export_adapter
@@ -36,7 +40,9 @@ from layercheck.workers.engine import layer_map_for
 
 logger = logging.getLogger(__name__)
 
-FORMATS: tuple[str, ...] = ("deepspeed", "hf")
+FORMATS: tuple[str, ...] = ("deepspeed", "dcp", "hf")
+#: The formats written by local ranks, whose count ``world_size`` sets.
+RANKED_FORMATS: tuple[str, ...] = ("deepspeed", "dcp")
 
 
 def export(
@@ -68,6 +74,12 @@ def export(
             f"run {store.uri} is an own loop's (its {MODEL_FILE} holds the model, not the DeepSpeed engine "
             "settings a DeepSpeed checkpoint is made for): export --format hf, or pass a run config with --config"
         )
+    if fmt == "dcp" and own_loop:  # its param groups would carry our defaults, which dcp.load puts in the user's
+        raise ExportError(
+            f"run {store.uri} is an own loop's (its {MODEL_FILE} holds the model, not the optimizer settings "
+            "whose param groups a DCP checkpoint carries and dcp.load sets): export --format hf, or pass a run "
+            "config with your optimizer's settings with --config"
+        )
     layer_map = layer_map_for(run.model)
     resolved = plan_export(store, layer_map.numel, step)
     check_composite_fits(store, resolved.records, layer_map, overlays=resolved.overlays)
@@ -76,4 +88,7 @@ def export(
         record = stored_model_record(store) if own_loop else None
         tokenizer = recorded_tokenizer(record, store) if record is not None else run_tokenizer(run)
         return export_hf(run, store, resolved, out, tokenizer)
-    return export_deepspeed(run, store, resolved, out, run.cluster.num_workers if world_size is None else world_size)
+    ranks = run.cluster.num_workers if world_size is None else world_size
+    if fmt == "dcp":
+        return export_dcp(run, store, resolved, out, ranks)
+    return export_deepspeed(run, store, resolved, out, ranks)

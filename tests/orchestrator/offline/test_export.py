@@ -237,7 +237,7 @@ def test_a_layer_never_saved_exports_as_the_runs_initial_state(tmp_path):
 def test_an_own_loops_run_exports_from_its_model_record(tmp_path, caplog, capsys):
     """A LayerCheckTrainer run has no run.json: its driver recorded model.json (the transformers
     config it planned the layers from, and the tokenizer if named). HF export needs nothing else and
-    says plainly that no tokenizer was named; a DeepSpeed export is refused with what to do."""
+    says plainly that no tokenizer was named; a DeepSpeed or DCP export is refused with what to do."""
     import logging
 
     from layercheck.orchestrator.store.model_record import describe_model, write_model_record
@@ -261,6 +261,9 @@ def test_an_own_loops_run_exports_from_its_model_record(tmp_path, caplog, capsys
         assert torch.equal(p.detach().reshape(-1), weights[name]), name
     assert main(["export", uri, "--format", "deepspeed", "--out", str(tmp_path / "ds")]) == 2
     assert "is an own loop's" in capsys.readouterr().out
+    # a DCP checkpoint carries param groups, which dcp.load puts in the user's optimizer: not made up
+    assert main(["export", uri, "--format", "dcp", "--out", str(tmp_path / "dcp")]) == 2
+    assert "is an own loop's" in (out := capsys.readouterr().out) and "--config" in out
 
 
 def test_a_damaged_model_record_is_named(tmp_path, capsys):
