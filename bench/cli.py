@@ -14,6 +14,7 @@ from layercheck.bench import report as reports
 from layercheck.bench import report_text, summary
 from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.s3_loopback import STORES
+from layercheck.bench.scale.command import add_scale_arguments
 from layercheck.bench.strategies import default_strategies, select
 from layercheck.workers.config import BACKENDS
 
@@ -81,6 +82,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         f"(or the {PARTIAL} of a run cut short)",
     )
     add_recovery_paths_argument(p)
+    add_scale_arguments(p)
 
 
 def add_recovery_paths_argument(p: argparse.ArgumentParser) -> None:
@@ -129,6 +131,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from layercheck.bench.harness import run_benchmark
     from layercheck.bench.machine import describe
 
+    if getattr(args, "scale", False):
+        from layercheck.bench.scale.command import run_scale_command
+
+        return run_scale_command(args)
     if args.rebuild:
         previous = json.loads(args.rebuild.read_text())
         report = reports.build_report(previous["raw"], previous["workload"], previous["machine"])

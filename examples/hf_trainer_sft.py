@@ -10,6 +10,7 @@ template, ``SFTConfig`` with a DeepSpeed config of ``"auto"`` values (ZeRO-2), R
     python examples/hf_trainer_sft.py --kill-at-step 0       # no failure
     python examples/hf_trainer_sft.py --lora                 # a LoRA adapter (peft) on the frozen model
     python examples/hf_trainer_sft.py --in-place             # only the lost worker is replaced
+    python examples/hf_trainer_sft.py --in-place --spares 1  # and a warm spare takes the lost rank
     ray job submit --working-dir . -- python examples/hf_trainer_sft.py --storage /shared/hf-sft
 """
 
@@ -181,6 +182,20 @@ def main() -> None:
         action="store_true",
         help="recover in place: Ray Train replaces only the lost worker, the survivor runs this loop again in its process",
     )
+    parser.add_argument(
+        "--memory-period",
+        default="auto",
+        type=lambda v: v if v == "auto" else int(v),
+        help="steps between memory versions (persistence.memory_period): auto (the default: chosen by the run "
+        "from the writers' memory and the copy's measured cost), 0 (off) or N",
+    )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with --in-place: warm spares, extra workers that run this loop up to SFTConfig (it sets up the "
+        "process group) and wait to take a lost worker's place",
+    )
     parser.add_argument("--writers-per-node", type=int, default=1, help="checkpoint writer actors per node")
     parser.add_argument("--no-fsync", action="store_true", help="do not fsync checkpoint files (faster, less safe)")
     parser.add_argument(
@@ -202,6 +217,7 @@ def main() -> None:
         fsync=not args.no_fsync,
         max_inflight_bytes=args.max_inflight_bytes,
         max_versions_in_flight=64 if every_step else 2,
+        memory_period=args.memory_period,
     )
     trainer = layercheck.LayerCheckTrainer(
         train_loop_per_worker,
@@ -223,6 +239,7 @@ def main() -> None:
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
             in_place=args.in_place,
+            spares=args.spares,
         ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
         run_config=RunConfig(

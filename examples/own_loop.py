@@ -8,6 +8,7 @@ marked ``# LayerCheck``. Runs on CPU with 2 workers:
     python examples/own_loop.py                          # 30 steps, rank 1 SIGKILLed after step 12
     python examples/own_loop.py --kill-at-step 0         # no failure
     python examples/own_loop.py --in-place               # only the lost worker is replaced; rank 0 keeps its process
+    python examples/own_loop.py --in-place --spares 1    # and a warm spare, its model built, takes the lost rank
     ray job submit --working-dir . -- python examples/own_loop.py --storage /shared/own-loop
 """
 
@@ -96,15 +97,17 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     warnings.filterwarnings("ignore", category=FutureWarning)
-    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
+    pairs = make_pairs()
+    # A warm spare (--spares) runs this loop up to here, and waits in deepspeed.initialize (it needs the
+    # process group) until it takes a lost worker's place; so the rank is read after it.
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
         config=ds_config(config["zero_stage"], config["steps"], config["micro"]),
     )
-    pairs = make_pairs()
+    rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
     lc = layercheck.attach(engine)  # LayerCheck: on a restart, loads the composite; says where to start
     for step in range(lc.start_step, config["steps"] + 1):
         ids, labels = batch_at(pairs, step, rank, world, config["micro"])
@@ -113,6 +116,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         engine.step()
         lc.after_step(step, loss=loss)  # LayerCheck: drift report, decision, snapshots
     lc.finish()  # LayerCheck: the last step's snapshots
+    ray.train.report({"rank": rank, "world": world})  # Ray Train's own report (with spares: not waiting for them)
     engine.destroy()
 
 
@@ -147,6 +151,13 @@ def main() -> None:
         action="store_true",
         help="recover in place: Ray Train replaces only the lost worker, the survivor runs this loop again in its process",
     )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with --in-place: warm spares, extra workers that run this loop up to its process group and wait "
+        "to take a lost worker's place",
+    )
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -169,6 +180,7 @@ def main() -> None:
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
             in_place=args.in_place,
+            spares=args.spares,
         ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
         run_config=RunConfig(

@@ -64,6 +64,13 @@ class CheckpointConfig:
     so it keeps its imports and its process (on a GPU its CUDA context). Needs a fixed group (an
     ``int`` ``num_workers``) and the trainer's own ``torch_config``; a failure on this path falls
     back to Ray Train's full restart."""
+    spares: int = 0
+    """``in_place``: warm spares, workers beyond the ``ScalingConfig``'s ``num_workers`` (each holds a
+    worker's resources, idle: a GPU each with ``use_gpu``). A spare runs ``train_loop_per_worker`` as
+    far as it goes before it needs its rank (``ray.train.get_context().get_world_rank()``) or its
+    process group (``deepspeed.initialize``, the ``Trainer``'s arguments, ``torch.distributed``), and
+    waits there; when a worker is lost it goes on at once as the lost rank, while Ray Train starts
+    the replacement, which becomes the next spare."""
     regroup_timeout_s: float = 600.0
     """``in_place``: how long the ranks wait for each other (a replacement's start included) to
     form the process group again; past it they raise (a failed recovery in place: every rank is
@@ -74,6 +81,13 @@ class CheckpointConfig:
         require(bool(self.storage), "storage", "a path or URI", self.storage)
         require(self.drift_probe in PROBES, "drift_probe", f"one of {PROBES}", self.drift_probe)
         require(self.regroup_timeout_s > 0, "regroup_timeout_s", "> 0", self.regroup_timeout_s)
+        require(self.spares >= 0, "spares", ">= 0", self.spares)
+        require(
+            not self.spares or self.in_place,
+            "spares",
+            "0 unless in_place=True (a spare takes a lost rank's place in the survivors' group)",
+            self.spares,
+        )
         if isinstance(self.policy, str):
             if self.policy not in POLICY_CONFIGS:
                 raise ConfigError(

@@ -104,6 +104,7 @@ class LayerCheckTrainer:
     def _connect(self) -> None:
         scaling = self.scaling_config
         workers = scaling.num_workers if isinstance(scaling.num_workers, int) else max(scaling.num_workers)
+        workers += self.checkpoint.spares
         connect_to(use_gpu=bool(scaling.use_gpu), cpus=int(workers * (scaling.num_cpus_per_worker or 1)) + 1)
 
     def fit(self) -> FitResult:
@@ -128,7 +129,10 @@ class LayerCheckTrainer:
             run = self._fit(cfg, layers, lease)
         finally:
             lease.release(wait_s=cfg.persistence.stop_drain_s)  # a renewal hung on storage is not waited for
-        return FitResult(run=run, summary=summarize(run))
+        summary = summarize(run)
+        if cfg.spares and summary.get("spares") is None:
+            summary["spares"] = spares_figures(run.status.get("spares"), self.scaling_config)
+        return FitResult(run=run, summary=summary)
 
     def _record_model(self, fs: StoreFS) -> None:
         """``model.json``: what ``export`` needs of a model LayerCheck did not build."""
@@ -164,6 +168,7 @@ class LayerCheckTrainer:
             layer_numel=layers.numel,
             lease=lease,
             in_place=cfg.in_place,
+            spares=cfg.spares,
         )
         ctx = WorkerContext(
             run_id=handles.run_id,
@@ -176,9 +181,10 @@ class LayerCheckTrainer:
             layer_numel=layers.numel,
             save_final=cfg.persistence.save_final,
             capture_timeout_s=cfg.persistence.capture_hand_over_s,
-            memory_period=cfg.persistence.memory_period,
+            memory_period=cfg.persistence.memory_period_at_start,
             policy=cfg.policy,
             in_place=cfg.in_place,
+            spares=cfg.spares,
             regroup_timeout_s=cfg.regroup_timeout_s,
             stop_drain_s=cfg.persistence.stop_drain_s,
         )
@@ -202,7 +208,11 @@ class LayerCheckTrainer:
         kwargs = {"torch_config": self.torch_config} if self.torch_config is not None else {}
         try:
             trainer = trainer_class(
-                loop, train_loop_config=self.train_loop_config, scaling_config=scaling, run_config=run_config, **kwargs
+                loop,
+                train_loop_config=self.train_loop_config,
+                scaling_config=with_spares(scaling, cfg.spares),
+                run_config=run_config,
+                **kwargs,
             )
             error = fit_watched(handles, trainer, on_progress=self.on_progress)
         finally:
@@ -224,6 +234,27 @@ def check_in_place(scaling_config: Any, torch_config: Any) -> None:
             "CheckpointConfig(in_place=True) brings its own torch_config (each worker a replica group, the "
             "process group formed by LayerCheck): leave LayerCheckTrainer(torch_config=...) unset"
         )
+
+
+def with_spares(scaling_config: Any, spares: int) -> Any:
+    """The ``ScalingConfig`` Ray Train runs: the user's training workers and the warm spares
+    (``CheckpointConfig.spares``), each spare a worker of the same resources."""
+    if not spares:
+        return scaling_config
+    return dataclasses.replace(scaling_config, num_workers=scaling_config.num_workers + spares)
+
+
+def spares_figures(status: dict[str, Any] | None, scaling_config: Any) -> dict[str, Any] | None:
+    """What the warm spares cost and did, as the run summary says it for the built-in loop: idle
+    workers held beside the training ones (``status``: the supervisor's view of the roster)."""
+    if not status:
+        return None
+    return {
+        **status,
+        "training_workers": scaling_config.num_workers,
+        "cpus_per_worker": float(scaling_config.num_cpus_per_worker or 1),
+        "gpus_per_worker": 1 if scaling_config.use_gpu else 0,
+    }
 
 
 def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:

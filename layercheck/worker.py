@@ -32,10 +32,10 @@ from typing import Any
 import ray
 import torch
 
-from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.runtime import context
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
+from layercheck.orchestrator.runtime.resume_ref import resume_of
 from layercheck.orchestrator.runtime.train_fn import fault_hook, recover
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.model_identity import recorded_model_changes
@@ -211,15 +211,9 @@ def attach(
     runtime = ray.get_runtime_context()
     incarnation = context.incarnation()
     worker_id = incarnation.worker_id(runtime.get_actor_id() or f"pid{os.getpid()}")
-    resume = ray.get(supervisor.join.remote(rank, world_size, worker_id, attached.adapter.kind))
+    resume = resume_of(ray.get(supervisor.join.remote(rank, world_size, worker_id, attached.adapter.kind)))
     writers = ray.get(supervisor.writers_for.remote(runtime.get_node_id()))
-    entered = context.loop_started_at() or time.time()  # the user's loop built its engine since
-    start = RankStart(
-        start_s=entered - context.process_started_at() if incarnation.number == 0 else 0.0,
-        group_s=incarnation.group_s,
-        build_s=time.time() - entered,
-        kept_process=incarnation.number > 0,
-    )
+    start = incarnation.rank_start(rank, time.time())  # the loop's own work so far (a promoted spare's: since then)
     if resume.records is not None:
         recover(
             attached,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -24,6 +24,10 @@ class PersistDecision:
 
     step: int
     layers: tuple[tuple[str, Reason], ...] = ()
+    memory_period: int | None = None
+    """The run's memory-version period in force (``persistence.memory_period``, chosen by the run
+    under ``"auto"``): every rank that carries this decision out takes memory versions at that
+    period from then on, so all switch at the same step. ``None``: no news (the rank keeps its own)."""
 
     @classmethod
     def of(cls, step: int, reasons: Mapping[str, Reason] | Iterable[tuple[str, Reason]]) -> PersistDecision:
@@ -46,13 +50,18 @@ class PersistDecision:
         return bool(self.layers)
 
     def to_json(self) -> dict[str, object]:
-        return {"step": self.step, "layers": {name: reason.value for name, reason in self.layers}}
+        data: dict[str, object] = {"step": self.step, "layers": {name: reason.value for name, reason in self.layers}}
+        if self.memory_period is not None:
+            data["memory_period"] = self.memory_period
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> PersistDecision:  # Any: parsed JSON
         layers = data["layers"]
         assert isinstance(layers, Mapping)
-        return cls.of(int(data["step"]), {name: Reason(value) for name, value in layers.items()})
+        decision = cls.of(int(data["step"]), {name: Reason(value) for name, value in layers.items()})
+        period = data.get("memory_period")
+        return decision if period is None else replace(decision, memory_period=int(period))
 
 
 @dataclass(frozen=True)

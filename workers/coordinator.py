@@ -49,7 +49,9 @@ class KeepsMemoryVersions(Protocol):
     """The optional part of a :class:`Coordinator` that keeps *memory versions*
     (``persistence.memory_period``): after every ``memory_period``-th step the rank hands its
     slices of every layer to be held in the writers' memory, never written to storage, so a lost
-    rank's slices come back at most that many steps stale. 0: none."""
+    rank's slices come back at most that many steps stale. 0: none. It is the period a rank starts
+    with: a decision that carries one (``PersistDecision.memory_period``, the run's choice under
+    ``"auto"``) replaces it from the step it is carried out at."""
 
     @property
     def memory_period(self) -> int: ...

@@ -88,7 +88,12 @@ class StepProtocol:
             self._buffers.recycle, pinned=self._buffers.pin
         )
         self._handover = Handover(copier_for(layout), self._hand_over, self._buffers, give_away=give_away)
+        self._keeps_memory = isinstance(coordinator, KeepsMemoryVersions)
         self.memory_period = coordinator.memory_period if isinstance(coordinator, KeepsMemoryVersions) else 0
+        """Steps between memory versions: the coordinator's to start with, then the period the
+        decisions carry (``persistence.memory_period = "auto"``: the run's choice), the same on
+        every rank from the same step on."""
+        self._memory_s = 0.0  # memory versions' copies and hand-overs since the last progress report
         # (asked every step: a runtime protocol's isinstance costs tens of µs, so it is checked once)
         self._stops = coordinator if isinstance(coordinator, StopsOnRequest) else None
         self._pending: Any = None
@@ -102,7 +107,10 @@ class StepProtocol:
     def _hand_over(self, shards: Sequence[LayerShard], *, base: bool, memory: bool = False) -> None:
         if memory:
             assert isinstance(self.coordinator, KeepsMemoryVersions)  # memory versions are taken only then
+            started = time.monotonic()
             self.coordinator.hold(shards)
+            # (a GPU's copy is handed over at a later step's flush: its cost is counted there)
+            self._memory_s += time.monotonic() - started
         else:
             self.coordinator.persist(shards, base=base)
 
@@ -151,8 +159,10 @@ class StepProtocol:
                     coordination_s=result.coordination_s - coordination_before,
                     probe=drift.cost,
                     handed_over=result.persisted.get(step, ()),
+                    memory_s=self._memory_s,
                 )
             )
+        self._memory_s = 0.0
         return stall_s
 
     def on_failure(self, error: BaseException) -> None:
@@ -219,6 +229,8 @@ class StepProtocol:
         asked = time.monotonic()
         decision = self.coordinator.decision(handle)
         self.result.coordination_s += time.monotonic() - asked
+        if decision is not None and decision.memory_period is not None and self._keeps_memory:
+            self._follow_period(decision.memory_period, step)
         if not decision:
             return 0.0
         elapsed = self._snapshot(decision.names, step, base=decision.is_base)
@@ -226,16 +238,31 @@ class StepProtocol:
         logger.debug("step %d: persisted %s (decided at step %d)", step, decision.names, decision.step)
         return elapsed
 
+    def _follow_period(self, period: int, step: int) -> None:
+        """The run's memory-version period, as a decision carried it (every rank carries the same
+        decision out at the same step, so all switch together)."""
+        if period != self.memory_period:
+            logger.info(
+                "rank %d: memory versions every %d step(s) from step %d on (was %d; persistence.memory_period)",
+                self.rank,
+                period,
+                step,
+                self.memory_period,
+            )
+            self.memory_period = period
+
     def _hold_memory_version(self, step: int) -> float:
         """Every layer this step's decision did not persist, as a memory version at ``step``."""
         done = set(self.result.persisted.get(step, ()))
         rest = tuple(name for name in self.layout.layer_map.names if name not in done)
         if not rest:
             return 0.0
-        started = time.monotonic()
+        counted, started = self._memory_s, time.monotonic()
         self._handover.take(rest, step, base=False, memory=True)
         self.result.held[step] = rest
-        return time.monotonic() - started
+        elapsed = time.monotonic() - started
+        self._memory_s = counted + elapsed  # the whole take: the copy, and its hand-over (not counted twice)
+        return elapsed
 
     def _snapshot(self, names: Sequence[str], step: int, *, base: bool) -> float:
         """Take the snapshot; it is handed over at once where the copy is synchronous (CPU), else

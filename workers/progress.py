@@ -44,3 +44,6 @@ class StepProgress:
     handed_over: tuple[str, ...] = ()
     """The layers whose state after this step the rank handed to its writer (the step's decision
     carried out; every rank hands over the same): versions storage now owes the run."""
+    memory_s: float = 0.0
+    """Of the step's stall, the memory versions' copy and hand-over (``persistence.memory_period``;
+    on a GPU a copy's hand-over comes at a later step's): what ``"auto"`` times to choose the period."""

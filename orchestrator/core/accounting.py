@@ -51,14 +51,23 @@ class FallbackReason:
 class RankStart:
     """How one rank of a recovering group got to its load, by its own clock."""
 
+    rank: int = -1
+    """The rank (-1: not said)."""
     start_s: float = 0.0
     """From its process start to the train function (imports, Ray Train's context); 0 for a
-    survivor that kept its process (``cluster.in_place``)."""
+    survivor that kept its process (``cluster.in_place``) and a promoted spare."""
     group_s: float = 0.0
     """Forming the process group, once every rank was there to form it (an in-place run forms its
     own; under a full restart Ray Train forms it before the train function, inside ``start_s``)."""
     build_s: float = 0.0
-    """The engine build (model, optimizer, ``deepspeed.initialize``)."""
+    """The engine build (model, optimizer, ``deepspeed.initialize``); a user's loop: all its work
+    before ``attach`` less the waits for the other ranks (a promoted spare's: since its promotion)."""
+    leave_s: float = 0.0
+    """A survivor that recovered in its own process: from its loop's error (the peer's loss seen)
+    to its loop's rerun (the capture's hand-over, the engine's release, leaving the group)."""
+    waited_s: float = 0.0
+    """An in-place rank of a user's loop: its wait for the other ranks to form the group with (their
+    time, not its own: a replacement's start, a spare's promotion); in no phase of its own."""
     kept_process: bool = False
     """A survivor that recovered in its own process."""
     spare: bool = False
@@ -154,6 +163,9 @@ class Recovery:
     interrupted: bool = False
     """The next failure came before this recovery's group completed a step (its record is
     incomplete: what its ranks measured until then)."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Each rank's own phases as it said them (a ``RankStart`` and its ``load_s``), in the order
+    they loaded: a survivor's (``kept_process``) beside a replacement's or a promoted spare's."""
 
     @property
     def total_s(self) -> float:
@@ -199,8 +211,9 @@ class Recovery:
             "first_step": self.first_step_s or 0.0,
         }
 
-    def rank_ready(self, start: RankStart, *, now: float) -> None:
-        """A rank of the new group loaded its composite: how it got there (its own clock)."""
+    def rank_ready(self, start: RankStart, *, now: float, load_s: float = 0.0) -> None:
+        """A rank of the new group loaded its composite (in ``load_s``): how it got there (its own clock)."""
+        self.ranks.append({**start.to_json(), "load_s": load_s})
         self.start_s = max(self.start_s, start.start_s)
         self.group_s = max(self.group_s, start.group_s)
         self.build_s = max(self.build_s, start.build_s)

@@ -19,7 +19,7 @@ import copy
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import cast
 
 from layercheck.orchestrator.core.persistence.persist_gate import PersistGate
@@ -51,6 +51,8 @@ class _News:
     """Per layer, the newest version step that settled."""
     write_budget_bytes: int | None = None
     budget_changed: bool = False
+    memory_period: int | None = None
+    """The memory-version period to put on decisions from the next measured step on (``None``: no change)."""
 
 
 class PolicyService:
@@ -62,9 +64,13 @@ class PolicyService:
         *,
         max_versions_in_flight: int = 1,
         drift_every: int = 1,
+        memory_period: int | None = None,
     ) -> None:
         """``drift_every``: the policy config's (the ranks measure drift at step 1 and then every
-        ``drift_every``-th step); above 1 the steps between are quiet (see the module)."""
+        ``drift_every``-th step); above 1 the steps between are quiet (see the module).
+        ``memory_period``: the memory versions' period every decision carries to the ranks
+        (``persistence.memory_period = "auto"``: the run's choice, :meth:`set_memory_period`);
+        ``None``: decisions carry none, each rank keeps the period it was given."""
         self.policy = policy
         self.drift_every = drift_every
         self._knows_quiet = drift_every > 1 and isinstance(policy, KnowsQuietSteps)  # (checked once: it is slow)
@@ -81,6 +87,8 @@ class PolicyService:
         """Holds back a layer whose previous version is still in flight (see :mod:`.persist_gate`)."""
         self.write_budget_bytes: int | None = None
         """The writers' drain budget (bytes per step) the next observations carry; ``None``: unknown."""
+        self.memory_period = memory_period
+        """The memory versions' period the decisions carry (``None``: none)."""
         self._news = _News()
         self._plan: list[PersistDecision] = []
         """The quiet steps' decisions after the last complete step, when it was measured."""
@@ -110,6 +118,22 @@ class PolicyService:
             self._news.write_budget_bytes, self._news.budget_changed = budget_bytes, True
         else:
             self.write_budget_bytes = budget_bytes
+
+    def set_memory_period(self, period: int) -> None:
+        """The run's memory-version period (``"auto"``: chosen from the first steps' timings), on
+        every decision completed from now on (with quiet steps: from the next measured one, so a
+        plan handed out never differs from the decisions it stands for)."""
+        if self.drift_every > 1:
+            self._news.memory_period = period
+        elif period != self.memory_period:
+            self.memory_period = period
+            logger.info("decisions from step %d on carry memory_period %d", self.last_complete_step + 1, period)
+
+    def _carrying(self, decision: PersistDecision) -> PersistDecision:
+        """``decision`` with the memory period in force (as it is where none is)."""
+        if self.memory_period is None:
+            return decision
+        return replace(decision, memory_period=self.memory_period)
 
     def plan(self) -> list[PersistDecision]:
         """The decisions of the quiet steps that follow the last complete step and have not
@@ -180,7 +204,7 @@ class PolicyService:
             step=step, lr=pending.lr, drift=drift, write_budget_bytes=self.write_budget_bytes, measured=measured
         )
         self.trace.append(observation)
-        decision = self.gate.admit(self.policy.observe(observation))
+        decision = self._carrying(self.gate.admit(self.policy.observe(observation)))
         self._plan_lr = None  # too late to make one: this step's state is gone
         planned = self._plan.pop(0) if self._plan and self._plan[0].step == step else None
         if planned is not None and planned != decision:  # a policy whose quiet steps depend on more than its state
@@ -201,14 +225,14 @@ class PolicyService:
         if not quiet_steps:
             return []
         if self.decides_nothing(quiet_steps[-1]):
-            return [PersistDecision(step=quiet) for quiet in quiet_steps]
+            return [self._carrying(PersistDecision(step=quiet)) for quiet in quiet_steps]
         policy, gate = copy.deepcopy((self.policy, self.gate))
         planned = []
         for quiet in quiet_steps:
             seen = StepObservation(
                 step=quiet, lr=lr, write_budget_bytes=self.write_budget_bytes, measured=False
             )  # (lr: not read on a step with no drift)
-            planned.append(gate.admit(policy.observe(seen)))
+            planned.append(self._carrying(gate.admit(policy.observe(seen))))
         return planned
 
     def _apply_news(self) -> None:
@@ -217,6 +241,11 @@ class PolicyService:
             self.gate.settled(layer, version_step)
         if news.budget_changed:
             self.write_budget_bytes = news.write_budget_bytes
+        if news.memory_period is not None and news.memory_period != self.memory_period:
+            self.memory_period = news.memory_period
+            logger.info(
+                "decisions from step %d on carry memory_period %d", self.last_complete_step + 1, news.memory_period
+            )
 
     def request_stop(self, reason: str) -> None:
         """Every rank stops after the step that follows the first decision not yet complete that
@@ -260,6 +289,8 @@ class PolicyService:
         self.gate.reset()
         if self._news.budget_changed:  # the newest budget; nothing of the lost group is in flight any more
             self.write_budget_bytes = self._news.write_budget_bytes
+        if self._news.memory_period is not None:  # (the new group's decisions all carry it)
+            self.memory_period = self._news.memory_period
         self._news = _News()
         self._plan, self._plan_lr = [], self.trace[-1].lr if self.trace else 0.0
         logger.info("policy restarted at step %d with %d ranks", self.last_complete_step + 1, world_size)

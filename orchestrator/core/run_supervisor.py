@@ -21,6 +21,8 @@ API::
     run.request_stop(reason)                          # Ctrl-C: ranks stop after the same step
     run.lease_renewed(valid_until)                    # the driver's renewal reached the store
     run.progress(StepProgress(step=..., loss=..., lr=..., compute_s=..., stall_s=...))
+                                                      # with memory_period=PeriodTimer(...) ("auto"):
+                                                      # its memory_s choose the period the decisions carry
     run.final_drain(drain_s)                          # the end: bounded; what is left is lost
     run.steps_ended()                                 # the staleness verdict on the final counts
     run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
@@ -40,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
+from layercheck.orchestrator.core.memory.auto_period import PeriodTimer
 from layercheck.orchestrator.core.memory.versions import MemoryVersions
 from layercheck.orchestrator.core.persistence.commit_path import (
     CommitFailed,
@@ -60,6 +63,7 @@ from layercheck.orchestrator.core.recovery.events import (
     DismissJoins,
     DrainWriters,
     Event,
+    NoComposite,
     PlanComposite,
     PublishResume,
     RankJoined,
@@ -71,11 +75,18 @@ from layercheck.orchestrator.core.recovery.events import (
     VersionUnusable,
     WritersDrained,
 )
+from layercheck.orchestrator.core.recovery.known_versions import KnownVersions
 from layercheck.orchestrator.core.recovery.plan_composite import plan_composite
 from layercheck.orchestrator.core.recovery.state_machine import RecoveryMachine
 from layercheck.orchestrator.core.run_view import RunView
-from layercheck.orchestrator.core.supervision_ports import HeldPaths, KnowsUnfinished, PolicyPort, WritersPort
-from layercheck.orchestrator.store.errors import LeaseLapsedError, LeaseLostError
+from layercheck.orchestrator.core.supervision_ports import (
+    HeldPaths,
+    KnowsUnfinished,
+    PolicyPort,
+    SetsMemoryPeriod,
+    WritersPort,
+)
+from layercheck.orchestrator.store.errors import LeaseLapsedError, LeaseLostError, StoreUnavailableError
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease import LEASE_LOST
 from layercheck.orchestrator.store.lease_term import LEASE_LAPSED
@@ -112,7 +123,11 @@ class RunSupervisor:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         in_place: bool = False,
+        memory_period: PeriodTimer | None = None,
     ) -> None:
+        """``memory_period``: the run's memory-version period and, under ``"auto"``, the timer
+        that chooses it from rank 0's progress (``core/memory/auto_period.py``); ``None``: none
+        to tell (the summary has the config's)."""
         config = config or SupervisionConfig()
         self.store = store
         self.layer_numel = dict(layer_numel)
@@ -137,6 +152,10 @@ class RunSupervisor:
         self.not_draining.set()
         self.memory_versions = MemoryVersions()
         """The writers' memory versions (``persistence.memory_period``), weighed by the recovery plan."""
+        self.known = KnownVersions()
+        """The committed versions: the store's, read once as the run starts, and each commit since.
+        A recovery plans from them and reads no manifest (``recovery/known_versions.py``)."""
+        self.memory_period = memory_period
         self._trained_step = 0
         """Rank 0's newest step since the policy was last rebased (the rebase point before it
         reports one): where a lost group is recovered when the policy lost its own count."""
@@ -151,6 +170,10 @@ class RunSupervisor:
         ``engine``: the training engine the rank runs (the summary's and the metrics')."""
         if engine:
             self.view.account.engine = engine
+        try:  # the first join of the run reads the store's history; the rest find it read
+            self.known.load(self.store)
+        except StoreUnavailableError as error:  # read by the first plan instead, which says what failed
+            logger.warning("cannot read the store's manifest yet: %s", error)
         event = RankJoined(
             rank=rank,
             world_size=world_size,
@@ -273,10 +296,23 @@ class RunSupervisor:
                 self.commits.handle(HandedOver(layers=tuple(progress.handed_over), step=progress.step))
             last_steps = self.commits.last_steps()
             breach = self._check_staleness(progress.step)
+            timer = self.memory_period
+            chosen = (
+                timer.observe(step=progress.step, compute_s=progress.compute_s, memory_s=progress.memory_s)
+                if timer is not None
+                else None
+            )
+        if chosen is not None:
+            self._tell_memory_period(chosen.period)
         if breach is not None and breach.action == "stop":
             self.request_stop(_stop_reason(breach))
         self._check_lease()
         return last_steps
+
+    def _tell_memory_period(self, period: int) -> None:
+        """The policy's decisions carry ``period`` to the ranks from its next measured step on."""
+        if isinstance(self.policy, SetsMemoryPeriod):
+            self.policy.set_memory_period(period)
 
     def _lease_lost(self, reason: str, *, lapsed_lease: bool = False) -> None:
         """The store's lease is someone else's (``lapsed_lease``: it lapsed, and may be): every rank
@@ -374,7 +410,11 @@ class RunSupervisor:
                 commits=self.commits,
                 metrics_url=metrics_url,
                 now=self.clock(),
-            ) | {"world_size": getattr(state, "world_size", 0), "grown_from": getattr(state, "grown_from", 0)}
+            ) | {
+                "world_size": getattr(state, "world_size", 0),
+                "grown_from": getattr(state, "grown_from", 0),
+                "memory_period": self.memory_period.current.to_json() if self.memory_period is not None else None,
+            }
 
     # ---- carrying out actions -----------------------------------------------------------
     def _feed(self, event: Event) -> list[Any]:
@@ -412,9 +452,19 @@ class RunSupervisor:
                 self.memory_versions.forget_after(action.t_fail)
             memory = self.memory_versions.records()
         held = self.writers.held_paths() if memory and isinstance(self.writers, HeldPaths) else None
-        return self._feed(
-            plan_composite(self.store, self.layer_numel, action, clock=self.clock, memory=memory, held=held)
+        planned = plan_composite(
+            self.store,
+            self.layer_numel,
+            action,
+            clock=self.clock,
+            memory=memory,
+            held=held,
+            manifest=self.known.manifest(self.store),
         )
+        if isinstance(planned, NoComposite) and self.known.pruned:  # every version it kept of some layer failed
+            logger.warning("recovery: no composite from the versions kept in memory; reading the store's whole history")
+            planned = plan_composite(self.store, self.layer_numel, action, clock=self.clock, memory=memory, held=held)
+        return self._feed(planned)
 
     def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
         with self._lock:  # staleness counts from the versions the group resumes from (a --resume's too)
@@ -426,6 +476,13 @@ class RunSupervisor:
         )
         if stop is not None:  # a rebuilt policy forgot the run's stop: the new group stops at once, as it would
             self.policy.request_stop(stop)
+        timer = self.memory_period
+        if timer is not None and timer.current.auto:
+            with self._lock:
+                timer.group_started()
+                period = timer.current
+            if period.chosen_at is not None:  # a rebuilt policy started over at its first period: the run's again
+                self._tell_memory_period(period.period)
         return []
 
     def _execute_record(self, action: RecordRecovery) -> list[Any]:
@@ -449,6 +506,8 @@ class RunSupervisor:
         if action.delay_s > 0:
             self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
         event = self._commit(action)
+        if isinstance(event, CommitSucceeded):
+            self.known.committed(event.record)
         with self._lock:
             actions = list(self.commits.handle(event))
         if action.partial:

@@ -117,7 +117,7 @@ class RunView:
             last = self.account.recoveries[-1]
             last.load_s = max(last.load_s, load_s)
             last.add_sources(sources or {})
-            last.rank_ready(start or RankStart(), now=now)
+            last.rank_ready(start or RankStart(), now=now, load_s=load_s)
 
     def storage_facts(self, commits: CommitPath, *, now: float) -> StorageFacts:
         """What storage has done so far: failed writes and failed commit tries (not lost worker

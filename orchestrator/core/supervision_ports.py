@@ -25,6 +25,15 @@ class PolicyPort(Protocol):
         """Every rank stops after the same step (the flag rides on the decisions)."""
 
 
+@runtime_checkable
+class SetsMemoryPeriod(Protocol):
+    """The optional part of a :class:`PolicyPort` whose decisions carry the run's memory-version
+    period to the ranks (``persistence.memory_period = "auto"``)."""
+
+    def set_memory_period(self, period: int) -> None:
+        """Decisions from the next step the policy completes (measured, with quiet steps) carry ``period``."""
+
+
 class WritersPort(Protocol):
     def drain(self, deadline_s: float | None) -> tuple[str, ...]:
         """Wait up to ``deadline_s`` until every writer has handed over (through
@@ -68,3 +77,6 @@ class LocalPolicy:
 
     def request_stop(self, reason: str) -> None:
         self.service.request_stop(reason)
+
+    def set_memory_period(self, period: int) -> None:
+        self.service.set_memory_period(period)

@@ -25,6 +25,9 @@ reach the same persist decisions without a policy actor: each keeps a replica of
   through :class:`SettledAtNextReport`, which adds the newest settled version of each layer to
   rank 0's next exchanged report, so every replica applies the same settlements at the same step
   and the replicas never diverge.
+* **memory period** (``persistence.memory_period = "auto"``): the period rank 0's supervisor chose
+  rides on rank 0's exchanged reports the same way, so every replica's decisions carry it from the
+  same step on (``core/memory/auto_period.py``).
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ class RankNews(NamedTuple):
     write_s: float
     step_s: float
     """The rank's last step time (compute, stall and coordination)."""
+    memory_period: float = -1.0
+    """The memory versions' period rank 0's supervisor chose (``"auto"``; -1: none, other ranks: -1)."""
 
 
 class SettledAtNextReport(LocalPolicy):
@@ -68,6 +73,17 @@ class SettledAtNextReport(LocalPolicy):
         super().__init__(service)
         self._lock = threading.Lock()
         self._newest: dict[str, int] = {}
+        self._memory_period = -1
+
+    def set_memory_period(self, period: int) -> None:
+        """Carried to every replica by rank 0's next exchanged report, like a settlement."""
+        with self._lock:
+            self._memory_period = period
+
+    def memory_period(self) -> float:
+        """The period to carry (-1: none chosen); sent with every report once chosen (idempotent)."""
+        with self._lock:
+            return float(self._memory_period)
 
     def settled(self, layer: str, version_step: int) -> None:
         with self._lock:
@@ -116,7 +132,7 @@ class DecisionExchange:
             self._gathers[drift.step] = lr
             return drift.step
         extra = news()
-        width = max(len(self.layers), 4)  # row 3 holds four numbers; rows 0-2 are read up to len(layers)
+        width = max(len(self.layers), 5)  # row 3 holds five numbers; rows 0-2 are read up to len(layers)
 
         def row(values: Sequence[float]) -> list[float]:
             return [*values, *[0.0] * (width - len(values))]
@@ -126,7 +142,7 @@ class DecisionExchange:
                 row([float(drift.l1.get(n, 0.0)) for n in self.layers]),
                 row([float(drift.numel.get(n, 0)) for n in self.layers]),
                 row(extra.settled),
-                row([extra.written_bytes, extra.write_s, extra.step_s, float(drift.measured)]),
+                row([extra.written_bytes, extra.write_s, extra.step_s, float(drift.measured), extra.memory_period]),
             ],
             dtype=torch.float64,
         )
@@ -159,6 +175,8 @@ class DecisionExchange:
             for name, version_step in zip(self.layers, gather.gathered[0][2].tolist()):
                 if version_step >= 0:  # rank 0's settlements, applied by every replica before this step's decision
                     self.service.settled(name, int(version_step))
+            if (period := gather.gathered[0][3][4].item()) >= 0:  # rank 0's chosen period, likewise
+                self.service.set_memory_period(int(period))
             if self._budget is not None:  # from gathered values only: every replica computes the same
                 totals = [both[3].tolist() for both in gather.gathered]
                 self.service.set_write_budget(

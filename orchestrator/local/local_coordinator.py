@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from layercheck.orchestrator.core.memory.auto_period import MemoryPeriodSetting, PeriodTimer, starting_period
+from layercheck.orchestrator.core.memory.budget import memory_version_need, warn_if_unkept
 from layercheck.orchestrator.core.persistence.write_budget import DrainBudget, WriteBudgetConfig
 from layercheck.orchestrator.core.policy_service import PolicyService
 from layercheck.orchestrator.core.recovery.config import SupervisionConfig
@@ -102,27 +104,50 @@ class LocalCoordinator:
         write_budget: WriteBudgetConfig | None = None,
         capture: bool = False,
         memory_bytes: int = 0,
-        memory_period: int = 0,
+        memory_period: MemoryPeriodSetting = 0,
     ) -> None:
+        """``memory_period``: as ``persistence.memory_period``; ``"auto"``: rank 0's supervisor
+        chooses it from its first steps' timings and every replica's decisions carry it
+        (``core/memory/auto_period.py``)."""
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.layer_numel = dict(layer_numel)
         self.layers = tuple(self.layer_numel)
         self.config = config or SupervisionConfig()
+        # each rank's writer holds that rank's files alone (no mirror: the ranks share one machine)
+        need = memory_version_need(self.layer_numel, world_size=self.world_size, ranks=1)
+        start = starting_period(memory_period, need=need, memory_bytes=memory_bytes)
         self.service = PolicyService(
             policy,
             self.layers,
             self.world_size,
             max_versions_in_flight=max_versions_in_flight,
             drift_every=drift_every,
+            memory_period=start.period if start.auto else None,
         )
         self.store = store
         self._group = dist.new_group(backend="gloo")  # small CPU tensors, off the training stream
         self.mailbox = Mailbox.create()
         self.max_inflight_bytes = max_inflight_bytes
         self.memory_bytes = memory_bytes
-        self.memory_period = memory_period
-        """Steps between memory versions (``persistence.memory_period``; 0: none)."""
+        self.memory_period = 0 if start.auto else start.period
+        """Steps between memory versions until a decision carries the run's (``"auto"``: 0, then the
+        decisions carry it from the second step of the group on)."""
+        self._memory_timer = PeriodTimer(start, need=need, memory_bytes=memory_bytes)
+        if self.rank == 0:
+            logger.info("memory versions: %s", start.why)
+        self.memory_promise = (
+            warn_if_unkept(
+                self.layer_numel,
+                memory_period=start.period if not start.auto else 0,
+                memory_bytes=memory_bytes,
+                world_size=self.world_size,
+                ranks=1,
+            )
+            if self.rank == 0
+            else ""
+        )
+        """Why ``memory_period`` cannot be kept with ``memory_bytes`` (rank 0, said at the start; "": it can)."""
         self._recycle: Callable[[LayerShard], None] | None = None
         """Set where the loop gives the snapshots' buffers away (:meth:`keep_host_buffers`): no copy
         of them here, and the writers hand each shard back through it once done with it."""
@@ -170,6 +195,7 @@ class LocalCoordinator:
             policy=self._settlements,
             writers=port,
             config=self.config,
+            memory_period=self._memory_timer,
         )
         pump = ReceiptPump(self.mailbox, run)
         return pump, port, run
@@ -182,7 +208,8 @@ class LocalCoordinator:
         """What this rank's exchanged report carries beside its drift."""
         stats = self.writer.snapshot_stats()
         settled = self._settlements.newest(self.layers) if self._settlements else [-1.0] * len(self.layers)
-        return RankNews(settled, float(stats.written_bytes), stats.write_s, self._last_step_s)
+        period = self._settlements.memory_period() if self._settlements else -1.0
+        return RankNews(settled, float(stats.written_bytes), stats.write_s, self._last_step_s, period)
 
     def decision(self, handle: int) -> PersistDecision | None:
         return self.exchange.decision(handle)

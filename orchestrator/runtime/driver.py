@@ -28,6 +28,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from layercheck.orchestrator.core.memory.auto_period import AUTO, PeriodTimer, starting_period
+from layercheck.orchestrator.core.memory.budget import memory_version_need, ranks_per_writer, warn_if_unkept
 from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLimits
 from layercheck.orchestrator.core.run_config import MetricsConfig, RunConfig
@@ -81,9 +83,14 @@ class RunResult:
     supervisor_lost: str = ""
     """Why the run's supervisor died ("": it did not): the run ended with it, and its store
     resumes (``layercheck train`` prints the command)."""
+    memory_period: int = 0
+    """``persistence.memory_period`` of the run at its start (the config's when it has one; under
+    ``"auto"`` the supervisor's status has the period chosen): the staleness its recoveries
+    promised (0: no memory versions)."""
 
     def __post_init__(self) -> None:
         if self.config is not None:
+            self.memory_period = self.memory_period or self.config.persistence.memory_period_at_start
             self.storage_uri = self.storage_uri or self.config.storage_uri
             self.policy = self.policy if self.policy is not None else self.config.policy
 
@@ -194,10 +201,11 @@ def start_run(
     run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran.
     ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``)."""
     from layercheck.orchestrator.runtime.policy_actor import MAX_RESTARTS, PolicyActor
-    from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor
+    from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor, supervisor_threads
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
+    memory_period = _memory_period(persistence, layer_numel, num_workers)
     # the run's control actors live with the driver (the head node under `ray job submit`): a lost
     # worker node must not take the supervisor, the policy or the metrics exporter with it
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -207,8 +215,21 @@ def start_run(
     # ends the run (fit_watch.py)
     policy_actor = PolicyActor.options(  # type: ignore[attr-defined]
         name=names.policy, namespace=NAMESPACE, scheduling_strategy=here, max_restarts=MAX_RESTARTS
-    ).remote(policy, layer_numel, num_workers, persistence.max_versions_in_flight, persistence.write_budget)
-    supervisor = SupervisorActor.options(name=names.supervisor, namespace=NAMESPACE, scheduling_strategy=here).remote(  # type: ignore[attr-defined]
+    ).remote(
+        policy,
+        layer_numel,
+        num_workers,
+        persistence.max_versions_in_flight,
+        persistence.write_budget,
+        # "auto": the decisions carry the period to the ranks (set ones: each rank has it from the config)
+        memory_period.current.period if memory_period.current.auto else None,
+    )
+    supervisor = SupervisorActor.options(  # type: ignore[attr-defined]
+        name=names.supervisor,
+        namespace=NAMESPACE,
+        scheduling_strategy=here,
+        max_concurrency=supervisor_threads(num_workers + spares),
+    ).remote(
         run_id=run_id,
         store_uri=storage_uri,
         fsync=persistence.fsync,
@@ -227,6 +248,7 @@ def start_run(
         in_place=in_place,
         spares=(num_workers, spares) if spares else None,
         lease_valid_until=lease.valid_until if lease is not None else None,
+        memory_period=memory_period,
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
@@ -245,7 +267,30 @@ def start_run(
         discovery_file=discovery_file,
         stop_drain_s=persistence.stop_drain_s,
         lease=lease,
+        memory_period=memory_period.current.period,
     )
+
+
+def _memory_period(persistence: PersistenceConfig, layer_numel: dict[str, int], num_workers: int) -> PeriodTimer:
+    """The run's memory-version period at its start (``core/memory/auto_period.py``), and for
+    ``"auto"`` the supervisor's timer that chooses it. A set period whose ``persistence.memory_bytes``
+    cannot hold a whole memory version of the ranks one writer serves (``core/memory/budget.py``)
+    is warned of: it would not be kept; ``"auto"`` is off then, and says so."""
+    setting = persistence.memory_period
+    mirrored = persistence.memory_mirror and setting != 0 and alive_nodes() > 1
+    ranks = ranks_per_writer(num_workers, persistence.writers_per_node, mirrored=mirrored)
+    if setting != AUTO:
+        warn_if_unkept(
+            layer_numel,
+            memory_period=int(setting),
+            memory_bytes=persistence.memory_bytes,
+            world_size=num_workers,
+            ranks=ranks,
+        )
+    need = memory_version_need(layer_numel, world_size=num_workers, ranks=ranks)
+    start = starting_period(setting, need=need, memory_bytes=persistence.memory_bytes)
+    logger.info("memory versions: %s", start.why)
+    return PeriodTimer(start, need=need, memory_bytes=persistence.memory_bytes)
 
 
 def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | None = None) -> RunResult:
@@ -330,6 +375,7 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         end_errors=end_errors,
         schedule=schedule,
         supervisor_lost=lost,
+        memory_period=handles.memory_period,
     )
     if handles.metrics_url is not None and not lost:  # the final values reach Prometheus before the exporter ends
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))

@@ -47,6 +47,8 @@ class RunHandles:
     """The supervisor's status at the driver's last poll (what is known of a run whose supervisor died)."""
     supervisor_lost: str = ""
     """Why the run's supervisor is gone ("": it is not): the run ends, its store resumes."""
+    memory_period: int = 0
+    """``persistence.memory_period``: the staleness the run's recoveries promise (0: none)."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -24,7 +24,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -35,10 +35,13 @@ from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
+from layercheck.orchestrator.core.recovery.roster import END, SPARE, TRAIN
+from layercheck.orchestrator.runtime import deferred_group
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
+from layercheck.orchestrator.runtime.spares import await_promotion
 from layercheck.workers.collective_abort import PeerLost, request_abort
-from layercheck.workers.env import reach_store, serve_store
+from layercheck.workers.env import init_distributed, reach_store, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -216,40 +219,228 @@ def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float)
 
 
 def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
-    """Run the user's loop (``call()``) in this worker's process group, formed at the supervisor;
-    when it raises because a peer was lost (``attach`` captured this rank's slices on the way out),
-    leave the group and run it again as a new incarnation (``start(number, group_s)``), whose
-    ``attach`` loads the composite. Anything else raises (:func:`recovers_in_place`), and Ray
-    Train replaces this rank."""
+    """Run the user's loop (``call()``) as this worker's rank (:class:`Seat`), its process group
+    formed at the supervisor when the loop first asks torch for it
+    (:mod:`~layercheck.orchestrator.runtime.deferred_group`): what the loop does before (its model
+    build) overlaps the wait for the others. When the loop raises because a peer was lost (``attach``
+    captured this rank's slices on the way out), leave the group and run it again as a new
+    incarnation (``start(number, spare)``), whose ``attach`` loads the composite. Anything else
+    raises (:func:`recovers_in_place`), and Ray Train replaces this rank.
+
+    A warm spare (``CheckpointConfig(spares=k)``) runs the loop too, as far as it goes before it
+    needs its rank or its group, and waits there for a promotion; it returns at the run's end
+    without one."""
     from layercheck.workers.engine import forget_trainer_state, leave_group
-    from layercheck.workers.env import init_distributed
 
     names = RunNames(ctx.run_id)
-    context = ray.train.get_context()
-    rank, world_size = context.get_world_rank(), context.get_world_size()
+    seat = Seat.take(ray.get_actor(names.supervisor, namespace=NAMESPACE), ctx)
+    if seat is None:  # the run ended before this worker started (the replacement of a last spare)
+        return None
     number = 0
     while True:
         if number:
             forget_trainer_state()  # the loop's last Trainer, if it made one
-        supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
-        group = form_group(supervisor, rank, world_size, timeout_s=ctx.regroup_timeout_s)
-        formed = time.time()
-        init_distributed(store=group.store)
-        incarnation = start(number, time.time() - formed)
+        seat.incarnation = start(number, seat.spare and number == 0)
+        seat.show()
         try:
-            return call()
+            with deferred_group.pending(seat.form_group):
+                result = call()
+        except SpareNotNeeded:
+            logger.info("spare at Ray Train rank %d: the run ended without needing it", seat.worker_rank)
+            return None
         except Exception as error:
-            if not recovers_in_place(names.supervisor, rank, error, recovering=number > 0 and not incarnation.attached):
+            if seat.rank is None:  # a spare's loop failed before it had a rank: Ray Train replaces it
+                raise
+            recovering = number > 0 and not seat.incarnation.attached
+            if not recovers_in_place(names.supervisor, seat.rank, error, recovering=recovering):
                 raise
             number += 1
             logger.warning(
                 "rank %d: a peer was lost (%s); running the loop again in this process (incarnation %d)",
-                rank,
+                seat.rank,
                 type(error).__name__,
                 number,
             )
+        else:
+            seat.finished()
+            return result
         finally:
             leave_group()
+
+
+class SpareNotNeeded(BaseException):
+    """Raised in a warm spare's loop where it waits for a rank, when the run ended without
+    promoting it: it unwinds the user's loop (a ``BaseException``, so that a loop's ``except
+    Exception`` does not take it) and the spare's train function returns."""
+
+
+@dataclass
+class Seat:
+    """Which LayerCheck rank this worker trains in an in-place run: Ray Train's world rank, or with
+    spares the supervisor's roster's word (Ray Train's world holds the spares too, and a promoted
+    spare trains the rank of a worker at another world rank). What the loop sees agrees with it:
+    ``ray.train.get_context()``, ``RANK``/``WORLD_SIZE`` and the process group."""
+
+    supervisor: Any
+    worker_rank: int
+    """Ray Train's world rank of this worker."""
+    world_size: int
+    """The training ranks (spares not counted)."""
+    rank: int | None
+    """The rank this worker trains; ``None``: a warm spare not promoted yet."""
+    spare: bool
+    """This worker started as a spare."""
+    spares: int
+    regroup_timeout_s: float
+    ray_view: Any = None
+    """Ray Train's own distributed context of this worker (its local rank, its node)."""
+    incarnation: Any = None
+    """The current run of the loop (``context.Incarnation``): the group's forming is timed into it."""
+    _promotion: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    """One wait for the promotion at a time: the roster says it once (another thread of the loop
+    that reads the rank meanwhile waits here for the first one's answer)."""
+
+    @classmethod
+    def take(cls, supervisor: Any, ctx: Any) -> Seat | None:
+        """This worker's seat as it starts (``None``: the run is over: nothing to do)."""
+        context = ray.train.get_context()
+        worker_rank, ray_world = context.get_world_rank(), context.get_world_size()
+        seat = cls(
+            supervisor=supervisor,
+            worker_rank=worker_rank,
+            world_size=ray_world - ctx.spares,
+            rank=worker_rank,
+            spare=False,
+            spares=ctx.spares,
+            regroup_timeout_s=ctx.regroup_timeout_s,
+            ray_view=_ray_distributed_context(),
+        )
+        if not ctx.spares:
+            return seat
+        role = ray.get(supervisor.role.remote(worker_rank))
+        if role.kind == SPARE:  # ready: promotable from here on; a promotion waits for the loop to need its rank
+            seat.spare, seat.rank = True, None
+            role = ray.get(supervisor.spare_wait.remote(worker_rank, 0.0))
+        if role.kind == END:
+            return None
+        if role.kind == TRAIN:
+            seat.rank, seat.world_size = role.rank, role.world_size
+        logger.info(
+            "Ray Train rank %d: %s", worker_rank, f"rank {seat.rank}" if seat.rank is not None else "warm spare"
+        )
+        return seat
+
+    def promoted(self) -> int:
+        """This worker's rank. A spare waits at the roster for one, from wherever its loop first
+        needed it (its rank from Ray Train, its process group); :class:`SpareNotNeeded` at the run's end."""
+        with self._promotion:
+            if self.rank is None:
+                role = await_promotion(self.supervisor, self.worker_rank)
+                if role.kind != TRAIN:
+                    raise SpareNotNeeded(
+                        f"the run ended; the spare at Ray Train rank {self.worker_rank} was not needed"
+                    )
+                self.rank, self.world_size = role.rank, role.world_size
+                if self.incarnation is not None:  # its recovery's work starts here: until now it was idle
+                    self.incarnation.counted_from = time.time()
+                logger.warning("the spare at Ray Train rank %d goes on as rank %d", self.worker_rank, self.rank)
+                self.show()
+            return self.rank
+
+    def show(self) -> None:
+        """Tell the loop its rank: Ray Train's context (with spares: the training ranks' world, this
+        worker's rank, and on a spare a rank whose reading waits for the promotion) and the
+        environment torch's launchers set (``RANK`` unset on a spare until then; the group's
+        address once it is formed)."""
+        os.environ.update(WORLD_SIZE=str(self.world_size), LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"))
+        # until the group forms, an address: accelerate (a Trainer's arguments, on CPU) wants one before it
+        # asks for the group (the group's own replaces it; a survivor's is its last group's)
+        os.environ.setdefault("MASTER_ADDR", ray.util.get_node_ip_address())
+        if self.rank is None:
+            os.environ.pop("RANK", None)
+        else:
+            os.environ["RANK"] = str(self.rank)
+        if self.spares and self.ray_view is not None:
+            _show_ray(self)
+
+    def form_group(self) -> None:
+        """Form the process group of this run of the loop (a spare: once promoted) with the others
+        at the supervisor; the wait for them is timed apart from the forming."""
+        entered = time.time()
+        rank = self.promoted()
+        arrived = max(entered, self.incarnation.counted_from if self.incarnation is not None else entered)
+        group = form_group(self.supervisor, rank, self.world_size, timeout_s=self.regroup_timeout_s)
+        formed = time.time()  # the wait for the others is their start and build, not this rank's
+        init_distributed(store=group.store)
+        if self.incarnation is not None:
+            self.incarnation.group_s = time.time() - formed
+            self.incarnation.waited_s += formed - arrived
+
+    def finished(self) -> None:
+        """The loop trained to the end: with spares, tell the roster (once every rank has, the
+        spares waiting end)."""
+        if self.spares and self.rank is not None:
+            ray.get(self.supervisor.rank_finished.remote(self.rank))
+
+
+def _ray_distributed_context() -> Any:
+    """Ray Train's distributed context of this worker (Train v2's; ``None`` elsewhere)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        return get_train_context().distributed_context
+    except (ImportError, RuntimeError):
+        return None
+
+
+def _show_ray(seat: Seat) -> None:
+    """Ray Train's context (``ray.train.get_context()``) says the seat's rank among the training
+    ranks. Its ``ray.train.report`` is a barrier over as many workers as the context's world size
+    says (``TrainContext._sync_checkpoint_dir_name_across_ranks``): over the training ranks, a
+    waiting spare is not waited for."""
+    from ray.train.v2._internal.execution.context import DistributedContext, get_train_context
+
+    view = seat.ray_view
+    shown: Any = (
+        _AwaitedRank(seat)
+        if seat.rank is None
+        else DistributedContext(
+            world_rank=seat.rank,
+            world_size=seat.world_size,
+            local_rank=view.local_rank,
+            local_world_size=view.local_world_size,
+            node_rank=view.node_rank,
+        )
+    )
+    get_train_context().distributed_context = shown
+
+
+class _AwaitedRank:
+    """A waiting spare's Ray Train distributed context: its world rank is the rank it is promoted
+    to, so reading it waits for the promotion; the rest is known."""
+
+    def __init__(self, seat: Seat) -> None:
+        self._seat = seat
+
+    @property
+    def world_rank(self) -> int:
+        return self._seat.promoted()
+
+    @property
+    def world_size(self) -> int:
+        return self._seat.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(self._seat.ray_view.local_rank)
+
+    @property
+    def local_world_size(self) -> int:
+        return int(self._seat.ray_view.local_world_size)
+
+    @property
+    def node_rank(self) -> int:
+        return int(self._seat.ray_view.node_rank)
 
 
 def recovers_in_place(supervisor_name: str, rank: int, error: Exception, *, recovering: bool) -> bool:

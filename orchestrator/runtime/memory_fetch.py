@@ -73,12 +73,13 @@ class WriterCopies:
 def memory_first_store(
     storage_uri: str, fsync: bool, supervisor: Any, node_id: str, paths: Iterable[str], needs: Needs
 ) -> tuple[LayerStore, MemoryFirstOpener]:
-    """The run's store, opening the plan's shard files (``paths``) from the writers' memory first:
-    every header, and whole only the files that hold this rank's slices (``needs``), asked for at
-    once. The opener counts what was read where."""
+    """The run's store, opening the plan's shard files (``paths``: the ones this rank reads) from
+    the writers' memory first: every header, and whole only the files that hold this rank's slices
+    (``needs``), asked for at once. The opener counts what was read where."""
     store = LayerStore.open(storage_uri, fsync=fsync)
+    paths = list(paths)
     try:
-        index = ray.get(supervisor.memory_index.remote(node_id))
+        index = ray.get(supervisor.memory_index.remote(node_id, paths))
     except Exception as error:  # noqa: BLE001 - recovery from storage alone is still recovery
         logger.warning("cannot learn what the writers hold in memory (%s): loading from storage", error)
         index = {}

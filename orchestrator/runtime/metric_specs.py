@@ -195,6 +195,16 @@ SPECS: tuple[Spec, ...] = (
         ("writer", "copy"),
     ),
     Spec(
+        Gauge,
+        "layercheck_writer_rss_bytes",
+        "A persistence writer process's resident memory by part; the parts sum to its RSS. runtime: the idle "
+        "process (Ray worker, torch, pyarrow), measured at its start; memory_versions, stored_copies, mirrors: "
+        "shard files it holds within persistence.memory_bytes; in_flight: copies on their way to being held or "
+        "written (serialised files, survivors' captures); unaccounted: the rest of its own memory; object_store: "
+        "Ray object-store pages it has read, shared memory of the node's object store (not the writer's own).",
+        ("writer", "part"),
+    ),
+    Spec(
         Counter,
         "layercheck_memory_evicted_shards_total",
         "Shard files the writers let go of to stay within persistence.memory_bytes (still recoverable from storage).",

@@ -22,6 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
 from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
+from layercheck.orchestrator.core.memory.footprint import RSS_PARTS
 from layercheck.orchestrator.core.memory.reads import SOURCES
 from layercheck.orchestrator.core.recovery.capture_window import capture_figures
 from layercheck.orchestrator.runtime.metric_specs import (
@@ -81,6 +82,7 @@ class RunMetrics:
         self._recoveries_seen = 0
         self._loaded = dict.fromkeys(SOURCES, 0)  # bytes, recoveries seen
         self._memory_writers: set[str] = set()  # writers whose memory gauges are exported
+        self._rss_writers: set[str] = set()  # writers whose resident-memory gauges are exported
         self._weighted: dict[int, float] = {}  # per step since the base: weighted staleness
         self._weighted_sum = 0.0
         self._samples: deque[tuple[float, float, float]] = deque()  # (now, productive_s, written bytes)
@@ -168,6 +170,7 @@ class RunMetrics:
             self._refresh_bytes(status, writers, now)
             self._refresh_schedule(policy)
             self._refresh_persistence(status, writers)
+            self._refresh_host_memory(writers)
             self._refresh_recovery(status)
             self._refresh_progress(status)
 
@@ -261,6 +264,23 @@ class RunMetrics:
                 self.m["layercheck_writer_memory_bytes"].remove(self.run_id, name, copy)
         self._memory_writers = held
         self._advance("layercheck_memory_evicted_shards_total", sum(getattr(w, "memory_evicted", 0) for w in writers))
+
+    def _refresh_host_memory(self, writers: Sequence[Any]) -> None:
+        """Each live writer actor's resident memory by part (a replaced writer's series go)."""
+        exported = set()
+        for w in writers:
+            host = getattr(w, "host", None)
+            parts = host.rss_parts() if host is not None else None
+            if parts is None:
+                continue
+            name = getattr(w, "name", "")
+            for part, value in parts.items():
+                self._set("layercheck_writer_rss_bytes", value, name, part)
+            exported.add(name)
+        for name in self._rss_writers - exported:
+            for part in RSS_PARTS:
+                self.m["layercheck_writer_rss_bytes"].remove(self.run_id, name, part)
+        self._rss_writers = exported
 
     def _refresh_recovery(self, status: Mapping[str, Any]) -> None:
         self._refresh_capture(status)

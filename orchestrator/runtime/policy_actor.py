@@ -68,6 +68,12 @@ MAX_RESTARTS = -1
 #: The supervisor's calls that a recovery waits on, retried on the rebuilt actor (each gives the same
 #: result twice). A rank's report is not: the old process's answer is gone.
 _RETRIED = ray.method(max_task_retries=-1)
+#: Calls the actor runs at once. Every rank's report of a step waits in the actor until the last
+#: rank's is in, and a rank reports the steps after it meanwhile (the quiet steps' decisions ride on
+#: the measured step's answer): with Ray's default (1000), at 1,024 ranks the reports the actor had
+#: taken in waited for ranks whose reports it would never take in, and every rank waited for a
+#: decision for good (``bench/scale``, ``test_many_ranks.py``). A waiting report costs a coroutine.
+MAX_CALLS = 1_000_000
 
 
 class PolicyActorLost(RuntimeError):
@@ -85,7 +91,8 @@ def _was_rebuilt() -> bool:
         return bool(context.was_current_actor_reconstructed)
 
 
-@ray.remote(num_cpus=0)
+# ray.remote's typed keyword form lists task options only, not an actor's max_concurrency (which Ray takes)
+@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)  # type: ignore[call-overload]
 class PolicyActor:
     def __init__(
         self,
@@ -94,7 +101,12 @@ class PolicyActor:
         world_size: int,
         max_versions_in_flight: int = 1,
         write_budget: WriteBudgetConfig | None = None,
+        memory_period: int | None = None,
     ) -> None:
+        """``memory_period``: the memory versions' period the decisions carry to the ranks
+        (``persistence.memory_period = "auto"``: the run's first, until the supervisor has chosen
+        one, :meth:`set_memory_period`; a rebuilt actor starts at it again and the supervisor
+        tells it the chosen one at its restart); ``None``: the ranks keep the period they were set."""
         configure_process_logging()  # the actor process has no main of ours
         self.service = PolicyService(
             build_policy(config, numel),
@@ -102,6 +114,7 @@ class PolicyActor:
             world_size,
             max_versions_in_flight=max_versions_in_flight,
             drift_every=config.drift_every,
+            memory_period=memory_period,
         )
         self._ready: dict[int, asyncio.Event] = {}
         self._taken: dict[int, int] = {}
@@ -247,6 +260,10 @@ class PolicyActor:
     def settled(self, layer: str, version_step: int) -> None:
         """The supervisor: this version of ``layer`` committed or never will (see ``PersistGate``)."""
         self.service.settled(layer, version_step)
+
+    def set_memory_period(self, period: int) -> None:
+        """The supervisor chose the run's memory-version period (``"auto"``): the decisions carry it."""
+        self.service.set_memory_period(period)
 
     @_RETRIED
     def request_stop(self, reason: str) -> None:

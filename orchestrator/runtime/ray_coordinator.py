@@ -102,7 +102,8 @@ class RayCoordinator:
         self.rank = rank
         self.attempt = attempt
         self.memory_period = memory_period
-        """Steps between memory versions (``persistence.memory_period``; 0: none)."""
+        """Steps between memory versions until a decision carries the run's (``persistence.memory_period``;
+        0: none, or ``"auto"``: from the second step of the group on, the decisions carry it)."""
         self._held: dict[str, ray.ObjectRef] = {}  # the newest memory version's hand-over per layer
         self.capture_timeout_s = capture_timeout_s
         self.capture = self._capture if capture_timeout_s is not None else None

@@ -5,10 +5,13 @@ the survivors' captures, the warm spares and the recovered elements over all rec
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from layercheck.orchestrator.core.accounting import FALLBACK_REASONS, format_sources
+from layercheck.orchestrator.core.memory.auto_period import MemoryPeriod
 from layercheck.orchestrator.table import human_bytes
+from layercheck.policies.layer_map import describe_layers
 
 
 def recovery_rows(summary: dict[str, Any]) -> list[list[object]]:
@@ -24,9 +27,13 @@ def recovery_rows(summary: dict[str, Any]) -> list[list[object]]:
         )
         if r.get("sources"):
             rows.append(["    elements from", format_sources(r["sources"])])
-            stale = _stale_elements(r)
+            period = period_at_failure(summary, r)
+            stale = _stale_elements(r, hint=not period)
             if stale:
                 rows.append(["    not as at the failure", stale])
+            check = period_check(r, period)
+            if check is not None:
+                rows.append(_period_row(check))
         if "storage_shards" in r:
             rows.append(["    composite loaded from", _load_sources(r)])
     rows += _capture_rows(summary)
@@ -42,6 +49,15 @@ def recovery_rows(summary: dict[str, Any]) -> list[list[object]]:
             parts.append(f"{elements['initial']:,} from the initial state (not saved yet)")
         rows.append(["recovered elements", ", ".join(parts)])
     return rows
+
+
+def period_at_failure(summary: dict[str, Any], recovery: dict[str, Any]) -> int:
+    """The memory versions' period in force at ``recovery``'s ``t_fail`` (``"auto"``: 1 until the
+    run chose its period, then that one)."""
+    choice = summary.get("memory_period_choice")
+    if choice:
+        return MemoryPeriod.from_json(choice).at(recovery["t_fail"])
+    return int(summary.get("memory_period", 0))
 
 
 def recovered(recovery: dict[str, Any]) -> bool:
@@ -93,9 +109,10 @@ def _recovery_time(r: dict[str, Any]) -> str:
     return f"{r['failure_to_step_s']:.1f}s from the failure to the next step, {parts}, first step {t.get('first_step', 0.0):.2f}s"
 
 
-def _stale_elements(r: dict[str, Any]) -> str:
+def _stale_elements(r: dict[str, Any], *, hint: bool = True) -> str:
     """The price of no rollback in a recovery: the elements it brought back from a step before
-    ``t_fail`` (a lost rank's stored versions), how stale, and the knob that bounds it ("" if none)."""
+    ``t_fail`` (a lost rank's stored versions), how stale, and (``hint``) the knob that bounds it
+    ("" if none)."""
     if not recovered(r):
         return ""
     sources = [s for layer in r["sources"].values() for s in layer if s["elements"]]
@@ -104,12 +121,92 @@ def _stale_elements(r: dict[str, Any]) -> str:
     if not count:
         return ""
     mean = sum(n * age for n, age in stale) / count
-    return (
+    text = (
         f"{count:,} of {total:,} elements ({count / total:.0%}) came back {mean:.1f} steps stale on average "
-        f"(at most {max(age for _, age in stale)}): the steps a rollback would have re-run for them. "
-        "persistence.memory_period = P brings a lost rank's slices back at most P steps stale, from the "
+        f"(at most {max(age for _, age in stale)}): the steps a rollback would have re-run for them"
+    )
+    if not hint:
+        return text
+    return (
+        f"{text}. persistence.memory_period = P brings a lost rank's slices back at most P steps stale, from the "
         "writers' memory"
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeriodCheck:
+    """Whether a recovery kept ``persistence.memory_period``'s promise, judged from what it loaded
+    (its ``sources``): every element back at most ``period`` steps stale."""
+
+    period: int
+    t_fail: int
+    elements: int
+    """Every element the recovery brought back."""
+    late_elements: int
+    """Of them, those more than ``period`` steps stale."""
+    mean_staleness: float
+    """Of ``late_elements``, the mean steps stale (0 when none)."""
+    max_staleness: int
+    late_layers: tuple[str, ...]
+    """The layers some of whose elements came back late."""
+
+    @property
+    def kept(self) -> bool:
+        return not self.late_elements
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "t_fail": self.t_fail,
+            "period": self.period,
+            "kept": self.kept,
+            "elements": self.elements,
+            "late_elements": self.late_elements,
+            "mean_staleness": self.mean_staleness,
+            "max_staleness": self.max_staleness,
+            "late_layers": list(self.late_layers),
+        }
+
+
+def period_check(recovery: dict[str, Any], period: int) -> PeriodCheck | None:
+    """``recovery`` against ``persistence.memory_period = period``: ``None`` with no memory
+    versions, for a ``--resume`` (it promised nothing), a recovery that loaded nothing, or one the
+    next failure overtook (the run continued from the next one's composite). A memory
+    version is taken every ``period`` steps and may be lost with the rank mid-step, so an element
+    from ``t_fail - period`` still keeps the promise; one older came from a version the writers did
+    not hold a fresher one of (a budget short of a whole memory version, a writer lost with it)."""
+    if not period or not recovered(recovery) or not recovery.get("sources") or recovery.get("interrupted"):
+        return None
+    t_fail, elements, late, layers = recovery["t_fail"], 0, [], []
+    for layer, sources in recovery["sources"].items():
+        for source in sources:
+            elements += source["elements"]
+            age = t_fail - source["step"]
+            if source["elements"] and age > period:
+                late.append((source["elements"], age))
+                layers.append(layer)
+    count = sum(n for n, _ in late)
+    return PeriodCheck(
+        period=period,
+        t_fail=t_fail,
+        elements=elements,
+        late_elements=count,
+        mean_staleness=sum(n * age for n, age in late) / count if count else 0.0,
+        max_staleness=max((age for _, age in late), default=0),
+        late_layers=tuple(dict.fromkeys(layers)),
+    )
+
+
+def _period_row(check: PeriodCheck) -> list[object]:
+    steps = f"{check.period} step{'s' if check.period != 1 else ''}"
+    if check.kept:
+        return ["    memory_period kept", f"every element came back at most {steps} stale"]
+    return [
+        "    MEMORY_PERIOD NOT KEPT",
+        f"{check.late_elements:,} of {check.elements:,} elements ({check.late_elements / check.elements:.0%}) "
+        f"came back more than {steps} stale ({check.mean_staleness:.1f} on average, at most {check.max_staleness}), "
+        f"from older versions of {describe_layers(list(check.late_layers))}: the writers held no memory version of "
+        "them (persistence.memory_bytes short of a whole one, said at the start; or a writer lost with it)",
+    ]
 
 
 def _load_sources(recovery: dict[str, Any]) -> str:

@@ -9,10 +9,11 @@ import math
 from typing import Any
 
 from layercheck.orchestrator.core.accounting import ELEMENT_KINDS
+from layercheck.orchestrator.core.memory.auto_period import MemoryPeriod
 from layercheck.orchestrator.core.recovery.capture_window import capture_figures
 from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.progress_lines import short_number
-from layercheck.orchestrator.runtime.recovery_lines import recovered, recovery_rows
+from layercheck.orchestrator.runtime.recovery_lines import period_check, recovered, recovery_rows
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.configs import policy_name
@@ -33,6 +34,7 @@ def summarize(result: RunResult) -> dict[str, Any]:
         }
     account = status["account"]
     full_bytes = sum(result.layer_numel.values()) * BYTES_PER_PARAM
+    period = _memory_period(status, result.memory_period)
     summary: dict[str, Any] = {
         "run_id": result.run_id,
         "state": status["state"],
@@ -64,6 +66,9 @@ def summarize(result: RunResult) -> dict[str, Any]:
         "lost": list(status.get("lost", [])),
         "writers_replaced": status.get("writers_replaced", 0),
         "memory": status.get("memory") or {},
+        "memory_period": period.period,
+        "memory_period_choice": period.to_json(),
+        "memory_period_checks": _period_checks(account.get("recoveries", []), period),
         "staleness_breach": status.get("staleness_breach"),
         "staleness_lag": status.get("staleness_lag"),
         "stop_reason": status.get("stop_reason"),
@@ -95,6 +100,22 @@ def summarize(result: RunResult) -> dict[str, Any]:
         if result.trace.sampled:  # the unsaved drift between measurements is the rate's estimate
             summary["drift_measured_steps"] = sum(1 for o in result.trace.steps if o.measured)
     return summary
+
+
+def _memory_period(status: dict[str, Any], configured: int) -> MemoryPeriod:
+    """The memory versions' period the run used and why: the supervisor's (``"auto"``: the one it
+    chose), else ``configured`` (a status from before the supervisor said)."""
+    told = status.get("memory_period")
+    if told:
+        return MemoryPeriod.from_json(told)
+    why = f"every {configured} step{'s' if configured != 1 else ''}" if configured else "off"
+    return MemoryPeriod(period=configured, start=configured, why=f"{why} (persistence.memory_period = {configured})")
+
+
+def _period_checks(recoveries: list[dict[str, Any]], period: MemoryPeriod) -> list[dict[str, Any]]:
+    """Per recovery from a failure, whether it kept ``persistence.memory_period`` (the period in
+    force at its ``t_fail``; none without one)."""
+    return [check.to_json() for r in recoveries if (check := period_check(r, period.at(r["t_fail"]))) is not None]
 
 
 def _spares_figures(spares: dict[str, Any] | None, result: Any) -> dict[str, Any] | None:
@@ -159,7 +180,9 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows += [*_trouble_rows(summary), ["storage", summary["storage"]]]
         return format_table(["", ""], rows)
     rows += _schedule_rows(summary)
+    rows += _memory_period_rows(summary)
     rows += _memory_rows(summary)
+    rows += _host_memory_rows(summary)
     rows += _matched_rows(summary)
     rows += [
         [
@@ -214,6 +237,12 @@ def _matched_rows(summary: dict[str, Any]) -> list[list[object]]:
     return rows
 
 
+def _memory_period_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """The memory versions' period and why (``"auto"``: what it was chosen from)."""
+    choice = summary.get("memory_period_choice")
+    return [["memory versions", choice["why"]]] if choice else []
+
+
 def _memory_rows(summary: dict[str, Any]) -> list[list[object]]:
     memory = summary.get("memory") or {}
     if not memory:
@@ -226,9 +255,44 @@ def _memory_rows(summary: dict[str, Any]) -> list[list[object]]:
             f"{human_bytes(memory['held_bytes'])} in {memory['held_shards']} shard files over {memory['writers']} "
             f"writer(s) (budget {human_bytes(memory['budget_bytes_per_writer'])} each; "
             f"{human_bytes(memory['mirror_bytes'])} mirror copies"
-            f"{'' if memory.get('mirror') else ', mirroring off'}); {memory['evicted_shards']} evicted",
+            f"{'' if memory.get('mirror') else ', mirroring off'}); {memory['evicted_shards']} evicted"
+            + _memory_versions_dropped(memory),
         ]
     ]
+
+
+def _host_memory_rows(summary: dict[str, Any]) -> list[list[object]]:
+    """What the writers' processes hold, by kind (``core/memory/footprint.py``): their own resident
+    memory against runtime + held + in flight, and the object store's shared pages apart."""
+    host = (summary.get("memory") or {}).get("host") or {}
+    if not host or host.get("own_bytes_max") is None:
+        return []
+    held = host["memory_version_bytes"] + host["stored_copy_bytes"] + host["mirror_bytes"]
+    in_flight = host["encoding_bytes"] + host["capture_copy_bytes"]
+    return [
+        [
+            "writer host memory",
+            f"own RSS {human_bytes(host['own_bytes_max'])} (peak {human_bytes(host['peak_own_bytes_max'])}) "
+            f"for the largest of {host['writers']} writer(s); all writers: runtime "
+            f"{human_bytes(host['runtime_bytes_max'])} each + held {human_bytes(held)} (memory versions "
+            f"{human_bytes(host['memory_version_bytes'])}, copies of stored files "
+            f"{human_bytes(host['stored_copy_bytes'])}, mirror copies {human_bytes(host['mirror_bytes'])}) + in "
+            f"flight {human_bytes(in_flight)}; not accounted for: {human_bytes(host['unaccounted_bytes_max'])} "
+            f"(at most {human_bytes(host['peak_unaccounted_bytes_max'])}); plus Ray object-store pages mapped "
+            f"{human_bytes(host['shmem_bytes_max'])} (the node's shared object store, counted there)",
+        ]
+    ]
+
+
+def _memory_versions_dropped(memory: dict[str, Any]) -> str:
+    """The memory versions' shards the writers let go for their budget (``core/memory/tier.py``)."""
+    dropped = memory.get("memory_versions_dropped", 0)
+    if not dropped:
+        return ""
+    return (
+        f", {dropped} of them memory versions' (persistence.memory_bytes cannot hold a whole memory version: "
+        "persistence.memory_period not kept for those layers)"
+    )
 
 
 def _schedule_rows(summary: dict[str, Any]) -> list[list[object]]:

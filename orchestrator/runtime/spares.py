@@ -11,7 +11,9 @@ Three parts meet:
   replacement even starts.
 - :func:`wait_as_spare`, in a spare's train function: build the model (the same call a rank makes,
   so the promoted engine is the one a cold start would build) and make the engine's imports, then
-  wait for the roster's word.
+  wait for the roster's word. A user's own loop (``layercheck.attach``, the ``Trainer`` callback)
+  runs on a spare as far as it goes before it needs its rank or its process group, and waits there
+  (:func:`await_promotion`, from :class:`~layercheck.orchestrator.runtime.in_place.Seat`).
 """
 
 from __future__ import annotations
@@ -94,9 +96,19 @@ def wait_as_spare(supervisor: Any, worker_rank: int, build: Any, warm: Any = Non
     Returns the role (``train`` or ``end``) and what ``build`` built."""
     built = build()
     role = ray.get(supervisor.spare_wait.remote(worker_rank, 0.0))  # ready: promotable from here on
-    if role.kind == SPARE and warm is not None:
+    if role.kind != SPARE:  # promoted (or ended) as it got ready: the roster says so once
+        return role, built
+    if warm is not None:
         warm()
+    return await_promotion(supervisor, worker_rank), built
+
+
+def await_promotion(supervisor: Any, worker_rank: int) -> Role:
+    """A spare that has done what it can ahead of a promotion waits at the roster (ready from now
+    on, if it was not) until it is promoted (``train``) or the run ends (``end``). The roster says
+    a promotion once: a caller that was told it already does not ask again."""
+    role = ray.get(supervisor.spare_wait.remote(worker_rank, 0.0))
     logger.info("spare at Ray Train rank %d: warm, waiting", worker_rank)
     while role.kind not in (TRAIN, END):
         role = ray.get(supervisor.spare_wait.remote(worker_rank, SPARE_WAIT_S))
-    return role, built
+    return role

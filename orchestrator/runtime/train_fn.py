@@ -25,9 +25,11 @@ from layercheck.orchestrator.runtime.in_place import form_group, recovers_in_pla
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
+from layercheck.orchestrator.runtime.resume_ref import resume_of
 from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.recovery_source import files_for
 from layercheck.workers import collective_abort, faults
 from layercheck.workers.data.dataset import load_dataset
 from layercheck.workers.engine import build_engine, build_model, leave_group, seek_step, shutdown, warm_engine_imports
@@ -139,13 +141,14 @@ def _train(
         train_engine = build_engine(run.model, run.optim, run.engine, model=model)
         train_engine.probe.measure_every(run.policy.drift_every)
         start = RankStart(
+            rank=rank,
             start_s=arrived - started_at if incarnation == 0 and started_at else 0.0,
             group_s=group_s,
             build_s=build_s + time.time() - building,
             kept_process=incarnation > 0,
             spare=stage.model is not None,
         )
-        resume = ray.get(resume_ref)
+        resume = resume_of(ray.get(resume_ref))
         faults.fault_point(faults.JOINED, rank=rank, attempt=resume.attempt, incarnation=incarnation)
         if resume.records is not None:
             recover(
@@ -191,7 +194,7 @@ def _run(
         max_inflight_bytes=run.persistence.max_inflight_bytes,
         attempt=resume.attempt,
         capture_timeout_s=run.persistence.capture_hand_over_s,
-        memory_period=run.persistence.memory_period,
+        memory_period=run.persistence.memory_period_at_start,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     # with spares Ray Train's world has ranks that do not train: its report, a barrier over all, is off
@@ -241,13 +244,14 @@ def recover(
     ``layout`` and ``layer_map``); a corrupt version — whole or overlaid: the error names it — is
     reported to the supervisor, which skips it at the next attempt. Shard files come from the
     writers' memory where one holds them (its own node's first), else from storage; of the files
-    that do not hold this rank's slices, only the headers are read. ``start``: how this rank got
+    that do not hold this rank's slices, none is read where the records say which file holds what
+    (one per version for its metadata), else only their headers. ``start``: how this rank got
     here, for the recovery's timeline."""
     started = time.monotonic()
     node_id = ray.get_runtime_context().get_node_id()
     versions = [*records.values(), *(v for layer in (overlays or {}).values() for v in layer)]
-    paths = [entry.path for record in versions for entry in record.shards]
     needs = needed_spans(target.layout, records)
+    paths = files_for(versions, needs)  # this rank's files and each version's metadata file, not every rank's
     store, opener = memory_first_store(storage_uri, fsync, supervisor, node_id, paths, needs)
     try:
         load_composite(target, store, records, overlays=overlays)

@@ -22,15 +22,23 @@ writer on another node where the cluster has one: a recovering rank opens its sh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import ray
 
+from layercheck.orchestrator.core.memory.footprint import (
+    ENCODING_AT_ONCE,
+    FootprintMeter,
+    WriterFootprint,
+    held_by_kind,
+)
 from layercheck.orchestrator.core.memory.reads import header_block
 from layercheck.orchestrator.core.memory.tier import HeldShard, ShardCache
 from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
@@ -40,6 +48,7 @@ from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease_term import LeaseTerm
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
+from layercheck.orchestrator.store.tensorfile import file_buffer
 from layercheck.workers import faults
 
 logger = logging.getLogger(__name__)
@@ -48,9 +57,17 @@ WRITTEN = "written"
 SUPERSEDED = "superseded"
 #: Mirror copies a writer may have on their way to its peer before it waits for the oldest.
 MIRRORS_IN_FLIGHT = 4
+#: Calls a writer runs at once. Each ``submit`` holds one until its shard is written, and a write
+#: waits for its mirror copy to be taken by the peer writer: with Ray's default (1000) two peers
+#: each handed more than that (a node's ranks' step-0 state or memory version: ranks × layers, 8 ×
+#: 83 for a 70B model already, more with a backlog) held every call on both sides, and neither
+#: admitted the other's ``mirror`` again (``test_writer_backlog.py``). What bounds the hand-overs
+#: is the policy's gate and the ranks' in-flight bytes, not this; a waiting call costs a coroutine.
+MAX_CALLS = 1_000_000
 
 
-@ray.remote(num_cpus=0)
+# ray.remote's typed keyword form lists task options only, not an actor's max_concurrency (which Ray takes)
+@ray.remote(num_cpus=0, max_concurrency=MAX_CALLS)  # type: ignore[call-overload]
 class WriterActor:
     def __init__(
         self,
@@ -82,13 +99,19 @@ class WriterActor:
         """A writer on another node that keeps mirror copies of what this one writes (``None``: none)."""
         self._peer_generation = -1
         """The pool's assignment ``_peer`` came from: an older one, arriving late, is ignored."""
-        self._mirrors: deque[Any] = deque()  # mirror calls in flight, oldest first
+        self._mirrors: deque[tuple[Any, int]] = deque()  # mirror calls in flight (and their bytes), oldest first
         self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._current: WireShard | None = None
         """The shard being written, or handed to the supervisor to commit (see :meth:`unfinished`)."""
+        self._encoding_slots = asyncio.Semaphore(ENCODING_AT_ONCE)  # memory versions serialised at once
+        self._encoding = 0
+        """Bytes of shard files being serialised or written and not yet held (``WriterFootprint``)."""
+        self._memory_wires = 0
+        """Bytes of memory versions' hand-overs this writer is serialising or waits to (in the object store)."""
+        self._meter = FootprintMeter()  # last: the runtime's cost is what this process holds by now
 
     def _start(self) -> None:
         if self._worker is None:
@@ -107,9 +130,10 @@ class WriterActor:
         """Take a survivor's capture (``wire.origin == "capture"``) into this writer's own memory
         and queue it first; resolves, with its byte count, as soon as the copy is held — before it
         is written — so the survivor may exit (its object-store copy dies with it)."""
-        owned = dataclasses.replace(wire, arrays={key: np.array(a, copy=True) for key, a in wire.arrays.items()})
+        owned = dataclasses.replace(wire, arrays={key: _owned_copy(a) for key, a in wire.arrays.items()})
         self.stats.captures_held += 1
         self._enqueue(owned, front=True)  # the write's outcome reaches the supervisor as any write's does
+        self._measure()
         return owned.nbytes
 
     def _enqueue(self, wire: WireShard, *, front: bool = False) -> asyncio.Future:
@@ -141,11 +165,16 @@ class WriterActor:
             wake.clear()
             while (entry := self._queue.pop()) is not None:
                 self._count_queue()
-                wire, future = entry
-                self._current = wire
-                future.set_result(await self._write(loop, wire))
-                self._current = None
+                await self._write_entry(loop, *entry)
             idle.set()
+
+    async def _write_entry(self, loop: asyncio.AbstractEventLoop, wire: WireShard, future: asyncio.Future) -> None:
+        """Write one queued shard. A method of its own so that nothing refers to the shard once it
+        is written: a reference left in the loop pinned its hand-over's object-store buffer (the
+        rank's whole shard) for as long as the writer then stayed idle."""
+        self._current = wire
+        future.set_result(await self._write(loop, wire))
+        self._current = None
 
     def _count_queue(self) -> None:
         self.stats.queued, self.stats.queued_bytes = len(self._queue), self._queue.nbytes
@@ -158,13 +187,10 @@ class WriterActor:
 
     async def _write(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         started = time.monotonic()
-        prepared = None
+        held: HeldShard | None = None
         try:
             if self.memory.enabled:  # serialised once: the same bytes go to storage and stay in memory
-                prepared = await loop.run_in_executor(
-                    None, lambda: self.store.prepare_shard(from_wire(wire), base=wire.base, origin=wire.origin)
-                )
-                receipt = await loop.run_in_executor(None, self.store.write_prepared, prepared)
+                receipt, held = await self._write_and_hold(loop, wire)
             else:
                 receipt = await loop.run_in_executor(
                     None, lambda: self.store.write_shard(from_wire(wire), base=wire.base, origin=wire.origin)
@@ -180,27 +206,59 @@ class WriterActor:
         self.stats.write_s += elapsed
         if self.policy is not None:  # fire-and-forget: the budget is a hint, never worth a wait
             self.policy.writer_totals.remote(self.name, self.stats.written_bytes, self.stats.write_s)
-        if prepared is not None:  # written: only now may recovery take it from memory
-            await self._keep(receipt, prepared.encoded.data)
+        if held is not None:
+            await self._mirror_out(held)
+            held = None  # (if the budget did not take it, its bytes go now)
+        self._measure()
         await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
         return WRITTEN
+
+    async def _write_and_hold(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> tuple[ShardReceipt, HeldShard]:
+        """Serialise ``wire``'s shard file, write it, then hold the same bytes in memory (written:
+        only now may recovery take it from there)."""
+        with self._encoding_of(wire.nbytes):
+            prepared = await loop.run_in_executor(
+                None, lambda: self.store.prepare_shard(from_wire(wire), base=wire.base, origin=wire.origin)
+            )
+            self._measure()  # (the serialised copy's peak)
+            receipt = await loop.run_in_executor(None, self.store.write_prepared, prepared)
+            return receipt, self._hold(receipt, prepared.encoded.data)
 
     async def _hold_memory_version(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> str:
         """A memory version's shard (``persistence.memory_period``): serialised (off the event loop)
         and held in memory (and mirrored), never written to storage; the supervisor hears of it like
-        of a write. It supersedes the layer's previous memory version in the cache."""
-        prepared = await loop.run_in_executor(
-            None, lambda: self.store.prepare_shard(from_wire(wire), origin=wire.origin)
-        )
-        await self._keep(prepared.receipt, prepared.encoded.data)
-        self.stats.memory_versions += 1
-        await self.supervisor.shard_written.remote(prepared.receipt.to_json(), 0.0)
+        of a write. It supersedes the layer's previous memory version in the cache. At most
+        :data:`ENCODING_AT_ONCE` are serialised at once: each is a copy of a rank's shard until
+        held, and a rank hands every layer over at once (without waiting: none is held to the
+        in-flight bound), so that bound, not the executor's threads, limits the copies."""
+        self._memory_wires += wire.nbytes  # (the call's argument: referenced until it returns)
+        try:
+            async with self._encoding_slots:
+                with self._encoding_of(wire.nbytes):
+                    prepared = await loop.run_in_executor(
+                        None, lambda: self.store.prepare_shard(from_wire(wire), origin=wire.origin)
+                    )
+                    self._measure()  # (the serialised copy's peak)
+                    receipt, held = prepared.receipt, self._hold(prepared.receipt, prepared.encoded.data)
+                    del prepared  # held, or let go: nothing else keeps its bytes
+            await self._mirror_out(held)
+            del held  # (if the budget did not take it, its bytes go now)
+            self.stats.memory_versions += 1
+            await self.supervisor.shard_written.remote(receipt.to_json(), 0.0)
+        finally:
+            self._memory_wires -= wire.nbytes
+        self._measure()
         return WRITTEN
 
     # ---- the in-memory tier ----------------------------------------------------------------
-    async def _keep(self, receipt: ShardReceipt, data: Any) -> None:
+    def _hold(self, receipt: ShardReceipt, data: Any) -> HeldShard:
+        """Hold the shard file ``receipt`` describes (its bytes ``data``) in memory, if it fits."""
         held = HeldShard.written(receipt, data)
         self.memory.put(held)
+        return held
+
+    async def _mirror_out(self, held: HeldShard) -> None:
+        """A copy of ``held`` to the peer, if there is one (whether or not this writer holds it)."""
         if self._peer is not None:
             await self._send_mirror(held)
 
@@ -209,12 +267,12 @@ class WriterActor:
         :data:`MIRRORS_IN_FLIGHT` copies on their way (a slow network must not pile them up)."""
         while len(self._mirrors) >= MIRRORS_IN_FLIGHT:
             try:
-                await self._mirrors.popleft()
+                await self._mirrors.popleft()[0]
             except Exception as error:  # the peer died: its node's writers are replaced, peers reassigned
                 self.stats.mirror_failures += 1
                 logger.warning("writer %s: a mirror copy was lost (%s)", self.name, str(error).splitlines()[0][:200])
         meta = {f: getattr(held, f) for f in ("path", "layer", "rank", "step", "origin", "checksum")}
-        self._mirrors.append(self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)))
+        self._mirrors.append((self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)), held.nbytes))
         self.stats.mirrors_sent += 1
 
     async def set_peer(self, peer: Any, generation: int) -> None:
@@ -238,8 +296,10 @@ class WriterActor:
 
     def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:
         """Keep a copy of a shard file another node's writer wrote; True if it is held."""
-        owned = np.array(data, dtype=np.uint8, copy=True).data  # a memoryview, not of the object store
-        return self.memory.put(HeldShard(**meta, data=owned, mirror=True))
+        owned = _owned_copy(np.asarray(data, dtype=np.uint8)).data  # a memoryview, not of the object store
+        held = self.memory.put(HeldShard(**meta, data=owned, mirror=True))
+        self._measure()
+        return held
 
     def held(self) -> list[tuple[str, bool]]:
         """``(path, mirror)`` of every shard file held in memory."""
@@ -285,4 +345,39 @@ class WriterActor:
             memory_shards=memory.held_shards,
             mirror_bytes=memory.mirror_bytes,
             memory_evicted=memory.evicted,
+            memory_versions_dropped=memory.memory_dropped,
+            host=self._measure(),
         )
+
+    # ---- what this writer's host memory holds ----------------------------------------------
+    @contextlib.contextmanager
+    def _encoding_of(self, nbytes: int) -> Iterator[None]:
+        """Counts a shard file of about ``nbytes`` being serialised, until it is held or let go."""
+        self._encoding += nbytes
+        try:
+            yield
+        finally:
+            self._encoding -= nbytes
+
+    def _measure(self) -> WriterFootprint:
+        """What this writer holds, by kind, and its process's memory now (the peaks updated)."""
+        wires = [wire for wire, _ in self._queue.waiting()] + ([self._current] if self._current is not None else [])
+        copies = sum(w.nbytes for w in wires if w.origin == "capture")  # (hold() copied them out)
+        mirrors = [ref for ref, _ in self._mirrors]
+        done = set(ray.wait(mirrors, num_returns=len(mirrors), timeout=0, fetch_local=False)[0]) if mirrors else set()
+        return self._meter.measure(
+            held_by_kind(self.memory),
+            encoding_bytes=self._encoding,
+            capture_copy_bytes=copies,
+            object_store_bytes=sum(w.nbytes for w in wires) - copies + self._memory_wires,
+            mirror_sending_bytes=sum(n for ref, n in self._mirrors if ref not in done),
+        )
+
+
+def _owned_copy(array: np.ndarray) -> np.ndarray:
+    """A copy of ``array`` in memory of its own (``file_buffer``: given back to the system as soon
+    as the copy goes, not kept by an allocator), for bytes that must outlive their object-store
+    buffer: a survivor's capture, a mirror copy."""
+    owned = np.frombuffer(file_buffer(array.nbytes), dtype=array.dtype).reshape(array.shape)
+    np.copyto(owned, array)
+    return owned

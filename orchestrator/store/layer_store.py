@@ -125,6 +125,7 @@ def _receipt(shard: LayerShard, rel: str, digest: tensorfile.FileDigest, *, base
         nbytes=digest.nbytes,
         checksum=digest.checksum,
         origin=origin,
+        slices=tuple(shard.slices),
     )
 
 
@@ -228,7 +229,7 @@ class LayerStore:
             base=first.base,
             committed_at=time.time(),
             shards=tuple(
-                ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum)
+                ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum, slices=r.slices)
                 for r in sorted(receipts, key=lambda r: r.rank)
             ),
             partial=partial,
@@ -368,3 +369,5 @@ def _check_header_matches(record: VersionRecord, entry: ShardEntry, header: tens
     wanted = (record.layer, record.step, entry.rank, record.world_size)
     if found != wanted:
         raise ShardFormatError(f"{where}: holds (layer, step, rank, world) {found}, the manifest says {wanted}")
+    if entry.slices is not None and tuple(header.slices) != entry.slices:
+        raise ShardFormatError(f"{where}: holds slices {list(header.slices)}, the manifest says {list(entry.slices)}")

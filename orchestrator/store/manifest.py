@@ -14,7 +14,7 @@ import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -23,6 +23,7 @@ from layercheck.orchestrator.store.epochs import EpochHistory, read_epochs
 from layercheck.orchestrator.store.errors import ManifestError, PathOutsideStoreError, StoreUnavailableError
 from layercheck.orchestrator.store.fs import TMP_SUFFIX, StoreFS, check_relative
 from layercheck.policies.plan import INITIAL_ORIGIN, VersionRef
+from layercheck.workers.shard import ParamSlice
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +68,35 @@ class ShardReceipt:
     checksum: str
     origin: str = "policy"
     """``policy`` or ``capture`` (:data:`ORIGINS`): receipts of different origins never make one version."""
+    slices: tuple[ParamSlice, ...] | None = None
+    """The parameter ranges the file holds (its header's ``slices``); ``None``: not said."""
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}  # (asdict would copy the slices)
+        return {**fields, "slices": slices_json(self.slices)}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ShardReceipt:
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**{**fields, "slices": parse_slices(data.get("slices"), source="a shard receipt")})
+
+
+def slices_json(slices: Sequence[ParamSlice] | None) -> list[list[Any]] | None:
+    """``[name, shape, offset, length]`` per slice (compact: a record names N files' worth)."""
+    return None if slices is None else [[s.name, list(s.shape), s.offset, s.length] for s in slices]
+
+
+def parse_slices(raw: Any, *, source: str) -> tuple[ParamSlice, ...] | None:
+    """The slices :func:`slices_json` wrote (``None`` stays ``None``: a record written before them)."""
+    if raw is None:
+        return None
+    try:
+        return tuple(
+            ParamSlice(name=str(name), shape=tuple(int(d) for d in shape), offset=int(offset), length=int(length))
+            for name, shape, offset, length in raw
+        )
+    except (TypeError, ValueError) as error:
+        raise ManifestError(f"{source}: malformed slices ({error!r})") from error
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +108,10 @@ class ShardEntry:
     """Relative to the store's root, under ``layers/``; anything else makes the record damaged."""
     nbytes: int
     checksum: str
+    slices: tuple[ParamSlice, ...] | None = None
+    """Which elements of which parameters the file holds, as its header says (checked against it
+    whenever the header is read): a reader finds the files holding a range without reading every
+    file's header. ``None``: a record written before they were kept (every header is read)."""
 
     def __post_init__(self) -> None:
         try:
@@ -155,7 +182,9 @@ class VersionRecord:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": RECORD_FORMAT, **asdict(self), "shards": [asdict(s) for s in self.shards]}
+        # (not asdict: it deep-copies every shard entry, N of them, only for them to be replaced)
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "shards"}
+        return {"format": RECORD_FORMAT, **fields, "shards": [_entry_json(s) for s in self.shards]}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], *, source: str) -> VersionRecord:
@@ -171,7 +200,11 @@ class VersionRecord:
                 committed_at=float(data["committed_at"]),
                 shards=tuple(
                     ShardEntry(
-                        rank=int(s["rank"]), path=str(s["path"]), nbytes=int(s["nbytes"]), checksum=str(s["checksum"])
+                        rank=int(s["rank"]),
+                        path=str(s["path"]),
+                        nbytes=int(s["nbytes"]),
+                        checksum=str(s["checksum"]),
+                        slices=parse_slices(s.get("slices"), source=source),
                     )
                     for s in data["shards"]
                 ),
@@ -231,6 +264,11 @@ class Manifest:
     def layers(self) -> list[str]:
         """Layer names in first-committed order (the base lists every layer)."""
         return list(dict.fromkeys(r.layer for r in self.records))
+
+
+def _entry_json(entry: ShardEntry) -> dict[str, Any]:
+    out = {"rank": entry.rank, "path": entry.path, "nbytes": entry.nbytes, "checksum": entry.checksum}
+    return out if entry.slices is None else {**out, "slices": slices_json(entry.slices)}
 
 
 def encode_record(record: VersionRecord) -> bytes:

@@ -17,7 +17,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +45,9 @@ from layercheck.policies.plan import (
 from layercheck.workers.shard import STATE_KEYS, ParamSlice
 
 logger = logging.getLogger(__name__)
+
+#: Threads a plan checks the chosen versions' files on (round trips to storage, most of their time).
+CHECK_THREADS = 16
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,21 +116,24 @@ def resolve_plan(
             why = "; ".join(f"{vid}: {reason}" for vid, reason in skipped.items())
             raise NoUsableVersionError(f"{store.uri}: {error}" + (f". Unusable: {why}" if why else "")) from error
         fresh_problems = False
-        for choice in plan.choices:
-            for ref in (choice.version, *choice.overlays):
-                if ref.version_id in usable:
-                    continue
-                problem = _problem(store, by_id[ref.version_id], deep=deep, usable=usable, held=held)
-                if problem:
-                    skipped[ref.version_id] = problem
-                    fresh_problems = True
-                    logger.warning(
-                        "recovery: %s version %s of layer %s is unusable (%s); re-planning without it",
-                        "partial" if ref.partial else "whole",
-                        ref.version_id,
-                        choice.layer,
-                        problem,
-                    )
+        unchecked = {
+            ref.version_id: (choice.layer, ref)
+            for choice in plan.choices
+            for ref in (choice.version, *choice.overlays)
+            if ref.version_id not in usable
+        }
+        found = _problems(store, [by_id[vid] for vid in unchecked], deep=deep, usable=usable, held=held)
+        for vid, problem in found.items():
+            layer, ref = unchecked[vid]
+            skipped[vid] = problem
+            fresh_problems = True
+            logger.warning(
+                "recovery: %s version %s of layer %s is unusable (%s); re-planning without it",
+                "partial" if ref.partial else "whole",
+                vid,
+                layer,
+                problem,
+            )
         if not fresh_problems:
             break
         if default:
@@ -195,35 +202,80 @@ def _initial_records(store: LayerStore, layer_numel: Mapping[str, int]) -> list[
     return list(initial.records(layer_numel).values()) if initial is not None else []
 
 
-def _problem(
+def _problems(
     store: LayerStore,
-    record: VersionRecord,
+    records: Sequence[VersionRecord],
     *,
     deep: bool,
     usable: dict[str, dict[str, list[Span]]],
     held: Collection[str] | None = None,
-) -> str:
-    """Why ``record`` is unusable ("" if usable: then it joins ``usable`` with the element spans
-    it holds, read from its shard headers for a partial version). A memory version has no files
-    in storage: it is usable while the writers hold them (``held``)."""
-    if record.origin == MEMORY_ORIGIN:
+) -> dict[str, str]:
+    """Why each unusable one of ``records`` is (by version id); each usable one joins ``usable``
+    with the element spans it holds (a partial version's, from its record or its headers). A
+    memory version has no files in storage: it is usable while the writers hold them (``held``).
+    Every stored file is checked (:meth:`LayerStore.check_shard`) on :data:`CHECK_THREADS` threads:
+    a plan checks every rank's file of every layer it chooses and of the captures overlaid on them,
+    each a round trip to storage; one after another, that is 63,000 at 1,024 ranks and 31 layers."""
+    problems: dict[str, str] = {}
+    stored = []
+    for record in records:
+        if record.origin != MEMORY_ORIGIN:
+            stored.append(record)
+            continue
         gone = [s.path for s in record.shards if held is not None and s.path not in held]
         if gone:
-            return f"the writers no longer hold {len(gone)} of its {len(record.shards)} files in memory"
-        usable[record.version_id] = {}
-        return ""
-    problems = store.check_version(record, deep=deep)
-    if problems:
-        return "; ".join(problems)
-    coverage: dict[str, list[Span]] = {}
-    if record.partial:
-        try:
-            with VersionReader(store, record) as reader:
-                coverage = reader.coverage()
-        except CorruptShardError as error:
-            return str(error)
-    usable[record.version_id] = coverage
-    return ""
+            problems[record.version_id] = (
+                f"the writers no longer hold {len(gone)} of its {len(record.shards)} files in memory"
+            )
+        else:
+            usable[record.version_id] = {}
+    files = [(record, entry) for record in stored for entry in record.shards]
+    with ThreadPoolExecutor(max_workers=max(1, min(CHECK_THREADS, len(files)))) as pool:
+        found = list(pool.map(lambda pair: store.check_shard(pair[0], pair[1], deep=deep), files))
+    for (record, _), problem in zip(files, found, strict=True):
+        if problem:
+            problems[record.version_id] = "; ".join(filter(None, (problems.get(record.version_id), problem)))
+    for record in stored:
+        if record.version_id in problems:
+            continue
+        coverage: dict[str, list[Span]] = {}
+        if record.partial:
+            try:
+                with VersionReader(store, record) as reader:
+                    coverage = reader.coverage()
+            except CorruptShardError as error:
+                problems[record.version_id] = str(error)
+                continue
+        usable[record.version_id] = coverage
+    return problems
+
+
+def _meta_index(record: VersionRecord) -> int:
+    """The first rank file of ``record`` that holds any element (by its recorded slices)."""
+    return next((i for i, e in enumerate(record.shards) if e.slices and any(s.length for s in e.slices)), 0)
+
+
+def files_for(records: Iterable[VersionRecord], needs: Mapping[str, Sequence[tuple[int, int]]]) -> list[str]:
+    """The shard files of ``records`` that a rank restoring ``needs`` (param → element spans
+    ``[start, end)``) opens with a :class:`VersionReader`: those holding any element it needs, and
+    each version's metadata file; every file of a version whose record does not say which file
+    holds what (its reader reads every header)."""
+    paths: list[str] = []
+    for record in records:
+        if not all(entry.slices is not None for entry in record.shards):
+            paths += [entry.path for entry in record.shards]
+            continue
+        meta = _meta_index(record)
+        for index, entry in enumerate(record.shards):
+            if index == meta or any(
+                _overlaps(s.offset, s.offset + s.length, needs.get(s.name, ())) for s in entry.slices or ()
+            ):
+                paths.append(entry.path)
+    return list(dict.fromkeys(paths))
+
+
+def _overlaps(start: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
+    return any(start < b and a < end for a, b in spans)
 
 
 @dataclass(frozen=True)
@@ -235,15 +287,22 @@ class _Piece:
 
 class VersionReader:
     """Reads exact ranges of one committed version. Open files and headers are cached; close
-    it (or use ``with``) when done. Not thread-safe."""
+    it (or use ``with``) when done. Not thread-safe.
+
+    Where the record says which elements each rank file holds (``ShardEntry.slices``), the reader
+    opens only the files holding a range it reads, plus one file's header for the version's
+    metadata (optimizer step, param groups): a rank restoring its own slices reads a file or two
+    per version, not every rank's header (at N ranks, N headers per layer per rank, N² in all). A
+    record without them (written before) has every header read first, to learn the same."""
 
     def __init__(self, store: LayerStore, record: VersionRecord) -> None:
         self.store = store
         self.record = record
         self._files: list[tensorfile.RandomAccess | None] = [None] * len(record.shards)
-        self._headers: list[tensorfile.ShardHeader] | None = None
-        self._index: dict[str, list[_Piece]] = {}
+        self._headers: dict[int, tensorfile.ShardHeader] = {}
+        self._index: dict[str, list[_Piece]] | None = None
         self._verified: set[tuple[int, str]] = set()
+        self._sliced = all(entry.slices is not None for entry in record.shards)
 
     def __enter__(self) -> VersionReader:
         return self
@@ -282,54 +341,76 @@ class VersionReader:
                 raise self._failed(index, error) from error
         return file
 
+    def _header(self, index: int) -> tensorfile.ShardHeader:
+        """Rank file ``index``'s header (read once), checked against the record and against the
+        other headers read (one optimizer step)."""
+        header = self._headers.get(index)
+        if header is not None:
+            return header
+        entry = self.record.shards[index]
+        file = self._file(index)
+        try:
+            header = tensorfile.read_header(file, path=self.store.fs.uri(entry.path))
+        except (ShardFormatError, OSError) as error:
+            raise self._failed(index, error) from error
+        if header.checksum != entry.checksum or header.file_nbytes != entry.nbytes:
+            raise self._corrupt(
+                index,
+                f"header checksum {header.checksum} / {header.file_nbytes} bytes, "
+                f"the manifest says {entry.checksum} / {entry.nbytes} bytes",
+            )
+        if entry.slices is not None and tuple(header.slices) != entry.slices:
+            raise self._corrupt(index, f"header slices {list(header.slices)}, the manifest says {list(entry.slices)}")
+        steps = {h.optimizer_step for h in self._headers.values()} | {header.optimizer_step}
+        if len(steps) != 1:
+            raise self._corrupt(index, f"ranks disagree on the optimizer step: {sorted(steps)}")
+        self._headers[index] = header
+        return header
+
+    def _slices(self, index: int) -> tuple[ParamSlice, ...]:
+        entry_slices = self.record.shards[index].slices
+        return entry_slices if self._sliced and entry_slices is not None else tuple(self._header(index).slices)
+
+    def _pieces(self) -> dict[str, list[_Piece]]:
+        """param → the files holding its elements, by offset (from the record, else every header)."""
+        if self._index is None:
+            index: dict[str, list[_Piece]] = {}
+            for i in range(len(self.record.shards)):
+                for piece in self._slices(i):
+                    index.setdefault(piece.name, []).append(_Piece(piece.offset, piece.length, i))
+            for pieces in index.values():
+                pieces.sort(key=lambda p: (p.offset, -p.length))
+            self._index = index
+        return self._index
+
     def headers(self) -> list[tensorfile.ShardHeader]:
         """Every rank file's header (read once), checked against the record."""
-        if self._headers is None:
-            headers = []
-            for index, entry in enumerate(self.record.shards):
-                file = self._file(index)
-                try:
-                    header = tensorfile.read_header(file, path=self.store.fs.uri(entry.path))
-                except (ShardFormatError, OSError) as error:
-                    raise self._failed(index, error) from error
-                if header.checksum != entry.checksum or header.file_nbytes != entry.nbytes:
-                    raise self._corrupt(
-                        index,
-                        f"header checksum {header.checksum} / {header.file_nbytes} bytes, "
-                        f"the manifest says {entry.checksum} / {entry.nbytes} bytes",
-                    )
-                headers.append(header)
-            steps = {h.optimizer_step for h in headers}
-            if len(steps) != 1:
-                raise self._corrupt(0, f"ranks disagree on the optimizer step: {sorted(steps)}")
-            for index, header in enumerate(headers):
-                for piece in header.slices:
-                    self._index.setdefault(piece.name, []).append(_Piece(piece.offset, piece.length, index))
-            for pieces in self._index.values():
-                pieces.sort(key=lambda p: (p.offset, -p.length))
-            self._headers = headers
-        return self._headers
+        return [self._header(i) for i in range(len(self.record.shards))]
+
+    def _meta_header(self) -> tensorfile.ShardHeader:
+        """The header the version's metadata is read from: the first file that holds any element
+        (the same one on every rank: :func:`files_for` names it)."""
+        return self._header(_meta_index(self.record) if self._sliced else 0)
 
     def coverage(self) -> dict[str, list[Span]]:
         """param → the element spans ``[start, end)`` this version's files hold."""
-        self.headers()
-        return {param: [(p.offset, p.offset + p.length) for p in pieces] for param, pieces in self._index.items()}
+        return {param: [(p.offset, p.offset + p.length) for p in pieces] for param, pieces in self._pieces().items()}
 
     @property
     def optimizer_step(self) -> int:
-        return self.headers()[0].optimizer_step
+        return self._meta_header().optimizer_step
 
     @property
     def groups(self) -> tuple[dict[str, Any], ...]:
-        """The layer's optimizer param-group hyper-parameters, as saved by rank 0."""
-        return self.headers()[0].groups
+        """The layer's optimizer param-group hyper-parameters, as saved (every rank file holds them)."""
+        return self._meta_header().groups
 
     @property
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {s.name: s.shape for h in self.headers() for s in h.slices}
+        return {s.name: s.shape for i in range(len(self.record.shards)) for s in self._slices(i)}
 
     def _read_piece(self, piece: _Piece, key: str, param: str, start: int, count: int) -> np.ndarray:
-        header = self.headers()[piece.file_index]
+        header = self._header(piece.file_index)
         entry = header.entries[tensorfile.entry_name(key, param)]
         file = self._file(piece.file_index)
         # a copy from memory was checked whole when fetched (memory_reads.ShardFile.verified)
@@ -355,10 +436,10 @@ class VersionReader:
             raise ValueError(f"state key must be one of {STATE_KEYS}, got {key!r}")
         if offset < 0 or length < 0:
             raise ValueError(f"offset and length must be >= 0, got offset={offset}, length={length}")
-        self.headers()
-        pieces = self._index.get(param)
+        index = self._pieces()
+        pieces = index.get(param)
         if pieces is None:
-            raise KeyError(f"version {self.record.version_id} has no parameter {param!r}; it has {sorted(self._index)}")
+            raise KeyError(f"version {self.record.version_id} has no parameter {param!r}; it has {sorted(index)}")
         out = np.empty(length, dtype=np.float32)
         end, position = offset + length, offset
         for piece in pieces:

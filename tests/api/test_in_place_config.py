@@ -7,7 +7,7 @@ from ray.train import ScalingConfig
 from layercheck import CheckpointConfig
 from layercheck.orchestrator.runtime.context import Incarnation
 from layercheck.policies.config_loader import ConfigError
-from layercheck.trainer import check_in_place
+from layercheck.trainer import check_in_place, spares_figures, with_spares
 
 
 def test_in_place_needs_a_fixed_group_and_its_own_torch_config():
@@ -23,3 +23,22 @@ def test_in_place_needs_a_fixed_group_and_its_own_torch_config():
 def test_each_run_of_the_loop_in_one_process_joins_as_a_new_worker():
     assert Incarnation().worker_id("actor") == "actor"
     assert Incarnation(number=2).worker_id("actor") == "actor/2"
+
+
+def test_spares_need_in_place_and_ray_train_runs_them_beside_the_training_workers():
+    with pytest.raises(ConfigError, match="spares: .*0 unless in_place=True"):
+        CheckpointConfig(storage="/tmp/x", spares=1)
+    with pytest.raises(ConfigError, match="spares"):
+        CheckpointConfig(storage="/tmp/x", in_place=True, spares=-1)
+    scaling = ScalingConfig(num_workers=2, use_gpu=False)
+    assert with_spares(scaling, 1).num_workers == 3 and with_spares(scaling, 0) is scaling
+    # what the summary says of them, as for the built-in loop: the idle workers' cost
+    figures = spares_figures({"spares": 1, "waiting": 1, "promotions": 1}, scaling)
+    assert figures == {
+        "spares": 1,
+        "waiting": 1,
+        "promotions": 1,
+        "training_workers": 2,
+        "cpus_per_worker": 1.0,
+        "gpus_per_worker": 0,
+    }

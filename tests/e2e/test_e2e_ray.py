@@ -6,6 +6,7 @@ the policy actor, the writers and the supervisor; a worker SIGKILLed mid-run; re
 ``scripts/gpu_checks.sh`` runs them with NCCL and bf16 that way."""
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from layercheck.policies.trace import DriftTrace
 from layercheck.workers.lr_schedule import lr_at
 from layercheck.workers.shard import STATE_KEYS
 from tests.support.faults import FaultPlan, injected
-from tests.support.ray_runs import EVERY_STEP, UNBOUNDED, train_demo
+from tests.support.ray_runs import EVERY_STEP, KILL_AT, UNBOUNDED, train_demo
 from tests.support.store_helpers import flip_data_byte
 
 pytestmark = pytest.mark.slow
@@ -198,6 +199,10 @@ def test_the_survivor_hands_over_its_own_slices_at_t_fail_bit_for_bit(local_ray,
     for step, (loss, _) in account["history"].items():
         assert loss == pytest.approx(clean_history[int(step)][0], rel=1e-5, abs=1e-6), step
     assert not [v for v in LayerStore.open(failed.config.storage_uri).versions() if v.origin == "memory"]
+    summary = summarize(failed)  # judged from what it loaded: every slice within memory_period
+    assert [c["kept"] for c in summary["memory_period_checks"]] == [True], summary["memory_period_checks"]
+    text = format_summary(summary)
+    assert "memory_period kept" in text and "every element came back at most 3 steps stale" in text
     (capture,) = account["capture"]["captures"]
     assert (capture["rank"], capture["step"], capture["held"]) == (0, 6, True)
     assert capture["layers"] == len(failed.layer_numel) and capture["nbytes"] > 0
@@ -296,6 +301,8 @@ def test_a_failure_before_any_layer_was_saved_resumes_at_t_fail_plus_one(local_r
     0 (recorded at its start, no bytes written), so recovery still resumes at 5: rank 0's slices
     from its capture, rank 1's from the initial state, staleness counted from step 0."""
     steps = {"steps": 8, "optim.total_steps": 8}
+    # no memory versions (the default takes them from step 2): rank 1's slices from the initial state
+    steps["persistence.memory_period"] = 0
     failed = train_demo(tmp_path, "early", policy=LayerCheckConfig(), **{"fault.kill_at_step": 4, **steps})
     (recovery,) = failed.status["account"]["recoveries"]
     assert (recovery["t_fail"], recovery["resumed_at"], recovery["steps_redone"]) == (4, 5, 0)
@@ -332,6 +339,16 @@ def test_layercheck_run_with_a_failure_recovers_from_a_mixed_composite(local_ray
     assert summary["steps"] == 12 and summary["failures"] == 1 and 0 < summary["ettr"] <= 1
     assert math.isfinite(summary["final_loss"])
     assert "recovery after step 8" in format_summary(summary)
+    # persistence.memory_period left at its default ("auto"): every step at first, then the period
+    # chosen from rank 0's timings of its first copies; the lost rank's slices came back from a
+    # memory version within the period in force at the failure, and the summary says why that one
+    choice = summary["memory_period_choice"]
+    assert choice["auto"] and choice["chosen_at"] is not None and choice["chosen_at"] < KILL_AT, choice
+    assert choice["why"].startswith(f"auto: {choice['period']} (copy ") and "of a " in choice["why"], choice
+    assert re.search(rf"^memory versions +{re.escape(choice['why'])}$", format_summary(summary), re.M)
+    assert status["memory"]["memory_version_shards"] > 0, status["memory"]  # held, at the end too
+    (check,) = summary["memory_period_checks"]
+    assert check["kept"] and check["period"] == choice["period"], check
     probe = summary["drift_probe"]  # the built-in loop's DriftAdamW on CPU, measuring every step
     assert probe["probe"] == "optimizer (foreach)" and probe["measured_steps"] == probe["steps"] >= 12, probe
     assert probe["seconds"] > 0 and "drift probe (rank 0)" in format_summary(summary)

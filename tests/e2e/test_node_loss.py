@@ -239,7 +239,8 @@ def test_losing_a_node_resumes_at_t_fail_plus_one_from_memory_and_loses_nothing_
     survivor's capture and the writers' memory (the lost node's files mirrored to the head) serve the
     recovery."""
     head, second = cluster, _second_node(cluster)
-    config = _config(head, tmp_path, "stalled", **{"cluster.shared_storage": True})
+    # no memory versions (the default's): the lost rank's slices from the stored versions' mirror copies
+    config = _config(head, tmp_path, "stalled", **{"cluster.shared_storage": True, "persistence.memory_period": 0})
     stall = FaultPlan(
         stall_writes_s=STALL_S, stall_writes_node=second.node_id, stall_writes_after_step=STALL_AFTER_STEP
     )
@@ -361,7 +362,13 @@ def test_losing_a_node_in_place_replaces_its_rank_on_another_node_and_the_surviv
         head,
         tmp_path,
         "in-place",
-        **{"cluster.shared_storage": True, "cluster.in_place": True, "cluster.min_workers": 0},
+        # no memory versions (the default's): the lost rank's slices from stored versions, as it checks
+        **{
+            "cluster.shared_storage": True,
+            "cluster.in_place": True,
+            "cluster.min_workers": 0,
+            "persistence.memory_period": 0,
+        },
     )
     seen: dict = {}
     lock = threading.Lock()

@@ -31,3 +31,5 @@ def test_an_fsdp2_loop_recovers_in_place_at_t_fail_plus_one_on_the_failure_free_
     # the staggered schedule stored no layer at step 6 on its own: the writers' memory made it exact
     origins = {(s["origin"], s["step"]) for sources in recovery["sources"].values() for s in sources}
     assert ("memory", KILL_AT) in origins, recovery["sources"]
+    checks = failed["summary"]["memory_period_checks"]
+    assert checks and all(check["kept"] for check in checks), checks

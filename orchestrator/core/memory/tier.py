@@ -13,10 +13,18 @@ What it holds, and why:
   loads a layer's newest committed version; an older one would only take budget). Captures
   (``origin="capture"``) are kept apart from policy versions, since recovery overlays a capture
   on the whole version below it and needs both;
-* **within a byte budget**: past it, the shard taken at the oldest step goes first (mirror copies
-  before own ones at equal steps). Under the staggered schedule the oldest layer is the next to be
-  persisted again, so its copy had the least time left to serve; a shard larger than the whole
-  budget is not held at all.
+* **within a byte budget**: past it, copies of files in storage go first, then memory versions
+  (``persistence.memory_period``), which live nowhere else; within each, the shard taken at the
+  oldest step goes first (mirror copies before own ones at equal steps). Under the staggered
+  schedule the oldest layer is the next to be persisted again, so its copy had the least time left
+  to serve; a shard larger than the whole budget is not held at all.
+
+A memory version is a promise (a lost rank's slices come back at most ``memory_period`` steps
+stale), so one is never dropped for a copy of a stored file, nor for a memory version taken at an
+older step. Where the budget cannot hold a layer's newest one even so, the promise is broken for
+that layer until its next one is held: counted (``CacheStats.memory_dropped``) and logged, never
+silent. ``layercheck.orchestrator.core.memory.budget`` tells a run at its start when its budget
+cannot hold a whole memory version.
 
 Ray-free; the writer actor (``orchestrator/runtime/writer_actor.py``) owns one, and so does
 each rank's writer thread of the local runtime (``orchestrator/local/writer.py``).
@@ -29,7 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from layercheck.orchestrator.store.manifest import ShardReceipt
+from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +82,18 @@ class HeldShard:
     def key(self) -> tuple[str, int, str]:
         return (self.layer, self.rank, self.origin)
 
+    @property
+    def memory_version(self) -> bool:
+        """A memory version's shard: held here (and in a mirror) only, never in storage."""
+        return self.origin == MEMORY_ORIGIN
+
+    @property
+    def keep_order(self) -> tuple[bool, int, bool]:
+        """Eviction order, lowest first: copies of stored files before memory versions (storage
+        still holds the former, nothing else the latter), then the oldest step, then mirror copies
+        before own ones (a worker's loss, which the own copy serves, is the common failure)."""
+        return (self.memory_version, self.step, not self.mirror)
+
 
 @dataclass(frozen=True, kw_only=True)
 class CacheStats:
@@ -88,6 +108,9 @@ class CacheStats:
     """Shards dropped to stay within the budget (or never taken: larger than the whole budget)."""
     superseded: int
     """Shards dropped because a newer one of the same (layer, rank, origin) arrived."""
+    memory_dropped: int = 0
+    """Of ``evicted``, memory versions' shards: each left its layer without a held memory version
+    (``persistence.memory_period``'s promise broken for it) until the layer's next one is held."""
 
 
 class ShardCache:
@@ -104,6 +127,7 @@ class ShardCache:
         self._held = 0
         self._evicted = 0
         self._superseded = 0
+        self._memory_dropped = 0
 
     @property
     def enabled(self) -> bool:
@@ -111,35 +135,93 @@ class ShardCache:
 
     def put(self, shard: HeldShard) -> bool:
         """Hold ``shard`` unless a newer one of its (layer, rank, origin) is held already; drops
-        the older one it supersedes, then the oldest shards until it fits. True if it is held."""
+        the older one it supersedes, then, until it fits, the shards before it in
+        :attr:`HeldShard.keep_order` (a copy of a stored file never evicts a memory version). True
+        if it is held; if it does not fit even so, nothing else is dropped for it."""
         if not self.enabled:
             return False
         current = self._by_path.get(self._by_key.get(shard.key, ""))
         if current is not None and current.step > shard.step:
             self._superseded += 1  # an old version arriving late (a mirror overtaken by a write)
             return False
-        if shard.nbytes > self.budget_bytes:
-            self._evicted += 1
-            logger.info(
-                "%s (%d bytes) is larger than the memory budget of %d bytes: not held",
-                shard.path,
-                shard.nbytes,
-                self.budget_bytes,
-            )
-            return False
         if current is not None:
             self._superseded += 1
             self._drop(current.path)
         self._drop(shard.path)  # the same file again (a retried mirror): replaced, not counted twice
-        while self._held + shard.nbytes > self.budget_bytes:
-            victim = min(self._by_path.values(), key=lambda s: (s.step, not s.mirror))
-            self._evicted += 1
-            self._drop(victim.path)
-            logger.debug("evicted %s (step %d) to hold %s", victim.path, victim.step, shard.path)
+        victims = self._victims_for(shard)
+        if victims is None:
+            self._not_held(shard)
+            return False
+        for victim in victims:
+            self._evict(victim, shard)
         self._by_path[shard.path] = shard
         self._by_key[shard.key] = shard.path
         self._held += shard.nbytes
         return True
+
+    def _victims_for(self, shard: HeldShard) -> list[HeldShard] | None:
+        """The shards to drop, in order, so that ``shard`` fits (``None``: it cannot): copies of
+        stored files for any shard; for a memory version also memory versions before it in
+        :attr:`HeldShard.keep_order`."""
+        over = self._held + shard.nbytes - self.budget_bytes
+        if over <= 0:
+            return []
+        if shard.nbytes > self.budget_bytes:
+            return None
+        candidates = sorted(
+            (s for s in self._by_path.values() if not s.memory_version or s.keep_order < shard.keep_order),
+            key=lambda s: s.keep_order,
+        )
+        victims = []
+        for candidate in candidates:
+            victims.append(candidate)
+            over -= candidate.nbytes
+            if over <= 0:
+                return victims
+        return None
+
+    def _evict(self, victim: HeldShard, shard: HeldShard) -> None:
+        self._evicted += 1
+        self._drop(victim.path)
+        if victim.memory_version:
+            self._broken(victim, f"evicted to hold {shard.path} (step {shard.step})")
+        else:
+            logger.debug("evicted %s (step %d) to hold %s", victim.path, victim.step, shard.path)
+
+    def _not_held(self, shard: HeldShard) -> None:
+        self._evicted += 1
+        why = (
+            "larger than the whole budget"
+            if shard.nbytes > self.budget_bytes
+            else "the budget is taken by memory versions as new as it"
+            if shard.memory_version
+            else "the budget is taken by memory versions"
+        )
+        if shard.memory_version:
+            self._broken(shard, f"not held ({why})")
+        else:
+            logger.info("%s (%d bytes) not held in memory: %s", shard.path, shard.nbytes, why)
+
+    def _broken(self, shard: HeldShard, why: str) -> None:
+        """A memory version's shard let go for the budget: its layer has none held until the next."""
+        self._memory_dropped += 1
+        # a budget that cannot hold a whole memory version drops shards at every period: warned at
+        # the 1st, 2nd, 4th, 8th ... so a week's run logs a few dozen lines, not one per layer a step
+        level = logging.WARNING if self._memory_dropped & (self._memory_dropped - 1) == 0 else logging.DEBUG
+        logger.log(
+            level,
+            "memory version %s of %s (rank %d, step %d, %d bytes) %s; the memory budget of %d bytes cannot hold "
+            "every layer's newest memory version (%d dropped so far): that layer's lost slices come back from an "
+            "older version (raise persistence.memory_bytes)",
+            shard.path,
+            shard.layer,
+            shard.rank,
+            shard.step,
+            shard.nbytes,
+            why,
+            self.budget_bytes,
+            self._memory_dropped,
+        )
 
     def get(self, path: str) -> HeldShard | None:
         return self._by_path.get(path)
@@ -169,4 +251,5 @@ class ShardCache:
             mirror_shards=len(mirrors),
             evicted=self._evicted,
             superseded=self._superseded,
+            memory_dropped=self._memory_dropped,
         )

@@ -50,7 +50,7 @@ class MemoryVersions:
             base=False,
             committed_at=time.time(),
             shards=tuple(
-                ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum)
+                ShardEntry(rank=r.rank, path=r.path, nbytes=r.nbytes, checksum=r.checksum, slices=r.slices)
                 for r in sorted(ranks.values(), key=lambda r: r.rank)
             ),
             origin=MEMORY_ORIGIN,

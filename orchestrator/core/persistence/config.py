@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layercheck.orchestrator.core.memory.auto_period import AUTO, MemoryPeriodSetting
 from layercheck.orchestrator.core.persistence.staleness_guard import BREACH_ACTIONS, DEFAULT_HUNG_WRITE_S
 from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetConfig
 from layercheck.policies.config_loader import require
@@ -66,20 +67,32 @@ class PersistenceConfig:
     """The longest the teardown of a broken group is held for the survivors' captures."""
     memory_bytes: int = 2 * 2**30
     """Per writer: bytes of shard files kept in host memory after they are written (the newest
-    version of each layer's shards; past the budget the oldest steps go first), so a recovery loads
-    them from memory and reads storage only for what no writer holds. 0: off (recovery reads
-    storage). Storage stays the source of truth: what is evicted is still recoverable from it."""
+    version of each layer's shards; past the budget the oldest steps go first, memory versions
+    last), so a recovery loads them from memory and reads storage only for what no writer holds.
+    0: off (recovery reads storage). Storage stays the source of truth: what is evicted is still
+    recoverable from it, except memory versions (``memory_period``), which live only here.
+    Beyond it a writer's process holds its runtime (about 0.3 GB: Ray's worker, torch, pyarrow)
+    and its copies in flight (at most three shard files being serialised or written, and
+    survivors' captures until written); the Ray object-store pages it reads the ranks' hand-overs
+    from show in its RSS too, but are the node's shared object store (docs/recovery.md, "A
+    writer's host memory"; the summary's ``writer host memory`` row)."""
     memory_mirror: bool = True
     """Where the cluster has more than one node, each writer also sends its shard files to a writer
     on another node, which keeps them within its own ``memory_bytes``: a lost node's shards still
     load from memory. Costs one network copy of every byte written."""
-    memory_period: int = 0
+    memory_period: MemoryPeriodSetting = AUTO
     """Every this many steps each rank also hands its slices of every layer to its writer as a
     *memory version*: held in the writers' memory (and mirrored to another node), never written to
     storage. A recovery takes a lost rank's slices from the newest of those and the stored versions,
     so they come back at most ``memory_period`` steps stale whatever the storage bandwidth. Costs a
     host copy of the rank's state per period and ``memory_bytes`` room for one such version of each
-    layer (beside the stored versions' files). 0: off (needs ``memory_bytes`` > 0)."""
+    layer, of the ranks a writer serves (the stored versions' copies make room for it). A budget
+    short of that is warned of at the start, with the budget needed, and each recovery's summary
+    says whether every slice came back within ``memory_period`` steps. 0: off (needs
+    ``memory_bytes`` > 0). ``"auto"``: chosen by the run: off where ``memory_bytes`` cannot hold a
+    memory version, else every step until rank 0 has timed its first copies, then the smallest
+    period at which the copy costs at most 1% of the step time (off past 100 steps); the summary's
+    ``memory versions`` row names the period and why (``orchestrator/core/memory/auto_period.py``)."""
     write_budget: WriteBudgetConfig = field(default_factory=WriteBudgetConfig)
     """``[persistence.write_budget]``: the schedule's byte budget per step from the writers'
     measured drain bandwidth (headroom × bandwidth × step time, capped), so slow storage stretches
@@ -100,13 +113,25 @@ class PersistenceConfig:
         require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
         require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)
-        require(self.memory_period >= 0, "memory_period", ">= 0 (0 turns memory versions off)", self.memory_period)
         require(
-            not self.memory_period or self.memory_bytes > 0,
+            self.memory_period == AUTO or (_is_int(self.memory_period) and self.memory_period >= 0),
+            "memory_period",
+            '"auto" or an integer >= 0 (0 turns memory versions off)',
+            self.memory_period,
+        )
+        require(
+            self.memory_period == AUTO or not self.memory_period or self.memory_bytes > 0,
             "memory_period",
             "0 while memory_bytes is 0 (memory versions live in the writers' memory tier)",
             self.memory_period,
         )
+
+    @property
+    def memory_period_at_start(self) -> int:
+        """The period a rank takes memory versions at until a decision carries the run's (the
+        set one; 0 under ``"auto"``: the ranks follow the period the run chose, which the
+        decisions carry from the second step of each worker group on)."""
+        return 0 if self.memory_period == AUTO else int(self.memory_period)
 
     @property
     def capture_hand_over_s(self) -> float | None:
@@ -117,3 +142,7 @@ class PersistenceConfig:
     def capture_hold_s(self) -> float | None:
         """The longest Ray Train's teardown is held for captures (``None``: capture is off)."""
         return self.capture_grace_s + self.capture_timeout_s if self.capture else None
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from layercheck.orchestrator.core.memory.footprint import WriterFootprint
+
 
 @dataclass
 class WriterStats:
@@ -34,5 +36,11 @@ class WriterStats:
     """Of ``memory_bytes``: copies of files another node's writer wrote."""
     memory_evicted: int = 0
     """Shards let go to stay within ``persistence.memory_bytes``."""
+    memory_versions_dropped: int = 0
+    """Of ``memory_evicted``, memory versions' shards (``persistence.memory_period``): each left its
+    layer without a held memory version until the next (the budget cannot hold a whole one)."""
     mirrors_sent: int = 0
     mirror_failures: int = 0
+    host: WriterFootprint | None = None
+    """What the writer's host memory holds, by kind, beside its process's resident memory (the
+    writer actor; ``None`` in-process, where the rank's own process holds it)."""

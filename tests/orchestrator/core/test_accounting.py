@@ -93,6 +93,40 @@ def _step(view, step: int, now: float) -> None:
     view.step_done(StepProgress(step=step, loss=1.0, lr=0.1, compute_s=0.1, stall_s=0.0), now=now)
 
 
+def test_each_rank_of_a_recovery_keeps_its_own_phases_beside_the_slowest():
+    """The timeline takes each phase from the slowest rank; each rank's own (the survivor's rerun
+    of its loop, the promoted spare's since its promotion) is kept too, with its load."""
+    view = _view()
+    recovery = _recover(view, 3, now=1.0)
+    view.loaded(0.25, start=RankStart(rank=0, group_s=0.5, build_s=2.0, leave_s=0.75, kept_process=True), now=4.0)
+    view.loaded(0.125, start=RankStart(rank=1, group_s=0.25, build_s=1.0, spare=True), now=4.5)
+    assert recovery.ranks == [
+        {
+            "rank": 0,
+            "start_s": 0.0,
+            "group_s": 0.5,
+            "build_s": 2.0,
+            "leave_s": 0.75,
+            "waited_s": 0.0,
+            "kept_process": True,
+            "spare": False,
+            "load_s": 0.25,
+        },
+        {
+            "rank": 1,
+            "start_s": 0.0,
+            "group_s": 0.25,
+            "build_s": 1.0,
+            "leave_s": 0.0,
+            "waited_s": 0.0,
+            "kept_process": False,
+            "spare": True,
+            "load_s": 0.125,
+        },
+    ]
+    assert (recovery.build_s, recovery.load_s, recovery.kept_processes, recovery.spares_promoted) == (2.0, 0.25, 1, 1)
+
+
 def test_a_full_restart_of_an_in_place_run_says_why_and_only_for_its_own_recovery():
     """A run that asked for in place and recovered by a full restart says why: the reason a rank
     gave as it raised out of its train function (before the new group, or during a recovery under

@@ -4,6 +4,8 @@ opener (hits, misses, a corrupt copy falls back to storage, counts by source).""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -63,6 +65,30 @@ def test_past_the_budget_the_oldest_step_goes_first_mirrors_before_own():
     assert cache.get(b_mirror.path) is None and cache.get(b_own.path) is b_own
     stats = cache.stats()
     assert (stats.held_bytes, stats.held_shards, stats.evicted, stats.mirror_shards) == (300, 3, 2, 0)
+
+
+def test_a_memory_version_goes_only_for_a_newer_one_and_a_dropped_one_is_counted_and_logged(caplog):
+    """Memory versions (``persistence.memory_period``) live nowhere else: copies of stored files go
+    first whatever their step, and a stored file's copy never evicts one; past that only an older
+    memory version makes room for a newer, and each one let go is counted and logged."""
+    cache = ShardCache(300)
+    mem_a, mem_b, stored = held("a", 0, 7, origin="memory"), held("b", 0, 7, origin="memory"), held("c", 0, 8)
+    for shard in (mem_a, mem_b, stored):
+        assert cache.put(shard)
+    assert cache.put(held("d", 0, 8, origin="memory"))  # the stored file's copy (step 8) goes, not step 7's
+    assert cache.get(stored.path) is None and cache.get(mem_a.path) is mem_a and cache.get(mem_b.path) is mem_b
+    assert not cache.put(held("e", 0, 9))  # a stored file's copy, however new, never evicts a memory version
+    assert cache.get(mem_a.path) is mem_a and cache.get(mem_b.path) is mem_b
+    assert cache.stats().memory_dropped == 0
+    assert cache.put(held("a", 0, 8, origin="memory"))  # supersedes a@7 in its place
+    with caplog.at_level(logging.WARNING, logger="layercheck.orchestrator.core.memory.tier"):
+        assert cache.put(held("f", 0, 8, origin="memory"))  # the budget is short: the older b@7 goes
+        assert cache.get(mem_b.path) is None
+        assert not cache.put(held("g", 0, 8, origin="memory"))  # as new as every one held: not held
+    stats = cache.stats()
+    assert (stats.memory_dropped, stats.held_bytes, stats.held_shards) == (2, 300, 3)
+    assert [r.getMessage().split(" of ")[1].split(" ")[0] for r in caplog.records] == ["b", "g"]
+    assert "raise persistence.memory_bytes" in caplog.records[0].getMessage()
 
 
 def test_a_shard_larger_than_the_budget_is_not_held_and_zero_turns_it_off():
@@ -136,9 +162,10 @@ def test_the_opener_loads_from_memory_and_counts_by_source(tmp_path):
     assert sources.storage_bytes == header_bytes[0] + header_bytes[1] + fp32
 
 
-def test_a_rank_reads_the_headers_of_every_file_and_the_tensors_of_only_its_own(tmp_path):
-    """At the world size a version was written at, a rank's slices are its own file: the other
-    ranks' files are read as far as their headers, from memory, and storage is never touched."""
+def test_a_rank_reads_only_its_own_file_from_memory(tmp_path):
+    """At the world size a version was written at, a rank's slices are its own file: the record
+    says which file holds what, so no other rank's file is read, not even its header, and storage
+    is never touched."""
     store, record, memory = _committed(tmp_path)
     headers = {path: HeldHeader("memory_local", header_block(data), len(data)) for path, data in memory.items()}
     own = record.shards[1].path
@@ -161,9 +188,8 @@ def test_a_rank_reads_the_headers_of_every_file_and_the_tensors_of_only_its_own(
             for start, end in spans:
                 for key in ("fp32", "exp_avg", "exp_avg_sq"):
                     read(name, key, start, end - start)
-    other = record.shards[0]
     assert fetched == [own]
-    assert opener.sources.memory_local_bytes == record.shards[1].nbytes + len(headers[other.path].block)
+    assert opener.sources.memory_local_bytes == record.shards[1].nbytes
     assert opener.sources.memory_local_shards == 1 and opener.sources.storage_bytes == 0
 
 

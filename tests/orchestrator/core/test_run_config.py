@@ -67,5 +67,11 @@ def test_memory_versions_need_the_memory_tier():
     assert PersistenceConfig(memory_period=5).memory_period == 5
     with pytest.raises(ConfigError, match=r"memory_period: must be 0 while memory_bytes is 0"):
         PersistenceConfig(memory_period=5, memory_bytes=0)
-    with pytest.raises(ConfigError, match=r"memory_period: must be >= 0"):
+    with pytest.raises(ConfigError, match=r'memory_period: must be "auto" or an integer >= 0'):
         PersistenceConfig(memory_period=-1)
+    with pytest.raises(ConfigError, match=r'memory_period: must be "auto" or an integer >= 0'):
+        PersistenceConfig(memory_period="often")  # type: ignore[arg-type]
+    # the default: chosen by the run, off where there is no memory tier (no error: nothing was set)
+    assert PersistenceConfig().memory_period == "auto" == PersistenceConfig(memory_bytes=0).memory_period
+    assert PersistenceConfig().memory_period_at_start == 0  # the ranks follow the decisions' period
+    assert PersistenceConfig(memory_period=5).memory_period_at_start == 5

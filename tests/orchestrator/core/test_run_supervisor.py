@@ -235,16 +235,20 @@ def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element
     for layer in LAYERS:  # rank 0 survived step 5 and handed its slices over; rank 1 died
         state = layer_state(PARAMS, seed=50)
         shard = cut_shards(layer, 5, PARAMS, state, even_cuts(42, 2))[0]
-        captures[layer] = store.commit([store.write_shard(shard, origin="capture")], partial=True)
+        captures[layer] = store.write_shard(shard, origin="capture")
+        run.shard_written(captures[layer], 0.01)  # its writer's receipt: the recovery commits it as a partial version
     resume = run.join(1, 2, "b1")
     assert resume.start_step == 6 and {r.step for r in resume.records.values()} == {3}
-    assert resume.overlays == {layer: (captures[layer],) for layer in LAYERS}
+    assert {
+        layer: [(o.partial, [s.path for s in o.shards]) for o in overlays]
+        for layer, overlays in resume.overlays.items()
+    } == {layer: [(True, [captures[layer].path])] for layer in LAYERS}
     account = run.status()["account"]
     (recovery,) = account["recoveries"]
     assert recovery["sources"]["norm"] == [
         {
             "origin": "capture",
-            "version_id": captures["norm"].version_id,
+            "version_id": resume.overlays["norm"][0].version_id,
             "step": 5,
             "ranks": [0],
             "elements": 21,
@@ -368,13 +372,13 @@ def test_a_survivors_capture_one_step_past_rank_0s_last_report_is_taken_after_a_
     train(policy.service, range(1, 6))
     progress(run, range(1, 6))
     persist_all(run, store, 3)
-    for layer in LAYERS:  # each rank's slices at step 6 (both survived)
+    for layer in LAYERS:  # each rank's slices at step 6 (both survived), as their writers hand them in
         state = layer_state(PARAMS, seed=60)
-        shards = cut_shards(layer, 6, PARAMS, state, even_cuts(42, 2))
-        store.commit([store.write_shard(shard, origin="capture") for shard in shards], partial=True)
+        for shard in cut_shards(layer, 6, PARAMS, state, even_cuts(42, 2)):
+            run.shard_written(store.write_shard(shard, origin="capture"), 0.01)
     policy.rebuild()
     resume = run.join(0, 2, "b0", captured_step=6)
-    assert resume.start_step == 7 and {o.step for layer in resume.overlays.values() for o in layer} == {6}
+    assert resume.start_step == 7 and {(r.step, r.origin) for r in resume.records.values()} == {(6, "capture")}
     assert policy.service.last_complete_step == 6
 
 

@@ -9,12 +9,14 @@ import pytest
 from prometheus_client import Counter, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from layercheck.orchestrator.core.memory.footprint import RSS_PARTS, FootprintMeter, HeldByKind, ProcessMemory
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, series_names
 from layercheck.orchestrator.runtime.metrics import RunMetrics
 from layercheck.workers.env import free_port
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}
+MiB = 2**20
 POLICY = {
     "lr": 1e-3,
     "smax": 4,
@@ -89,6 +91,39 @@ def value(metrics, name, **labels):
     return samples(metrics)[(name, tuple(sorted(labels.items())))].value
 
 
+def host_footprint(anon_mib: int = 700):
+    """A writer actor's host-memory account: 300 MiB runtime, 320 MiB held, 20 MiB serialising."""
+    reads = iter(
+        [
+            ProcessMemory(rss_bytes=0, anon_bytes=200 * MiB, file_bytes=100 * MiB, shmem_bytes=0),
+            ProcessMemory(rss_bytes=0, anon_bytes=anon_mib * MiB, file_bytes=100 * MiB, shmem_bytes=500 * MiB),
+        ]
+    )
+    held = HeldByKind(memory_version_bytes=290 * MiB, stored_copy_bytes=30 * MiB)
+    return FootprintMeter(lambda: next(reads)).measure(
+        held, encoding_bytes=20 * MiB, capture_copy_bytes=0, object_store_bytes=40 * MiB, mirror_sending_bytes=0
+    )
+
+
+def test_a_writers_resident_memory_is_exported_by_part_and_goes_with_the_writer():
+    metrics = RunMetrics("r1", NUMEL)
+    metrics.refresh(status(), [WriterStats(name="w0", host=host_footprint()), WriterStats(name="w1")], POLICY, now=1.0)
+    parts = {part: value(metrics, "layercheck_writer_rss_bytes", writer="w0", part=part) for part in RSS_PARTS}
+    assert parts == {
+        "runtime": 300 * MiB,
+        "memory_versions": 290 * MiB,
+        "stored_copies": 30 * MiB,
+        "mirrors": 0,
+        "in_flight": 20 * MiB,
+        "unaccounted": 160 * MiB,
+        "object_store": 500 * MiB,
+    }
+    assert sum(parts.values()) == (700 + 100 + 500) * MiB  # the process's RSS
+    assert not [k for k in samples(metrics) if k[0] == "layercheck_writer_rss_bytes" and ("writer", "w1") in k[1]]
+    metrics.refresh(status(), [WriterStats(name="w1")], POLICY, now=2.0)  # w0 replaced: its series go
+    assert not [k for k in samples(metrics) if k[0] == "layercheck_writer_rss_bytes"]
+
+
 def test_metric_names_follow_prometheus_conventions():
     assert len(set(METRIC_NAMES)) == len(METRIC_NAMES)
     for spec in SPECS:
@@ -102,8 +137,9 @@ def test_metric_names_follow_prometheus_conventions():
 def test_every_series_carries_the_run_id_and_an_exported_name():
     metrics = RunMetrics("r1", NUMEL)
     metrics.step_done(10, 0.1, {"embed": 8, "block.0": 9, "block.1": 10})
+    writer = WriterStats(name="w0", written_bytes=1200, queued=1, queued_bytes=100, host=host_footprint())
     for now in (1.0, 2.0):  # the recent-window gauges need two refreshes
-        metrics.refresh(status(), [WriterStats(written_bytes=1200, queued=1, queued_bytes=100)], POLICY, now=now)
+        metrics.refresh(status(), [writer], POLICY, now=now)
     exported = set()
     for family in text_string_to_metric_families(metrics.exposition()):
         for s in family.samples:

@@ -2,6 +2,7 @@
 staleness (the matched interval read from the simulation's field, not parsed from its label);
 the baselines get no comparison."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -138,6 +139,78 @@ def test_a_recovery_says_how_many_elements_came_from_captures_and_from_stored_ve
     # the price of no rollback, and the knob for it
     assert "21 of 42 elements (50%) came back 4.0 steps stale on average (at most 4)" in text
     assert "persistence.memory_period = P" in text
+
+
+def test_each_recovery_says_whether_memory_period_was_kept_from_what_it_loaded():
+    """With ``persistence.memory_period = 2`` the summary judges each recovery by its sources: the
+    first took every element from step t_fail - 2 or later (kept); the second took block.1 from a
+    version 6 steps old (its memory version was not held): not kept, with how many and how stale.
+    A ``--resume`` promised nothing and is not judged."""
+    account = RunAccount(started=0.0)
+    first = account.failed(t_fail=10, resumed_at=11, now=1.0)
+    first.sources = {
+        "block.0": [{"origin": "capture", "step": 10, "elements": 30}, {"origin": "memory", "step": 8, "elements": 30}],
+        "norm": [{"origin": "memory", "step": 8, "elements": 4}],
+    }
+    account.step_done(11, 0.1, 0.0, 1.5)  # its first step: not overtaken by the next failure
+    second = account.failed(t_fail=20, resumed_at=21, now=2.0)
+    second.sources = {
+        "block.0": [{"origin": "memory", "step": 20, "elements": 60}],
+        "block.1": [
+            {"origin": "capture", "step": 20, "elements": 30},
+            {"origin": "policy", "step": 14, "elements": 30},
+        ],
+    }
+    account.step_done(21, 0.1, 0.0, 2.5)
+    account.failed(t_fail=25, resumed_at=26, now=3.0, lost_group=False).kind = "resume"
+    account.recoveries[-1].sources = {"block.0": [{"origin": "policy", "step": 1, "elements": 60}]}
+    result = replace(result_of(policy_config("staggered")), memory_period=2)
+    result.status["account"] = {**result.status["account"], **account.summary(4.0)}
+    result.status["memory"] = {
+        **{"writers": 1, "budget_bytes_per_writer": 1000, "mirror": False, "held_bytes": 900, "held_shards": 9},
+        **{"mirror_bytes": 0, "evicted_shards": 12, "memory_versions_dropped": 5},
+    }
+    summary = summarize(result)
+    kept, broken = summary["memory_period_checks"]
+    assert (kept["t_fail"], kept["kept"], kept["late_elements"], kept["elements"]) == (10, True, 0, 64)
+    assert (broken["t_fail"], broken["kept"], broken["late_elements"], broken["max_staleness"]) == (20, False, 30, 6)
+    assert broken["late_layers"] == ["block.1"]
+    text = format_summary(summary)
+    assert "memory_period kept" in text and "every element came back at most 2 steps stale" in text
+    assert "MEMORY_PERIOD NOT KEPT" in text
+    assert "30 of 120 elements (25%) came back more than 2 steps stale (6.0 on average, at most 6)" in text
+    assert "persistence.memory_period = P" not in text  # set already: the rows above say how it did
+    assert "12 evicted, 5 of them memory versions' (persistence.memory_bytes cannot hold a whole" in text
+    assert summarize(result_of(policy_config("staggered")))["memory_period_checks"] == []  # off: nothing judged
+
+
+def test_an_auto_period_is_named_with_why_and_each_recovery_is_judged_by_the_period_in_force_at_it():
+    """``persistence.memory_period = "auto"``: every step until the run chose 3 from its timings of
+    steps up to 6. A failure at step 5 is judged against 1 (its element from step 3 is late), one at
+    step 12 against 3 (from step 9: kept); the summary's row names the period and why."""
+    account = RunAccount(started=0.0)
+    early = account.failed(t_fail=5, resumed_at=6, now=1.0)
+    early.sources = {
+        "block.0": [{"origin": "memory", "step": 4, "elements": 30}, {"origin": "policy", "step": 3, "elements": 2}]
+    }
+    account.step_done(6, 0.1, 0.0, 1.5)
+    late = account.failed(t_fail=12, resumed_at=13, now=2.0)
+    late.sources = {"block.0": [{"origin": "memory", "step": 9, "elements": 32}]}
+    account.step_done(13, 0.1, 0.0, 2.5)
+    result = result_of(policy_config("staggered"))
+    why = "auto: 3 (copy 2.5 ms = 2.5% of a 100.0 ms step, 0.83% a step every 3; 1.00 MiB of 2.00 GiB per writer)"
+    result.status["memory_period"] = {"period": 3, "why": why, "auto": True, "start": 1, "chosen_at": 6}
+    result.status["account"] = {**result.status["account"], **account.summary(3.0)}
+    summary = summarize(result)
+    assert summary["memory_period"] == 3 and summary["memory_period_choice"]["why"] == why
+    early_check, late_check = summary["memory_period_checks"]
+    assert (early_check["period"], early_check["kept"], early_check["late_elements"]) == (1, False, 2)
+    assert (late_check["period"], late_check["kept"]) == (3, True)
+    text = format_summary(summary)
+    assert re.search(rf"^memory versions +{re.escape(why)}$", text, re.M), text
+    assert "every element came back at most 3 steps stale" in text and "more than 1 step stale" in text
+    unset = summarize(result_of(policy_config("staggered")))  # a status from before the supervisor said
+    assert unset["memory_period_choice"]["why"] == "off (persistence.memory_period = 0)"
 
 
 def test_a_capture_is_matched_to_the_recovery_that_followed_its_group_not_by_position():
@@ -335,3 +408,29 @@ def test_a_probe_that_steps_in_place_of_the_users_adamw_is_read_against_that_ste
         "against 5.00 ms for your AdamW's own step (timed on 1 unmeasured steps): "
         "+1.50 ms a measured step, +0.30 ms a step (0.3% of the 100 ms mean step)"
     ) in text
+
+
+def test_the_writers_host_memory_row_splits_their_resident_memory():
+    """What the writer processes hold (``SupervisorActor.memory_view``'s ``host``): their own
+    resident memory against runtime + held + in flight, and the object store's shared pages apart."""
+    mib = 2**20
+    host = {
+        "writers": 2,
+        **{"memory_version_bytes": 600 * mib, "stored_copy_bytes": 40 * mib, "mirror_bytes": 0},
+        **{"encoding_bytes": 0, "capture_copy_bytes": 0, "object_store_bytes": 0, "mirror_sending_bytes": 0},
+        **{"runtime_bytes_max": 310 * mib, "own_bytes_max": 650 * mib, "shmem_bytes_max": 900 * mib},
+        **{"unaccounted_bytes_max": 5 * mib, "peak_own_bytes_max": 700 * mib, "peak_unaccounted_bytes_max": 9 * mib},
+    }
+    result = result_of(policy_config("staggered"))
+    result.status["memory"] = {
+        **{"writers": 2, "budget_bytes_per_writer": 512 * mib, "mirror": False, "held_bytes": 640 * mib},
+        **{"held_shards": 9, "mirror_bytes": 0, "evicted_shards": 0, "host": host},
+    }
+    text = format_summary(summarize(result))
+    row = next(line for line in text.splitlines() if "writer host memory" in line)
+    assert "own RSS 650.00 MiB (peak 700.00 MiB) for the largest of 2 writer(s)" in row
+    assert "runtime 310.00 MiB each + held 640.00 MiB (memory versions 600.00 MiB" in row
+    assert "not accounted for: 5.00 MiB (at most 9.00 MiB)" in row
+    assert "Ray object-store pages mapped 900.00 MiB (the node's shared object store" in row
+    result.status["memory"]["host"] = {}  # the local runtime: no writer process of its own
+    assert "writer host memory" not in format_summary(summarize(result))

@@ -98,3 +98,28 @@ def test_refuses_non_json_groups_and_duplicate_params(tmp_path):
     shard.tensors = {k: torch.cat([v, v[: shard.slices[0].length]]) for k, v in shard.tensors.items()}
     with pytest.raises(ValueError, match="twice"):
         _write(tmp_path / "b", shard)
+
+
+def test_an_encoded_shard_holds_its_file_size_and_gives_it_back(tmp_path):
+    """The writers keep encoded shard files in memory against ``persistence.memory_bytes``: such
+    a file must take its own size, and all of it must go back to the system once let go. (A
+    growing ``pa.BufferOutputStream`` reserved 32 MiB from pyarrow's pool for this 24 MB file.)"""
+    import pyarrow as pa
+
+    from layercheck.orchestrator.core.memory.footprint import process_memory
+
+    params = {"w": (1000, 2000)}  # 2M elements: 24 MB of weights and moments
+    shard = cut_shards("block.0", 3, params, layer_state(params, seed=2), even_cuts(2_000_000, 1))[0]
+    _write(tmp_path / "s.safetensors", shard)
+    assert tensorfile.encode_shard(shard).data.to_pybytes() == (tmp_path / "s.safetensors").read_bytes()
+    pool = pa.default_memory_pool()
+    before, pooled = process_memory(), pool.bytes_allocated()
+    encoded = tensorfile.encode_shard(shard)
+    held = process_memory()
+    assert before is not None and held is not None
+    assert encoded.data.size == encoded.digest.nbytes > 24_000_000
+    assert pool.bytes_allocated() - pooled == 0, "a large file lives in a mapping of its own, not in the pool"
+    assert held.anon_bytes - before.anon_bytes >= encoded.data.size - 2**20
+    del encoded
+    after = process_memory()
+    assert after is not None and after.anon_bytes - before.anon_bytes < 2**20, "its memory was not given back"
