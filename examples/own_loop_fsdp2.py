@@ -9,6 +9,7 @@ and a no-decay group, a warm-up/decay ``LambdaLR`` and the loop. LayerCheck adds
     python examples/own_loop_fsdp2.py                      # 30 steps, rank 1 SIGKILLed after step 12
     python examples/own_loop_fsdp2.py --kill-at-step 0     # no failure
     python examples/own_loop_fsdp2.py --in-place --memory-period 1   # the survivor keeps its process; nothing lost
+    python examples/own_loop_fsdp2.py --in-place --spares 1  # and a warm spare, its model built, takes the lost rank
     python examples/own_loop_fsdp2.py --bf16               # bf16 compute over fp32 sharded masters
     python examples/own_loop_fsdp2.py --workers 4 --hsdp 2 # HSDP: 2 replicas x 2 shards
     ray job submit --working-dir . -- python examples/own_loop_fsdp2.py --storage /shared/own-loop-fsdp2
@@ -81,14 +82,18 @@ def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-def sharded_model(world: int, bf16: bool, replicas: int = 1) -> torch.nn.Module:
-    """The model, sharded with FSDP2 over all ranks: each decoder layer, then the root; with
+def build_model() -> torch.nn.Module:
+    """The model as every rank starts it: the same seed, so the same initial weights."""
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
+
+
+def shard(model: Any, world: int, bf16: bool, replicas: int = 1) -> torch.nn.Module:
+    """``model`` sharded with FSDP2 over all ranks: each decoder layer, then the root; with
     ``replicas`` > 1, HSDP (a replicate x shard mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MODEL, dtype=torch.float32)
     if replicas > 1:
         mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     else:
@@ -118,10 +123,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    model, pairs = build_model(), make_pairs()
+    # A warm spare (--spares) runs this loop up to here and waits for its rank, which it has once it
+    # takes a lost worker's place; the mesh (the process group) comes after it.
     rank, world = ray.train.get_context().get_world_rank(), ray.train.get_context().get_world_size()
-    model = sharded_model(world, config["bf16"], config["hsdp"])
+    model = shard(model, world, config["bf16"], config["hsdp"])
     optimizer, schedule = optimizer_and_schedule(model, config["steps"])
-    pairs = make_pairs()
     # LayerCheck: on a restart, loads the composite into the shards and moves the schedule; says where to start
     lc = layercheck.attach(model, optimizer, lr_scheduler=schedule)
     for step in range(lc.start_step, config["steps"] + 1):
@@ -177,6 +184,12 @@ def main() -> None:
         action="store_true",
         help="recover in place: Ray Train replaces only the lost worker, the survivor runs this loop again in its process",
     )
+    parser.add_argument(
+        "--spares",
+        type=int,
+        default=0,
+        help="with --in-place: warm spares, extra workers that build the model and wait to take a lost worker's place",
+    )
     parser.add_argument("--result-json", help="write the losses and the summary here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -199,6 +212,7 @@ def main() -> None:
             metrics=layercheck.MetricsConfig(port=0),
             fault=layercheck.FaultConfig(kill_at_step=args.kill_at_step, kill_rank=args.kill_rank),
             in_place=args.in_place,
+            spares=args.spares,
         ),
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False),
         run_config=RunConfig(

@@ -1,8 +1,9 @@
 """The built-in loop on PyTorch FSDP2 (``[engine] backend = "fsdp2"``: ``fully_shard`` on gloo) on a
 real local Ray, and one store for both engines at any world size: the failure-free DeepSpeed ZeRO-3
 run of 2 ranks (the ``clean_run`` fixture) is resumed by FSDP2 on 3 ranks, which loses a rank and
-recovers in place, and that store is resumed again by DeepSpeed ZeRO-1 on 1 rank. Every resume and
-recovery starts at the step after the last one trained, with the trained weights."""
+recovers in place, a warm spare taking the lost rank, and that store is resumed again by DeepSpeed
+ZeRO-1 on 1 rank. Every resume and recovery starts at the step after the last one trained, with the
+trained weights."""
 
 import shutil
 
@@ -19,12 +20,13 @@ def _history(result) -> dict[int, float]:
     return {int(k): v[0] for k, v in result.status["account"]["history"].items()}
 
 
-def test_one_store_is_resumed_across_engines_and_world_sizes_and_fsdp2_recovers_in_place(
+def test_one_store_is_resumed_across_engines_and_world_sizes_and_fsdp2_recovers_in_place_with_a_spare(
     local_ray, clean_run, tmp_path
 ):
     shutil.copytree(clean_run.config.storage_uri, tmp_path / "cross")
     trained = _history(clean_run)  # DeepSpeed ZeRO-3, 2 ranks, steps 1-12
-    # 2 DeepSpeed ranks -> 3 FSDP2 ranks (uneven shards), rank 1 SIGKILLed after step 14, in place
+    # 2 DeepSpeed ranks -> 3 FSDP2 ranks (uneven shards), rank 1 SIGKILLed after step 14, in place,
+    # a warm spare (its model built, waiting) promoted to rank 1
     fsdp2 = train_demo(
         tmp_path,
         "cross",
@@ -35,6 +37,7 @@ def test_one_store_is_resumed_across_engines_and_world_sizes_and_fsdp2_recovers_
             "cluster.num_workers": 3,
             "cluster.cpus_per_worker": 0.5,
             "cluster.in_place": True,
+            "cluster.spares": 1,
             "steps": 16,
             "log_every": 4,
             "fault.kill_at_step": 14,
@@ -47,6 +50,7 @@ def test_one_store_is_resumed_across_engines_and_world_sizes_and_fsdp2_recovers_
     assert resumed["max_staleness"] == 0 and resumed["world_size"] == 3, resumed
     assert (failed["t_fail"], failed["resumed_at"], failed["steps_redone"]) == (14, 15, 0), failed
     assert failed["path"] == "in place" and failed["kept_processes"] == 2, failed
+    assert failed["spares_promoted"] == 1 and failed["timeline"]["start"] == 0.0, failed
     history = _history(fsdp2)
     assert sorted(history) == [13, 14, 15, 16]
     # the trained weights came back (a fresh model would be back near the step-1 loss)
