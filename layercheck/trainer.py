@@ -169,6 +169,7 @@ class LayerCheckTrainer:
             lease=lease,
             in_place=cfg.in_place,
             spares=cfg.spares,
+            worker_resources={"CPU": scaling.num_cpus_per_worker, "GPU": scaling.num_gpus_per_worker},
         )
         ctx = WorkerContext(
             run_id=handles.run_id,

@@ -130,5 +130,11 @@ def install() -> None:
         store_fs.open_uri = counting_open_uri
 
 
+def uninstall() -> None:
+    """Open stores as the product does again (the harness's own process, when it ends)."""
+    if "open_uri" in _ORIGINAL:
+        store_fs.open_uri = _ORIGINAL.pop("open_uri")
+
+
 def _minus(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {kind: after.get(kind, 0) - before.get(kind, 0) for kind in KINDS}

@@ -102,7 +102,8 @@ class ScaleRow:
     steps_late_s: float
     """How far the slowest host fell behind the step schedule by the window's end (the machine's limit)."""
     plan_s: float | None
-    """The supervisor's recovery plan, manifest read included."""
+    """The supervisor's recovery plan, manifest read included: from the loss's detection to the
+    composite planned, the writers' drain first (:attr:`drain_s`)."""
     recovery_s: dict[str, float]
     versions: int
     store_requests_per_step: dict[str, float]
@@ -111,6 +112,9 @@ class ScaleRow:
     """The largest writer process's resident memory at the end."""
     cpu_top: dict[str, Any] = field(default_factory=dict)
     """With ``profile_dir``: per phase and actor, the functions that held the CPU most (``profile.py``)."""
+    drain_s: float | None = None
+    """Of :attr:`plan_s`, the writers' drain: what the lost group handed over, written before the plan.
+    It measures the writers' backlog, so storage and this machine's cores, not the plan."""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -184,6 +188,9 @@ class _Run:
             num_workers=config.ranks,
             layer_numel=self.numel,
             in_place=True,
+            # the ranks are protocols, not Ray workers; as Ray Train would place them, a node (1 CPU
+            # each here) holds its share, which sizes a writer's share of a memory version
+            worker_resources={"CPU": len(worker_nodes) / config.ranks},
         )
         host_config = HostConfig(
             world_size=config.ranks,
@@ -297,7 +304,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
     host_cpu = sum(w["cpu_s"] for w in window)
 
     recovery: dict[str, float] = {}
-    plan_s = None
+    plan_s = drain_s = None
     store_recovery: dict[str, int] = {}
     if config.fail_after is not None:
         store_before = run.store_counts()
@@ -322,6 +329,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
         status = ray.get(run.supervisor.status.remote())
         recoveries = status["account"]["recoveries"]
         plan_s = recoveries[-1]["plan_s"] if recoveries else None
+        drain_s = recoveries[-1]["drain_s"] if recoveries else None
         start_step = min(j["start_step"] for j in joined)
         if start_step != fail_after + 1:
             notes.append(f"resumed at step {start_step}, not {fail_after + 1}")
@@ -357,6 +365,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
         commit_latency_ms=percentiles_ms(commit_latency),
         steps_late_s=late,
         plan_s=plan_s,
+        drain_s=drain_s,
         recovery_s=recovery,
         versions=len(records),
         store_requests_per_step={k: v / window_steps for k, v in store_window.items()},
@@ -379,11 +388,13 @@ class LocalCluster:
     cluster: Any = None
     worker_nodes: list[str] = field(default_factory=list)
     tmp: str = ""
+    _ray_tmpdir: str | None = None
 
     def start(self) -> LocalCluster:
         from ray.cluster_utils import Cluster
 
         self.tmp = tempfile.mkdtemp(prefix="lcscale-", dir="/tmp")  # Ray's socket paths must stay short
+        self._ray_tmpdir = os.environ.get("RAY_TMPDIR")
         os.environ["RAY_TMPDIR"] = self.tmp
         head = {"num_cpus": 1, "object_store_memory": self.object_store_bytes, "include_dashboard": False}
         self.cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -405,3 +416,8 @@ class LocalCluster:
         ray.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+        countfs.uninstall()  # this process opens stores as the product does again
+        if self._ray_tmpdir is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = self._ray_tmpdir

@@ -94,12 +94,12 @@ def table(report: dict[str, Any]) -> str:
     """The rows as a text table, with what the figures leave out."""
     head = (
         f"{'N':>5} {'policy':>8} {'superv.':>8} {'writers':>8} {'rank':>7} {'calls':>6} "
-        f"{'decision':>17} {'waited':>7} {'commit':>19} {'late':>6} {'plan':>7} {'recover':>8} "
+        f"{'decision':>17} {'waited':>7} {'commit':>19} {'late':>6} {'plan':>7} {'drain':>7} {'recover':>8} "
         f"{'versions':>8} {'store':>7} {'writer':>7}"
     )
     unit = (
         f"{'ranks':>5} {'ms CPU/step':>17} {'ms/step':>8} {'ms/r·s':>7} {'/r·s':>6} "
-        f"{'ms med / p99':>17} {'ms/r·s':>7} {'ms med / p99':>19} {'s':>6} {'s':>7} {'s':>8} "
+        f"{'ms med / p99':>17} {'ms/r·s':>7} {'ms med / p99':>19} {'s':>6} {'s':>7} {'of it':>7} {'s':>8} "
         f"{'':>8} {'req/st':>7} {'RSS MB':>7}"
     )
     lines = [head, unit]
@@ -114,6 +114,7 @@ def table(report: dict[str, Any]) -> str:
             f"{r.n_ranks:>5} {cpu['policy']:>8.1f} {cpu['supervisor']:>8.1f} {cpu['writers']:>8.1f} "
             f"{r.host_cpu_ms_per_rank_step:>7.2f} {calls:>6.2f} {decision:>17} {r.waited_ms_per_step:>7.2f} "
             f"{commit:>19} {r.steps_late_s:>6.1f} {_ms(r.plan_s) if r.plan_s is not None else '-':>7} "
+            f"{_ms(r.drain_s) if r.drain_s is not None else '-':>7} "
             f"{_ms(recover) if recover is not None else '-':>8} {r.versions:>8} "
             f"{sum(r.store_requests_per_step.values()):>7.1f} {r.writer_rss_bytes / 2**20:>7.0f}"
         )

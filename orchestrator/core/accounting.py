@@ -91,6 +91,8 @@ class Recovery:
     """From the last progress of the lost group to the new group asking to resume."""
     plan_s: float = 0.0
     """Draining the writers, reading the manifest and planning the composite."""
+    drain_s: float = 0.0
+    """Of ``plan_s``, the writers' drain (what the lost group handed over, written first)."""
     load_s: float = 0.0
     """The slowest rank's load of its slices into the new engine."""
     weighted_staleness: float = 0.0

@@ -434,7 +434,7 @@ class RunSupervisor:
             unanswered = self.writers.drain(action.deadline_s)
         finally:
             self.not_draining.set()
-        return self._feed(WritersDrained(attempt=action.attempt, unanswered=tuple(unanswered)))
+        return self._feed(WritersDrained(attempt=action.attempt, unanswered=tuple(unanswered), now=self.clock()))
 
     def _execute_replace_writers(self, action: ReplaceWriters) -> list[Any]:
         self.writers.replace(action.writers)

@@ -79,7 +79,7 @@ class RunView:
             "grow" if action.grown_from else "failure" if action.lost_group or action.attempt > 1 else "resume"
         )
         recovery.attempt = action.attempt
-        recovery.plan_s = action.plan_s
+        recovery.plan_s, recovery.drain_s = action.plan_s, action.drain_s
         recovery.max_staleness = action.max_staleness
         recovery.weighted_staleness = action.weighted_staleness
         recovery.sources = {layer: [s.to_json() for s in sources] for layer, sources in action.sources.items()}

@@ -28,6 +28,11 @@ def alive_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
+def node_resources() -> list[dict[str, float]]:
+    """Each alive node's total resources (``{"CPU": 16.0, "GPU": 8.0, ...}``)."""
+    return [dict(node.get("Resources", {})) for node in ray.nodes() if node.get("Alive")]
+
+
 def check_shared_storage(uri: str, *, shared: bool, opt_in: str = "cluster.shared_storage = true") -> None:
     """Refuse (:class:`UnsafeStoreError`) node-local storage on a multi-node cluster; Ray must be
     connected. See :mod:`layercheck.orchestrator.core.shared_storage`."""

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,12 +29,17 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from layercheck.orchestrator.core.memory.auto_period import AUTO, PeriodTimer, starting_period
-from layercheck.orchestrator.core.memory.budget import memory_version_need, ranks_per_writer, warn_if_unkept
+from layercheck.orchestrator.core.memory.budget import (
+    memory_version_need,
+    most_ranks_on_a_node,
+    ranks_per_writer,
+    warn_if_unkept,
+)
 from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLimits
 from layercheck.orchestrator.core.run_config import MetricsConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
-from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect
+from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect, node_resources
 from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched, supervisor_gone
 from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
@@ -136,6 +141,7 @@ def train(
             lease=lease,
             in_place=config.cluster.in_place,
             spares=config.cluster.spares,
+            worker_resources={"CPU": config.cluster.cpus_per_worker, "GPU": 1.0 if config.cluster.use_gpu else 0.0},
         )
         scratch = tempfile.mkdtemp(prefix="layercheck-raytrain-")
         try:
@@ -194,18 +200,22 @@ def start_run(
     lease: StoreLease | None = None,
     in_place: bool = False,
     spares: int = 0,
+    worker_resources: Mapping[str, float] | None = None,
 ) -> RunHandles:
     """Start one run's policy actor, supervisor (which starts the writer pool on demand) and
     metrics exporter, named after a fresh run id. Ray must be connected. ``lease``: the driver's lease
     on the store; commits are fenced by it, and the run stops once it is lost. ``in_place``: the
     run asked for in-place recovery (``cluster.in_place``): a full restart then says why it ran.
-    ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``)."""
+    ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``).
+    ``worker_resources``: what each worker asks of Ray (``{"CPU": 1}``, ``{"GPU": 1}``): how many
+    ranks one node can hold, so one writer's share of a memory version (``None``: all on one node)."""
     from layercheck.orchestrator.runtime.policy_actor import MAX_RESTARTS, PolicyActor
     from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor, supervisor_threads
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    memory_period = _memory_period(persistence, layer_numel, num_workers)
+    per_node = most_ranks_on_a_node(num_workers, worker_resources or {}, node_resources())
+    memory_period = _memory_period(persistence, layer_numel, num_workers, per_node=per_node)
     # the run's control actors live with the driver (the head node under `ray job submit`): a lost
     # worker node must not take the supervisor, the policy or the metrics exporter with it
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -271,14 +281,16 @@ def start_run(
     )
 
 
-def _memory_period(persistence: PersistenceConfig, layer_numel: dict[str, int], num_workers: int) -> PeriodTimer:
+def _memory_period(
+    persistence: PersistenceConfig, layer_numel: dict[str, int], num_workers: int, *, per_node: int
+) -> PeriodTimer:
     """The run's memory-version period at its start (``core/memory/auto_period.py``), and for
     ``"auto"`` the supervisor's timer that chooses it. A set period whose ``persistence.memory_bytes``
     cannot hold a whole memory version of the ranks one writer serves (``core/memory/budget.py``)
     is warned of: it would not be kept; ``"auto"`` is off then, and says so."""
     setting = persistence.memory_period
     mirrored = persistence.memory_mirror and setting != 0 and alive_nodes() > 1
-    ranks = ranks_per_writer(num_workers, persistence.writers_per_node, mirrored=mirrored)
+    ranks = ranks_per_writer(num_workers, persistence.writers_per_node, mirrored=mirrored, per_node=per_node)
     if setting != AUTO:
         warn_if_unkept(
             layer_numel,

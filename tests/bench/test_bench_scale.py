@@ -47,8 +47,15 @@ def test_a_synthetic_rank_owns_its_share_and_snapshots_as_an_engine_would():
     assert (shard.step, shard.optimizer_step, shard.rank, shard.world_size) == (12, 12, 1, 3)
 
 
-def test_the_counting_filesystem_counts_the_stores_requests(tmp_path):
+@pytest.fixture
+def counted():
+    """Stores opened in this process counted, until the test ends."""
     countfs.install()
+    yield
+    countfs.uninstall()
+
+
+def test_the_counting_filesystem_counts_the_stores_requests(tmp_path, counted):
     before = countfs.snapshot()
     store = LayerStore.open(str(tmp_path / "store"), fsync=False)
     store.fs.write_bytes("manifest/x.json", b"{}")
@@ -58,8 +65,7 @@ def test_the_counting_filesystem_counts_the_stores_requests(tmp_path):
     assert (counted["put"], counted["list"], counted["get"]) == (1, 1, 1)
 
 
-def test_the_plan_over_a_history_reads_no_record_from_the_supervisors_own_manifest(tmp_path):
-    countfs.install()
+def test_the_plan_over_a_history_reads_no_record_from_the_supervisors_own_manifest(tmp_path, counted):
     plan = plan_over_versions(124, shape="qwen2.5-7b", scale=10_000, root=tmp_path)
     assert plan["versions"] == 124 and plan["kept_t_fail"] == plan["t_fail"] == 4
     assert plan["requests"]["get"] == 124  # the manifest read: one GET per record
@@ -74,7 +80,9 @@ def test_the_harness_at_8_ranks_measures_every_figure_and_recovers_in_place(tmp_
     (row,) = json.loads((tmp_path / "out" / "scale.json").read_text())["rows"]
     assert all(field in row for field in ROW_FIELDS)
     calls = row["calls_per_rank_per_step"]
-    assert calls["policy.report"] == pytest.approx(1.0)  # one report a step, whatever N
+    # one report a step, whatever N; a report leaves on the rank's sending thread, so one sent
+    # late for the step before the window may be counted in it (at most one per rank)
+    assert 1.0 <= calls["policy.report"] <= 1.0 + 1 / (config.fail_after - config.warm)
     assert row["decision_latency_ms"]["n"] == 8  # step 11 is measured: every rank timed its answer
     assert set(row["actor_cpu_ms_per_step"]) == {"policy", "supervisor", "writers"}
     assert row["versions"] >= 31 and row["plan_s"] is not None

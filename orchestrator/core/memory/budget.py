@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from layercheck.policies.staggered import BYTES_PER_PARAM
@@ -41,13 +41,26 @@ class MemoryVersionNeed:
     fp32) and their files' headers."""
 
 
-def ranks_per_writer(world_size: int, writers_per_node: int, *, mirrored: bool) -> int:
+def ranks_per_writer(world_size: int, writers_per_node: int, *, mirrored: bool, per_node: int | None = None) -> int:
     """The most ranks whose files one writer holds: a rank uses writer ``rank % writers_per_node``
-    of its node, and Ray Train packs the ranks on as few nodes as fit, so at worst all on one;
+    of its node, and Ray Train packs the ranks on as few nodes as fit, so at worst as many as one
+    node holds (``per_node``, :func:`most_ranks_on_a_node`; ``None``: all on one);
     ``mirrored`` (mirror copies to another node's writer) adds a peer's as many again, and at one
     writer per node own and mirrored ranks are together at most the world."""
-    own = math.ceil(world_size / writers_per_node)
+    on_a_node = world_size if per_node is None else max(1, min(world_size, per_node))
+    own = math.ceil(on_a_node / writers_per_node)
     return min(world_size, 2 * own) if mirrored else own
+
+
+def most_ranks_on_a_node(world_size: int, per_worker: Mapping[str, float], nodes: Sequence[Mapping[str, float]]) -> int:
+    """The most of ``world_size`` workers, each asking ``per_worker`` resources (``{"GPU": 1}``), that
+    one of ``nodes`` (each node's total resources) can hold: at 1,024 GPUs on nodes of 8, 8, not 1,024.
+    Without nodes, or without a resource that bounds it, the whole world."""
+    asked = {name: amount for name, amount in per_worker.items() if amount > 0}
+    if not nodes or not asked:
+        return world_size
+    fits = [min(int(node.get(name, 0.0) // amount) for name, amount in asked.items()) for node in nodes]
+    return max(1, min(world_size, max(fits)))
 
 
 def memory_version_need(layer_numel: Mapping[str, int], *, world_size: int, ranks: int) -> MemoryVersionNeed:

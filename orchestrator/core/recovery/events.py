@@ -53,6 +53,8 @@ class WritersDrained:
 
     attempt: int
     unanswered: tuple[str, ...] = ()
+    now: float = 0.0
+    """When the drain ended (the supervisor's clock): the recovery's drain is timed apart from its plan."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +158,9 @@ class RecordRecovery:
     lost_group: bool
     detected_at: float
     plan_s: float
+    drain_s: float = 0.0
+    """Of ``plan_s``, the writers' drain: waiting for what the lost group handed over to be written
+    (bounded by what was in flight, so by storage's speed), before the plan proper."""
     groups_lost: int = 1
     """Worker groups lost since training last ran (0 when a stopped run resumes, or when Ray Train
     grew the group and none was lost meanwhile)."""

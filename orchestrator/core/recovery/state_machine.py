@@ -92,6 +92,8 @@ class Recovering:
     detected_at: float
     phase: str
     """``draining`` the writers, then ``planning`` the composite."""
+    drained_at: float | None = None
+    """When the writers' drain ended (``None``: not drained, or nothing to drain)."""
     groups_lost: int = 1
     """Groups lost since training last ran: more than 1 when a group was lost during recovery."""
     grown_from: int = 0
@@ -332,7 +334,9 @@ class RecoveryMachine:
                 AbandonIncomplete(reason=f"the group of attempt {state.attempt - 1} was lost", keep_upto=state.t_fail)
             )
         at = "the store's newest recoverable step" if state.t_fail is None else f"step {state.t_fail}"
-        self._move(replace(state, phase="planning"), f"writers drained; planning the composite at {at}")
+        self._move(
+            replace(state, phase="planning", drained_at=event.now), f"writers drained; planning the composite at {at}"
+        )
         actions.append(PlanComposite(attempt=state.attempt, t_fail=state.t_fail, skip=dict(self.unusable)))
         return actions
 
@@ -364,6 +368,7 @@ class RecoveryMachine:
             lost_group=state.lost_group,
             detected_at=state.detected_at,
             plan_s=max(0.0, event.now - state.detected_at),
+            drain_s=max(0.0, state.drained_at - state.detected_at) if state.drained_at is not None else 0.0,
             groups_lost=state.groups_lost if state.lost_group else 0,
             world_size=state.world_size,
             grown_from=state.grown_from,

@@ -10,6 +10,7 @@ from layercheck.orchestrator.core.memory.budget import (
     FILE_HEADER_BYTES,
     memory_promise_problem,
     memory_version_need,
+    most_ranks_on_a_node,
     ranks_per_writer,
     warn_if_unkept,
 )
@@ -24,6 +25,19 @@ def test_a_writer_holds_the_ranks_of_its_node_it_serves_and_its_peers_where_mirr
     assert ranks_per_writer(4, 2, mirrored=True) == 4  # its own two and its peer's two
     assert ranks_per_writer(8, 4, mirrored=True) == 4
     assert ranks_per_writer(4, 1, mirrored=True) == 4  # own and mirrored ranks: at most the world
+
+
+def test_a_writer_serves_at_most_the_ranks_one_node_can_hold():
+    """At 1,024 GPU ranks on nodes of 8 GPUs, a writer holds 8 ranks' files, not the world's: what
+    made a 1,024-rank run warn that a whole model's state had to fit in one writer."""
+    nodes = [{"CPU": 96.0, "GPU": 8.0}] * 128 + [{"CPU": 16.0}]  # and a CPU-only head node
+    assert most_ranks_on_a_node(1024, {"CPU": 1, "GPU": 1}, nodes) == 8
+    assert most_ranks_on_a_node(1024, {"CPU": 4, "GPU": 0}, nodes) == 24  # CPU workers: 96 / 4
+    assert most_ranks_on_a_node(4, {"CPU": 1}, nodes) == 4  # never more than the world
+    assert most_ranks_on_a_node(16, {}, nodes) == most_ranks_on_a_node(16, {"GPU": 1}, []) == 16  # unknown: all
+    assert ranks_per_writer(1024, 1, mirrored=False, per_node=8) == 8
+    assert ranks_per_writer(1024, 2, mirrored=True, per_node=8) == 8  # 4 own and a peer's 4
+    assert ranks_per_writer(1024, 1, mirrored=False) == 1024  # without a bound: all on one node
 
 
 def test_a_memory_version_is_each_ranks_even_share_of_every_layer_in_fp32_with_its_headers():
