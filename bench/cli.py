@@ -15,6 +15,8 @@ from layercheck.bench import report_text, summary
 from layercheck.bench.presets import PRESETS, VARIANTS, Workload, preset, variant
 from layercheck.bench.s3_loopback import STORES
 from layercheck.bench.scale.command import add_scale_arguments
+from layercheck.bench.scale.costs import describe as describe_scale
+from layercheck.bench.scale.costs import scale_costs
 from layercheck.bench.strategies import default_strategies, select
 from layercheck.workers.config import BACKENDS
 
@@ -107,6 +109,14 @@ def add_ettr_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=200, help="Monte-Carlo runs per point")
     p.add_argument("--strategies", help="comma-separated subset of the report's strategies")
     p.add_argument("--out", type=Path, help="write ettr.json and ettr.png here")
+    p.add_argument(
+        "--scale",
+        type=Path,
+        metavar="SCALE_JSON",
+        help="a `layercheck bench --scale` report: at each GPU count, LayerCheck's strategies also pay the "
+        "measured recovery plan and the control actors' CPU beyond a step (interpolated between its rows, "
+        "extrapolated linearly past the last)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -213,7 +223,8 @@ def run_ettr(args: argparse.Namespace) -> int:
             costs = [c for c in costs if c.name.split(" · ")[0] in wanted]
         mtbf = [float(x) for x in args.mtbf_hours.split(",")]
         gpus = [int(x) for x in args.gpus.split(",")]
-    except (OSError, ValueError, KeyError) as error:
+        scale = scale_costs(json.loads(args.scale.read_text())) if getattr(args, "scale", None) else None
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"layercheck ettr: {error!r}") from None
     grid = ettr_model.grid(
         costs,
@@ -222,7 +233,12 @@ def run_ettr(args: argparse.Namespace) -> int:
         per_gpu_mtbf_hours=args.per_gpu_mtbf_hours,
         runs=args.runs,
         storage_bytes_per_s=args.storage_gbps * 1e9 if args.storage_gbps else None,
+        scale=scale,
     )
+    if scale is not None:  # what was taken from it, before the table (on stderr under --json)
+        base_step_s = min(c.base_step_s for c in costs) if costs else 1.0
+        taken = describe_scale(scale, gpus, step_s=base_step_s, source=str(args.scale))
+        print(taken, file=sys.stderr if args.json else sys.stdout, end="\n\n")
     if args.out:
         from layercheck.bench import plots
 

@@ -14,7 +14,10 @@ full restart, in place: :func:`restart_by_path`). Failures arrive as a
 Poisson process of rate ``1 / MTBF`` while the job trains; a recovery is not interrupted
 (the usual simplification; it matters only when recovery time approaches the MTBF).
 
-Cluster MTBF for ``n`` GPUs is the per-GPU MTBF divided by ``n`` (independent failures).
+Cluster MTBF for ``n`` GPUs is the per-GPU MTBF divided by ``n`` (independent failures). With a
+scale harness's report (``layercheck ettr --scale``, :mod:`layercheck.bench.scale.costs`), each GPU
+count's point also charges LayerCheck's strategies the control plane measured at that count: the
+recovery plan, and the control actors' CPU beyond the step (:meth:`Costs.at_control_plane`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import random
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from layercheck.bench.scale.costs import ControlPlaneCost, ScaleCosts
 
 ROLLBACK = "rollback"
 RESTART = "restart"
@@ -82,6 +88,15 @@ class Costs:
             return replace(self, step_s=step, stall_per_event_s=stall)
         backlog = max(0.0, self.bytes_per_step / bytes_per_s - self.step_s)
         return replace(self, step_s=self.step_s + backlog)
+
+    def at_control_plane(self, cost: ControlPlaneCost) -> Costs:
+        """The costs at ``cost``'s GPU count (``layercheck ettr --scale``): a strategy that resumes
+        at ``t_fail + 1`` runs on LayerCheck's control plane, so its recovery also plans over every
+        rank's versions, and its steps wait for the control actors' CPU beyond the step. A rollback
+        baseline's checkpoints never meet LayerCheck's actors: unchanged."""
+        if self.recovery not in (RESUME, REPLAY_DELTAS):
+            return self
+        return replace(self, recovery_s=self.recovery_s + cost.plan_s, step_s=self.step_s + cost.unfit_s(self.step_s))
 
 
 def young_interval_s(checkpoint_s: float, mtbf_s: float) -> float:
@@ -184,22 +199,34 @@ def grid(
     runs: int = 200,
     seed: int = 0,
     storage_bytes_per_s: float | None = None,
+    scale: ScaleCosts | None = None,
 ) -> dict[str, Any]:
-    """ETTR of every strategy for each cluster MTBF and for each GPU count."""
+    """ETTR of every strategy for each cluster MTBF and for each GPU count. With ``scale`` (a
+    ``scale.json``'s per-N costs), each GPU count's point charges LayerCheck's strategies the control
+    plane's cost at that count (:meth:`Costs.at_control_plane`), and ``scale`` says what was taken;
+    the cluster-MTBF points name no GPU count and stay as measured."""
     scaled = [c.with_storage(storage_bytes_per_s) for c in costs]
 
     def point(c: Costs, mtbf_h: float) -> dict[str, Any]:
         m = mtbf_h * HOUR
         return {"mtbf_hours": mtbf_h, "sim": simulate(c, m, runs=runs, seed=seed), "closed": closed_form(c, m)}
 
-    return {
+    def at_gpus(c: Costs, n: int) -> Costs:
+        return c.at_control_plane(scale.at(n)) if scale is not None else c
+
+    out: dict[str, Any] = {
         "per_gpu_mtbf_hours": per_gpu_mtbf_hours,
         "storage_bytes_per_s": storage_bytes_per_s,
         "runs": runs,
         "costs": [asdict(c) for c in scaled],
         "by_mtbf": {c.name: [point(c, h) for h in mtbf_hours] for c in scaled},
-        "by_gpus": {c.name: [{"gpus": n, **point(c, per_gpu_mtbf_hours / n)} for n in gpu_counts] for c in scaled},
+        "by_gpus": {
+            c.name: [{"gpus": n, **point(at_gpus(c, n), per_gpu_mtbf_hours / n)} for n in gpu_counts] for c in scaled
+        },
     }
+    if scale is not None:
+        out["scale"] = {"by_gpus": [scale.at(n).to_json() for n in gpu_counts], "history_s": scale.history_s}
+    return out
 
 
 def restart_by_path(recovery_paths: Mapping[str, Any]) -> dict[str, float]:
