@@ -89,11 +89,15 @@ def test_ettr_against_dcp_async_with_a_rollback():
     assert rare.dcp_interval_steps > A.period
 
 
-def test_the_section_leaves_out_what_does_not_fit_and_names_its_sources():
+def test_the_section_leaves_out_what_does_not_fit_and_names_its_sources(tmp_path):
     text = sizing.section(_measured())
     assert text.count("| Qwen2.5-7B |") == 4 * 4  # four GPU counts in each of four tables
     assert text.count("| Llama-3.1-70B |") == 4 + 3 * 3  # 8 GPUs: only in the first table
     assert "Llama-3.1-70B on 8 GPUs" in text and "arxiv.org/abs/2407.21783" in text
     assert sizing.IN_PLACE_JSON in text and sizing.SCALE_JSON in text
     page = f"before\n{sizing.BEGIN}\nold\n{sizing.END}\nafter\n"
-    assert sizing.generated_part(page) == "old"
+    assert sizing.SECTION.part(page) == "old"
+    written = tmp_path / "page.md"
+    written.write_text(page)
+    sizing.SECTION.write_into(written, "new")  # the section replaced, the rest of the page kept
+    assert written.read_text() == f"before\n{sizing.BEGIN}\nnew\n{sizing.END}\nafter\n"

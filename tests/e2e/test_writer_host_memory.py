@@ -16,6 +16,7 @@ import torch
 from layercheck.orchestrator.core.memory.footprint import ENCODING_AT_ONCE
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
+from tests.support.writer_sink import receipts_sink
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="a writer reads /proc")
 
@@ -60,14 +61,6 @@ def test_a_writer_holds_what_it_says_and_its_budget_bounds_it(local_ray, tmp_pat
 
     from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
-    @ray.remote(num_cpus=0)
-    class Receipts:
-        def shard_written(self, receipt, write_s):
-            pass
-
-        def write_failed(self, layer, step, rank, error):
-            raise RuntimeError(error)
-
     def live_hand_overs(writer) -> int:
         """Hand-overs (``WireShard``) anything in the writer's process still refers to."""
         import gc
@@ -76,7 +69,7 @@ def test_a_writer_holds_what_it_says_and_its_budget_bounds_it(local_ray, tmp_pat
 
         return sum(isinstance(o, WireShard) for o in gc.get_objects())
 
-    sink = Receipts.remote()
+    sink = receipts_sink()
     writer = WriterActor.remote(str(tmp_path / "run"), False, sink, "w", None, BUDGET)
     assert _hand_over(writer, 1, "policy") == ["written"] * LAYERS * RANKS  # copies of stored files
     for step in (2, 3):

@@ -9,6 +9,7 @@ import pytest
 
 from layercheck.orchestrator.runtime.wire import to_wire
 from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.writer_sink import receipts_sink
 
 pytestmark = pytest.mark.slow
 
@@ -20,15 +21,7 @@ def test_a_peer_assigned_after_the_writes_gets_the_files_already_held(local_ray,
 
     from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
-    @ray.remote(num_cpus=0)
-    class Receipts:
-        def shard_written(self, receipt, write_s):
-            pass
-
-        def write_failed(self, layer, step, rank, error):
-            raise RuntimeError(error)
-
-    sink = Receipts.remote()
+    sink = receipts_sink()
     store = str(tmp_path / "run")
     lost = WriterActor.remote(store, False, sink, "lost-node", None, 2**20)
     head = WriterActor.remote(store, False, sink, "head", None, 2**20)

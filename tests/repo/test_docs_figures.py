@@ -133,7 +133,7 @@ def strict_parts() -> dict[str, str]:
     readme = (REPO / "README.md").read_text()
     table = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
     performance = (REPO / render_readme.DEFAULT_PAGE).read_text()
-    generated = render_readme.generated_part(performance)
+    generated = render_readme.SECTION.part(performance)
     assert generated is not None
     return {
         "README.md's results table": "\n".join(line for line in table.splitlines() if line.startswith("|")),

@@ -123,7 +123,7 @@ def test_every_link_resolves_inside_the_repository(page):
 
 def test_the_performance_page_holds_what_the_generator_makes_now():
     page = Path(render_readme.DEFAULT_PAGE)
-    committed = render_readme.generated_part((REPO / page).read_text())
+    committed = render_readme.SECTION.part((REPO / page).read_text())
     assert committed is not None, f"{page} lost its markers ({render_readme.BEGIN} ... {render_readme.END})"
     assert committed == render_readme.page_section(page, root=REPO), (
         f"{page} is out of date with bench/results/: regenerate it with "

@@ -7,7 +7,7 @@ from tests.repo.test_docs_links import REPO
 
 
 def test_the_cluster_page_holds_the_sizing_tables_the_generator_makes_now():
-    committed = sizing.generated_part((REPO / sizing.PAGE).read_text())
+    committed = sizing.SECTION.part((REPO / sizing.PAGE).read_text())
     assert committed is not None, f"{sizing.PAGE} lost its markers ({sizing.BEGIN} ... {sizing.END})"
     scale = REPO / sizing.SCALE_JSON
     assert scale.is_file(), f"{sizing.SCALE_JSON} is missing: commit `layercheck bench --scale --out {scale.parent}`"

@@ -158,12 +158,7 @@ def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
     init_distributed()
     train_engine = make_engine(stage=2, precision="fp32")
     try:
-        initial = [
-            _clone(s)
-            for s in snapshot_layers(
-                train_engine.layout, train_engine.layer_map.names, HostBufferPool(pin=False), step=0
-            )
-        ]
+        initial = initial_state(train_engine)
         names = train_engine.layer_map.names
         every = build_policy(IntervalConfig(interval=1), train_engine.layer_map.numel)
         return {
@@ -221,6 +216,12 @@ def loop_scenarios(rank: int, world_size: int, root: str) -> dict[str, Any]:
         }
     finally:
         shutdown(train_engine)
+
+
+def initial_state(train_engine: Any) -> list[Any]:
+    """Every layer's shards of this rank at step 0, copied out of the host buffers."""
+    layers = train_engine.layer_map.names
+    return [_clone(s) for s in snapshot_layers(train_engine.layout, layers, HostBufferPool(pin=False), step=0)]
 
 
 def _clone(shard: Any) -> Any:

@@ -20,10 +20,9 @@ from layercheck.policies.staggered import BYTES_PER_PARAM
 from layercheck.workers.data.dataset import DataConfig, SequenceDataset
 from layercheck.workers.engine import TrainEngine, seek_step, shutdown
 from layercheck.workers.env import init_distributed
-from layercheck.workers.host_buffers import HostBufferPool
-from layercheck.workers.layer_state import restore_from_shards, snapshot_layers
+from layercheck.workers.layer_state import restore_from_shards
 from tests.support.engines import make_engine
-from tests.support.local_jobs import STEPS, STEPS_IN_FLIGHT, ScriptedPolicy, _clone
+from tests.support.local_jobs import STEPS, STEPS_IN_FLIGHT, ScriptedPolicy, initial_state
 
 #: The step after which rank 1 is lost: its slices of every layer were stored after step 2 only.
 FAIL_AFTER = 5
@@ -35,12 +34,7 @@ def memory_promise_job(rank: int, world_size: int, root: str) -> dict[str, Any]:
     init_distributed()
     train_engine = make_engine(stage=3, precision="fp32")
     try:
-        initial = [
-            _clone(s)
-            for s in snapshot_layers(
-                train_engine.layout, train_engine.layer_map.names, HostBufferPool(pin=False), step=0
-            )
-        ]
+        initial = initial_state(train_engine)
         numel = train_engine.layer_map.numel
         need = memory_version_need(numel, world_size=world_size, ranks=1).nbytes
         # about half of one rank's memory version (its tensors alone, no header room)

@@ -12,6 +12,7 @@ import pytest
 
 from layercheck.orchestrator.runtime.wire import to_wire
 from tests.support.store_helpers import PARAMS, cut_shards, even_cuts, layer_state
+from tests.support.writer_sink import receipts_sink
 
 pytestmark = pytest.mark.slow
 
@@ -24,15 +25,7 @@ def test_peered_writers_with_a_backlog_past_rays_call_limit_write_it_all(local_r
 
     from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
-    @ray.remote(num_cpus=0)
-    class Receipts:
-        def shard_written(self, receipt, write_s):
-            pass
-
-        def write_failed(self, layer, step, rank, error):
-            raise RuntimeError(error)
-
-    sink = Receipts.remote()
+    sink = receipts_sink()
     store = str(tmp_path / "run")
     writers = [WriterActor.remote(store, False, sink, name, None, 64 * 2**20) for name in ("a", "b")]
     ray.get([writers[0].set_peer.remote(writers[1], 1), writers[1].set_peer.remote(writers[0], 1)])
