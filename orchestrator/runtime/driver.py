@@ -214,8 +214,7 @@ def start_run(
 
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
-    per_node = most_ranks_on_a_node(num_workers, worker_resources or {}, node_resources())
-    memory_period = _memory_period(persistence, layer_numel, num_workers, per_node=per_node)
+    memory_period = _memory_period(persistence, layer_numel, num_workers, worker_resources or {})
     # the run's control actors live with the driver (the head node under `ray job submit`): a lost
     # worker node must not take the supervisor, the policy or the metrics exporter with it
     here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -282,14 +281,20 @@ def start_run(
 
 
 def _memory_period(
-    persistence: PersistenceConfig, layer_numel: dict[str, int], num_workers: int, *, per_node: int
+    persistence: PersistenceConfig,
+    layer_numel: dict[str, int],
+    num_workers: int,
+    worker_resources: Mapping[str, float],
 ) -> PeriodTimer:
     """The run's memory-version period at its start (``core/memory/auto_period.py``), and for
     ``"auto"`` the supervisor's timer that chooses it. A set period whose ``persistence.memory_bytes``
     cannot hold a whole memory version of the ranks one writer serves (``core/memory/budget.py``)
-    is warned of: it would not be kept; ``"auto"`` is off then, and says so."""
+    is warned of: it would not be kept; ``"auto"`` is off then, and says so. The ranks one writer
+    serves: as many as the largest node fits, each asking ``worker_resources``."""
     setting = persistence.memory_period
-    mirrored = persistence.memory_mirror and setting != 0 and alive_nodes() > 1
+    nodes = node_resources()
+    per_node = most_ranks_on_a_node(num_workers, worker_resources, nodes)
+    mirrored = persistence.memory_mirror and setting != 0 and len(nodes) > 1
     ranks = ranks_per_writer(num_workers, persistence.writers_per_node, mirrored=mirrored, per_node=per_node)
     if setting != AUTO:
         warn_if_unkept(

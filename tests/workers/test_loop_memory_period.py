@@ -8,26 +8,18 @@ from __future__ import annotations
 import torch
 
 from layercheck.policies.decision import PersistDecision
-from layercheck.policies.layer_map import Layer, LayerMap, ParamInfo
 from layercheck.workers import loop
 from layercheck.workers.drift.probe import LayerDrift
-from layercheck.workers.layout import LayerLayout, ParamSlice, Piece, StateLayout
+from layercheck.workers.layout import StateLayout
+from tests.support.layouts import one_layer_layout
 
 
-def one_layer_layout() -> StateLayout:
+def stepped_layout() -> StateLayout:
     param = torch.nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.AdamW([param])
     param.grad = torch.ones(4)
     optimizer.step()  # the moments a snapshot takes exist
-    piece = Piece(ParamSlice("a.0", (4,), 0, 4), param, 0)
-    return StateLayout(
-        stage=1,
-        rank=0,
-        world_size=1,
-        layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
-        layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
-        optimizer=optimizer,
-    )
+    return one_layer_layout(param, optimizer)
 
 
 class Coordinator:
@@ -62,7 +54,7 @@ def test_a_rank_takes_memory_versions_at_the_period_its_decisions_carry(monkeypa
     monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
     # decision 1 (carried out at step 2) starts the tentative every-step period, decision 5 the chosen 3
     coordinator = Coordinator({**dict.fromkeys(range(1, 5), 1), **dict.fromkeys(range(5, 12), 3)}, clock)
-    protocol = loop.StepProtocol(one_layer_layout(), coordinator, rank=0)
+    protocol = loop.StepProtocol(stepped_layout(), coordinator, rank=0)
     for t in range(1, 13):
         protocol.after_step(t, LayerDrift(step=t, l1={}, numel={}, measured=False), loss=1.0, lr=0.1, compute_s=0.1)
     assert coordinator.held == [2, 3, 4, 5, 6, 9, 12]
@@ -77,7 +69,7 @@ def test_a_rank_takes_memory_versions_at_the_period_its_decisions_carry(monkeypa
 def test_a_decision_without_a_period_leaves_the_rank_at_its_own():
     coordinator = Coordinator({}, [0.0])
     coordinator.memory_period = 2  # set by the config: decisions carry none
-    protocol = loop.StepProtocol(one_layer_layout(), coordinator, rank=0)
+    protocol = loop.StepProtocol(stepped_layout(), coordinator, rank=0)
     for t in range(1, 7):
         protocol.after_step(t, LayerDrift(step=t, l1={}, numel={}, measured=False), loss=1.0, lr=0.1, compute_s=0.1)
     assert coordinator.held == [2, 4, 6]

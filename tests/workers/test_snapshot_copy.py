@@ -10,14 +10,13 @@ import pytest
 import torch
 
 from layercheck.policies.decision import PersistDecision, Reason
-from layercheck.policies.layer_map import Layer, LayerMap, ParamInfo
 from layercheck.workers import loop
 from layercheck.workers.drift.probe import LayerDrift
 from layercheck.workers.host_buffers import HostBufferPool
-from layercheck.workers.layout import LayerLayout, Piece, StateLayout
 from layercheck.workers.shard import STATE_KEYS, LayerShard, ParamSlice
 from layercheck.workers.snapshot_copy import CopyQueue, Handover, PendingSnapshot
 from tests.support.devices import cuda_requested
+from tests.support.layouts import one_layer_layout
 
 
 class ScriptedCopy:
@@ -184,15 +183,7 @@ def test_a_snapshot_handed_over_at_a_later_step_is_that_steps_stall(monkeypatch)
     monkeypatch.setattr(loop.time, "monotonic", lambda: clock[0])
     param = torch.nn.Parameter(torch.zeros(4))
     optimizer = torch.optim.AdamW([param])
-    piece = Piece(ParamSlice("a.0", (4,), 0, 4), param, 0)
-    layout = StateLayout(
-        stage=1,
-        rank=0,
-        world_size=1,
-        layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
-        layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
-        optimizer=optimizer,
-    )
+    layout = one_layer_layout(param, optimizer)
 
     class Coordinator:
         def __init__(self) -> None:
@@ -256,15 +247,7 @@ def test_rank_0s_progress_names_the_layers_it_handed_over_as_versions_of_that_st
     optimizer = torch.optim.AdamW([param])
     param.grad = torch.ones(4)
     optimizer.step()  # the moments a snapshot takes exist
-    piece = Piece(ParamSlice("a.0", (4,), 0, 4), param, 0)
-    layout = StateLayout(
-        stage=1,
-        rank=0,
-        world_size=1,
-        layers={"a": LayerLayout(name="a", owned=(piece,), needed=(), masters=(param,), groups=())},
-        layer_map=LayerMap((Layer("a", (ParamInfo("a.0", (4,), True),)),)),
-        optimizer=optimizer,
-    )
+    layout = one_layer_layout(param, optimizer)
 
     class Coordinator:
         def __init__(self) -> None:
