@@ -18,9 +18,21 @@ PROBES = ROOT / "bench" / "probes"
 @functools.cache
 def package_layout() -> ModuleType:
     """``scripts/package_layout.py``, which ``scripts/typecheck.py`` imports as its sibling."""
-    spec = importlib.util.spec_from_file_location("package_layout", ROOT / "scripts" / "package_layout.py")
+    return _script("package_layout")
+
+
+@functools.cache
+def any_count() -> ModuleType:
+    """``scripts/any_count.py``, with its sibling ``package_layout`` importable by name."""
+    sys.modules.setdefault("package_layout", package_layout())
+    return _script("any_count")
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass of the script looks its module up by name
     spec.loader.exec_module(module)
     return module
 
