@@ -13,6 +13,7 @@ from layercheck.orchestrator.core.persistence.write_budget import WriteBudgetCon
 from layercheck.orchestrator.core.run_config import FaultConfig, MetricsConfig
 from layercheck.policies.config_loader import ConfigError, require
 from layercheck.policies.configs import DEFAULT_POLICY, POLICY_CONFIGS, PolicyConfig, policy_config
+from layercheck.policies.layer_map import LayerMapSpec
 from layercheck.workers.drift.diff import PROBES
 
 __all__ = ["CheckpointConfig", "FaultConfig", "MetricsConfig", "PersistenceConfig", "WriteBudgetConfig"]
@@ -44,7 +45,7 @@ class CheckpointConfig:
     ``optimizer``, ``fused`` (the drift counted inside the update: DriftAdamW's fused step, a
     Triton kernel on CUDA, or the fused step in place of your AdamW), ``step_hooks`` (a copy before
     your optimizer's step and the diff after; no reference copy held) or ``snapshot_diff``."""
-    layer_map: Any = None
+    layer_map: LayerMapSpec | None = None
     """How parameters group into layers when the names do not say: ``{"layer": ["param.prefix", ...]}``
     or a function ``param_name -> layer name``; ``None``: from the names (Llama, GPT-2, ... families)."""
     shared_storage: bool = False

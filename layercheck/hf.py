@@ -24,11 +24,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
+import torch
 from transformers import TrainerCallback
 
 from layercheck.hf_position import DataSeek, data_position
+
+if TYPE_CHECKING:
+    from accelerate.data_loader import DataLoaderShard
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase, Trainer, TrainerControl, TrainerState, TrainingArguments
+
+    from layercheck.policies.layer_map import LayerMapSpec
+    from layercheck.workers.engines.deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -37,16 +46,29 @@ class TrainerSetupError(ValueError):
     """The ``Trainer`` is not set up the way LayerCheck needs (the message says what to configure)."""
 
 
+class AttachedRun(Protocol):
+    """What the callback calls on a rank's attachment: :class:`layercheck.Attachment`, or a test's
+    scripted stand-in."""
+
+    start_step: int
+
+    def after_step(self, step: int, *, loss: float) -> None: ...
+
+    def check_steps(self, total_steps: int) -> list[str]: ...
+
+    def finish(self) -> object: ...
+
+
 class LayerCheckCallback(TrainerCallback):
     """Adds LayerCheck to ``trainer``: ``trainer.add_callback(LayerCheckCallback(trainer))``."""
 
     def __init__(
         self,
-        trainer: Any,
+        trainer: Trainer,
         *,
-        layer_map: Any = None,
+        layer_map: LayerMapSpec | None = None,
         drift_probe: str | None = None,
-        attach: Callable[[Any], Any] | None = None,
+        attach: Callable[[Trainer], AttachedRun] | None = None,
     ) -> None:
         """``layer_map`` / ``drift_probe`` override the run's :class:`layercheck.CheckpointConfig`.
         ``attach`` (``trainer -> Attachment``) replaces attaching to the trainer's engine (tests
@@ -56,31 +78,42 @@ class LayerCheckCallback(TrainerCallback):
         self.layer_map = layer_map
         self.drift_probe = drift_probe
         self._attach = attach
-        self.attachment: Any = None
+        self.attachment: AttachedRun | None = None
         """The :class:`layercheck.Attachment`, from ``on_train_begin`` on."""
         self._seek: DataSeek | None = None
         self._loss_mark = 0.0
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        train_dataloader: DataLoaderShard | None = None,
+        **kwargs: object,
+    ) -> None:
         if state.global_step != 0:
             raise TrainerSetupError(
                 f"the Trainer starts at step {state.global_step} (train(resume_from_checkpoint="
                 "...)): with LayerCheckCallback, call trainer.train() without it; LayerCheck "
                 "resumes a restarted worker group itself"
             )
-        self.attachment = (self._attach or self._attach_engine)(self.trainer)
+        attachment = (self._attach or self._attach_engine)(self.trainer)
+        self.attachment = attachment
         self._keep_tokenizer()
-        check_steps = getattr(self.attachment, "check_steps", None)
-        if check_steps is not None and state.max_steps:
-            check_steps(int(state.max_steps))
-        done = self.attachment.start_step - 1
+        if state.max_steps:
+            attachment.check_steps(int(state.max_steps))
+        done = attachment.start_step - 1
         if done > 0:
             self._resume(state, train_dataloader, done)
 
-    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         self._loss_mark = self._loss_total()
 
-    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         if self.attachment is None:
             raise RuntimeError(
                 "LayerCheckCallback: on_step_end before on_train_begin (add the callback before trainer.train())"
@@ -89,22 +122,27 @@ class LayerCheckCallback(TrainerCallback):
             state.epoch = self._seek.epoch_progress(state.epoch)
         self.attachment.after_step(state.global_step, loss=self._loss_total() - self._loss_mark)
 
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         if self._seek is not None:
             self._seek.epoch_ended()
 
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         if self.attachment is not None:
             self.attachment.finish()
 
-    def _attach_engine(self, trainer: Any) -> Any:
+    def _attach_engine(self, trainer: Trainer) -> AttachedRun:
         from layercheck.worker import attach
 
-        options = {"layer_map": self.layer_map, "drift_probe": self.drift_probe}
         if runs_fsdp2(trainer):
             model, optimizer, scheduler = fsdp2_parts(trainer)
-            return attach(model, optimizer, lr_scheduler=scheduler, **options)
-        return attach(deepspeed_engine(trainer), **options)
+            return attach(
+                model, optimizer, lr_scheduler=scheduler, layer_map=self.layer_map, drift_probe=self.drift_probe
+            )
+        return attach(deepspeed_engine(trainer), layer_map=self.layer_map, drift_probe=self.drift_probe)
 
     def _keep_tokenizer(self) -> None:
         """The ``Trainer``'s tokenizer into the run's store, once per run, by rank 0, where the run
@@ -124,7 +162,7 @@ class LayerCheckCallback(TrainerCallback):
         except (OSError, ValueError) as error:
             logger.error("the Trainer's tokenizer was not kept in the run's store (the export will lack it): %s", error)
 
-    def _resume(self, state: Any, loader: Any, done: int) -> None:
+    def _resume(self, state: TrainerState, loader: DataLoaderShard | None, done: int) -> None:
         """Move the ``Trainer`` (its step, its data) to ``done`` steps; the engine is already there."""
         if loader is None:
             raise TrainerSetupError(
@@ -155,7 +193,7 @@ class LayerCheckCallback(TrainerCallback):
         return float("nan") if total is None else float(total)
 
 
-def trainer_tokenizer(trainer: Any) -> Any:
+def trainer_tokenizer(trainer: Trainer) -> PreTrainedTokenizerBase | None:
     """The ``Trainer``'s tokenizer: its ``processing_class``, or a processor's tokenizer; ``None``
     where it has neither."""
     from transformers import PreTrainedTokenizerBase
@@ -166,16 +204,14 @@ def trainer_tokenizer(trainer: Any) -> Any:
     return found if isinstance(found, PreTrainedTokenizerBase) else None
 
 
-def _rank_zero(trainer: Any) -> bool:
+def _rank_zero(trainer: Trainer) -> bool:
     check = getattr(trainer, "is_world_process_zero", None)
     if callable(check):
         return bool(check())
-    import torch
-
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
-def require_supported_engine(trainer: Any) -> None:
+def require_supported_engine(trainer: Trainer) -> None:
     """Raise :class:`TrainerSetupError` unless ``trainer`` is a ``Trainer`` set up for DeepSpeed
     (``TrainingArguments(deepspeed=...)``, or an Accelerate DeepSpeed plugin) or for FSDP2
     (``TrainingArguments(fsdp=..., fsdp_config={"fsdp_version": 2})``, accelerate's ``is_fsdp2``); FSDP1,
@@ -211,14 +247,14 @@ def require_supported_engine(trainer: Any) -> None:
     )
 
 
-def runs_fsdp2(trainer: Any) -> bool:
+def runs_fsdp2(trainer: Trainer) -> bool:
     """Whether ``trainer`` trains under accelerate's FSDP2 (checked by :func:`require_supported_engine`)."""
     return bool(getattr(trainer, "is_fsdp_enabled", False)) and bool(
         getattr(getattr(trainer, "accelerator", None), "is_fsdp2", False)
     )
 
 
-def fsdp2_parts(trainer: Any) -> tuple[Any, Any, Any]:
+def fsdp2_parts(trainer: Trainer) -> tuple[torch.nn.Module, torch.optim.Optimizer, LRScheduler | None]:
     """The ``fully_shard`` model, the torch optimizer and scheduler a ``Trainer`` under FSDP2 trains
     with: accelerate wraps the optimizer (``AcceleratedOptimizer.optimizer``) and the scheduler
     (``AcceleratedScheduler.scheduler``), whose inner objects LayerCheck counts steps on and moves."""
@@ -234,7 +270,7 @@ def fsdp2_parts(trainer: Any) -> tuple[Any, Any, Any]:
     )
 
 
-def deepspeed_engine(trainer: Any) -> Any:
+def deepspeed_engine(trainer: Trainer) -> DeepSpeedEngine:
     """The ``DeepSpeedEngine`` the ``Trainer`` trains with (``model_wrapped`` once ``train()`` built it)."""
     engine = getattr(trainer, "model_wrapped", None)
     if engine is None or not hasattr(engine, "zero_optimization_stage"):

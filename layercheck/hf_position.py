@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate.data_loader import DataLoaderShard
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def data_position(step: int, *, batches_per_epoch: int, grad_accum: int) -> Data
 class DataSeek:
     """A train data loader moved to a :class:`DataPosition`; :meth:`epoch_ended` after each epoch."""
 
-    def __init__(self, loader: Any, position: DataPosition) -> None:
+    def __init__(self, loader: DataLoaderShard, position: DataPosition) -> None:
         if not hasattr(loader, "skip_batches") or not hasattr(loader, "set_epoch"):
             raise TypeError(
                 "LayerCheck resumes the Trainer's data through Accelerate's data loader (skip_batches, "
@@ -99,7 +102,7 @@ class DataSeek:
         return trainer_epoch + self.position.epochs_done + skipped
 
 
-def _offset_epochs(loader: Any, offset: int) -> None:
+def _offset_epochs(loader: DataLoaderShard, offset: int) -> None:
     """Make ``loader.set_epoch(e)`` seed the shuffle with epoch ``e + offset`` while the loader
     still counts ``e`` (its ``__iter__`` calls ``set_epoch(self.iteration)`` again)."""
     original = loader.set_epoch

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 
@@ -35,7 +35,17 @@ from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.lease import StoreLease
 from layercheck.orchestrator.store.model_record import describe_model, write_model_record
 from layercheck.policies.config_loader import ConfigError
-from layercheck.policies.layer_map import LayerMap, model_layer_map
+from layercheck.policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
+
+if TYPE_CHECKING:
+    from ray.train import RunConfig
+    from ray.train.torch import TorchConfig
+    from transformers import PretrainedConfig
+
+#: What ``LayerCheckTrainer(model=...)`` takes to plan the layers without the weights: a
+#: ``transformers`` config, the module, a function returning the module (called on the meta
+#: device), or the layer map itself.
+PlannedModel = Union["PretrainedConfig", torch.nn.Module, Callable[[], torch.nn.Module], LayerMap]
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +56,7 @@ class FitResult:
 
     run: RunResult
     """The run's final state (``run.status``), drift trace and layer sizes."""
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, object] = field(default_factory=dict)
     """The closing summary ``layercheck train`` prints (failures, recoveries, bytes, ETTR, ...)."""
 
     @property
@@ -72,14 +82,14 @@ class LayerCheckTrainer:
 
     def __init__(
         self,
-        train_loop_per_worker: Callable[..., Any],
+        train_loop_per_worker: Callable[..., object],
         *,
-        model: Any,
+        model: PlannedModel,
         checkpoint: CheckpointConfig,
-        scaling_config: Any,
-        run_config: Any = None,
-        train_loop_config: dict[str, Any] | None = None,
-        torch_config: Any = None,
+        scaling_config: Any,  # ray.train.ScalingConfig: see with_spares
+        run_config: RunConfig | None = None,
+        train_loop_config: dict[str, object] | None = None,
+        torch_config: TorchConfig | None = None,
         on_progress: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """``model``: the model ``train_loop_per_worker`` trains, for the driver to plan its layers
@@ -222,7 +232,7 @@ class LayerCheckTrainer:
         return finish_run(handles, error=error)
 
 
-def check_in_place(scaling_config: Any, torch_config: Any) -> None:
+def check_in_place(scaling_config: Any, torch_config: TorchConfig | None) -> None:
     """``CheckpointConfig(in_place=True)`` needs a fixed group and LayerCheck's own ``torch_config``
     (Ray Train forms no process group in place: the ranks form theirs through the supervisor)."""
     if not isinstance(scaling_config.num_workers, int):
@@ -239,7 +249,11 @@ def check_in_place(scaling_config: Any, torch_config: Any) -> None:
 
 def with_spares(scaling_config: Any, spares: int) -> Any:
     """The ``ScalingConfig`` Ray Train runs: the user's training workers and the warm spares
-    (``CheckpointConfig.spares``), each spare a worker of the same resources."""
+    (``CheckpointConfig.spares``), each spare a worker of the same resources.
+
+    (``Any``: a ``ray.train.ScalingConfig`` is Ray Train v2's at run time, whose ``num_workers`` is an
+    int or an elastic ``(min, max)``, but type checkers resolve that name to the v1 class, whose
+    ``num_workers`` may be a Tune search space.)"""
     if not spares:
         return scaling_config
     return dataclasses.replace(scaling_config, num_workers=scaling_config.num_workers + spares)
@@ -258,7 +272,7 @@ def spares_figures(status: dict[str, Any] | None, scaling_config: Any) -> dict[s
     }
 
 
-def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:
+def planned_layer_map(model: PlannedModel, spec: LayerMapSpec | None = None) -> LayerMap:
     """The layer map of ``model`` (see :class:`LayerCheckTrainer`), built without its weights."""
     if isinstance(model, LayerMap):
         return model
@@ -278,5 +292,5 @@ def planned_layer_map(model: Any, spec: Any = None) -> LayerMap:
     )
 
 
-def _takes_config(fn: Callable[..., Any]) -> bool:
+def _takes_config(fn: Callable[..., object]) -> bool:
     return len(inspect.signature(fn).parameters) > 0

@@ -27,7 +27,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 import ray
 import torch
@@ -47,6 +49,12 @@ from layercheck.workers import collective_abort
 from layercheck.workers.attached import AttachedEngine, attach_engine
 from layercheck.workers.loop import LoopResult, StepProtocol
 
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from layercheck.policies.configs import PolicyConfig
+    from layercheck.workers.engines.deepspeed import DeepSpeedEngine
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,9 +73,9 @@ class Attachment:
         *,
         start_step: int,
         attempt: int,
-        kill: Any,
+        kill: Callable[[int], None],
         save_final: bool = True,
-        policy: Any = None,
+        policy: PolicyConfig | None = None,
         drain_s: float = 120.0,
     ) -> None:
         self._attached = attached
@@ -153,16 +161,18 @@ class Attachment:
     def __enter__(self) -> Attachment:
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.finish()
 
 
 def attach(
-    engine: Any,
-    optimizer: Any = None,
+    engine: DeepSpeedEngine | torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
-    lr_scheduler: Any = None,
+    lr_scheduler: LRScheduler | None = None,
     layer_map: LayerMapSpec | None = None,
     drift_probe: str | None = None,
 ) -> Attachment:
@@ -229,7 +239,7 @@ def attach(
         attached.probe.reset(resume.start_step)  # it measures the steps a run without the failure would
         logger.warning("rank %d: recovered; training resumes at step %d", rank, resume.start_step)
     elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
-        supervisor.loaded.remote(rank, 0.0, {}, start.to_json())
+        supervisor.loaded.remote(rank, 0.0, {}, start)
     coordinator = RayCoordinator(
         rank=rank,
         policy=policy,
@@ -298,7 +308,7 @@ def _check_recorded_model(model: torch.nn.Module, storage_uri: str) -> None:
         )
 
 
-def _check_layers(layers: LayerMap, planned: Any) -> None:
+def _check_layers(layers: LayerMap, planned: Mapping[str, int]) -> None:
     if dict(layers.numel) != dict(planned):
         raise LayerMismatchError(
             f"the engine's model has layers {layers.numel}, but the trainer planned the run for "

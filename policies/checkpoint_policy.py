@@ -25,7 +25,7 @@ from layercheck.policies.configs import (
     PolicyConfig,
     policy_name,
 )
-from layercheck.policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.policies.decision import PersistDecision, PolicyView, Reason, StepObservation
 from layercheck.policies.layer_map import EMBED
 from layercheck.policies.staggered import StaggeredPolicy
 
@@ -41,11 +41,11 @@ class CheckpointPolicy(Protocol):
         """A recovery loaded, per layer, the version taken at ``persisted_steps[layer]``: count
         staleness and drift from there (decisions not committed before the failure are lost)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, object]: ...
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
-    def metrics_view(self, lr: float) -> dict[str, Any]:
+    def metrics_view(self, lr: float) -> PolicyView:
         """What the run's metrics show of this policy at learning rate ``lr`` (read-only), each key
         optional: ``smax`` (the staleness budget, in steps), ``accumulated`` and ``threshold``
         (per layer: drift since the last save, and the drift that triggers the next)."""
@@ -128,7 +128,7 @@ class DriftThresholdPolicy:
         if any(step is None for step in self.last_persisted.values()):
             self.base_step = None  # no committed version of some layer: write the base again
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {
             "accumulated": dict(self.accumulated),
             "last_persisted": dict(self.last_persisted),
@@ -147,7 +147,7 @@ class DriftThresholdPolicy:
         }
         self.base_step = None if state["base_step"] is None else int(state["base_step"])
 
-    def metrics_view(self, lr: float) -> dict[str, Any]:
+    def metrics_view(self, lr: float) -> PolicyView:
         return {
             "smax": self.smax,
             "accumulated": dict(self.accumulated),
@@ -189,7 +189,7 @@ class LayerCheckPolicy(DriftThresholdPolicy):
         self.lr_peak_seen = max(self.lr_peak_seen, obs.lr)
         return super().observe(obs)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {**super().state_dict(), "lr_peak_seen": self.lr_peak_seen}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -234,7 +234,7 @@ class DriftOptimalPolicy(DriftThresholdPolicy):
             self.rate[name] = drift if previous is None else beta * previous + (1 - beta) * drift
         return super().observe(obs)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {**super().state_dict(), "rate": dict(self.rate)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -263,13 +263,13 @@ class IntervalPolicy:
     def rebase(self, persisted_steps: Mapping[str, int]) -> None:
         pass  # the schedule depends on the step alone
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
-    def metrics_view(self, lr: float) -> dict[str, Any]:
+    def metrics_view(self, lr: float) -> PolicyView:
         return {"smax": self.config.interval}  # no layer waits longer than one interval
 
 
@@ -292,13 +292,13 @@ class NeverPolicy:
     def rebase(self, persisted_steps: Mapping[str, int]) -> None:
         pass
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         pass
 
-    def metrics_view(self, lr: float) -> dict[str, Any]:
+    def metrics_view(self, lr: float) -> PolicyView:
         return {}
 
 

@@ -245,10 +245,10 @@ def schedule_warnings(policy: PolicyConfig, steps: int, *, prefix: str = "policy
         )
 
     warnings = []
-    warmup = getattr(policy, "warmup_steps", 0)
+    warmup = policy.warmup_steps if isinstance(policy, (StaggeredConfig, LayerCheckConfig, DriftOptimalConfig)) else 0
     if policy.selective and warmup >= steps:
         warnings.append(warn("warmup_steps", warmup, "the policy saves no layer", max(1, steps // 10)))
-    period = getattr(policy, "period", None) if isinstance(policy, StaggeredConfig) else None
+    period = policy.period if isinstance(policy, StaggeredConfig) else None
     if period is not None and period >= steps:
         warnings.append(warn("period", period, "most layers are not saved", max(1, steps // 4)))
     if isinstance(policy, IntervalConfig) and policy.interval >= steps:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypedDict
 
 
 class Reason(str, enum.Enum):
@@ -62,6 +62,16 @@ class PersistDecision:
         decision = cls.of(int(data["step"]), {name: Reason(value) for name, value in layers.items()})
         period = data.get("memory_period")
         return decision if period is None else replace(decision, memory_period=int(period))
+
+
+class PolicyView(TypedDict, total=False):
+    """What the run's metrics show of a policy at one learning rate (its ``metrics_view``), each
+    key optional: ``smax`` (the staleness budget, in steps), ``accumulated`` and ``threshold`` (per
+    layer: drift since the last save, and the drift that triggers the next)."""
+
+    smax: int
+    accumulated: dict[str, float]
+    threshold: dict[str, float]
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class LayerMap:
                 return layer.name
         raise KeyError(f"parameter {param_name!r} is in no layer")
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "layers": [
                 {

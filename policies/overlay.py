@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
 
 Span = tuple[int, int]
 """Elements ``[start, end)`` of one flattened parameter."""
@@ -43,7 +42,7 @@ class LayerSource:
     """Elements of the layer it supplies, after newer sources took theirs."""
     partial: bool = False
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self) | {"ranks": list(self.ranks)}
 
 

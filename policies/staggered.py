@@ -57,7 +57,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from layercheck.policies.configs import StaggeredConfig
-from layercheck.policies.decision import PersistDecision, Reason, StepObservation
+from layercheck.policies.decision import PersistDecision, PolicyView, Reason, StepObservation
 from layercheck.policies.schedule_phases import Item, Recurring, horizon_for, load_table, place
 
 logger = logging.getLogger(__name__)
@@ -402,12 +402,12 @@ class StaggeredPolicy:
             elif period is not None:
                 self.due[name] = step + period
 
-    def metrics_view(self, lr: float) -> dict[str, Any]:
+    def metrics_view(self, lr: float) -> PolicyView:
         """Its staleness backstop and drift since each layer's last save (the dashboards' view;
         estimated between measurements when ``drift_every`` > 1)."""
         return {"smax": self.config.smax, "accumulated": dict(self.unsaved)}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {
             "last_persisted": dict(self.last_persisted),
             "unsaved": dict(self.unsaved),

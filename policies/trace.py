@@ -131,7 +131,7 @@ class DriftTrace:
         return cls.from_csv(text)
 
 
-def observation_json(obs: StepObservation) -> dict[str, Any]:
+def observation_json(obs: StepObservation) -> dict[str, object]:
     """One step of a trace in its JSON form (``drift`` null where it was not measured)."""
     return {"step": obs.step, "lr": obs.lr, "drift": dict(obs.drift) if obs.measured else None}
 

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from layercheck.policies.layer_map import LayerMap, LayerMapSpec, model_layer_map
 from layercheck.workers.drift.diff import probe_for
 from layercheck.workers.drift.probe import DriftReader
 from layercheck.workers.engines.base import TrainingEngine
 from layercheck.workers.layout import StateLayout
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
+
+    from layercheck.workers.engines.deepspeed import DeepSpeedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +43,11 @@ class AttachedEngine:
         return self.adapter.native
 
 
-def adapter_for(engine: Any, optimizer: Any = None, lr_scheduler: Any = None) -> TrainingEngine:
+def adapter_for(
+    engine: DeepSpeedEngine | torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: LRScheduler | None = None,
+) -> TrainingEngine:
     """The adapter for what a user's loop built: a ``DeepSpeedEngine`` alone (or a wrapper holding
     one: Accelerate's, the ``Trainer``'s), or a ``fully_shard`` model with its optimizer (and
     scheduler). Raises a ``TypeError`` (or the FSDP2 adapter's refusal) naming what was passed and
@@ -62,10 +73,10 @@ def adapter_for(engine: Any, optimizer: Any = None, lr_scheduler: Any = None) ->
 
 
 def attach_engine(
-    engine: Any,
-    optimizer: Any = None,
+    engine: DeepSpeedEngine | torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
     *,
-    lr_scheduler: Any = None,
+    lr_scheduler: LRScheduler | None = None,
     layer_map: LayerMapSpec | None = None,
     drift_probe: str = "auto",
     drift_every: int = 1,

@@ -65,7 +65,13 @@ class KillRehearsal:
             die_after_step(rank, step, facts["coordinator"])
 
 
-def die_after_step(rank: int, step: int, coordinator: Any, *, barrier: bool = False) -> None:
+class Flushes(Protocol):
+    """What :func:`die_after_step` waits on: the rank's coordinator, its messages sent."""
+
+    def flush(self, timeout_s: float) -> None: ...
+
+
+def die_after_step(rank: int, step: int, coordinator: Flushes, *, barrier: bool = False) -> None:
     """SIGKILL this process once the step's drift report and the snapshots handed over have left
     it, so that the failure falls exactly after ``step``. (A real crash can also take with it
     messages still in the send queue: then ``t_fail`` is the step before, or the layers whose

@@ -83,7 +83,7 @@ class StateLayout:
     world_size: int
     layers: Mapping[str, LayerLayout]
     layer_map: LayerMap
-    optimizer: Any
+    optimizer: torch.optim.Optimizer
     """The client optimizer (the one the engine steps): an Adam-family one, see :mod:`layercheck.workers.optim_state`."""
     steps_taken: Callable[[], int] = _untrained
     """The optimizer steps the engine has taken (a snapshot's step, a restore's check of a fresh engine)."""
@@ -117,12 +117,12 @@ def parameters_by_name(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
-def state_view(optimizer: Any, piece: Piece, key: str) -> torch.Tensor:
+def state_view(optimizer: torch.optim.Optimizer, piece: Piece, key: str) -> torch.Tensor:
     """The 1-D view of ``piece`` in state ``key`` (``fp32`` is the master weight itself)."""
     return _state_of(optimizer, piece.master, key).narrow(0, piece.start, piece.slice.length)
 
 
-def state_runs(optimizer: Any, pieces: Sequence[Piece], key: str) -> list[torch.Tensor]:
+def state_runs(optimizer: torch.optim.Optimizer, pieces: Sequence[Piece], key: str) -> list[torch.Tensor]:
     """1-D views of ``pieces`` in state ``key`` whose concatenation is theirs, in order, with the
     pieces that follow each other in one master joined into one view: copying a layer then takes
     a copy per run, not one per parameter (ZeRO-1/3 lay a param group's partitions end to end)."""
@@ -139,7 +139,7 @@ def state_runs(optimizer: Any, pieces: Sequence[Piece], key: str) -> list[torch.
     return runs
 
 
-def _state_of(optimizer: Any, master: torch.Tensor, key: str) -> torch.Tensor:
+def _state_of(optimizer: torch.optim.Optimizer, master: torch.Tensor, key: str) -> torch.Tensor:
     base = master if key == "fp32" else optimizer.state[master][key]
     return local_part(base).detach().view(-1)
 

@@ -11,7 +11,7 @@ import logging
 import math
 import warnings
 from functools import partial
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -54,12 +54,19 @@ class StepSchedule(torch.optim.lr_scheduler.LambdaLR):
         self._last_lr = lrs  # what get_last_lr() reports
 
 
+class SteppedSchedule(Protocol):
+    """What :func:`seek_scheduler` moves: torch's ``LRScheduler`` (``step()``) and DeepSpeed's own
+    schedulers (``step(last_batch_iteration)``) both have it."""
+
+    def step(self, epoch: int | None = None, /) -> object: ...
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> StepSchedule:
     """The built-in loop's schedule (every group starts at its own lr, scaled by :func:`lr_factor`)."""
     return StepSchedule(optimizer, partial(lr_factor, cfg=cfg))
 
 
-def seek_scheduler(scheduler: Any, step: int) -> None:
+def seek_scheduler(scheduler: SteppedSchedule | None, step: int) -> None:
     """Move a scheduler to ``step`` updates: a :class:`StepSchedule` is set there at once;
     DeepSpeed's own schedulers (``last_batch_iteration``) jump there; any other torch scheduler,
     fresh, is stepped ``step`` times, which is what training would have done. ``None``: nothing."""

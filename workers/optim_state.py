@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import _get_scalar_dtype
 
+from layercheck.workers.drift.adamw import DriftAdamW
+
 logger = logging.getLogger(__name__)
 
 #: Class names of the optimizers whose per-parameter state is ``step``, ``exp_avg``, ``exp_avg_sq``.
@@ -25,7 +27,7 @@ class UnsupportedOptimizerError(TypeError):
     """The client optimizer is not one whose state LayerCheck can snapshot and restore exactly."""
 
 
-def check_supported(optimizer: Any) -> None:
+def check_supported(optimizer: torch.optim.Optimizer) -> None:
     """Raise :class:`UnsupportedOptimizerError` unless ``optimizer`` is an Adam-family optimizer."""
     names = {cls.__name__ for cls in type(optimizer).__mro__}
     if not names & set(SUPPORTED_OPTIMIZERS):
@@ -41,10 +43,10 @@ def check_supported(optimizer: Any) -> None:
         )
 
 
-def init_state(optimizer: Any, master: torch.Tensor) -> dict[str, Any]:
+def init_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, Any]:
     """``master``'s state, created as the optimizer would before its first step if missing
     (a restore into a fresh engine needs moments to write into)."""
-    if hasattr(optimizer, "init_state"):  # DriftAdamW
+    if isinstance(optimizer, DriftAdamW):  # it makes its state as its own step keeps it
         return optimizer.init_state(master)
     state = optimizer.state[master]
     if len(state) == 0:
@@ -54,7 +56,7 @@ def init_state(optimizer: Any, master: torch.Tensor) -> dict[str, Any]:
     return state
 
 
-def _zero_step(optimizer: Any, master: torch.Tensor) -> Any:
+def _zero_step(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> torch.Tensor | int:
     if isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch."):
         group = optimizer.param_groups[0]
         on_device = group.get("fused") or group.get("capturable")
@@ -63,7 +65,7 @@ def _zero_step(optimizer: Any, master: torch.Tensor) -> Any:
     return 0  # DeepSpeed's FusedAdam / CPUAdam count in a Python int
 
 
-def get_step(optimizer: Any, master: torch.Tensor) -> int:
+def get_step(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> int:
     """The Adam step count of ``master`` (0 before its first step)."""
     state = optimizer.state.get(master)
     if not state or "step" not in state:
@@ -71,7 +73,7 @@ def get_step(optimizer: Any, master: torch.Tensor) -> int:
     return int(state["step"])
 
 
-def set_step(optimizer: Any, master: torch.Tensor, step: int) -> None:
+def set_step(optimizer: torch.optim.Optimizer, master: torch.Tensor, step: int) -> None:
     """Set ``master``'s Adam step count, keeping the optimizer's own representation."""
     state = init_state(optimizer, master)
     if isinstance(state["step"], torch.Tensor):

@@ -327,7 +327,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
             "host_capture_s": max(f["capture_s"] for f in failed),
         }
         status = ray.get(run.supervisor.status.remote())
-        recoveries = status["account"]["recoveries"]
+        recoveries = status.account["recoveries"]
         plan_s = recoveries[-1]["plan_s"] if recoveries else None
         drain_s = recoveries[-1]["drain_s"] if recoveries else None
         start_step = min(j["start_step"] for j in joined)
@@ -372,7 +372,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
         store_requests_recovery=store_recovery,
         writer_rss_bytes=writer_rss,
         cpu_top={phase: top for phase, top in cpu_top.items() if top},
-        notes=notes + [f"state {status['state']}"],
+        notes=notes + [f"state {status.state}"],
     )
 
 

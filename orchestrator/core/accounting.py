@@ -73,7 +73,7 @@ class RankStart:
     spare: bool = False
     """A warm spare promoted to a lost rank (``cluster.spares``): its model was built before."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod

@@ -25,7 +25,7 @@ API::
                                                       # its memory_s choose the period the decisions carry
     run.final_drain(drain_s)                          # the end: bounded; what is left is lost
     run.steps_ended()                                 # the staleness verdict on the final counts
-    run.finish(ok, reason); run.status(metrics_url=None) -> dict; run.state_name
+    run.finish(ok, reason); run.status(metrics_url=None) -> RunStatus; run.state_name
 
 Thread-safe by construction: one lock guards the cores and is held only while they decide —
 never while an action runs — so writers may commit through :meth:`shard_written` while a
@@ -38,8 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, RunAccount
 from layercheck.orchestrator.core.memory.auto_period import PeriodTimer
@@ -60,6 +59,7 @@ from layercheck.orchestrator.core.recovery.capture_window import recovery_step
 from layercheck.orchestrator.core.recovery.config import SupervisionConfig
 from layercheck.orchestrator.core.recovery.events import (
     AbandonIncomplete,
+    Action,
     DismissJoins,
     DrainWriters,
     Event,
@@ -77,7 +77,8 @@ from layercheck.orchestrator.core.recovery.events import (
 )
 from layercheck.orchestrator.core.recovery.known_versions import KnownVersions
 from layercheck.orchestrator.core.recovery.plan_composite import plan_composite
-from layercheck.orchestrator.core.recovery.state_machine import RecoveryMachine
+from layercheck.orchestrator.core.recovery.state_machine import Recovering, RecoveryMachine, Running
+from layercheck.orchestrator.core.run_status import RunStatus
 from layercheck.orchestrator.core.run_view import RunView
 from layercheck.orchestrator.core.supervision_ports import (
     HeldPaths,
@@ -102,6 +103,10 @@ def _stop_reason(breach: StalenessBreach) -> str:
         f"{breach.culprit} broke the staleness bound{when} ({breach.layer}: {breach.staleness} "
         f"steps stale > {breach.limit})"
     )
+
+
+Step = Action | CommitVersion
+"""What the cores ask the supervisor to carry out: the recovery machine's actions and the commit path's commits."""
 
 
 class JoinDismissed(RuntimeError):
@@ -400,35 +405,54 @@ class RunSupervisor:
     def state_name(self) -> str:
         return self.supervision.state.name
 
-    def status(self, metrics_url: str | None = None) -> dict[str, Any]:
+    def status(self, metrics_url: str | None = None) -> RunStatus:
         """Everything the driver's progress line, the summary and the metrics show."""
         with self._lock:
             state = self.supervision.state
+            # the group's size: the running or recovering one's (0 before the first join, and once ended)
+            group = state if isinstance(state, (Recovering, Running)) else None
             return self.view.status(
                 state=state.name,
                 attempt=self.supervision.attempt,
                 commits=self.commits,
                 metrics_url=metrics_url,
                 now=self.clock(),
-            ) | {
-                "world_size": getattr(state, "world_size", 0),
-                "grown_from": getattr(state, "grown_from", 0),
-                "memory_period": self.memory_period.current.to_json() if self.memory_period is not None else None,
-            }
+                world_size=group.world_size if group is not None else 0,
+                grown_from=state.grown_from if isinstance(state, Recovering) else 0,
+                memory_period=self.memory_period.current.to_json() if self.memory_period is not None else None,
+            )
 
     # ---- carrying out actions -----------------------------------------------------------
-    def _feed(self, event: Event) -> list[Any]:
+    def _feed(self, event: Event) -> list[Action]:
         with self._lock:
             return self.supervision.handle(event)
 
-    def _carry_out(self, actions: list[Any]) -> None:
+    def _carry_out(self, actions: Sequence[Step]) -> None:
         """Run ``actions`` in order, outside the lock; a result fed back queues the core's next actions."""
-        queue = deque(actions)
+        queue: deque[Step] = deque(actions)
         while queue:
-            action = queue.popleft()
-            queue.extend(getattr(self, _EXECUTORS[type(action)])(action))
+            queue.extend(self._execute(queue.popleft()))
 
-    def _execute_drain(self, action: DrainWriters) -> list[Any]:
+    def _execute(self, action: Step) -> Sequence[Step]:
+        if isinstance(action, DrainWriters):
+            return self._execute_drain(action)
+        if isinstance(action, ReplaceWriters):
+            return self._execute_replace_writers(action)
+        if isinstance(action, AbandonIncomplete):
+            return self._execute_abandon(action)
+        if isinstance(action, PlanComposite):
+            return self._execute_plan(action)
+        if isinstance(action, RebasePolicy):
+            return self._execute_rebase(action)
+        if isinstance(action, RecordRecovery):
+            return self._execute_record(action)
+        if isinstance(action, PublishResume):
+            return self._execute_publish(action)
+        if isinstance(action, DismissJoins):
+            return self._execute_dismiss(action)
+        return self._execute_commit(action)
+
+    def _execute_drain(self, action: DrainWriters) -> Sequence[Step]:
         self.not_draining.clear()
         try:
             unanswered = self.writers.drain(action.deadline_s)
@@ -436,17 +460,17 @@ class RunSupervisor:
             self.not_draining.set()
         return self._feed(WritersDrained(attempt=action.attempt, unanswered=tuple(unanswered), now=self.clock()))
 
-    def _execute_replace_writers(self, action: ReplaceWriters) -> list[Any]:
+    def _execute_replace_writers(self, action: ReplaceWriters) -> Sequence[Step]:
         self.writers.replace(action.writers)
         return []
 
-    def _execute_abandon(self, action: AbandonIncomplete) -> list[Any]:
+    def _execute_abandon(self, action: AbandonIncomplete) -> Sequence[Step]:
         with self._lock:
             partial = list(self.commits.handle(action))
         self._carry_out(partial)  # committed before the plan (queued next) reads the manifest
         return []
 
-    def _execute_plan(self, action: PlanComposite) -> list[Any]:
+    def _execute_plan(self, action: PlanComposite) -> Sequence[Step]:
         with self._lock:
             if action.t_fail is not None:
                 self.memory_versions.forget_after(action.t_fail)
@@ -466,7 +490,7 @@ class RunSupervisor:
             planned = plan_composite(self.store, self.layer_numel, action, clock=self.clock, memory=memory, held=held)
         return self._feed(planned)
 
-    def _execute_rebase(self, action: RebasePolicy) -> list[Any]:
+    def _execute_rebase(self, action: RebasePolicy) -> Sequence[Step]:
         with self._lock:  # staleness counts from the versions the group resumes from (a --resume's too)
             self.commits.rebased(action.persisted_steps)
             self._trained_step = action.resume_after
@@ -485,24 +509,24 @@ class RunSupervisor:
                 self._tell_memory_period(period.period)
         return []
 
-    def _execute_record(self, action: RecordRecovery) -> list[Any]:
+    def _execute_record(self, action: RecordRecovery) -> Sequence[Step]:
         with self._lock:
             self.view.record_recovery(action)
         return []
 
-    def _execute_publish(self, action: PublishResume) -> list[Any]:
+    def _execute_publish(self, action: PublishResume) -> Sequence[Step]:
         with self._answered:
             self._published[action.resume.attempt] = action.resume
             self._answered.notify_all()
         return []
 
-    def _execute_dismiss(self, action: DismissJoins) -> list[Any]:
+    def _execute_dismiss(self, action: DismissJoins) -> Sequence[Step]:
         with self._answered:
             self._dismissed[action.attempt] = action.reason
             self._answered.notify_all()
         return []
 
-    def _execute_commit(self, action: CommitVersion) -> list[Any]:
+    def _execute_commit(self, action: CommitVersion) -> Sequence[Step]:
         if action.delay_s > 0:
             self.sleep(action.delay_s)  # the backoff: this writer's next receipt waits, others do not
         event = self._commit(action)
@@ -529,16 +553,3 @@ class RunSupervisor:
             return CommitFailed(action=action, error=str(error), retry=False)
         except Exception as error:  # storage trouble: retried, then counted lost; training goes on
             return CommitFailed(action=action, error=f"{type(error).__name__}: {error}")
-
-
-_EXECUTORS: dict[type, str] = {
-    DrainWriters: "_execute_drain",
-    ReplaceWriters: "_execute_replace_writers",
-    AbandonIncomplete: "_execute_abandon",
-    PlanComposite: "_execute_plan",
-    RebasePolicy: "_execute_rebase",
-    RecordRecovery: "_execute_record",
-    PublishResume: "_execute_publish",
-    DismissJoins: "_execute_dismiss",
-    CommitVersion: "_execute_commit",
-}

@@ -1,16 +1,16 @@
 """The run's central view without Ray: progress, time accounting and write statistics, and the
-status dictionary the driver's progress line, the summary and the metrics show."""
+status (``run_status.RunStatus``) the driver's progress line, the summary and the metrics show."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from layercheck.orchestrator.core.accounting import FallbackReason, RankStart, Recovery, RunAccount
 from layercheck.orchestrator.core.persistence.commit_path import CommitPath
 from layercheck.orchestrator.core.persistence.staleness_guard import StorageFacts
 from layercheck.orchestrator.core.recovery.events import RecordRecovery
+from layercheck.orchestrator.core.run_status import LayerFigures, RunStatus
 from layercheck.workers.progress import StepProgress
 
 
@@ -32,10 +32,10 @@ class RunView:
     write_failures: int = 0
     writers_replaced: int = 0
     """Writer actors found dead and replaced (each one's versions in flight counted lost)."""
-    breach: dict[str, Any] | None = None
+    breach: dict[str, object] | None = None
     """The staleness breach (``StalenessBreach.to_json``), if storage failures or storage that
     does not answer broke ``smax``."""
-    staleness_lag: dict[str, Any] | None = None
+    staleness_lag: dict[str, object] | None = None
     """The first pass of ``smax`` by storage that neither failed nor stopped answering (slow), if any."""
     stop_reason: str | None = None
     """Why the run was asked to stop early (Ctrl-C, a breach), if it was."""
@@ -131,45 +131,56 @@ class RunView:
         )
 
     def status(
-        self, *, state: str, attempt: int, commits: CommitPath, metrics_url: str | None, now: float
-    ) -> dict[str, Any]:
+        self,
+        *,
+        state: str,
+        attempt: int,
+        commits: CommitPath,
+        metrics_url: str | None,
+        now: float,
+        world_size: int,
+        grown_from: int,
+        memory_period: dict[str, object] | None,
+    ) -> RunStatus:
         step = self.progress.step
         layers = commits.stats
         staleness = {name: (step - s.last_step if s.last_step is not None else None) for name, s in layers.items()}
         known = {n: v for n, v in staleness.items() if v is not None}
         total = sum(self.layer_numel[n] for n in known)
-        return {
-            "run_id": self.run_id,
-            "metrics_url": metrics_url,
-            "state": state,
-            "attempt": attempt,
-            "step": step,
-            "loss": self.progress.loss,
-            "lr": self.progress.lr,
-            "step_s": self.progress.step_s,
-            "staleness": staleness,
-            "max_staleness": max(known.values()) if known else None,
-            "weighted_staleness": (sum(self.layer_numel[n] * v for n, v in known.items()) / total)
+        return RunStatus(
+            run_id=self.run_id,
+            metrics_url=metrics_url,
+            state=state,
+            attempt=attempt,
+            step=step,
+            loss=self.progress.loss,
+            lr=self.progress.lr,
+            step_s=self.progress.step_s,
+            staleness=staleness,
+            max_staleness=max(known.values()) if known else None,
+            weighted_staleness=(sum(self.layer_numel[n] * v for n, v in known.items()) / total)
             if known and len(known) == len(staleness)
             else None,
-            "layers": {
-                name: {"versions": s.versions, "bytes": s.bytes, "last_step": s.last_step} for name, s in layers.items()
+            layers={
+                name: LayerFigures(versions=s.versions, bytes=s.bytes, last_step=s.last_step)
+                for name, s in layers.items()
             },
-            "bytes_committed": sum(s.bytes for s in layers.values()),
-            "versions_committed": sum(s.versions for s in layers.values()),
-            # the parts of incomplete versions that surviving ranks wrote, committed as partial
-            # versions (a recovery overlays them); not in the figures above, which are whole versions
-            "partial_bytes_committed": sum(s.partial_bytes for s in layers.values()),
-            "partial_versions_committed": sum(s.partial_versions for s in layers.values()),
-            "abandoned_versions": commits.tracker.abandoned,
-            "lost_versions": commits.lost_versions,
-            "lost": list(commits.lost),
-            "commit_retries": commits.commit_retries,
-            "write_failures": self.write_failures,
-            "writers_replaced": self.writers_replaced,
-            "staleness_breach": self.breach,
-            "staleness_lag": self.staleness_lag,
-            "stop_reason": self.stop_reason,
-            "write_latencies": list(self.write_latencies),
-            "account": self.account.summary(now),
-        }
+            bytes_committed=sum(s.bytes for s in layers.values()),
+            versions_committed=sum(s.versions for s in layers.values()),
+            partial_bytes_committed=sum(s.partial_bytes for s in layers.values()),
+            partial_versions_committed=sum(s.partial_versions for s in layers.values()),
+            abandoned_versions=commits.tracker.abandoned,
+            lost_versions=commits.lost_versions,
+            lost=list(commits.lost),
+            commit_retries=commits.commit_retries,
+            write_failures=self.write_failures,
+            writers_replaced=self.writers_replaced,
+            staleness_breach=self.breach,
+            staleness_lag=self.staleness_lag,
+            stop_reason=self.stop_reason,
+            write_latencies=list(self.write_latencies),
+            account=self.account.summary(now),
+            world_size=world_size,
+            grown_from=grown_from,
+            memory_period=memory_period,
+        )

@@ -111,7 +111,7 @@ class DecisionExchange:
         service: PolicyService,
         layers: Sequence[str],
         world_size: int,
-        group: Any,
+        group: torch.distributed.ProcessGroup,
         *,
         budget: DrainBudget | None = None,
     ) -> None:

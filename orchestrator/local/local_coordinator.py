@@ -320,7 +320,7 @@ class LocalCoordinator:
         resume = self.run.join(0, self.world_size, self._worker_id(0))
         for rank in range(1, self.world_size):
             self.run.join(rank, self.world_size, self._worker_id(rank))
-        recoveries = self.run.status()["account"]["recoveries"]
+        recoveries = self.run.status().account["recoveries"]
         if resume.attempt == 1 or not recoveries:
             return GroupAnswer(resume=resume)
         last = recoveries[-1]
@@ -379,7 +379,7 @@ class LocalCoordinator:
 
     def status(self) -> dict[str, Any] | None:
         """Rank 0: the run's status (the Ray run's ``SupervisorActor.status``); ``None`` elsewhere."""
-        return self.run.status() if self.run is not None else None
+        return self.run.status().as_dict() if self.run is not None else None
 
     def committed(self) -> list[tuple[str, int]]:
         """Rank 0: (layer, step) of every committed version, from the manifest."""

@@ -59,7 +59,7 @@ class Mailbox:
         return Mailbox(self._store.clone())  # type: ignore[attr-defined]
 
     # ---- messages -------------------------------------------------------------------------
-    def post(self, receipt: Mapping[str, Any], write_s: float) -> None:
+    def post(self, receipt: Mapping[str, object], write_s: float) -> None:
         """A shard was written in ``write_s`` seconds; ``receipt`` is its ``ShardReceipt.to_json()``."""
         self._push({"kind": RECEIPT, "receipt": dict(receipt), "write_s": write_s})
 
@@ -67,7 +67,7 @@ class Mailbox:
         """A shard of ``layer`` at ``step`` could not be written (``what`` says which and why)."""
         self._push({"kind": WRITE_FAILED, "what": what, "layer": layer, "step": step})
 
-    def _push(self, message: Mapping[str, Any]) -> None:
+    def _push(self, message: Mapping[str, object]) -> None:
         self._store.queue_push(QUEUE, json.dumps(dict(message)))
         self._store.add(POSTED, 1)
 

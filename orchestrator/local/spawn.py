@@ -38,7 +38,9 @@ class RanksFailedError(RuntimeError):
         """The failing rank's formatted traceback, where there is one."""
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str, args: tuple[Any, ...]) -> None:
+def _entry(
+    rank: int, fn: Callable[..., object], world_size: int, port: int, out_dir: str, args: tuple[object, ...]
+) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -55,8 +57,8 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
 
 
 def spawn_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600.0, what: str = "local ranks"
-) -> list[Any]:
+    fn: Callable[..., object], world_size: int, *args: object, timeout_s: float = 600.0, what: str = "local ranks"
+) -> list[Any]:  # Any: each rank's result as JSON gives it back
     """``[fn(0, world_size, *args), …, fn(world_size - 1, …)]``, each in its own process.
 
     ``fn`` must be importable (a module-level function). Raises :class:`RanksFailedError` if a

@@ -26,6 +26,8 @@ from layercheck.workers.engine import layer_map_for
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from layercheck.orchestrator.offline.export_tokenizer import ShippedTokenizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -47,7 +49,7 @@ def composite_model(
 
 
 def fill_from_composite(
-    model: Any,
+    model: torch.nn.Module,
     layer_map: LayerMap,
     store: LayerStore,
     records: Mapping[str, VersionRecord],
@@ -85,7 +87,7 @@ class _ModelBase:
     """A layer's whole version read from a host model's own weights (zero moments): the run's
     initial state, as ``build_model`` makes it, under a partial version."""
 
-    def __init__(self, model: Any, names: list[str]) -> None:
+    def __init__(self, model: torch.nn.Module, names: list[str]) -> None:
         own = dict(model.named_parameters())
         self._flat = {name: own[name].detach().reshape(-1).clone() for name in names}
         self.param_shapes = {name: tuple(own[name].shape) for name in names}
@@ -102,7 +104,9 @@ class _ModelBase:
         pass
 
 
-def export_hf(run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path, tokenizer: Any) -> Path:
+def export_hf(
+    run: RunConfig, store: LayerStore, resolved: ResolvedPlan, out: Path, tokenizer: ShippedTokenizer | None
+) -> Path:
     """Write the composite as a Hugging Face model folder (config + safetensors) at ``out``, with
     ``tokenizer`` (:mod:`.export_tokenizer`: found before anything is written; ``None``: none) beside it."""
     check_empty_dir(out, "a Hugging Face export")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,10 @@ from layercheck.orchestrator.store.layer_store import RUN_CONFIG_FILE, LayerStor
 from layercheck.orchestrator.store.model_record import ModelRecord
 from layercheck.workers.config import ModelConfig
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,7 +41,7 @@ def adapter_record(store: LayerStore) -> ModelRecord | None:
     return record if record is not None and record.peft is not None else None
 
 
-def adapter_model(record: ModelRecord, *, merge: bool) -> Any:
+def adapter_model(record: ModelRecord, *, merge: bool) -> PeftModel:
     """The run's peft model on the host in fp32: its base built from the recorded config (any
     weights: only the adapter is exported) or, to ``merge``, loaded from ``record.base_model``."""
     import peft
@@ -45,7 +49,7 @@ def adapter_model(record: ModelRecord, *, merge: bool) -> Any:
 
     from layercheck.workers.engine import build_model
 
-    base: Any
+    base: PreTrainedModel
     if merge:
         if not record.base_model:
             raise ExportError("--merge needs the adapter's base weights, and the run recorded no base model path")

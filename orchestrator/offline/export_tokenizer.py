@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from layercheck.orchestrator.core.run_config import RunConfig
 from layercheck.orchestrator.offline.export_run import ExportError
@@ -18,10 +18,13 @@ from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.model_record import TOKENIZER_DIR, ModelRecord
 from layercheck.orchestrator.store.run_tokenizer import read_tokenizer_files
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 
-def run_tokenizer(run: RunConfig) -> Any:
+def run_tokenizer(run: RunConfig) -> PreTrainedTokenizerBase | None:
     """The tokenizer the built-in loop trained with (``data.tokenizer``); None for byte tokens."""
     if run.data.tokenizer == "bytes":
         logger.info("the run trained on byte tokens (data.tokenizer = 'bytes'): no tokenizer to export")
@@ -29,7 +32,7 @@ def run_tokenizer(run: RunConfig) -> Any:
     return tokenizer_named(run.data.tokenizer)
 
 
-def recorded_tokenizer(record: ModelRecord, store: LayerStore) -> Any:
+def recorded_tokenizer(record: ModelRecord, store: LayerStore) -> ShippedTokenizer | None:
     """The tokenizer an own loop's ``model.json`` records: the one it names, else the files kept in
     the store; None (said plainly) where it has neither."""
     if record.tokenizer is not None:
@@ -44,7 +47,7 @@ def recorded_tokenizer(record: ModelRecord, store: LayerStore) -> Any:
     return None
 
 
-def tokenizer_named(name: str) -> Any:
+def tokenizer_named(name: str) -> PreTrainedTokenizerBase:
     """The tokenizer ``name`` (a local directory); :class:`ExportError` if it cannot be loaded."""
     from layercheck.workers.data.sft import load_tokenizer
 
@@ -81,3 +84,8 @@ class StoredTokenizer:
     def save_pretrained(self, folder: str) -> None:
         for name, data in self.files.items():
             (Path(folder) / name).write_bytes(data)
+
+
+#: What an export ships beside the model: a loaded tokenizer (its ``save_pretrained``), or the files
+#: a run kept of one (:class:`StoredTokenizer`).
+ShippedTokenizer = Union["PreTrainedTokenizerBase", StoredTokenizer]

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
+from layercheck.orchestrator.runtime.handles import SupervisorHandle
 from layercheck.workers.collective_abort import request_abort
+
+if TYPE_CHECKING:
+    from ray.train.v2._internal.execution.worker_group import WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,17 +40,17 @@ ANSWER_WAIT_S = 2.0
 
 
 class CaptureHold(WorkerGroupCallback):
-    def __init__(self, supervisor: Any, bound_s: float = 60.0) -> None:
+    def __init__(self, supervisor: SupervisorHandle, bound_s: float = 60.0) -> None:
         self.supervisor = supervisor
         self.bound_s = bound_s
 
-    def before_worker_group_shutdown(self, worker_group: Any) -> None:
+    def before_worker_group_shutdown(self, worker_group: WorkerGroup) -> None:
         try:
             self._hold(worker_group)
         except Exception as error:  # noqa: BLE001 - never stand in the way of Ray Train's restart
             logger.warning("LayerCheck: could not hold the teardown for survivors' captures: %r", error)
 
-    def _hold(self, worker_group: Any) -> None:
+    def _hold(self, worker_group: WorkerGroup) -> None:
         status = worker_group.get_latest_poll_status()
         if status is None:
             return
@@ -65,14 +69,14 @@ class CaptureHold(WorkerGroupCallback):
         logger.info(
             "LayerCheck held the teardown %.2fs: ranks %s captured, %s did not; asked to abort a blocked "
             "collective, ranks answered %s",
-            outcome["hold_s"],
-            outcome["captured"],
-            outcome["missed"],
+            outcome.hold_s,
+            list(outcome.captured),
+            list(outcome.missed),
             released,
         )
 
     @staticmethod
-    def _release(worker_group: Any, survivors: list[int], failed: set[int]) -> dict[int, Any]:
+    def _release(worker_group: WorkerGroup, survivors: list[int], failed: set[int]) -> dict[int, Any]:
         """Ask each survivor to abort a collective blocked on the failed ranks; per rank, the
         reference of its answer."""
         reason = f"Ray Train saw rank(s) {sorted(failed)} fail"

@@ -11,10 +11,11 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.core.run_config import FaultConfig
+from layercheck.policies.configs import PolicyConfig
+from layercheck.policies.layer_map import LayerMapSpec
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class WorkerContext:
     max_inflight_bytes: int
     fault: FaultConfig
     drift_probe: str
-    layer_map: Any
+    layer_map: LayerMapSpec | None
     """The user's layer-map spec (dict or callable), or ``None``: by parameter names."""
     layer_numel: Mapping[str, int]
     """Per layer, the parameter count the driver computed: the workers' model must match it."""
@@ -39,7 +40,7 @@ class WorkerContext:
     memory_period: int = 0
     """Steps between memory versions until a decision carries the run's (``persistence.memory_period``;
     0: none, or ``"auto"``: the decisions carry the period the run chose)."""
-    policy: Any = None
+    policy: PolicyConfig | None = None
     """The run's policy config (``CheckpointConfig.policy``), for the warnings a worker can give
     once it knows how many steps the loop will train."""
     in_place: bool = False
@@ -136,7 +137,7 @@ def on_failure(hook: Callable[[BaseException], None]) -> None:
     _on_failure.append(hook)
 
 
-def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any) -> Any:
+def call_with_context(fn: Callable[..., object], context: WorkerContext, *args: object) -> object:
     """Call ``fn(*args)`` with ``context`` current (Ray Train runs one loop per worker process);
     in place, again after each lost peer, in a new process group formed when the loop first needs
     it, and on a warm spare as far as the loop goes before it needs its rank
@@ -144,6 +145,7 @@ def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any
     (:func:`~layercheck.workers.engine.warm_engine_imports`), so that the engine the loop builds
     does not import torch's inductor for DeepSpeed's Muon: ~2 s of CPU less per worker start."""
     global _current
+    # (imported here: torch and DeepSpeed, which the driver, importing this module too, never needs)
     from layercheck.workers.engine import warm_engine_imports
 
     warm_engine_imports()
@@ -152,7 +154,7 @@ def call_with_context(fn: Callable[..., Any], context: WorkerContext, *args: Any
         if not context.in_place:
             _start_incarnation(0, spare=False)
             return _call_once(fn, args)
-        from layercheck.orchestrator.runtime.in_place import train_in_place
+        from layercheck.orchestrator.runtime.in_place import train_in_place  # (as above: it imports torch)
 
         return train_in_place(lambda: _call_once(fn, args), context, _start_incarnation)
     finally:
@@ -166,7 +168,7 @@ def _start_incarnation(number: int, spare: bool) -> Incarnation:
     return _incarnation
 
 
-def _call_once(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def _call_once(fn: Callable[..., object], args: tuple[object, ...]) -> object:
     """One run of the user's loop: the failure hooks (``attach``'s capture) run if it raises."""
     global _loop_started_at
     _loop_started_at = time.time()
@@ -182,17 +184,17 @@ def _call_once(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
         _on_failure.clear()
 
 
-def with_context(fn: Callable[..., Any], context: WorkerContext, *, takes_config: bool) -> Callable[..., Any]:
+def with_context(fn: Callable[..., object], context: WorkerContext, *, takes_config: bool) -> Callable[..., object]:
     """``fn`` wrapped for Ray Train: the wrapper takes a config argument exactly when ``fn`` does
     (Ray Train looks at the signature to decide whether to pass ``train_loop_config``)."""
-    loop: Callable[..., Any]
+    loop: Callable[..., object]
     if takes_config:
 
-        def loop(config: Any) -> Any:
+        def loop(config: object) -> object:
             return call_with_context(fn, context, config)
     else:
 
-        def loop() -> Any:
+        def loop() -> object:
             return call_with_context(fn, context)
 
     loop.__name__ = getattr(fn, "__name__", "train_loop_per_worker")

@@ -13,6 +13,7 @@ and handles, and each helper below serves one of them (the watched ``fit`` alrea
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -39,10 +40,14 @@ from layercheck.orchestrator.core.persistence.config import PersistenceConfig
 from layercheck.orchestrator.core.persistence.staleness_guard import StalenessLimits
 from layercheck.orchestrator.core.run_config import MetricsConfig, RunConfig
 from layercheck.orchestrator.core.run_start import StartOptions, check_config, open_run_store
+from layercheck.orchestrator.core.run_status import RunStatus
 from layercheck.orchestrator.runtime.cluster import alive_nodes, check_shared_storage, connect, node_resources
-from layercheck.orchestrator.runtime.fit_watch import RunHandles, fit_watched, supervisor_gone
+from layercheck.orchestrator.runtime.fit_watch import ProgressHook, RunHandles, fit_watched, supervisor_gone
+from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle, kill
 from layercheck.orchestrator.runtime.metrics_discovery import bind_host, remove_discovery, write_discovery
 from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.policy_actor import MAX_RESTARTS, PolicyActor
+from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor, supervisor_threads
 from layercheck.orchestrator.runtime.supervisor_loss import supervisor_died
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE, LayerStore
@@ -63,7 +68,8 @@ class RunResult:
     config: RunConfig | None
     """The built-in loop's run config; ``None`` for a user's own loop (``layercheck.LayerCheckTrainer``)."""
     status: dict[str, Any]
-    """The supervisor's final view (see :meth:`SupervisorActor.status`)."""
+    """The supervisor's final view (``RunStatus.as_dict``), with what the writers hold in memory
+    (``"memory"``) and what the store holds (``"stored"``). JSON, as users' code reads it."""
     trace: DriftTrace
     """The run's drift trace: per step, the learning rate and every layer's drift."""
     layer_numel: dict[str, int]
@@ -76,13 +82,13 @@ class RunResult:
     """The checkpoint policy the run used (the config's when ``None``)."""
     interrupted: bool = False
     """Stopped by Ctrl-C (SIGINT) on the driver: resume it with ``--resume``."""
-    train_reports: list[dict[str, Any]] = field(default_factory=list)
+    train_reports: list[dict[str, object]] = field(default_factory=list)
     """Rank 0's metrics of each ``ray.train.report`` (step, loss, max_staleness, ettr; built-in
     loop, Train v2), as Ray Train's controller received them, oldest first."""
     end_errors: list[str] = field(default_factory=list)
     """What failed in the driver's end-of-run work (drain, drift trace, final status): logged and
     shown in the summary, never raised, so the summary is always printed."""
-    schedule: dict[str, Any] = field(default_factory=dict)
+    schedule: dict[str, object] = field(default_factory=dict)
     """The policy actor's :meth:`~layercheck.orchestrator.runtime.policy_actor.PolicyActor.schedule_view`
     at the end: peak bytes per step, the write budget and the drain bandwidth (empty if unread)."""
     supervisor_lost: str = ""
@@ -106,7 +112,7 @@ def train(
     overwrite: bool = False,
     resume: bool = False,
     take_over: bool = False,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: ProgressHook | None = None,
     poll_s: float = 1.0,
 ) -> RunResult:
     """Run the training job ``config`` describes to the end; never raises for a failed run
@@ -115,6 +121,8 @@ def train(
     from ray.train import FailureConfig, ScalingConfig
     from ray.train import RunConfig as TrainRunConfig
 
+    # (imported here: the train function, Ray Train's trainers and in-place recovery import torch,
+    # 1.2-1.3 s that `layercheck` commands which start no run never pay)
     from layercheck.orchestrator.runtime.train_fn import train_fn
 
     config = config.with_absolute_storage()
@@ -178,7 +186,7 @@ def train(
 
 def _trainer_class(config: RunConfig) -> type:
     """``cluster.in_place``: the trainer under which Ray Train replaces only a lost worker."""
-    if not config.cluster.in_place:
+    if not config.cluster.in_place:  # (imported here: torch, as train_fn in train)
         from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 
         return LayerCheckTorchTrainer
@@ -209,9 +217,6 @@ def start_run(
     ``spares``: warm spares beside the ``num_workers`` training ranks (``cluster.spares``).
     ``worker_resources``: what each worker asks of Ray (``{"CPU": 1}``, ``{"GPU": 1}``): how many
     ranks one node can hold, so one writer's share of a memory version (``None``: all on one node)."""
-    from layercheck.orchestrator.runtime.policy_actor import MAX_RESTARTS, PolicyActor
-    from layercheck.orchestrator.runtime.supervisor_actor import SupervisorActor, supervisor_threads
-
     run_id = f"{name}-{uuid.uuid4().hex[:8]}"
     names = RunNames(run_id)
     memory_period = _memory_period(persistence, layer_numel, num_workers, worker_resources or {})
@@ -222,7 +227,7 @@ def start_run(
     # ignores below are for Ray's ActorClass.options. The policy actor is rebuilt when its process
     # dies (the group it served is recovered: policy_actor.py); the supervisor is not: its loss
     # ends the run (fit_watch.py)
-    policy_actor = PolicyActor.options(  # type: ignore[attr-defined]
+    policy_actor: PolicyHandle = PolicyActor.options(  # type: ignore[attr-defined]
         name=names.policy, namespace=NAMESPACE, scheduling_strategy=here, max_restarts=MAX_RESTARTS
     ).remote(
         policy,
@@ -233,7 +238,7 @@ def start_run(
         # "auto": the decisions carry the period to the ranks (set ones: each rank has it from the config)
         memory_period.current.period if memory_period.current.auto else None,
     )
-    supervisor = SupervisorActor.options(  # type: ignore[attr-defined]
+    supervisor: SupervisorHandle = SupervisorActor.options(  # type: ignore[attr-defined]
         name=names.supervisor,
         namespace=NAMESPACE,
         scheduling_strategy=here,
@@ -261,9 +266,9 @@ def start_run(
     )
     ray.get(supervisor.status.remote())  # fail here, not in the workers, if it cannot start
     if lease is not None:  # found lost by its renewal: stop at once, before the next commit finds out
-        lease.on_lost = lambda reason: supervisor.request_stop.remote(f"{LEASE_LOST} ({reason})")
+        lease.on_lost = functools.partial(_stop_for_the_lease, supervisor)
         # each renewal that reached the store moves the writers' and the commits' deadline on
-        lease.on_renewed = lambda valid_until: supervisor.lease_renewed.remote(valid_until)
+        lease.on_renewed = functools.partial(_lease_renewed, supervisor)
     metrics_url, discovery_file = _start_metrics(supervisor, metrics, run_id)
     return RunHandles(
         run_id=run_id,
@@ -321,27 +326,22 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
     if not handles.supervisor_lost and _supervisor_died(supervisor):
         supervisor_gone(handles)
     lost = handles.supervisor_lost
+    last: RunStatus | None
     if lost:
         error = lost
-        status = {**handles.last_status, "state": "failed"} if "account" in handles.last_status else {}
+        last = dataclasses.replace(handles.last_status, state="failed") if handles.last_status is not None else None
     else:
-        status, error = _end_with_the_supervisor(supervisor, handles.stop_drain_s, error, end_errors)
+        last, error = _end_with_the_supervisor(supervisor, handles.stop_drain_s, error, end_errors)
     drain_s = handles.stop_drain_s
     trace = DriftTrace.from_json(
         {"steps": [], "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()]}
     )
     trace = _at_end(
-        "collecting the drift trace",
-        end_errors,
-        lambda: DriftTrace.from_json(
-            {
-                **ray.get(policy.trace.remote(), timeout=60),
-                "layers": [{"name": name, "numel": numel} for name, numel in handles.layer_numel.items()],
-            }
-        ),
-        default=trace,
+        "collecting the drift trace", end_errors, lambda: _drift_trace(policy, handles.layer_numel), default=trace
     )
-    if stopped_for_the_lease(status.get("stop_reason")) or _lapsed(handles.lease):  # (maybe) another run's now
+    if stopped_for_the_lease(last.stop_reason if last is not None else None) or _lapsed(
+        handles.lease
+    ):  # (maybe) another run's now
         logger.warning("not writing %s: this run no longer holds its store's lease", DRIFT_TRACE_FILE)
     else:
         _at_end(
@@ -358,15 +358,17 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         lambda: ray.get(policy.schedule_view.remote(), timeout=60),
         default={},
     )
-    if not lost:
-        status = _final_status(supervisor, status, end_errors)
+    final, memory = (last, {}) if lost else _final_status(supervisor, last, end_errors)
+    step = final.step if final is not None else 0
     stored = _at_end(
         "reading what the store holds",
         end_errors,
-        lambda: stored_at(LayerStore.open(handles.storage_uri), handles.layer_numel, int(status.get("step") or 0)),
+        lambda: stored_at(LayerStore.open(handles.storage_uri), handles.layer_numel, step),
         timeout_s=drain_s,
     )
-    status = {**status, "stored": stored} if stored else status
+    status = final.as_dict() if final is not None else {}
+    status |= {"memory": memory} if memory else {}
+    status |= {"stored": stored} if stored else {}
     train_reports = (
         []
         if lost
@@ -398,11 +400,27 @@ def finish_run(handles: RunHandles, *, error: str | None, config: RunConfig | No
         _at_end("flushing the metrics", end_errors, lambda: ray.get(supervisor.flush_metrics.remote(), timeout=120))
     remove_discovery(handles.discovery_file)  # the exporter ends with the supervisor: stop pointing at it
     for actor in (supervisor, policy):
-        _at_end("stopping the run's actors", end_errors, functools.partial(ray.kill, actor))
+        _at_end("stopping the run's actors", end_errors, functools.partial(kill, actor))
     return result
 
 
-def _supervisor_died(supervisor: Any) -> bool:
+def _stop_for_the_lease(supervisor: SupervisorHandle, reason: str) -> None:
+    supervisor.request_stop.remote(f"{LEASE_LOST} ({reason})")  # no wait: the lease's renewal thread calls it
+
+
+def _lease_renewed(supervisor: SupervisorHandle, valid_until: float) -> None:
+    supervisor.lease_renewed.remote(valid_until)  # no wait: as above
+
+
+def _drift_trace(policy: PolicyHandle, layer_numel: Mapping[str, int]) -> DriftTrace:
+    """The run's drift trace, from the policy actor, with the layers' sizes."""
+    steps = ray.get(policy.trace.remote(), timeout=60)
+    return DriftTrace.from_json(
+        {**steps, "layers": [{"name": name, "numel": numel} for name, numel in layer_numel.items()]}
+    )
+
+
+def _supervisor_died(supervisor: SupervisorHandle) -> bool:
     """Whether the run's supervisor is dead for good (a call to it says so)."""
     try:
         ray.get(supervisor.status.remote(), timeout=60)
@@ -412,8 +430,8 @@ def _supervisor_died(supervisor: Any) -> bool:
 
 
 def _end_with_the_supervisor(
-    supervisor: Any, drain_s: float, error: str | None, end_errors: list[str]
-) -> tuple[dict[str, Any], str | None]:
+    supervisor: SupervisorHandle, drain_s: float, error: str | None, end_errors: list[str]
+) -> tuple[RunStatus | None, str | None]:
     """The supervisor's part of the end: the final drain, its status, and the end recorded; the
     status and the run's error (a setup error or a stop's reason where the trainer raised none)."""
     # persistence.stop_drain_s after the last step, also for a run that ended by itself: the ranks'
@@ -425,13 +443,13 @@ def _end_with_the_supervisor(
         end_errors,
         lambda: ray.get(supervisor.drain.remote(drain_s), timeout=drain_s + ANSWER_S),
     )
-    status: dict[str, Any] = _at_end(
-        "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60), default={}
+    status: RunStatus | None = _at_end(
+        "reading the run's status", end_errors, lambda: ray.get(supervisor.status.remote(), timeout=60)
     )
-    if status.get("setup_error"):  # the trainer's error wraps it in Ray Train's ControllerError
-        error = status["setup_error"]
-    if error is None and status.get("stop_reason"):
-        error = f"stopped after step {status.get('step')}: {status['stop_reason']}"
+    if status is not None and status.setup_error:  # the trainer's error wraps it in Ray Train's ControllerError
+        error = status.setup_error
+    if error is None and status is not None and status.stop_reason:
+        error = f"stopped after step {status.step}: {status.stop_reason}"
     _at_end(
         "recording the end of the run",
         end_errors,
@@ -440,9 +458,11 @@ def _end_with_the_supervisor(
     return status, error
 
 
-def _final_status(supervisor: Any, status: dict[str, Any], end_errors: list[str]) -> dict[str, Any]:
-    """The supervisor's status after the end was recorded, with what the writers hold in memory."""
-    status = _at_end(
+def _final_status(
+    supervisor: SupervisorHandle, status: RunStatus | None, end_errors: list[str]
+) -> tuple[RunStatus | None, dict[str, object]]:
+    """The supervisor's status after the end was recorded, and what the writers hold in memory."""
+    final: RunStatus | None = _at_end(
         "reading the run's final status",
         end_errors,
         lambda: ray.get(supervisor.status.remote(), timeout=60),
@@ -454,7 +474,7 @@ def _final_status(supervisor: Any, status: dict[str, Any], end_errors: list[str]
         lambda: ray.get(supervisor.memory_view.remote(), timeout=60),
         default={},
     )
-    return {**status, "memory": memory} if memory else status
+    return final, memory
 
 
 def _at_end(
@@ -499,7 +519,7 @@ def _lapsed(lease: StoreLease | None) -> bool:
     return lease is not None and lease.valid_until <= time.time()
 
 
-def _start_metrics(supervisor: Any, metrics: Any, run_id: str) -> tuple[str | None, str | None]:
+def _start_metrics(supervisor: SupervisorHandle, metrics: MetricsConfig, run_id: str) -> tuple[str | None, str | None]:
     """Start the run's Prometheus exporter in the supervisor (``metrics.port = 0``: none) and
     write its discovery file; the URL and the file. A port that cannot be bound is logged, not
     fatal: the run trains without metrics."""

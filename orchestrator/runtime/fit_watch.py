@@ -8,12 +8,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 
 from layercheck.orchestrator.core.accounting import format_sources
+from layercheck.orchestrator.core.run_status import RunStatus
+from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle
 from layercheck.orchestrator.runtime.supervisor_loss import lost_reason, supervisor_died
 from layercheck.policies.configs import PolicyConfig
 
@@ -31,8 +34,8 @@ class RunHandles:
     storage_uri: str
     policy_config: PolicyConfig
     layer_numel: dict[str, int]
-    policy: Any
-    supervisor: Any
+    policy: PolicyHandle
+    supervisor: SupervisorHandle
     metrics_url: str | None
     discovery_file: str | None = None
     """The Prometheus ``file_sd`` file naming the exporter (removed when the run ends)."""
@@ -43,7 +46,7 @@ class RunHandles:
     """The driver's lease on the store (``None``: none)."""
     interrupted: bool = False
     interrupted_by: str = "Ctrl-C"
-    last_status: dict[str, Any] = field(default_factory=dict)
+    last_status: RunStatus | None = None
     """The supervisor's status at the driver's last poll (what is known of a run whose supervisor died)."""
     supervisor_lost: str = ""
     """Why the run's supervisor is gone ("": it is not): the run ends, its store resumes."""
@@ -51,19 +54,31 @@ class RunHandles:
     """``persistence.memory_period``: the staleness the run's recoveries promise (0: none)."""
 
 
+class Fits(Protocol):
+    """A trainer whose ``fit()`` runs the training (Ray Train's ``TorchTrainer`` and ours)."""
+
+    def fit(self) -> object: ...
+
+
+#: What the driver's progress hook gets at each poll: the supervisor's status, as the run's result has it.
+ProgressHook = Callable[[dict[str, object]], None]
+#: A SIGTERM handler as ``signal.signal`` takes and returns it.
+SignalHandler = Callable[[int, FrameType | None], object] | int | None
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM on the driver (``kill``, a scheduler's stop): handled exactly like Ctrl-C
     (:func:`raise_on_sigterm`)."""
 
 
-def raise_on_sigterm() -> Any:
+def raise_on_sigterm() -> SignalHandler:
     """Until the previous handler (returned) is put back, SIGTERM raises :class:`Terminated` in
     the main thread, as Ctrl-C raises ``KeyboardInterrupt``: the run stops after the same step on
     every rank, saves its final state and prints its summary and resume command, instead of dying
     mid-step (Ray's own handler exits the driver at once)."""
     import signal
 
-    def _raise(signum: int, frame: Any) -> None:
+    def _raise(signum: int, frame: FrameType | None) -> None:
         raise Terminated()
 
     return signal.signal(signal.SIGTERM, _raise)
@@ -71,9 +86,9 @@ def raise_on_sigterm() -> Any:
 
 def fit_watched(
     handles: RunHandles,
-    trainer: Any,
+    trainer: Fits,
     *,
-    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    on_progress: ProgressHook | None = None,
     poll_s: float = 1.0,
     fault_note: str = "",
 ) -> str | None:
@@ -115,7 +130,7 @@ def fit_watched(
     return outcome.get("error")
 
 
-def _fit(trainer: Any, outcome: dict[str, str], fitted: threading.Event) -> None:
+def _fit(trainer: Fits, outcome: dict[str, str], fitted: threading.Event) -> None:
     try:
         trainer.fit()
     except BaseException as exc:  # noqa: BLE001 - carried to the driver's thread
@@ -151,19 +166,19 @@ def _stop_on_interrupt(handles: RunHandles, fitted: threading.Event) -> None:
 
 def _watch(
     handles: RunHandles,
-    on_progress: Callable[[dict[str, Any]], None] | None,
+    on_progress: ProgressHook | None,
     stop: threading.Event,
     poll_s: float,
     fault_note: str = "",
 ) -> None:
-    seen = {"state": "", "recoveries": 0}
+    seen = Announced()
     while not stop.wait(poll_s):
         try:
             status = ray.get(handles.supervisor.status.remote(), timeout=10)
             handles.last_status = status
             announce_failures(status, seen, fault_note)
             if on_progress is not None:
-                on_progress(status)
+                on_progress(status.as_dict())
         except Exception as error:  # progress display must never end the run
             if supervisor_died(error):
                 supervisor_gone(handles)
@@ -177,7 +192,7 @@ def supervisor_gone(handles: RunHandles) -> None:
     nothing committed until a hand-over to a dead writer fails."""
     if handles.supervisor_lost:
         return
-    handles.supervisor_lost = lost_reason(handles.last_status.get("step"))
+    handles.supervisor_lost = lost_reason(handles.last_status.step if handles.last_status is not None else None)
     logger.error("LAYERCHECK: %s", handles.supervisor_lost)
     try:
         handles.policy.request_stop.remote(handles.supervisor_lost)
@@ -185,31 +200,43 @@ def supervisor_gone(handles: RunHandles) -> None:
         logger.warning("could not ask the ranks to stop: %s", error)
 
 
-def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: str = "") -> list[str]:
+@dataclass
+class Announced:
+    """What :func:`announce_failures` has said so far, poll to poll."""
+
+    state: str = ""
+    """The supervisor's state at the last poll."""
+    recoveries: int = 0
+    """Recoveries already announced."""
+    lost: bool = False
+    """A loss (or a grow) was announced and its recovery not yet."""
+
+
+def announce_failures(status: RunStatus, seen: Announced, fault_note: str = "") -> list[str]:
     """LayerCheck's own account of a lost worker group, one WARNING line when it is seen and one
     when training resumes (one line for both when the recovery was over before a poll saw it),
     so it stands out from Ray's tracebacks; the lines logged."""
     lines = []
     note = f" ({fault_note})" if fault_note else ""
-    state = status.get("state", "")
-    if state == "recovering" and seen["state"] != "recovering" and status.get("grown_from"):
+    state = status.state
+    if state == "recovering" and seen.state != "recovering" and status.grown_from:
         lines.append(
-            f"LAYERCHECK: Ray Train grows the worker group from {status['grown_from']} to "
-            f"{status.get('world_size')} workers after step {status.get('step')} (room came back): it "
+            f"LAYERCHECK: Ray Train grows the worker group from {status.grown_from} to "
+            f"{status.world_size} workers after step {status.step} (room came back): it "
             "restarts the workers, and LayerCheck resumes them like a recovery, after the last complete step"
         )
-        seen["announced"] = True
-    elif state == "recovering" and seen["state"] != "recovering" and status.get("attempt", 2) > 1:
+        seen.lost = True
+    elif state == "recovering" and seen.state != "recovering" and status.attempt > 1:
         # (attempt 1 recovering: a --resume planning its composite, no group was lost)
         lines.append(
-            f"LAYERCHECK: worker group lost after step {status.get('step')}{note}: Ray Train restarts the "
+            f"LAYERCHECK: worker group lost after step {status.step}{note}: Ray Train restarts the "
             "workers, LayerCheck loads each layer's newest committed version and training resumes after "
             "the last complete step (Ray's tracebacks above are that loss)"
         )
-        seen["announced"] = True
-    recoveries = status.get("account", {}).get("recoveries", [])
-    for r in recoveries[seen["recoveries"] :]:
-        announced = seen.pop("announced", False)
+        seen.lost = True
+    recoveries = status.account.get("recoveries", [])
+    for r in recoveries[seen.recoveries :]:
+        announced, seen.lost = seen.lost, False
         if r.get("grown_from"):
             grown = "" if announced else f"Ray Train grew the worker group after step {r['t_fail']}; "
             lines.append(
@@ -231,7 +258,7 @@ def announce_failures(status: dict[str, Any], seen: dict[str, Any], fault_note: 
             f"{r['t_fail']}); composite staleness max {r['max_staleness']}, steps redone {r['steps_redone']}"
             + (f"; elements from {format_sources(r['sources'])}" if r.get("sources") else "")
         )
-    seen.update(state=state, recoveries=len(recoveries))
+    seen.state, seen.recoveries = state, len(recoveries)
     for line in lines:
         logger.warning("%s", line)
     return lines

@@ -24,8 +24,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import ray.train
@@ -34,14 +35,22 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 from ray.train.v2._internal.execution.callback import ReplicaGroupCallback, WorkerGroupCallback
 from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
+from ray.train.v2.api.exceptions import TrainingFailedError
 
 from layercheck.orchestrator.core.recovery.roster import END, SPARE, TRAIN
 from layercheck.orchestrator.runtime import deferred_group
-from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.context import Incarnation, WorkerContext
+from layercheck.orchestrator.runtime.handles import SupervisorHandle, supervisor_named
+from layercheck.orchestrator.runtime.names import RunNames
 from layercheck.orchestrator.runtime.ray_trainer import LayerCheckTorchTrainer
 from layercheck.orchestrator.runtime.spares import await_promotion
 from layercheck.workers.collective_abort import PeerLost, request_abort
+from layercheck.workers.engine import forget_trainer_state, leave_group
 from layercheck.workers.env import init_distributed, reach_store, serve_store
+
+if TYPE_CHECKING:
+    from ray.train.v2._internal.execution.context import DistributedContext
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +90,7 @@ class SparingFailurePolicy(FailurePolicy):
         self._free_left = num_workers
         self._num_workers = num_workers
 
-    def make_decision(self, training_failed_error: Any) -> FailureDecision:
+    def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
         failures = getattr(training_failed_error, "worker_failures", None) or {}
         if self._free_left > 0 and failures and all(isinstance(e, LeftInPlaceRecovery) for e in failures.values()):
             self._free_left -= 1
@@ -135,20 +144,21 @@ class ReplaceInPlace(WorkerGroupCallback, ReplicaGroupCallback):
     worker-group callback too: the controller hands the worker group only those, and keeps the
     replica-group callbacks among them for the replica groups; and it learns the group from it.)"""
 
-    def __init__(self, supervisor: Any) -> None:
+    def __init__(self, supervisor: SupervisorHandle) -> None:
         self.supervisor = supervisor
-        self._group: Any = None
+        self._group: WorkerGroup | None = None
 
-    def after_worker_group_start(self, worker_group: Any) -> None:
+    def after_worker_group_start(self, worker_group: WorkerGroup) -> None:
         self._group = worker_group
 
-    def before_replica_group_shutdown(self, replica_group: Any) -> None:
+    def before_replica_group_shutdown(self, replica_group: ReplicaGroup) -> None:
         lost = {w.distributed_context.world_rank for w in replica_group.get_workers() if w.distributed_context}
         if not lost:
             return
         trained = lost  # unless the supervisor says which of them trained: all
         try:
-            trained = set(ray.get(self.supervisor.replacing.remote(sorted(lost)), timeout=REPLACING_TIMEOUT_S))
+            replaced = ray.get(self.supervisor.replacing.remote(sorted(lost)), timeout=REPLACING_TIMEOUT_S)
+            trained = set(replaced)
         except Exception as error:  # noqa: BLE001 - never in Ray Train's way: the replacement then trains, cold
             logger.warning("could not promote a spare for Ray Train rank(s) %s: %s", sorted(lost), error)
         if not trained:  # spares: nobody waits on them, nobody is released
@@ -159,7 +169,8 @@ class ReplaceInPlace(WorkerGroupCallback, ReplicaGroupCallback):
             threading.Thread(target=_log_answers, args=(asked, lost), daemon=True, name="layercheck-release").start()
 
 
-def release_others(worker_group: Any, lost: set[int]) -> dict[int, Any]:
+def release_others(worker_group: WorkerGroup | None, lost: set[int]) -> dict[int, Any]:
+    # (Any: Ray Train's worker types the references as ray.types.ObjectRef, a dummy ray.get does not take)
     """Ask every worker of ``worker_group`` but the ``lost`` ones to release itself from a collective
     blocked on them; per world rank, the reference of its answer (an ``AbortDecision`` value)."""
     reason = f"Ray Train replaces rank(s) {sorted(lost)} in place"
@@ -191,12 +202,12 @@ def _log_answers(asked: dict[int, Any], lost: set[int]) -> None:
 @dataclass(frozen=True)
 class FormedGroup:
     generation: int
-    store: Any
+    store: torch.distributed.Store
     """The group's store (rank 0 serves it, the others reach it): hand it to
     :func:`layercheck.workers.env.init_distributed`."""
 
 
-def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float) -> FormedGroup:
+def form_group(supervisor: SupervisorHandle, rank: int, world_size: int, *, timeout_s: float) -> FormedGroup:
     """Meet the other ranks at the supervisor and set the environment torch's ``env://`` reads to
     the generation's group. Rank 0 serves the group's store, on a port the OS gave it: a port
     found free and let go would race every other server on the node (it did: Ray's runtime-env
@@ -218,7 +229,7 @@ def form_group(supervisor: Any, rank: int, world_size: int, *, timeout_s: float)
     return FormedGroup(generation=int(address.generation), store=store)
 
 
-def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
+def train_in_place(call: Callable[[], object], ctx: WorkerContext, start: Callable[[int, bool], Incarnation]) -> object:
     """Run the user's loop (``call()``) as this worker's rank (:class:`Seat`), its process group
     formed at the supervisor when the loop first asks torch for it
     (:mod:`~layercheck.orchestrator.runtime.deferred_group`): what the loop does before (its model
@@ -230,10 +241,8 @@ def train_in_place(call: Any, ctx: Any, start: Any) -> Any:
     A warm spare (``CheckpointConfig(spares=k)``) runs the loop too, as far as it goes before it
     needs its rank or its group, and waits there for a promotion; it returns at the run's end
     without one."""
-    from layercheck.workers.engine import forget_trainer_state, leave_group
-
     names = RunNames(ctx.run_id)
-    seat = Seat.take(ray.get_actor(names.supervisor, namespace=NAMESPACE), ctx)
+    seat = Seat.take(supervisor_named(names.supervisor), ctx)
     if seat is None:  # the run ended before this worker started (the replacement of a last spare)
         return None
     number = 0
@@ -281,7 +290,7 @@ class Seat:
     spare trains the rank of a worker at another world rank). What the loop sees agrees with it:
     ``ray.train.get_context()``, ``RANK``/``WORLD_SIZE`` and the process group."""
 
-    supervisor: Any
+    supervisor: SupervisorHandle
     worker_rank: int
     """Ray Train's world rank of this worker."""
     world_size: int
@@ -292,16 +301,16 @@ class Seat:
     """This worker started as a spare."""
     spares: int
     regroup_timeout_s: float
-    ray_view: Any = None
+    ray_view: DistributedContext | None = None
     """Ray Train's own distributed context of this worker (its local rank, its node)."""
-    incarnation: Any = None
+    incarnation: Incarnation | None = None
     """The current run of the loop (``context.Incarnation``): the group's forming is timed into it."""
     _promotion: threading.Lock = field(default_factory=threading.Lock, repr=False)
     """One wait for the promotion at a time: the roster says it once (another thread of the loop
     that reads the rank meanwhile waits here for the first one's answer)."""
 
     @classmethod
-    def take(cls, supervisor: Any, ctx: Any) -> Seat | None:
+    def take(cls, supervisor: SupervisorHandle, ctx: WorkerContext) -> Seat | None:
         """This worker's seat as it starts (``None``: the run is over: nothing to do)."""
         context = ray.train.get_context()
         worker_rank, ray_world = context.get_world_rank(), context.get_world_size()
@@ -329,6 +338,13 @@ class Seat:
             "Ray Train rank %d: %s", worker_rank, f"rank {seat.rank}" if seat.rank is not None else "warm spare"
         )
         return seat
+
+    @property
+    def ray_context(self) -> DistributedContext:
+        """Ray Train's own distributed context of this worker (an in-place run is Train v2's: it has one)."""
+        if self.ray_view is None:
+            raise RuntimeError("Ray Train's distributed context is unknown here: in-place recovery needs Train v2")
+        return self.ray_view
 
     def promoted(self) -> int:
         """This worker's rank. A spare waits at the roster for one, from wherever its loop first
@@ -383,7 +399,7 @@ class Seat:
             ray.get(self.supervisor.rank_finished.remote(self.rank))
 
 
-def _ray_distributed_context() -> Any:
+def _ray_distributed_context() -> DistributedContext | None:
     """Ray Train's distributed context of this worker (Train v2's; ``None`` elsewhere)."""
     try:
         from ray.train.v2._internal.execution.context import get_train_context
@@ -400,7 +416,7 @@ def _show_ray(seat: Seat) -> None:
     waiting spare is not waited for."""
     from ray.train.v2._internal.execution.context import DistributedContext, get_train_context
 
-    view = seat.ray_view
+    view = seat.ray_context
     shown: Any = (
         _AwaitedRank(seat)
         if seat.rank is None
@@ -432,15 +448,15 @@ class _AwaitedRank:
 
     @property
     def local_rank(self) -> int:
-        return int(self._seat.ray_view.local_rank)
+        return int(self._seat.ray_context.local_rank)
 
     @property
     def local_world_size(self) -> int:
-        return int(self._seat.ray_view.local_world_size)
+        return int(self._seat.ray_context.local_world_size)
 
     @property
     def node_rank(self) -> int:
-        return int(self._seat.ray_view.node_rank)
+        return int(self._seat.ray_context.node_rank)
 
 
 def recovers_in_place(supervisor_name: str, rank: int, error: Exception, *, recovering: bool) -> bool:
@@ -474,8 +490,7 @@ def _in_place_off(supervisor_name: str) -> str | None:
     """Which failed recovery turned in-place recovery off (``None``: it is on). A supervisor that does not
     answer leaves it on: the recovery then finds out for itself."""
     try:
-        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
-        return ray.get(supervisor.in_place_off.remote(), timeout=10)
+        return ray.get(supervisor_named(supervisor_name).in_place_off.remote(), timeout=10)
     except Exception as failure:  # noqa: BLE001 - see above
         logger.warning("could not ask whether in-place recovery is still on: %s", failure)
         return None
@@ -486,8 +501,7 @@ def _leave(supervisor_name: str, rank: int, reason: str, detail: str) -> None:
     ``FALLBACK_REASONS``). Best effort, never in the way of the error: unsaid, the summary says
     that no rank survived."""
     try:
-        supervisor = ray.get_actor(supervisor_name, namespace=NAMESPACE)
-        ray.get(supervisor.in_place_refused.remote(rank, reason, detail), timeout=10)
+        ray.get(supervisor_named(supervisor_name).in_place_refused.remote(rank, reason, detail), timeout=10)
     except Exception as failure:  # noqa: BLE001 - see above
         logger.warning("rank %d could not say why it leaves in-place recovery: %s", rank, failure)
 

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
 
+import numpy as np
 import ray
 
 from layercheck.orchestrator.core.memory.reads import HeldHeader, MemoryFirstOpener, Needs, files_to_fetch
+from layercheck.orchestrator.runtime.handles import SupervisorHandle, WriterHandle
 from layercheck.orchestrator.store.layer_store import LayerStore
 
 logger = logging.getLogger(__name__)
@@ -29,14 +30,14 @@ FETCH_TIMEOUT_S = 30.0
 class WriterCopies:
     """``candidates`` for a :class:`MemoryFirstOpener`: the copies ``index`` says writers hold."""
 
-    def __init__(self, index: Mapping[str, list[tuple[str, Any]]], timeout_s: float = FETCH_TIMEOUT_S) -> None:
+    def __init__(self, index: Mapping[str, list[tuple[str, WriterHandle]]], timeout_s: float = FETCH_TIMEOUT_S) -> None:
         self.index = index
         self.timeout_s = timeout_s
-        self._ahead: dict[str, Any] = {}
+        self._ahead: dict[str, ray.ObjectRef[np.ndarray | None]] = {}
 
     def headers(self, paths: Iterable[str]) -> dict[str, HeldHeader]:
         """The headers of ``paths`` their first holder has, asked of each writer in one call."""
-        by_writer: dict[Any, tuple[str, list[str]]] = {}
+        by_writer: dict[WriterHandle, tuple[str, list[str]]] = {}
         for path in paths:
             if self.index.get(path):
                 source, writer = self.index[path][0]
@@ -58,7 +59,7 @@ class WriterCopies:
             if self.index.get(path) and path not in self._ahead:
                 self._ahead[path] = self.index[path][0][1].fetch.remote(path)
 
-    def __call__(self, path: str) -> Iterator[tuple[str, Any]]:
+    def __call__(self, path: str) -> Iterator[tuple[str, np.ndarray]]:
         for i, (source, writer) in enumerate(self.index.get(path, ())):
             ref = self._ahead.pop(path, None) if i == 0 else None
             try:
@@ -71,7 +72,7 @@ class WriterCopies:
 
 
 def memory_first_store(
-    storage_uri: str, fsync: bool, supervisor: Any, node_id: str, paths: Iterable[str], needs: Needs
+    storage_uri: str, fsync: bool, supervisor: SupervisorHandle, node_id: str, paths: Iterable[str], needs: Needs
 ) -> tuple[LayerStore, MemoryFirstOpener]:
     """The run's store, opening the plan's shard files (``paths``: the ones this rank reads) from
     the writers' memory first: every header, and whole only the files that hold this rank's slices
@@ -82,7 +83,7 @@ def memory_first_store(
         index = ray.get(supervisor.memory_index.remote(node_id, paths))
     except Exception as error:  # noqa: BLE001 - recovery from storage alone is still recovery
         logger.warning("cannot learn what the writers hold in memory (%s): loading from storage", error)
-        index = {}
+        index = {}  # (no writer holds anything, as far as this rank knows)
     copies = WriterCopies(index)
     headers = copies.headers(paths)
     copies.prefetch(files_to_fetch(headers, needs))

@@ -24,7 +24,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from layercheck.orchestrator.core.accounting import FALLBACK_REASONS
 from layercheck.orchestrator.core.memory.footprint import RSS_PARTS
 from layercheck.orchestrator.core.memory.reads import SOURCES
+from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.core.recovery.capture_window import capture_figures
+from layercheck.orchestrator.core.run_status import RunStatus
 from layercheck.orchestrator.runtime.metric_specs import (
     BYTES_PER_PARAM,
     RECENT_WINDOW_S,
@@ -160,7 +162,7 @@ class RunMetrics:
             self._weighted[step] = weighted
 
     # ---- refresh ------------------------------------------------------------------------
-    def refresh(self, status: Mapping[str, Any], writers: Sequence[Any], policy: Mapping[str, Any], now: float) -> None:
+    def refresh(self, status: RunStatus, writers: Sequence[WriterStats], policy: Mapping[str, Any], now: float) -> None:
         """Bring every metric up to date. ``status``: :meth:`SupervisorActor.status`; ``writers``:
         :class:`~layercheck.orchestrator.core.persistence.writer_stats.WriterStats` of every writer; ``policy``:
         :meth:`PolicyActor.metrics_view` (may be empty when the policy actor did not answer)."""
@@ -174,19 +176,19 @@ class RunMetrics:
             self._refresh_recovery(status)
             self._refresh_progress(status)
 
-    def _refresh_layers(self, status: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
-        for layer, stats in status["layers"].items():
-            self._set("layercheck_layer_staleness_steps", status["staleness"].get(layer), layer)
-            self._advance("layercheck_layer_committed_versions_total", stats["versions"], layer)
-            self._advance("layercheck_layer_committed_bytes_total", stats["bytes"], layer)
+    def _refresh_layers(self, status: RunStatus, policy: Mapping[str, Any]) -> None:
+        for layer, stats in status.layers.items():
+            self._set("layercheck_layer_staleness_steps", status.staleness.get(layer), layer)
+            self._advance("layercheck_layer_committed_versions_total", stats.versions, layer)
+            self._advance("layercheck_layer_committed_bytes_total", stats.bytes, layer)
         for layer, value in policy.get("accumulated", {}).items():
             self._set("layercheck_layer_accumulated_drift", value, layer)
         for layer, value in policy.get("threshold", {}).items():
             self._set("layercheck_layer_drift_threshold", value, layer)
 
-    def _refresh_staleness(self, status: Mapping[str, Any], policy: Mapping[str, Any]) -> None:
-        self._set("layercheck_staleness_max_steps", status["max_staleness"])
-        self._set("layercheck_staleness_weighted_steps", status["weighted_staleness"])
+    def _refresh_staleness(self, status: RunStatus, policy: Mapping[str, Any]) -> None:
+        self._set("layercheck_staleness_max_steps", status.max_staleness)
+        self._set("layercheck_staleness_weighted_steps", status.weighted_staleness)
         self._set("layercheck_smax_steps", policy.get("smax"))
         if self._weighted:
             mean = self._weighted_sum / len(self._weighted)
@@ -194,13 +196,13 @@ class RunMetrics:
             full = sum(self.layer_numel.values()) * BYTES_PER_PARAM
             self._set("layercheck_staleness_weighted_mean_steps", mean)
             self._set("layercheck_full_checkpoint_interval_steps", interval)
-            self._set("layercheck_full_checkpoint_equivalent_bytes", full * (status["step"] // interval))
+            self._set("layercheck_full_checkpoint_equivalent_bytes", full * (status.step // interval))
 
-    def _refresh_bytes(self, status: Mapping[str, Any], writers: Sequence[Any], now: float) -> None:
+    def _refresh_bytes(self, status: RunStatus, writers: Sequence[WriterStats], now: float) -> None:
         written = sum(w.written_bytes for w in writers)
         self._advance("layercheck_written_bytes_total", written)
-        self._advance("layercheck_committed_bytes_total", status["bytes_committed"])
-        account = status["account"]
+        self._advance("layercheck_committed_bytes_total", status.bytes_committed)
+        account = status.account
         self._samples.append((now, account["productive_s"], self._seen[("layercheck_written_bytes_total",)]))
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
             self._samples.popleft()
@@ -220,27 +222,27 @@ class RunMetrics:
         self._set("layercheck_write_budget_bytes_per_step", policy.get("write_budget_bytes"))
         self._set("layercheck_drain_bytes_per_second", policy.get("drain_bytes_per_second"))
 
-    def _refresh_persistence(self, status: Mapping[str, Any], writers: Sequence[Any]) -> None:
+    def _refresh_persistence(self, status: RunStatus, writers: Sequence[WriterStats]) -> None:
         self._set("layercheck_persistence_queue_versions", sum(w.queued for w in writers))
         self._set("layercheck_persistence_queue_bytes", sum(w.queued_bytes for w in writers))
         self._advance("layercheck_superseded_versions_total", sum(w.superseded for w in writers))
-        self._advance("layercheck_abandoned_versions_total", status["abandoned_versions"])
-        self._advance("layercheck_write_failures_total", status["write_failures"])
-        self._advance("layercheck_commit_retries_total", status["commit_retries"])
-        self._advance("layercheck_lost_versions_total", status["lost_versions"])
-        self._advance("layercheck_writers_replaced_total", status.get("writers_replaced", 0))
-        self._set("layercheck_staleness_breach", 1.0 if status.get("staleness_breach") else 0.0)
+        self._advance("layercheck_abandoned_versions_total", status.abandoned_versions)
+        self._advance("layercheck_write_failures_total", status.write_failures)
+        self._advance("layercheck_commit_retries_total", status.commit_retries)
+        self._advance("layercheck_lost_versions_total", status.lost_versions)
+        self._advance("layercheck_writers_replaced_total", status.writers_replaced)
+        self._set("layercheck_staleness_breach", 1.0 if status.staleness_breach else 0.0)
         self._refresh_memory(writers)
-        latencies = status["write_latencies"]
+        latencies = status.write_latencies
         for seconds in latencies[self._latencies_seen :]:
             self._child("layercheck_write_latency_seconds").observe(seconds)
         self._latencies_seen = max(self._latencies_seen, len(latencies))
-        account = status["account"]
+        account = status.account
         self._advance("layercheck_stalls_total", account["stalls"])
         self._advance("layercheck_stall_seconds_total", account["stall_s"])
 
-    def _refresh_capture(self, status: Mapping[str, Any]) -> None:
-        groups = capture_figures(status["account"].get("capture", {}))
+    def _refresh_capture(self, status: RunStatus) -> None:
+        groups = capture_figures(status.account.get("capture", {}))
         self._advance("layercheck_recovery_capture_bytes_total", sum(g["bytes"] for g in groups))
         self._advance("layercheck_recovery_captured_ranks_total", sum(len(g["captured"]) for g in groups))
         self._advance("layercheck_recovery_capture_missed_ranks_total", sum(len(g["missed"]) for g in groups))
@@ -250,12 +252,11 @@ class RunMetrics:
             self._set("layercheck_recovery_capture_hold_seconds", last["hold_s"])
             self._set("layercheck_recovery_capture_seconds", last["capture_s"])
 
-    def _refresh_memory(self, writers: Sequence[Any]) -> None:
+    def _refresh_memory(self, writers: Sequence[WriterStats]) -> None:
         """The in-memory tier: what each live writer holds (a replaced writer's series go)."""
         held = set()
         for w in writers:
-            name = getattr(w, "name", "")
-            memory, mirror = getattr(w, "memory_bytes", 0), getattr(w, "mirror_bytes", 0)
+            name, memory, mirror = w.name, w.memory_bytes, w.mirror_bytes
             self._set("layercheck_writer_memory_bytes", memory - mirror, name, "own")
             self._set("layercheck_writer_memory_bytes", mirror, name, "mirror")
             held.add(name)
@@ -263,17 +264,17 @@ class RunMetrics:
             for copy in ("own", "mirror"):
                 self.m["layercheck_writer_memory_bytes"].remove(self.run_id, name, copy)
         self._memory_writers = held
-        self._advance("layercheck_memory_evicted_shards_total", sum(getattr(w, "memory_evicted", 0) for w in writers))
+        self._advance("layercheck_memory_evicted_shards_total", sum(w.memory_evicted for w in writers))
 
-    def _refresh_host_memory(self, writers: Sequence[Any]) -> None:
+    def _refresh_host_memory(self, writers: Sequence[WriterStats]) -> None:
         """Each live writer actor's resident memory by part (a replaced writer's series go)."""
         exported = set()
         for w in writers:
-            host = getattr(w, "host", None)
+            host = w.host
             parts = host.rss_parts() if host is not None else None
             if parts is None:
                 continue
-            name = getattr(w, "name", "")
+            name = w.name
             for part, value in parts.items():
                 self._set("layercheck_writer_rss_bytes", value, name, part)
             exported.add(name)
@@ -282,19 +283,19 @@ class RunMetrics:
                 self.m["layercheck_writer_rss_bytes"].remove(self.run_id, name, part)
         self._rss_writers = exported
 
-    def _refresh_recovery(self, status: Mapping[str, Any]) -> None:
+    def _refresh_recovery(self, status: RunStatus) -> None:
         self._refresh_capture(status)
-        account = status["account"]
+        account = status.account
         recoveries = account["recoveries"]
         self._advance("layercheck_failures_total", account["failures"])
         self._advance("layercheck_lost_compute_seconds_total", account["lost_step_s"])
         self._advance("layercheck_steps_lost_total", sum(r["steps_redone"] for r in recoveries))
-        ended = status["state"] in ("finished", "failed")
+        ended = status.state in ("finished", "failed")
         # a recovery is observed once its group trained its resume step (every rank has loaded by then)
         while self._recoveries_seen < len(recoveries):
             recovery = recoveries[self._recoveries_seen]
             later = self._recoveries_seen + 1 < len(recoveries)
-            if not (ended or later or (status["state"] == "running" and status["step"] >= recovery["resumed_at"])):
+            if not (ended or later or (status.state == "running" and status.step >= recovery["resumed_at"])):
                 break
             seconds = {**recovery.get("timeline", {}), "total": recovery["total_s"]}
             for phase in RECOVERY_PHASES:
@@ -308,28 +309,28 @@ class RunMetrics:
         self._advance("layercheck_recoveries_total", self._recoveries_seen)
         in_place = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("kept_processes"))
         self._advance("layercheck_recoveries_in_place_total", in_place)
-        spares = status.get("spares") or {"waiting": 0, "promotions": 0}  # none: 0 (cluster.spares = 0)
+        spares = status.spares or {"waiting": 0, "promotions": 0}  # none: 0 (cluster.spares = 0)
         self._set("layercheck_spares_waiting", spares["waiting"])
         self._advance("layercheck_spares_promoted_total", spares["promotions"])
         for reason in FALLBACK_REASONS:
             fell_back = sum(1 for r in recoveries[: self._recoveries_seen] if r.get("fallback") == reason)
             self._advance("layercheck_recovery_fallbacks_total", fell_back, reason)
 
-    def _refresh_progress(self, status: Mapping[str, Any]) -> None:
-        self._set("layercheck_training_step", status["step"])
-        self._set("layercheck_step_seconds", status["step_s"])
-        self._set("layercheck_policy_protocol_seconds", status["account"]["coordination_s_per_step"]["mean"])
-        engine = status["account"].get("engine")
+    def _refresh_progress(self, status: RunStatus) -> None:
+        self._set("layercheck_training_step", status.step)
+        self._set("layercheck_step_seconds", status.step_s)
+        self._set("layercheck_policy_protocol_seconds", status.account["coordination_s_per_step"]["mean"])
+        engine = status.account.get("engine")
         if engine:
             self._set("layercheck_engine_info", 1, engine)
-        probe = status["account"].get("drift_probe")
+        probe = status.account.get("drift_probe")
         if probe:
             # a probe that runs the whole update in place of the optimizer's step: what it adds to that step
             per_step = probe.get("added_s_per_step", probe["s_per_step"])
             self._set("layercheck_drift_probe_seconds", per_step, probe["probe"])
-        if not math.isnan(status["loss"]):
-            self._set("layercheck_training_loss", status["loss"])
-        self._set("layercheck_learning_rate", status["lr"])
-        self._set("layercheck_worker_group_attempt", status["attempt"])
+        if not math.isnan(status.loss):
+            self._set("layercheck_training_loss", status.loss)
+        self._set("layercheck_learning_rate", status.lr)
+        self._set("layercheck_worker_group_attempt", status.attempt)
         for state in STATES:
-            self._set("layercheck_supervisor_state", 1.0 if status["state"] == state else 0.0, state)
+            self._set("layercheck_supervisor_state", 1.0 if status.state == state else 0.0, state)

@@ -149,7 +149,7 @@ class PolicyActor:
         abs_sums: Mapping[str, float],
         counts: Mapping[str, int],
         measured: bool = True,
-    ) -> dict[str, Any] | None:
+    ) -> dict[str, object] | None:
         """This rank's drift for ``step`` (``measured`` false: none measured, ``drift_every``);
         returns the step's decision (as JSON) once all ranks are in, or ``None`` if the worker
         group was restarted before they were; ``{"refused": why}`` from a rebuilt actor."""
@@ -233,7 +233,7 @@ class PolicyActor:
             for writer in writers:
                 self._drain.forget(writer)
 
-    def schedule_view(self) -> dict[str, Any]:
+    def schedule_view(self) -> dict[str, object]:
         """The peak bytes one step handed over (the schedule's decisions; the run's final save is
         not one), and the write budget with the drain bandwidth and step time behind it."""
         return {
@@ -292,6 +292,6 @@ class PolicyActor:
         lr = self.service.trace[-1].lr if self.service.trace else 0.0
         return {"lr": lr, **self.service.policy.metrics_view(lr), **self.schedule_view()}
 
-    def trace(self) -> dict[str, Any]:
+    def trace(self) -> dict[str, object]:
         """The run's drift trace so far, in the simulator's JSON form less the layer sizes."""
         return {"steps": [observation_json(o) for o in self.service.trace]}

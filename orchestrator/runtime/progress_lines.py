@@ -42,7 +42,7 @@ def format_progress(status: dict[str, Any]) -> str:
     )
 
 
-def short_number(value: Any) -> str:
+def short_number(value: object) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -25,6 +25,8 @@ import ray.train
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
+from layercheck.orchestrator.core.recovery.capture_window import CaptureReport
+from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle, WriterHandle
 from layercheck.orchestrator.runtime.policy_actor import PolicyActorLost
 from layercheck.orchestrator.runtime.wire import to_wire
 from layercheck.policies.decision import PersistDecision
@@ -91,9 +93,9 @@ class RayCoordinator:
         self,
         *,
         rank: int,
-        policy: Any,
-        writer: Any,
-        supervisor: Any,
+        policy: PolicyHandle,
+        writer: WriterHandle,
+        supervisor: SupervisorHandle,
         max_inflight_bytes: int,
         attempt: int = 1,
         capture_timeout_s: float | None = None,
@@ -404,17 +406,17 @@ class RayCoordinator:
                 problem = problem or f"{len(pending)} layer(s) not held within {self.capture_timeout_s:g}s"
         except Exception as failure:  # noqa: BLE001 - best effort: report it, never mask the step's error
             problem = f"{type(failure).__name__}: {failure}"
-        report = {
-            "rank": self.rank,
-            "attempt": self.attempt,
-            "step": step,
-            "layers": held,
-            "nbytes": nbytes,
-            "held": held == len(shards) and not problem,
-            "seconds": time.monotonic() - started,
-            "raised_at": raised_at,
-            "error": problem,
-        }
+        report = CaptureReport(
+            rank=self.rank,
+            attempt=self.attempt,
+            step=step,
+            layers=held,
+            nbytes=nbytes,
+            held=held == len(shards) and not problem,
+            seconds=time.monotonic() - started,
+            raised_at=raised_at,
+            error=problem,
+        )
         logger.warning(
             "rank %d: step raised (%s); handed the state at step %d of %d layers (%d bytes) to the writer in %.3fs%s",
             self.rank,
@@ -422,7 +424,7 @@ class RayCoordinator:
             step,
             held,
             nbytes,
-            report["seconds"],
+            report.seconds,
             f" ({problem})" if problem else "",
         )
         ray.get(self.supervisor.capture_ended.remote(report), timeout=10)

@@ -154,7 +154,7 @@ class PeriodCheck:
     def kept(self) -> bool:
         return not self.late_elements
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "t_fail": self.t_fail,
             "period": self.period,

@@ -6,13 +6,11 @@ answering each rank with a copy of its own pickled N copies of N ranks' files in
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 
 from layercheck.orchestrator.core.recovery.events import ResumeInfo
 
 
-def resume_of(answer: Any) -> ResumeInfo:
+def resume_of(answer: ResumeInfo | ray.ObjectRef[ResumeInfo]) -> ResumeInfo:
     """The :class:`ResumeInfo` behind a ``join``'s answer (a reference; a value passes as it is)."""
     return ray.get(answer) if isinstance(answer, ray.ObjectRef) else answer

@@ -16,7 +16,7 @@ from layercheck.orchestrator.runtime.progress_lines import short_number
 from layercheck.orchestrator.runtime.recovery_lines import period_check, recovered, recovery_rows
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
-from layercheck.policies.configs import policy_name
+from layercheck.policies.configs import DriftOptimalConfig, LayerCheckConfig, StaggeredConfig, policy_name
 from layercheck.policies.layer_map import describe_layers
 from layercheck.policies.simulation import BYTES_PER_PARAM, compare
 
@@ -85,18 +85,23 @@ def summarize(result: RunResult) -> dict[str, Any]:
     assert policy is not None  # start_run's policy config (RunResult takes the run config's otherwise)
     if policy.selective and result.trace.steps:
         logging.getLogger("layercheck.policies").setLevel(logging.WARNING)  # the replay's decisions are not news
-        warmup: int = getattr(policy, "warmup_steps", 0)  # every selective policy has one
+        warmup = (
+            policy.warmup_steps if isinstance(policy, (LayerCheckConfig, DriftOptimalConfig, StaggeredConfig)) else 0
+        )
         comparison = compare(result.trace, policy, label=policy_name(policy), eval_from=warmup)
-        for key, matched, mean in (
-            ("full_at_same_staleness", comparison.matched_staleness, "mean_weighted_staleness"),
-            ("full_at_same_drift", comparison.matched_drift, "mean_unsaved_drift"),
-        ):
-            summary[key] = {
-                "interval": matched.interval,
-                "bytes": matched.bytes_written,
-                mean: getattr(matched, mean),
-                f"policy_{mean}": getattr(comparison.result, mean),
-            }
+        ours, staleness, drift = comparison.result, comparison.matched_staleness, comparison.matched_drift
+        summary["full_at_same_staleness"] = {
+            "interval": staleness.interval,
+            "bytes": staleness.bytes_written,
+            "mean_weighted_staleness": staleness.mean_weighted_staleness,
+            "policy_mean_weighted_staleness": ours.mean_weighted_staleness,
+        }
+        summary["full_at_same_drift"] = {
+            "interval": drift.interval,
+            "bytes": drift.bytes_written,
+            "mean_unsaved_drift": drift.mean_unsaved_drift,
+            "policy_mean_unsaved_drift": ours.mean_unsaved_drift,
+        }
         if result.trace.sampled:  # the unsaved drift between measurements is the rate's estimate
             summary["drift_measured_steps"] = sum(1 for o in result.trace.steps if o.measured)
     return summary

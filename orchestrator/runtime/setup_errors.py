@@ -23,9 +23,10 @@ from collections.abc import Mapping
 
 import ray
 
+from layercheck.orchestrator.runtime.callback_base import user_callback_base
+from layercheck.orchestrator.runtime.handles import SupervisorHandle
 from layercheck.orchestrator.runtime.policy_actor import PolicyActorLost
 from layercheck.orchestrator.runtime.supervisor_loss import SupervisorLost, lost_reason, supervisor_died
-from layercheck.orchestrator.runtime.train_report import user_callback_base
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class SetupErrorsEndTheRun(user_callback_base()):  # type: ignore[misc]
     non-retryable controller error, so ``fit`` ends with :class:`SetupError` (or
     :class:`SupervisorLost`, when the supervisor is dead)."""
 
-    def __init__(self, supervisor: ray.actor.ActorHandle) -> None:
+    def __init__(self, supervisor: SupervisorHandle) -> None:
         self.supervisor = supervisor
 
     def after_exception(self, run_context: object, worker_exceptions: dict[int, Exception]) -> None:

@@ -21,13 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 import ray
 
 from layercheck.orchestrator.core.recovery.roster import END, SPARE, TRAIN, Role, Roster
+from layercheck.orchestrator.runtime.handles import SupervisorHandle
 
 logger = logging.getLogger(__name__)
+
+B = TypeVar("B")
+"""What a spare's ``build`` builds (its model, engine, ...)."""
 
 #: How long one wait of a spare at the supervisor lasts before it asks again (a Ray call that
 #: blocks a supervisor thread; a spare that died meanwhile frees it within this).
@@ -82,13 +87,15 @@ class SpareRoster:
             self._roster.finish(rank)
             self._changed.notify_all()
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> dict[str, int]:
         with self._changed:
             r = self._roster
             return {"spares": r.spares, "waiting": len(r.waiting), "promotions": r.promotions}
 
 
-def wait_as_spare(supervisor: Any, worker_rank: int, build: Any, warm: Any = None) -> tuple[Role, Any]:
+def wait_as_spare(
+    supervisor: SupervisorHandle, worker_rank: int, build: Callable[[], B], warm: Callable[[], object] | None = None
+) -> tuple[Role, B]:
     """In a spare's train function: ``build()`` (the model, and whatever else a rank builds before
     its group) while nothing is asked of it; from then on the roster may promote it. Then
     ``warm()`` (work its promotion would otherwise do on the critical path: a promotion that comes
@@ -103,7 +110,7 @@ def wait_as_spare(supervisor: Any, worker_rank: int, build: Any, warm: Any = Non
     return await_promotion(supervisor, worker_rank), built
 
 
-def await_promotion(supervisor: Any, worker_rank: int) -> Role:
+def await_promotion(supervisor: SupervisorHandle, worker_rank: int) -> Role:
     """A spare that has done what it can ahead of a promotion waits at the roster (ready from now
     on, if it was not) until it is promoted (``train``) or the run ends (``end``). The roster says
     a promotion once: a caller that was told it already does not ask again."""

@@ -7,28 +7,37 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import ray
 import ray.train
 
 from layercheck.orchestrator.core.accounting import RankStart
 from layercheck.orchestrator.core.memory.reads import describe_sources, needed_spans
-from layercheck.orchestrator.core.recovery.composite import load_composite
+from layercheck.orchestrator.core.recovery.composite import Restorable, load_composite
+from layercheck.orchestrator.core.recovery.events import ResumeInfo
 from layercheck.orchestrator.core.recovery.roster import END, SPARE
-from layercheck.orchestrator.core.run_config import FaultConfig, parse_run_config
+from layercheck.orchestrator.core.run_config import FaultConfig, RunConfig, parse_run_config
 from layercheck.orchestrator.logs import configure_process_logging
 from layercheck.orchestrator.runtime.context import Incarnation, process_started_at
+from layercheck.orchestrator.runtime.handles import (
+    PolicyHandle,
+    SupervisorHandle,
+    WriterHandle,
+    policy_named,
+    supervisor_named,
+)
 from layercheck.orchestrator.runtime.in_place import form_group, recovers_in_place
 from layercheck.orchestrator.runtime.memory_fetch import memory_first_store
-from layercheck.orchestrator.runtime.names import NAMESPACE, RunNames
+from layercheck.orchestrator.runtime.names import RunNames
 from layercheck.orchestrator.runtime.ray_coordinator import RayCoordinator
 from layercheck.orchestrator.runtime.resume_ref import resume_of
 from layercheck.orchestrator.runtime.spares import wait_as_spare
 from layercheck.orchestrator.runtime.train_report import TrainReporter
 from layercheck.orchestrator.store.errors import CorruptShardError
+from layercheck.orchestrator.store.manifest import VersionRecord
 from layercheck.orchestrator.store.recovery_source import files_for
 from layercheck.workers import collective_abort, faults
 from layercheck.workers.data.dataset import load_dataset
@@ -38,10 +47,23 @@ from layercheck.workers.loop import (
     run_loop,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from layercheck.workers.engine import TrainEngine
+
 logger = logging.getLogger(__name__)
 
 
-def train_fn(loop_config: dict[str, Any]) -> None:
+class TrainLoopConfig(TypedDict):
+    """The ``train_loop_config`` the driver gives each worker."""
+
+    run: dict[str, object]
+    """The run's config as JSON (``RunConfig.to_json``)."""
+    run_id: str
+
+
+def train_fn(loop_config: TrainLoopConfig) -> None:
     """The ``train_loop_per_worker`` of the run's ``TorchTrainer``. With ``cluster.in_place``, a
     step that raises because a peer was lost does not end it: this rank leaves the broken group,
     meets the others (the lost rank's replacement among them) in a new one, and trains on from
@@ -60,7 +82,7 @@ def train_fn(loop_config: dict[str, Any]) -> None:
     incarnation, started_at = 0, process_started_at()
     model = None
     if run.cluster.spares:  # Ray Train's world: the training ranks and the spares; the roster says which
-        supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
+        supervisor = supervisor_named(names.supervisor)
         role = ray.get(supervisor.role.remote(rank))
         if role.kind == SPARE:
             role, model = wait_as_spare(supervisor, rank, lambda: build_model(run.model), warm_engine_imports)
@@ -100,14 +122,14 @@ def train_fn(loop_config: dict[str, Any]) -> None:
 class Stage:
     """How far an incarnation of a rank got."""
 
-    model: Any = None
+    model: PreTrainedModel | None = None
     """Its model, built beforehand (a warm spare's); ``None``: build it."""
     training: bool = False
     """Past its recovery: it trains (a survivor's error from here on is no failed recovery)."""
 
 
 def _train(
-    run: Any,
+    run: RunConfig,
     names: RunNames,
     rank: int,
     world_size: int,
@@ -120,8 +142,8 @@ def _train(
     """One incarnation of this rank: join the run, form the process group (in-place runs), build
     the engine, load the composite if the group recovers, and train to the end."""
     arrived = time.time()
-    supervisor = ray.get_actor(names.supervisor, namespace=NAMESPACE)
-    policy = ray.get_actor(names.policy, namespace=NAMESPACE)
+    supervisor = supervisor_named(names.supervisor)
+    policy = policy_named(names.policy)
     runtime = ray.get_runtime_context()
     incarnation_id = Incarnation(number=incarnation).worker_id(worker_id)
     resume_ref = supervisor.join.remote(rank, world_size, incarnation_id, run.engine.backend)
@@ -163,7 +185,7 @@ def _train(
             )
             seek_step(train_engine, resume.start_step - 1)
         elif resume.attempt > 1:  # a restart with nothing to load: its start and build are still the recovery's
-            supervisor.loaded.remote(rank, 0.0, {}, start.to_json())
+            supervisor.loaded.remote(rank, 0.0, {}, start)
         stage.training = True
         _run(run, train_engine, supervisor, policy, writers, rank=rank, world_size=world_size, resume=resume)
     finally:
@@ -175,15 +197,15 @@ def _train(
 
 
 def _run(
-    run: Any,
-    train_engine: Any,
-    supervisor: Any,
-    policy: Any,
-    writers: list[Any],
+    run: RunConfig,
+    train_engine: TrainEngine,
+    supervisor: SupervisorHandle,
+    policy: PolicyHandle,
+    writers: list[WriterHandle],
     *,
     rank: int,
     world_size: int,
-    resume: Any,
+    resume: ResumeInfo,
 ) -> None:
     """Train from the resume step to the end with LayerCheck's protocol, and report the end."""
     coordinator = RayCoordinator(
@@ -229,14 +251,14 @@ def _run(
 
 
 def recover(
-    target: Any,
+    target: Restorable,
     storage_uri: str,
     fsync: bool,
-    records: Any,
-    supervisor: Any,
+    records: Mapping[str, VersionRecord],
+    supervisor: SupervisorHandle,
     rank: int,
     *,
-    overlays: Any = None,
+    overlays: Mapping[str, tuple[VersionRecord, ...]] | None = None,
     start: RankStart | None = None,
 ) -> None:
     """Load the composite ``records`` names, with the partial ``overlays`` (survivors' captures)
@@ -261,7 +283,7 @@ def recover(
     load_s = time.monotonic() - started  # the headers and the prefetch too: all of the load
     sources = opener.sources
     logger.warning("rank %d loaded the composite in %.2fs: %s", rank, load_s, describe_sources(sources, load_s))
-    supervisor.loaded.remote(rank, load_s, sources.to_json(), (start or RankStart()).to_json())
+    supervisor.loaded.remote(rank, load_s, sources.to_json(), start or RankStart())
 
 
 def fault_hook(fault: FaultConfig, rank: int, attempt: int, coordinator: RayCoordinator) -> Callable[[int], None]:

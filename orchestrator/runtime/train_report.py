@@ -19,12 +19,19 @@ metrics of every report to the supervisor, and ``RunResult.train_reports`` holds
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
 
 import ray
 import ray.train
+
+from layercheck.orchestrator.core.persistence.config import PersistenceConfig
+from layercheck.orchestrator.runtime.callback_base import user_callback_base
+from layercheck.orchestrator.runtime.capture_hold import CaptureHold
+from layercheck.orchestrator.runtime.handles import SupervisorHandle
+from layercheck.orchestrator.runtime.setup_errors import SetupErrorsEndTheRun
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +42,25 @@ REPORT_KEYS = ("step", "loss", "pid", "max_staleness", "ettr")
 class TrainReporter:
     """One rank's ``ray.train.report`` calls; call it after every step."""
 
-    def __init__(self, *, rank: int, every: int, supervisor: Any, to_ray: bool = True) -> None:
+    def __init__(self, *, rank: int, every: int, supervisor: SupervisorHandle, to_ray: bool = True) -> None:
         """``to_ray``: call ``ray.train.report`` (off: report nothing, e.g. with ``cluster.spares``,
         whose waiting workers make no steps to report and would leave the barrier waiting)."""
         self.rank = rank
         self.every = every if to_ray else 0
         self.supervisor = supervisor
-        self._asked: ray.ObjectRef | None = None
-        self._view: dict[str, Any] = {"max_staleness": None, "ettr": None}
+        self._asked: ray.ObjectRef[dict[str, float | int | None]] | None = None
+        self._view: dict[str, float | int | None] = {"max_staleness": None, "ettr": None}
 
     def __call__(self, step: int, loss: float) -> None:
         if self.every and step % self.every == 0:
             ray.train.report(self.metrics(step, loss))
 
-    def final(self, step: int, loss: float | None, **extra: Any) -> None:
+    def final(self, step: int, loss: float | None, **extra: object) -> None:
         """The report every rank makes once at the end."""
         if self.every:
             ray.train.report({**self.metrics(step, loss), **extra})
 
-    def metrics(self, step: int, loss: float | None) -> dict[str, Any]:
+    def metrics(self, step: int, loss: float | None) -> dict[str, object]:
         if self.rank == 0:
             self._collect()
         return {"step": step, "loss": loss, "pid": os.getpid(), **self._view}
@@ -71,7 +78,7 @@ class TrainReporter:
         self._asked = self.supervisor.train_view.remote()
 
 
-def supervisor_callbacks(supervisor: Any, *, capture_timeout_s: float | None = None) -> list[Any]:
+def supervisor_callbacks(supervisor: SupervisorHandle, *, capture_timeout_s: float | None = None) -> list[object]:
     """The run's Ray Train callbacks (Train v2 only; v1 keeps report metrics in
     ``Result.metrics_dataframe`` itself, and has no hook before a group's teardown): rank 0's
     report metrics to the supervisor, a setup error ending the run unretried
@@ -81,42 +88,29 @@ def supervisor_callbacks(supervisor: Any, *, capture_timeout_s: float | None = N
 
     if not is_v2_enabled():
         return []
-    from layercheck.orchestrator.runtime.capture_hold import CaptureHold
-    from layercheck.orchestrator.runtime.setup_errors import SetupErrorsEndTheRun
-
     hold = [] if capture_timeout_s is None else [CaptureHold(supervisor, bound_s=capture_timeout_s)]
     return [ReportsToSupervisor(supervisor), SetupErrorsEndTheRun(supervisor), *hold]
-
-
-def user_callback_base() -> type:
-    """Ray Train's ``UserCallback`` (Train v2), else ``object``."""
-    try:
-        from ray.train import UserCallback
-
-        return UserCallback
-    except ImportError:  # Train v1 (RAY_TRAIN_V2_ENABLED=0): never instantiated there
-        return object
 
 
 class ReportsToSupervisor(user_callback_base()):  # type: ignore[misc]
     """Runs in Ray Train's controller: forwards rank 0's metrics of each report to the supervisor."""
 
-    def __init__(self, supervisor: Any) -> None:
+    def __init__(self, supervisor: SupervisorHandle) -> None:
         self.supervisor = supervisor
 
-    def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+    def after_report(self, run_context: object, metrics: list[dict[str, object]], checkpoint: object) -> None:
         if metrics:
             self.supervisor.train_reported.remote(metrics[0])
 
 
-def with_callbacks(run_config: Any, supervisor: Any, persistence: Any, *, in_place: bool = False) -> Any:
+def with_callbacks(
+    run_config: Any, supervisor: SupervisorHandle, persistence: PersistenceConfig, *, in_place: bool = False
+) -> Any:  # Any: Ray Train v2's RunConfig (v1's where v2 is off), which mypy sees as v1's whatever runs
     """A user's Ray Train ``RunConfig`` with LayerCheck's callbacks (:func:`supervisor_callbacks`)
     added after the user's own; with ``in_place`` (``cluster.in_place``), the one that sees a worker
     replaced in place (it promotes a spare and releases the survivors)."""
-    import dataclasses
-
     ours = supervisor_callbacks(supervisor, capture_timeout_s=persistence.capture_hold_s)
-    if in_place:
+    if in_place:  # (imported here: it imports torch, which the driver of a run without it never needs)
         from layercheck.orchestrator.runtime.in_place import ReplaceInPlace
 
         ours.append(ReplaceInPlace(supervisor))

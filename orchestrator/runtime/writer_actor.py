@@ -40,10 +40,11 @@ from layercheck.orchestrator.core.memory.footprint import (
     held_by_kind,
 )
 from layercheck.orchestrator.core.memory.reads import header_block
-from layercheck.orchestrator.core.memory.tier import HeldShard, ShardCache
+from layercheck.orchestrator.core.memory.tier import HeldMeta, HeldShard, ShardCache
 from layercheck.orchestrator.core.persistence.write_queue import SupersedingQueue
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
 from layercheck.orchestrator.logs import configure_process_logging
+from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle, WriterHandle
 from layercheck.orchestrator.runtime.wire import WireShard, from_wire
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.lease_term import LeaseTerm
@@ -73,9 +74,9 @@ class WriterActor:
         self,
         store_uri: str,
         fsync: bool,
-        supervisor: Any,
+        supervisor: SupervisorHandle,
         name: str = "",
-        policy: Any = None,
+        policy: PolicyHandle | None = None,
         memory_bytes: int = 0,
         *,
         lease_valid_until: float | None = None,
@@ -95,11 +96,13 @@ class WriterActor:
         self.stats = WriterStats(name=name)
         self.memory = ShardCache(memory_bytes)
         """The newest shard files this writer wrote (and mirror copies), for recovery from memory."""
-        self._peer: Any = None
+        self._peer: WriterHandle | None = None
         """A writer on another node that keeps mirror copies of what this one writes (``None``: none)."""
         self._peer_generation = -1
         """The pool's assignment ``_peer`` came from: an older one, arriving late, is ignored."""
-        self._mirrors: deque[tuple[Any, int]] = deque()  # mirror calls in flight (and their bytes), oldest first
+        self._mirrors: deque[tuple[ray.ObjectRef[bool], int]] = (
+            deque()
+        )  # mirror calls in flight (and their bytes), oldest first
         self._queue: SupersedingQueue[tuple[WireShard, asyncio.Future]] = SupersedingQueue(lambda e: e[0].nbytes)
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
@@ -210,7 +213,7 @@ class WriterActor:
             await self._mirror_out(held)
             held = None  # (if the budget did not take it, its bytes go now)
         self._measure()
-        await self.supervisor.shard_written.remote(receipt.to_json(), elapsed)
+        await self.supervisor.shard_written.remote(receipt, elapsed)
         return WRITTEN
 
     async def _write_and_hold(self, loop: asyncio.AbstractEventLoop, wire: WireShard) -> tuple[ShardReceipt, HeldShard]:
@@ -244,7 +247,7 @@ class WriterActor:
             await self._mirror_out(held)
             del held  # (if the budget did not take it, its bytes go now)
             self.stats.memory_versions += 1
-            await self.supervisor.shard_written.remote(receipt.to_json(), 0.0)
+            await self.supervisor.shard_written.remote(receipt, 0.0)
         finally:
             self._memory_wires -= wire.nbytes
         self._measure()
@@ -271,11 +274,13 @@ class WriterActor:
             except Exception as error:  # the peer died: its node's writers are replaced, peers reassigned
                 self.stats.mirror_failures += 1
                 logger.warning("writer %s: a mirror copy was lost (%s)", self.name, str(error).splitlines()[0][:200])
-        meta = {f: getattr(held, f) for f in ("path", "layer", "rank", "step", "origin", "checksum")}
-        self._mirrors.append((self._peer.mirror.remote(meta, np.frombuffer(held.data, dtype=np.uint8)), held.nbytes))
+        peer = self._peer
+        if peer is None:  # the pool took the peer away while this copy waited for room
+            return
+        self._mirrors.append((peer.mirror.remote(held.meta(), np.frombuffer(held.data, dtype=np.uint8)), held.nbytes))
         self.stats.mirrors_sent += 1
 
-    async def set_peer(self, peer: Any, generation: int) -> None:
+    async def set_peer(self, peer: WriterHandle | None, generation: int) -> None:
         """The writer (on another node) that keeps mirror copies of this one's shards; ``None``: none.
         ``generation`` orders the pool's assignments: the pool sends them from several threads, and
         this actor runs them concurrently, so one computed before a node's writers started may
@@ -294,7 +299,7 @@ class WriterActor:
                     return  # reassigned to another peer meanwhile: that assignment sends them
                 await self._send_mirror(held)
 
-    def mirror(self, meta: dict[str, Any], data: np.ndarray) -> bool:
+    def mirror(self, meta: HeldMeta, data: np.ndarray) -> bool:
         """Keep a copy of a shard file another node's writer wrote; True if it is held."""
         owned = _owned_copy(np.asarray(data, dtype=np.uint8)).data  # a memoryview, not of the object store
         held = self.memory.put(HeldShard(**meta, data=owned, mirror=True))

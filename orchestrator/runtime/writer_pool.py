@@ -6,12 +6,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
+from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle, WriterHandle, kill
 from layercheck.orchestrator.runtime.writer_actor import WriterActor
 
 logger = logging.getLogger(__name__)
@@ -24,8 +24,8 @@ class WriterPool:
         store_uri: str,
         fsync: bool,
         per_node: int,
-        supervisor: Any,
-        policy: Any = None,
+        supervisor: SupervisorHandle,
+        policy: PolicyHandle | None = None,
         memory_bytes: int = 0,
         memory_mirror: bool = False,
         lease_valid_until: float | None = None,
@@ -45,11 +45,11 @@ class WriterPool:
         of each renewal (``None``: no lease, nothing to check)."""
         self._lock = threading.Lock()  # the dicts below; never held across a Ray call that waits
         self._by_node: dict[str, list[str]] = {}
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, WriterHandle] = {}
         self._ids = itertools.count()
         self._peer_generations = itertools.count()  # orders _assign_peers' plans (set_peer)
 
-    def for_node(self, node_id: str) -> list[Any]:
+    def for_node(self, node_id: str) -> list[WriterHandle]:
         """The writer actors on ``node_id``, started on first use (or after being replaced)."""
         with self._lock:
             names = self._by_node.get(node_id) or []
@@ -100,7 +100,7 @@ class WriterPool:
         for name, peer in plan.items():
             handles[name].set_peer.remote(peer, generation)  # no wait: until it lands, a write is not mirrored
 
-    def memory_index(self, node_id: str, timeout_s: float = 10.0) -> dict[str, list[tuple[str, Any]]]:
+    def memory_index(self, node_id: str, timeout_s: float = 10.0) -> dict[str, list[tuple[str, WriterHandle]]]:
         """Which writers hold which shard files in memory, for a rank on ``node_id``: path →
         ``[(source, writer)]``, the node's own writers first (``memory_local``), then the others
         (``memory_remote``). A writer that does not answer within ``timeout_s`` is left out."""
@@ -109,7 +109,7 @@ class WriterPool:
             handles = dict(self._handles)
         refs = {handles[name].held.remote(): name for name in handles}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        index: dict[str, list[tuple[str, Any]]] = {}
+        index: dict[str, list[tuple[str, WriterHandle]]] = {}
         for ref in ready:
             name = refs[ref]
             try:
@@ -129,7 +129,7 @@ class WriterPool:
         version: ``supervision_ports.HeldPaths``)."""
         return set(self.memory_index(node_id=""))
 
-    def _all(self) -> dict[str, Any]:
+    def _all(self) -> dict[str, WriterHandle]:
         with self._lock:
             return dict(self._handles)
 
@@ -183,7 +183,7 @@ class WriterPool:
                 self._by_node[node] = [m for m in members if m not in names]
         for handle in handles:
             try:
-                ray.kill(handle)
+                kill(handle)
             except Exception as error:  # already gone
                 logger.info("killing a replaced writer: %s", error)
         self._assign_peers()  # writers that mirrored to a replaced one get a live peer
@@ -191,7 +191,7 @@ class WriterPool:
             self.policy.forget_writers.remote(list(names))  # their rates no longer count in the budget
         logger.warning("replaced writer(s) %s", ", ".join(names))
 
-    def replace_handle(self, handle: Any) -> bool:
+    def replace_handle(self, handle: WriterHandle) -> bool:
         """Replace the writer behind ``handle`` (found dead by a rank); False if it was already
         replaced (another rank, or a recovery's drain, found it first)."""
         with self._lock:

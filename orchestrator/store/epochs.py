@@ -73,7 +73,7 @@ class Epoch:
     """The last step this term's run may train (``layercheck train``'s ``steps``; None: not known,
     an own loop): a record of this epoch claiming a later step is damaged."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "format": EPOCH_FORMAT,
             "epoch": self.epoch,

@@ -68,7 +68,7 @@ class LeaseInfo:
     acquired_at: float
     expires_at: float
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"format": LEASE_FORMAT, **asdict(self)}
 
     @classmethod

@@ -71,7 +71,7 @@ class ShardReceipt:
     slices: tuple[ParamSlice, ...] | None = None
     """The parameter ranges the file holds (its header's ``slices``); ``None``: not said."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}  # (asdict would copy the slices)
         return {**fields, "slices": slices_json(self.slices)}
 
@@ -81,7 +81,7 @@ class ShardReceipt:
         return cls(**{**fields, "slices": parse_slices(data.get("slices"), source="a shard receipt")})
 
 
-def slices_json(slices: Sequence[ParamSlice] | None) -> list[list[Any]] | None:
+def slices_json(slices: Sequence[ParamSlice] | None) -> list[list[object]] | None:
     """``[name, shape, offset, length]`` per slice (compact: a record names N files' worth)."""
     return None if slices is None else [[s.name, list(s.shape), s.offset, s.length] for s in slices]
 
@@ -181,7 +181,7 @@ class VersionRecord:
             origin=self.origin,
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         # (not asdict: it deep-copies every shard entry, N of them, only for them to be replaced)
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "shards"}
         return {"format": RECORD_FORMAT, **fields, "shards": [_entry_json(s) for s in self.shards]}
@@ -266,8 +266,13 @@ class Manifest:
         return list(dict.fromkeys(r.layer for r in self.records))
 
 
-def _entry_json(entry: ShardEntry) -> dict[str, Any]:
-    out = {"rank": entry.rank, "path": entry.path, "nbytes": entry.nbytes, "checksum": entry.checksum}
+def _entry_json(entry: ShardEntry) -> dict[str, object]:
+    out: dict[str, object] = {
+        "rank": entry.rank,
+        "path": entry.path,
+        "nbytes": entry.nbytes,
+        "checksum": entry.checksum,
+    }
     return out if entry.slices is None else {**out, "slices": slices_json(entry.slices)}
 
 

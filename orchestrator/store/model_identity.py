@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.model_record import MODEL_FILE, read_model_record, transformers_config
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +41,10 @@ IDENTITY_FIELDS: tuple[str, ...] = (
 """The config fields that shape a model's state (its tensors, or how they are read)."""
 
 
-def model_identity(config: Any) -> dict[str, Any]:
+def model_identity(config: PretrainedConfig) -> dict[str, object]:
     """:data:`IDENTITY_FIELDS` as ``config`` (a ``transformers`` config) reports them; a field its
     class does not have (GPT-2 has no ``head_dim``) is left out."""
-    identity = {}
+    identity: dict[str, object] = {}
     for name in IDENTITY_FIELDS:
         value = getattr(config, name, None)  # attribute_map aliases too: GPT-2's n_head is num_attention_heads
         if value is not None:
@@ -49,7 +52,7 @@ def model_identity(config: Any) -> dict[str, Any]:
     return identity
 
 
-def recorded_identity(hf_config: Mapping[str, Any]) -> dict[str, Any]:
+def recorded_identity(hf_config: Mapping[str, object]) -> dict[str, object]:
     """The identity of a recorded config dict with ``model_type`` (``run.json``'s
     ``model.hf_config``, ``model.json``'s ``hf_config``): through the config class, so the fields
     it left at their defaults count; where ``transformers`` cannot build it (a model type this
@@ -65,7 +68,7 @@ def recorded_identity(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     return model_identity(config)
 
 
-def identity_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def identity_changes(stored: Mapping[str, object], new: Mapping[str, object]) -> list[str]:
     """``"name: stored -> new"`` for each field both identities have and on which they differ
     (a field one lacks is not compared: an older record, another config class)."""
     return [
@@ -75,7 +78,7 @@ def identity_changes(stored: Mapping[str, Any], new: Mapping[str, Any]) -> list[
     ]
 
 
-def recorded_model_changes(fs: StoreFS, model: Any) -> list[str]:
+def recorded_model_changes(fs: StoreFS, model: object) -> list[str]:
     """How ``model`` (a ``transformers`` config, a model carrying one, a ``peft`` model around
     one) differs from the store's ``model.json``; none without a record or a config to compare
     (a bare ``torch.nn.Module``), or with a damaged record (logged: ``export`` names it)."""

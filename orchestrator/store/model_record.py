@@ -14,10 +14,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layercheck.orchestrator.store.errors import ManifestError
 from layercheck.orchestrator.store.fs import StoreFS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 MODEL_FILE = "model.json"
 MODEL_FORMAT = "layercheck.model/1"
@@ -29,21 +32,21 @@ TOKENIZER_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 
 @dataclass(frozen=True)
 class ModelRecord:
-    hf_config: dict[str, Any]
+    hf_config: dict[str, object]
     """``PretrainedConfig.to_diff_dict()`` of the run's (base) model (``model_type`` included)."""
     tokenizer: str | None = None
     """A local tokenizer directory or a Hugging Face name; ``None``: the run named none."""
     tokenizer_files: tuple[str, ...] = ()
     """The files of the tokenizer the run keeps in the store, under ``tokenizer/`` (the
     ``Trainer``'s ``processing_class``, kept by the callback where the run named none); empty: none."""
-    peft: dict[str, Any] | None = None
+    peft: dict[str, object] | None = None
     """A ``peft`` adapter's config (``PeftConfig.to_dict()``, JSON-safe) when the run trained one:
     its layers hold the adapter alone, the base model's weights are not in the store."""
     base_model: str | None = None
     """Where the adapter's base weights come from (``name_or_path``), for a merged export."""
 
 
-def describe_model(model: Any) -> ModelRecord | None:
+def describe_model(model: object) -> ModelRecord | None:
     """What export needs of ``model`` (a ``transformers`` config, a model carrying one, or a
     ``peft`` model around one); ``None`` for anything else (a bare ``torch.nn.Module``, a layer map)."""
     config = transformers_config(model)
@@ -63,7 +66,7 @@ def describe_model(model: Any) -> ModelRecord | None:
     )
 
 
-def transformers_config(model: Any) -> Any | None:
+def transformers_config(model: object) -> PretrainedConfig | None:
     """The ``transformers`` config of ``model`` (a config, a model carrying one, or a ``peft`` model
     around one: its base model's); ``None`` for anything else."""
     peft_configs = getattr(model, "peft_config", None)

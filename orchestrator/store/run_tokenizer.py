@@ -14,9 +14,12 @@ import dataclasses
 import logging
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from layercheck.orchestrator.store.fs import StoreFS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 from layercheck.orchestrator.store.model_record import (
     MODEL_FILE,
     TOKENIZER_DIR,
@@ -29,7 +32,7 @@ from layercheck.orchestrator.store.model_record import (
 logger = logging.getLogger(__name__)
 
 
-def keep_tokenizer(fs: StoreFS, tokenizer: Any) -> tuple[str, ...]:
+def keep_tokenizer(fs: StoreFS, tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
     """Save ``tokenizer`` (anything with ``save_pretrained``) into the store and name its files in
     ``model.json``; the files kept, or none where the record names a tokenizer already (a named
     one, or one kept by an earlier worker group of the run) or there is no record (``model=`` was

@@ -29,6 +29,9 @@ class FakeAttachment:
     def after_step(self, step: int, *, loss: float) -> None:
         self.steps.append((step, loss))
 
+    def check_steps(self, total_steps: int) -> list[str]:
+        return []
+
     def finish(self) -> None:
         self.finished += 1
 

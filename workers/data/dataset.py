@@ -14,7 +14,7 @@ continues with exactly the batches it would have seen.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -23,6 +23,9 @@ from layercheck.workers.data.config import BYTE_VOCAB, DataConfig, DataSummary
 from layercheck.workers.data.order import EpochOrder, first_index
 from layercheck.workers.data.sft import SftDataset, build_rows, load_tokenizer
 from layercheck.workers.data.sft_jsonl import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class TrainData(Protocol):
         """What rank ``rank`` trains on in micro-step ``micro`` of optimizer step ``step``."""
 
 
-def tokenize(config: DataConfig, tokenizer: Any = None) -> torch.Tensor:
+def tokenize(config: DataConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> torch.Tensor:
     """The whole text corpus as a 1-D int64 token tensor."""
     path = config.resolved_path()
     try:

@@ -18,13 +18,16 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from layercheck.workers.data.batch import IGNORE_INDEX, Batch
 from layercheck.workers.data.order import EpochOrder, first_index
 from layercheck.workers.data.sft_jsonl import DataError, Encoded, check_chat_template, encode, read_records
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +138,7 @@ def pack_rows(examples: Sequence[Encoded], *, seq_len: int, pad_id: int, seed: i
     return rows
 
 
-def load_tokenizer(name: str) -> Any:
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The local Hugging Face tokenizer in directory ``name`` (never downloads)."""
     from transformers import AutoTokenizer  # only when a real tokenizer is configured
 
@@ -148,7 +151,7 @@ def load_tokenizer(name: str) -> Any:
         ) from None
 
 
-def pad_id_of(tokenizer: Any) -> int:
+def pad_id_of(tokenizer: PreTrainedTokenizerBase) -> int:
     """Padding is masked out, so any id works; the tokenizer's own pad (else eos) reads best."""
     for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if candidate is not None:
@@ -156,7 +159,9 @@ def pad_id_of(tokenizer: Any) -> int:
     return 0
 
 
-def build_rows(path: Path, tokenizer: Any, *, tokenizer_name: str, seq_len: int, packing: bool, seed: int) -> SftRows:
+def build_rows(
+    path: Path, tokenizer: PreTrainedTokenizerBase, *, tokenizer_name: str, seq_len: int, packing: bool, seed: int
+) -> SftRows:
     """Read, check, encode and lay out the data set; every bad input raises :class:`DataError`."""
     records = read_records(path)
     check_chat_template(tokenizer, records, tokenizer_name)

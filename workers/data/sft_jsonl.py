@@ -19,9 +19,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from layercheck.policies.config_loader import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +125,7 @@ def _messages(where: str, messages: Any) -> tuple[dict[str, str], ...]:
     return tuple({"role": m["role"], "content": m["content"]} for m in messages)
 
 
-def check_chat_template(tokenizer: Any, records: Sequence[Record], tokenizer_name: str) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, records: Sequence[Record], tokenizer_name: str) -> None:
     """Chats need a chat template: say so before tokenizing anything."""
     chats = [r.line for r in records if r.is_chat]
     if chats and not getattr(tokenizer, "chat_template", None):
@@ -133,7 +136,7 @@ def check_chat_template(tokenizer: Any, records: Sequence[Record], tokenizer_nam
         )
 
 
-def encode(tokenizer: Any, record: Record, path: Path) -> Encoded:
+def encode(tokenizer: PreTrainedTokenizerBase, record: Record, path: Path) -> Encoded:
     """``record`` as tokens with its loss mask."""
     if record.is_chat:
         pieces = _chat_pieces(tokenizer, record, path)
@@ -153,7 +156,7 @@ def encode(tokenizer: Any, record: Record, path: Path) -> Encoded:
     return Encoded(line=record.line, ids=tuple(ids), loss=tuple(loss))
 
 
-def _chat_pieces(tokenizer: Any, record: Record, path: Path) -> list[tuple[str, bool]]:
+def _chat_pieces(tokenizer: PreTrainedTokenizerBase, record: Record, path: Path) -> list[tuple[str, bool]]:
     """The chat's rendering cut into (text, is an assistant turn) pieces."""
     messages = list(record.messages or ())
     where = f"{path} line {record.line}"

@@ -42,6 +42,7 @@ from typing import Any, cast
 
 import torch
 from torch.optim.adamw import adamw as adamw_functional
+from torch.optim.optimizer import ParamsT
 
 from layercheck.workers.config import DRIFT_STEPS
 from layercheck.workers.drift.choice import StepChoice, choose_steps
@@ -91,7 +92,7 @@ class DriftAdamW(torch.optim.AdamW):
 
     def __init__(
         self,
-        params: Iterable[Any],
+        params: ParamsT,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,

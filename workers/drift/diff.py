@@ -136,7 +136,7 @@ def probe_for(layout: StateLayout, kind: str = "auto", *, every: int = 1) -> Dri
             f"groups (got {type(optimizer).__name__}); use 'fused', 'step_hooks', 'snapshot_diff' or 'auto'"
         )
     if aligned and kind in ("optimizer", "fused", "auto"):
-        if kind == "fused":
+        if kind == "fused" and isinstance(optimizer, DriftAdamW):  # (aligned: it is one)
             optimizer.drift_step = "fused"
         return DriftProbe(layout, every=every)
     if kind in ("fused", "step_hooks"):

@@ -167,9 +167,10 @@ class FusedPlan:
     windows: list[Windows | None]
     owned: tuple[bool, ...]
     """Whether a slot has a counted element (one without reports no drift, as the foreach step)."""
-    state_table: Any
-    """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it)."""
-    state_entries: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
+    state_table: object
+    """The optimizer's ``state`` mapping it was built from (``load_state_dict`` replaces it): only
+    compared by identity."""
+    state_entries: tuple[list[torch.Tensor], list[object]] = field(default_factory=lambda: ([], []))
     """That mapping's keys and values, in order, as last seen holding ``states``: while they are
     the same objects, no parameter's state was replaced (``DriftAdamW._plan_holds``)."""
     triton: bool | None = None

@@ -58,7 +58,7 @@ FUSED_IN_PLACE = "fused (in place of your AdamW)"
 _HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 
 
-def fused_refusal(optimizer: Any, *, exact: bool = True) -> str | None:
+def fused_refusal(optimizer: torch.optim.Optimizer, *, exact: bool = True) -> str | None:
     """Why the fused step cannot take ``optimizer``'s place (``None``: it can). ``exact``: only
     where it is bit-equal to the optimizer's own step (CPU); else also on CUDA, where its Triton
     kernel is within float rounding of torch's step, not bit-equal to it."""

@@ -97,7 +97,10 @@ class DriftProbe:
     """Reads the per-layer update L1 that :class:`DriftAdamW` gathered since the last read."""
 
     def __init__(self, layout: StateLayout, *, every: int = 1) -> None:
-        self._optimizer: DriftAdamW = layout.optimizer
+        optimizer = layout.optimizer
+        if not isinstance(optimizer, DriftAdamW):
+            raise TypeError(f"DriftProbe reads what DriftAdamW gathers; the engine steps a {type(optimizer).__name__}")
+        self._optimizer = optimizer
         self.schedule = DriftSchedule(every)
         self._layers = tuple(layout.layers)
         self._numel = {name: layer.owned_numel for name, layer in layout.layers.items()}

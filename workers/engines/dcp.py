@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +28,7 @@ logger = logging.getLogger(__name__)
 MODEL_KEY, OPTIM_KEY = "model", "optim"
 
 
-def state_dict_options() -> Any:
+def state_dict_options() -> StateDictOptions:
     """The ``StateDictOptions`` a checkpoint is saved with, and must be loaded with."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

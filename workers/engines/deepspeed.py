@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -34,15 +34,21 @@ from layercheck.workers.layout import LayerLayout, Piece, StateLayout, parameter
 from layercheck.workers.lr_schedule import seek_scheduler
 from layercheck.workers.shard import ParamSlice
 
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from torch.optim.lr_scheduler import LRScheduler
+
 logger = logging.getLogger(__name__)
 
 
-def is_deepspeed_engine(candidate: Any) -> bool:
+def is_deepspeed_engine(candidate: object) -> bool:
     """Whether ``candidate`` is a ``DeepSpeedEngine`` (duck-typed: importing DeepSpeed costs seconds)."""
     return hasattr(candidate, "zero_optimization_stage") and hasattr(candidate, "module")
 
 
-def find_deepspeed_engine(engine: Any) -> Any | None:
+def find_deepspeed_engine(engine: object) -> DeepSpeedEngine | None:
     """The ``DeepSpeedEngine`` behind ``engine`` (Accelerate and HF wrappers keep it as ``.engine``
     or ``.model_wrapped``), or ``None``."""
     for candidate in (engine, getattr(engine, "model_wrapped", None), getattr(engine, "engine", None)):
@@ -55,7 +61,7 @@ def find_deepspeed_engine(engine: Any) -> Any | None:
 class DeepSpeedAdapter:
     """A ``DeepSpeedEngine`` as a :class:`~layercheck.workers.engines.base.TrainingEngine`."""
 
-    engine: Any
+    engine: DeepSpeedEngine
 
     @property
     def kind(self) -> Literal["deepspeed"]:
@@ -69,7 +75,7 @@ class DeepSpeedAdapter:
             )
 
     @property
-    def native(self) -> Any:
+    def native(self) -> DeepSpeedEngine:
         return self.engine
 
     @property
@@ -136,7 +142,7 @@ class DeepSpeedAdapter:
             logger.info("the engine's release found its process group gone (a lost group's teardown): %r", error)
 
 
-def build_deepspeed_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
+def build_deepspeed_layout(engine: DeepSpeedEngine, layer_map: LayerMap) -> StateLayout:
     """Map every layer of ``layer_map`` onto ``engine``'s optimizer state on this rank.
 
     Raises :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` for an optimizer whose state
@@ -197,7 +203,7 @@ def build_deepspeed_layout(engine: Any, layer_map: LayerMap) -> StateLayout:
 _Pieces = dict[str, tuple[tuple[Piece, ...], tuple[Piece, ...], tuple[torch.Tensor, ...]]]
 
 
-def _group_of_param(engine: Any, stage: int, params: Mapping[str, torch.nn.Parameter]) -> dict[str, int]:
+def _group_of_param(engine: DeepSpeedEngine, stage: int, params: Mapping[str, torch.nn.Parameter]) -> dict[str, int]:
     """Per model parameter name, the index of the client param group that holds it."""
     if stage == 0:
         master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
@@ -222,7 +228,7 @@ def _unique(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 def _zero0_pieces(
-    engine: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], rank: int, world_size: int
+    engine: DeepSpeedEngine, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], rank: int, world_size: int
 ) -> _Pieces:
     master_of = {id(lp): hp for lp, hp in ds_internals.zero0_master_pairs(engine)}
     out: _Pieces = {}
@@ -240,7 +246,10 @@ def _zero0_pieces(
 
 
 def _zero12_pieces(
-    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
+    zero_optimizer: DeepSpeedZeroOptimizer,
+    layer_map: LayerMap,
+    params: Mapping[str, torch.nn.Parameter],
+    group_of: Mapping[str, int],
 ) -> _Pieces:
     flats = ds_internals.zero12_flat_partitions(zero_optimizer)  # one per param group, same order
     out: _Pieces = {}
@@ -262,7 +271,10 @@ def _zero12_pieces(
 
 
 def _zero3_pieces(
-    zero_optimizer: Any, layer_map: LayerMap, params: Mapping[str, torch.nn.Parameter], group_of: Mapping[str, int]
+    zero_optimizer: DeepSpeedZeroOptimizer_Stage3,
+    layer_map: LayerMap,
+    params: Mapping[str, torch.nn.Parameter],
+    group_of: Mapping[str, int],
 ) -> _Pieces:
     flats = ds_internals.zero3_flat_partitions(zero_optimizer)  # one per sub-group
     group_of_sub = ds_internals.zero3_sub_group_to_group(zero_optimizer)
@@ -285,7 +297,7 @@ def _zero3_pieces(
     return out
 
 
-def _refresh(engine: Any, stage: int, layers: Mapping[str, LayerLayout], restored: Sequence[str]) -> None:
+def _refresh(engine: DeepSpeedEngine, stage: int, layers: Mapping[str, LayerLayout], restored: Sequence[str]) -> None:
     """Make the forward read the fp32 masters just written for ``restored``: collective at ZeRO
     1-3 (every rank calls it, with any layers); ZeRO-0 copies only the restored layers' parameters."""
     if stage == 0:
@@ -342,9 +354,9 @@ def warm_imports() -> None:
     ds_internals.skip_inference_comm_op()
 
 
-def deepspeed_config(cfg: EngineConfig) -> dict[str, Any]:
+def deepspeed_config(cfg: EngineConfig) -> dict[str, object]:
     """The DeepSpeed config dict for ``cfg``; ``cfg.extra_ds_config`` is merged last."""
-    config: dict[str, Any] = {
+    config: dict[str, object] = {
         "train_micro_batch_size_per_gpu": cfg.micro_batch,
         "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.grad_clip,
@@ -359,17 +371,18 @@ def deepspeed_config(cfg: EngineConfig) -> dict[str, Any]:
     return _merge(config, cfg.extra_ds_config)
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+def _merge(base: dict[str, object], extra: Mapping[str, object]) -> dict[str, object]:
     out = dict(base)
     for key, value in extra.items():
-        out[key] = _merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), dict) else value
+        current = out.get(key)
+        out[key] = _merge(current, value) if isinstance(value, Mapping) and isinstance(current, dict) else value
     return out
 
 
 def build_deepspeed(
     model: torch.nn.Module,
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
-    make_scheduler: Callable[[torch.optim.Optimizer], Any],
+    make_scheduler: Callable[[torch.optim.Optimizer], LRScheduler],
     cfg: EngineConfig,
 ) -> DeepSpeedAdapter:
     """The built-in loop's ``DeepSpeedEngine`` for ``model`` (``deepspeed.initialize`` with the
@@ -386,7 +399,7 @@ def build_deepspeed(
     return DeepSpeedAdapter(engine)
 
 
-def _undo_zero0_init_step(engine: Any, optimizer: torch.optim.Optimizer) -> None:
+def _undo_zero0_init_step(engine: DeepSpeedEngine, optimizer: torch.optim.Optimizer) -> None:
     """Undo the zero-gradient ``step()`` DeepSpeed's bf16 ZeRO-0 optimizer runs at init.
 
     ``FP16_UnfusedOptimizer.initialize_optimizer_states`` steps the client optimizer once to

@@ -23,13 +23,18 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from layercheck.workers.engines import ALLOW_UNVERIFIED_ENV
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +99,12 @@ class Fragment:
     length: int
 
 
-def client_optimizer(engine: Any) -> torch.optim.Optimizer:
+def client_optimizer(engine: DeepSpeedEngine) -> torch.optim.Optimizer:
     """The optimizer object we passed to ``deepspeed.initialize`` (DeepSpeed wraps it)."""
     return _attr(engine, "basic_optimizer")
 
 
-def zero0_master_pairs(engine: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+def zero0_master_pairs(engine: DeepSpeedEngine) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
     """ZeRO-0: (model parameter, its fp32 master) pairs. In fp32 they are the same tensor;
     in bf16 DeepSpeed's ``FP16_UnfusedOptimizer`` keeps full fp32 copies per group."""
     optimizer = engine.optimizer
@@ -133,22 +138,22 @@ def zero12_fragment(param: torch.nn.Parameter) -> Fragment | None:
     )
 
 
-def zero12_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+def zero12_flat_partitions(zero_optimizer: DeepSpeedZeroOptimizer) -> list[torch.Tensor]:
     """ZeRO 1/2: this rank's fp32 flat partition of each param group (what the client optimizer steps)."""
     return list(_attr(zero_optimizer, "single_partition_of_fp32_groups"))
 
 
-def zero12_param_groups(zero_optimizer: Any) -> list[list[torch.nn.Parameter]]:
+def zero12_param_groups(zero_optimizer: DeepSpeedZeroOptimizer) -> list[list[torch.nn.Parameter]]:
     """ZeRO 1/2: the model parameters of each client param group, in group order."""
     return [list(group) for group in _attr(zero_optimizer, "bit16_groups")]
 
 
-def zero12_refresh_lp(zero_optimizer: Any) -> None:
+def zero12_refresh_lp(zero_optimizer: DeepSpeedZeroOptimizer) -> None:
     """ZeRO 1/2: copy fp32 partitions into the low-precision params and all-gather them (collective)."""
     _attr(zero_optimizer, "update_lp_params")()
 
 
-def zero3_fragment(zero_optimizer: Any, param: torch.nn.Parameter) -> Fragment:
+def zero3_fragment(zero_optimizer: DeepSpeedZeroOptimizer_Stage3, param: torch.nn.Parameter) -> Fragment:
     """ZeRO 3: where this rank's partition of ``param`` sits in its fp32 sub-group; ``length``
     excludes the padding DeepSpeed adds to make every parameter divisible by the world size."""
     positions = _attr(zero_optimizer, "grad_position")
@@ -160,22 +165,22 @@ def zero3_fragment(zero_optimizer: Any, param: torch.nn.Parameter) -> Fragment:
     return Fragment(flat_index=int(sub_group), flat_start=int(flat_start), param_offset=offset, length=length)
 
 
-def zero3_flat_partitions(zero_optimizer: Any) -> list[torch.Tensor]:
+def zero3_flat_partitions(zero_optimizer: DeepSpeedZeroOptimizer_Stage3) -> list[torch.Tensor]:
     """ZeRO 3: this rank's fp32 flat partition of each sub-group."""
     return list(_attr(zero_optimizer, "fp32_partitioned_groups_flat"))
 
 
-def zero3_sub_group_to_group(zero_optimizer: Any) -> dict[int, int]:
+def zero3_sub_group_to_group(zero_optimizer: DeepSpeedZeroOptimizer_Stage3) -> dict[int, int]:
     """ZeRO 3: which client param group each fp32 sub-group belongs to."""
     return dict(_attr(zero_optimizer, "sub_group_to_group_id"))
 
 
-def zero3_param_groups(zero_optimizer: Any) -> list[list[torch.nn.Parameter]]:
+def zero3_param_groups(zero_optimizer: DeepSpeedZeroOptimizer_Stage3) -> list[list[torch.nn.Parameter]]:
     """ZeRO 3: the model parameters of each client param group, in group order."""
     return [list(group) for group in _attr(zero_optimizer, "fp16_groups")]
 
 
-def zero3_refresh_lp(zero_optimizer: Any) -> None:
+def zero3_refresh_lp(zero_optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
     """ZeRO 3: push fp32 partitions into the low-precision partitions the forward gathers
     (collective). The prologue re-partitions parameters so the small *persistent* ones, kept
     gathered between steps, are refreshed too by the epilogue's all-gather."""

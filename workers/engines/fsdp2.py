@@ -33,7 +33,7 @@ import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -44,6 +44,9 @@ from layercheck.workers.data.batch import MicroBatch, model_inputs
 from layercheck.workers.layout import LayerLayout, Piece, StateLayout, local_part, zero0_owned_range
 from layercheck.workers.lr_schedule import seek_scheduler
 from layercheck.workers.shard import ParamSlice
+
+if TYPE_CHECKING:
+    from torch.optim.lr_scheduler import LRScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,10 @@ class UnsupportedShardingError(TypeError):
 
 
 def build_fsdp2_layout(
-    model: torch.nn.Module, optimizer: Any, layer_map: LayerMap, steps_taken: Callable[[], int] = lambda: 0
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    layer_map: LayerMap,
+    steps_taken: Callable[[], int] = lambda: 0,
 ) -> StateLayout:
     """Map every layer of ``layer_map`` onto ``model``'s FSDP2 shards and ``optimizer``'s state.
 
@@ -103,7 +109,7 @@ def build_fsdp2_layout(
     )
 
 
-def check_optimizer(optimizer: Any) -> None:
+def check_optimizer(optimizer: object) -> None:
     """Raise :class:`~layercheck.workers.optim_state.UnsupportedOptimizerError` unless ``optimizer``
     is torch's Adam or AdamW (AdamW subclasses Adam) without amsgrad."""
     if not isinstance(optimizer, torch.optim.Adam):
@@ -190,7 +196,9 @@ def reshard_all(model: torch.nn.Module, layers: Sequence[str] = ()) -> None:
             module.reshard()
 
 
-def _group_of(optimizer: Any, params: Mapping[str, torch.Tensor], layer_map: LayerMap) -> dict[str, int]:
+def _group_of(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, torch.Tensor], layer_map: LayerMap
+) -> dict[str, int]:
     index_of = {id(p): i for i, group in enumerate(optimizer.param_groups) for p in group["params"]}
     group_of = {p.name: index_of.get(id(params[p.name]), -1) for layer in layer_map.layers for p in layer.params}
     orphans = [name for name, index in group_of.items() if index < 0]
@@ -200,7 +208,7 @@ def _group_of(optimizer: Any, params: Mapping[str, torch.Tensor], layer_map: Lay
 
 
 def _layer_layout(
-    layer: Layer, params: Mapping[str, torch.Tensor], optimizer: Any, group_of: Mapping[str, int]
+    layer: Layer, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer, group_of: Mapping[str, int]
 ) -> LayerLayout:
     needed: list[Piece] = []
     owned: list[Piece] = []
@@ -227,7 +235,7 @@ def _layer_layout(
     )
 
 
-def _check_moments(name: str, param: torch.Tensor, state: Mapping[str, Any]) -> None:
+def _check_moments(name: str, param: torch.Tensor, state: Mapping[str, torch.Tensor]) -> None:
     """The moments must hold this rank's elements as the parameter does (torch's Adam makes them
     with ``zeros_like`` of the DTensor parameter): else their local views would misalign."""
     want = tuple(local_part(param).shape)
@@ -254,7 +262,7 @@ class FSDP2Adapter:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        lr_scheduler: Any = None,
+        lr_scheduler: LRScheduler | None = None,
         *,
         grad_clip: float = 0.0,
         grad_accum: int | None = None,
@@ -269,7 +277,7 @@ class FSDP2Adapter:
         self._steps = 0
         self._hook = optimizer.register_step_post_hook(self._count)
 
-    def _count(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _count(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         self._steps += 1
 
     @property
@@ -336,7 +344,7 @@ class FSDP2Adapter:
         return local_part(first).device
 
 
-def check_model(model: Any) -> None:
+def check_model(model: object) -> None:
     """Raise :class:`UnsupportedShardingError` unless ``model`` is a module sharded with
     ``fully_shard`` at its root (FSDP2); FSDP1 and a DeepSpeed engine are named."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -377,7 +385,7 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 def build_fsdp2(
     model: torch.nn.Module,
     make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
-    make_scheduler: Callable[[torch.optim.Optimizer], Any],
+    make_scheduler: Callable[[torch.optim.Optimizer], LRScheduler],
     cfg: EngineConfig,
 ) -> FSDP2Adapter:
     """The built-in loop's FSDP2 engine: ``model`` sharded with ``fully_shard`` (each decoder layer,

@@ -69,7 +69,7 @@ class MemoryPeriod:
             return self.period
         return self.start
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "period": self.period,
             "why": self.why,

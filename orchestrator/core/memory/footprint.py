@@ -30,7 +30,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from layercheck.orchestrator.core.memory.tier import ShardCache
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN
@@ -168,7 +167,7 @@ class WriterFootprint:
             "object_store": self.process.shmem_bytes,
         }
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, int | None]:
         process = self.process
         return {
             "runtime_bytes": self.runtime_bytes,
@@ -226,7 +225,7 @@ class FootprintMeter:
         )
 
 
-def host_memory_view(footprints: list[WriterFootprint]) -> dict[str, Any]:
+def host_memory_view(footprints: list[WriterFootprint]) -> dict[str, object]:
     """The writers' host memory for the run's summary: what they hold by kind (summed), and their
     processes' figures (the largest writer's); empty without a footprint (no writer actor)."""
     if not footprints:
@@ -237,7 +236,7 @@ def host_memory_view(footprints: list[WriterFootprint]) -> dict[str, Any]:
         return sum(v[key] or 0 for v in views)
 
     def largest(key: str) -> int | None:
-        values = [v[key] for v in views if v[key] is not None]
+        values = [value for v in views if (value := v[key]) is not None]
         return max(values) if values else None
 
     return {

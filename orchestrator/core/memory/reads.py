@@ -28,12 +28,17 @@ import struct
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
 from layercheck.orchestrator.store import tensorfile
 from layercheck.orchestrator.store.errors import ShardFormatError
+
+if TYPE_CHECKING:
+    from layercheck.workers.layout import (
+        StateLayout,  # (torch: the supervisor, which reads no layout, never imports it)
+    )
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +221,7 @@ def whole_shard_problem(file: pa.NativeFile, path: str) -> str:
 Needs = Mapping[str, Collection[tuple[int, int]]]
 
 
-def needed_spans(layout: Any, layers: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
+def needed_spans(layout: StateLayout, layers: Iterable[str]) -> dict[str, list[tuple[int, int]]]:
     """The spans of every parameter of ``layers`` that this rank restores (a ``StateLayout``'s
     ``needed`` pieces)."""
     spans: dict[str, list[tuple[int, int]]] = {}

@@ -35,11 +35,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from layercheck.orchestrator.store.manifest import MEMORY_ORIGIN, ShardReceipt
 
 logger = logging.getLogger(__name__)
+
+
+class HeldMeta(TypedDict):
+    """What identifies a held shard file, without its bytes (a mirror copy travels as this and the bytes)."""
+
+    path: str
+    layer: str
+    rank: int
+    step: int
+    origin: str
+    checksum: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +88,11 @@ class HeldShard:
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    def meta(self) -> HeldMeta:
+        return HeldMeta(
+            path=self.path, layer=self.layer, rank=self.rank, step=self.step, origin=self.origin, checksum=self.checksum
+        )
 
     @property
     def key(self) -> tuple[str, int, str]:

@@ -27,13 +27,10 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from layercheck.orchestrator.core.persistence.unwritten_versions import OldestUnwritten
 from layercheck.orchestrator.store.s3_limits import worst_request_s
-
-if TYPE_CHECKING:
-    from layercheck.policies.configs import PolicyConfig
+from layercheck.policies.configs import DriftOptimalConfig, LayerCheckConfig, PolicyConfig, StaggeredConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +66,10 @@ class StalenessLimits:
     @classmethod
     def of(cls, policy: PolicyConfig, *, on_breach: str, hung_write_s: float = DEFAULT_HUNG_WRITE_S) -> StalenessLimits:
         """The limits of a policy config (any config with ``smax``; others have none)."""
-        smax = getattr(policy, "smax", None)
+        bounded = policy if isinstance(policy, (LayerCheckConfig, DriftOptimalConfig, StaggeredConfig)) else None
         return cls(
-            smax=int(smax) if smax is not None else None,
-            warmup_steps=int(getattr(policy, "warmup_steps", 0) or 0),
+            smax=int(bounded.smax) if bounded is not None else None,
+            warmup_steps=int(bounded.warmup_steps) if bounded is not None else 0,
             on_breach=on_breach,
             hung_write_s=hung_write_s,
         )
@@ -181,7 +178,7 @@ class StalenessBreach:
             f"{self.step} (smax + lag = {self.limit}); {then}"
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "step": self.step,
             "layer": self.layer,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class OldestUnwritten:
     waited_s: float
     """Seconds since it was handed over, or since storage last committed a version if that is later."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"layer": self.layer, "step": self.step, "waited_s": self.waited_s}
 
 

@@ -47,7 +47,7 @@ class CaptureReport:
     error: str = ""
     """Why the capture was incomplete, if it was."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -69,7 +69,7 @@ class HoldOutcome:
     """Per survivor (rank as a string), its answer to the controller's request to abort a collective
     blocked on the lost ranks (``layercheck.workers.collective_abort.AbortDecision`` values: ``abort`` on NCCL)."""
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
 
 

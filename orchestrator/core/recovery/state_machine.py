@@ -181,15 +181,11 @@ class RecoveryMachine:
         raise TypeError(f"not a supervision event: {event!r}")
 
     def _move(self, state: State, why: str) -> None:
-        logger.info(
-            "supervision: %s -> %s (attempt %d): %s",
-            self.state.name,
-            state.name,
-            getattr(state, "attempt", self._last_attempt),
-            why,
-        )
+        # a state between groups (starting, ended) has no attempt of its own: the last group's stands
+        attempt = state.attempt if isinstance(state, (Recovering, Running)) else self._last_attempt
+        logger.info("supervision: %s -> %s (attempt %d): %s", self.state.name, state.name, attempt, why)
         self.state = state
-        self._last_attempt = getattr(state, "attempt", self._last_attempt)
+        self._last_attempt = attempt
 
     # ---- events ---------------------------------------------------------------------------
     def _end(self, event: RunEnded) -> list[Action]:
@@ -346,6 +342,7 @@ class RecoveryMachine:
             return []
         if isinstance(event, CompositePlanned):
             resume_after, records, overlays = event.t_fail, dict(event.records), dict(event.overlays)
+            max_staleness, weighted, sources = event.max_staleness, event.weighted_staleness, dict(event.sources)
             # the policy's last persisted step stays the whole version's: a capture holds only
             # the survivors' slices, so a layer's next scheduled save is still due as before
             persisted = {layer: record.step for layer, record in records.items()}
@@ -356,6 +353,7 @@ class RecoveryMachine:
             )
         else:
             resume_after, records, overlays, persisted = 0, None, {}, {}
+            max_staleness, weighted, sources = 0, 0.0, {}
             why = (
                 f"no composite at step {event.t_fail} ({event.reason}): training restarts from the "
                 "initial weights at step 1"
@@ -373,9 +371,9 @@ class RecoveryMachine:
             world_size=state.world_size,
             grown_from=state.grown_from,
             attempt=state.attempt,
-            max_staleness=getattr(event, "max_staleness", 0),
-            weighted_staleness=getattr(event, "weighted_staleness", 0.0),
-            sources=dict(getattr(event, "sources", {})),
+            max_staleness=max_staleness,
+            weighted_staleness=weighted,
+            sources=sources,
         )
         running = Running(
             attempt=state.attempt,

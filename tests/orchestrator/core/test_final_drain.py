@@ -71,14 +71,14 @@ def test_a_hanging_final_drain_ends_its_bound_after_the_last_step_and_counts_wha
     assert run.final_drain(DRAIN_S) == ("writer-0",)
     assert writers.deadlines == [DRAIN_S - 1.0]  # the bound counts from the last step
     status = run.status()
-    assert status["versions_committed"] == len(LAYERS) and status["lost_versions"] == 2
-    lost = " ".join(status["lost"])
+    assert status.versions_committed == len(LAYERS) and status.lost_versions == 2
+    lost = " ".join(status.lost)
     assert "embed@6" in lost and "block.0@6" in lost and "stop_drain_s" in lost
     committed = {v.version_id for v in store.versions()}
     for receipt in written_receipts(store, "block.0", 6):  # the hung write lands after all
         run.shard_written(receipt, 0.01)
     assert {v.version_id for v in store.versions()} == committed  # counted lost, so never committed
-    assert run.status()["versions_committed"] == len(LAYERS) and run.status()["lost_versions"] == 2
+    assert run.status().versions_committed == len(LAYERS) and run.status().lost_versions == 2
 
 
 def test_a_final_drain_after_its_bound_asks_the_writers_without_waiting(tmp_path):
@@ -96,7 +96,7 @@ def test_a_final_drain_after_its_bound_asks_the_writers_without_waiting(tmp_path
     run.progress(StepProgress(step=1, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.0))
     clock.now += 10 * DRAIN_S  # the ranks' hand-over already waited the whole bound
     run.final_drain(DRAIN_S)
-    assert writers.deadlines == [0.0] and run.status()["lost_versions"] == 0
+    assert writers.deadlines == [0.0] and run.status().lost_versions == 0
 
 
 @pytest.mark.slow

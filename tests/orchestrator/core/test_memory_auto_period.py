@@ -160,11 +160,11 @@ def test_the_supervisor_chooses_from_rank_0s_progress_and_tells_the_policy_again
         memory_period=timer,
     )
     run.join(0, 1, "a0")
-    assert run.status()["memory_period"]["period"] == 1
+    assert run.status().memory_period["period"] == 1
     for step in range(1, 6):  # copies of 2 ms in steps of 100 ms (the first not counted): every 2 steps
         complete(policy.service, step)
         run.progress(StepProgress(step=step, loss=1.0, lr=1e-3, compute_s=0.1, stall_s=0.002, memory_s=0.002))
-    told = run.status()["memory_period"]
+    told = run.status().memory_period
     assert (told["period"], told["chosen_at"], told["auto"]) == (2, 4, True)
     assert told["why"].startswith("auto: 2 (copy 2.0 ms = 2.0% of a 100.0 ms step")
     assert complete(policy.service, 6).memory_period == 2  # the next decision carries it to every rank

@@ -107,11 +107,11 @@ def test_a_lost_group_resumes_after_t_fail_with_what_the_writers_committed_while
     assert run.join(0, 2, "b0") == resume
     assert service.last_complete_step == 5
     status = run.status()
-    assert status["state"] == "running" and status["attempt"] == 2 and status["versions_committed"] == 6
-    (recovery,) = status["account"]["recoveries"]
-    assert (recovery["t_fail"], recovery["resumed_at"]) == (5, 6) and status["account"]["failures"] == 1
+    assert status.state == "running" and status.attempt == 2 and status.versions_committed == 6
+    (recovery,) = status.account["recoveries"]
+    assert (recovery["t_fail"], recovery["resumed_at"]) == (5, 6) and status.account["failures"] == 1
     run.finish(True)
-    assert run.status()["state"] == "finished"
+    assert run.status().state == "finished"
 
 
 def test_a_group_grown_back_resumes_every_rank_at_the_same_step(store):
@@ -130,7 +130,7 @@ def test_a_group_grown_back_resumes_every_rank_at_the_same_step(store):
     grown = run.join(1, 2, "c1")
     assert (grown.attempt, grown.start_step) == (3, 9)
     assert run.join(0, 2, "c0") == grown
-    recoveries = run.status()["account"]["recoveries"]
+    recoveries = run.status().account["recoveries"]
     assert [(r["t_fail"], r["resumed_at"]) for r in recoveries] == [(4, 5), (8, 9)]
 
 
@@ -185,7 +185,7 @@ def test_a_hung_writer_does_not_hang_recovery_and_its_versions_count_lost(store)
     assert resume.start_step == 6 and {r.step for r in resume.records.values()} == {3}
     assert writers.replaced == ["writer-0@node"]
     status = run.status()
-    assert status["lost_versions"] == 3 and status["abandoned_versions"] == 3
+    assert status.lost_versions == 3 and status.abandoned_versions == 3
 
 
 def test_a_failed_commit_is_retried_after_its_backoff(tmp_path):
@@ -202,8 +202,8 @@ def test_a_failed_commit_is_retried_after_its_backoff(tmp_path):
     fs.read_only = True
     run.shard_written(second, 0.01)
     status = run.status()
-    assert waits == [0.5] and status["commit_retries"] == 1 and status["lost_versions"] == 0
-    assert status["layers"]["norm"]["last_step"] == 4 and [v.step for v in store.versions()] == [4]
+    assert waits == [0.5] and status.commit_retries == 1 and status.lost_versions == 0
+    assert status.layers["norm"].last_step == 4 and [v.step for v in store.versions()] == [4]
 
 
 def test_a_recovery_that_breaks_fails_the_join_instead_of_hanging_it(store):
@@ -243,7 +243,7 @@ def test_survivors_captures_are_overlaid_and_the_account_says_where_each_element
         layer: [(o.partial, [s.path for s in o.shards]) for o in overlays]
         for layer, overlays in resume.overlays.items()
     } == {layer: [(True, [captures[layer].path])] for layer in LAYERS}
-    account = run.status()["account"]
+    account = run.status().account
     (recovery,) = account["recoveries"]
     assert recovery["sources"]["norm"] == [
         {
@@ -292,8 +292,8 @@ def test_a_run_whose_lease_was_taken_over_commits_nothing_more_and_stops(tmp_pat
     persist_all(run, store, 3)
     assert {v.version_id for v in store.versions()} == committed, "a run without the lease committed"
     status = run.status()
-    assert status["stop_reason"].startswith(LEASE_LOST) and "second" in status["stop_reason"]
-    assert run.lease_lost and service.stop_reason == status["stop_reason"]
+    assert status.stop_reason.startswith(LEASE_LOST) and "second" in status.stop_reason
+    assert run.lease_lost and service.stop_reason == status.stop_reason
     assert run.commits.commit_retries == 0, "a commit refused for a lost lease was retried"
 
 
@@ -355,7 +355,7 @@ def test_a_group_whose_policy_actor_was_rebuilt_is_recovered_after_rank_0s_last_
     resume = run.join(0, 2, "b0")
     assert run.join(1, 2, "b1") == resume
     assert (resume.attempt, resume.start_step) == (2, 6) and {r.step for r in resume.records.values()} == {3}
-    (recovery,) = run.status()["account"]["recoveries"]
+    (recovery,) = run.status().account["recoveries"]
     assert (recovery["t_fail"], recovery["resumed_at"]) == (5, 6)
     assert policy.last_complete_step() == 5 and policy.service.last_complete_step == 5  # rebased
     assert policy.service.stopping(6), "the rebuilt policy forgot the run's stop"

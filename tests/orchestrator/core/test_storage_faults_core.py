@@ -106,8 +106,8 @@ def test_a_dead_writers_versions_are_lost_once_and_the_layers_may_be_persisted_a
         reason="their writer died twice (ActorDiedError)",
     )
     status = run.status()
-    assert status["lost_versions"] == 3 and status["writers_replaced"] == 1
-    assert all("writer died" in reason for reason in status["lost"])
+    assert status.lost_versions == 3 and status.writers_replaced == 1
+    assert all("writer died" in reason for reason in status.lost)
     assert service.gate.in_flight == {}  # settled: the next decision may persist them again
 
 
@@ -116,19 +116,19 @@ def test_storage_failures_past_smax_are_a_breach_reported_once_and_stop_every_ra
     for step in range(1, 3 + SMAX + PIPELINE_LAG):
         report(service, step)
         progress(run, step)
-    assert run.status()["staleness_breach"] is None  # past smax, but no storage failure: slow, not broken
+    assert run.status().staleness_breach is None  # past smax, but no storage failure: slow, not broken
     run.write_failed("embed", 2)
     step = 3 + SMAX + PIPELINE_LAG
     report(service, step)
     progress(run, step)
     status = run.status()
-    breach = status["staleness_breach"]
+    breach = status.staleness_breach
     assert breach["action"] == "stop" and breach["staleness"] > SMAX + PIPELINE_LAG
-    assert "storage failures broke the staleness bound" in status["stop_reason"]
+    assert "storage failures broke the staleness bound" in status.stop_reason
     assert not service.stopping(step)  # the decision every rank already read does not change
     assert service.stopping(step + 1) and report(service, step + 1) is not None
     progress(run, step + 1)
-    assert run.status()["staleness_breach"] == breach  # once
+    assert run.status().staleness_breach == breach  # once
 
 
 def test_warn_keeps_training_and_reports_the_breach(tmp_path):
@@ -138,7 +138,7 @@ def test_warn_keeps_training_and_reports_the_breach(tmp_path):
         report(service, step)
         progress(run, step)
     status = run.status()
-    assert status["staleness_breach"]["action"] == "warn" and status["stop_reason"] is None
+    assert status.staleness_breach["action"] == "warn" and status.stop_reason is None
     assert service.stop_from is None
 
 
@@ -150,14 +150,14 @@ def test_storage_that_hangs_without_failing_breaks_the_bound_and_stops_the_run(t
     clock = ManualClock()
     run, service = make(tmp_path, on_breach="stop", clock=clock)
     status = train_past_smax(run, service, caplog, clock=clock)
-    breach = status["staleness_breach"]
+    breach = status.staleness_breach
     assert breach is not None and breach["action"] == "stop" and breach["storage_failures"] == 0
     assert breach["staleness"] > SMAX + PIPELINE_LAG and not breach["at_end"]
     # the base (decided at the end of warm-up, step 2) was handed over after step 3 and never written
     unwritten = breach["unwritten"]
     assert (unwritten["step"], unwritten["layer"] in LAYERS) == (3, True) and unwritten["waited_s"] > HUNG_WRITE_S
     assert "storage that does not answer" in breach["message"] and "persistence.hung_write_s = 2 s" in breach["message"]
-    assert "storage that does not answer broke the staleness bound" in status["stop_reason"]
+    assert "storage that does not answer broke the staleness bound" in status.stop_reason
     assert service.stop_from == breach["step"] + 1  # every rank stops after the same step
     assert sum(m.startswith("staleness bound broken") for m in caplog.messages) == 1
 
@@ -179,9 +179,9 @@ def test_storage_that_is_slow_but_commits_is_lag_even_while_one_version_waits_lo
             clock.now += 0.1
             progress(run, step)
     status = run.status()
-    assert status["layers"]["embed"]["last_step"] == 1 and status["max_staleness"] > SMAX + PIPELINE_LAG
-    assert status["staleness_breach"] is None and status["stop_reason"] is None and service.stop_from is None
-    lag = status["staleness_lag"]
+    assert status.layers["embed"].last_step == 1 and status.max_staleness > SMAX + PIPELINE_LAG
+    assert status.staleness_breach is None and status.stop_reason is None and service.stop_from is None
+    lag = status.staleness_lag
     assert lag is not None and lag["storage_failures"] == 0 and "storage that does not keep up" in lag["message"]
     assert sum("storage that does not keep up" in m for m in caplog.messages) == 1
 
@@ -194,11 +194,11 @@ def test_a_writer_that_died_on_slow_storage_is_named_not_blamed_on_storage_and_d
     run, service = make(tmp_path, on_breach="stop")
     run.writer_died(lost=[], reason="their writer died twice (ActorDiedError)")
     status = train_past_smax(run, service, caplog)
-    lag = status["staleness_lag"]
-    assert status["staleness_breach"] is None and status["stop_reason"] is None and status["lost_versions"] == 0
+    lag = status.staleness_lag
+    assert status.staleness_breach is None and status.stop_reason is None and status.lost_versions == 0
     assert lag["storage_failures"] == 0 and lag["writers_replaced"] == 1
     assert "storage that does not keep up" in lag["message"] and "1 persistence writer(s) died" in lag["message"]
-    rows = dict((row[0], row[1]) for row in _trouble_rows(status))
+    rows = dict((row[0], row[1]) for row in _trouble_rows(status.as_dict()))
     assert rows["writers replaced"] == (
         "1 (a persistence writer died; what they held went to the replacement and was written: nothing lost)"
     )
@@ -264,8 +264,8 @@ def test_failures_known_after_the_bound_was_passed_turn_the_lag_into_a_breach_th
     store, disk = faulty_store(str(tmp_path / "store"))
     run, service = make(tmp_path, on_breach="stop", store=store)
     status = train_past_smax(run, service, caplog)
-    assert status["staleness_lag"] is not None and status["staleness_breach"] is None
-    last = status["step"]
+    assert status.staleness_lag is not None and status.staleness_breach is None
+    last = status.step
     # the end-of-run drain: two shards fail, and a version's commit fails every try (counted lost)
     receipts = written_receipts(store, "embed", 3)
     disk.read_only = True
@@ -276,19 +276,19 @@ def test_failures_known_after_the_bound_was_passed_turn_the_lag_into_a_breach_th
     run.steps_ended()
     status = run.status()
     tries = run.commits.config.commit_tries
-    assert (status["write_failures"], status["commit_retries"], status["lost_versions"]) == (2, tries - 1, 1)
-    breach = status["staleness_breach"]
+    assert (status.write_failures, status.commit_retries, status.lost_versions) == (2, tries - 1, 1)
+    breach = status.staleness_breach
     assert breach["action"] == "stop" and breach["at_end"] and breach["step"] <= last
     assert (breach["write_failures"], breach["commit_failures"], breach["storage_failures"]) == (2, tries, 2 + tries)
     assert f"2 failed write(s), {tries} failed commit(s)" in breach["message"]
-    assert "storage failures broke the staleness bound" in status["stop_reason"]
+    assert "storage failures broke the staleness bound" in status.stop_reason
     result = RunResult(
         run_id="r",
         config=None,
-        status=status,
+        status=status.as_dict(),
         trace=DriftTrace.from_json({"steps": [], "layers": [{"name": n, "numel": 42} for n in LAYERS]}),
         layer_numel={n: 42 for n in LAYERS},
-        error=f"stopped after step {last}: {status['stop_reason']}",
+        error=f"stopped after step {last}: {status.stop_reason}",
         storage_uri=str(tmp_path / "store"),
         policy=LayerCheckConfig(smax=SMAX, warmup_steps=2),
     )
@@ -312,6 +312,6 @@ def test_a_resumed_run_counts_staleness_from_its_stored_versions(tmp_path, caplo
         for step in range(31, 43):
             progress(run, step)
     status = run.status()
-    assert status["staleness"] == {"embed": 16, "block.0": 12, "norm": 12} and status["max_staleness"] == 16
-    assert status["staleness_lag"] is None and status["staleness_breach"] is None
+    assert status.staleness == {"embed": 16, "block.0": 12, "norm": 12} and status.max_staleness == 16
+    assert status.staleness_lag is None and status.staleness_breach is None
     assert not any("staleness bound" in m for m in caplog.messages)

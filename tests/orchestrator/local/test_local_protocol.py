@@ -12,6 +12,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from layercheck.orchestrator.core.run_status import LayerFigures
 from layercheck.orchestrator.core.run_supervisor import RunSupervisor
 from layercheck.orchestrator.local.mailbox import Mailbox
 from layercheck.orchestrator.local.receipts import ReceiptPump
@@ -180,8 +181,8 @@ def test_a_version_is_committed_only_once_every_rank_shard_is_in(tmp_path, mailb
     mailbox.post_failure("writing embed step 6 rank 0 failed: disk full", layer="embed", step=6)
     assert pump.catch_up(timeout_s=60)
     status = run.status()
-    assert status["layers"]["embed"] == {"versions": 1, "bytes": record.nbytes, "last_step": 5}
-    assert status["write_latencies"] == [0.5, 0.25] and status["write_failures"] == 1
+    assert status.layers["embed"] == LayerFigures(versions=1, bytes=record.nbytes, last_step=5)
+    assert status.write_latencies == [0.5, 0.25] and status.write_failures == 1
     pump.close()
 
 

@@ -4,8 +4,9 @@ to their last line (no Ray needed: the filter and the announcement are pure)."""
 
 import logging
 
-from layercheck.orchestrator.runtime.fit_watch import announce_failures
+from layercheck.orchestrator.runtime.fit_watch import Announced, announce_failures
 from layercheck.orchestrator.runtime.ray_noise import LogFilter
+from tests.support.statuses import a_status
 
 RAY_TRACEBACK = """Traceback (most recent call last):
   File "/x/ray/train/v2/_internal/execution/controller/controller.py", line 1, in _run
@@ -79,48 +80,63 @@ def test_other_lines_pass_untouched_and_sources_are_kept_apart():
 
 
 def test_a_lost_group_and_its_recovery_are_announced_once_each(caplog):
-    seen = {"state": "", "recoveries": 0}
+    seen = Announced()
     recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
     with caplog.at_level(logging.WARNING):
-        assert announce_failures({"state": "running", "step": 8, "account": {"recoveries": []}}, seen) == []
+        assert announce_failures(a_status(state="running", step=8, account={"recoveries": []}, attempt=2), seen) == []
         (lost,) = announce_failures(
-            {"state": "recovering", "step": 8, "account": {"recoveries": []}},
+            a_status(state="recovering", step=8, account={"recoveries": []}, attempt=2),
             seen,
             "injected: rank 1 SIGKILLs itself after step 8, fault.kill_at_step",
         )
-        assert announce_failures({"state": "recovering", "step": 8, "account": {"recoveries": []}}, seen) == []
-        (resumed,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen)
-        assert announce_failures({"state": "running", "step": 10, "account": {"recoveries": [recovery]}}, seen) == []
+        assert (
+            announce_failures(a_status(state="recovering", step=8, account={"recoveries": []}, attempt=2), seen) == []
+        )
+        (resumed,) = announce_failures(
+            a_status(state="running", step=9, account={"recoveries": [recovery]}, attempt=2), seen
+        )
+        assert (
+            announce_failures(a_status(state="running", step=10, account={"recoveries": [recovery]}, attempt=2), seen)
+            == []
+        )
     assert lost.startswith("LAYERCHECK: worker group lost after step 8 (injected: rank 1")
     assert resumed.startswith("LAYERCHECK: recovered: training resumes at step 9")
     assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
 
 
 def test_a_recovery_over_between_two_polls_is_announced_in_one_line():
-    seen = {"state": "", "recoveries": 0}
+    seen = Announced()
     recovery = {"resumed_at": 9, "t_fail": 8, "max_staleness": 3, "steps_redone": 0}
-    (line,) = announce_failures({"state": "running", "step": 9, "account": {"recoveries": [recovery]}}, seen, "rank 1")
+    (line,) = announce_failures(
+        a_status(state="running", step=9, account={"recoveries": [recovery]}, attempt=2), seen, "rank 1"
+    )
     assert line.startswith("LAYERCHECK: worker group lost after step 8 (rank 1); recovered: training resumes at step 9")
 
 
 def test_a_grown_group_is_announced_as_a_grow_not_a_loss():
-    seen = {"state": "running", "recoveries": 1}
+    seen = Announced(state="running", recoveries=1)
     grown = {"resumed_at": 124, "t_fail": 123, "max_staleness": 3, "steps_redone": 0, "world_size": 2, "grown_from": 1}
-    recovering = {"state": "recovering", "step": 123, "world_size": 2, "grown_from": 1, "account": {"recoveries": [{}]}}
+    recovering = a_status(
+        state="recovering", step=123, world_size=2, grown_from=1, account={"recoveries": [{}]}, attempt=2
+    )
     (growing,) = announce_failures(recovering, seen)
-    (resumed,) = announce_failures({"state": "running", "step": 124, "account": {"recoveries": [{}, grown]}}, seen)
+    (resumed,) = announce_failures(
+        a_status(state="running", step=124, account={"recoveries": [{}, grown]}, attempt=2), seen
+    )
     assert growing.startswith("LAYERCHECK: Ray Train grows the worker group from 1 to 2 workers after step 123")
     assert resumed.startswith("LAYERCHECK: resumed with 2 workers (was 1): training resumes at step 124")
 
 
 def test_a_resume_is_announced_as_a_resume_not_as_a_lost_group(caplog):
     """``--resume`` plans its composite in attempt 1: no group was lost, nothing was injected."""
-    seen = {"state": "", "recoveries": 0}
+    seen = Announced()
     resume = {"resumed_at": 41, "t_fail": 40, "max_staleness": 0, "steps_redone": 0, "world_size": 1, "kind": "resume"}
     note = "injected: rank 0 SIGKILLs itself after step 20, fault.kill_at_step"
-    planning = {"state": "recovering", "attempt": 1, "step": 0, "account": {"recoveries": []}}
+    planning = a_status(state="recovering", attempt=1, step=0, account={"recoveries": []})
     assert announce_failures(planning, seen, note) == []
-    (line,) = announce_failures({"state": "running", "step": 41, "account": {"recoveries": [resume]}}, seen, note)
+    (line,) = announce_failures(
+        a_status(state="running", step=41, account={"recoveries": [resume]}, attempt=2), seen, note
+    )
     assert (
         line == "LAYERCHECK: --resume: the stored run continues at step 41 with 1 worker(s); composite staleness max 0"
     )

@@ -1,6 +1,7 @@
 """RunMetrics with plain values: names follow Prometheus conventions, every series has the run's
 label, counters never go down across a worker-group restart, and the exporter serves over HTTP."""
 
+import dataclasses
 import re
 import threading
 import urllib.request
@@ -11,9 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from layercheck.orchestrator.core.memory.footprint import RSS_PARTS, FootprintMeter, HeldByKind, ProcessMemory
 from layercheck.orchestrator.core.persistence.writer_stats import WriterStats
+from layercheck.orchestrator.core.run_status import LayerFigures
 from layercheck.orchestrator.runtime.metric_specs import BYTES_PER_PARAM, METRIC_NAMES, SPECS, STATES, series_names
 from layercheck.orchestrator.runtime.metrics import RunMetrics
 from layercheck.workers.env import free_port
+from tests.support.statuses import a_status
 
 NUMEL = {"embed": 400, "block.0": 300, "block.1": 300}
 MiB = 2**20
@@ -42,28 +45,24 @@ def status(
     stall_s=0.0,
     lost_s=0.0,
 ):
-    layers = {n: {"versions": 2, "bytes": committed // 3, "last_step": s} for n, s in zip(NUMEL, last)}
+    layers = {n: LayerFigures(versions=2, bytes=committed // 3, last_step=s) for n, s in zip(NUMEL, last)}
     staleness = {n: step - s for n, s in zip(NUMEL, last)}
-    return {
-        "run_id": "r1",
-        "state": state,
-        "attempt": 1 + failures,
-        "step": step,
-        "loss": 2.5,
-        "lr": 1e-3,
-        "step_s": 0.1,
-        "staleness": staleness,
-        "max_staleness": max(staleness.values()),
-        "weighted_staleness": sum(NUMEL[n] * v for n, v in staleness.items()) / sum(NUMEL.values()),
-        "layers": layers,
-        "bytes_committed": committed,
-        "versions_committed": 6,
-        "abandoned_versions": 0,
-        "lost_versions": 0,
-        "commit_retries": 0,
-        "write_failures": 0,
-        "write_latencies": list(latencies),
-        "account": {
+    return a_status(
+        run_id="r1",
+        state=state,
+        attempt=1 + failures,
+        step=step,
+        loss=2.5,
+        lr=1e-3,
+        step_s=0.1,
+        staleness=staleness,
+        max_staleness=max(staleness.values()),
+        weighted_staleness=sum(NUMEL[n] * v for n, v in staleness.items()) / sum(NUMEL.values()),
+        layers=layers,
+        bytes_committed=committed,
+        versions_committed=6,
+        write_latencies=list(latencies),
+        account={
             "wall_s": 10.0,
             "productive_s": productive,
             "stall_s": stall_s,
@@ -76,7 +75,7 @@ def status(
             "drift_probe": {"probe": "snapshot_diff", "s_per_step": 0.0004, "s_per_measured_step": 0.004},
             "engine": "fsdp2",
         },
-    }
+    )
 
 
 def samples(metrics):
@@ -190,7 +189,7 @@ def test_a_probe_run_in_place_of_the_optimizers_step_shows_what_it_adds_to_that_
     fused = {"probe": "optimizer (fused)", "s_per_step": 0.0007, "s_per_measured_step": 0.007}
     fused |= {"s_per_own_step": 0.005, "added_s_per_measured_step": 0.002, "added_s_per_step": 0.0002}
     run = status()
-    run["account"] = {**run["account"], "drift_probe": fused}
+    run = dataclasses.replace(run, account={**run.account, "drift_probe": fused})
     metrics.refresh(run, [WriterStats()], POLICY, now=1.0)
     assert value(metrics, "layercheck_drift_probe_seconds", probe="optimizer (fused)") == 0.0002
 
@@ -270,8 +269,8 @@ def test_an_in_place_runs_recoveries_are_counted_by_path_and_its_full_restarts_b
         {**base, "resumed_at": 3, "kept_processes": 0, "fallback": "no_survivor"},
         {**base, "resumed_at": 4, "kept_processes": 0, "fallback": "recovery_failed"},
     ]
-    finished = {**status(step=5, failures=3, recoveries=recoveries, state="finished")}
-    finished["spares"] = {"spares": 1, "waiting": 1, "promotions": 1}
+    finished = status(step=5, failures=3, recoveries=recoveries, state="finished")
+    finished = dataclasses.replace(finished, spares={"spares": 1, "waiting": 1, "promotions": 1})
     metrics.refresh(finished, [], POLICY, now=1.0)
     assert value(metrics, "layercheck_spares_waiting") == 1 and value(metrics, "layercheck_spares_promoted_total") == 1
     assert value(metrics, "layercheck_recoveries_total") == 3

@@ -21,9 +21,10 @@ from layercheck.orchestrator.runtime.setup_errors import SetupErrorsEndTheRun
 from layercheck.orchestrator.runtime.supervisor_loss import SupervisorLost, lost_reason
 from layercheck.orchestrator.store.layer_store import DRIFT_TRACE_FILE
 from layercheck.policies.configs import IntervalConfig
+from tests.support.statuses import a_status
 
 NUMEL = {"embed": 10, "norm": 2}
-STATUS = {"state": "running", "step": 6, "loss": 2.5, "account": {"history": {}}}
+STATUS = a_status(state="running", step=6, loss=2.5, account={"history": {}})
 
 
 class _Call:
@@ -106,7 +107,7 @@ def test_the_drivers_end_without_a_supervisor_is_one_line_with_what_its_last_pol
     monkeypatch, tmp_path
 ):
     monkeypatch.setattr(ray, "get", _get)
-    monkeypatch.setattr(ray, "kill", lambda actor: None)
+    monkeypatch.setattr(driver, "kill", lambda actor: None)  # (fake actors: nothing to kill)
     trace = {"steps": [{"step": 5, "lr": 1e-3, "drift": {"embed": 1e-4, "norm": 1e-5}}]}
     supervisor, policy = _Actor(dead=True), _Actor({"trace": trace, "schedule_view": {"peak_step_bytes": 0}})
     handles = _handles(supervisor, policy, str(tmp_path))

@@ -89,7 +89,7 @@ def test_a_lapsed_lease_refuses_every_write_and_commit_counts_the_writes_failed_
     for layer in LAYERS:
         write(run, store, layer, 1)
     committed = {v.version_id for v in store.versions()}
-    assert len(committed) == len(LAYERS) and run.status()["stop_reason"] is None
+    assert len(committed) == len(LAYERS) and run.status().stop_reason is None
     late = written_receipts(store, "embed", 2)  # written while the lease was valid, not committed yet
     clock.now = TTL_S  # no renewal reached the store in time: another run may take it over now
     before = files(tmp_path)
@@ -99,8 +99,8 @@ def test_a_lapsed_lease_refuses_every_write_and_commit_counts_the_writes_failed_
         run.shard_written(receipt, 0.01)  # the commit is refused too, and not retried
     assert {v.version_id for v in store.versions()} == committed, "a run whose lease lapsed committed"
     status = run.status()
-    assert status["write_failures"] == 1 and status["commit_retries"] == 0
-    reason = status["stop_reason"]
+    assert status.write_failures == 1 and status.commit_retries == 0
+    reason = status.stop_reason
     assert reason.startswith(LEASE_LAPSED) and store.uri in reason and "lapsed" in reason
     assert "\n" not in reason and service.stop_reason == reason
     run.lease_renewed(TTL_S + 60)  # a renewal that lands after the expiry does not revive the lease
@@ -115,7 +115,7 @@ def test_a_lapsed_lease_stops_the_run_at_its_next_step_with_nothing_written(tmp_
     step(run, service, 1)
     clock.now = TTL_S + 0.5
     step(run, service, 2)
-    assert run.status()["stop_reason"].startswith(LEASE_LAPSED)
+    assert run.status().stop_reason.startswith(LEASE_LAPSED)
     assert service.stopping(3)
 
 
@@ -130,8 +130,8 @@ def test_a_lease_renewed_before_it_expires_is_not_disturbed(tmp_path):
             write(run, store, layer, number)
     assert clock.now > TTL_S  # well past the first expiry
     status = run.status()
-    assert status["stop_reason"] is None and status["write_failures"] == 0 and status["lost_versions"] == 0
-    assert status["versions_committed"] == 5 * len(LAYERS)
+    assert status.stop_reason is None and status.write_failures == 0 and status.lost_versions == 0
+    assert status.versions_committed == 5 * len(LAYERS)
 
 
 def test_a_failed_renewal_leaves_the_lease_valid_until_what_the_store_holds(tmp_path):
