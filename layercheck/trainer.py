@@ -198,6 +198,7 @@ class LayerCheckTrainer:
             spares=cfg.spares,
             regroup_timeout_s=cfg.regroup_timeout_s,
             stop_drain_s=cfg.persistence.stop_drain_s,
+            decision_timeout_s=cfg.persistence.decision_timeout_s,
         )
         loop = with_context(self.train_loop_per_worker, ctx, takes_config=_takes_config(self.train_loop_per_worker))
         scratch = None

@@ -249,6 +249,7 @@ def attach(
         attempt=resume.attempt,
         capture_timeout_s=ctx.capture_timeout_s,
         memory_period=ctx.memory_period,
+        decision_timeout_s=ctx.decision_timeout_s,
     )
     # Ray Train's controller releases this rank from a collective blocked on a lost peer (NCCL), so it
     # captures; in place it must be released to recover at all (ReplaceInPlace)

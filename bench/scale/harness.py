@@ -66,6 +66,10 @@ class ScaleConfig:
     memory_period: int = 10
     memory_bytes: int = 256 * 2**20
     writers_per_node: int = 1
+    writer_dies_after: int | None = None
+    """The step of the measured window after which the first node's writer actor is killed, with
+    whatever its ranks handed it still unwritten (``None``: none is); the row's ``faults`` says how
+    the run took it."""
     profile_dir: str = ""
     """Where ``py-spy`` recordings of the control actors go (the window and the recovery), summed up
     in the row's ``cpu_top``; "": none."""
@@ -77,6 +81,13 @@ class ScaleConfig:
             raise ValueError(f"ranks must be >= 2 (one dies), got {self.ranks}")
         if self.fail_after is not None and not self.warm < self.fail_after < self.steps:
             raise ValueError(f"fail_after must lie between warm ({self.warm}) and steps ({self.steps})")
+        if self.writer_dies_after is not None and not self.warm < self.writer_dies_after < (
+            self.fail_after or self.steps
+        ):
+            raise ValueError(
+                f"writer_dies_after must lie in the measured window, between warm ({self.warm}) and "
+                f"{'fail_after' if self.fail_after else 'steps'} ({self.fail_after or self.steps})"
+            )
 
 
 @dataclass(kw_only=True)
@@ -115,6 +126,9 @@ class ScaleRow:
     drain_s: float | None = None
     """Of :attr:`plan_s`, the writers' drain: what the lost group handed over, written before the plan.
     It measures the writers' backlog, so storage and this machine's cores, not the plan."""
+    faults: dict[str, Any] = field(default_factory=dict)
+    """With ``writer_dies_after``: the writer killed, how many snapshots it had not written then,
+    and what the run made of it (writers replaced, versions lost) at the end."""
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -122,10 +136,17 @@ class ScaleRow:
 
 
 # ---- /proc ----------------------------------------------------------------------------------
+_last_cpu_s: dict[int, float] = {}
+
+
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of process ``pid`` so far (of a process gone since: when last read)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return _last_cpu_s.get(pid, 0.0)
+    _last_cpu_s[pid] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _last_cpu_s[pid]
 
 
 def rss_bytes(pid: int) -> int:
@@ -288,7 +309,14 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
     cpu_before = {role: sum(cpu_s(p) for p in ps) for role, ps in pids.items()}
     store_before = run.store_counts()
     receipts_before = run.receipts()
-    window = run.steps(config.warm + 1, fail_after)
+    faults: dict[str, Any] = {}
+    if config.writer_dies_after is None:
+        window = run.steps(config.warm + 1, fail_after)
+    else:  # the window in two, the first node's writer killed between them with its queue
+        window = run.steps(config.warm + 1, config.writer_dies_after)
+        faults = _kill_writer(run)
+        window = _joined_windows(window, run.steps(config.writer_dies_after + 1, fail_after))
+        faults["replaced_by_window_end"] = ray.get(run.supervisor.status.remote()).writers_replaced
     cpu = {role: sum(cpu_s(p) for p in ps) - cpu_before[role] for role, ps in pids.items()}
     store_window = _minus(run.store_counts(), store_before)
     measures = ray.get([h.take_measures.remote() for h in run.hosts])
@@ -339,7 +367,7 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
     writer_pids = [_pid(w) for w in run.writers()]  # (the writers there are now: a recovery's drain may replace some)
     writer_rss = max((rss_bytes(p) for p in writer_pids), default=0)
     if replaced := len(set(pids["writers"]) - set(writer_pids)):
-        notes.append(f"{replaced} writer(s) replaced (the recovery's drain found them still writing)")
+        notes.append(f"{replaced} writer(s) replaced (killed: faults; or found still writing by the recovery's drain)")
     store = LayerStore.open(run.storage_uri, fsync=False)
     records = store.versions()
     # a version's step is the step whose after_step handed it over (the decision of the step before)
@@ -350,6 +378,8 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
     ]
     status = ray.get(run.supervisor.status.remote())
     del finished
+    if faults:
+        faults.update(writers_replaced=status.writers_replaced, lost_versions=status.lost_versions)
     per_rank_step = n * window_steps
     control = cpu["policy"] + cpu["supervisor"]
     return ScaleRow(
@@ -372,8 +402,33 @@ def _measure(run: _Run, config: ScaleConfig, notes: list[str]) -> ScaleRow:
         store_requests_recovery=store_recovery,
         writer_rss_bytes=writer_rss,
         cpu_top={phase: top for phase, top in cpu_top.items() if top},
+        faults=faults,
         notes=notes + [f"state {status.state}"],
     )
+
+
+def _kill_writer(run: _Run) -> dict[str, Any]:
+    """Kill the first worker node's writer actor (as its process dying would) and say what it had
+    not written: its ranks find it dead at their next hand-over and give a new one what they hold."""
+    writer = ray.get(run.supervisor.writers_for.remote(run.worker_nodes[0]))[0]
+    stats = ray.get(writer.get_stats.remote())
+    cpu_s(_pid(writer))  # (its CPU until now still counts in the window's)
+    ray.kill(writer, no_restart=True)
+    return {"writer_killed": stats.name, "queued_then": stats.queued}
+
+
+def _joined_windows(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each host's figures over two spans of steps as over one (``RankHost.run_steps``' dicts; the
+    ranks' waits and stalls are running totals: the second span's)."""
+    return [
+        {
+            **b,
+            "busy_s": a["busy_s"] + b["busy_s"],
+            "late_s": a["late_s"] + b["late_s"],
+            "cpu_s": a["cpu_s"] + b["cpu_s"],
+        }
+        for a, b in zip(first, second, strict=True)
+    ]
 
 
 # ---- the cluster ----------------------------------------------------------------------------

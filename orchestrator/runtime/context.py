@@ -50,6 +50,9 @@ class WorkerContext:
     """``in_place``: warm spares beside the training ranks (``CheckpointConfig.spares``): Ray Train's
     world holds them too, and the supervisor's roster says which worker trains which rank."""
     regroup_timeout_s: float = 600.0
+    decision_timeout_s: float = 600.0
+    """How long a rank waits for a step's decision before it names the ranks that never reported
+    the step and fails (``persistence.decision_timeout_s``)."""
     stop_drain_s: float = 120.0
     """How long ``lc.finish()`` waits for this rank's last snapshots to be written (``persistence.stop_drain_s``:
     the driver's final drain counts what is not written by then as lost)."""

@@ -252,6 +252,18 @@ class PolicyActor:
         for old in [s for s in self._plans if s < step]:
             del self._plans[old]
 
+    def missing_reports(self, step: int) -> dict[int, int]:
+        """The ranks whose report of ``step`` was not taken in, each with the last step it reported
+        (0: none since the group started); empty once the step is complete. A rank waiting too long
+        for a decision asks, to name the hung rank (``persistence.decision_timeout_s``)."""
+        if step <= self.service.last_complete_step:
+            return {}
+        return {
+            rank: self._taken.get(rank, self._first_step - 1)
+            for rank in range(self.service.world_size)
+            if self._taken.get(rank, self._first_step - 1) < step
+        }
+
     @_RETRIED
     def last_complete_step(self) -> int | None:
         """The last step every rank reported; ``None`` on a rebuilt actor (it lost its count)."""

@@ -66,9 +66,19 @@ RELEASE_POLL_S = 0.5
 #: What the sending thread hands back for a report: its answer's future (a measured step), or the
 #: call's reference (a quiet step, whose answer is rarely read).
 Sent = Future[Any] | ray.ObjectRef
-#: The longest a rank waits for a decision. Every rank has sent its report of the step by then
-#: (the rank finished the next step with them), so only a lost report makes it this long.
+#: The longest a rank waits for a decision unless told (``persistence.decision_timeout_s``). Every
+#: rank has sent its report of the step by then (the rank finished the next step with them), so
+#: only a hung rank or a lost report makes it this long.
 DECISION_TIMEOUT_S = 600.0
+#: How long a rank that waited past its decision timeout waits for the policy actor to say who is missing.
+MISSING_ASK_S = 10.0
+
+
+class RankHung(TimeoutError):
+    """A rank waited past ``persistence.decision_timeout_s`` for a step's decision: the ranks it
+    names never reported the step (hung, not dead: Ray still sees their processes). Raised on
+    the waiting ranks, it fails the group, which is then recovered (its processes, the hung one's
+    too, replaced), instead of a run that stalls."""
 
 
 class RayCoordinator:
@@ -100,8 +110,10 @@ class RayCoordinator:
         attempt: int = 1,
         capture_timeout_s: float | None = None,
         memory_period: int = 0,
+        decision_timeout_s: float = DECISION_TIMEOUT_S,
     ) -> None:
         self.rank = rank
+        self.decision_timeout_s = decision_timeout_s
         self.attempt = attempt
         self.memory_period = memory_period
         """Steps between memory versions until a decision carries the run's (``persistence.memory_period``;
@@ -179,15 +191,15 @@ class RayCoordinator:
         actor answers once every rank reported the step, so never when a peer died before its report
         left: this rank then waits outside any collective, where nothing fails. It raises
         :class:`PeerLost` once the rank is told a peer is gone (by Ray Train's controller,
-        :mod:`layercheck.workers.collective_abort`), as its next step would, and a ``TimeoutError``
-        after :data:`DECISION_TIMEOUT_S` if it is never told. A call that died with the policy
+        :mod:`layercheck.workers.collective_abort`), as its next step would, and :class:`RankHung`
+        after ``decision_timeout_s`` if it is never told. A call that died with the policy
         actor's process raises :class:`PolicyActorLost`: the group is recovered (``policy_actor.py``)."""
-        deadline = time.monotonic() + DECISION_TIMEOUT_S
+        deadline = time.monotonic() + self.decision_timeout_s
         while not wait_for([answer], timeout=RELEASE_POLL_S).done:
             if lost := collective_abort.peer_lost():
                 raise PeerLost(f"rank {self.rank}: no decision for step {step}, and a peer is gone ({lost})")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank}: no decision for step {step} in {DECISION_TIMEOUT_S:g}s")
+                raise RankHung(self._hung_message(step))
         try:
             return answer.result()
         except (RayActorError, ActorUnavailableError) as error:
@@ -195,6 +207,25 @@ class RayCoordinator:
                 f"rank {self.rank}: the policy actor died before it answered step {step} "
                 f"({type(error).__name__}): this group is recovered"
             ) from error
+
+    def _hung_message(self, step: int) -> str:
+        """Why this rank stops waiting for ``step``'s decision: the ranks that never reported it,
+        as the policy actor counts them (or that it did not say, if it does not answer either)."""
+        waited = f"rank {self.rank}: no decision for step {step} in {self.decision_timeout_s:g}s"
+        try:
+            missing = ray.get(self.policy.missing_reports.remote(step), timeout=MISSING_ASK_S)
+        except Exception as error:  # noqa: BLE001 - the timeout is the error; this only explains it
+            return f"{waited} (the policy actor did not say which ranks are missing: {type(error).__name__})"
+        if not missing:
+            return f"{waited}, though every rank reported it (its decision was lost on the way)"
+        hung = ", ".join(
+            f"rank {rank} (last reported step {last})" if last else f"rank {rank} (none reported)"
+            for rank, last in sorted(missing.items())
+        )
+        return (
+            f"{waited}: never reported by {hung}: hung, not dead; this group is recovered "
+            "(persistence.decision_timeout_s)"
+        )
 
     def stop_requested(self) -> bool:
         """The last decision carried the run's request to stop (same on every rank)."""

@@ -217,6 +217,7 @@ def _run(
         attempt=resume.attempt,
         capture_timeout_s=run.persistence.capture_hand_over_s,
         memory_period=run.persistence.memory_period_at_start,
+        decision_timeout_s=run.persistence.decision_timeout_s,
     )
     kill = fault_hook(run.fault, rank, resume.attempt, coordinator)
     # with spares Ray Train's world has ranks that do not train: its report, a barrier over all, is off

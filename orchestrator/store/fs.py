@@ -18,8 +18,10 @@ import functools
 import logging
 import os
 import posixpath
+import random
 import re
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -28,7 +30,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from layercheck.orchestrator.store.errors import PathOutsideStoreError, StoreWriteError
-from layercheck.orchestrator.store.unavailable import ACCESS_HINT, is_refusal, unavailable_error
+from layercheck.orchestrator.store.unavailable import ACCESS_HINT, is_refusal, is_throttled, unavailable_error
 from layercheck.orchestrator.store.uri import open_uri
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,13 @@ TOKEN_PATTERN = r"[0-9a-f]{8}"
 #: being written (``.{token}.tmp``), as a regular expression.
 TMP_PATTERN = rf"\.{TOKEN_PATTERN}{re.escape(TMP_SUFFIX)}"
 
+#: How long one store operation keeps backing off and trying again while the storage says to slow
+#: down (S3's ``503 SlowDown``, a ``429``), beyond the S3 client's own few retries: S3 throttles a
+#: prefix past its request rate (about 3,500 writes a second), which the writers of many ranks
+#: reach at once. Past it the operation fails as any other would (the version is counted lost,
+#: the layer persisted again; a breach stops the run).
+THROTTLED_FOR_S = 30.0
+
 #: ``hook(event, path)``: called at fixed points of a write so that tests can crash the writer
 #: exactly there. Events: ``"opened"``, ``"partial"`` (by the writer callback), ``"closed"``,
 #: ``"renamed"``.
@@ -66,6 +75,28 @@ def write_error(location: str, error: BaseException) -> StoreWriteError:
     message = f"cannot write {location}: {_cause(error)}" + (f"; {ACCESS_HINT}" if is_refusal(error) else "")
     errno = getattr(error, "errno", None)
     return StoreWriteError(errno, message) if errno else StoreWriteError(message)
+
+
+def while_throttled(what: str, call: Callable[[], T]) -> T:
+    """``call()``, tried again after a growing, jittered pause each time the storage throttles it,
+    for up to :data:`THROTTLED_FOR_S` in all; any other error, or throttling past that, raises."""
+    pause, waited = 0.2, 0.0
+    while True:
+        try:
+            return call()
+        except OSError as error:
+            if not is_throttled(error):
+                raise
+            if waited >= THROTTLED_FOR_S:
+                raise OSError(
+                    f"{_cause(error)} (the storage kept throttling it, HTTP 503 SlowDown, for {waited:.1f}s: "
+                    "its request rate is over the limit)"
+                ) from error
+            sleep = min(random.uniform(pause / 2, pause), THROTTLED_FOR_S - waited)
+            logger.info("storage throttled %s (%s); trying again in %.2fs", what, _cause(error), sleep)
+            time.sleep(sleep)
+            waited += sleep
+            pause = min(2 * pause, 5.0)
 
 
 def check_relative(rel: str) -> str:
@@ -162,16 +193,21 @@ class StoreFS:
         """
         target = self.path(rel)
         staging = f"{target}.{new_token()}{TMP_SUFFIX}" if self.atomic_rename else target
-        try:
+
+        def attempt() -> T:
             self.fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
             with self.fs.open_output_stream(staging) as stream:
                 self.fire("opened", rel)
-                result = write(stream)
+                written = write(stream)
             self.fire("closed", rel)
             if self.fsync:
                 _fsync_file(staging)
             if self.atomic_rename:
                 self.fs.move(staging, target)
+            return written
+
+        try:
+            result = while_throttled(f"the write of {rel}", attempt)
         except OSError as error:
             self._discard(staging)
             raise write_error(self.uri(rel), error) from error
@@ -200,16 +236,20 @@ class StoreFS:
     # Each raises :class:`StoreUnavailableError` (:class:`StoreAccessError`) naming the store when
     # the storage did not answer (refused the credentials): not an answer about the file.
     def read_bytes(self, rel: str) -> bytes:
-        with self.answered(rel), self.fs.open_input_stream(self.path(rel)) as stream:
-            return stream.read()
+        def read() -> bytes:
+            with self.fs.open_input_stream(self.path(rel)) as stream:
+                return stream.read()
+
+        with self.answered(rel):
+            return while_throttled(f"the read of {rel}", read)
 
     def open_input(self, rel: str) -> pa.NativeFile:
         with self.answered(rel):
-            return self.fs.open_input_file(self.path(rel))
+            return while_throttled(f"the read of {rel}", lambda: self.fs.open_input_file(self.path(rel)))
 
     def info(self, rel: str) -> pafs.FileInfo:
         with self.answered(rel):
-            return self.fs.get_file_info(self.path(rel))
+            return while_throttled(f"a look at {rel}", lambda: self.fs.get_file_info(self.path(rel)))
 
     def list_files(self, rel_dir: str, *, recursive: bool = False) -> list[tuple[str, pafs.FileInfo]]:
         """``(relative path, info)`` of every file under ``rel_dir``; empty if it does not exist."""
@@ -218,7 +258,7 @@ class StoreFS:
         out = []
         with self.answered(rel_dir):
             try:
-                listed = self.fs.get_file_info(selector)
+                listed = while_throttled(f"the list of {rel_dir}", lambda: self.fs.get_file_info(selector))
             except FileNotFoundError:
                 # created while it was listed (another run's first write into it: two starts at
                 # once both list epochs/): pyarrow found it missing, then present, and raises
@@ -233,7 +273,7 @@ class StoreFS:
         """Delete ``rel``; False if it was already gone."""
         try:
             with self.answered(rel):
-                self.fs.delete_file(self.path(rel))
+                while_throttled(f"the delete of {rel}", lambda: self.fs.delete_file(self.path(rel)))
             return True
         except FileNotFoundError:
             return False

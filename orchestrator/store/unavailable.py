@@ -30,6 +30,14 @@ _NO_ANSWER = re.compile(
     r"AWS Error (?:NETWORK_CONNECTION|REQUEST_TIMEOUT|SERVICE_UNAVAILABLE|THROTTLING|SLOW_DOWN|"
     r"INTERNAL_FAILURE)\b|\(HTTP status 5\d\d\)|\bUNAVAILABLE\b|\bDEADLINE_EXCEEDED\b"
 )
+#: ... for a refusal for the request rate (S3's ``503 SlowDown``; a HEAD's 503 has no body to say so).
+_THROTTLED = re.compile(r"\bSLOW_DOWN\b|\bSlowDown\b|\bTHROTTLING\b|\(HTTP status (?:503|429)\)")
+
+
+def is_throttled(error: BaseException) -> bool:
+    """The storage turned the request down for the rate of requests (slow down), not for the request."""
+    return bool(_THROTTLED.search(str(error)))
+
 
 #: What to check when the storage refuses the credentials (said with every refusal).
 ACCESS_HINT = (

@@ -72,9 +72,13 @@ def test_the_plan_over_a_history_reads_no_record_from_the_supervisors_own_manife
     assert plan["kept_requests"]["list"] == 0 and plan["kept_requests"]["get"] == plan["plan_requests"]["get"]
 
 
-def test_the_harness_at_8_ranks_measures_every_figure_and_recovers_in_place(tmp_path):
-    """The whole harness, as ``layercheck bench --scale --ranks 8`` runs it, shortened."""
-    config = ScaleConfig(ranks=8, nodes=2, steps=14, warm=2, fail_after=12, step_s=0.25)
+def test_the_harness_at_8_ranks_measures_every_figure_survives_a_writers_death_and_recovers_in_place(tmp_path):
+    """The whole harness, as ``layercheck bench --scale --ranks 8`` runs it, shortened, and with a
+    fault at scale (issue 59): mid-window the first node's writer actor is killed with what its
+    four ranks handed it still queued. Its ranks find it dead at their next hand-over, the
+    supervisor replaces it once (not once per rank) before the window ends, the ranks hand the
+    new one what they hold, and nothing is lost; the failure and the in-place recovery follow."""
+    config = ScaleConfig(ranks=8, nodes=2, steps=14, warm=2, writer_dies_after=6, fail_after=12, step_s=0.25)
     report = run_ranks([8], config, work_dir=tmp_path / "work", out=tmp_path / "out")
     assert report["stopped"] is None
     (row,) = json.loads((tmp_path / "out" / "scale.json").read_text())["rows"]
@@ -90,3 +94,6 @@ def test_the_harness_at_8_ranks_measures_every_figure_and_recovers_in_place(tmp_
     assert sum(row["store_requests_per_step"].values()) > 0 and row["writer_rss_bytes"] > 0
     assert not [note for note in row["notes"] if note.startswith("resumed at")]
     assert "Ray Train's controller is not in the harness" in table(report)
+    faults = row["faults"]
+    assert faults["queued_then"] > 0 and faults["lost_versions"] == 0
+    assert faults["replaced_by_window_end"] == faults["writers_replaced"] == 1

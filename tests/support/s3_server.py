@@ -12,6 +12,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -226,3 +227,58 @@ def flapping(proxy: CuttableProxy, *, up_s: float, down_s: float) -> Iterator[li
         stop.set()
         thread.join(timeout=up_s + down_s + 5)
         proxy.restore()
+
+
+#: What S3 answers a request over its rate (HTTP 503): the client backs off and retries.
+SLOW_DOWN = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>lc-throttle</RequestId></Error>"
+)
+
+
+class RequestLimit:
+    """A WSGI wrapper that lets at most ``per_second`` requests through in any one second and
+    answers the rest ``503 SlowDown``, as S3 does past a prefix's request rate (``per_second``
+    0: every request refused). Counts both."""
+
+    def __init__(self, app: object, per_second: int) -> None:
+        self.app = app
+        self.per_second = per_second
+        self.served = 0
+        self.refused = 0
+        self._recent: list[float] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, environ: dict, start_response):  # noqa: ANN204 - WSGI
+        with self._lock:
+            now = time.monotonic()
+            self._recent = [t for t in self._recent if now - t < 1.0]
+            over = len(self._recent) >= self.per_second
+            if over:
+                self.refused += 1
+            else:
+                self._recent.append(now)
+                self.served += 1
+        if not over:
+            return self.app(environ, start_response)  # type: ignore[operator]
+        environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))  # (the client sent it all)
+        start_response("503 Slow Down", [("Content-Type", "application/xml"), ("Content-Length", str(len(SLOW_DOWN)))])
+        return [SLOW_DOWN]
+
+
+@contextmanager
+def throttled_s3(per_second: int) -> Iterator[tuple[tuple[str, int], RequestLimit]]:
+    """A second moto server on a free loopback port (the same buckets: moto's state is the
+    process's) under :class:`RequestLimit`; yields its (host, port) and the limit."""
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    limit = RequestLimit(DomainDispatcherApplication(create_backend_app), per_second)
+    server = make_server("127.0.0.1", 0, limit, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, name="s3-throttled", daemon=True)
+    thread.start()
+    try:
+        yield (str(server.server_address[0]), int(server.server_address[1])), limit
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)

@@ -49,6 +49,13 @@ class PersistenceConfig:
     (``on_staleness_breach``). The default is 4 requests (a shard's directory marker, upload and
     completion, and the version's commit) each as slow as LayerCheck's S3 client allows before it
     fails (3 attempts × (3 s connect + 5 s request timeout)); a slow store commits well within it."""
+    decision_timeout_s: float = 600.0
+    """How long a rank waits for a step's decision, collected a step after its own report (every
+    rank has reported the step by then unless one is hung: stuck outside its collectives, in a data
+    loader, a callback or a hand-over). Past it the rank asks the policy actor which ranks never
+    reported the step, names them in its error and fails, so the group is recovered (the hung
+    rank's process ends with it) instead of stalling. Ranks that wait inside a collective are
+    ended by the backend's own timeout (``init_process_group``'s ``timeout``)."""
     stop_drain_s: float = 120.0
     """On a stop (Ctrl-C, a breach): how long the driver waits for the workers to finish their
     step. At every end, stopped or not: how long after the last step the ranks wait for their last
@@ -110,6 +117,7 @@ class PersistenceConfig:
         )
         require(self.hung_write_s > 0, "hung_write_s", "> 0", self.hung_write_s)
         require(self.stop_drain_s > 0, "stop_drain_s", "> 0", self.stop_drain_s)
+        require(self.decision_timeout_s > 0, "decision_timeout_s", "> 0", self.decision_timeout_s)
         require(self.capture_grace_s >= 0, "capture_grace_s", ">= 0", self.capture_grace_s)
         require(self.capture_timeout_s > 0, "capture_timeout_s", "> 0", self.capture_timeout_s)
         require(self.memory_bytes >= 0, "memory_bytes", ">= 0 (0 turns the in-memory tier off)", self.memory_bytes)

@@ -128,7 +128,7 @@ def test_a_rank_waiting_for_a_decision_that_a_lost_peer_never_reported_is_releas
             rank.decision(handle)
         assert lost_a_peer(lost.value) and len(polls) > 1
         collective_abort.install(None)  # never told
-        monkeypatch.setattr(ray_coordinator, "DECISION_TIMEOUT_S", 0.05)
+        rank.decision_timeout_s = 0.05
         with pytest.raises(TimeoutError, match="no decision for step 6"):
             rank.decision(rank.report(LayerDrift(step=6, l1={}, numel={}, measured=True), 1e-3))
     finally:

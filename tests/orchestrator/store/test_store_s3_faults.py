@@ -18,7 +18,7 @@ from layercheck.orchestrator.store.errors import StoreAccessError, StoreUnavaila
 from layercheck.orchestrator.store.fs import StoreFS
 from layercheck.orchestrator.store.layer_store import LayerStore
 from layercheck.orchestrator.store.recovery_source import VersionReader, resolve_plan
-from tests.support.s3_server import FAST_FAIL, flapping, iam_enforced
+from tests.support.s3_server import FAST_FAIL, CuttableProxy, LoopbackS3, flapping, iam_enforced, throttled_s3
 from tests.support.store_helpers import (
     PARAMS,
     FaultyLocalFS,
@@ -213,6 +213,54 @@ def test_an_s3_endpoint_failing_on_and_off_commits_whole_versions_and_never_plan
         with VersionReader(store, record) as reader:
             expected = layer_state(PARAMS, seed=seed_of(layer, record.step))
             assert reader.read("w", "exp_avg", 0, 30).equal(expected["exp_avg"]["w"])
+
+
+def test_an_s3_endpoint_that_throttles_commits_whole_versions_or_fails_saying_slowdown(s3, monkeypatch):
+    """S3 under a request limit (issue 59: ``503 SlowDown`` past it, as a prefix's rate limit does
+    to many ranks' writers at once). Four writers writing and committing at once through a limit
+    of 20 requests a second: the client backs off and retries, so every version is committed and
+    reads back whole, and the server did refuse requests. Then a limit of 0: a write fails once
+    the store has backed off for ``THROTTLED_FOR_S`` (shortened here), with an error that says
+    SlowDown (what the writer reports; the run then stops on the staleness breach or warns, as for
+    any storage failure), never a hang."""
+    import threading
+    import time
+
+    from layercheck.orchestrator.store import fs
+
+    with throttled_s3(20) as (target, limit):
+        throttled = LoopbackS3(proxy=CuttableProxy(target), bucket=s3.bucket)
+        store = LayerStore.open(throttled.uri("runs/throttled"))  # LayerCheck's own client limits
+        outcomes: dict[tuple[str, int], str] = {}
+
+        def writer(layer: str) -> None:
+            commits = CommitPath(layers=[layer], config=SupervisionConfig(commit_backoff_s=0.2))
+            for step in (1, 2):
+                outcomes[(layer, step)] = _write_and_commit(store, commits, layer, step)
+
+        writers = [threading.Thread(target=writer, args=(layer,)) for layer in [*LAYERS, "block.1"]]
+        for thread in writers:
+            thread.start()
+        for thread in writers:
+            thread.join(timeout=300)
+        assert limit.refused > 0, "the limit was never reached: the test did not throttle"
+        assert set(outcomes.values()) == {"committed"}, outcomes
+        limit.per_second = 1000  # (read back unthrottled)
+        versions = store.versions()
+        assert len(versions) == len(outcomes)
+        assert all(store.check_version(record, deep=True) == [] for record in versions)
+        throttled.proxy.close()
+
+    monkeypatch.setattr(fs, "THROTTLED_FOR_S", 2.0)
+    with throttled_s3(0) as (target, limit):
+        refused = LoopbackS3(proxy=CuttableProxy(target), bucket=s3.bucket)
+        store = LayerStore.open(refused.uri("runs/refused"))
+        began = time.monotonic()
+        with pytest.raises(OSError, match="kept throttling it, HTTP 503 SlowDown"):
+            store.write_shard(_shards("embed", 1)[0])
+        assert time.monotonic() - began < 30
+        refused.proxy.close()
+    assert limit.served == 0 and limit.refused > 0
 
 
 class _DroppedReads(FaultyLocalFS):
