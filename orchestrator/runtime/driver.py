@@ -282,6 +282,7 @@ def start_run(
         stop_drain_s=persistence.stop_drain_s,
         lease=lease,
         memory_period=memory_period.current.period,
+        stall_after_s=persistence.decision_timeout_s,
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
@@ -16,6 +17,7 @@ import ray
 
 from layercheck.orchestrator.core.accounting import format_sources
 from layercheck.orchestrator.core.run_status import RunStatus
+from layercheck.orchestrator.core.stall_watch import StallWatch, stall_message
 from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle
 from layercheck.orchestrator.runtime.supervisor_loss import lost_reason, supervisor_died
 from layercheck.policies.configs import PolicyConfig
@@ -52,6 +54,9 @@ class RunHandles:
     """Why the run's supervisor is gone ("": it is not): the run ends, its store resumes."""
     memory_period: int = 0
     """``persistence.memory_period``: the staleness the run's recoveries promise (0: none)."""
+    stall_after_s: float = 600.0
+    """How long the run may go without a step before the driver says it stalled, and who had not
+    reported the next step (``persistence.decision_timeout_s``)."""
 
 
 class Fits(Protocol):
@@ -172,11 +177,15 @@ def _watch(
     fault_note: str = "",
 ) -> None:
     seen = Announced()
+    stalls = StallWatch(after_s=handles.stall_after_s)
     while not stop.wait(poll_s):
         try:
             status = ray.get(handles.supervisor.status.remote(), timeout=10)
             handles.last_status = status
             announce_failures(status, seen, fault_note)
+            waited = stalls.stalled_for(status.step, training=status.state == "running", now=time.monotonic())
+            if waited is not None:
+                announce_stall(handles, status, waited)
             if on_progress is not None:
                 on_progress(status.as_dict())
         except Exception as error:  # progress display must never end the run
@@ -184,6 +193,17 @@ def _watch(
                 supervisor_gone(handles)
                 return
             logger.debug("progress poll failed: %s", error)
+
+
+def announce_stall(handles: RunHandles, status: RunStatus, waited_s: float) -> None:
+    """Say that the run has made no step for ``waited_s``, with the ranks that had not reported
+    the next one (a stall is otherwise silent until a timeout ends it)."""
+    try:
+        missing: dict[int, int] | None = ray.get(handles.policy.missing_reports.remote(status.step + 1), timeout=10)
+    except Exception as error:  # noqa: BLE001 - the message says the policy actor did not answer
+        logger.debug("missing_reports: %s", error)
+        missing = None
+    logger.error("%s", stall_message(status.step, waited_s, missing, status.world_size))
 
 
 def supervisor_gone(handles: RunHandles) -> None:

@@ -1,14 +1,17 @@
 """A rank that stops reporting (hung, not dead) ends in a clear error on the ranks waiting for it,
 never in a silent stall (issue 59): the real policy actor and the ranks' real coordinators."""
 
+import logging
 import threading
 
 import pytest
 
+from layercheck.orchestrator.runtime.fit_watch import RunHandles, announce_stall
 from layercheck.orchestrator.runtime.policy_actor import PolicyActor
 from layercheck.orchestrator.runtime.ray_coordinator import RankHung, RayCoordinator
 from layercheck.policies.configs import IntervalConfig
 from layercheck.workers.drift.probe import LayerDrift
+from tests.support.statuses import a_status
 
 NUMEL = {"embed": 10}
 
@@ -17,11 +20,11 @@ def _drift(step: int) -> LayerDrift:
     return LayerDrift(step=step, l1={"embed": 0.1}, numel=NUMEL, measured=True)
 
 
-def test_ranks_waiting_on_a_hung_rank_name_it_and_fail_instead_of_stalling(local_ray):
+def test_ranks_waiting_on_a_hung_rank_name_it_and_fail_instead_of_stalling(local_ray, caplog):
     """Three ranks report step 1; rank 1 then hangs and never reports step 2. Ranks 0 and 2 wait
     for step 2's decision for ``decision_timeout_s``, then raise :class:`RankHung` naming rank 1
     and the last step it reported (a ``TimeoutError``: the group fails and is recovered, the hung
-    process replaced with it), each within a bounded time."""
+    process replaced with it), each within a bounded time. The driver's stall notice names it too."""
     import ray
 
     policy = PolicyActor.remote(IntervalConfig(interval=1), NUMEL, 3, 4)
@@ -55,6 +58,20 @@ def test_ranks_waiting_on_a_hung_rank_name_it_and_fail_instead_of_stalling(local
             assert "never reported by rank 1 (last reported step 1): hung, not dead" in str(error)
         assert ray.get(policy.missing_reports.remote(2)) == {1: 1}
         assert ray.get(policy.missing_reports.remote(1)) == {}  # complete: nobody missing
+        handles = RunHandles(
+            run_id="r",
+            storage_uri="",
+            policy_config=IntervalConfig(interval=1),
+            layer_numel=NUMEL,
+            policy=policy,
+            supervisor=None,
+            metrics_url=None,
+        )
+        with caplog.at_level(logging.ERROR):
+            announce_stall(handles, a_status(step=1, world_size=3), 700.0)
+        assert (
+            "no step completed for 700s (the last: step 1); rank 1 (last step 1) never reported step 2" in caplog.text
+        )
     finally:
         ray.kill(policy)
 
