@@ -27,8 +27,9 @@ from layercheck.orchestrator.core.run_config import check_relative_storage
 from layercheck.orchestrator.core.run_start import StartOptions, claim_store
 from layercheck.orchestrator.runtime.cluster import check_shared_storage, connect_to
 from layercheck.orchestrator.runtime.context import WorkerContext, with_context
-from layercheck.orchestrator.runtime.driver import RunResult, finish_run, start_run
+from layercheck.orchestrator.runtime.driver import start_run
 from layercheck.orchestrator.runtime.fit_watch import fit_watched
+from layercheck.orchestrator.runtime.run_end import RunResult, finish_run
 from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.orchestrator.runtime.train_report import with_callbacks
 from layercheck.orchestrator.store.fs import StoreFS

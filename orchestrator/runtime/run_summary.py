@@ -11,9 +11,9 @@ from typing import Any
 from layercheck.orchestrator.core.accounting import ELEMENT_KINDS
 from layercheck.orchestrator.core.memory.auto_period import MemoryPeriod
 from layercheck.orchestrator.core.recovery.capture_window import capture_figures
-from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.progress_lines import short_number
 from layercheck.orchestrator.runtime.recovery_lines import period_check, recovered, recovery_rows
+from layercheck.orchestrator.runtime.run_end import RunResult
 from layercheck.orchestrator.store.uri import redact_uri
 from layercheck.orchestrator.table import format_table, human_bytes
 from layercheck.policies.configs import DriftOptimalConfig, LayerCheckConfig, StaggeredConfig, policy_name

@@ -257,7 +257,7 @@ def test_failures_known_after_the_bound_was_passed_turn_the_lag_into_a_breach_th
     after the last step, in the end-of-run drain (an endpoint that answers only with timeouts):
     the final check makes it a breach, and the summary's breach row names the same failures its
     counts row shows, with no "no write failed" row beside them."""
-    from layercheck.orchestrator.runtime.driver import RunResult
+    from layercheck.orchestrator.runtime.run_end import RunResult
     from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
     from layercheck.policies.trace import DriftTrace
 

@@ -9,8 +9,8 @@ import pytest
 
 from layercheck.orchestrator.core.accounting import RunAccount
 from layercheck.orchestrator.core.run_config import RunConfig
-from layercheck.orchestrator.runtime.driver import RunResult
 from layercheck.orchestrator.runtime.progress_lines import ProgressLines
+from layercheck.orchestrator.runtime.run_end import RunResult
 from layercheck.orchestrator.runtime.run_summary import format_summary, summarize
 from layercheck.policies.configs import drift_measured, policy_config
 from layercheck.policies.simulation import compare

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from layercheck.orchestrator.cli import train as train_cli
-from layercheck.orchestrator.runtime import driver
+from layercheck.orchestrator.runtime import driver, run_end
 from layercheck.orchestrator.runtime.fit_watch import RunHandles, _watch
 from layercheck.orchestrator.runtime.setup_errors import SetupErrorsEndTheRun
 from layercheck.orchestrator.runtime.supervisor_loss import SupervisorLost, lost_reason
@@ -107,13 +107,13 @@ def test_the_drivers_end_without_a_supervisor_is_one_line_with_what_its_last_pol
     monkeypatch, tmp_path
 ):
     monkeypatch.setattr(ray, "get", _get)
-    monkeypatch.setattr(driver, "kill", lambda actor: None)  # (fake actors: nothing to kill)
+    monkeypatch.setattr(run_end, "kill", lambda actor: None)  # (fake actors: nothing to kill)
     trace = {"steps": [{"step": 5, "lr": 1e-3, "drift": {"embed": 1e-4, "norm": 1e-5}}]}
     supervisor, policy = _Actor(dead=True), _Actor({"trace": trace, "schedule_view": {"peak_step_bytes": 0}})
     handles = _handles(supervisor, policy, str(tmp_path))
     handles.last_status = STATUS
     raised = "WorkerGroupError: Worker group failed\nTraceback (most recent call last):\n  ..."
-    result = driver.finish_run(handles, error=raised, config=None)
+    result = run_end.finish_run(handles, error=raised, config=None)
     assert result.error == result.supervisor_lost == lost_reason(6)
     assert result.status["state"] == "failed" and result.status["step"] == 6
     assert result.status["stored"]["newest_recoverable_step"] is None  # nothing committed in this store
@@ -127,7 +127,7 @@ def test_layercheck_train_prints_the_one_line_reason_and_the_resume_command(monk
 
     config = load_run_config("examples/demo.toml", {"metrics.port": 0})
     reason = lost_reason(6)
-    lost = driver.RunResult(
+    lost = run_end.RunResult(
         run_id="r",
         config=config,
         status={},
