@@ -2,6 +2,7 @@
 
 layercheck bench --scale --ranks 8,64,256,1024 --out DIR
 layercheck bench --scale --ranks 8 --plan-versions 100000 --model llama3.1-70b --scale-factor 10000
+layercheck bench --scale --ranks 64 --writer-dies-after 9
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
         "the functions that held the CPU most go in each row's cpu_top",
     )
     p.add_argument(
+        "--writer-dies-after",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="--scale: kill the first node's writer actor after this step of the measured window "
+        "(with what its ranks handed it unwritten); each row's faults says how the run took it",
+    )
+    p.add_argument(
         "--plan-versions",
         default="",
         help="--scale: comma-separated history lengths to time the recovery plan over (e.g. 100000)",
@@ -56,6 +65,7 @@ def run_scale_command(args: argparse.Namespace) -> int:
             steps=steps,
             fail_after=min(ScaleConfig.fail_after or steps - 1, steps - 1),
             step_s=args.step_s,
+            writer_dies_after=args.writer_dies_after,
         )
         work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="lcscale-work-"))
         if args.profile:

@@ -118,6 +118,13 @@ def table(report: dict[str, Any]) -> str:
             f"{_ms(recover) if recover is not None else '-':>8} {r.versions:>8} "
             f"{sum(r.store_requests_per_step.values()):>7.1f} {r.writer_rss_bytes / 2**20:>7.0f}"
         )
+    for row in report["rows"]:
+        if faults := row.get("faults"):
+            lines.append(
+                f"N={row['n_ranks']}: {faults['writer_killed']} killed with {faults['queued_then']} snapshot(s) "
+                f"queued; writers replaced {faults['writers_replaced']} "
+                f"({faults['replaced_by_window_end']} by the window's end), versions lost {faults['lost_versions']}"
+            )
     if report.get("stopped"):
         lines.append(f"stopped: {report['stopped']}")
     for plan in report.get("plan_many", ()):

@@ -97,3 +97,4 @@ def test_the_harness_at_8_ranks_measures_every_figure_survives_a_writers_death_a
     faults = row["faults"]
     assert faults["queued_then"] > 0 and faults["lost_versions"] == 0
     assert faults["replaced_by_window_end"] == faults["writers_replaced"] == 1
+    assert f"{faults['writer_killed']} killed with {faults['queued_then']} snapshot(s) queued" in table(report)

@@ -217,8 +217,8 @@ def test_an_s3_endpoint_failing_on_and_off_commits_whole_versions_and_never_plan
 
 def test_an_s3_endpoint_that_throttles_commits_whole_versions_or_fails_saying_slowdown(s3, monkeypatch):
     """S3 under a request limit (issue 59: ``503 SlowDown`` past it, as a prefix's rate limit does
-    to many ranks' writers at once). Four writers writing and committing at once through a limit
-    of 20 requests a second: the client backs off and retries, so every version is committed and
+    to many ranks' writers at once). Three writers writing and committing at once through a limit
+    of 30 requests a second: the client backs off and retries, so every version is committed and
     reads back whole, and the server did refuse requests. Then a limit of 0: a write fails once
     the store has backed off for ``THROTTLED_FOR_S`` (shortened here), with an error that says
     SlowDown (what the writer reports; the run then stops on the staleness breach or warns, as for
@@ -228,7 +228,7 @@ def test_an_s3_endpoint_that_throttles_commits_whole_versions_or_fails_saying_sl
 
     from layercheck.orchestrator.store import fs
 
-    with throttled_s3(20) as (target, limit):
+    with throttled_s3(30) as (target, limit):
         throttled = LoopbackS3(proxy=CuttableProxy(target), bucket=s3.bucket)
         store = LayerStore.open(throttled.uri("runs/throttled"))  # LayerCheck's own client limits
         outcomes: dict[tuple[str, int], str] = {}
@@ -238,7 +238,7 @@ def test_an_s3_endpoint_that_throttles_commits_whole_versions_or_fails_saying_sl
             for step in (1, 2):
                 outcomes[(layer, step)] = _write_and_commit(store, commits, layer, step)
 
-        writers = [threading.Thread(target=writer, args=(layer,)) for layer in [*LAYERS, "block.1"]]
+        writers = [threading.Thread(target=writer, args=(layer,)) for layer in LAYERS]
         for thread in writers:
             thread.start()
         for thread in writers:
@@ -254,7 +254,7 @@ def test_an_s3_endpoint_that_throttles_commits_whole_versions_or_fails_saying_sl
     monkeypatch.setattr(fs, "THROTTLED_FOR_S", 2.0)
     with throttled_s3(0) as (target, limit):
         refused = LoopbackS3(proxy=CuttableProxy(target), bucket=s3.bucket)
-        store = LayerStore.open(refused.uri("runs/refused"))
+        store = LayerStore.open(refused.uri("runs/refused", **FAST_FAIL))
         began = time.monotonic()
         with pytest.raises(OSError, match="kept throttling it, HTTP 503 SlowDown"):
             store.write_shard(_shards("embed", 1)[0])
