@@ -52,5 +52,8 @@ def stall_message(step: int, waited_s: float, missing: Mapping[int, int] | None,
         )
     else:
         ranks = ", ".join(f"rank {rank} (last step {last})" for rank, last in sorted(missing.items()))
-        who = f"{ranks} never reported step {step + 1}: hung, not dead (persistence.decision_timeout_s ends it)"
+        who = (
+            f"{ranks} never reported step {step + 1}: hung, not dead (the ranks waiting on it fail at "
+            "persistence.decision_timeout_s, or inside a collective at the backend's timeout)"
+        )
     return f"{head}; {who}"

@@ -1,5 +1,7 @@
 """The driver says when a run stops making steps (issue 59: a hung rank is never a silent stall)."""
 
+from pathlib import Path
+
 from layercheck.orchestrator.core.stall_watch import StallWatch, stall_message
 
 
@@ -25,6 +27,7 @@ def test_the_message_names_the_ranks_that_never_reported_the_next_step():
     hung = stall_message(41, 612.4, {3: 41}, world_size=8)
     assert hung.startswith("no step completed for 612s (the last: step 41); ")
     assert "rank 3 (last step 41) never reported step 42: hung, not dead" in hung
+    assert hung in (Path(__file__).parents[3] / "docs" / "cluster.md").read_text()  # the page quotes it as it is
     everyone = stall_message(41, 612.0, {r: 41 for r in range(8)}, world_size=8)
     assert "no rank reported step 42: the ranks wait inside a collective" in everyone
     assert "every rank reported step 42" in stall_message(41, 612.0, {}, world_size=8)
