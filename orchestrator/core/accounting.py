@@ -76,10 +76,6 @@ class RankStart:
     def to_json(self) -> dict[str, object]:
         return asdict(self)
 
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any] | None) -> RankStart:
-        return cls(**dict(data or {}))
-
 
 @dataclass
 class Recovery:

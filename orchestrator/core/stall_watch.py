@@ -51,9 +51,18 @@ def stall_message(step: int, waited_s: float, missing: Mapping[int, int] | None,
             "(the backend's timeout ends it) or on the data"
         )
     else:
-        ranks = ", ".join(f"rank {rank} (last step {last})" for rank, last in sorted(missing.items()))
+        ranks = never_reported(missing)
         who = (
             f"{ranks} never reported step {step + 1}: hung, not dead (the ranks waiting on it fail at "
             "persistence.decision_timeout_s, or inside a collective at the backend's timeout)"
         )
     return f"{head}; {who}"
+
+
+def never_reported(missing: Mapping[int, int]) -> str:
+    """The ranks in ``missing`` (rank → the last step it reported, 0: none since its group
+    started), as the driver's stall notice and a waiting rank's :class:`RankHung` name them."""
+    return ", ".join(
+        f"rank {rank} (last reported step {last})" if last else f"rank {rank} (none reported)"
+        for rank, last in sorted(missing.items())
+    )

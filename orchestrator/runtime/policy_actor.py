@@ -258,11 +258,8 @@ class PolicyActor:
         for a decision asks, to name the hung rank (``persistence.decision_timeout_s``)."""
         if step <= self.service.last_complete_step:
             return {}
-        return {
-            rank: self._taken.get(rank, self._first_step - 1)
-            for rank in range(self.service.world_size)
-            if self._taken.get(rank, self._first_step - 1) < step
-        }
+        taken = {rank: self._taken.get(rank, self._first_step - 1) for rank in range(self.service.world_size)}
+        return {rank: last for rank, last in taken.items() if last < step}
 
     @_RETRIED
     def last_complete_step(self) -> int | None:

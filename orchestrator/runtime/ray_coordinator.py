@@ -26,6 +26,7 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 
 from layercheck.orchestrator.core.persistence.storage_waits import StorageWaits
 from layercheck.orchestrator.core.recovery.capture_window import CaptureReport
+from layercheck.orchestrator.core.stall_watch import never_reported
 from layercheck.orchestrator.runtime.handles import PolicyHandle, SupervisorHandle, WriterHandle
 from layercheck.orchestrator.runtime.policy_actor import PolicyActorLost
 from layercheck.orchestrator.runtime.wire import to_wire
@@ -218,12 +219,8 @@ class RayCoordinator:
             return f"{waited} (the policy actor did not say which ranks are missing: {type(error).__name__})"
         if not missing:
             return f"{waited}, though every rank reported it (its decision was lost on the way)"
-        hung = ", ".join(
-            f"rank {rank} (last reported step {last})" if last else f"rank {rank} (none reported)"
-            for rank, last in sorted(missing.items())
-        )
         return (
-            f"{waited}: never reported by {hung}: hung, not dead; this group is recovered "
+            f"{waited}: never reported by {never_reported(missing)}: hung, not dead; this group is recovered "
             "(persistence.decision_timeout_s)"
         )
 

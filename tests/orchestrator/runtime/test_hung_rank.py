@@ -70,7 +70,8 @@ def test_ranks_waiting_on_a_hung_rank_name_it_and_fail_instead_of_stalling(local
         with caplog.at_level(logging.ERROR):
             announce_stall(handles, a_status(step=1, world_size=3), 700.0)
         assert (
-            "no step completed for 700s (the last: step 1); rank 1 (last step 1) never reported step 2" in caplog.text
+            "no step completed for 700s (the last: step 1); rank 1 (last reported step 1) never reported step 2"
+            in caplog.text
         )
     finally:
         ray.kill(policy)
